@@ -1,0 +1,60 @@
+# One entry point for users and CI. `make setup` is idempotent: a second run takes seconds.
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+PYTHON ?= python3
+PIP_VERSION := 25.2
+OPS := .venv
+TRAIN := .venv-train
+
+.PHONY: help setup system test test-infra test-training test-scripts lint format demo bench clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
+
+setup: system $(OPS)/.installed $(TRAIN)/.installed node_modules/.installed  ## install everything (both venvs, Horovod, Azurite)
+
+system:  ## apt packages: cloud-init, shellcheck, openssh, iproute2, npm
+	@scripts/setup_system.sh
+
+$(OPS)/.installed: requirements.txt
+	test -x $(OPS)/bin/python || $(PYTHON) -m venv $(OPS)
+	$(OPS)/bin/pip install -q --disable-pip-version-check pip==$(PIP_VERSION)
+	$(OPS)/bin/pip install -q -r requirements.txt
+	touch $@
+
+# Horovod compiles against the installed torch and TensorFlow, so it comes after them; the
+# script reuses a wheel cached under ~/.cache when one was built for the same versions.
+$(TRAIN)/.installed: requirements-train.txt scripts/build_horovod.sh
+	test -x $(TRAIN)/bin/python || $(PYTHON) -m venv $(TRAIN)
+	$(TRAIN)/bin/pip install -q --disable-pip-version-check pip==$(PIP_VERSION)
+	$(TRAIN)/bin/pip install -q -r requirements-train.txt
+	scripts/build_horovod.sh $(TRAIN)
+	touch $@
+
+node_modules/.installed: package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+test: setup  ## run every test suite (infrastructure, training, operator workflow)
+	$(OPS)/bin/python -m pytest tests/infra tests/scripts
+	$(TRAIN)/bin/python -m pytest tests/training
+
+test-infra: $(OPS)/.installed system  ## Pulumi program under mocks, cloud-init validation
+	$(OPS)/bin/python -m pytest tests/infra
+
+test-training: $(TRAIN)/.installed  ## Horovod jobs over gloo, several processes
+	$(TRAIN)/bin/python -m pytest tests/training
+
+test-scripts: setup  ## staging, launcher and local cluster against Azurite and sshd
+	$(OPS)/bin/python -m pytest tests/scripts
+
+lint: $(OPS)/.installed  ## ruff
+	$(OPS)/bin/ruff check .
+	$(OPS)/bin/ruff format --check .
+
+format: $(OPS)/.installed
+	$(OPS)/bin/ruff format .
+	$(OPS)/bin/ruff check --fix .
+
+clean:  ## remove both environments and caches (the Horovod wheel cache stays)
+	rm -rf $(OPS) $(TRAIN) node_modules .pytest_cache .ruff_cache

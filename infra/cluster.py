@@ -1,0 +1,122 @@
+"""The GPU cluster: a Uniform scale set of InfiniBand VMs in one placement group."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import pulumi
+from pulumi_azure_native import compute
+
+from infra.cloud_init import nccl_env_for_sku, render_cluster_node
+from infra.config import ImageReference
+from infra.vm import encode_custom_data, image_reference, linux_configuration
+
+SHARED_MOUNT_PATH = "/mnt/shared"
+NODE_REGISTRY_PATH = f"{SHARED_MOUNT_PATH}/nodes"
+DATA_PATH = f"{SHARED_MOUNT_PATH}/data"
+
+
+@dataclass
+class GpuClusterArgs:
+    resource_group_name: pulumi.Input[str]
+    location: str
+    subnet_id: pulumi.Input[str]
+    sku: str
+    gpus_per_node: int
+    node_count: int
+    image: ImageReference
+    admin_user: str
+    ssh_public_key: str
+    identity_id: pulumi.Input[str]
+    identity_client_id: pulumi.Input[str]
+    acr_login_server: pulumi.Input[str]
+    nfs_server_ip: str
+    nfs_export_path: str
+    tags: Mapping[str, str]
+
+
+class GpuCluster(pulumi.ComponentResource):
+    def __init__(self, name: str, args: GpuClusterArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("hvd:infra:GpuCluster", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        self.nccl_env = nccl_env_for_sku(args.sku)
+
+        # Keeps the nodes physically close: lowest latency on the InfiniBand fabric.
+        self.placement_group = compute.ProximityPlacementGroup(
+            f"{name}-ppg",
+            resource_group_name=args.resource_group_name,
+            location=args.location,
+            proximity_placement_group_type="Standard",
+            tags=args.tags,
+            opts=child,
+        )
+        custom_data = pulumi.Output.all(args.acr_login_server, args.identity_client_id).apply(
+            lambda values: encode_custom_data(
+                render_cluster_node(
+                    nfs_server_ip=args.nfs_server_ip,
+                    nfs_export_path=args.nfs_export_path,
+                    mount_path=SHARED_MOUNT_PATH,
+                    node_registry_path=NODE_REGISTRY_PATH,
+                    acr_login_server=values[0],
+                    identity_client_id=values[1],
+                    nccl_env=self.nccl_env,
+                    expected_gpus=args.gpus_per_node,
+                )
+            )
+        )
+        self.scale_set = compute.VirtualMachineScaleSet(
+            f"{name}-vmss",
+            resource_group_name=args.resource_group_name,
+            location=args.location,
+            orchestration_mode="Uniform",
+            sku=compute.SkuArgs(name=args.sku, tier="Standard", capacity=args.node_count),
+            # One placement group is one InfiniBand fabric; it also caps the set at 100 VMs.
+            single_placement_group=True,
+            # Extra VMs would register on NFS and be picked up by the launcher, then vanish.
+            overprovision=False,
+            platform_fault_domain_count=1,
+            proximity_placement_group=compute.SubResourceArgs(id=self.placement_group.id),
+            upgrade_policy=compute.UpgradePolicyArgs(mode="Manual"),
+            identity=compute.VirtualMachineScaleSetIdentityArgs(
+                type="UserAssigned", user_assigned_identities=[args.identity_id]
+            ),
+            virtual_machine_profile=compute.VirtualMachineScaleSetVMProfileArgs(
+                os_profile=compute.VirtualMachineScaleSetOSProfileArgs(
+                    computer_name_prefix=f"{name}-",
+                    admin_username=args.admin_user,
+                    custom_data=custom_data,
+                    linux_configuration=linux_configuration(args.admin_user, args.ssh_public_key),
+                ),
+                storage_profile=compute.VirtualMachineScaleSetStorageProfileArgs(
+                    image_reference=image_reference(args.image),
+                    os_disk=compute.VirtualMachineScaleSetOSDiskArgs(
+                        create_option="FromImage",
+                        caching="ReadWrite",
+                        disk_size_gb=256,  # room for framework images
+                        managed_disk=compute.VirtualMachineScaleSetManagedDiskParametersArgs(
+                            storage_account_type="Premium_LRS"
+                        ),
+                    ),
+                ),
+                network_profile=compute.VirtualMachineScaleSetNetworkProfileArgs(
+                    network_interface_configurations=[
+                        compute.VirtualMachineScaleSetNetworkConfigurationArgs(
+                            name="eth0",
+                            primary=True,
+                            enable_accelerated_networking=True,
+                            ip_configurations=[
+                                compute.VirtualMachineScaleSetIPConfigurationArgs(
+                                    name="ipconfig1",
+                                    primary=True,
+                                    subnet=compute.ApiEntityReferenceArgs(id=args.subnet_id),
+                                )
+                            ],
+                        )
+                    ]
+                ),
+            ),
+            tags=args.tags,
+            opts=child,
+        )
+        self.register_outputs({"scale_set_name": self.scale_set.name, "placement_group_id": self.placement_group.id})

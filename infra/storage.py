@@ -1,0 +1,105 @@
+"""Blob storage: a locked-down account, private `data` and `results` containers, a read-only SAS."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+import pulumi
+from pulumi_azure_native import storage
+
+DATA_CONTAINER = "data"
+RESULTS_CONTAINER = "results"
+# The data SAS lets the NFS server and nodes list and read the dataset, nothing more.
+DATA_SAS_PERMISSIONS = "rl"
+# The storage firewall refuses RFC 1918 ranges in IP rules.
+RFC1918 = [ipaddress.IPv4Network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")]
+
+
+@dataclass
+class StorageArgs:
+    resource_group_name: pulumi.Input[str]
+    location: str
+    allowed_subnet_ids: Sequence[pulumi.Input[str]]
+    operator_cidr: str
+    sas_expiry: datetime
+    tags: Mapping[str, str]
+
+
+def operator_ip_rules(cidr: str) -> list[str]:
+    """Storage firewall entries for the operator's range.
+
+    The storage firewall takes public ranges only, as /1 to /30 or as single addresses; an open
+    SSH range is not a reason to open storage, and an RFC 1918 range cannot be listed at all.
+    """
+    network = ipaddress.IPv4Network(cidr)
+    if network.prefixlen == 0 or any(network.subnet_of(private) for private in RFC1918):
+        return []
+    if network.prefixlen >= 31:
+        return [str(address) for address in (network.hosts() if network.prefixlen == 31 else [network.network_address])]
+    return [str(network)]
+
+
+class Storage(pulumi.ComponentResource):
+    def __init__(self, name: str, args: StorageArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("hvd:infra:Storage", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+
+        self.account = storage.StorageAccount(
+            f"{name}sa",  # auto-named with a random suffix: account names are global
+            resource_group_name=args.resource_group_name,
+            location=args.location,
+            kind="StorageV2",
+            sku=storage.SkuArgs(name="Standard_LRS"),
+            enable_https_traffic_only=True,
+            minimum_tls_version="TLS1_2",
+            allow_blob_public_access=False,
+            allow_cross_tenant_replication=False,
+            network_rule_set=storage.NetworkRuleSetArgs(
+                default_action="Deny",
+                bypass="AzureServices",
+                virtual_network_rules=[
+                    storage.VirtualNetworkRuleArgs(virtual_network_resource_id=subnet_id, action="Allow")
+                    for subnet_id in args.allowed_subnet_ids
+                ],
+                ip_rules=[
+                    storage.IPRuleArgs(i_p_address_or_range=rule, action="Allow")
+                    for rule in operator_ip_rules(args.operator_cidr)
+                ],
+            ),
+            tags=args.tags,
+            opts=child,
+        )
+        self.containers = {
+            container: storage.BlobContainer(
+                f"{name}-{container}",
+                container_name=container,
+                account_name=self.account.name,
+                resource_group_name=args.resource_group_name,
+                public_access="None",
+                opts=child,
+            )
+            for container in (DATA_CONTAINER, RESULTS_CONTAINER)
+        }
+        self.blob_endpoint = self.account.primary_endpoints.apply(lambda endpoints: endpoints.blob)
+
+        sas = storage.list_storage_account_service_sas_output(
+            resource_group_name=args.resource_group_name,
+            account_name=self.account.name,
+            canonicalized_resource=self.account.name.apply(lambda account: f"/blob/{account}/{DATA_CONTAINER}"),
+            resource="c",
+            permissions=DATA_SAS_PERMISSIONS,
+            protocols="https",
+            shared_access_expiry_time=args.sas_expiry.strftime("%Y-%m-%dT%H:%M:%SZ"),  # validated as UTC,
+        )
+        self.data_sas = pulumi.Output.secret(sas.service_sas_token)
+
+        self.register_outputs(
+            {
+                "account_name": self.account.name,
+                "blob_endpoint": self.blob_endpoint,
+                "data_sas": self.data_sas,
+            }
+        )

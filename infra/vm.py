@@ -1,0 +1,107 @@
+"""Pieces shared by the jumpbox, the NFS server and the scale set: SSH-key-only Linux VMs."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import pulumi
+from pulumi_azure_native import compute, network
+
+from infra.config import ImageReference
+
+UBUNTU_2204 = ImageReference("Canonical", "0001-com-ubuntu-server-jammy", "22_04-lts-gen2", "latest")
+
+
+def linux_configuration(admin_user: str, ssh_public_key: str) -> compute.LinuxConfigurationArgs:
+    """SSH keys only: password authentication is disabled on every machine."""
+    return compute.LinuxConfigurationArgs(
+        disable_password_authentication=True,
+        ssh=compute.SshConfigurationArgs(
+            public_keys=[
+                compute.SshPublicKeyArgs(key_data=ssh_public_key, path=f"/home/{admin_user}/.ssh/authorized_keys")
+            ]
+        ),
+    )
+
+
+def image_reference(image: ImageReference) -> compute.ImageReferenceArgs:
+    return compute.ImageReferenceArgs(
+        publisher=image.publisher, offer=image.offer, sku=image.sku, version=image.version
+    )
+
+
+def encode_custom_data(cloud_config: str) -> str:
+    return base64.b64encode(cloud_config.encode()).decode()
+
+
+@dataclass
+class LinuxVmArgs:
+    resource_group_name: pulumi.Input[str]
+    location: str
+    subnet_id: pulumi.Input[str]
+    vm_size: str
+    admin_user: str
+    ssh_public_key: str
+    tags: Mapping[str, str]
+    image: ImageReference = UBUNTU_2204
+    private_ip: str | None = None  # static when set, else dynamic
+    public_ip_id: pulumi.Input[str] | None = None
+    data_disks: Sequence[compute.DataDiskArgs] = field(default_factory=list)
+    custom_data: pulumi.Input[str] | None = None  # base64 cloud-config
+    accelerated_networking: bool = True
+
+
+class LinuxVm(pulumi.ComponentResource):
+    """A NIC and an Ubuntu VM with premium disks that are deleted with it."""
+
+    def __init__(self, name: str, args: LinuxVmArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("hvd:infra:LinuxVm", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        self.nic = network.NetworkInterface(
+            f"{name}-nic",
+            resource_group_name=args.resource_group_name,
+            location=args.location,
+            enable_accelerated_networking=args.accelerated_networking,
+            ip_configurations=[
+                network.NetworkInterfaceIPConfigurationArgs(
+                    name="ipconfig1",
+                    primary=True,
+                    subnet=network.SubnetArgs(id=args.subnet_id),
+                    private_ip_allocation_method="Static" if args.private_ip else "Dynamic",
+                    private_ip_address=args.private_ip,
+                    public_ip_address=network.PublicIPAddressArgs(id=args.public_ip_id) if args.public_ip_id else None,
+                )
+            ],
+            tags=args.tags,
+            opts=child,
+        )
+        self.vm = compute.VirtualMachine(
+            f"{name}-vm",
+            resource_group_name=args.resource_group_name,
+            location=args.location,
+            hardware_profile=compute.HardwareProfileArgs(vm_size=args.vm_size),
+            os_profile=compute.OSProfileArgs(
+                computer_name=name,
+                admin_username=args.admin_user,
+                custom_data=args.custom_data,
+                linux_configuration=linux_configuration(args.admin_user, args.ssh_public_key),
+            ),
+            storage_profile=compute.StorageProfileArgs(
+                image_reference=image_reference(args.image),
+                os_disk=compute.OSDiskArgs(
+                    create_option="FromImage",
+                    delete_option="Delete",
+                    managed_disk=compute.ManagedDiskParametersArgs(storage_account_type="Premium_LRS"),
+                ),
+                data_disks=list(args.data_disks),
+            ),
+            network_profile=compute.NetworkProfileArgs(
+                network_interfaces=[compute.NetworkInterfaceReferenceArgs(id=self.nic.id, primary=True)]
+            ),
+            tags=args.tags,
+            opts=child,
+        )
+        self.private_ip = self.nic.ip_configurations.apply(lambda configs: configs[0].private_ip_address)
+        self.register_outputs({"vm_id": self.vm.id, "private_ip": self.private_ip})

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# System packages the tests and the local cluster need. Installs only what is missing, so a second
+# run costs nothing.
+set -euo pipefail
+
+declare -A wanted=(
+  [cloud-init]=cloud-init      # validates rendered cloud-config documents
+  [shellcheck]=shellcheck      # lints the shell scripts embedded in them
+  [sshd]=openssh-server        # local cluster nodes
+  [ssh]=openssh-client
+  [ip]=iproute2                # network namespaces as nodes
+  [npm]=npm                    # Azurite
+)
+missing=()
+for command in "${!wanted[@]}"; do
+  PATH="$PATH:/usr/sbin:/sbin" command -v "$command" >/dev/null 2>&1 || missing+=("${wanted[$command]}")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "missing system packages: ${missing[*]}; install them (as root): apt-get install ${missing[*]}" >&2
+  exit 1
+fi
+echo "installing system packages: ${missing[*]}"
+apt-get update -qq
+DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

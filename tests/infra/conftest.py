@@ -1,0 +1,54 @@
+"""Builds the Pulumi program under mocks, once per test module that asks for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pulumi
+import pytest
+
+from infra.config import parse_config
+from infra.stack import build_stack
+from tests.infra.azure_mocks import AzureMocks, Resolved, resolve
+
+PROJECT = "azure-horovod"
+STACK = "test"
+SSH_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGmockmockmockmockmockmockmockmockmockmockmock ops@example"
+VALID_CONFIG: dict[str, Any] = {
+    "location": "eastus",
+    "owner": "ml-platform@example.com",
+    "sshPublicKey": SSH_KEY,
+    "allowedSshCidr": "203.0.113.0/24",
+    "gpuSku": "Standard_ND96isr_H100_v5",
+    "nodeCount": "4",
+    "nfsDiskCount": "4",
+    "sasExpiry": "P30D",
+    "tags": {"costCenter": "ml-research"},
+}
+
+
+@dataclass
+class Deployment:
+    mocks: AzureMocks
+    outputs: dict[str, Resolved]
+
+
+def deploy(raw: dict[str, Any]) -> Deployment:
+    """Set the mocks first (resources built before them never resolve), then build and wait."""
+    mocks = AzureMocks()
+    pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=STACK, preview=False)
+    captured: dict[str, Resolved] = {}
+
+    @pulumi.runtime.test
+    def run():
+        return resolve(build_stack(parse_config(raw), PROJECT, STACK)).apply(captured.update)
+
+    run()
+    assert captured, "the stack outputs never resolved: the assertions below would be empty"
+    return Deployment(mocks, captured)
+
+
+@pytest.fixture(scope="module")
+def deployment() -> Deployment:
+    return deploy(VALID_CONFIG)
