@@ -12,7 +12,8 @@ from infra.cloud_init import nccl_env_for_sku, render_cluster_node
 from infra.config import ImageReference
 from infra.vm import encode_custom_data, image_reference, linux_configuration
 
-SHARED_MOUNT_PATH = "/mnt/shared"
+# Not under /mnt: Azure mounts the VM's temporary disk there at boot, which would hide it.
+SHARED_MOUNT_PATH = "/shared"
 NODE_REGISTRY_PATH = f"{SHARED_MOUNT_PATH}/nodes"
 DATA_PATH = f"{SHARED_MOUNT_PATH}/data"
 

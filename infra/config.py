@@ -40,7 +40,6 @@ GPU_SKUS: dict[str, GpuSku] = {
     "Standard_ND96isr_H100_v5": GpuSku(8, "H100"),
     "Standard_ND96amsr_A100_v4": GpuSku(8, "A100 80GB"),
     "Standard_ND96asr_v4": GpuSku(8, "A100 40GB"),
-    "Standard_NC24rs_v3": GpuSku(4, "V100"),
 }
 
 # Azure rejects these Linux admin user names.

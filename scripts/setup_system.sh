@@ -9,6 +9,7 @@ declare -A wanted=(
   [sshd]=openssh-server        # local cluster nodes
   [ssh]=openssh-client
   [ip]=iproute2                # network namespaces as nodes
+  [systemd-analyze]=systemd    # verifies the systemd units in cloud-init documents
   [npm]=npm                    # Azurite
 )
 missing=()

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pulumi
 import pytest
+import yaml
 
+from infra.cloud_init import nccl_env_for_sku
 from infra.config import GPU_SKUS, ConfigError, load_config, parse_config
 from infra.stack import build_stack
 from tests.infra.azure_mocks import AzureMocks
@@ -133,3 +136,15 @@ def test_bad_config_declares_nothing() -> None:
     finally:
         pulumi.runtime.set_all_config({})
     assert mocks.resources == []
+
+
+def test_dev_stack_file_passes_validation() -> None:
+    stack_file = yaml.safe_load((Path(__file__).parents[2] / "Pulumi.dev.yaml").read_text())
+    raw = {key.removeprefix(f"{PROJECT}:"): value for key, value in stack_file["config"].items()}
+    assert all(key.startswith(f"{PROJECT}:") for key in stack_file["config"])
+    cfg = parse_config(raw, PROJECT)
+    assert cfg.gpu_sku in GPU_SKUS and cfg.allowed_ssh_cidr != "0.0.0.0/0"
+
+
+def test_every_allowed_sku_has_nccl_settings() -> None:
+    assert {sku: bool(nccl_env_for_sku(sku)) for sku in GPU_SKUS} == dict.fromkeys(GPU_SKUS, True)

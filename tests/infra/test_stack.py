@@ -238,7 +238,7 @@ def test_node_cloud_init_is_wired_to_nfs_registry_and_identity(deployment: Deplo
     assert document.startswith("#cloud-config")
     registry = one(deployment, ":Registry").outputs["loginServer"]
     identity = one(deployment, ":UserAssignedIdentity").outputs["clientId"]
-    for expected in ("10.40.64.4", "/export", "/mnt/shared/nodes", registry, identity):
+    for expected in ("10.40.64.4", "/export", "/shared/nodes", registry, identity):
         assert expected in document, expected
     assert "NCCL_IB_DISABLE" not in document
 
@@ -272,7 +272,7 @@ def test_outputs_are_known_and_complete(deployment: Deployment) -> None:
     assert outputs["jumpbox_public_ip"] == JUMPBOX_IP
     assert outputs["nfs_private_ip"] == "10.40.64.4"
     assert outputs["nfs_export_path"] == "/export"
-    assert outputs["node_registry_path"] == "/mnt/shared/nodes"
+    assert outputs["node_registry_path"] == "/shared/nodes"
     assert outputs["data_container"] == "data" and outputs["results_container"] == "results"
     assert outputs["acr_login_server"] == one(deployment, ":Registry").outputs["loginServer"]
     assert outputs["blob_endpoint"] == f"https://{outputs['storage_account']}.blob.core.windows.net/"

@@ -1,0 +1,117 @@
+"""Shared pieces of the cloud-init renderers: input checks, script templates, YAML output."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from typing import Any
+
+import yaml
+
+# Azure rejects customData larger than 65535 bytes (before base64).
+MAX_CUSTOM_DATA_BYTES = 65535
+
+_PLACEHOLDER = re.compile(r"@([A-Z][A-Z0-9_]*)@")
+# Paths land in fstab, /etc/exports and systemd units, which each escape differently: allow only
+# characters that none of them treats specially.
+_SAFE_PATH = re.compile(r"(/[A-Za-z0-9._-]+)+")
+_HOSTNAME = re.compile(r"(?=.{1,253}$)[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)+")
+_CLIENT_ID = re.compile(r"[A-Za-z0-9-]+")
+
+ScriptValue = str | int | Sequence[str]
+
+
+def check_path(name: str, value: str) -> str:
+    if not isinstance(value, str) or not _SAFE_PATH.fullmatch(value) or "/../" in f"{value}/":
+        raise ValueError(f"{name}: {value!r} is not an absolute path of letters, digits, '.', '_', '-' and '/'")
+    return value
+
+
+def check_ipv4(name: str, value: str) -> str:
+    try:
+        return str(ipaddress.IPv4Address(value))
+    except ValueError:
+        raise ValueError(f"{name}: {value!r} is not an IPv4 address") from None
+
+
+def check_cidr(name: str, value: str) -> str:
+    try:
+        network = ipaddress.IPv4Network(value, strict=True)
+    except ValueError:
+        raise ValueError(f"{name}: {value!r} is not an IPv4 network in CIDR form, e.g. 10.0.0.0/24") from None
+    if network.prefixlen == 0:
+        raise ValueError(f"{name}: {value!r} would admit every address; give the cluster subnet")
+    return str(network)
+
+
+def check_hostname(name: str, value: str) -> str:
+    if not isinstance(value, str) or not _HOSTNAME.fullmatch(value):
+        raise ValueError(f"{name}: {value!r} is not a lower-case DNS name such as myacr.azurecr.io")
+    return value
+
+
+def check_client_id(name: str, value: str) -> str:
+    # Azure issues GUIDs; anything URL-safe is accepted so that test doubles need not be, while a
+    # resource ID passed by mistake (slashes) is still caught before it reaches the IMDS query.
+    if not isinstance(value, str) or not _CLIENT_ID.fullmatch(value):
+        raise ValueError(f"{name}: {value!r} is not a managed identity client ID (a GUID)")
+    return value
+
+
+def check_int(name: str, value: int, low: int, high: int) -> int:
+    # bool is an int subclass; True as a disk count is a caller bug, not 1.
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name}: {value!r} is not an integer from {low} to {high}")
+    return value
+
+
+def _shell_literal(value: ScriptValue) -> str:
+    if isinstance(value, bool):
+        raise TypeError("booleans have no shell form; pass a str or int")
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return shlex.quote(value)
+    return "(" + " ".join(shlex.quote(item) for item in value) + ")"
+
+
+def render_script(name: str, values: Mapping[str, ScriptValue]) -> str:
+    """Fill the @NAME@ placeholders of scripts/<name> with shell-quoted values (lists become arrays)."""
+    template = resources.files(__package__).joinpath("scripts", name).read_text(encoding="utf-8")
+    wanted = set(_PLACEHOLDER.findall(template))
+    if wanted != set(values):
+        raise KeyError(f"{name}: placeholders {sorted(wanted)} but values for {sorted(values)}")
+    return _PLACEHOLDER.sub(lambda match: _shell_literal(values[match[1]]), template)
+
+
+def read_unit(name: str) -> str:
+    return resources.files(__package__).joinpath("units", name).read_text(encoding="utf-8")
+
+
+def write_file(path: str, content: str, permissions: str) -> dict[str, str]:
+    return {"path": path, "owner": "root:root", "permissions": permissions, "content": content}
+
+
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that writes multi-line strings (scripts, units) as readable literal blocks."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in data else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+_Dumper.add_representer(str, _represent_str)
+
+
+def cloud_config(document: Mapping[str, Any]) -> str:
+    # yaml.safe_dump cannot take a Dumper; yaml.dump with a SafeDumper subclass is the same safe dump.
+    body = yaml.dump(dict(document), Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=4096)
+    text = "#cloud-config\n" + body
+    size = len(text.encode("utf-8"))
+    if size > MAX_CUSTOM_DATA_BYTES:
+        raise ValueError(f"cloud-config is {size} bytes; Azure custom data allows {MAX_CUSTOM_DATA_BYTES}")
+    return text

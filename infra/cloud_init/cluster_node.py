@@ -1,0 +1,92 @@
+"""cloud-config for a GPU node on the Azure HPC image (microsoft-dsvm ubuntu-hpc 22.04).
+
+The image already carries the GPU, InfiniBand and NCCL drivers, docker and the NVIDIA container
+toolkit; this adds the NFS mount, the registry login, the NCCL settings and the node's
+registration on the shared file system.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping
+
+from infra.cloud_init._common import (
+    check_client_id,
+    check_hostname,
+    check_int,
+    check_ipv4,
+    check_path,
+    cloud_config,
+    read_unit,
+    render_script,
+    write_file,
+)
+from infra.cloud_init.nccl import check_nccl_env
+
+NFS_MOUNT_PATH = "/usr/local/sbin/nfs-mount"
+ACR_LOGIN_PATH = "/usr/local/sbin/acr-login"
+NODE_SETUP_PATH = "/usr/local/sbin/node-setup"
+REGISTER_NODE_PATH = "/usr/local/sbin/register-node"
+# The master copy; nccl-conf.service installs it as /etc/nccl.conf after the image's own rewrite.
+NCCL_CONF_SOURCE = "/usr/local/etc/nccl.conf"
+NCCL_PROFILE_PATH = "/etc/profile.d/nccl.sh"
+UNITS_DIR = "/etc/systemd/system"
+UNITS = ("acr-login.service", "acr-login.timer", "nccl-conf.service")
+
+
+def render_cluster_node(
+    *,
+    nfs_server_ip: str,
+    nfs_export_path: str,
+    mount_path: str,
+    node_registry_path: str,
+    acr_login_server: str,
+    identity_client_id: str,
+    nccl_env: Mapping[str, str],
+    expected_gpus: int,
+) -> str:
+    """cloud-config that mounts NFS, logs docker in to ACR with the managed identity, writes the
+    NCCL settings and registers the node in node_registry_path."""
+    server = check_ipv4("nfs_server_ip", nfs_server_ip)
+    export = check_path("nfs_export_path", nfs_export_path)
+    mount = check_path("mount_path", mount_path)
+    registry = check_path("node_registry_path", node_registry_path)
+    if not registry.startswith(f"{mount}/"):
+        raise ValueError(f"node_registry_path: {registry!r} must lie on the NFS mount {mount!r}")
+    acr = check_hostname("acr_login_server", acr_login_server)
+    client_id = check_client_id("identity_client_id", identity_client_id)
+    env = check_nccl_env(nccl_env)
+    gpus = check_int("expected_gpus", expected_gpus, 1, 64)
+
+    scripts = [
+        (NFS_MOUNT_PATH, render_script("nfs-mount.sh", {"NFS_SOURCE": f"{server}:{export}", "MOUNT_PATH": mount})),
+        (
+            ACR_LOGIN_PATH,
+            render_script("acr-login.sh", {"ACR_LOGIN_SERVER": acr, "IDENTITY_CLIENT_ID": client_id}),
+        ),
+        (NODE_SETUP_PATH, render_script("node-setup.sh", {})),
+        (
+            REGISTER_NODE_PATH,
+            render_script("register-node.sh", {"REGISTRY_DIR": registry, "EXPECTED_GPUS": gpus}),
+        ),
+    ]
+    nccl_conf = "".join(f"{key}={value}\n" for key, value in env.items())
+    nccl_profile = "# NCCL/UCX settings of this cluster, as in /etc/nccl.conf; written by cloud-init.\n" + "".join(
+        f"export {key}={shlex.quote(value)}\n" for key, value in env.items()
+    )
+    return cloud_config(
+        {
+            "package_update": True,
+            # Never upgrade on the HPC image: its kernel, OFED and GPU drivers are a tested set.
+            "package_upgrade": False,
+            "packages": ["nfs-common"],
+            "write_files": [
+                *(write_file(path, text, "0755") for path, text in scripts),
+                *(write_file(f"{UNITS_DIR}/{unit}", read_unit(unit), "0644") for unit in UNITS),
+                write_file(NCCL_CONF_SOURCE, nccl_conf, "0644"),
+                write_file(NCCL_PROFILE_PATH, nccl_profile, "0644"),
+            ],
+            # runcmd is a plain sh script (no -e): chaining keeps a failed setup from registering.
+            "runcmd": [f"{NODE_SETUP_PATH} && {REGISTER_NODE_PATH}"],
+        }
+    )

@@ -1,0 +1,59 @@
+"""cloud-config for the NFS file server (Ubuntu 22.04)."""
+
+from __future__ import annotations
+
+from infra.cloud_init._common import (
+    check_cidr,
+    check_int,
+    check_path,
+    cloud_config,
+    render_script,
+    write_file,
+)
+
+# Azure links data disk N to /dev/disk/azure/scsi1/lunN: stable, unlike /dev/sdX.
+LUN_DIR = "/dev/disk/azure/scsi1"
+# Azure allows LUNs 0-63.
+MAX_DATA_DISKS = 64
+BLOB_PULL_PATH = "/usr/local/bin/blob-pull"
+SETUP_PATH = "/usr/local/sbin/nfs-data-setup"
+# no_root_squash: node root (cloud-init) writes nodes/ and the training containers run as root
+# and write runs/. Squashing would add no trust boundary: only the cluster subnet may mount, and
+# whoever is root on a node is the operator, who already is root on this server.
+EXPORT_OPTIONS = "rw,sync,no_subtree_check,no_root_squash"
+
+
+def render_nfs_server(*, data_disk_count: int, export_path: str, allowed_cidr: str, blob_pull_script: str) -> str:
+    """cloud-config that stripes the data disks, exports export_path to allowed_cidr only, and
+    installs blob_pull_script as /usr/local/bin/blob-pull."""
+    count = check_int("data_disk_count", data_disk_count, 1, MAX_DATA_DISKS)
+    path = check_path("export_path", export_path)
+    cidr = check_cidr("allowed_cidr", allowed_cidr)
+    if not isinstance(blob_pull_script, str) or not blob_pull_script.startswith("#!"):
+        raise ValueError("blob_pull_script must be the script's text, starting with a #! line")
+
+    setup = render_script(
+        "nfs-data-setup.sh",
+        {
+            "DATA_DISKS": [f"{LUN_DIR}/lun{lun}" for lun in range(count)],
+            "EXPORT_PATH": path,
+            "EXPORT_LINE": f"{path} {cidr}({EXPORT_OPTIONS})",
+        },
+    )
+    return cloud_config(
+        {
+            "package_update": True,
+            "packages": ["nfs-kernel-server", "mdadm", "xfsprogs", "python3"],
+            "write_files": [
+                write_file(BLOB_PULL_PATH, blob_pull_script, "0755"),
+                write_file(SETUP_PATH, setup, "0755"),
+                # Never serve the bare mount point: nfs-server starts only with the volume mounted.
+                write_file(
+                    "/etc/systemd/system/nfs-server.service.d/10-require-export.conf",
+                    f"[Unit]\nRequiresMountsFor={path}\n",
+                    "0644",
+                ),
+            ],
+            "runcmd": [[SETUP_PATH]],
+        }
+    )

@@ -1,0 +1,53 @@
+#!/bin/bash
+# Logs root's docker client in to the registry with the node's user-assigned managed identity,
+# without the az CLI: IMDS AAD token -> ACR refresh token (about 3 h) -> docker login.
+# Tokens never reach argv, stdout or the log: they live in variables and travel through stdin.
+set -euo pipefail
+
+ACR_LOGIN_SERVER=@ACR_LOGIN_SERVER@
+IDENTITY_CLIENT_ID=@IDENTITY_CLIENT_ID@
+readonly IMDS_TOKEN_URL="http://169.254.169.254/metadata/identity/oauth2/token?api-version=2018-02-01&resource=https://management.azure.com/&client_id=$IDENTITY_CLIENT_ID"
+# ACR takes this fixed user name with a refresh token as the password.
+readonly ACR_TOKEN_USER=00000000-0000-0000-0000-000000000000
+readonly DOCKER_CONFIG_DIR=/root/.docker
+# A new AcrPull role assignment can take minutes to propagate.
+readonly ATTEMPTS=30
+readonly RETRY_SECONDS=20
+
+log() { echo "acr-login: $*" >&2; }
+
+# Prints one field of the JSON object on stdin; on failure names the field, never the document.
+json_field() {
+  python3 -c '
+import json, sys
+value = json.load(sys.stdin).get(sys.argv[1])
+if not value:
+    sys.exit("response has no " + sys.argv[1])
+print(value)
+' "$1"
+}
+
+# Runs in an `if`, where set -e is off: every step checks its own status.
+login_once() {
+  local aad_token refresh_token
+  aad_token=$(curl -fsS --max-time 30 -H Metadata:true "$IMDS_TOKEN_URL" | json_field access_token) || return 1
+  refresh_token=$(printf 'grant_type=access_token&service=%s&access_token=%s' "$ACR_LOGIN_SERVER" "$aad_token" |
+    curl -fsS --max-time 30 --data @- "https://$ACR_LOGIN_SERVER/oauth2/exchange" |
+    json_field refresh_token) || return 1
+  printf '%s' "$refresh_token" |
+    DOCKER_CONFIG=$DOCKER_CONFIG_DIR docker login "$ACR_LOGIN_SERVER" \
+      --username "$ACR_TOKEN_USER" --password-stdin >&2
+}
+
+for ((attempt = 1; attempt <= ATTEMPTS; attempt++)); do
+  if login_once; then
+    log "logged in to $ACR_LOGIN_SERVER"
+    exit 0
+  fi
+  if ((attempt < ATTEMPTS)); then
+    log "attempt $attempt/$ATTEMPTS failed; retrying in ${RETRY_SECONDS}s"
+    sleep "$RETRY_SECONDS"
+  fi
+done
+log "could not log in to $ACR_LOGIN_SERVER after $ATTEMPTS attempts"
+exit 1

@@ -1,0 +1,667 @@
+"""Tests for the cloud-init renderers.
+
+Each rendered document goes through Debian's `cloud-init schema`, each embedded shell script through
+shellcheck (every severity, style included), the systemd units through `systemd-analyze verify`,
+and the scripts themselves run here against stub commands (mdadm, mount, curl, docker, ...) with
+their system paths pointed into a temporary directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import stat
+import subprocess
+import time
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infra.cloud_init import check_nccl_env, nccl_env_for_sku, render_cluster_node, render_nfs_server
+from infra.cloud_init.nccl import NCCL_ENV_BY_SKU
+
+SKUS = sorted(NCCL_ENV_BY_SKU)
+BLOB_PULL = '#!/usr/bin/env python3\n"""Stand-in for scripts/blob_pull.py."""\nprint("pulled")\n'
+ACR = "trainacr.azurecr.io"
+CLIENT_ID = "0f0e0d0c-0b0a-0908-0706-050403020100"
+NFS_IP = "10.0.1.4"
+CLUSTER_CIDR = "10.0.0.0/24"
+AAD_TOKEN = "AAD-SECRET-eyJ0eXAiOiJKV1Qi"
+ACR_REFRESH_TOKEN = "ACR-SECRET-refresh-token"
+
+
+def nfs_doc(**overrides: object) -> str:
+    args: dict[str, object] = {
+        "data_disk_count": 4,
+        "export_path": "/export",
+        "allowed_cidr": CLUSTER_CIDR,
+        "blob_pull_script": BLOB_PULL,
+    }
+    return render_nfs_server(**{**args, **overrides})  # type: ignore[arg-type]
+
+
+def node_doc(sku: str = "Standard_ND96isr_H100_v5", **overrides: object) -> str:
+    args: dict[str, object] = {
+        "nfs_server_ip": NFS_IP,
+        "nfs_export_path": "/export",
+        "mount_path": "/mnt/shared",
+        "node_registry_path": "/mnt/shared/nodes",
+        "acr_login_server": ACR,
+        "identity_client_id": CLIENT_ID,
+        "nccl_env": nccl_env_for_sku(sku),
+        "expected_gpus": 8,
+    }
+    return render_cluster_node(**{**args, **overrides})  # type: ignore[arg-type]
+
+
+DOCUMENTS = {
+    **{f"nfs-{count}-disks": nfs_doc(data_disk_count=count) for count in (1, 2, 4)},
+    **{f"node-{sku}": node_doc(sku) for sku in SKUS},
+}
+
+
+def files_of(document: str) -> dict[str, dict[str, str]]:
+    return {entry["path"]: entry for entry in yaml.safe_load(document)["write_files"]}
+
+
+def script_of(document: str, path: str) -> str:
+    return files_of(document)[path]["content"]
+
+
+def shell_scripts() -> dict[str, tuple[str, str]]:
+    """Every distinct embedded shell script as id -> (shell, text), runcmd included."""
+    found: dict[str, tuple[str, str]] = {}
+    for name, document in DOCUMENTS.items():
+        parsed = yaml.safe_load(document)
+        for entry in parsed["write_files"]:
+            content = entry["content"]
+            if content.startswith("#!/bin/bash") or entry["path"].endswith(".sh"):
+                shell = "bash" if content.startswith("#!/bin/bash") else "sh"
+                found.setdefault(f"{name}:{entry['path']}", (shell, content))
+        # cloud-init writes runcmd out as a /bin/sh script, one line per item.
+        lines = [item if isinstance(item, str) else shlex.join(item) for item in parsed["runcmd"]]
+        found[f"{name}:runcmd"] = ("sh", "\n".join(lines) + "\n")
+    return found
+
+
+SHELL_SCRIPTS = shell_scripts()
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"`{name}` is required by these tests and is not on PATH; install it (see .ci/run)")
+    return path
+
+
+def shell_value(script: str, name: str) -> str | list[str]:
+    """Value of a top-level `NAME=...` (or `readonly NAME=...`) assignment; arrays as lists."""
+    match = re.search(rf"^(?:readonly )?{name}=(.*)$", script, re.MULTILINE)
+    assert match, f"{name} is not assigned in the script"
+    value = match[1]
+    if value.startswith("("):
+        return shlex.split(value[1:-1])
+    (word,) = shlex.split(value)
+    return word
+
+
+def with_value(script: str, name: str, value: str | int | list[str]) -> str:
+    """The script with one top-level assignment replaced (how tests point system paths elsewhere)."""
+    if isinstance(value, list):
+        literal = "(" + " ".join(shlex.quote(item) for item in value) + ")"
+    else:
+        literal = shlex.quote(str(value))
+    new, count = re.subn(
+        rf"^(readonly )?{name}=.*$",
+        lambda match: f"{match[1] or ''}{name}={literal}",
+        script,
+        flags=re.MULTILINE,
+    )
+    assert count == 1, f"{name} is assigned {count} times"
+    return new
+
+
+class Sandbox:
+    """Runs a script with stub commands first on PATH; each stub logs `name args` and runs its body."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.bin = root / "bin"
+        self.state = root / "state"
+        self.log = root / "calls.log"
+        self.bin.mkdir()
+        self.state.mkdir()
+        self.log.touch()
+
+    def stub(self, name: str, body: str = "exit 0") -> None:
+        path = self.bin / name
+        path.write_text(f'#!/bin/bash\necho "{name} $*" >>"$STUB_LOG"\n{body}\n')
+        path.chmod(0o755)
+
+    def calls(self, name: str) -> list[str]:
+        return [line for line in self.log.read_text().splitlines() if line.split(" ", 1)[0] == name]
+
+    def run(self, script: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        path = self.root / "script.sh"
+        path.write_text(script)
+        # nvidia-smi must be absent unless a test stubs it.
+        system_path = [
+            entry
+            for entry in os.environ["PATH"].split(os.pathsep)
+            if entry and not (Path(entry) / "nvidia-smi").exists()
+        ]
+        full_env = {
+            **os.environ,
+            "PATH": os.pathsep.join([str(self.bin), *system_path]),
+            "STUB_LOG": str(self.log),
+            "STUB_STATE": str(self.state),
+            **(env or {}),
+        }
+        return subprocess.run(
+            [tool("bash"), str(path)], env=full_env, capture_output=True, text=True, timeout=60, check=False
+        )
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path) -> Sandbox:
+    return Sandbox(tmp_path)
+
+
+# --- validators: cloud-init schema, shellcheck, systemd-analyze -------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTS))
+def test_document_passes_cloud_init_schema(name: str, tmp_path: Path) -> None:
+    document = DOCUMENTS[name]
+    assert document.startswith("#cloud-config\n")
+    path = tmp_path / "user-data"
+    path.write_text(document)
+    result = subprocess.run(
+        [tool("cloud-init"), "schema", "--config-file", str(path)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Valid cloud-config" in result.stdout
+
+
+@pytest.mark.parametrize("name", sorted(SHELL_SCRIPTS))
+def test_embedded_shell_script_passes_shellcheck(name: str) -> None:
+    shell, text = SHELL_SCRIPTS[name]
+    result = subprocess.run(
+        [tool("shellcheck"), "--severity=style", f"--shell={shell}", "-"],
+        input=text,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    files = files_of(node_doc())
+    units = [path for path in files if path.startswith("/etc/systemd/system/")]
+    assert sorted(Path(unit).name for unit in units) == ["acr-login.service", "acr-login.timer", "nccl-conf.service"]
+    for unit in units:
+        # verify insists that ExecStart binaries exist; the scripts they name are checked above.
+        text = re.sub(r"^ExecStart=.*$", "ExecStart=/bin/true", files[unit]["content"], flags=re.MULTILINE)
+        (tmp_path / Path(unit).name).write_text(text)
+    result = subprocess.run(
+        [tool("systemd-analyze"), "verify", *(f"./{Path(unit).name}" for unit in units)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    # Unknown keys are only warnings: any mention of our units is a finding.
+    assert not [line for line in result.stderr.splitlines() if re.search(r"acr-login|nccl-conf", line)], result.stderr
+
+
+def test_no_script_traces_and_tokens_only_travel_through_stdin() -> None:
+    for name, (_, text) in SHELL_SCRIPTS.items():
+        assert not re.search(r"set\s+-\w*x|xtrace|bash\s+-x", text), name
+    acr_login = script_of(node_doc(), "/usr/local/sbin/acr-login")
+    assert "--password-stdin" in acr_login
+    assert "--data @-" in acr_login
+    assert not re.search(r"--password[ =]|\s-p\s|--data-urlencode|echo .*token", acr_login)
+
+
+# --- NFS server ----------------------------------------------------------------------------
+
+
+def test_nfs_export_names_only_the_allowed_cidr() -> None:
+    setup = script_of(nfs_doc(allowed_cidr="10.20.1.0/24"), "/usr/local/sbin/nfs-data-setup")
+    export_line = shell_value(setup, "EXPORT_LINE")
+    assert export_line == "/export 10.20.1.0/24(rw,sync,no_subtree_check,no_root_squash)"
+    path, client = str(export_line).split()
+    assert path == "/export"
+    assert client.split("(")[0] == "10.20.1.0/24"
+    # Nothing else is written to the exports file.
+    writes = re.findall(r".*>\"\$EXPORTS_FILE\"$", setup, re.MULTILINE)
+    assert writes == ['  printf \'%s\\n\' "$EXPORT_LINE" >"$EXPORTS_FILE"']
+
+
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_nfs_data_disks_are_exactly_the_attached_luns(count: int) -> None:
+    setup = script_of(nfs_doc(data_disk_count=count), "/usr/local/sbin/nfs-data-setup")
+    assert shell_value(setup, "DATA_DISKS") == [f"/dev/disk/azure/scsi1/lun{lun}" for lun in range(count)]
+
+
+def test_nfs_installs_packages_blob_pull_and_mount_guard() -> None:
+    document = nfs_doc()
+    parsed = yaml.safe_load(document)
+    assert set(parsed["packages"]) == {"nfs-kernel-server", "mdadm", "xfsprogs", "python3"}
+    files = files_of(document)
+    blob_pull = files["/usr/local/bin/blob-pull"]
+    assert blob_pull["content"] == BLOB_PULL
+    assert blob_pull["permissions"] == "0755"
+    guard = files["/etc/systemd/system/nfs-server.service.d/10-require-export.conf"]["content"]
+    assert guard == "[Unit]\nRequiresMountsFor=/export\n"
+    assert parsed["runcmd"] == [["/usr/local/sbin/nfs-data-setup"]]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"data_disk_count": 0}, "data_disk_count"),
+        ({"data_disk_count": 65}, "data_disk_count"),
+        ({"data_disk_count": True}, "data_disk_count"),
+        ({"export_path": "export"}, "export_path"),
+        ({"export_path": "/srv/my data"}, "export_path"),
+        ({"export_path": "/"}, "export_path"),
+        ({"export_path": "/srv/../etc"}, "export_path"),
+        ({"allowed_cidr": "0.0.0.0/0"}, "allowed_cidr"),
+        ({"allowed_cidr": "10.0.0.1/24"}, "allowed_cidr"),
+        ({"allowed_cidr": "*"}, "allowed_cidr"),
+        ({"blob_pull_script": "print('no shebang')"}, "blob_pull_script"),
+    ],
+)
+def test_nfs_rejects_bad_input(overrides: dict[str, object], key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        nfs_doc(**overrides)
+
+
+def test_document_over_the_azure_custom_data_limit_is_refused() -> None:
+    with pytest.raises(ValueError, match="65535"):
+        nfs_doc(blob_pull_script="#!/usr/bin/env python3\n" + "# padding\n" * 8000)
+
+
+def nfs_setup_in(sandbox: Sandbox, count: int) -> tuple[str, list[str], Path]:
+    """The rendered setup script with its disks and system files moved into the sandbox."""
+    script = script_of(nfs_doc(data_disk_count=count), "/usr/local/sbin/nfs-data-setup")
+    disks = [f"{sandbox.root}{disk}" for disk in shell_value(script, "DATA_DISKS")]
+    for disk in disks:
+        Path(disk).parent.mkdir(parents=True, exist_ok=True)
+        Path(disk).touch()
+    export = sandbox.root / "export"
+    script = with_value(script, "DATA_DISKS", disks)
+    script = with_value(script, "EXPORT_PATH", str(export))
+    script = with_value(script, "FSTAB", str(sandbox.root / "fstab"))
+    script = with_value(script, "MDADM_CONF", str(sandbox.root / "mdadm.conf"))
+    script = with_value(script, "EXPORTS_FILE", str(sandbox.root / "exports.d" / "training.exports"))
+    script = with_value(script, "MD_UUID_LINK_PREFIX", f"{sandbox.root}/by-id/md-uuid-")
+    (sandbox.root / "by-id").mkdir()
+    # A stateful mdadm/blkid/mount: enough of their behaviour for the script's decisions.
+    sandbox.stub(
+        "mdadm",
+        """state=$STUB_STATE
+link() { echo "$STUB_MD_LINK_PREFIX$(cat "$state/md_uuid")"; }
+case "$1" in
+  --examine) [ -f "$state/md_uuid" ] || exit 1; echo "MD_UUID=$(cat "$state/md_uuid")" ;;
+  --create)
+    for arg in "$@"; do case $arg in --raid-devices=*) echo "${arg#*=}" >"$state/md_devices" ;; esac; done
+    echo 0a1b2c3d:4e5f6a7b:8c9d0e1f:2a3b4c5d >"$state/md_uuid"
+    touch "$(link)" ;;
+  --assemble) touch "$(link)" ;;
+  --detail)
+    case "$2" in
+      --export) echo MD_LEVEL=raid0; echo "MD_DEVICES=$(cat "$state/md_devices")" ;;
+      --brief) echo "ARRAY /dev/md/nfsdata metadata=1.2 name=nfs:nfsdata UUID=$(cat "$state/md_uuid")" ;;
+    esac ;;
+esac""",
+    )
+    sandbox.stub(
+        "blkid",
+        """case "$*" in
+  *"-s TYPE"*) [ -f "$STUB_STATE/formatted" ] || exit 2; echo xfs ;;
+  *"-s UUID"*) echo 5e7a1c2d-0000-4000-8000-000000000001 ;;
+esac""",
+    )
+    sandbox.stub("mkfs.xfs", 'touch "$STUB_STATE/formatted"')
+    sandbox.stub("mountpoint", '[ -f "$STUB_STATE/mounted" ]')
+    sandbox.stub("mount", 'touch "$STUB_STATE/mounted"')
+    for name in ("udevadm", "systemctl", "exportfs", "update-initramfs"):
+        sandbox.stub(name)
+    return script, disks, export
+
+
+def run_nfs_setup(sandbox: Sandbox, script: str) -> subprocess.CompletedProcess[str]:
+    return sandbox.run(script, {"STUB_MD_LINK_PREFIX": f"{sandbox.root}/by-id/md-uuid-"})
+
+
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_nfs_setup_stripes_exactly_the_luns_formats_mounts_and_exports(sandbox: Sandbox, count: int) -> None:
+    script, disks, export = nfs_setup_in(sandbox, count)
+    result = run_nfs_setup(sandbox, script)
+    assert result.returncode == 0, result.stderr
+
+    creates = [call for call in sandbox.calls("mdadm") if "--create" in call]
+    if count == 1:
+        assert not creates
+        assert sandbox.calls("mkfs.xfs") == [f"mkfs.xfs -K {disks[0]}"]
+    else:
+        assert creates == [
+            f"mdadm --create /dev/md/nfsdata --name=nfsdata --level=0 --raid-devices={count} --run {' '.join(disks)}"
+        ]
+        array = f"{sandbox.root}/by-id/md-uuid-0a1b2c3d:4e5f6a7b:8c9d0e1f:2a3b4c5d"
+        assert sandbox.calls("mkfs.xfs") == [f"mkfs.xfs -K {array}"]
+        assert (sandbox.root / "mdadm.conf").read_text().count("ARRAY /dev/md/nfsdata") == 1
+        assert len(sandbox.calls("update-initramfs")) == 1
+    fstab = (sandbox.root / "fstab").read_text()
+    assert fstab == f"UUID=5e7a1c2d-0000-4000-8000-000000000001 {export} xfs defaults,noatime,nofail 0 0\n"
+    exports = (sandbox.root / "exports.d" / "training.exports").read_text()
+    assert exports == f"/export {CLUSTER_CIDR}(rw,sync,no_subtree_check,no_root_squash)\n"
+    assert all((export / name).is_dir() for name in ("data", "nodes", "runs"))
+    assert stat.S_IMODE((export / "runs").stat().st_mode) == 0o1777
+    assert "systemctl enable --now nfs-server" in sandbox.calls("systemctl")
+    assert sandbox.calls("exportfs") == ["exportfs -ra"]
+
+
+def test_nfs_setup_rerun_and_reboot_never_recreate_the_array(sandbox: Sandbox) -> None:
+    script, _, _ = nfs_setup_in(sandbox, 4)
+    for _ in range(2):
+        assert run_nfs_setup(sandbox, script).returncode == 0
+    # Reboot with the array not yet assembled and nothing mounted.
+    for leftover in [*(sandbox.root / "by-id").iterdir(), sandbox.state / "mounted"]:
+        leftover.unlink()
+    result = run_nfs_setup(sandbox, script)
+    assert result.returncode == 0, result.stderr
+
+    mdadm = sandbox.calls("mdadm")
+    assert len([call for call in mdadm if "--create" in call]) == 1
+    assert len([call for call in mdadm if "--assemble" in call]) == 1
+    assert len(sandbox.calls("mkfs.xfs")) == 1
+    assert len(sandbox.calls("update-initramfs")) == 1
+    assert len((sandbox.root / "fstab").read_text().splitlines()) == 1
+    assert len((sandbox.root / "mdadm.conf").read_text().splitlines()) == 1
+
+
+def test_nfs_setup_refuses_an_array_of_other_disks(sandbox: Sandbox) -> None:
+    script, _, _ = nfs_setup_in(sandbox, 4)
+    (sandbox.state / "md_uuid").write_text("0a1b2c3d:4e5f6a7b:8c9d0e1f:2a3b4c5d\n")
+    (sandbox.state / "md_devices").write_text("2\n")
+    result = run_nfs_setup(sandbox, script)
+    assert result.returncode != 0
+    assert "refusing to guess" in result.stderr
+    assert not sandbox.calls("mkfs.xfs")
+
+
+# --- GPU node ------------------------------------------------------------------------------
+
+
+def test_node_mounts_the_nfs_export_of_the_right_server() -> None:
+    mount = script_of(node_doc(), "/usr/local/sbin/nfs-mount")
+    assert shell_value(mount, "NFS_SOURCE") == f"{NFS_IP}:/export"
+    assert shell_value(mount, "MOUNT_PATH") == "/mnt/shared"
+    assert set(str(shell_value(mount, "MOUNT_OPTIONS")).split(",")) >= {"_netdev", "nofail", "hard"}
+    assert yaml.safe_load(node_doc())["packages"] == ["nfs-common"]
+
+
+def nfs_mount_in(sandbox: Sandbox, *, wait_seconds: int, failures: int) -> tuple[str, Path]:
+    script = script_of(node_doc(), "/usr/local/sbin/nfs-mount")
+    mount_path = sandbox.root / "mnt" / "shared"
+    script = with_value(script, "MOUNT_PATH", str(mount_path))
+    script = with_value(script, "FSTAB", str(sandbox.root / "fstab"))
+    script = with_value(script, "WAIT_SECONDS", wait_seconds)
+    script = with_value(script, "RETRY_SECONDS", 0)
+    (sandbox.root / "fstab").write_text("UUID=1234 / ext4 defaults 0 1\n")
+    sandbox.stub("mountpoint", '[ -f "$STUB_STATE/mounted" ]')
+    # Fails `failures` times (server not up yet), then mounts.
+    sandbox.stub(
+        "mount",
+        'n=$(($(cat "$STUB_STATE/attempts" 2>/dev/null || echo 0) + 1)); echo "$n" >"$STUB_STATE/attempts"\n'
+        f'[ "$n" -gt {failures} ] || exit 32\n'
+        'touch "$STUB_STATE/mounted"',
+    )
+    sandbox.stub("systemctl")
+    return script, mount_path
+
+
+def test_nfs_mount_adds_fstab_entry_once_and_retries_until_the_server_answers(sandbox: Sandbox) -> None:
+    script, mount_path = nfs_mount_in(sandbox, wait_seconds=60, failures=2)
+    first = sandbox.run(script)
+    assert first.returncode == 0, first.stderr
+    assert len(sandbox.calls("mount")) == 3
+    assert sandbox.run(script).returncode == 0
+    assert len(sandbox.calls("mount")) == 3  # already mounted: left alone
+    assert (sandbox.root / "fstab").read_text().splitlines()[1:] == [
+        f"{NFS_IP}:/export {mount_path} nfs _netdev,nofail,hard,noatime 0 0"
+    ]
+
+
+def test_nfs_mount_wait_is_bounded(sandbox: Sandbox) -> None:
+    script, _ = nfs_mount_in(sandbox, wait_seconds=1, failures=10**6)
+    started = time.monotonic()
+    result = sandbox.run(script)
+    assert result.returncode == 1
+    assert "did not answer within 1s" in result.stderr
+    assert time.monotonic() - started < 15
+
+
+def acr_login_in(sandbox: Sandbox, *, imds_fails: bool = False) -> str:
+    script = script_of(node_doc(), "/usr/local/sbin/acr-login")
+    script = with_value(script, "ATTEMPTS", 3)
+    script = with_value(script, "RETRY_SECONDS", 0)
+    imds = "exit 22" if imds_fails else f'echo \'{{"access_token":"{AAD_TOKEN}","expires_in":"86399"}}\''
+    sandbox.stub(
+        "curl",
+        f"""for arg in "$@"; do case $arg in http*) url=$arg ;; esac; done
+case "$url" in
+  http://169.254.169.254/*) {imds} ;;
+  https://{ACR}/oauth2/exchange) cat >"$STUB_STATE/exchange-body"; echo '{{"refresh_token":"{ACR_REFRESH_TOKEN}"}}' ;;
+  *) exit 22 ;;
+esac""",
+    )
+    sandbox.stub("docker", 'cat >"$STUB_STATE/docker-password"; echo "Login Succeeded"')
+    return script
+
+
+def test_acr_login_exchanges_the_identity_token_and_never_exposes_tokens(sandbox: Sandbox) -> None:
+    result = sandbox.run(acr_login_in(sandbox))
+    assert result.returncode == 0, result.stderr
+
+    imds_call, exchange_call = sandbox.calls("curl")
+    assert "-H Metadata:true" in imds_call
+    assert (
+        "http://169.254.169.254/metadata/identity/oauth2/token?api-version=2018-02-01"
+        f"&resource=https://management.azure.com/&client_id={CLIENT_ID}"
+    ) in imds_call
+    assert f"https://{ACR}/oauth2/exchange" in exchange_call
+    body = (sandbox.state / "exchange-body").read_text()
+    assert body == f"grant_type=access_token&service={ACR}&access_token={AAD_TOKEN}"
+    assert sandbox.calls("docker") == [
+        f"docker login {ACR} --username 00000000-0000-0000-0000-000000000000 --password-stdin"
+    ]
+    assert (sandbox.state / "docker-password").read_text() == ACR_REFRESH_TOKEN
+    # Neither token in any command line, nor in anything the script printed.
+    for secret in (AAD_TOKEN, ACR_REFRESH_TOKEN):
+        assert secret not in sandbox.log.read_text()
+        assert secret not in result.stdout + result.stderr
+
+
+def test_acr_login_gives_up_after_its_attempts(sandbox: Sandbox) -> None:
+    result = sandbox.run(acr_login_in(sandbox, imds_fails=True))
+    assert result.returncode == 1
+    assert len(sandbox.calls("curl")) == 3
+    assert not sandbox.calls("docker")
+    assert "after 3 attempts" in result.stderr
+
+
+def register_node_in(sandbox: Sandbox, *, expected_gpus: int = 8) -> tuple[str, Path, Path]:
+    script = script_of(node_doc(expected_gpus=expected_gpus), "/usr/local/sbin/register-node")
+    registry = sandbox.root / "nodes"
+    registry.mkdir()
+    sysfs = sandbox.root / "sys-class-infiniband"
+    script = with_value(script, "REGISTRY_DIR", str(registry))
+    script = with_value(script, "IB_SYSFS", str(sysfs))
+    # lo always has 127.0.0.1: the test does not depend on this machine's eth0.
+    script = with_value(script, "IFACE", "lo")
+    # Records the rename, then really does it.
+    sandbox.stub("mv", f'exec {shutil.which("mv")} "$@"')
+    return script, registry, sysfs
+
+
+def test_register_node_without_gpus_or_infiniband(sandbox: Sandbox) -> None:
+    script, registry, _ = register_node_in(sandbox)
+    before = datetime.now(UTC).replace(microsecond=0)
+    result = sandbox.run(script)
+    assert result.returncode == 0, result.stderr
+
+    host = socket.gethostname()
+    record_path = registry / f"{host}.json"
+    assert [path.name for path in registry.iterdir()] == [record_path.name]  # no temporary left
+    record = json.loads(record_path.read_text())
+    ready_at = datetime.strptime(record.pop("ready_at"), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    assert record == {"hostname": host, "address": "127.0.0.1", "gpus": 0, "ib_state": "absent"}
+    assert before <= ready_at <= datetime.now(UTC)
+    assert stat.S_IMODE(record_path.stat().st_mode) == 0o644
+    assert "WARNING" in result.stderr and "sees 0 GPUs, expected 8" in result.stderr
+    # Written to a temporary in the same directory, then renamed over the final name.
+    (move,) = sandbox.calls("mv")
+    source, target = move.split()[-2:]
+    assert Path(source).parent == registry and Path(source).name.startswith(f".{host}.json.")
+    assert target == str(record_path)
+
+
+def add_port(sysfs: Path, device: str, link_layer: str, state: str) -> None:
+    port = sysfs / device / "ports" / "1"
+    port.mkdir(parents=True)
+    (port / "link_layer").write_text(f"{link_layer}\n")
+    (port / "state").write_text(f"{state}\n")
+
+
+@pytest.mark.parametrize(
+    ("ports", "ib_state"),
+    [
+        ([("mlx5_an0", "Ethernet", "4: ACTIVE")], "absent"),
+        ([("mlx5_an0", "Ethernet", "4: ACTIVE"), ("mlx5_ib0", "InfiniBand", "1: DOWN")], "DOWN"),
+        (
+            [("mlx5_ib0", "InfiniBand", "1: DOWN"), ("mlx5_ib1", "InfiniBand", "4: ACTIVE")],
+            "ACTIVE",
+        ),
+    ],
+)
+def test_register_node_counts_gpus_and_only_infiniband_ports(
+    sandbox: Sandbox, ports: list[tuple[str, str, str]], ib_state: str
+) -> None:
+    script, registry, sysfs = register_node_in(sandbox)
+    for port in ports:
+        add_port(sysfs, *port)
+    sandbox.stub("nvidia-smi", 'for i in 0 1 2 3 4 5 6 7; do echo "GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-$i)"; done')
+    result = sandbox.run(script)
+    assert result.returncode == 0, result.stderr
+    record = json.loads((registry / f"{socket.gethostname()}.json").read_text())
+    assert (record["gpus"], record["ib_state"]) == (8, ib_state)
+    assert "WARNING" not in result.stderr
+
+
+def test_register_node_refuses_when_the_registry_is_not_mounted(sandbox: Sandbox) -> None:
+    script, registry, _ = register_node_in(sandbox)
+    registry.rmdir()
+    result = sandbox.run(script)
+    assert result.returncode == 1
+    assert "is the shared file system mounted" in result.stderr
+
+
+def test_node_registers_last_and_only_after_setup_succeeded() -> None:
+    document = node_doc()
+    files = files_of(document)
+    assert yaml.safe_load(document)["runcmd"] == ["/usr/local/sbin/node-setup && /usr/local/sbin/register-node"]
+    setup = files["/usr/local/sbin/node-setup"]["content"]
+    assert "set -euo pipefail" in setup
+    referenced = set(re.findall(r"/usr/local/(?:sbin|etc)/[\w.-]+", setup + json.dumps(files)))
+    assert referenced <= set(files), referenced - set(files)
+    for unit in re.findall(r"([\w-]+\.(?:service|timer))", setup):
+        assert f"/etc/systemd/system/{unit}" in files
+    timer = files["/etc/systemd/system/acr-login.timer"]["content"]
+    # ACR refresh tokens last about 3 hours: renew hourly.
+    assert "OnUnitActiveSec=1h" in timer
+
+
+@pytest.mark.parametrize("sku", SKUS)
+def test_nccl_settings_for_every_sku_keep_infiniband(sku: str) -> None:
+    env = nccl_env_for_sku(sku)
+    assert "NCCL_IB_DISABLE" not in env
+    assert env["NCCL_IB_PCI_RELAXED_ORDERING"] == "1"
+    assert env["NCCL_SOCKET_IFNAME"] == "eth0"
+    assert env["UCX_TLS"] == "rc"
+    assert env["UCX_IB_PCI_RELAXED_ORDERING"] == "on"
+    assert env["NCCL_DEBUG"] == "WARN"
+    topology = {"v5": "/opt/microsoft/ndv5-topo.xml", "v4": "/opt/microsoft/ndv4-topo.xml"}
+    assert env["NCCL_TOPO_FILE"] == topology[sku[-2:]]
+
+    document = node_doc(sku)
+    assert "NCCL_IB_DISABLE" not in document
+    files = files_of(document)
+    assert files["/usr/local/etc/nccl.conf"]["content"].splitlines() == [f"{k}={v}" for k, v in env.items()]
+    profile = files["/etc/profile.d/nccl.sh"]["content"]
+    assert [line for line in profile.splitlines() if line.startswith("export ")] == [
+        f"export {k}={v}" for k, v in env.items()
+    ]
+    nccl_conf_unit = files["/etc/systemd/system/nccl-conf.service"]["content"]
+    assert "After=sku-customizations.service" in nccl_conf_unit
+    assert "/usr/local/etc/nccl.conf /etc/nccl.conf" in nccl_conf_unit
+
+
+def test_nccl_env_for_sku_returns_a_copy_and_refuses_unknown_sizes() -> None:
+    env = nccl_env_for_sku("Standard_ND96asr_v4")
+    env["NCCL_DEBUG"] = "INFO"
+    assert nccl_env_for_sku("Standard_ND96asr_v4")["NCCL_DEBUG"] == "WARN"
+    with pytest.raises(ValueError, match="Standard_ND40rs_v2"):
+        nccl_env_for_sku("Standard_ND40rs_v2")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"NCCL_IB_DISABLE": "1"}, "NCCL_IB_DISABLE"),
+        ({"NCCL_IB_DISABLE": "0"}, "NCCL_IB_DISABLE"),
+        ({"NCCL_NET": "Socket"}, "NCCL_NET"),
+        ({"NCCL_DEBUG": "INFO WARN"}, "NCCL_DEBUG"),
+        ({"nccl_debug": "INFO"}, "nccl_debug"),
+    ],
+)
+def test_node_refuses_nccl_settings_that_leave_infiniband_or_break_the_files(
+    extra: dict[str, str], message: str
+) -> None:
+    env = {**nccl_env_for_sku("Standard_ND96isr_H100_v5"), **extra}
+    with pytest.raises(ValueError, match=message):
+        node_doc(nccl_env=env)
+    with pytest.raises(ValueError, match=message):
+        check_nccl_env(env)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"nfs_server_ip": "nfs.internal"}, "nfs_server_ip"),
+        ({"nfs_export_path": "/export data"}, "nfs_export_path"),
+        ({"mount_path": "shared"}, "mount_path"),
+        ({"node_registry_path": "/var/lib/nodes"}, "node_registry_path"),
+        ({"acr_login_server": "https://trainacr.azurecr.io"}, "acr_login_server"),
+        (
+            {"identity_client_id": "/subscriptions/x/resourceGroups/rg/providers/Microsoft.ManagedIdentity/x"},
+            "identity_client_id",
+        ),
+        ({"expected_gpus": 0}, "expected_gpus"),
+    ],
+)
+def test_node_rejects_bad_input(overrides: dict[str, object], key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        node_doc(**overrides)
