@@ -48,6 +48,9 @@ test-training: $(TRAIN)/.installed  ## Horovod jobs over gloo, several processes
 test-scripts: setup  ## staging, launcher and local cluster against Azurite and sshd
 	$(OPS)/bin/python -m pytest tests/scripts
 
+demo: setup  ## the whole operator workflow on a 2-node local cluster (as root; about 2 minutes)
+	$(OPS)/bin/python -m scripts.demo
+
 lint: $(OPS)/.installed  ## ruff
 	$(OPS)/bin/ruff check .
 	$(OPS)/bin/ruff format --check .

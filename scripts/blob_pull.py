@@ -1,0 +1,391 @@
+#!/usr/bin/env python3
+"""blob-pull: copy a blob container (or a prefix of it) into a directory, verified by Content-MD5.
+
+Standard library only, Python 3.8+: cloud-init ships this file verbatim onto the NFS server as
+/usr/local/bin/blob-pull, and the operator's `stage pull` runs it there over SSH.
+
+  BLOB_SAS=... blob-pull --container-url https://ACCOUNT.blob.core.windows.net/data --dest /export/data
+  blob-pull --container-url URL --dest DIR --prefix imagenet/ < sas.txt
+
+The SAS token (read + list is enough) comes from the environment variable named by --sas-env
+(default BLOB_SAS) or, when that is unset, from the first line of stdin. Never from argv: the
+command line of a process is visible to every user in `ps`.
+
+Blobs are listed with the List Blobs REST call (marker pagination) and downloaded in parallel.
+A file whose size and MD5 already match the blob's Content-MD5 is skipped, so a rerun after an
+interruption fetches only what is missing or different. Every download is checked against
+Content-MD5 before it is moved into place (written to a temporary name, then renamed).
+With --unpack-tars, downloaded `*.tar` shards are also extracted into DEST (once per shard content).
+
+The last line on stdout is a JSON summary: listed, downloaded, skipped, present, failed, bytes, ...
+Exit status: 0 all present and verified; 1 some blobs failed; 2 bad arguments, authorization or
+listing errors.
+"""
+
+import argparse
+import base64
+import contextlib
+import hashlib
+import http.client
+import json
+import os
+import sys
+import tarfile
+import threading
+import time
+import urllib.parse
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from datetime import datetime, timezone
+
+API_VERSION = "2021-08-06"
+CHUNK = 1024 * 1024
+RETRIES = 4
+MARKER_DIR = ".blob-pull"
+
+
+class BlobError(Exception):
+    """An error with a message meant for the operator."""
+
+    def __init__(self, message, status=None, code=None):
+        Exception.__init__(self, message)
+        self.status = status
+        self.code = code
+
+
+def _sas_expiry(sas):
+    """The `se` (signed expiry) of a SAS token as an aware datetime, or None."""
+    values = urllib.parse.parse_qs(sas).get("se")
+    if not values:
+        return None
+    text = values[0].replace("Z", "+00:00")
+    try:
+        expiry = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    if expiry.tzinfo is None:
+        expiry = expiry.replace(tzinfo=timezone.utc)  # noqa: UP017 - runs on Python 3.8+
+    return expiry
+
+
+def explain_http_error(status, body, sas, what):
+    """Turn a Blob service error response into one clear sentence."""
+    code = message = ""
+    try:
+        root = ET.fromstring(body)
+        code = (root.findtext("Code") or "").strip()
+        message = (root.findtext("Message") or "").strip().splitlines()[0] if root.findtext("Message") else ""
+    except ET.ParseError:
+        pass
+    if status in (401, 403):
+        expiry = _sas_expiry(sas) if sas else None
+        now = datetime.now(timezone.utc)  # noqa: UP017 - runs on Python 3.8+
+        if expiry is not None and expiry <= now:
+            text = f"blob authorization failed while {what}: the SAS token expired at {expiry:%Y-%m-%dT%H:%M:%SZ}"
+        elif code == "AuthorizationPermissionMismatch":
+            text = f"blob authorization failed while {what}: the SAS token does not grant this permission"
+        elif code in ("AuthenticationFailed", "AuthorizationFailure", "NoAuthenticationInformation"):
+            text = f"blob authorization failed while {what}: the SAS token is wrong, expired or not for this container"
+        else:
+            text = f"blob authorization failed while {what}"
+        text += f" (HTTP {status} {code or 'Forbidden'})"
+        return BlobError(text, status, code)
+    if status == 404 and code == "ContainerNotFound":
+        return BlobError(f"container not found while {what} (HTTP 404 ContainerNotFound)", status, code)
+    detail = (": " + message) if message else ""
+    return BlobError(f"blob service error while {what}: HTTP {status} {code}{detail}", status, code)
+
+
+class Container:
+    """A container URL plus SAS, with one persistent HTTP(S) connection per thread."""
+
+    def __init__(self, container_url, sas, timeout=60):
+        parsed = urllib.parse.urlsplit(container_url.rstrip("/"))
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise BlobError(f"--container-url must be an http(s) URL, got {container_url!r}")
+        if parsed.query:
+            raise BlobError("--container-url must not carry a query string: pass the SAS via the environment")
+        self.scheme = parsed.scheme
+        self.netloc = parsed.netloc
+        self.path = parsed.path
+        self.sas = sas.lstrip("?")
+        self.timeout = timeout
+        self._local = threading.local()
+
+    def _connection(self):
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
+            conn = cls(self.netloc, timeout=self.timeout)
+            self._local.conn = conn
+        return conn
+
+    def _drop_connection(self):
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+        self._local.conn = None
+
+    def request(self, method, path, query):
+        """Send a request; return the open response (status < 300) or raise BlobError."""
+        parts = [p for p in (query, self.sas) if p]
+        url = path + ("?" + "&".join(parts) if parts else "")
+        headers = {"x-ms-version": API_VERSION, "x-ms-date": _http_date()}
+        last = None
+        for attempt in range(RETRIES):
+            try:
+                conn = self._connection()
+                conn.request(method, url, headers=headers)
+                response = conn.getresponse()
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop_connection()
+                last = exc
+                time.sleep(0.5 * 2**attempt)
+                continue
+            if response.status < 300:
+                return response
+            body = response.read()
+            if response.status >= 500 or response.status == 408:
+                last = explain_http_error(response.status, body, self.sas, method + " " + path)
+                time.sleep(0.5 * 2**attempt)
+                continue
+            raise explain_http_error(response.status, body, self.sas, _describe(method, path, self.path))
+        if isinstance(last, BlobError):
+            raise last
+        raise BlobError(f"cannot reach {self.scheme}://{self.netloc}: {last}")
+
+    def list_blobs(self, prefix=""):
+        """Yield dicts (name, size, md5 base64 or None) for every blob under prefix, all pages."""
+        marker = ""
+        while True:
+            query = {"restype": "container", "comp": "list", "maxresults": "5000"}
+            if prefix:
+                query["prefix"] = prefix
+            if marker:
+                query["marker"] = marker
+            response = self.request("GET", self.path, urllib.parse.urlencode(query))
+            root = ET.fromstring(response.read())
+            for blob in root.iter("Blob"):
+                props = blob.find("Properties")
+                md5 = props.findtext("Content-MD5") if props is not None else None
+                yield {
+                    "name": blob.findtext("Name"),
+                    "size": int(props.findtext("Content-Length") or 0) if props is not None else 0,
+                    "md5": md5 or None,
+                }
+            marker = (root.findtext("NextMarker") or "").strip()
+            if not marker:
+                return
+
+    def blob_path(self, name):
+        return self.path + "/" + urllib.parse.quote(name, safe="/~")
+
+
+def _describe(method, path, container_path):
+    if method == "GET" and path == container_path:
+        return "listing the container"
+    return "reading " + urllib.parse.unquote(path[len(container_path) + 1 :])
+
+
+def _http_date():
+    return time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime())
+
+
+def file_md5(path):
+    digest = hashlib.md5()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(CHUNK), b""):
+            digest.update(chunk)
+    return base64.b64encode(digest.digest()).decode("ascii")
+
+
+def local_path(dest, name, prefix):
+    """Where a blob lands: DEST/<name without prefix>; refuse names that would escape DEST."""
+    relative = name[len(prefix) :] if prefix and name.startswith(prefix) else name
+    parts = [p for p in relative.split("/") if p]
+    if not parts or any(p in (".", "..") for p in parts) or relative.startswith("/"):
+        raise BlobError(f"refusing blob name {name!r}: it would land outside the destination")
+    return os.path.join(dest, *parts)
+
+
+def download(container, blob, target):
+    """Download one blob to target via a temporary file, verifying Content-MD5. Returns bytes."""
+    directory = os.path.dirname(target)
+    os.makedirs(directory, exist_ok=True)
+    temp = os.path.join(directory, f".{os.path.basename(target)}.part-{threading.get_ident()}")
+    last = None
+    for attempt in range(RETRIES):
+        digest = hashlib.md5()
+        size = 0
+        try:
+            response = container.request("GET", container.blob_path(blob["name"]), "")
+            expected = blob["md5"] or response.getheader("Content-MD5")
+            with open(temp, "wb") as handle:
+                while True:
+                    chunk = response.read(CHUNK)
+                    if not chunk:
+                        break
+                    digest.update(chunk)
+                    handle.write(chunk)
+                    size += len(chunk)
+        except (OSError, http.client.HTTPException) as exc:
+            container._drop_connection()
+            last = exc
+            time.sleep(0.5 * 2**attempt)
+            continue
+        except BaseException:
+            _remove(temp)
+            raise
+        got = base64.b64encode(digest.digest()).decode("ascii")
+        if size != blob["size"] or (expected and got != expected):
+            _remove(temp)
+            raise BlobError(
+                f"MD5 verification failed for {blob['name']}: expected {expected} ({blob['size']} bytes), "
+                f"downloaded {got} ({size} bytes)"
+            )
+        os.replace(temp, target)
+        return size, bool(expected)
+    _remove(temp)
+    raise BlobError(f"download of {blob['name']} failed after {RETRIES} attempts: {last}")
+
+
+def _remove(path):
+    with contextlib.suppress(OSError):
+        os.remove(path)
+
+
+def unpack_tar(path, dest, md5):
+    """Extract a shard into dest once per content (a marker file remembers the MD5)."""
+    marker_dir = os.path.join(dest, MARKER_DIR)
+    token = hashlib.sha1((os.path.relpath(path, dest) + ":" + (md5 or "")).encode()).hexdigest()
+    marker = os.path.join(marker_dir, token + ".unpacked")
+    if os.path.exists(marker):
+        return 0
+    with tarfile.open(path) as archive:
+        members = archive.getmembers()
+        for member in members:
+            name = member.name
+            if name.startswith("/") or ".." in name.split("/") or not (member.isfile() or member.isdir()):
+                raise BlobError(f"refusing to unpack {path}: unsafe member {name!r}")
+        if hasattr(tarfile, "data_filter"):
+            archive.extractall(dest, filter="data")
+        else:  # pragma: no cover - Python < 3.8.17 / 3.10.12 without extraction filters
+            archive.extractall(dest)
+    os.makedirs(marker_dir, exist_ok=True)
+    with open(marker, "w") as handle:
+        handle.write(path + "\n")
+    return sum(1 for m in members if m.isfile())
+
+
+def pull(container_url, sas, dest, prefix="", workers=8, unpack_tars=False, progress=None):
+    """Copy every blob under prefix into dest. Returns the summary dict."""
+    started = time.time()
+    container = Container(container_url, sas)
+    blobs = list(container.list_blobs(prefix))
+    os.makedirs(dest, exist_ok=True)
+    summary = {
+        "listed": len(blobs),
+        "downloaded": 0,
+        "skipped": 0,
+        "present": 0,
+        "failed": 0,
+        "unverified": 0,
+        "unpacked_files": 0,
+        "bytes": 0,
+        "errors": [],
+    }
+    lock = threading.Lock()
+
+    def one(blob):
+        target = local_path(dest, blob["name"], prefix)
+        same_size = os.path.isfile(target) and os.path.getsize(target) == blob["size"]
+        if blob["md5"] and same_size and file_md5(target) == blob["md5"]:
+            return "skipped", 0, True, target
+        size, verified = download(container, blob, target)
+        return "downloaded", size, verified, target
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        futures = {pool.submit(one, blob): blob for blob in blobs}
+        for future in as_completed(futures):
+            blob = futures[future]
+            try:
+                outcome, size, verified, target = future.result()
+            except BlobError as exc:
+                if exc.status in (401, 403):
+                    for other in futures:
+                        other.cancel()
+                    raise
+                with lock:
+                    summary["failed"] += 1
+                    summary["errors"].append(str(exc))
+                continue
+            summary[outcome] += 1
+            summary["present"] += 1
+            summary["bytes"] += size
+            if not verified:
+                summary["unverified"] += 1
+            if unpack_tars and blob["name"].endswith(".tar"):
+                summary["unpacked_files"] += unpack_tar(target, dest, blob["md5"])
+            if progress:
+                progress(summary)
+    summary["seconds"] = round(time.time() - started, 3)
+    return summary
+
+
+def read_sas(env_name):
+    sas = os.environ.get(env_name, "").strip()
+    if not sas and not sys.stdin.isatty():
+        sas = sys.stdin.readline().strip()
+    if not sas:
+        raise BlobError(f"no SAS token: set {env_name} in the environment or pass it on stdin")
+    return sas.lstrip("?")
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="blob-pull",
+        description="Copy a blob container (or prefix) into a directory, resumable and MD5-verified. "
+        "The SAS token comes from the environment (--sas-env, default BLOB_SAS) or stdin, never argv.",
+    )
+    parser.add_argument("--container-url", required=True, help="https://ACCOUNT.blob.core.windows.net/CONTAINER")
+    parser.add_argument("--dest", required=True, help="destination directory (created if missing)")
+    parser.add_argument("--prefix", default="", help="only blobs whose names start with this; it is stripped")
+    parser.add_argument("--workers", type=int, default=8, help="parallel downloads (default 8)")
+    parser.add_argument("--unpack-tars", action="store_true", help="extract downloaded *.tar shards into DEST")
+    parser.add_argument("--sas-env", default="BLOB_SAS", help="environment variable holding the SAS token")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    last = [time.time()]
+
+    def progress(summary):
+        now = time.time()
+        if not args.quiet and now - last[0] > 2:
+            last[0] = now
+            sys.stderr.write(f"blob-pull: {summary['present']} present, {summary['failed']} failed\n")
+
+    try:
+        sas = read_sas(args.sas_env)
+        summary = pull(args.container_url, sas, args.dest, args.prefix, args.workers, args.unpack_tars, progress)
+    except BlobError as exc:
+        sys.stderr.write(f"blob-pull: error: {exc}\n")
+        sys.stdout.write(json.dumps({"error": str(exc)}) + "\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("blob-pull: interrupted; rerun to resume\n")
+        return 130
+    for error in summary["errors"][:20]:
+        sys.stderr.write(f"blob-pull: {error}\n")
+    sys.stderr.write(
+        "blob-pull: {listed} listed, {downloaded} downloaded, {skipped} already present, "
+        "{failed} failed, {bytes} bytes in {seconds:.1f}s\n".format(**summary)
+    )
+    sys.stdout.write(json.dumps(summary) + "\n")
+    return 0 if summary["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,556 @@
+"""Stage a dataset: local directory -> `data` blob container -> the NFS server (with the read-only SAS).
+
+  python -m scripts.stage generate --out /tmp/tiny-imagenet --classes 4 --train-per-class 16
+  python -m scripts.stage upload --source /tmp/tiny-imagenet --dataset tiny-imagenet [--shard-size-mb 64]
+  python -m scripts.stage pull --dataset tiny-imagenet
+  python -m scripts.stage all --source /tmp/tiny-imagenet --dataset tiny-imagenet   # upload, then pull
+
+upload: parallel, resumable (a file is sent only when no blob of that name has the same content MD5,
+so a rerun after an interruption sends only what is missing or different), Content-MD5 set on every
+blob and checked in transit, a progress bar with throughput and a summary table. With
+--shard-size-mb, files are packed into deterministic tar shards first (many small files are slow to
+list, transfer and store); `pull` unpacks them on the NFS server.
+
+pull: runs blob-pull on the NFS server over SSH (through the jump host), the read-only SAS sent on
+its stdin, into <data_path>/<dataset> as the nodes see it, then verifies the counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pydantic import SecretStr
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from scripts import blobs
+from scripts.cluster import BlobCredential, ClusterDescription, load
+from scripts.errors import OperatorError, run_cli
+from scripts.sshutil import SSH, explain_ssh_failure, q
+from scripts.ui import make_console
+
+console = make_console()
+SHARD_PREFIX = "shards/"
+
+
+# --- synthetic dataset -------------------------------------------------------------------------
+def generate_synthetic_imagenet(
+    out: str | Path,
+    classes: int = 4,
+    train_per_class: int = 16,
+    val_per_class: int = 4,
+    image_size: int = 64,
+    seed: int = 0,
+) -> dict[str, int]:
+    """Write JPEGs in ImageNet layout: out/{train,val}/<wnid>/<wnid>_<n>.JPEG (ImageFolder-readable).
+
+    Each class has its own colour and stripe pattern plus noise, so a model can learn it."""
+    from PIL import Image, ImageDraw
+
+    if classes < 1 or train_per_class < 1 or val_per_class < 0 or image_size < 8:
+        raise OperatorError("generate: need classes >= 1, train-per-class >= 1, val-per-class >= 0, size >= 8")
+    out = Path(out)
+    rng = random.Random(seed)
+    counts = {"train": 0, "val": 0}
+    for c in range(classes):
+        wnid = f"n{1440764 + c * 1000:08d}"
+        base = (rng.randrange(256), rng.randrange(256), rng.randrange(256))
+        stripe = 4 + c % 7
+        for split, per_class in (("train", train_per_class), ("val", val_per_class)):
+            folder = out / split / wnid
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                img = Image.new("RGB", (image_size, image_size), base)
+                draw = ImageDraw.Draw(img)
+                for x in range(0, image_size, stripe * 2):
+                    shade = tuple(min(255, v + 60) for v in base)
+                    draw.rectangle([x, 0, x + stripe - 1, image_size], fill=shade)
+                # noise from our seeded generator (not PIL's effect_noise): same seed, same bytes
+                noise = Image.frombytes("L", (image_size, image_size), rng.randbytes(image_size * image_size))
+                noise = noise.convert("RGB")
+                img = Image.blend(img, noise, 0.25)
+                img.save(folder / f"{wnid}_{i:05d}.JPEG", "JPEG", quality=85)
+                counts[split] += 1
+    return counts
+
+
+# --- local files and shards --------------------------------------------------------------------
+def list_files(source: Path) -> list[tuple[str, Path]]:
+    """(blob-relative posix name, path) for every regular file under source, sorted."""
+    if not source.exists():
+        raise OperatorError(f"dataset path {source} does not exist")
+    if not source.is_dir():
+        raise OperatorError(f"dataset path {source} is not a directory")
+    files = sorted(
+        (p.relative_to(source).as_posix(), p) for p in source.rglob("*") if p.is_file() and not p.is_symlink()
+    )
+    if not files:
+        raise OperatorError(f"dataset path {source} has no files")
+    return files
+
+
+def pack_shards(files: list[tuple[str, Path]], shard_dir: Path, shard_size_mb: float) -> list[tuple[str, Path]]:
+    """Pack files (in order) into tar shards of about shard_size_mb. Deterministic: the same files give
+    byte-identical shards (fixed owner, mode and order), so MD5-based resume works on shards too; a
+    shard whose member list (name, size, mtime) is unchanged is reused without being rewritten."""
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    limit = max(1, int(shard_size_mb * 1024 * 1024))
+    groups: list[list[tuple[str, Path]]] = [[]]
+    size = 0
+    for name, path in files:
+        length = path.stat().st_size
+        if groups[-1] and size + length > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, path))
+        size += length
+    shards = []
+    for index, group in enumerate(groups):
+        shard = shard_dir / f"shard-{index:05d}.tar"
+        manifest = [[name, p.stat().st_size, int(p.stat().st_mtime)] for name, p in group]
+        manifest_path = shard.with_suffix(".json")
+        if not (shard.exists() and manifest_path.exists() and json.loads(manifest_path.read_text()) == manifest):
+            tmp = shard.with_suffix(".tar.tmp")
+            with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as archive:
+                for (name, path), (_, length, mtime) in zip(group, manifest, strict=True):
+                    info = tarfile.TarInfo(name)
+                    info.size, info.mtime, info.mode = length, mtime, 0o644
+                    info.uid = info.gid = 0
+                    info.uname = info.gname = ""
+                    with open(path, "rb") as handle:
+                        archive.addfile(info, handle)
+            os.replace(tmp, shard)
+            manifest_path.write_text(json.dumps(manifest))
+        shards.append((SHARD_PREFIX + shard.name, shard))
+    for stale in shard_dir.glob("shard-*.tar"):  # from an earlier, larger packing
+        if stale.name >= f"shard-{len(groups):05d}.tar":
+            stale.unlink()
+            stale.with_suffix(".json").unlink(missing_ok=True)
+    return shards
+
+
+# --- upload ------------------------------------------------------------------------------------
+@dataclass
+class UploadSummary:
+    container_url: str
+    prefix: str
+    source_files: int
+    objects: int  # blobs that make up the dataset (files, or shards)
+    uploaded: int = 0
+    skipped: int = 0
+    failed: int = 0
+    bytes_uploaded: int = 0
+    seconds: float = 0.0
+    extra_remote: int = 0
+    sharded: bool = False
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes_uploaded / 1e6 / self.seconds if self.seconds else 0.0
+
+
+def _hash_all(items: list[tuple[str, Path]], workers: int, cache_file: Path | None = None) -> dict[str, bytes]:
+    """MD5 of every item. A cache (path -> size, mtime, md5) spares a rerun from reading unchanged
+    files again: resuming a large upload should not mean hashing the whole dataset twice."""
+    cache: dict[str, list] = {}
+    if cache_file and cache_file.exists():
+        with contextlib.suppress(ValueError, OSError):
+            cache = json.loads(cache_file.read_text())
+
+    def one(item: tuple[str, Path]) -> bytes:
+        path = item[1]
+        st = path.stat()
+        hit = cache.get(str(path))
+        if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
+            return bytes.fromhex(hit[2])
+        digest = blobs.file_md5(path)
+        cache[str(path)] = [st.st_size, st.st_mtime_ns, digest.hex()]
+        return digest
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        digests = list(pool.map(one, items))
+    if cache_file:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(cache))
+        os.replace(tmp, cache_file)
+    return {name: digest for (name, _), digest in zip(items, digests, strict=True)}
+
+
+def upload(
+    desc: ClusterDescription,
+    source: str | Path,
+    dataset: str,
+    *,
+    shard_size_mb: float | None = None,
+    shard_dir: str | Path | None = None,
+    workers: int = 8,
+    credential: BlobCredential | None = None,
+    show_progress: bool = True,
+    md5_cache: Path | None = None,
+) -> UploadSummary:
+    """Upload a local dataset directory to <data container>/<dataset>/, skipping what is already there."""
+    dataset = _check_dataset_name(dataset)
+    source = Path(source).expanduser().resolve()
+    files = list_files(source)
+    prefix = f"{dataset}/"
+    if shard_size_mb:
+        cache = Path(shard_dir) if shard_dir else _cache_dir() / "shards" / dataset
+        console.print(f"packing {len(files)} files into tar shards of {shard_size_mb:g} MB in {cache}")
+        items = pack_shards(files, cache, shard_size_mb)
+    else:
+        items = files
+    credential = credential or desc.staging_credential
+    sas = credential.secret.get_secret_value() if credential.kind == "sas" and credential.secret else None
+    client = blobs.container_client(desc.data, credential)
+    summary = UploadSummary(desc.data.url, prefix, len(files), len(items), sharded=bool(shard_size_mb))
+    started = time.time()
+    cache_key = hashlib.sha1(str(source).encode()).hexdigest()[:16]
+    local = _hash_all(items, workers, md5_cache or _cache_dir() / "md5" / f"{cache_key}.json")
+    try:
+        remote = blobs.remote_md5s(client, prefix)
+    except Exception as exc:  # azure-core raises many types: one message
+        raise blobs.explain(exc, f"listing {desc.data.url}", sas) from None
+    todo = [(name, path) for name, path in items if remote.get(prefix + name) != blobs.b64(local[name])]
+    summary.skipped = len(items) - len(todo)
+    wanted = {prefix + name for name, _ in items}
+    summary.extra_remote = sum(1 for name in remote if name not in wanted)
+    total_bytes = sum(path.stat().st_size for _, path in todo)
+    lock = threading.Lock()
+    abort = threading.Event()
+
+    progress = Progress(
+        TextColumn("[bold]upload[/bold] {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not show_progress,
+        transient=False,
+    )
+
+    def one(item: tuple[str, Path], task: int, files_task: int) -> None:
+        name, path = item
+        if abort.is_set():
+            return
+        try:
+            sent = blobs.upload_file(client, path, prefix + name, local[name])
+        except Exception as exc:
+            err = blobs.explain(exc, f"writing {prefix + name} to {desc.data.url}", sas)
+            if err.exit_code == 3:  # authorization: nothing else will succeed either
+                abort.set()
+                raise err from None
+            with lock:
+                summary.failed += 1
+                summary.errors.append(str(err))
+            return
+        with lock:
+            summary.uploaded += 1
+            summary.bytes_uploaded += sent
+        progress.advance(task, sent)
+        progress.advance(files_task, 1)
+
+    with progress:
+        task = progress.add_task(f"{len(todo)} of {len(items)} to send", total=total_bytes or 1)
+        files_task = progress.add_task("files", total=len(todo) or 1, visible=False)
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            futures = [pool.submit(one, item, task, files_task) for item in todo]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for future in done:
+                if future.exception() is not None:
+                    abort.set()
+                    for other in futures:
+                        other.cancel()
+                    raise future.exception()  # type: ignore[misc]
+        if not todo:
+            progress.update(task, completed=1)
+    summary.seconds = round(time.time() - started, 3)
+    return summary
+
+
+def print_upload_summary(summary: UploadSummary) -> None:
+    table = Table(title="staging upload")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    rows = [
+        ("destination", f"{summary.container_url}/{summary.prefix}"),
+        ("source files", str(summary.source_files)),
+        ("objects (shards)" if summary.sharded else "objects", str(summary.objects)),
+        ("uploaded", str(summary.uploaded)),
+        ("already present (same MD5)", str(summary.skipped)),
+        ("failed", str(summary.failed)),
+        ("bytes uploaded", f"{summary.bytes_uploaded:,}"),
+        ("time", f"{summary.seconds:.1f} s"),
+        ("throughput", f"{summary.mb_per_s:.1f} MB/s"),
+    ]
+    if summary.extra_remote:
+        rows.append(("blobs under the prefix not in the source", str(summary.extra_remote)))
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    for err in summary.errors[:10]:
+        console.print(f"[red]{err}[/red]")
+
+
+# --- pull onto the NFS server ------------------------------------------------------------------
+@dataclass
+class PullSummary:
+    dest_on_nodes: str
+    dest_on_storage: str
+    listed: int
+    downloaded: int
+    skipped: int
+    failed: int
+    files_in_dest: int
+    expected_files: int | None
+    seconds: float
+    raw: dict
+
+
+def pull(
+    desc: ClusterDescription,
+    dataset: str,
+    *,
+    expected_files: int | None = None,
+    expected_objects: int | None = None,
+    workers: int = 16,
+    sas: str | None = None,
+    timeout: float = 6 * 3600,
+) -> PullSummary:
+    """Run blob-pull on the NFS server into <data_path>/<dataset>; verify counts. SAS goes on stdin."""
+    dataset = _check_dataset_name(dataset)
+    dest_nodes = f"{desc.data_path.rstrip('/')}/{dataset}"
+    dest = desc.on_storage_host(dest_nodes)
+    sas = sas or desc.data.credential.secret.get_secret_value()  # type: ignore[union-attr]
+    pull_cmd = " ".join(q(part) for part in desc.blob_pull)
+    command = (
+        f"env -u BLOB_SAS {pull_cmd} --container-url {q(desc.data.url)} --dest {q(dest)} "
+        f"--prefix {q(dataset + '/')} --workers {int(workers)} --unpack-tars"
+    )
+    started = time.time()
+    with SSH(desc) as ssh:
+        proc = _popen_with_stdin(ssh, command)
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write((sas + "\n").encode())
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        stderr_lines: list[str] = []
+        relay = threading.Thread(target=_relay, args=(proc.stderr, stderr_lines), daemon=True)
+        relay.start()
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        try:
+            out = proc.stdout.read()  # type: ignore[union-attr]
+            proc.wait()
+        finally:
+            timer.cancel()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        relay.join(5)
+        if proc.returncode == -9:
+            raise OperatorError(f"pull on the NFS server did not finish within {timeout:.0f}s")
+        if proc.returncode == 255:
+            raise OperatorError(explain_ssh_failure(ssh.storage.label, "\n".join(stderr_lines), desc))
+        summary = _last_json(out.decode(errors="replace"))
+        if "error" in summary:
+            code = 3 if "authorization" in summary["error"] else 2
+            raise OperatorError(f"pull on the NFS server failed: {summary['error']}", code)
+        if proc.returncode not in (0, 1) or not summary:  # 1: some blobs failed, verified below
+            tail = "\n".join(stderr_lines[-10:])
+            raise OperatorError(f"pull on the NFS server failed (exit {proc.returncode}):\n{tail}")
+        count_cmd = (
+            f"find {q(dest)} -type f -not -path {q(dest + '/.blob-pull/*')} "
+            f"-not -path {q(dest + '/' + SHARD_PREFIX + '*')} -not -name '.*.part-*' | wc -l"
+        )
+        files_in_dest = int(ssh.run(ssh.storage, count_cmd, timeout=600).stdout.strip() or 0)
+    result = PullSummary(
+        dest_on_nodes=dest_nodes,
+        dest_on_storage=dest,
+        listed=summary["listed"],
+        downloaded=summary["downloaded"],
+        skipped=summary["skipped"],
+        failed=summary["failed"],
+        files_in_dest=files_in_dest,
+        expected_files=expected_files,
+        seconds=round(time.time() - started, 3),
+        raw=summary,
+    )
+    problems = []
+    if summary["failed"] or summary["present"] != summary["listed"]:
+        problems.append(f"{summary['failed']} of {summary['listed']} blobs failed: {summary.get('errors', [])[:3]}")
+    if summary["listed"] == 0:
+        problems.append(f"no blobs under {desc.data.url}/{dataset}/ (was it uploaded?)")
+    if expected_objects is not None and summary["listed"] < expected_objects:
+        problems.append(f"the container lists {summary['listed']} blobs, {expected_objects} were uploaded")
+    if expected_files is not None and files_in_dest < expected_files:
+        problems.append(f"{dest} has {files_in_dest} files, expected {expected_files}")
+    if problems:
+        raise OperatorError("pull verification failed: " + "; ".join(problems))
+    return result
+
+
+def _popen_with_stdin(ssh: SSH, command: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        ssh.argv(ssh.storage, command),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
+def _relay(stream, lines: list[str]) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip()
+        lines.append(line)
+        console.print(f"[dim]nfs-server:[/dim] {line}", markup=True, highlight=False)
+
+
+def _last_json(text: str) -> dict:
+    for line in reversed(text.strip().splitlines()):
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return {}
+
+
+def print_pull_summary(result: PullSummary) -> None:
+    table = Table(title="pull onto the NFS server")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    for key, value in (
+        ("path on the nodes", result.dest_on_nodes),
+        ("blobs listed", result.listed),
+        ("downloaded", result.downloaded),
+        ("already present (same MD5)", result.skipped),
+        ("failed", result.failed),
+        ("files in place", result.files_in_dest),
+        ("expected files", "-" if result.expected_files is None else result.expected_files),
+        ("time", f"{result.seconds:.1f} s"),
+    ):
+        table.add_row(key, str(value))
+    console.print(table)
+
+
+# --- helpers -----------------------------------------------------------------------------------
+def _check_dataset_name(dataset: str) -> str:
+    dataset = dataset.strip("/")
+    if not dataset or any(part in ("", ".", "..") for part in dataset.split("/")) or " " in dataset:
+        raise OperatorError(f"invalid dataset name {dataset!r}: use letters, digits, '-', '_' (and '/' to nest)")
+    return dataset
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hvd-stage"
+
+
+def credential_from_env(var: str | None) -> BlobCredential | None:
+    if not var:
+        return None
+    value = os.environ.get(var, "").strip()
+    if not value:
+        raise OperatorError(f"environment variable {var} is empty or unset")
+    return BlobCredential(kind="sas", secret=SecretStr(value.lstrip("?")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.stage",
+        description="Stage a dataset: generate (synthetic), upload to blob, pull onto the NFS server.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="write a small synthetic JPEG dataset in ImageNet layout")
+    gen.add_argument("--out", required=True)
+    gen.add_argument("--classes", type=int, default=4)
+    gen.add_argument("--train-per-class", type=int, default=16)
+    gen.add_argument("--val-per-class", type=int, default=4)
+    gen.add_argument("--image-size", type=int, default=64)
+    gen.add_argument("--seed", type=int, default=0)
+    for name, text in (
+        ("upload", "upload a local directory to the data container (resumable)"),
+        ("pull", "pull a staged dataset onto the NFS server with the read-only SAS"),
+        ("all", "upload, then pull"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--cluster", help="cluster description (default $CLUSTER_DESCRIPTION or the local cluster)")
+        p.add_argument("--dataset", required=True, help="name: blob prefix and directory under data_path")
+        if name in ("upload", "all"):
+            p.add_argument("--source", required=True, help="local dataset directory (ImageNet layout)")
+            p.add_argument("--shard-size-mb", type=float, help="pack files into tar shards of about this size")
+            p.add_argument("--shard-dir", help="where shards are built (default ~/.cache/hvd-stage/shards/DATASET)")
+            p.add_argument("--workers", type=int, default=8, help="parallel uploads (default 8)")
+            p.add_argument("--sas-env", help="upload with a SAS from this environment variable instead")
+            p.add_argument("--no-progress", action="store_true")
+        if name in ("pull", "all"):
+            p.add_argument("--pull-workers", type=int, default=16, help="parallel downloads on the NFS server")
+    args = parser.parse_args(argv)
+
+    def body() -> int:
+        if args.command == "generate":
+            counts = generate_synthetic_imagenet(
+                args.out, args.classes, args.train_per_class, args.val_per_class, args.image_size, args.seed
+            )
+            console.print(f"wrote {counts['train']} train and {counts['val']} val JPEGs under {args.out}")
+            return 0
+        desc = load(args.cluster)
+        expected = None
+        objects = None
+        if args.command in ("upload", "all"):
+            summary = upload(
+                desc,
+                args.source,
+                args.dataset,
+                shard_size_mb=args.shard_size_mb,
+                shard_dir=args.shard_dir,
+                workers=args.workers,
+                credential=credential_from_env(args.sas_env),
+                show_progress=not args.no_progress,
+            )
+            print_upload_summary(summary)
+            print(json.dumps({"upload": asdict(summary)}))
+            if summary.failed:
+                raise OperatorError(f"{summary.failed} files failed to upload; rerun to resume", 1)
+            expected, objects = summary.source_files, summary.objects
+        if args.command in ("pull", "all"):
+            result = pull(
+                desc, args.dataset, expected_files=expected, expected_objects=objects, workers=args.pull_workers
+            )
+            print_pull_summary(result)
+            print(json.dumps({"pull": asdict(result)}))
+        return 0
+
+    return run_cli(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Image builds: `az acr build` cannot run here, so check the exact commands it would run."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from scripts import build_images
+from scripts.errors import OperatorError
+
+from .conftest import REPO, run_module
+
+
+@pytest.fixture
+def context(tmp_path):
+    docker = tmp_path / "training" / "docker"
+    docker.mkdir(parents=True)
+    (docker / "pytorch.Dockerfile").write_text("FROM scratch\n")
+    (docker / "Dockerfile.tensorflow").write_text("FROM scratch\n")
+    return tmp_path
+
+
+def test_commands_tag_with_the_revision_and_latest(context):
+    commands = build_images.build_commands(
+        "hvddevacr.azurecr.io", ["pytorch", "keras", "tensorflow"], "abc123", context
+    )
+    assert [image for image, _ in commands] == [
+        "hvddevacr.azurecr.io/hvd-pytorch:abc123",
+        "hvddevacr.azurecr.io/hvd-tensorflow:abc123",  # keras runs in the tensorflow image: built once
+    ]
+    assert commands[0][1] == [
+        "az", "acr", "build", "--registry", "hvddevacr", "--image", "hvd-pytorch:abc123", "--image",
+        "hvd-pytorch:latest", "--file", "training/docker/pytorch.Dockerfile", "--platform", "linux/amd64", ".",
+    ]  # fmt: skip
+    assert "training/docker/Dockerfile.tensorflow" in commands[1][1]
+
+
+def test_missing_dockerfile_and_bad_registry(tmp_path, context):
+    with pytest.raises(
+        OperatorError, match=r"no Dockerfile for pytorch: looked for training/docker/pytorch\.Dockerfile"
+    ):
+        build_images.build_commands("acr", ["pytorch"], "t", tmp_path / "elsewhere")
+    with pytest.raises(OperatorError, match="invalid registry"):
+        build_images.build_commands("not a registry", ["pytorch"], "t", context)
+
+
+def test_git_revision():
+    rev = build_images.git_revision(REPO)
+    assert re.fullmatch(r"[0-9a-f]{12}(-dirty)?", rev)
+
+
+def test_cli_dry_run_and_missing_az(context, tmp_path):
+    proc = run_module(
+        "scripts.build_images", "--registry", "myacr", "--tag", "t1", "--context", str(context), "--dry-run",
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["myacr.azurecr.io/hvd-pytorch:t1", "myacr.azurecr.io/hvd-tensorflow:t1"]
+    assert "would run" in proc.stderr and "az acr build --registry myacr --image hvd-pytorch:t1" in proc.stderr
+    nodir = run_module(
+        "scripts.build_images", "--registry", "myacr", "--tag", "t1", "--context", str(context),
+        env={"PATH": str(tmp_path)}, timeout=60,
+    )  # fmt: skip
+    assert nodir.returncode == 2 and "the Azure CLI (az) is not installed" in nodir.stderr

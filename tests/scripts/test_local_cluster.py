@@ -1,0 +1,79 @@
+"""The embedded local cluster: what `up` creates, what `status` says, that `down` leaves nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from scripts import local_cluster
+from scripts.cluster import load
+from scripts.errors import OperatorError
+from scripts.sshutil import SSH
+
+from .conftest import SESSION_SUBNET, address, cluster_name, free_subnet, run_module
+
+
+def links() -> str:
+    return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+
+
+def namespaces() -> list[str]:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+
+
+def test_up_status_down_leaves_nothing(tmp_path):
+    state, name, subnet = tmp_path / "lc", cluster_name("c"), free_subnet()
+    a10, a11 = address(subnet, 10), address(subnet, 11)
+    up = run_module(
+        "scripts.local_cluster", "--state-dir", str(state), "up", "--nodes", "2", "--name", name,
+        "--subnet", subnet, timeout=120,
+    )  # fmt: skip
+    assert up.returncode == 0, up.stderr
+    recorded = local_cluster.load_state(state.resolve())
+    try:
+        desc = load(state / "cluster.json")
+        assert recorded.mode == "netns" and [n.address for n in recorded.nodes] == [a10, a11]
+        assert {f"{name}-node-0", f"{name}-node-1"} <= set(namespaces()) and f"{name}-br" in links()
+        assert Path(f"/etc/netns/{name}-node-1/hosts").read_text().splitlines()[-1] == f"{a11}\tnode-1"
+        # the registry as cloud-init writes it on Azure
+        record = json.loads((Path(desc.node_registry_path) / "node-1.json").read_text())
+        assert set(record) == {"hostname", "address", "gpus", "ib_state", "ready_at"}
+        assert (record["hostname"], record["address"], record["ib_state"]) == ("node-1", a11, "absent")
+        # each node: its own hostname, address, /etc/hosts and process table, reached through the jump host
+        with SSH(desc) as ssh:
+            ssh.set_nodes([local_cluster.NodeRecord.model_validate(record)])
+            probe = "hostname; ip -4 -o addr show eth0; getent hosts node-0; ls -d /proc/[0-9]* | wc -l"
+            out = ssh.run(ssh.node("node-1"), probe)
+        hostname, addr, hosts, procs = out.stdout.strip().splitlines()
+        assert hostname == "node-1" and f"{a11}/24" in addr and hosts.split()[0] == a10
+        assert int(procs) < 10  # only this node's sshd and our session, not the host's processes
+        assert (state / "cluster.json").stat().st_mode & 0o077 == 0
+        status = run_module("scripts.local_cluster", "--state-dir", str(state), "status")
+        assert status.returncode == 0 and "azurite" in status.stdout and status.stdout.count("running") == 7
+        pids = [p.pid for p in recorded.processes]
+        assert all(Path(f"/proc/{pid}").exists() for pid in pids)
+    finally:
+        down = run_module("scripts.local_cluster", "--state-dir", str(state), "down")
+    assert down.returncode == 0, down.stderr
+    assert not any(Path(f"/proc/{p.pid}").exists() and local_cluster.pid_alive(p) for p in recorded.processes)
+    assert not {f"{name}-node-0", f"{name}-node-1"} & set(namespaces())
+    assert f"{name}-" not in links()
+    assert not Path(f"/etc/netns/{name}-node-0").exists() and not state.exists()
+    gone = run_module("scripts.local_cluster", "--state-dir", str(state), "status")
+    assert gone.returncode == 1 and "no local cluster" in gone.stdout
+
+
+def test_up_refuses_a_range_in_use_and_cleans_up(cluster_dir, tmp_path):
+    state = tmp_path / "clash"
+    with pytest.raises(OperatorError, match=rf"subnet {SESSION_SUBNET} is already in use"):
+        local_cluster.up(nodes=1, state_dir=state, name=cluster_name("x"), subnet=SESSION_SUBNET)
+    name = cluster_name("x")
+    assert not state.exists() and f"{name}-" not in links() and f"{name}-node-0" not in namespaces()
+
+
+def test_up_twice_is_refused(cluster_dir):
+    with pytest.raises(OperatorError, match="already recorded"):
+        local_cluster.up(nodes=1, state_dir=cluster_dir, name=cluster_name("y"))

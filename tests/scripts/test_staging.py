@@ -1,0 +1,246 @@
+"""Staging against real Azurite and a real pull over SSH (through the jump host) onto the shared directory."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import signal
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from azure.core.exceptions import HttpResponseError
+from azure.storage.blob import ContainerClient, ContainerSasPermissions, ContentSettings, generate_container_sas
+from PIL import Image
+
+from scripts import blob_pull, local_cluster, stage
+from scripts.blobs import container_client
+from scripts.cluster import ClusterDescription
+from scripts.errors import OperatorError
+
+from .conftest import run_module, start_module, wait_for
+
+
+def md5_b64(path: Path) -> str:
+    return base64.b64encode(hashlib.md5(path.read_bytes()).digest()).decode()
+
+
+def admin(desc: ClusterDescription) -> ContainerClient:
+    return container_client(desc.data, desc.staging_credential)
+
+
+def remote_md5s(desc: ClusterDescription, prefix: str) -> dict[str, str]:
+    out = {}
+    for blob in admin(desc).list_blobs(name_starts_with=prefix):
+        digest = blob.content_settings.content_md5
+        out[blob.name[len(prefix) :]] = base64.b64encode(bytes(digest)).decode() if digest else ""
+    return out
+
+
+def sas(desc: ClusterDescription, permission: ContainerSasPermissions, expiry: datetime) -> str:
+    return generate_container_sas(
+        local_cluster.AZURITE_ACCOUNT, "data", account_key=local_cluster.AZURITE_KEY, permission=permission,
+        expiry=expiry, start=expiry - timedelta(hours=2), protocol="https,http",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def jpegs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("jpegs")
+    counts = stage.generate_synthetic_imagenet(out, classes=3, train_per_class=6, val_per_class=2, image_size=32)
+    assert counts == {"train": 18, "val": 6}
+    return out
+
+
+def test_synthetic_generator_layout_and_determinism(jpegs, tmp_path):
+    files = sorted(p.relative_to(jpegs).as_posix() for p in jpegs.rglob("*") if p.is_file())
+    assert len(files) == 24
+    assert files[0] == "train/n01440764/n01440764_00000.JPEG"
+    assert {f.split("/")[0] for f in files} == {"train", "val"}
+    assert len({f.split("/")[1] for f in files}) == 3
+    with Image.open(jpegs / files[0]) as img:
+        assert img.format == "JPEG" and img.size == (32, 32) and img.mode == "RGB"
+    again = tmp_path / "again"
+    stage.generate_synthetic_imagenet(again, classes=3, train_per_class=6, val_per_class=2, image_size=32)
+    assert md5_b64(again / files[5]) == md5_b64(jpegs / files[5])
+
+
+def test_upload_sets_content_md5_and_pull_verifies_counts(cluster, jpegs):
+    summary = stage.upload(cluster, jpegs, "plain", workers=4, show_progress=False)
+    assert (summary.source_files, summary.uploaded, summary.skipped, summary.failed) == (24, 24, 0, 0)
+    remote = remote_md5s(cluster, "plain/")
+    assert remote == {p.relative_to(jpegs).as_posix(): md5_b64(p) for p in jpegs.rglob("*") if p.is_file()}
+
+    pulled = stage.pull(cluster, "plain", expected_files=24, expected_objects=24)
+    assert (pulled.listed, pulled.downloaded, pulled.failed, pulled.files_in_dest) == (24, 24, 0, 24)
+    dest = Path(cluster.data_path) / "plain"
+    assert pulled.dest_on_nodes == str(dest)
+    for path in jpegs.rglob("*.JPEG"):
+        assert md5_b64(dest / path.relative_to(jpegs)) == md5_b64(path)
+    # a second pull finds everything in place (same MD5) and downloads nothing
+    again = stage.pull(cluster, "plain", expected_files=24)
+    assert (again.downloaded, again.skipped) == (0, 24)
+
+
+def test_changed_file_is_the_only_one_sent_again(cluster, jpegs, tmp_path):
+    src = tmp_path / "src"
+    stage.generate_synthetic_imagenet(src, classes=2, train_per_class=3, val_per_class=1, image_size=16)
+    first = stage.upload(cluster, src, "changed", show_progress=False)
+    assert first.uploaded == 8
+    victim = next(src.rglob("*.JPEG"))
+    victim.write_bytes(victim.read_bytes() + b"\0")
+    second = stage.upload(cluster, src, "changed", show_progress=False)
+    assert (second.uploaded, second.skipped) == (1, 7)
+    assert remote_md5s(cluster, "changed/")[victim.relative_to(src).as_posix()] == md5_b64(victim)
+
+
+def test_pull_rejects_content_that_does_not_match_its_md5(cluster, tmp_path):
+    src = tmp_path / "src"
+    stage.generate_synthetic_imagenet(src, classes=1, train_per_class=3, val_per_class=0, image_size=16)
+    stage.upload(cluster, src, "corrupt", show_progress=False)
+    name = "corrupt/train/n01440764/n01440764_00001.JPEG"
+    # the stored Content-MD5 no longer matches the bytes: what a corrupted object looks like to a reader
+    admin(cluster).get_blob_client(name).set_http_headers(
+        ContentSettings(content_type="image/jpeg", content_md5=bytearray(hashlib.md5(b"other").digest()))
+    )
+    with pytest.raises(OperatorError, match=r"pull verification failed: 1 of 3 blobs failed.*MD5 verification failed"):
+        stage.pull(cluster, "corrupt", expected_files=3)
+    dest = Path(cluster.data_path) / "corrupt" / "train" / "n01440764"
+    assert not (dest / "n01440764_00001.JPEG").exists()  # never moved into place
+    assert not list(dest.glob(".*part*"))  # no partial file left behind
+    assert len(list(dest.glob("*.JPEG"))) == 2
+
+
+def test_upload_resumes_after_a_kill(cluster, cluster_file, tmp_path):
+    src = tmp_path / "bulk"
+    total = 300
+    for i in range(total):
+        folder = src / "train" / f"n{i % 10:08d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"img_{i:04d}.JPEG").write_bytes(os.urandom(96 * 1024))
+    proc = start_module(
+        "scripts.stage", "upload", "--cluster", str(cluster_file), "--source", str(src), "--dataset", "resume",
+        "--workers", "1", "--no-progress",
+    )  # fmt: skip
+    client = admin(cluster)
+
+    def count() -> int:
+        return sum(1 for _ in client.list_blobs(name_starts_with="resume/"))
+
+    try:
+        wait_for(lambda: count() >= 20 or proc.poll() is not None, 120, 0.05, "the first uploads")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the upload finished before it could be interrupted"
+    time.sleep(0.5)
+    before = count()
+    assert 0 < before < total
+
+    resumed = stage.upload(cluster, src, "resume", workers=4, show_progress=False)
+    assert (resumed.skipped, resumed.uploaded, resumed.failed) == (before, total - before, 0)
+    local = {p.relative_to(src).as_posix(): md5_b64(p) for p in src.rglob("*") if p.is_file()}
+    assert remote_md5s(cluster, "resume/") == local  # nothing lost, nothing corrupted
+    third = stage.upload(cluster, src, "resume", show_progress=False)
+    assert (third.uploaded, third.skipped) == (0, total)
+
+
+def test_tar_shards_are_resumable_and_unpacked_on_pull(cluster, jpegs, tmp_path):
+    shard_dir = tmp_path / "shards"
+    summary = stage.upload(cluster, jpegs, "sharded", shard_size_mb=0.01, shard_dir=shard_dir, show_progress=False)
+    assert summary.sharded and 1 < summary.objects < summary.source_files
+    assert all(name.startswith("shards/shard-") for name in remote_md5s(cluster, "sharded/"))
+    again = stage.upload(cluster, jpegs, "sharded", shard_size_mb=0.01, shard_dir=shard_dir, show_progress=False)
+    assert (again.uploaded, again.skipped) == (0, summary.objects)  # byte-identical shards
+    pulled = stage.pull(cluster, "sharded", expected_files=24, expected_objects=summary.objects)
+    assert pulled.raw["unpacked_files"] == 24 and pulled.files_in_dest == 24
+    dest = Path(cluster.data_path) / "sharded"
+    for path in jpegs.rglob("*.JPEG"):
+        assert md5_b64(dest / path.relative_to(jpegs)) == md5_b64(path)
+
+
+def test_read_only_sas_cannot_write(cluster, jpegs):
+    read_only = cluster.data.credential  # the SAS the nodes and the NFS server get: read + list
+    client = container_client(cluster.data)
+    assert sum(1 for _ in client.list_blobs()) >= 0  # it may list ...
+    with pytest.raises(HttpResponseError) as err:  # ... but not write
+        client.upload_blob("plain/evil.txt", b"x")
+    assert err.value.status_code == 403
+    with pytest.raises(OperatorError, match="does not grant this permission") as op:
+        stage.upload(cluster, jpegs, "ro-attempt", credential=read_only, show_progress=False)
+    assert op.value.exit_code == 3
+    assert not remote_md5s(cluster, "ro-attempt/")
+
+
+def test_expired_sas_gives_a_clear_error(cluster, cluster_file, jpegs):
+    expired = sas(
+        cluster, ContainerSasPermissions(read=True, list=True, write=True), datetime.now(UTC) - timedelta(hours=1)
+    )
+    started = time.time()
+    with pytest.raises(OperatorError, match=r"the SAS token expired at \d{4}-\d\d-\d\dT") as err:
+        stage.pull(cluster, "plain", sas=expired)
+    assert err.value.exit_code == 3
+    # the same through the CLIs an operator runs: blob-pull itself, and an upload with that SAS
+    dest = Path(cluster.data_path) / "never"
+    proc = run_module(
+        "scripts.blob_pull", "--container-url", cluster.data.url, "--dest", str(dest),
+        env={"BLOB_SAS": expired}, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "the SAS token expired at" in proc.stderr
+    up = run_module(
+        "scripts.stage", "upload", "--cluster", str(cluster_file), "--source", str(jpegs), "--dataset", "x",
+        "--sas-env", "STAGE_SAS", "--no-progress", env={"STAGE_SAS": expired}, timeout=60,
+    )  # fmt: skip
+    assert up.returncode == 3 and "the SAS token expired at" in up.stderr
+    assert time.time() - started < 60
+
+
+def test_wrong_sas_and_missing_dataset_path(cluster, cluster_file):
+    wrong = cluster.data.credential.secret.get_secret_value().replace("sig=", "sig=AAAA")
+    with pytest.raises(OperatorError, match="blob authorization failed while listing the container"):
+        stage.pull(cluster, "plain", sas=wrong)
+    proc = run_module(
+        "scripts.stage", "upload", "--cluster", str(cluster_file), "--source", "/nonexistent/imagenet",
+        "--dataset", "x", timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "error: dataset path /nonexistent/imagenet does not exist" in proc.stderr
+
+
+def test_blob_pull_is_stdlib_only_and_refuses_escaping_names():
+    source = Path(blob_pull.__file__).read_text()
+    imports = {line.split()[1].split(".")[0] for line in source.splitlines() if line.startswith(("import ", "from "))}
+    assert imports <= {
+        "argparse", "base64", "contextlib", "hashlib", "http", "json", "os", "sys", "tarfile", "threading", "time",
+        "urllib", "xml", "concurrent", "datetime",
+    }  # fmt: skip
+    assert source.startswith("#!/usr/bin/env python3")
+    with pytest.raises(blob_pull.BlobError, match="outside the destination"):
+        blob_pull.local_path("/dest", "data/../../etc/passwd", "data/")
+    assert blob_pull.local_path("/dest", "ds/train/a.JPEG", "ds/") == "/dest/train/a.JPEG"
+
+
+def test_blob_pull_takes_the_sas_from_stdin_never_argv(cluster, tmp_path):
+    dest = tmp_path / "pulled"
+    proc = run_module(
+        "scripts.blob_pull", "--container-url", cluster.data.url, "--dest", str(dest), "--prefix", "plain/",
+        input=cluster.data.credential.secret.get_secret_value() + "\n", timeout=60, env={"BLOB_SAS": ""},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert '"listed": 24' in proc.stdout and len(list(dest.rglob("*.JPEG"))) == 24
+    options = set(blob_pull.build_parser()._option_string_actions)
+    assert not {"--sas", "--sas-token", "--token"} & options and "--sas-env" in options  # names a variable only
+
+
+def test_rerun_does_not_hash_unchanged_files_again(cluster, jpegs, monkeypatch):
+    stage.upload(cluster, jpegs, "hashcache", show_progress=False)
+    calls = []
+    real = stage.blobs.file_md5
+    monkeypatch.setattr(stage.blobs, "file_md5", lambda path: calls.append(path) or real(path))
+    again = stage.upload(cluster, jpegs, "hashcache", show_progress=False)
+    assert (again.skipped, calls) == (24, [])
+    victim = next(jpegs.rglob("*.JPEG"))
+    os.utime(victim, ns=(victim.stat().st_atime_ns, victim.stat().st_mtime_ns + 1))
+    stage.upload(cluster, jpegs, "hashcache", show_progress=False)
+    assert calls == [victim]
