@@ -22,22 +22,13 @@ from scripts.errors import OperatorError, run_cli
 from scripts.ui import make_console
 
 console = make_console()
-# framework image -> the job frameworks it serves (Keras runs in the TensorFlow image)
-IMAGES = {"pytorch": "hvd-pytorch", "tensorflow": "hvd-tensorflow"}
 
 
-def find_dockerfile(framework: str, root: Path = REPO_ROOT) -> Path:
-    candidates = [
-        root / "training" / "docker" / f"{framework}.Dockerfile",
-        root / "training" / "docker" / f"Dockerfile.{framework}",
-        root / "training" / "docker" / framework / "Dockerfile",
-    ]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise OperatorError(
-        f"no Dockerfile for {framework}: looked for " + ", ".join(str(p.relative_to(root)) for p in candidates)
-    )
+def dockerfile_for(framework: str, root: Path = REPO_ROOT) -> Path:
+    path = root / "training" / "docker" / f"Dockerfile.{framework}"
+    if not path.is_file():
+        raise OperatorError(f"no Dockerfile for {framework}: expected {path.relative_to(root)}")
+    return path
 
 
 def git_revision(root: Path = REPO_ROOT) -> str:
@@ -63,16 +54,15 @@ def build_commands(
     """(image reference, az argv) per image to build. Keras needs no image of its own."""
     wanted = []
     for fw in frameworks:
-        base = "tensorflow" if fw == "keras" else fw
-        if base not in IMAGES:
+        if fw not in IMAGE_REPOSITORIES:
             raise OperatorError(f"unknown framework {fw!r} (pytorch, tensorflow, keras)")
+        base = "tensorflow" if fw == "keras" else fw  # Keras runs in the TensorFlow image
         if base not in wanted:
             wanted.append(base)
     out = []
     for base in wanted:
-        repo = IMAGES[base]
-        assert IMAGE_REPOSITORIES[base] == repo
-        dockerfile = find_dockerfile(base, root)
+        repo = IMAGE_REPOSITORIES[base]
+        dockerfile = dockerfile_for(base, root)
         argv = [
             "az", "acr", "build",
             "--registry", registry_name(registry),

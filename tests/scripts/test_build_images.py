@@ -16,7 +16,7 @@ from .conftest import REPO, run_module
 def context(tmp_path):
     docker = tmp_path / "training" / "docker"
     docker.mkdir(parents=True)
-    (docker / "pytorch.Dockerfile").write_text("FROM scratch\n")
+    (docker / "Dockerfile.pytorch").write_text("FROM scratch\n")
     (docker / "Dockerfile.tensorflow").write_text("FROM scratch\n")
     return tmp_path
 
@@ -31,15 +31,13 @@ def test_commands_tag_with_the_revision_and_latest(context):
     ]
     assert commands[0][1] == [
         "az", "acr", "build", "--registry", "hvddevacr", "--image", "hvd-pytorch:abc123", "--image",
-        "hvd-pytorch:latest", "--file", "training/docker/pytorch.Dockerfile", "--platform", "linux/amd64", ".",
+        "hvd-pytorch:latest", "--file", "training/docker/Dockerfile.pytorch", "--platform", "linux/amd64", ".",
     ]  # fmt: skip
     assert "training/docker/Dockerfile.tensorflow" in commands[1][1]
 
 
 def test_missing_dockerfile_and_bad_registry(tmp_path, context):
-    with pytest.raises(
-        OperatorError, match=r"no Dockerfile for pytorch: looked for training/docker/pytorch\.Dockerfile"
-    ):
+    with pytest.raises(OperatorError, match=r"no Dockerfile for pytorch: expected training/docker/Dockerfile\.pytorch"):
         build_images.build_commands("acr", ["pytorch"], "t", tmp_path / "elsewhere")
     with pytest.raises(OperatorError, match="invalid registry"):
         build_images.build_commands("not a registry", ["pytorch"], "t", context)
@@ -63,3 +61,8 @@ def test_cli_dry_run_and_missing_az(context, tmp_path):
         env={"PATH": str(tmp_path)}, timeout=60,
     )  # fmt: skip
     assert nodir.returncode == 2 and "the Azure CLI (az) is not installed" in nodir.stderr
+
+
+def test_repository_ships_a_dockerfile_for_every_image():
+    commands = build_images.build_commands("acr", ["pytorch", "tensorflow", "keras"], "t", REPO)
+    assert [image for image, _ in commands] == ["acr.azurecr.io/hvd-pytorch:t", "acr.azurecr.io/hvd-tensorflow:t"]

@@ -1,0 +1,161 @@
+"""Helpers to launch the training jobs as real multi-process runs (horovodrun / torchrun)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+from PIL import Image
+
+from training.metrics import validate_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+HOROVODRUN = BIN / "horovodrun"
+TORCHRUN = BIN / "torchrun"
+# Small enough for a shared 2-core machine: tiny model, 16x16 images, one decode worker.
+TINY = ["--model", "resnet_tiny", "--image-size", "16", "--batch-size", "4", "--log-every", "5", "--data-workers", "1"]
+
+
+def job_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+    return env
+
+
+# Commands are lists of anything str() turns into an argument (paths, numbers); start() converts.
+def horovodrun(np_: int, framework: str, *args: Any) -> list[Any]:
+    return [
+        HOROVODRUN,
+        "-np",
+        np_,
+        "-H",
+        f"localhost:{np_}",
+        "--gloo",
+        sys.executable,
+        "-m",
+        f"training.{framework}",
+        *args,
+    ]
+
+
+def single(framework: str, *args: Any) -> list[Any]:
+    """One process without a launcher (Horovod then runs with size 1)."""
+    return [sys.executable, "-m", f"training.{framework}", *args]
+
+
+def torchrun(nproc: int, *args: Any) -> list[Any]:
+    return [TORCHRUN, "--standalone", "--nproc_per_node", nproc, "-m", "training.pytorch", *args]
+
+
+def start(cmd: Sequence[Any], log: Path) -> subprocess.Popen:
+    """Start a launcher in its own session, output to ``log``."""
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            [str(part) for part in cmd],
+            cwd=REPO,
+            env=job_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a launcher and every process it started (workers outlive a killed horovodrun)."""
+    try:
+        family = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:
+        family = []
+    for p in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    proc.wait()
+
+
+def run(cmd: Sequence[Any], log: Path, timeout: float = 240, expect_rc: int = 0) -> str:
+    """Run to completion and return the output; fail with its tail on an unexpected exit."""
+    proc = start(cmd, log)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        raise AssertionError(
+            f"{' '.join(map(str, cmd))} timed out after {timeout}s:\n{log.read_text()[-4000:]}"
+        ) from None
+    output = log.read_text()
+    assert rc == expect_rc, f"{' '.join(map(str, cmd))} exited {rc}:\n{output[-4000:]}"
+    return output
+
+
+def worker_pid(launcher: subprocess.Popen, rank: int, module: str = "training.pytorch", timeout: float = 120) -> int:
+    """Pid of the worker process with the given Horovod rank under ``launcher``."""
+    return wait_for(lambda: _find_worker(launcher.pid, rank, module), timeout, f"rank {rank} of {module}")
+
+
+def _find_worker(launcher_pid: int, rank: int, module: str) -> int | None:
+    for p in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            cmdline = p.cmdline()
+            if cmdline[1:3] == ["-m", module] and p.environ().get("HOROVOD_RANK") == str(rank):
+                return p.pid
+        except (psutil.NoSuchProcess, psutil.AccessDenied, IndexError):
+            continue
+    return None
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def read_metrics(path: Path) -> dict[str, Any]:
+    metrics = json.loads(path.read_text())
+    validate_metrics(metrics)  # exactly the schema's keys, finite numbers
+    return metrics
+
+
+def make_imagenet(root: Path, classes: int, train_per_class: int, val_per_class: int, corrupt: int = 1) -> Path:
+    """A tiny ImageNet-layout JPEG tree; ``corrupt`` of the train files are not images."""
+    rng = np.random.default_rng(0)
+    for split, count in (("train", train_per_class), ("val", val_per_class)):
+        for c in range(classes):
+            folder = root / split / f"n{c:08d}"
+            folder.mkdir(parents=True)
+            for i in range(count):
+                height, width = rng.integers(20, 60, size=2)
+                pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(folder / f"n{c:08d}_{i}.JPEG", quality=90)
+    for i in range(corrupt):
+        (root / "train" / "n00000000" / f"n00000000_{i}.JPEG").write_bytes(b"\xff\xd8\xff\xe0 truncated")
+    return root
+
+
+def check_common(metrics: dict[str, Any], framework: str, backend: str = "horovod") -> None:
+    """What every 2-worker run with ``TINY`` (batch 4 per worker) must report."""
+    assert metrics["framework"] == framework
+    assert metrics["backend"] == backend
+    assert metrics["world_size"] == 2
+    assert metrics["batch_size_per_worker"] == 4
+    assert metrics["global_batch_size"] == 8
+    assert metrics["device"] == "cpu"
+    assert math.isfinite(metrics["final_loss"]) and metrics["final_loss"] > 0
+    assert metrics["images_per_sec"] > 0
+    assert metrics["images_per_sec_per_worker"] == pytest.approx(metrics["images_per_sec"] / 2)
+    assert metrics["resumed_from_step"] is None

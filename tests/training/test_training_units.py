@@ -1,0 +1,311 @@
+"""In-process tests of the framework-neutral pieces: schedule, checkpoints, data, metrics, loop."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.training.jobs import make_imagenet
+from training import data, metrics
+from training.args import MODELS, parse_args
+from training.checkpoint import (
+    CheckpointDir,
+    CorruptCheckpoint,
+    checkpoint_path,
+    read_checkpoint,
+    write_checkpoint,
+)
+from training.distributed import FAILURE_TIMEOUTS, set_failure_timeouts
+from training.loop import TrainingRun, resume
+from training.schedule import learning_rate
+
+# --- LR schedule -------------------------------------------------------------------------
+
+
+def test_lr_warms_up_from_base_to_scaled_then_decays() -> None:
+    lr = lambda step: learning_rate(step, 100, 0.1, 8, 5, (30, 60, 80))  # noqa: E731
+    assert lr(0) == pytest.approx(0.1)  # one worker's LR at the start
+    assert lr(250) == pytest.approx(0.1 + 0.7 * 0.5)  # half way through warmup
+    assert lr(500) == pytest.approx(0.8)  # linear scaling: base x 8 workers
+    assert lr(2999) == pytest.approx(0.8)
+    assert lr(3000) == pytest.approx(0.08)
+    assert lr(6000) == pytest.approx(0.008)
+    assert lr(8000) == pytest.approx(0.0008)
+
+
+def test_lr_without_warmup_is_scaled_from_the_first_step() -> None:
+    assert learning_rate(0, 10, 0.1, 4, 0) == pytest.approx(0.4)
+
+
+# --- checkpoints ---------------------------------------------------------------------------
+
+
+def test_checkpoint_round_trip_and_damage_detection(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path, 7, b"payload" * 100)
+    assert path == checkpoint_path(tmp_path, 7)
+    assert read_checkpoint(path) == (7, b"payload" * 100)
+    whole = path.read_bytes()
+    for damaged, reason in [
+        (whole[:-1], "payload is"),
+        (whole[:10], "shorter than the header"),
+        (b"NOTACKPT" + whole[8:], "bad magic"),
+        (whole[:-1] + bytes([whole[-1] ^ 1]), "checksum"),
+    ]:
+        path.write_bytes(damaged)
+        with pytest.raises(CorruptCheckpoint, match=reason):
+            read_checkpoint(path)
+
+
+def test_checkpoint_renamed_to_another_step_is_rejected(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 3, b"x").rename(checkpoint_path(tmp_path, 4))
+    with pytest.raises(CorruptCheckpoint, match="header says step 3"):
+        read_checkpoint(checkpoint_path(tmp_path, 4))
+
+
+def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    checkpoints = CheckpointDir(tmp_path, keep=3)
+    for step in (10, 20, 30):
+        checkpoints.save(step, f"state {step}".encode())
+    newest = checkpoint_path(tmp_path, 30)
+    newest.write_bytes(newest.read_bytes()[:-3])
+    with caplog.at_level(logging.WARNING):
+        assert checkpoints.load_latest(bytes.decode) == (20, b"state 20")
+    assert f"checkpoint {newest} is unusable" in caplog.text
+
+
+def test_checkpoint_that_does_not_decode_falls_back(tmp_path: Path) -> None:
+    checkpoints = CheckpointDir(tmp_path, keep=3)
+    checkpoints.save(1, b'{"ok": 1}')
+    checkpoints.save(2, b"not json")
+    assert checkpoints.load_latest(json.loads) == (1, b'{"ok": 1}')
+
+
+def test_no_valid_checkpoint_means_none(tmp_path: Path) -> None:
+    assert CheckpointDir(tmp_path / "absent").load_latest(bytes.decode) is None
+    checkpoint_path(tmp_path, 5).write_bytes(b"garbage")
+    assert CheckpointDir(tmp_path).load_latest(bytes.decode) is None
+
+
+def test_save_keeps_the_newest_and_stale_temporaries_are_removed(tmp_path: Path) -> None:
+    checkpoints = CheckpointDir(tmp_path, keep=2)
+    for step in range(1, 6):
+        checkpoints.save(step, b"x")
+    assert checkpoints.steps() == [4, 5]
+    stale = tmp_path / ".ckpt-0000000006.tmp-12345"
+    stale.write_bytes(b"half a checkpoint")
+    assert checkpoints.steps() == [4, 5]  # temporaries are never candidates
+    checkpoints.remove_stale_temporaries()
+    assert not stale.exists()
+
+
+# --- data ----------------------------------------------------------------------------------
+
+
+def test_missing_and_empty_data_dirs_are_named(tmp_path: Path) -> None:
+    with pytest.raises(data.DataDirError, match=f"data directory {tmp_path / 'nope'} does not exist"):
+        data.load_imagenet(tmp_path / "nope", 32, 0)
+    with pytest.raises(data.DataDirError, match=f"{tmp_path / 'train'} does not exist"):
+        data.load_imagenet(tmp_path, 32, 0)
+    (tmp_path / "train" / "n01").mkdir(parents=True)
+    with pytest.raises(data.DataDirError, match=f"{tmp_path / 'train'} contains no images"):
+        data.load_imagenet(tmp_path, 32, 0)
+
+
+def test_val_classes_must_exist_in_train(tmp_path: Path) -> None:
+    root = make_imagenet(tmp_path, classes=2, train_per_class=1, val_per_class=1, corrupt=0)
+    (root / "val" / "n99999999").mkdir()
+    with pytest.raises(data.DataDirError, match="n99999999"):
+        data.load_imagenet(root, 32, 0)
+
+
+def test_imagenet_index_decode_and_corrupt_file_skip(tmp_path: Path) -> None:
+    root = make_imagenet(tmp_path, classes=3, train_per_class=4, val_per_class=2, corrupt=1)
+    train, val = data.load_imagenet(root, 24, seed=3)
+    assert val is not None
+    assert (len(train), len(val), train.classes) == (12, 6, val.classes)
+    assert sorted(set(train.labels.tolist())) == [0, 1, 2]
+    corrupt = train.paths.index(str(root / "train" / "n00000000" / "n00000000_0.JPEG"))
+    image, label, skipped = train[corrupt, 0]
+    assert (image.shape, image.dtype, skipped, label) == ((24, 24, 3), np.uint8, 1, 0)
+    assert np.array_equal(image, train[corrupt + 1, 0][0])  # the next file stands in
+    a, b = train[corrupt + 1, 5][0], train[corrupt + 1, 5][0]
+    assert np.array_equal(a, b)  # augmentation is a function of (seed, epoch, index)
+    assert val[0, data.VAL_EPOCH][0].shape == (24, 24, 3)
+
+
+def test_random_resized_crop_box_stays_inside_the_image() -> None:
+    rng = np.random.default_rng(0)
+    for width, height in [(500, 375), (20, 200), (300, 30), (1, 1)]:
+        for _ in range(50):
+            left, top, w, h = data.random_resized_crop_box(width, height, rng)
+            assert left >= 0 and top >= 0 and w > 0 and h > 0
+            assert left + w <= width and top + h <= height
+
+
+def test_train_keys_shard_disjointly_with_equal_step_counts() -> None:
+    n, world, batch, per_epoch = 103, 4, 5, 5
+    shards = [list(data.train_keys(n, rank, world, batch, 7, per_epoch, 0, 2 * per_epoch)) for rank in range(world)]
+    assert {len(s) for s in shards} == {2 * per_epoch}
+    for epoch in range(2):
+        seen = [i for s in shards for b in s[epoch * per_epoch : (epoch + 1) * per_epoch] for i, e in b]
+        assert len(seen) == len(set(seen)) == world * per_epoch * batch  # no image twice per epoch
+    assert shards[0][0] != shards[0][per_epoch]  # a new order each epoch
+
+
+def test_train_keys_resume_mid_epoch_continues_the_same_order() -> None:
+    full = list(data.train_keys(50, 1, 2, 4, 0, 6, 0, 12))
+    assert list(data.train_keys(50, 1, 2, 4, 0, 6, 4, 12)) == full[4:]
+
+
+def test_val_keys_cover_every_image_once() -> None:
+    keys = [i for rank in range(3) for b in data.val_keys(10, rank, 3, 2) for i, _ in b]
+    assert sorted(keys) == list(range(10))
+
+
+def test_steps_per_epoch_is_equal_for_all_ranks_and_capped() -> None:
+    assert data.steps_per_epoch(1000, 3, 10, None) == 33
+    assert data.steps_per_epoch(1000, 3, 10, 5) == 5
+    with pytest.raises(data.DataDirError, match="fewer than one batch"):
+        data.steps_per_epoch(5, 2, 4, None)
+
+
+def test_synthetic_batches_of_two_ranks_equal_one_double_batch() -> None:
+    one = data.synthetic_batch(1, 0, 6, 8, 10)
+    two = [data.synthetic_batch(1, rank, 3, 8, 10) for rank in range(2)]
+    assert np.array_equal(one[0], np.concatenate([two[0][0], two[1][0]]))
+    assert np.array_equal(one[1], np.concatenate([two[0][1], two[1][1]]))
+
+
+# --- metrics ---------------------------------------------------------------------------------
+
+
+def test_throughput_is_global_batch_over_the_slowest_rank() -> None:
+    # Rank 0 took 1 s for 10 steps, rank 1 took 2 s: the job ran at rank 1's pace.
+    images_per_sec, per_worker = metrics.throughput(64, 10, [1.0, 2.0])
+    assert images_per_sec == pytest.approx(320.0)  # not rank 0's 640 x 2 workers
+    assert per_worker == pytest.approx(160.0)
+    assert metrics.throughput(64, 0, [0.0, 0.0]) == (None, None)
+
+
+def test_step_timer_leaves_out_warmup_steps_and_pauses(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([0.0, 10.0, 11.0, 12.0, 12.5, 13.5, 100.0, 101.0])
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    timer = metrics.StepTimer(excluded=1)
+    timer.step_done()  # t=0: the excluded step ends, timing starts
+    timer.step_done()  # t=10: 10 s
+    timer.pause()  # t=11
+    timer.resume()  # t=12: 1 s paused
+    timer.step_done()  # t=12.5: 2.5 s, 1 s of it paused
+    timer.step_done()  # t=13.5: 1 s
+    timer.pause()  # t=100: a pause after the last step counts for nothing
+    timer.resume()  # t=101
+    assert timer.measured_steps == 3
+    assert timer.elapsed == pytest.approx(12.5)
+
+
+def test_metrics_schema_is_enforced(tmp_path: Path) -> None:
+    good = dict.fromkeys(metrics.METRIC_KEYS, 1.0)
+    metrics.write_metrics(tmp_path / "m.json", good)
+    assert json.loads((tmp_path / "m.json").read_text()) == good
+    with pytest.raises(ValueError, match="schema"):
+        metrics.validate_metrics({k: v for k, v in good.items() if k != "device"})
+    with pytest.raises(ValueError, match="final_loss is nan"):
+        metrics.validate_metrics({**good, "final_loss": float("nan")})
+
+
+# --- flags and failure settings ---------------------------------------------------------------
+
+
+def test_flags_are_validated() -> None:
+    with pytest.raises(SystemExit):
+        parse_args("pytorch", ["--data", "imagenet"])  # needs --data-dir
+    with pytest.raises(SystemExit):
+        parse_args("keras", ["--backend", "ddp"])  # PyTorch only
+    with pytest.raises(SystemExit):
+        parse_args("tensorflow", ["--batch-size", "0"])
+    with pytest.raises(SystemExit):
+        parse_args("tensorflow", ["--lr-decay-epochs", "60,30"])
+    args = parse_args("pytorch", ["--lr-decay-epochs", "2,4"])
+    assert (args.model, args.image_size, args.backend, args.lr_decay_epochs) == ("resnet50", 224, "horovod", (2.0, 4.0))
+
+
+def test_model_names_match_the_builders() -> None:
+    from training.torch_models import MODELS as TORCH_MODELS
+
+    assert tuple(TORCH_MODELS) == MODELS
+
+
+def test_failure_timeouts_fill_in_defaults_but_keep_user_values() -> None:
+    env = {"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "300"}
+    effective = set_failure_timeouts(env)
+    assert effective["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] == "300"
+    assert effective["HOROVOD_STALL_CHECK_TIME_SECONDS"] == FAILURE_TIMEOUTS["HOROVOD_STALL_CHECK_TIME_SECONDS"]
+    assert env.keys() == FAILURE_TIMEOUTS.keys()
+
+
+# --- the step loop's bookkeeping (one process) -------------------------------------------------
+
+
+class OneProcess:
+    backend, rank, size, local_rank, local_size = "test", 0, 1, 0, 1
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return obj
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        assert data is not None
+        return data
+
+
+def run_steps(tmp_path: Path, flags: list[str], evaluate: Any = None) -> tuple[dict[str, Any], list[int]]:
+    args = parse_args("pytorch", ["--checkpoint-dir", str(tmp_path / "ckpt"), *flags])
+    dist = OneProcess()
+    start, state = resume(args, dist, bytes.decode)
+    assert state == (f"{start}" if start else None)  # what save_state below wrote
+    run = TrainingRun(
+        args,
+        dist,
+        framework="pytorch",
+        steps_per_epoch=args.steps,
+        start_step=start,
+        precision="fp32",
+        device="cpu",
+        save_state=lambda step: f"{step}".encode(),
+        evaluate=evaluate,
+    )
+    for step in run.steps():
+        run.step_done(step, lambda: 0.5)
+    return run.finish(), CheckpointDir(args.checkpoint_dir, args.keep_checkpoints).steps()
+
+
+def test_loop_checkpoints_every_n_steps_and_at_the_end(tmp_path: Path) -> None:
+    flags = ["--steps", "7", "--epochs", "2", "--checkpoint-every", "3", "--keep-checkpoints", "10"]
+    report, saved = run_steps(tmp_path, [*flags, "--metrics-json", str(tmp_path / "m.json")])
+    assert saved == [3, 6, 9, 12, 14]
+    assert report == json.loads((tmp_path / "m.json").read_text())
+    assert (report["steps"], report["final_loss"], report["resumed_from_step"]) == (14, 0.5, None)
+    assert report["warmup_steps_excluded"] == 10 and report["images_per_sec"] > 0
+
+
+def test_loop_default_checkpoints_once_per_epoch_and_resumes(tmp_path: Path) -> None:
+    calls: list[int] = []
+
+    def evaluate() -> tuple[int, int]:
+        calls.append(1)
+        return 3, 4
+
+    _, saved = run_steps(tmp_path, ["--steps", "4", "--epochs", "2"], evaluate)
+    assert saved == [4, 8] and len(calls) == 2
+    report, saved = run_steps(tmp_path, ["--steps", "4", "--epochs", "3"], evaluate)
+    assert saved == [4, 8, 12] and report["resumed_from_step"] == 8
+    assert report["val_top1"] == 0.75
+    with pytest.raises(ValueError, match="past this run"):
+        run_steps(tmp_path, ["--steps", "4", "--epochs", "1"])

@@ -1,0 +1,7 @@
+"""Data-parallel ResNet training jobs with Horovod (PyTorch, TensorFlow, Keras).
+
+Run one with ``python -m training.pytorch``, ``python -m training.tensorflow`` or
+``python -m training.keras``; all three take the flags defined in :mod:`training.args`.
+Framework-neutral pieces (data, LR schedule, checkpoints, metrics, the step bookkeeping)
+import neither PyTorch nor TensorFlow, so each job pays only for its own framework.
+"""

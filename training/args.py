@@ -1,0 +1,152 @@
+"""Command-line flags shared by the three jobs (same names everywhere, so runs are comparable)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from itertools import pairwise
+from pathlib import Path
+
+MODELS = ("resnet50", "resnet_tiny", "simple_cnn")
+FRAMEWORKS = ("pytorch", "tensorflow", "keras")
+DEFAULT_SYNTHETIC_STEPS = 100
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _epoch_list(text: str) -> tuple[float, ...]:
+    if not text.strip():
+        return ()
+    try:
+        epochs = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated epochs, got {text!r}") from None
+    if any(b <= a for a, b in pairwise(epochs)) or epochs[0] <= 0:
+        raise argparse.ArgumentTypeError(f"epochs must be positive and increasing, got {text!r}")
+    return epochs
+
+
+def build_parser(framework: str) -> argparse.ArgumentParser:
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"unknown framework {framework!r}")
+    parser = argparse.ArgumentParser(
+        prog=f"python -m training.{framework}",
+        description=f"Data-parallel ResNet training with Horovod ({framework}). "
+        "Run one process per GPU under horovodrun"
+        + (", or under torchrun with --backend ddp." if framework == "pytorch" else "."),
+    )
+    data = parser.add_argument_group("data")
+    data.add_argument("--data", choices=("synthetic", "imagenet"), default="synthetic")
+    data.add_argument(
+        "--data-dir", type=Path, help="ImageNet layout: train/<class>/*.JPEG, optional val/<class>/*.JPEG"
+    )
+    data.add_argument("--image-size", type=_positive_int, default=224)
+    data.add_argument(
+        "--num-classes",
+        type=_positive_int,
+        help="default: 1000 for synthetic data, the number of train/ class folders for ImageNet",
+    )
+    data.add_argument(
+        "--data-workers",
+        type=_non_negative_int,
+        help="decode workers per process (default: the node's CPUs per local process minus one, 1 to 8)",
+    )
+
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", choices=MODELS, default="resnet50")
+
+    schedule = parser.add_argument_group("schedule")
+    schedule.add_argument("--batch-size", type=_positive_int, default=64, help="per worker")
+    schedule.add_argument("--epochs", type=_positive_int, default=1)
+    schedule.add_argument(
+        "--steps",
+        type=_positive_int,
+        help="optimizer steps per epoch (default: "
+        f"{DEFAULT_SYNTHETIC_STEPS} for synthetic data, one pass over each rank's shard for ImageNet)",
+    )
+    schedule.add_argument(
+        "--base-lr",
+        type=_non_negative_float,
+        default=0.025,
+        help="LR for one worker's batch; the job uses base-lr x world size after warmup",
+    )
+    schedule.add_argument("--warmup-epochs", type=_non_negative_float, default=5.0)
+    schedule.add_argument(
+        "--lr-decay-epochs",
+        type=_epoch_list,
+        default=(30.0, 60.0, 80.0),
+        help="comma-separated epochs at which the LR is multiplied by 0.1",
+    )
+    schedule.add_argument("--momentum", type=_non_negative_float, default=0.9)
+    schedule.add_argument("--weight-decay", type=_non_negative_float, default=1e-4)
+
+    speed = parser.add_argument_group("speed")
+    speed.add_argument(
+        "--precision",
+        choices=("fp32", "amp"),
+        default="fp32",
+        help="amp: bfloat16 autocast on CPUs and GPUs with bf16 (Ampere, Hopper), "
+        "float16 with loss scaling on older GPUs",
+    )
+    speed.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to fp16")
+    if framework == "pytorch":
+        speed.add_argument("--compile", action="store_true", help="torch.compile the model")
+        parser.add_argument(
+            "--backend",
+            choices=("horovod", "ddp"),
+            default="horovod",
+            help="ddp: torch DistributedDataParallel under torchrun (nccl on GPU, gloo on CPU)",
+        )
+
+    ckpt = parser.add_argument_group("checkpoints (resume is automatic)")
+    ckpt.add_argument("--checkpoint-dir", type=Path)
+    ckpt.add_argument(
+        "--checkpoint-every",
+        type=_positive_int,
+        help="steps between checkpoints (default: every epoch); the last step is always saved",
+    )
+    ckpt.add_argument("--keep-checkpoints", type=_positive_int, default=3)
+
+    report = parser.add_argument_group("reporting")
+    report.add_argument("--metrics-json", type=Path, help="rank 0 writes the run's metrics here")
+    report.add_argument("--seed", type=_non_negative_int, default=42)
+    report.add_argument("--log-every", type=_positive_int, default=10, help="steps between rank-0 logs")
+    report.add_argument(
+        "--timing-warmup-steps",
+        type=_non_negative_int,
+        default=10,
+        help="first steps of a run left out of images/s (compilation, autotuning, allocator warmup)",
+    )
+    return parser
+
+
+def parse_args(framework: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser(framework)
+    args = parser.parse_args(argv)
+    if args.data == "imagenet" and args.data_dir is None:
+        parser.error("--data imagenet needs --data-dir")
+    if args.data == "synthetic" and args.data_dir is not None:
+        parser.error("--data-dir is only used with --data imagenet")
+    if args.keep_checkpoints < 2 and args.checkpoint_dir is not None:
+        # With one file there is nothing to fall back to when the newest is corrupt.
+        parser.error("--keep-checkpoints must be at least 2")
+    return args

@@ -1,0 +1,84 @@
+"""Keras job: ``horovodrun ... python -m training.keras``.
+
+``model.fit`` with ``hvd.DistributedOptimizer`` averaging the gradients. The initial (or
+resumed) variables are broadcast from rank 0 before ``fit``, rather than by Horovod's
+``BroadcastGlobalVariablesCallback``, which broadcasts only after the first batch: that first
+step would otherwise average gradients taken at different weights. A callback drives the
+shared per-step bookkeeping (LR schedule, logs, checkpoints, timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import horovod.tensorflow.keras as hvd_keras
+import tensorflow as tf
+
+from training import tf_common
+from training.data import DataDirError
+from training.loop import TrainingRun
+
+log = logging.getLogger(__name__)
+
+
+def _distributed(optimizer: tf.keras.optimizers.Optimizer, args: argparse.Namespace) -> tf.keras.optimizers.Optimizer:
+    # compile() adds loss scaling itself under the mixed_float16 policy.
+    return hvd_keras.DistributedOptimizer(optimizer, compression=tf_common.compression(args))
+
+
+class StepCallback(tf.keras.callbacks.Callback):
+    """Feeds every batch into :class:`TrainingRun`, counting global steps from the resume point."""
+
+    def __init__(self, run: TrainingRun) -> None:
+        super().__init__()
+        self.run = run
+        self.step = run.start_step
+        self._supports_tf_logs = True  # keep the loss a tensor: reading it would sync every step
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        self.model.optimizer.learning_rate = self.run.lr(self.step)
+        # Keras reports the running mean of the loss; resetting makes it this batch's loss.
+        self.model.reset_metrics()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        loss = logs["loss"]
+        self.run.step_done(self.step, lambda: float(loss))
+        self.step += 1
+
+
+def train(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    s = tf_common.setup("keras", argv, _distributed)
+    s.model.compile(
+        optimizer=s.optimizer,
+        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    run = s.training_run("keras")
+    remaining = run.total_steps - run.start_step
+    if remaining:
+        if s.plan.train is None:
+            # fit() reads from tf.data, which lives on the host: the fixed uint8 batch is copied
+            # to the GPU every step, overlapped with compute by the prefetch.
+            dataset = tf.data.Dataset.from_tensors(s.synthetic_tensors()).repeat().prefetch(tf.data.AUTOTUNE)
+        else:
+            dataset = s.train_dataset(run.total_steps)
+        # One Keras "epoch" of all remaining steps: Keras cannot start mid-epoch, and our
+        # epochs (LR decay, evaluation, checkpoints) are counted by the callback instead.
+        s.model.fit(dataset, epochs=1, steps_per_epoch=remaining, callbacks=[StepCallback(run)], verbose=0)
+    return run.finish(s.skip_counter())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        train(argv)
+    except DataDirError as exc:
+        log.error("%s", exc)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

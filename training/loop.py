@@ -1,0 +1,219 @@
+"""The framework-neutral part of a training run: resume, LR, logs, timing, checkpoints, metrics.
+
+Each job owns its model and its step; it asks :class:`TrainingRun` for the LR before a step
+and reports the step's loss after it. Keeping this in one place is what makes the three jobs'
+schedules, checkpoints and numbers comparable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from training.checkpoint import CheckpointDir
+from training.data import SkipCounter
+from training.distributed import Dist
+from training.metrics import METRIC_KEYS, StepTimer, throughput, write_metrics
+from training.schedule import learning_rate
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def configure_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+
+
+def resume(args: argparse.Namespace, dist: Dist, decode: Callable[[bytes], T]) -> tuple[int, T | None]:
+    """Rank 0 finds the newest valid checkpoint; every rank gets its ``(step, state)``.
+
+    ``(0, None)`` when there is nothing to resume. Only rank 0 reads the directory, so ranks
+    cannot disagree about which checkpoint is newest (one may be landing as they look); the
+    payload is broadcast and every rank decodes the same bytes.
+    """
+    found = None
+    if dist.rank == 0 and args.checkpoint_dir is not None:
+        checkpoints = CheckpointDir(args.checkpoint_dir, args.keep_checkpoints)
+        checkpoints.remove_stale_temporaries()
+        found = checkpoints.load_latest(decode)
+    step = dist.broadcast_object(found[0] if found else 0)
+    if step == 0:
+        return 0, None
+    if dist.rank == 0:
+        log.info("resuming from %s at step %d", args.checkpoint_dir, step)
+    return step, decode(dist.broadcast_bytes(found[1] if found else None))
+
+
+class TrainingRun:
+    """Bookkeeping around a job's step loop. Every rank creates one and calls it in step."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        dist: Dist,
+        *,
+        framework: str,
+        steps_per_epoch: int,
+        start_step: int,
+        precision: str,
+        device: str,
+        save_state: Callable[[int], bytes],
+        evaluate: Callable[[], tuple[int, int]] | None = None,
+    ) -> None:
+        self.args = args
+        self.dist = dist
+        self.framework = framework
+        self.steps_per_epoch = steps_per_epoch
+        self.total_steps = args.epochs * steps_per_epoch
+        if start_step > self.total_steps:
+            raise ValueError(
+                f"checkpoint step {start_step} is past this run's {self.total_steps} steps "
+                f"({args.epochs} epochs x {steps_per_epoch}); use a new --checkpoint-dir"
+            )
+        self.start_step = start_step
+        self.global_batch_size = args.batch_size * dist.size
+        self.precision = precision
+        self.device = device
+        self._save_state = save_state
+        self._evaluate = evaluate
+        self._checkpoints = CheckpointDir(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
+        # At least one measured step whenever a step runs, so short runs still report a rate.
+        self.excluded = min(args.timing_warmup_steps, max(self.total_steps - start_step - 1, 0))
+        self._timer = StepTimer(self.excluded)
+        self._last_loss: Callable[[], float] | None = None
+        self._val_top1: float | None = None
+        self._window: tuple[int, float] | None = None
+        if dist.rank == 0:
+            log.info(
+                "%s/%s: %d workers x batch %d, %d steps (%d per epoch), starting at step %d",
+                framework,
+                dist.backend,
+                dist.size,
+                args.batch_size,
+                self.total_steps,
+                steps_per_epoch,
+                start_step,
+            )
+
+    def lr(self, step: int) -> float:
+        """LR for the step with 0-based global index ``step``."""
+        return learning_rate(
+            step,
+            self.steps_per_epoch,
+            self.args.base_lr,
+            self.dist.size,
+            self.args.warmup_epochs,
+            self.args.lr_decay_epochs,
+        )
+
+    def steps(self) -> range:
+        """Global 0-based indices of the steps this run still has to take."""
+        return range(self.start_step, self.total_steps)
+
+    def step_done(self, step: int, loss: Callable[[], float]) -> None:
+        """Report that step ``step`` (0-based) finished; ``loss`` returns its loss value.
+
+        Calling ``loss`` waits for the device, so it is called only where that is needed:
+        at timing boundaries, before checkpoints and evaluation, at log steps and at the end.
+        """
+        done = step + 1
+        self._last_loss = loss
+        log_due = done % self.args.log_every == 0 and self.dist.rank == 0
+        epoch_end = done % self.steps_per_epoch == 0
+        every = self.args.checkpoint_every
+        save_due = self._checkpoints is not None and (
+            done == self.total_steps or (done % every == 0 if every else epoch_end)
+        )
+        eval_due = epoch_end and self._evaluate is not None
+        timing_edge = done - self.start_step == self.excluded or done == self.total_steps
+        if timing_edge or save_due or eval_due or log_due:
+            loss()  # wait for the device, so the clock and the pauses see finished work
+        self._timer.step_done()
+        if log_due:
+            self._log(done, loss())
+        if save_due:
+            self._timer.pause()
+            self._save(done)
+            self._timer.resume()
+        if eval_due:
+            self._timer.pause()
+            self._run_evaluation(done // self.steps_per_epoch)
+            self._timer.resume()
+
+    def _log(self, done: int, loss: float) -> None:
+        now = time.perf_counter()
+        rate = ""
+        if self._window is not None:
+            steps, since = self._window
+            rate = f" images/s {self.global_batch_size * (done - steps) / (now - since):.1f}"
+        self._window = (done, now)
+        epoch = (done - 1) // self.steps_per_epoch + 1
+        log.info(
+            "step %d/%d epoch %d loss %.4f lr %.5f%s", done, self.total_steps, epoch, loss, self.lr(done - 1), rate
+        )
+
+    def _save(self, done: int) -> None:
+        if self.dist.rank == 0:
+            assert self._checkpoints is not None
+            path = self._checkpoints.save(done, self._save_state(done))
+            log.info("saved checkpoint %s", path)
+        # Keep ranks together here, so the save's time is not charged to the next step.
+        self.dist.allgather_object(done)
+
+    def _run_evaluation(self, epoch: int) -> None:
+        assert self._evaluate is not None
+        counts = self.dist.allgather_object(self._evaluate())
+        correct, total = (sum(column) for column in zip(*counts, strict=True))
+        self._val_top1 = correct / total if total else None
+        if self.dist.rank == 0:
+            log.info("epoch %d validation top-1 %.4f on %d images", epoch, self._val_top1 or 0.0, total)
+
+    def finish(self, skipped: SkipCounter | None = None) -> dict[str, Any]:
+        """Collect the run's metrics on all ranks; rank 0 writes ``--metrics-json``.
+
+        ``skipped`` counts this rank's unreadable images (None for synthetic data); the report
+        sums all ranks. Raises RuntimeError after writing the metrics if the loss is not finite.
+        """
+        if self._evaluate is not None and self._val_top1 is None:
+            self._run_evaluation(self.total_steps // self.steps_per_epoch)
+        loss = self._last_loss() if self._last_loss is not None else None
+        skipped_images = None if skipped is None else skipped.count
+        gathered = self.dist.allgather_object((self._timer.elapsed, loss, skipped_images))
+        elapsed, losses, skipped_per_rank = zip(*gathered, strict=True)
+        images_per_sec, per_worker = throughput(self.global_batch_size, self._timer.measured_steps, list(elapsed))
+        final_loss = None if loss is None else sum(losses) / len(losses)
+        diverged = final_loss is not None and not math.isfinite(final_loss)
+        metrics = dict.fromkeys(METRIC_KEYS)
+        metrics.update(
+            framework=self.framework,
+            backend=self.dist.backend,
+            world_size=self.dist.size,
+            batch_size_per_worker=self.args.batch_size,
+            global_batch_size=self.global_batch_size,
+            steps=self.total_steps,
+            epochs=self.args.epochs,
+            warmup_steps_excluded=self.excluded if self._timer.measured_steps else 0,
+            images_per_sec=images_per_sec,
+            images_per_sec_per_worker=per_worker,
+            final_loss=None if diverged else final_loss,
+            val_top1=self._val_top1,
+            resumed_from_step=self.start_step or None,
+            precision=self.precision,
+            device=self.device,
+            skipped_images=None if skipped_images is None else sum(skipped_per_rank),
+        )
+        if self.dist.rank == 0:
+            log.info("metrics: %s", metrics)
+            if self.args.metrics_json is not None:
+                write_metrics(self.args.metrics_json, metrics)
+        if diverged:
+            raise RuntimeError(f"training diverged: final loss is {final_loss}")
+        return metrics

@@ -1,0 +1,338 @@
+"""PyTorch job: ``horovodrun ... python -m training.pytorch`` or ``torchrun ... --backend ddp``.
+
+Horovod: ``hvd.DistributedOptimizer`` averages gradients, ``hvd.broadcast_parameters`` makes
+rank 0's initial weights everyone's. DDP: ``DistributedDataParallel`` does both. Either way
+the flags, the schedule, the checkpoints and the metrics JSON are the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from functools import partial
+from itertools import repeat
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from training.args import parse_args
+from training.data import (
+    DataDirError,
+    DataPlan,
+    ImageFolder,
+    SkipCounter,
+    default_workers,
+    plan_data,
+    synthetic_batch,
+    train_keys,
+    val_keys,
+)
+from training.distributed import set_failure_timeouts
+from training.loop import TrainingRun, configure_logging, resume
+from training.torch_models import build_model
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Batch = tuple[torch.Tensor, torch.Tensor, int]  # images (uint8 NHWC), labels, images skipped
+
+
+class HorovodBackend:
+    backend = "horovod"
+
+    def __init__(self) -> None:
+        set_failure_timeouts()  # before init: Horovod reads them when it starts
+        import horovod.torch as hvd
+
+        hvd.init()
+        self.hvd = hvd
+        self.rank, self.size = hvd.rank(), hvd.size()
+        self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
+
+    # Horovod matches collectives across ranks by name and names these after the object's
+    # type by default, so rank 0's checkpoint and the other ranks' None would never meet.
+    def broadcast_object(self, obj: T) -> T:
+        return self.hvd.broadcast_object(obj, root_rank=0, name="training.broadcast_object")
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return self.hvd.allgather_object(obj, name="training.allgather_object")
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        size = self.broadcast_object(len(data) if data is not None else None)
+        buffer = _byte_tensor(data, size, torch.device("cpu"))
+        self.hvd.broadcast_(buffer, root_rank=0, name="training.broadcast_bytes")
+        return buffer.numpy().tobytes()
+
+    def distribute(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, fp16_allreduce: bool
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        compression = self.hvd.Compression.fp16 if fp16_allreduce else self.hvd.Compression.none
+        # A new optimizer holds no state yet (checkpoint state is loaded after this), so there
+        # is no optimizer state to broadcast.
+        optimizer = self.hvd.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), compression=compression
+        )
+        return model, optimizer
+
+    def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
+        # The scaler must see averaged gradients, so that every rank agrees on skipping a step
+        # with overflowed fp16 gradients: finish the allreduce first, then step without it.
+        optimizer.synchronize()
+        with optimizer.skip_synchronize():
+            scaler.step(optimizer)
+
+    def shutdown(self) -> None:
+        self.hvd.shutdown()
+
+
+class DDPBackend:
+    backend = "ddp"
+
+    def __init__(self) -> None:
+        if "RANK" not in os.environ:
+            raise SystemExit("--backend ddp runs under torchrun: torchrun --nproc_per_node N -m training.pytorch ...")
+        timeouts = set_failure_timeouts()
+        self.rank, self.size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        self.local_size = int(os.environ["LOCAL_WORLD_SIZE"])
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.local_rank)  # NCCL object collectives use the current device
+        torch.distributed.init_process_group(
+            "nccl" if torch.cuda.is_available() else "gloo",
+            timeout=timedelta(seconds=int(timeouts["DDP_TIMEOUT_SECONDS"])),
+        )
+
+    def broadcast_object(self, obj: T) -> T:
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        size = self.broadcast_object(len(data) if data is not None else None)
+        # NCCL broadcasts GPU tensors only.
+        device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        buffer = _byte_tensor(data, size, device)
+        torch.distributed.broadcast(buffer, src=0)
+        return buffer.cpu().numpy().tobytes()
+
+    def distribute(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, fp16_allreduce: bool
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel
+
+        # Channels-last weights match the layout of their gradients, so DDP's buckets need no copies.
+        model.to(memory_format=torch.channels_last)
+        device_ids = [self.local_rank] if torch.cuda.is_available() else None
+        ddp = DistributedDataParallel(model, device_ids=device_ids)  # broadcasts rank 0's weights
+        if fp16_allreduce:
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return ddp, optimizer
+
+    def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
+        scaler.step(optimizer)
+
+    def shutdown(self) -> None:
+        torch.distributed.destroy_process_group()
+
+
+Backend = HorovodBackend | DDPBackend
+
+
+def _byte_tensor(data: bytes | None, size: int, device: torch.device) -> torch.Tensor:
+    """``data`` as a uint8 tensor on rank 0, an empty one of ``size`` bytes elsewhere."""
+    if data is None:
+        return torch.empty(size, dtype=torch.uint8, device=device)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def amp_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """bfloat16 where the hardware has it (CPU, Ampere, Hopper): same range as fp32, no loss
+    scaling. float16 with a GradScaler on older GPUs (V100)."""
+    if precision == "fp32":
+        return None
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
+def collate(samples: list[tuple[np.ndarray, int, int]]) -> Batch:
+    images, labels, skipped = zip(*samples, strict=True)
+    return torch.from_numpy(np.stack(images)), torch.tensor(labels, dtype=torch.int64), sum(skipped)
+
+
+def image_loader(
+    folder: ImageFolder, keys: Iterator[list], args: argparse.Namespace, backend: Backend, device: torch.device
+) -> Iterator[Batch]:
+    """Decode batches in worker processes, pinned for asynchronous copies to the GPU."""
+    workers = default_workers(backend.local_size) if args.data_workers is None else args.data_workers
+    extra: dict[str, Any] = {}
+    if workers > 0:
+        extra = {
+            # Forked workers can crash on InfiniBand verbs, which are not fork-safe (Horovod's advice).
+            "multiprocessing_context": "forkserver",
+            "prefetch_factor": 4,
+            "worker_init_fn": partial(_worker_logging, backend.rank),
+        }
+    loader = torch.utils.data.DataLoader(
+        folder, batch_sampler=keys, num_workers=workers, collate_fn=collate, pin_memory=device.type == "cuda", **extra
+    )
+    for images, labels, skipped in loader:
+        yield images.to(device, non_blocking=True), labels.to(device, non_blocking=True), skipped
+
+
+def _worker_logging(rank: int, worker_id: int) -> None:
+    configure_logging(rank)  # so skipped-image warnings look like the rest of the log
+
+
+def train_batches(
+    args: argparse.Namespace, plan: DataPlan, backend: Backend, device: torch.device, start: int, total: int
+) -> Iterator[Batch]:
+    if plan.train is None:
+        # Synthetic: one fixed batch, already on the device, so input costs nothing.
+        images, labels = synthetic_batch(args.seed, backend.rank, args.batch_size, args.image_size, plan.num_classes)
+        return repeat((torch.from_numpy(images).to(device), torch.from_numpy(labels).to(device), 0))
+    keys = train_keys(
+        len(plan.train), backend.rank, backend.size, args.batch_size, args.seed, plan.steps_per_epoch, start, total
+    )
+    return image_loader(plan.train, keys, args, backend, device)
+
+
+def make_evaluate(
+    args: argparse.Namespace,
+    plan: DataPlan,
+    backend: Backend,
+    model: nn.Module,
+    device: torch.device,
+    autocast: Callable[[], Any],
+    skipped: SkipCounter,
+) -> Callable[[], tuple[int, int]] | None:
+    if plan.val is None:
+        return None
+    val = plan.val
+
+    @torch.no_grad()
+    def evaluate() -> tuple[int, int]:
+        # The bare model, not the DDP wrapper: ranks have different numbers of validation
+        # batches, and DDP's forward would issue a buffer broadcast per batch.
+        model.eval()
+        correct = total = 0
+        keys = val_keys(len(val), backend.rank, backend.size, args.batch_size)
+        for images, labels, batch_skipped in image_loader(val, keys, args, backend, device):
+            skipped.add(batch_skipped)
+            with autocast():
+                logits = model(images)
+            correct += int((logits.argmax(1) == labels).sum())
+            total += len(labels)
+        model.train()
+        return correct, total
+
+    return evaluate
+
+
+def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
+    device = torch.device("cuda", backend.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True
+    # Ranks start from different random weights on purpose: training only works if the
+    # broadcast from rank 0 makes them equal, and the equivalence test checks that it does.
+    torch.manual_seed(args.seed + backend.rank)
+    plan = plan_data(args, backend.size)
+    dtype = amp_dtype(args.precision, device)
+
+    def autocast() -> torch.autocast:
+        return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+    # The input is channels-last, which is enough for cuDNN/oneDNN to pick NHWC kernels; the
+    # weights stay contiguous for Horovod, which allreduces only contiguous tensors.
+    model = build_model(args.model, plan.num_classes).to(device)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=args.base_lr, momentum=args.momentum, weight_decay=args.weight_decay
+    )
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    skipped = SkipCounter()
+    start_step, state = resume(args, backend, decode_state)
+    if state is not None:
+        model.load_state_dict(state["model"])
+    train_model, optimizer = backend.distribute(model, optimizer, args.fp16_allreduce)
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+    if args.compile:
+        train_model = torch.compile(train_model)
+
+    def save_state(step: int) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(
+            {
+                "step": step,
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scaler": scaler.state_dict(),
+            },
+            buffer,
+        )
+        return buffer.getvalue()
+
+    precision = "fp32" if dtype is None else f"amp_{'bf16' if dtype == torch.bfloat16 else 'fp16'}"
+    run = TrainingRun(
+        args,
+        backend,
+        framework="pytorch",
+        steps_per_epoch=plan.steps_per_epoch,
+        start_step=start_step,
+        precision=precision,
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        save_state=save_state,
+        evaluate=make_evaluate(args, plan, backend, model, device, autocast, skipped),
+    )
+    batches = train_batches(args, plan, backend, device, start_step, run.total_steps)
+    model.train()
+    for step, (images, labels, batch_skipped) in zip(run.steps(), batches, strict=False):
+        for group in optimizer.param_groups:
+            group["lr"] = run.lr(step)
+        optimizer.zero_grad()  # sets grads to None (the default); Horovod takes no argument
+        with autocast():
+            loss = F.cross_entropy(train_model(images), labels)
+        scaler.scale(loss).backward()
+        backend.step(optimizer, scaler)
+        scaler.update()
+        skipped.add(batch_skipped)
+        run.step_done(step, loss.item)
+    return run.finish(skipped if plan.train is not None else None)
+
+
+def decode_state(payload: bytes) -> dict[str, Any]:
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args("pytorch", argv)
+    backend: Backend = HorovodBackend() if args.backend == "horovod" else DDPBackend()
+    configure_logging(backend.rank)
+    try:
+        train(args, backend)
+    except DataDirError as exc:
+        log.error("%s", exc)
+        return 2
+    finally:
+        backend.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

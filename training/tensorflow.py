@@ -1,0 +1,74 @@
+"""TensorFlow job: ``horovodrun ... python -m training.tensorflow``.
+
+A custom training loop: ``hvd.DistributedGradientTape`` averages the gradients, and the
+initial (or resumed) variables are broadcast from rank 0 before the first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+from itertools import repeat
+from typing import Any
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from training import tf_common
+from training.data import DataDirError
+
+log = logging.getLogger(__name__)
+
+
+def _plain_or_loss_scaled(
+    optimizer: tf.keras.optimizers.Optimizer, args: argparse.Namespace
+) -> tf.keras.optimizers.Optimizer:
+    # float16 needs loss scaling; bfloat16 has float32's range and does not.
+    if tf.keras.mixed_precision.global_policy().name == "mixed_float16":
+        return tf.keras.mixed_precision.LossScaleOptimizer(optimizer)
+    return optimizer
+
+
+def train(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    s = tf_common.setup("tensorflow", argv, _plain_or_loss_scaled)
+    model, optimizer = s.model, s.optimizer
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    scaled = isinstance(optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
+    compression = tf_common.compression(s.args)
+
+    @tf.function
+    def train_step(images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(images, training=True))
+            objective = optimizer.get_scaled_loss(loss) if scaled else loss
+        tape = hvd.DistributedGradientTape(tape, compression=compression)
+        grads = tape.gradient(objective, model.trainable_variables)
+        if scaled:
+            grads = optimizer.get_unscaled_gradients(grads)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    run = s.training_run("tensorflow")
+    batches: Iterator[tuple[tf.Tensor, tf.Tensor]] = (
+        repeat(s.synthetic_tensors()) if s.plan.train is None else iter(s.train_dataset(run.total_steps))
+    )
+    for step, (images, labels) in zip(run.steps(), batches, strict=False):
+        optimizer.learning_rate = run.lr(step)
+        loss = train_step(images, labels)
+        run.step_done(step, lambda loss=loss: float(loss))
+    return run.finish(s.skip_counter())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        train(argv)
+    except DataDirError as exc:
+        log.error("%s", exc)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

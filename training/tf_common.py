@@ -1,0 +1,254 @@
+"""What the TensorFlow and Keras jobs share: Horovod and GPU setup, precision, input
+pipelines, and model/optimizer state (checkpoint, resume, broadcast). The two jobs differ only
+in how they take a step: a custom loop with ``DistributedGradientTape``, or ``model.fit`` with
+``DistributedOptimizer``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+
+from training.args import parse_args
+from training.data import (
+    DataPlan,
+    ImageFolder,
+    Key,
+    SkipCounter,
+    default_workers,
+    plan_data,
+    synthetic_batch,
+    train_keys,
+    val_keys,
+)
+from training.distributed import set_failure_timeouts
+from training.loop import TrainingRun, configure_logging, resume
+from training.tf_models import build_model
+
+T = TypeVar("T")
+
+
+class HorovodTF:
+    backend = "horovod"
+
+    def __init__(self) -> None:
+        set_failure_timeouts()  # before init: Horovod reads them when it starts
+        hvd.init()
+        self.rank, self.size = hvd.rank(), hvd.size()
+        self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
+        # One GPU per process; memory growth so TensorFlow does not grab the whole card upfront.
+        gpus = tf.config.list_physical_devices("GPU")
+        for gpu in gpus:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        if gpus:
+            tf.config.set_visible_devices(gpus[self.local_rank], "GPU")
+
+    # Horovod matches collectives across ranks by name and names these after the object's
+    # type by default, so rank 0's checkpoint and the other ranks' None would never meet.
+    def broadcast_object(self, obj: T) -> T:
+        return hvd.broadcast_object(obj, root_rank=0, name="training.broadcast_object")
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return hvd.allgather_object(obj, name="training.allgather_object")
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        size = self.broadcast_object(len(data) if data is not None else None)
+        buffer = np.frombuffer(data, dtype=np.uint8) if data is not None else np.empty(size, dtype=np.uint8)
+        return hvd.broadcast(tf.constant(buffer), root_rank=0, name="training.broadcast_bytes").numpy().tobytes()
+
+
+def set_precision(precision: str) -> str:
+    """Set the Keras mixed-precision policy; return the precision label for the metrics.
+
+    amp is bfloat16 on CPUs and on GPUs of compute capability 8.0+ (Ampere, Hopper), float16
+    with loss scaling on older GPUs.
+    """
+    if precision == "fp32":
+        tf.keras.mixed_precision.set_global_policy("float32")
+        return "fp32"
+    gpus = tf.config.get_visible_devices("GPU")
+    capability = tf.config.experimental.get_device_details(gpus[0]).get("compute_capability") if gpus else None
+    if capability is not None and capability < (8, 0):
+        tf.keras.mixed_precision.set_global_policy("mixed_float16")
+        return "amp_fp16"
+    tf.keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    return "amp_bf16"
+
+
+def device_name() -> str:
+    gpus = tf.config.get_visible_devices("GPU")
+    if not gpus:
+        return "cpu"
+    return tf.config.experimental.get_device_details(gpus[0]).get("device_name", "gpu")
+
+
+def image_dataset(
+    folder: ImageFolder, key_batches: Iterable[list[Key]], batch_size: int, skipped: SkipCounter
+) -> tf.data.Dataset:
+    """Decode keys in parallel (AUTOTUNE threads; PIL releases the GIL while decoding)."""
+
+    def keys() -> Iterable[Key]:
+        for batch in key_batches:
+            yield from batch
+
+    def load(key: np.ndarray) -> tuple[np.ndarray, np.int32]:
+        image, label, n = folder[int(key[0]), int(key[1])]
+        skipped.add(n)
+        return image, np.int32(label)
+
+    def load_op(key: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        image, label = tf.numpy_function(load, [key], (tf.uint8, tf.int32), stateful=False)
+        image.set_shape((folder.image_size, folder.image_size, 3))
+        label.set_shape(())
+        return image, label
+
+    dataset = tf.data.Dataset.from_generator(keys, output_signature=tf.TensorSpec((2,), tf.int64))
+    dataset = dataset.map(load_op, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return dataset.batch(batch_size).prefetch(tf.data.AUTOTUNE)
+
+
+@dataclass
+class Setup:
+    """Everything both TensorFlow jobs build before their first step."""
+
+    args: argparse.Namespace
+    dist: HorovodTF
+    plan: DataPlan
+    model: tf.keras.Model
+    optimizer: tf.keras.optimizers.Optimizer
+    start_step: int
+    precision: str
+    skipped: SkipCounter
+
+    def synthetic_tensors(self) -> tuple[tf.Tensor, tf.Tensor]:
+        """This rank's fixed synthetic batch, created once on the device."""
+        images, labels = synthetic_batch(
+            self.args.seed, self.dist.rank, self.args.batch_size, self.args.image_size, self.plan.num_classes
+        )
+        with tf.device("/GPU:0" if tf.config.get_visible_devices("GPU") else "/CPU:0"):
+            return tf.identity(images), tf.identity(labels.astype(np.int32))
+
+    def train_dataset(self, total_steps: int) -> tf.data.Dataset:
+        assert self.plan.train is not None
+        keys = train_keys(
+            len(self.plan.train),
+            self.dist.rank,
+            self.dist.size,
+            self.args.batch_size,
+            self.args.seed,
+            self.plan.steps_per_epoch,
+            self.start_step,
+            total_steps,
+        )
+        return self._with_threads(image_dataset(self.plan.train, keys, self.args.batch_size, self.skipped))
+
+    def _with_threads(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
+        workers = self.args.data_workers
+        options = tf.data.Options()
+        # 0 means TensorFlow's shared thread pool.
+        options.threading.private_threadpool_size = (
+            default_workers(self.dist.local_size) if workers is None else workers
+        )
+        return dataset.with_options(options)
+
+    def evaluate(self) -> Callable[[], tuple[int, int]] | None:
+        val = self.plan.val
+        if val is None:
+            return None
+        model = self.model
+
+        @tf.function(reduce_retracing=True)
+        def correct(images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+            predictions = tf.argmax(model(images, training=False), axis=1, output_type=tf.int32)
+            return tf.reduce_sum(tf.cast(predictions == labels, tf.int32))
+
+        def run() -> tuple[int, int]:
+            keys = val_keys(len(val), self.dist.rank, self.dist.size, self.args.batch_size)
+            hits = total = 0
+            for images, labels in self._with_threads(image_dataset(val, keys, self.args.batch_size, self.skipped)):
+                hits += int(correct(images, labels))
+                total += int(labels.shape[0])
+            return hits, total
+
+        return run
+
+    def save_state(self, step: int) -> bytes:
+        arrays = {f"model_{i}": v.numpy() for i, v in enumerate(self.model.variables)}
+        arrays.update({f"optimizer_{i}": v.numpy() for i, v in enumerate(self.optimizer.variables)})
+        buffer = io.BytesIO()
+        np.savez(buffer, step=np.int64(step), **arrays)
+        return buffer.getvalue()
+
+    def training_run(self, framework: str) -> TrainingRun:
+        return TrainingRun(
+            self.args,
+            self.dist,
+            framework=framework,
+            steps_per_epoch=self.plan.steps_per_epoch,
+            start_step=self.start_step,
+            precision=self.precision,
+            device=device_name(),
+            save_state=self.save_state,
+            evaluate=self.evaluate(),
+        )
+
+    def skip_counter(self) -> SkipCounter | None:
+        return None if self.plan.train is None else self.skipped
+
+
+def decode_state(payload: bytes) -> dict[str, np.ndarray]:
+    with np.load(io.BytesIO(payload)) as arrays:
+        return {name: arrays[name] for name in arrays.files}
+
+
+def _assign(prefix: str, variables: Sequence[tf.Variable], state: dict[str, np.ndarray]) -> None:
+    saved = sum(1 for name in state if name.startswith(prefix + "_"))
+    if saved != len(variables):
+        raise ValueError(
+            f"checkpoint has {saved} {prefix} variables, this job has {len(variables)}: "
+            "was it written with another --model, --num-classes or --precision?"
+        )
+    for i, variable in enumerate(variables):
+        variable.assign(state[f"{prefix}_{i}"])
+
+
+def setup(
+    framework: str,
+    argv: Sequence[str] | None,
+    wrap_optimizer: Callable[[tf.keras.optimizers.Optimizer, argparse.Namespace], tf.keras.optimizers.Optimizer],
+) -> Setup:
+    """Parse flags, start Horovod, build data, model and optimizer, resume, broadcast."""
+    args = parse_args(framework, argv)
+    dist = HorovodTF()
+    configure_logging(dist.rank)
+    # Ranks start from different random weights on purpose: the broadcast below must make
+    # them equal, and the equivalence test checks that it does.
+    tf.keras.utils.set_random_seed(args.seed + dist.rank)
+    precision = set_precision(args.precision)
+    plan = plan_data(args, dist.size)
+    model = build_model(args.model, plan.num_classes, args.image_size)
+    optimizer = wrap_optimizer(
+        tf.keras.optimizers.SGD(
+            learning_rate=args.base_lr, momentum=args.momentum, weight_decay=args.weight_decay or None
+        ),
+        args,
+    )
+    optimizer.build(model.trainable_variables)  # create slots now, so they can be restored and broadcast
+    start_step, state = resume(args, dist, decode_state)
+    if state is not None:
+        _assign("model", model.variables, state)
+        _assign("optimizer", optimizer.variables, state)
+    hvd.broadcast_variables(model.variables + list(optimizer.variables), root_rank=0)
+    return Setup(args, dist, plan, model, optimizer, start_step, precision, SkipCounter())
+
+
+def compression(args: argparse.Namespace) -> Any:
+    """Horovod's gradient compression for --fp16-allreduce."""
+    return hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
