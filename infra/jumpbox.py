@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pulumi
 from pulumi_azure_native import network
 
-from infra.vm import LinuxVm, LinuxVmArgs
+from infra.vm import LinuxVm, LinuxVmArgs, MachineArgs
 
 
 @dataclass
-class JumpboxArgs:
-    resource_group_name: pulumi.Input[str]
-    location: str
-    subnet_id: pulumi.Input[str]
-    vm_size: str
-    admin_user: str
-    ssh_public_key: str
-    tags: Mapping[str, str]
+class JumpboxArgs(MachineArgs):
+    """The jumpbox takes only what every machine takes; its public IP is its own child."""
 
 
 class Jumpbox(pulumi.ComponentResource):
@@ -37,15 +30,9 @@ class Jumpbox(pulumi.ComponentResource):
         self.machine = LinuxVm(
             name,
             LinuxVmArgs(
-                resource_group_name=args.resource_group_name,
-                location=args.location,
-                subnet_id=args.subnet_id,
-                vm_size=args.vm_size,
-                admin_user=args.admin_user,
-                ssh_public_key=args.ssh_public_key,
+                **args.machine_fields(),
                 public_ip_id=self.public_ip.id,
                 accelerated_networking=False,  # small burstable sizes do not support it
-                tags=args.tags,
             ),
             opts=pulumi.ResourceOptions(parent=self),
         )

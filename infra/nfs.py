@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import pulumi
 from pulumi_azure_native import compute
 
 from infra.cloud_init import render_nfs_server
-from infra.vm import LinuxVm, LinuxVmArgs, encode_custom_data
+from infra.vm import LinuxVm, LinuxVmArgs, MachineArgs, encode_custom_data
 
 EXPORT_PATH = "/export"
 # Shipped onto the server as /usr/local/bin/blob-pull: pulls the dataset with the read-only SAS.
@@ -18,18 +17,11 @@ BLOB_PULL_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "blob_pull.
 
 
 @dataclass
-class NfsServerArgs:
-    resource_group_name: pulumi.Input[str]
-    location: str
-    subnet_id: pulumi.Input[str]
+class NfsServerArgs(MachineArgs):
     private_ip: str
     cluster_cidr: str
-    vm_size: str
     disk_count: int
     disk_size_gb: int
-    admin_user: str
-    ssh_public_key: str
-    tags: Mapping[str, str]
 
 
 class NfsServer(pulumi.ComponentResource):
@@ -44,12 +36,7 @@ class NfsServer(pulumi.ComponentResource):
         self.machine = LinuxVm(
             name,
             LinuxVmArgs(
-                resource_group_name=args.resource_group_name,
-                location=args.location,
-                subnet_id=args.subnet_id,
-                vm_size=args.vm_size,
-                admin_user=args.admin_user,
-                ssh_public_key=args.ssh_public_key,
+                **args.machine_fields(),
                 private_ip=args.private_ip,
                 data_disks=[
                     compute.DataDiskArgs(
@@ -63,7 +50,6 @@ class NfsServer(pulumi.ComponentResource):
                     for lun in range(args.disk_count)
                 ],
                 custom_data=encode_custom_data(cloud_config),
-                tags=args.tags,
             ),
             opts=pulumi.ResourceOptions(parent=self),
         )

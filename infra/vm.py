@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import pulumi
 from pulumi_azure_native import compute, network
@@ -37,7 +38,9 @@ def encode_custom_data(cloud_config: str) -> str:
 
 
 @dataclass
-class LinuxVmArgs:
+class MachineArgs:
+    """What every single VM role (jumpbox, NFS server) is given."""
+
     resource_group_name: pulumi.Input[str]
     location: str
     subnet_id: pulumi.Input[str]
@@ -45,6 +48,14 @@ class LinuxVmArgs:
     admin_user: str
     ssh_public_key: str
     tags: Mapping[str, str]
+
+    def machine_fields(self) -> dict[str, Any]:
+        # Not dataclasses.asdict: it deep-copies, and Outputs must pass through as they are.
+        return {f.name: getattr(self, f.name) for f in fields(MachineArgs)}
+
+
+@dataclass
+class LinuxVmArgs(MachineArgs):
     image: ImageReference = UBUNTU_2204
     private_ip: str | None = None  # static when set, else dynamic
     public_ip_id: pulumi.Input[str] | None = None

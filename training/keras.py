@@ -10,7 +10,6 @@ shared per-step bookkeeping (LR schedule, logs, checkpoints, timing).
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -19,10 +18,7 @@ import horovod.tensorflow.keras as hvd_keras
 import tensorflow as tf
 
 from training import tf_common
-from training.data import DataDirError
 from training.loop import TrainingRun
-
-log = logging.getLogger(__name__)
 
 
 def _distributed(optimizer: tf.keras.optimizers.Optimizer, args: argparse.Namespace) -> tf.keras.optimizers.Optimizer:
@@ -72,12 +68,7 @@ def train(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        train(argv)
-    except DataDirError as exc:
-        log.error("%s", exc)
-        return 2
-    return 0
+    return tf_common.exit_code(train, argv)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ initial (or resumed) variables are broadcast from rank 0 before the first step.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Iterator, Sequence
 from itertools import repeat
@@ -17,9 +16,6 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from training import tf_common
-from training.data import DataDirError
-
-log = logging.getLogger(__name__)
 
 
 def _plain_or_loss_scaled(
@@ -62,12 +58,7 @@ def train(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        train(argv)
-    except DataDirError as exc:
-        log.error("%s", exc)
-        return 2
-    return 0
+    return tf_common.exit_code(train, argv)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -18,6 +19,7 @@ import tensorflow as tf
 
 from training.args import parse_args
 from training.data import (
+    DataDirError,
     DataPlan,
     ImageFolder,
     Key,
@@ -31,6 +33,8 @@ from training.data import (
 from training.distributed import set_failure_timeouts
 from training.loop import TrainingRun, configure_logging, resume
 from training.tf_models import build_model
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -252,3 +256,13 @@ def setup(
 def compression(args: argparse.Namespace) -> Any:
     """Horovod's gradient compression for --fp16-allreduce."""
     return hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+
+
+def exit_code(train: Callable[[Sequence[str] | None], object], argv: Sequence[str] | None) -> int:
+    """Run a TensorFlow-side job: a bad data directory is one clear line and exit 2, no traceback."""
+    try:
+        train(argv)
+    except DataDirError as exc:
+        log.error("%s", exc)
+        return 2
+    return 0

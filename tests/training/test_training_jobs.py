@@ -59,9 +59,10 @@ def test_ddp_backend_outside_torchrun_says_how_to_launch(tmp_path: Path) -> None
     assert "torchrun --nproc_per_node" in output
 
 
-def test_missing_data_dir_is_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize("framework", ["pytorch", "tensorflow", "keras"])
+def test_missing_data_dir_is_named(tmp_path: Path, framework: str) -> None:
     missing = tmp_path / "no-such-imagenet"
     output = run(
-        single("pytorch", *TINY, "--data", "imagenet", "--data-dir", missing), tmp_path / "job.log", expect_rc=2
+        single(framework, *TINY, "--data", "imagenet", "--data-dir", missing), tmp_path / "job.log", expect_rc=2
     )
     assert f"data directory {missing} does not exist" in output
