@@ -37,7 +37,7 @@ node_modules/.installed: package.json package-lock.json
 
 test: setup  ## run every test suite (infrastructure, training, operator workflow)
 	$(OPS)/bin/python -m pytest tests/infra tests/scripts
-	$(TRAIN)/bin/python -m pytest tests/training
+	$(TRAIN)/bin/python -m pytest tests/training tests/bench
 
 test-infra: $(OPS)/.installed system  ## Pulumi program under mocks, cloud-init validation
 	$(OPS)/bin/python -m pytest tests/infra
@@ -50,6 +50,9 @@ test-scripts: setup  ## staging, launcher and local cluster against Azurite and 
 
 demo: setup  ## the whole operator workflow on a 2-node local cluster (as root; about 2 minutes)
 	$(OPS)/bin/python -m scripts.demo
+
+bench: setup  ## benchmarks beside their baselines -> bench/results.{json,md,png} (under 15 minutes)
+	$(TRAIN)/bin/python -m bench
 
 lint: $(OPS)/.installed  ## ruff
 	$(OPS)/bin/ruff check .

@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,36 +145,38 @@ def random_resized_crop_box(
     return (width - w) // 2, (height - h) // 2, w, h
 
 
-def _decode_box(path: str, box: tuple[float, float, float, float], size: int) -> Image.Image:
-    """Decode ``path`` and resize the region ``box`` (left, top, width, height) to size x size.
+Box = tuple[float, float, float, float]  # left, top, width, height
+
+
+def _decode_region(path: str, size: int, choose_box: Callable[[int, int], Box]) -> Image.Image:
+    """Open ``path`` once, pick a region from its size, and resize that region to size x size.
 
     JPEG ``draft`` decodes at 1/2, 1/4 or 1/8 scale directly (much faster than full decode
     plus resize); we ask for the smallest scale at which the box still has ``size`` pixels.
     """
-    left, top, w, h = box
     with Image.open(path) as img:
         full_w, full_h = img.size
+        left, top, w, h = choose_box(full_w, full_h)
         img.draft("RGB", (math.ceil(full_w * size / w), math.ceil(full_h * size / h)))
         sx, sy = img.size[0] / full_w, img.size[1] / full_h
-        rgb = img.convert("RGB")
-    return rgb.resize((size, size), Image.BILINEAR, box=(left * sx, top * sy, (left + w) * sx, (top + h) * sy))
+        rgb = img if img.mode == "RGB" else img.convert("RGB")  # most JPEGs decode to RGB already
+        return rgb.resize((size, size), Image.BILINEAR, box=(left * sx, top * sy, (left + w) * sx, (top + h) * sy))
 
 
 def decode_train(path: str, size: int, rng: np.random.Generator) -> np.ndarray:
     """Random resized crop and horizontal flip (the standard ResNet train augmentation)."""
-    with Image.open(path) as img:
-        width, height = img.size
-    image = np.asarray(_decode_box(path, random_resized_crop_box(width, height, rng), size))
+    image = np.asarray(_decode_region(path, size, lambda w, h: random_resized_crop_box(w, h, rng)))
     return np.ascontiguousarray(image[:, ::-1]) if rng.random() < 0.5 else image
 
 
-def decode_val(path: str, size: int) -> np.ndarray:
-    """Resize the short side to size / 0.875, center-crop size x size."""
-    with Image.open(path) as img:
-        width, height = img.size
+def center_crop_box(width: int, height: int) -> Box:
+    """Validation: the short side resized to size / 0.875, then the center size x size."""
     side = min(width, height) * VAL_RESIZE_RATIO
-    box = ((width - side) / 2, (height - side) / 2, side, side)
-    return np.asarray(_decode_box(path, box, size))
+    return (width - side) / 2, (height - side) / 2, side, side
+
+
+def decode_val(path: str, size: int) -> np.ndarray:
+    return np.asarray(_decode_region(path, size, center_crop_box))
 
 
 def steps_per_epoch(train_images: int, world_size: int, batch_size: int, requested: int | None) -> int:

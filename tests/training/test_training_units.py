@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from tests.training.jobs import make_imagenet
 from training import data, metrics
@@ -309,3 +310,14 @@ def test_loop_default_checkpoints_once_per_epoch_and_resumes(tmp_path: Path) -> 
     assert report["val_top1"] == 0.75
     with pytest.raises(ValueError, match="past this run"):
         run_steps(tmp_path, ["--steps", "4", "--epochs", "1"])
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L", "CMYK"])
+def test_decode_gives_rgb_crops_of_the_requested_size(tmp_path: Path, mode: str) -> None:
+    path = tmp_path / "image.JPEG"
+    Image.new(mode, (500, 375), "white" if mode != "CMYK" else (0, 0, 0, 0)).save(path)
+    train = data.decode_train(str(path), 64, np.random.default_rng(0))
+    val = data.decode_val(str(path), 64)
+    for image in (train, val):
+        assert image.shape == (64, 64, 3) and image.dtype == np.uint8
+        assert image.min() > 240  # white stays white through draft, crop and resize

@@ -1,0 +1,76 @@
+"""Starting the measured processes: plain Python, horovodrun and torchrun, with pinned threads."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TRAIN_BIN = Path(sys.executable).parent
+TIMEOUT_S = 300
+
+
+class BenchError(RuntimeError):
+    """A measured process failed; the message carries the command and the tail of its output."""
+
+
+def thread_env(threads: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment with every thread pool pinned, so that runs compare like with like."""
+    env = dict(os.environ)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TF_NUM_INTRAOP_THREADS"):
+        env[name] = str(threads)
+    env["TF_NUM_INTEROP_THREADS"] = "1"
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env.update(extra or {})
+    return env
+
+
+def run(cmd: Sequence[str], env: Mapping[str, str], timeout: float = TIMEOUT_S) -> str:
+    proc = subprocess.run(
+        list(cmd), cwd=REPO_ROOT, env=dict(env), capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise BenchError(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
+    return proc.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launcher(kind: str, np: int) -> list[str]:
+    """The command that starts ``np`` local workers of ``-m module``: horovodrun (gloo), torchrun,
+    or a plain interpreter; the module and its arguments follow."""
+    if kind == "horovod":
+        return [str(TRAIN_BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo", sys.executable, "-m"]
+    if kind == "ddp":
+        return [str(TRAIN_BIN / "torchrun"), "--standalone", f"--nproc-per-node={np}", "-m"]
+    if kind == "plain" and np == 1:
+        return [sys.executable, "-m"]
+    raise ValueError(f"cannot launch {np} worker(s) with {kind!r}")
+
+
+def run_json(kind: str, np: int, module: str, args: Sequence[str], threads: int, **env: str) -> dict[str, Any]:
+    """Run ``module`` on ``np`` workers; it writes its result to ``--metrics-json``, we read it back."""
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        out = Path(tmp) / "metrics.json"
+        cmd = [*launcher(kind, np), module, *args, "--metrics-json", str(out)]
+        run(cmd, thread_env(threads, env))
+        if not out.is_file():
+            raise BenchError(f"{' '.join(cmd)} wrote no metrics to {out}")
+        return json.loads(out.read_text())
+
+
+def load_average() -> tuple[float, float, float]:
+    return os.getloadavg()
