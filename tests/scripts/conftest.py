@@ -11,7 +11,6 @@ import ipaddress
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,16 +111,6 @@ def node_pids_with(desc: ClusterDescription, marker: str) -> dict[str, int]:
     with SSH(desc, records) as ssh:
         results = ssh.run_parallel([ssh.node(r.hostname) for r in records], script, check=True)
     return {host: int(res.stdout.strip()) for host, res in results.items()}  # type: ignore[union-attr]
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -20,6 +20,7 @@ from scripts.blobs import container_client
 from scripts.cluster import NodeRecord, load
 from scripts.errors import OperatorError
 from scripts.sshutil import SSH
+from tests.polling import wait_for
 
 from .conftest import (
     JOB,
@@ -30,7 +31,6 @@ from .conftest import (
     node_pids_with,
     run_module,
     start_module,
-    wait_for,
 )
 
 GHOST_ADDRESS = address(SESSION_SUBNET, 99)  # inside the session cluster's bridge range, no such host
@@ -158,7 +158,12 @@ def test_sigint_stops_every_remote_process(cluster, cluster_file, tmp_path):
     )  # fmt: skip
     out = Output(proc)
     try:
-        wait_for(lambda: out.has(r"^\[0\|node-0\] step 1 ") and out.has(r"^\[1\|node-1\] step 1 "), 120, what="steps")
+        wait_for(
+            lambda: out.has(r"^\[0\|node-0\] step 1 ") and out.has(r"^\[1\|node-1\] step 1 "),
+            120,
+            what="steps",
+            interval=0.1,
+        )
         on_nodes = node_pids_with(cluster, f"HVD_RUN_ID={run_id}")
         assert on_nodes["node-0"] >= 2 and on_nodes["node-1"] >= 1  # horovodrun + rank 0; rank 1
         proc.send_signal(signal.SIGINT)
@@ -184,7 +189,7 @@ def test_killed_worker_fails_the_launch_names_the_host_and_leaves_nothing(cluste
     )  # fmt: skip
     out = Output(proc)
     try:
-        wait_for(lambda: out.has(r"^\[1\|node-1\] step 1 "), 120, what="rank 1 running")
+        wait_for(lambda: out.has(r"^\[1\|node-1\] step 1 "), 120, what="rank 1 running", interval=0.1)
         # on node-1 itself, in its own process table: kill -9 the rank-1 worker
         kill = (
             "for d in /proc/[0-9]*; do grep -qxzF HVD_RUN_ID=killed $d/environ 2>/dev/null && "

@@ -19,8 +19,9 @@ from scripts import blob_pull, local_cluster, stage
 from scripts.blobs import container_client
 from scripts.cluster import ClusterDescription
 from scripts.errors import OperatorError
+from tests.polling import wait_for
 
-from .conftest import run_module, start_module, wait_for
+from .conftest import run_module, start_module
 
 
 def md5_b64(path: Path) -> str:
@@ -130,7 +131,7 @@ def test_upload_resumes_after_a_kill(cluster, cluster_file, tmp_path):
         return sum(1 for _ in client.list_blobs(name_starts_with="resume/"))
 
     try:
-        wait_for(lambda: count() >= 20 or proc.poll() is not None, 120, 0.05, "the first uploads")
+        wait_for(lambda: count() >= 20 or proc.poll() is not None, 120, "the first uploads", interval=0.05)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

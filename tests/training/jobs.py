@@ -8,8 +8,7 @@ import math
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import psutil
 import pytest
 from PIL import Image
 
+from tests.polling import wait_for
 from training.metrics import validate_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,16 +113,6 @@ def _find_worker(launcher_pid: int, rank: int, module: str) -> int | None:
         except (psutil.NoSuchProcess, psutil.AccessDenied, IndexError):
             continue
     return None
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def read_metrics(path: Path) -> dict[str, Any]:

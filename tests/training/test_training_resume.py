@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.training.jobs import TINY, horovodrun, kill_tree, read_metrics, run, start, wait_for, worker_pid
+from tests.polling import wait_for
+from tests.training.jobs import TINY, horovodrun, kill_tree, read_metrics, run, start, worker_pid
 from training.checkpoint import CheckpointDir, checkpoint_path, read_checkpoint
 from training.pytorch import decode_state
 
