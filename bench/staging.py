@@ -26,15 +26,13 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from azure.storage.blob import BlobServiceClient, ContainerClient, ContainerSasPermissions, generate_container_sas
-from pydantic import SecretStr
+from azure.storage.blob import BlobServiceClient, ContainerClient
 
 from bench.proc import REPO_ROOT, free_port
 from scripts import stage
-from scripts.cluster import BlobCredential, BlobLocation, ClusterDescription, Runtime, SSHEndpoint
+from scripts.cluster import BlobCredential, BlobLocation
 
 ACCOUNT = "devstoreaccount1"
 # Azurite's well-known development key, published by Microsoft; not a secret.
@@ -82,36 +80,10 @@ def _listening(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def description(conn: str) -> ClusterDescription:
-    """A description for ``stage.upload``, which reads only ``data`` and ``staging_credential``;
-    the SSH and path fields are placeholders that upload never touches."""
+def data_container(conn: str) -> BlobLocation:
     endpoint = conn.split("BlobEndpoint=")[1].rstrip(";")
-    sas = generate_container_sas(
-        ACCOUNT,
-        CONTAINER,
-        account_key=ACCOUNT_KEY,
-        permission=ContainerSasPermissions(read=True, list=True),
-        expiry=datetime.now(UTC) + timedelta(hours=1),
-    )
-    placeholder = SSHEndpoint(host="127.0.0.1", user="bench")
-    return ClusterDescription(
-        name="bench",
-        provider="local",
-        ssh_user="bench",
-        ssh_key="/dev/null",
-        known_hosts="/dev/null",
-        storage_host=placeholder,
-        node_count=1,
-        gpus_per_node=0,
-        shared_mount_path="/nonexistent",
-        storage_export_path="/nonexistent",
-        node_registry_path="/nonexistent/nodes",
-        data_path="/nonexistent/data",
-        blob_pull=["true"],
-        data=BlobLocation(endpoint=endpoint, container=CONTAINER, credential=BlobCredential(kind="sas", secret=sas)),
-        staging_credential=BlobCredential(kind="connection_string", secret=SecretStr(conn)),
-        results=BlobLocation(endpoint=endpoint, container=CONTAINER, credential=BlobCredential(kind="sas", secret=sas)),
-        runtime=Runtime(kind="host", workdir=str(REPO_ROOT)),
+    return BlobLocation(
+        endpoint=endpoint, container=CONTAINER, credential=BlobCredential(kind="connection_string", secret=conn)
     )
 
 
@@ -132,9 +104,10 @@ def sequential(client: ContainerClient, source: Path, prefix: str) -> None:
             client.upload_blob(f"{prefix}/{name}", handle, overwrite=True)
 
 
-def ours(desc: ClusterDescription, source: Path, dataset: str, shard_dir: Path | None) -> None:
+def ours(container: BlobLocation, source: Path, dataset: str, shard_dir: Path | None) -> None:
     summary = stage.upload(
-        desc,
+        container,
+        container.credential,
         source,
         dataset,
         shard_size_mb=SHARD_MB if shard_dir else None,
@@ -155,16 +128,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     total = sum(path.stat().st_size for _, path in files)
     seconds: dict[str, list[float]] = defaultdict(list)
     with tempfile.TemporaryDirectory(prefix="bench-azurite-") as tmp, azurite(Path(tmp) / "blob") as (conn, pid):
-        desc = description(conn)
+        container = data_container(conn)
         client = ContainerClient.from_connection_string(conn, CONTAINER)
         for r in range(args.rounds):
             with timed(pid, seconds, "sequential"):
                 sequential(client, args.source, f"seq-{r}")
             with timed(pid, seconds, "ours"):
-                ours(desc, args.source, f"ours-{r}", None)
+                ours(container, args.source, f"ours-{r}", None)
             shards = Path(tmp) / f"shards-{r}"
             with timed(pid, seconds, "ours_sharded"):
-                ours(desc, args.source, f"sharded-{r}", shards)
+                ours(container, args.source, f"sharded-{r}", shards)
             shutil.rmtree(shards)
     args.json.write_text(json.dumps({"files": len(files), "bytes": total, "seconds": seconds}))
 

@@ -102,7 +102,7 @@ def run_demo(
             t = phase("dataset", t)
 
             console.rule("3/5 stage: upload to blob storage, pull onto the NFS share")
-            up = stage.upload(desc, tmp, DATASET, workers=8)
+            up = stage.upload(desc.data, desc.staging_credential, tmp, DATASET, workers=8)
             stage.print_upload_summary(up)
             pulled = stage.pull(desc, DATASET, expected_files=up.source_files, expected_objects=up.objects)
             stage.print_pull_summary(pulled)

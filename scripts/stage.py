@@ -45,7 +45,7 @@ from rich.progress import (
 from rich.table import Table
 
 from scripts import blobs
-from scripts.cluster import BlobCredential, ClusterDescription, load
+from scripts.cluster import BlobCredential, BlobLocation, ClusterDescription, load
 from scripts.errors import OperatorError, run_cli
 from scripts.sshutil import SSH, explain_ssh_failure, q
 from scripts.ui import make_console
@@ -200,18 +200,19 @@ def _hash_all(items: list[tuple[str, Path]], workers: int, cache_file: Path | No
 
 
 def upload(
-    desc: ClusterDescription,
+    container: BlobLocation,
+    credential: BlobCredential,
     source: str | Path,
     dataset: str,
     *,
     shard_size_mb: float | None = None,
     shard_dir: str | Path | None = None,
     workers: int = 8,
-    credential: BlobCredential | None = None,
     show_progress: bool = True,
     md5_cache: Path | None = None,
 ) -> UploadSummary:
-    """Upload a local dataset directory to <data container>/<dataset>/, skipping what is already there."""
+    """Upload a local dataset directory to <container>/<dataset>/ with ``credential`` (the
+    operator's write access, not the container's read-only SAS), skipping what is already there."""
     dataset = _check_dataset_name(dataset)
     source = Path(source).expanduser().resolve()
     files = list_files(source)
@@ -222,17 +223,16 @@ def upload(
         items = pack_shards(files, cache, shard_size_mb)
     else:
         items = files
-    credential = credential or desc.staging_credential
     sas = credential.secret.get_secret_value() if credential.kind == "sas" and credential.secret else None
-    client = blobs.container_client(desc.data, credential)
-    summary = UploadSummary(desc.data.url, prefix, len(files), len(items), sharded=bool(shard_size_mb))
+    client = blobs.container_client(container, credential)
+    summary = UploadSummary(container.url, prefix, len(files), len(items), sharded=bool(shard_size_mb))
     started = time.time()
     cache_key = hashlib.sha1(str(source).encode()).hexdigest()[:16]
     local = _hash_all(items, workers, md5_cache or _cache_dir() / "md5" / f"{cache_key}.json")
     try:
         remote = blobs.remote_md5s(client, prefix)
     except Exception as exc:  # azure-core raises many types: one message
-        raise blobs.explain(exc, f"listing {desc.data.url}", sas) from None
+        raise blobs.explain(exc, f"listing {container.url}", sas) from None
     todo = [(name, path) for name, path in items if remote.get(prefix + name) != blobs.b64(local[name])]
     summary.skipped = len(items) - len(todo)
     wanted = {prefix + name for name, _ in items}
@@ -260,7 +260,7 @@ def upload(
         try:
             sent = blobs.upload_file(client, path, prefix + name, local[name])
         except Exception as exc:
-            err = blobs.explain(exc, f"writing {prefix + name} to {desc.data.url}", sas)
+            err = blobs.explain(exc, f"writing {prefix + name} to {container.url}", sas)
             if err.exit_code == 3:  # authorization: nothing else will succeed either
                 abort.set()
                 raise err from None
@@ -527,13 +527,13 @@ def main(argv: list[str] | None = None) -> int:
         objects = None
         if args.command in ("upload", "all"):
             summary = upload(
-                desc,
+                desc.data,
+                credential_from_env(args.sas_env) or desc.staging_credential,
                 args.source,
                 args.dataset,
                 shard_size_mb=args.shard_size_mb,
                 shard_dir=args.shard_dir,
                 workers=args.workers,
-                credential=credential_from_env(args.sas_env),
                 show_progress=not args.no_progress,
             )
             print_upload_summary(summary)

@@ -69,7 +69,7 @@ def test_synthetic_generator_layout_and_determinism(jpegs, tmp_path):
 
 
 def test_upload_sets_content_md5_and_pull_verifies_counts(cluster, jpegs):
-    summary = stage.upload(cluster, jpegs, "plain", workers=4, show_progress=False)
+    summary = stage.upload(cluster.data, cluster.staging_credential, jpegs, "plain", workers=4, show_progress=False)
     assert (summary.source_files, summary.uploaded, summary.skipped, summary.failed) == (24, 24, 0, 0)
     remote = remote_md5s(cluster, "plain/")
     assert remote == {p.relative_to(jpegs).as_posix(): md5_b64(p) for p in jpegs.rglob("*") if p.is_file()}
@@ -88,11 +88,11 @@ def test_upload_sets_content_md5_and_pull_verifies_counts(cluster, jpegs):
 def test_changed_file_is_the_only_one_sent_again(cluster, jpegs, tmp_path):
     src = tmp_path / "src"
     stage.generate_synthetic_imagenet(src, classes=2, train_per_class=3, val_per_class=1, image_size=16)
-    first = stage.upload(cluster, src, "changed", show_progress=False)
+    first = stage.upload(cluster.data, cluster.staging_credential, src, "changed", show_progress=False)
     assert first.uploaded == 8
     victim = next(src.rglob("*.JPEG"))
     victim.write_bytes(victim.read_bytes() + b"\0")
-    second = stage.upload(cluster, src, "changed", show_progress=False)
+    second = stage.upload(cluster.data, cluster.staging_credential, src, "changed", show_progress=False)
     assert (second.uploaded, second.skipped) == (1, 7)
     assert remote_md5s(cluster, "changed/")[victim.relative_to(src).as_posix()] == md5_b64(victim)
 
@@ -100,7 +100,7 @@ def test_changed_file_is_the_only_one_sent_again(cluster, jpegs, tmp_path):
 def test_pull_rejects_content_that_does_not_match_its_md5(cluster, tmp_path):
     src = tmp_path / "src"
     stage.generate_synthetic_imagenet(src, classes=1, train_per_class=3, val_per_class=0, image_size=16)
-    stage.upload(cluster, src, "corrupt", show_progress=False)
+    stage.upload(cluster.data, cluster.staging_credential, src, "corrupt", show_progress=False)
     name = "corrupt/train/n01440764/n01440764_00001.JPEG"
     # the stored Content-MD5 no longer matches the bytes: what a corrupted object looks like to a reader
     admin(cluster).get_blob_client(name).set_http_headers(
@@ -140,20 +140,36 @@ def test_upload_resumes_after_a_kill(cluster, cluster_file, tmp_path):
     before = count()
     assert 0 < before < total
 
-    resumed = stage.upload(cluster, src, "resume", workers=4, show_progress=False)
+    resumed = stage.upload(cluster.data, cluster.staging_credential, src, "resume", workers=4, show_progress=False)
     assert (resumed.skipped, resumed.uploaded, resumed.failed) == (before, total - before, 0)
     local = {p.relative_to(src).as_posix(): md5_b64(p) for p in src.rglob("*") if p.is_file()}
     assert remote_md5s(cluster, "resume/") == local  # nothing lost, nothing corrupted
-    third = stage.upload(cluster, src, "resume", show_progress=False)
+    third = stage.upload(cluster.data, cluster.staging_credential, src, "resume", show_progress=False)
     assert (third.uploaded, third.skipped) == (0, total)
 
 
 def test_tar_shards_are_resumable_and_unpacked_on_pull(cluster, jpegs, tmp_path):
     shard_dir = tmp_path / "shards"
-    summary = stage.upload(cluster, jpegs, "sharded", shard_size_mb=0.01, shard_dir=shard_dir, show_progress=False)
+    summary = stage.upload(
+        cluster.data,
+        cluster.staging_credential,
+        jpegs,
+        "sharded",
+        shard_size_mb=0.01,
+        shard_dir=shard_dir,
+        show_progress=False,
+    )
     assert summary.sharded and 1 < summary.objects < summary.source_files
     assert all(name.startswith("shards/shard-") for name in remote_md5s(cluster, "sharded/"))
-    again = stage.upload(cluster, jpegs, "sharded", shard_size_mb=0.01, shard_dir=shard_dir, show_progress=False)
+    again = stage.upload(
+        cluster.data,
+        cluster.staging_credential,
+        jpegs,
+        "sharded",
+        shard_size_mb=0.01,
+        shard_dir=shard_dir,
+        show_progress=False,
+    )
     assert (again.uploaded, again.skipped) == (0, summary.objects)  # byte-identical shards
     pulled = stage.pull(cluster, "sharded", expected_files=24, expected_objects=summary.objects)
     assert pulled.raw["unpacked_files"] == 24 and pulled.files_in_dest == 24
@@ -170,7 +186,7 @@ def test_read_only_sas_cannot_write(cluster, jpegs):
         client.upload_blob("plain/evil.txt", b"x")
     assert err.value.status_code == 403
     with pytest.raises(OperatorError, match="does not grant this permission") as op:
-        stage.upload(cluster, jpegs, "ro-attempt", credential=read_only, show_progress=False)
+        stage.upload(cluster.data, read_only, jpegs, "ro-attempt", show_progress=False)
     assert op.value.exit_code == 3
     assert not remote_md5s(cluster, "ro-attempt/")
 
@@ -235,13 +251,13 @@ def test_blob_pull_takes_the_sas_from_stdin_never_argv(cluster, tmp_path):
 
 
 def test_rerun_does_not_hash_unchanged_files_again(cluster, jpegs, monkeypatch):
-    stage.upload(cluster, jpegs, "hashcache", show_progress=False)
+    stage.upload(cluster.data, cluster.staging_credential, jpegs, "hashcache", show_progress=False)
     calls = []
     real = stage.blobs.file_md5
     monkeypatch.setattr(stage.blobs, "file_md5", lambda path: calls.append(path) or real(path))
-    again = stage.upload(cluster, jpegs, "hashcache", show_progress=False)
+    again = stage.upload(cluster.data, cluster.staging_credential, jpegs, "hashcache", show_progress=False)
     assert (again.skipped, calls) == (24, [])
     victim = next(jpegs.rglob("*.JPEG"))
     os.utime(victim, ns=(victim.stat().st_atime_ns, victim.stat().st_mtime_ns + 1))
-    stage.upload(cluster, jpegs, "hashcache", show_progress=False)
+    stage.upload(cluster.data, cluster.staging_credential, jpegs, "hashcache", show_progress=False)
     assert calls == [victim]
