@@ -337,7 +337,8 @@ def ssh_files_for_horovodrun(
     )
     files = {"ssh/config": (config, 0o644), "ssh/bin/ssh": (wrapper, 0o755)}
     if run_key is not None:  # docker: a key pair for this run only (container sshd <-> horovodrun)
-        files["ssh/id_ed25519"] = (run_key, 0o644)  # copied to 0600 inside each container
+        # Private: only the operator's user and root (each container) can read it on the share.
+        files["ssh/id_ed25519"] = (run_key, 0o600)
     return files
 
 
@@ -592,7 +593,7 @@ def launch(desc: ClusterDescription, opts: LaunchOptions, echo: Callable[[str], 
         if desc.runtime.kind == "docker":
             run_key, run_pub, host_key, _host_pub = _run_keypair()
             files["ssh/authorized_keys"] = (run_pub, 0o644)
-            files["ssh/host_ed25519"] = (host_key, 0o644)
+            files["ssh/host_ed25519"] = (host_key, 0o600)
         files.update(ssh_files_for_horovodrun(desc, nodes, run_dir, run_key))
         launch_node = ssh.node(nodes[0].hostname)
         ssh.run(

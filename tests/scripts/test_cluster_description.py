@@ -148,3 +148,4 @@ def test_docker_runtime_commands():
     assert launch.rank_hosts(nodes, 2) == ["vmss000000", "vmss000000", "vmss000001", "vmss000001"]
     files = launch.ssh_files_for_horovodrun(desc, nodes, run_dir, run_key="KEY")
     assert "Port 12345" in files["ssh/config"][0] and "/root/.ssh/hvd_run_key" in files["ssh/config"][0]
+    assert files["ssh/id_ed25519"] == ("KEY", 0o600)  # a private key on the share is never world-readable
