@@ -150,13 +150,18 @@ def test_two_node_job_prefixed_logs_exit_code_and_results(cluster, cluster_file,
     assert not host_pids_with("HVD_RUN_ID=exit3")
 
 
-def test_sigint_stops_every_remote_process(cluster, cluster_file, tmp_path):
-    run_id = "sigint"
+def start_long_job(cluster_file, runs_dir, run_id):
+    """A 2-node launch that runs until something stops it, with its output captured."""
     proc = start_module(
         "scripts.launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--entrypoint", JOB,
-        "--runs-dir", str(tmp_path), "--run-id", run_id, "--no-upload", "--", "--steps", "1000", "--sleep", "0.2",
+        "--runs-dir", str(runs_dir), "--run-id", run_id, "--no-upload", "--", "--steps", "1000", "--sleep", "0.2",
     )  # fmt: skip
-    out = Output(proc)
+    return proc, Output(proc)
+
+
+def test_sigint_stops_every_remote_process(cluster, cluster_file, tmp_path):
+    run_id = "sigint"
+    proc, out = start_long_job(cluster_file, tmp_path, run_id)
     try:
         wait_for(
             lambda: out.has(r"^\[0\|node-0\] step 1 ") and out.has(r"^\[1\|node-1\] step 1 "),
@@ -183,11 +188,7 @@ def test_sigint_stops_every_remote_process(cluster, cluster_file, tmp_path):
 
 def test_killed_worker_fails_the_launch_names_the_host_and_leaves_nothing(cluster, cluster_file, tmp_path):
     run_id = "killed"
-    proc = start_module(
-        "scripts.launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--entrypoint", JOB,
-        "--runs-dir", str(tmp_path), "--run-id", run_id, "--no-upload", "--", "--steps", "1000", "--sleep", "0.2",
-    )  # fmt: skip
-    out = Output(proc)
+    proc, out = start_long_job(cluster_file, tmp_path, run_id)
     try:
         wait_for(lambda: out.has(r"^\[1\|node-1\] step 1 "), 120, what="rank 1 running", interval=0.1)
         # on node-1 itself, in its own process table: kill -9 the rank-1 worker
