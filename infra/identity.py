@@ -31,17 +31,16 @@ def role_definition_id(subscription_id: pulumi.Input[str], role: str) -> pulumi.
 def grant(
     name: str,
     principal_id: pulumi.Input[str],
-    role: str,
+    role_definition: pulumi.Input[str],
     scope: pulumi.Input[str],
     parent: pulumi.Resource,
     principal_type: str | None = None,
 ) -> authorization.RoleAssignment:
-    subscription_id = authorization.get_client_config_output().subscription_id
     return authorization.RoleAssignment(
         name,
         principal_id=principal_id,
         principal_type=principal_type,
-        role_definition_id=role_definition_id(subscription_id, role),
+        role_definition_id=role_definition,
         scope=scope,
         opts=pulumi.ResourceOptions(parent=parent),
     )
@@ -63,13 +62,21 @@ class ClusterIdentity(pulumi.ComponentResource):
             tags=args.tags,
             opts=child,
         )
+        subscription_id = authorization.get_client_config_output().subscription_id
         grants = {
             "acr-pull": (ACR_PULL, args.registry_id),
             "results-writer": (STORAGE_BLOB_DATA_CONTRIBUTOR, args.results_container_id),
         }
         self.role_assignments = [
             # Without the type, a brand-new identity can fail on directory replication lag.
-            grant(f"{name}-{what}", self.identity.principal_id, role, scope, self, "ServicePrincipal")
+            grant(
+                f"{name}-{what}",
+                self.identity.principal_id,
+                role_definition_id(subscription_id, role),
+                scope,
+                self,
+                "ServicePrincipal",
+            )
             for what, (role, scope) in grants.items()
         ]
         self.register_outputs(
@@ -92,9 +99,10 @@ class OperatorAccess(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: OperatorAccessArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("hvd:infra:OperatorAccess", name, None, opts)
-        operator = authorization.get_client_config_output().object_id
+        client = authorization.get_client_config_output()
+        contributor = role_definition_id(client.subscription_id, STORAGE_BLOB_DATA_CONTRIBUTOR)
         self.role_assignments = [
-            grant(f"{name}-{container}", operator, STORAGE_BLOB_DATA_CONTRIBUTOR, scope, self)
+            grant(f"{name}-{container}", client.object_id, contributor, scope, self)
             for container, scope in args.container_ids.items()
         ]
         self.register_outputs({})

@@ -201,6 +201,8 @@ def test_role_assignment_scopes(deployment: Deployment) -> None:
 
 
 def test_role_definitions_are_subscription_qualified(deployment: Deployment) -> None:
+    client_config_calls = [token for token, _ in deployment.mocks.calls if token.endswith(":getClientConfig")]
+    assert len(client_config_calls) == 2  # once per identity component, not once per grant
     for assignment in deployment.mocks.of_type(":RoleAssignment"):
         assert assignment.inputs["roleDefinitionId"].startswith(
             "/subscriptions/00000000-0000-0000-0000-0000000000aa/providers/Microsoft.Authorization/roleDefinitions/"
