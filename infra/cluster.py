@@ -10,7 +10,7 @@ from pulumi_azure_native import compute
 
 from infra.cloud_init import nccl_env_for_sku, render_cluster_node
 from infra.config import ImageReference
-from infra.vm import encode_custom_data, image_reference, linux_configuration
+from infra.vm import encode_custom_data, image_reference, linux_configuration, security_profile
 
 # Not under /mnt: Azure mounts the VM's temporary disk there at boot, which would hide it.
 SHARED_MOUNT_PATH = "/shared"
@@ -29,6 +29,7 @@ class GpuClusterArgs:
     image: ImageReference
     admin_user: str
     ssh_public_key: str
+    encryption_at_host: bool
     identity_id: pulumi.Input[str]
     identity_client_id: pulumi.Input[str]
     acr_login_server: pulumi.Input[str]
@@ -116,6 +117,7 @@ class GpuCluster(pulumi.ComponentResource):
                         )
                     ]
                 ),
+                security_profile=security_profile(args.encryption_at_host),
             ),
             tags=args.tags,
             opts=child,

@@ -9,21 +9,27 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StringConstraints,
     TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
+from pydantic_core import ErrorDetails
+
+from infra.azure_limits import AZURE_REGIONS, RESERVED_ADMIN_USERS, VM_SIZES
+from infra.ssh_key import check_public_key
 
 
 @dataclass(frozen=True)
@@ -32,29 +38,67 @@ class GpuSku:
 
     gpus_per_node: int
     gpu: str
+    encryption_at_host: bool  # Azure's EncryptionAtHostSupported capability for the size
 
 
-# InfiniBand-connected GPU sizes only: the training stack assumes RDMA between nodes.
+# InfiniBand-connected GPU sizes only: the training stack assumes RDMA between nodes. All support
+# encryption at host: ND96amsr_A100_v4 per the Resource SKUs listing cited in
+# infra/data/vm_sizes.json, the others as current ND sizes (not cross-checked; that file's
+# `refresh` command checks a size in a region).
 GPU_SKUS: dict[str, GpuSku] = {
-    "Standard_ND96isr_H200_v5": GpuSku(8, "H200"),
-    "Standard_ND96isr_H100_v5": GpuSku(8, "H100"),
-    "Standard_ND96amsr_A100_v4": GpuSku(8, "A100 80GB"),
-    "Standard_ND96asr_v4": GpuSku(8, "A100 40GB"),
+    "Standard_ND96isr_H200_v5": GpuSku(8, "H200", encryption_at_host=True),
+    "Standard_ND96isr_H100_v5": GpuSku(8, "H100", encryption_at_host=True),
+    "Standard_ND96amsr_A100_v4": GpuSku(8, "A100 80GB", encryption_at_host=True),
+    "Standard_ND96asr_v4": GpuSku(8, "A100 40GB", encryption_at_host=True),
 }
 
-# Azure rejects these Linux admin user names.
-RESERVED_ADMIN_USERS = frozenset(
-    {"admin", "administrator", "root", "user", "guest", "test", "azureuser", "sys", "support"}
-)
 OPEN_CIDRS = frozenset({"*", "0.0.0.0/0", "any", "internet"})
-SSH_KEY_TYPES = ("ssh-rsa", "ssh-ed25519", "ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384")
+# RFC 1918: the only ranges a VNet here may use, and the ones the storage firewall cannot list.
+PRIVATE_RANGES = tuple(ipaddress.IPv4Network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"))
+THIS_NETWORK = ipaddress.IPv4Network("0.0.0.0/8")  # RFC 1122 "this host on this network"; never a source
+# A public SSH source wider than this (a /16 is 65,536 addresses) is no longer "the operator's
+# range" but a slice of the internet, so it needs the same consent as 0.0.0.0/0.
+MIN_PUBLIC_SSH_PREFIX = 16
 DEFAULT_IMAGE = "microsoft-dsvm:ubuntu-hpc:2204:latest"
+IMAGE_NAME_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # publisher, offer and sku
+IMAGE_VERSION = re.compile(r"latest|\d+\.\d+\.\d+")  # Azure image versions are major.minor.build
 MAX_NODES = 100  # one placement group, hence one InfiniBand fabric, holds at most 100 VMs
 MAX_SAS_LIFETIME = timedelta(days=365)  # a leaked read token should not outlive a year
+# Staging ImageNet to blob and pulling it onto NFS takes hours; a token that expires the same day
+# would stop a staging run midway.
+MIN_SAS_LIFETIME = timedelta(days=1)
+CLOCK_ALLOWANCE = timedelta(minutes=1)  # "P1D" is turned into a time a moment before it is checked
+
+# Tags: the stack sets RESERVED_TAGS on every resource; Azure allows 50 tags per resource, values
+# up to 256 characters, compares names case-insensitively and reserves the prefixes below.
+RESERVED_TAGS = ("project", "stack", "owner")
+RESERVED_TAG_PREFIXES = ("microsoft", "azure", "windows")
+TAG_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # also keeps out the <>%&\?/ that Azure refuses
+MAX_TAGS = 50
+MAX_TAG_VALUE = 256
+TAG_NAME_RULES: tuple[tuple[Callable[[str], bool], str], ...] = (
+    (lambda name: not TAG_NAME.fullmatch(name), "must be 1-128 letters, digits, '_', '.' or '-'"),
+    (lambda name: name.lower() in RESERVED_TAGS, f"are set by the stack itself ({', '.join(RESERVED_TAGS)}; any case)"),
+    (
+        lambda name: name.lower().startswith(RESERVED_TAG_PREFIXES),
+        f"start with a prefix Azure reserves ({', '.join(RESERVED_TAG_PREFIXES)})",
+    ),
+)
+
+# (key, value, reason): one fault found by a rule that reads several keys.
+Fault = tuple[str, Any, str]
 
 
 class ConfigError(ValueError):
     """Raised with every invalid key listed, one line each."""
+
+
+class CrossFieldError(ValueError):
+    """Faults from rules over several keys, kept apart so that each is reported under its key."""
+
+    def __init__(self, faults: list[Fault]):
+        super().__init__("; ".join(f"{key}: {reason}" for key, _, reason in faults))
+        self.faults = faults
 
 
 @dataclass(frozen=True)
@@ -70,9 +114,10 @@ class StackConfig(BaseModel):
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
 
-    location: str = Field(pattern=r"^[a-z][a-z0-9]+$")
+    location: str
     name_prefix: str = Field(default="hvd", pattern=r"^[a-z][a-z0-9]{1,9}$")
-    owner: str = Field(min_length=1, max_length=256)
+    # A tag value on every resource: Azure's 256-character limit, and blank is no owner at all.
+    owner: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=MAX_TAG_VALUE)]
     admin_user: str = Field(default="hpcadmin", pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
     ssh_public_key: str
     allowed_ssh_cidr: str
@@ -81,12 +126,24 @@ class StackConfig(BaseModel):
     node_count: int = Field(default=2, ge=1, le=MAX_NODES)
     image: str = DEFAULT_IMAGE
     vnet_cidr: str = "10.40.0.0/16"
-    jumpbox_vm_size: str = Field(default="Standard_B2s", pattern=r"^Standard_[A-Za-z0-9_]+$")
-    nfs_vm_size: str = Field(default="Standard_D16s_v5", pattern=r"^Standard_[A-Za-z0-9_]+$")
+    jumpbox_vm_size: str = "Standard_B2s"
+    nfs_vm_size: str = "Standard_D16s_v5"
     nfs_disk_count: int = Field(default=4, ge=1, le=32)
     nfs_disk_size_gb: int = Field(default=1024, ge=32, le=32767)
+    # Encrypts the temp disks and the host-side disk caches, which Azure's default encryption of
+    # managed disks leaves out. Needs the subscription's Microsoft.Compute/EncryptionAtHost feature.
+    encryption_at_host: bool = True
     sas_expiry: datetime
     tags: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("location")
+    @classmethod
+    def _region(cls, value: str) -> str:
+        if value in AZURE_REGIONS:
+            return value
+        guess = value.lower().replace(" ", "")
+        hint = f"; did you mean {guess!r}?" if guess in AZURE_REGIONS else ""
+        raise ValueError(f"must be an Azure region name such as 'eastus' (see infra/data/azure_regions.json){hint}")
 
     @field_validator("admin_user")
     @classmethod
@@ -98,10 +155,7 @@ class StackConfig(BaseModel):
     @field_validator("ssh_public_key")
     @classmethod
     def _ssh_key(cls, value: str) -> str:
-        parts = value.split()
-        if len(parts) < 2 or parts[0] not in SSH_KEY_TYPES:
-            raise ValueError(f"must be an OpenSSH public key starting with one of {SSH_KEY_TYPES}")
-        return value.strip()
+        return check_public_key(value)
 
     @field_validator("allowed_ssh_cidr")
     @classmethod
@@ -109,9 +163,12 @@ class StackConfig(BaseModel):
         if value.strip().lower() in OPEN_CIDRS:
             return "0.0.0.0/0"
         try:
-            return str(ipaddress.IPv4Network(value, strict=True))
+            network = ipaddress.IPv4Network(value, strict=True)
         except ValueError as exc:
             raise ValueError(f"must be an IPv4 CIDR such as 203.0.113.7/32 ({exc})") from None
+        if kind := _never_a_source(network):
+            raise ValueError(f"is {kind}, which no SSH client connects from; give your own public address range")
+        return str(network)
 
     @field_validator("gpu_sku")
     @classmethod
@@ -123,8 +180,14 @@ class StackConfig(BaseModel):
     @field_validator("image")
     @classmethod
     def _image(cls, value: str) -> str:
-        if len(value.split(":")) != 4 or not all(value.split(":")):
+        parts = value.split(":")
+        if len(parts) != 4:
             raise ValueError("must be publisher:offer:sku:version")
+        *names, version = parts
+        if not all(IMAGE_NAME_PART.fullmatch(name) for name in names):
+            raise ValueError("publisher, offer and sku must be letters, digits, '.', '_' or '-' (no spaces)")
+        if not IMAGE_VERSION.fullmatch(version):
+            raise ValueError("version must be 'latest' or major.minor.build, e.g. 22.04.2024102301")
         return value
 
     @field_validator("vnet_cidr")
@@ -134,9 +197,19 @@ class StackConfig(BaseModel):
             network = ipaddress.IPv4Network(value, strict=True)
         except ValueError as exc:
             raise ValueError(f"must be an IPv4 CIDR ({exc})") from None
-        if not network.is_private or not 8 <= network.prefixlen <= 22:
-            raise ValueError("must be a private range between /8 and /22")
+        if not _is_private(network) or not 8 <= network.prefixlen <= 22:
+            raise ValueError("must be a private (RFC 1918) range between /8 and /22, e.g. 10.40.0.0/16")
         return str(network)
+
+    @field_validator("jumpbox_vm_size", "nfs_vm_size")
+    @classmethod
+    def _known_size(cls, value: str) -> str:
+        if value not in VM_SIZES:
+            raise ValueError(
+                "is not in infra/data/vm_sizes.json, so its data-disk limit and encryption-at-host support are "
+                f"unknown; use one of {', '.join(VM_SIZES)}, or add it there"
+            )
+        return value
 
     @field_validator("sas_expiry", mode="before")
     @classmethod
@@ -154,6 +227,10 @@ class StackConfig(BaseModel):
         now = datetime.now(UTC)
         if value <= now:
             raise ValueError("is already past; give a future ISO 8601 time or a duration such as P30D")
+        if value < now + MIN_SAS_LIFETIME - CLOCK_ALLOWANCE:
+            raise ValueError(
+                f"is less than {MIN_SAS_LIFETIME.days} day away; staging a dataset takes hours, give at least P1D"
+            )
         if value > now + MAX_SAS_LIFETIME:
             raise ValueError(f"is more than {MAX_SAS_LIFETIME.days} days away; a read token should expire sooner")
         return value.astimezone(UTC)
@@ -161,19 +238,50 @@ class StackConfig(BaseModel):
     @field_validator("tags")
     @classmethod
     def _tags(cls, value: dict[str, str]) -> dict[str, str]:
-        bad = [key for key in value if not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", key)]
-        if bad:
-            raise ValueError(f"tag names must be 1-128 letters, digits, '_', '.', '-': {bad}")
+        if problems := _tag_problems(value):
+            raise ValueError("; ".join(problems))
         return value
 
     @model_validator(mode="after")
-    def _open_ssh_needs_consent(self) -> StackConfig:
-        if self.allowed_ssh_cidr == "0.0.0.0/0" and not self.allow_open_ssh:
-            raise ValueError(
-                "allowedSshCidr: 0.0.0.0/0 opens the jumpbox's SSH to the internet; "
-                "set allowOpenSsh true to accept that, or give your own address range"
-            )
+    def _across_keys(self) -> StackConfig:
+        if faults := [*self._ssh_range_faults(), *self._nfs_disk_faults(), *self._encryption_faults()]:
+            raise CrossFieldError(faults)
         return self
+
+    def _ssh_range_faults(self) -> list[Fault]:
+        network = ipaddress.IPv4Network(self.allowed_ssh_cidr)
+        wide = network.prefixlen < MIN_PUBLIC_SSH_PREFIX and not _is_private(network)
+        if wide and not self.allow_open_ssh:
+            exposure = (
+                "opens the jumpbox's SSH to the internet"
+                if network.prefixlen == 0
+                else f"admits {network.num_addresses:,} public addresses (wider than /{MIN_PUBLIC_SSH_PREFIX})"
+            )
+            reason = f"{exposure}; set allowOpenSsh true to accept that, or give your own address range"
+            return [("allowedSshCidr", self.allowed_ssh_cidr, reason)]
+        # An open range the user consented to covers the VNet by design; any other overlap is a mistake.
+        if not wide and network.overlaps(ipaddress.IPv4Network(self.vnet_cidr)):
+            reason = f"overlaps vnetCidr {self.vnet_cidr}; give the operator's range outside the VNet, or move the VNet"
+            return [("allowedSshCidr", self.allowed_ssh_cidr, reason)]
+        return []
+
+    def _nfs_disk_faults(self) -> list[Fault]:
+        limit = VM_SIZES[self.nfs_vm_size].max_data_disks
+        if self.nfs_disk_count <= limit:
+            return []
+        reason = f"nfsVmSize {self.nfs_vm_size} holds at most {limit} data disks; lower the count or pick a larger size"
+        return [("nfsDiskCount", self.nfs_disk_count, reason)]
+
+    def _encryption_faults(self) -> list[Fault]:
+        if not self.encryption_at_host:
+            return []
+        supported = {
+            "jumpboxVmSize": (self.jumpbox_vm_size, VM_SIZES[self.jumpbox_vm_size].encryption_at_host),
+            "nfsVmSize": (self.nfs_vm_size, VM_SIZES[self.nfs_vm_size].encryption_at_host),
+            "gpuSku": (self.gpu_sku, self.sku.encryption_at_host),
+        }
+        reason = "does not support encryption at host; choose a size that does, or set encryptionAtHost false"
+        return [(key, size, reason) for key, (size, ok) in supported.items() if not ok]
 
     # Derived values: pure functions of the validated fields, so never stored twice.
 
@@ -197,7 +305,39 @@ class StackConfig(BaseModel):
         return str(ipaddress.IPv4Network(self.subnets["nfs"]).network_address + 4)
 
     def resource_tags(self, project: str, stack: str) -> dict[str, str]:
-        return {**self.tags, "project": project, "stack": stack, "owner": self.owner}
+        return {**self.tags, **dict(zip(RESERVED_TAGS, (project, stack, self.owner), strict=True))}
+
+
+def _is_private(network: ipaddress.IPv4Network) -> bool:
+    return any(network.subnet_of(private) for private in PRIVATE_RANGES)
+
+
+def _never_a_source(network: ipaddress.IPv4Network) -> str | None:
+    """Name the special-purpose range a CIDR lies in, if it lies in one no packet comes from."""
+    kinds = {
+        "loopback": network.is_loopback,
+        "link-local": network.is_link_local,
+        "multicast": network.is_multicast,
+        "reserved (240.0.0.0/4)": network.is_reserved,
+        "in 0.0.0.0/8 (this network)": network.subnet_of(THIS_NETWORK),
+    }
+    return next((kind for kind, hit in kinds.items() if hit), None)
+
+
+def _tag_problems(tags: Mapping[str, str]) -> list[str]:
+    problems = [
+        f"tag names {bad} {rule}" for test, rule in TAG_NAME_RULES if (bad := [name for name in tags if test(name)])
+    ]
+    folded = Counter(name.lower() for name in tags)
+    if twins := [name for name in tags if folded[name.lower()] > 1]:
+        problems.append(f"tag names {twins} differ only in case, and Azure ignores case in tag names")
+    if long := [name for name, value in tags.items() if len(value) > MAX_TAG_VALUE]:
+        problems.append(f"the values of {long} are longer than Azure's {MAX_TAG_VALUE} characters")
+    if len(tags) + len(RESERVED_TAGS) > MAX_TAGS:
+        problems.append(
+            f"{len(tags)} tags plus the stack's {len(RESERVED_TAGS)} exceed Azure's {MAX_TAGS} tags per resource"
+        )
+    return problems
 
 
 def parse_config(raw: Mapping[str, Any], namespace: str = "") -> StackConfig:
@@ -210,19 +350,27 @@ def parse_config(raw: Mapping[str, Any], namespace: str = "") -> StackConfig:
 
 def _describe(exc: ValidationError, raw: Mapping[str, Any], namespace: str) -> str:
     prefix = f"{namespace}:" if namespace else ""
-    lines = ["invalid stack configuration:"]
-    for error in exc.errors():
-        key = str(error["loc"][0]) if error["loc"] else ""
-        message = error["msg"].removeprefix("Value error, ")
-        if not key:  # model-level rules name their key in the message
-            lines.append(f"  {prefix}{message}")
-        elif error["type"] == "missing":
-            lines.append(f"  {prefix}{key}: required; set it with `pulumi config set {key} ...`")
-        elif error["type"] == "extra_forbidden":
-            lines.append(f"  {prefix}{key}: unknown key (given {raw.get(key)!r})")
-        else:
-            lines.append(f"  {prefix}{key}: got {raw.get(key)!r}; {message}")
-    return "\n".join(lines)
+    lines = [f"  {prefix}{key}: {text}" for error in exc.errors() for key, text in _explain(error, raw)]
+    return "\n".join(["invalid stack configuration:", *lines])
+
+
+def _explain(error: ErrorDetails, raw: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(key, what is wrong) for one pydantic error; a rule across keys may report several."""
+    cause = error.get("ctx", {}).get("error")
+    if isinstance(cause, CrossFieldError):
+        return [(key, f"got {_shown(raw.get(key, value))}; {reason}") for key, value, reason in cause.faults]
+    key = str(error["loc"][0])
+    if error["type"] == "missing":
+        return [(key, f"required; set it with `pulumi config set {key} ...`")]
+    if error["type"] == "extra_forbidden":
+        return [(key, f"unknown key (given {_shown(raw.get(key))})")]
+    return [(key, f"got {_shown(raw.get(key))}; {error['msg'].removeprefix('Value error, ')}")]
+
+
+def _shown(value: Any, limit: int = 120) -> str:
+    """The value as given, cut short when long (an RSA key, a big tag map) so the reason stays readable."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 20]}...{text[-12:]} ({len(text)} characters)"
 
 
 def config_keys() -> list[str]:

@@ -48,10 +48,14 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[str, pulumi.
         f"{prefix}-operator",
         OperatorAccessArgs(container_ids={name: c.id for name, c in store.containers.items()}),
     )
-    login = {"admin_user": cfg.admin_user, "ssh_public_key": cfg.ssh_public_key}
+    machine = {
+        "admin_user": cfg.admin_user,
+        "ssh_public_key": cfg.ssh_public_key,
+        "encryption_at_host": cfg.encryption_at_host,
+    }
     jumpbox = Jumpbox(
         f"{prefix}-jumpbox",
-        JumpboxArgs(subnet_id=net.subnet_ids["jumpbox"], vm_size=cfg.jumpbox_vm_size, **login, **common),
+        JumpboxArgs(subnet_id=net.subnet_ids["jumpbox"], vm_size=cfg.jumpbox_vm_size, **machine, **common),
     )
     nfs = NfsServer(
         f"{prefix}-nfs",
@@ -62,7 +66,7 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[str, pulumi.
             vm_size=cfg.nfs_vm_size,
             disk_count=cfg.nfs_disk_count,
             disk_size_gb=cfg.nfs_disk_size_gb,
-            **login,
+            **machine,
             **common,
         ),
     )
@@ -79,7 +83,7 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[str, pulumi.
             acr_login_server=registry.registry.login_server,
             nfs_server_ip=nfs.private_ip,
             nfs_export_path=nfs.export_path,
-            **login,
+            **machine,
             **common,
         ),
     )

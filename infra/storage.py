@@ -10,12 +10,12 @@ from datetime import datetime
 import pulumi
 from pulumi_azure_native import storage
 
+from infra.config import PRIVATE_RANGES
+
 DATA_CONTAINER = "data"
 RESULTS_CONTAINER = "results"
 # The data SAS lets the NFS server and nodes list and read the dataset, nothing more.
 DATA_SAS_PERMISSIONS = "rl"
-# The storage firewall refuses RFC 1918 ranges in IP rules.
-RFC1918 = [ipaddress.IPv4Network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")]
 
 
 @dataclass
@@ -35,7 +35,7 @@ def operator_ip_rules(cidr: str) -> list[str]:
     SSH range is not a reason to open storage, and an RFC 1918 range cannot be listed at all.
     """
     network = ipaddress.IPv4Network(cidr)
-    if network.prefixlen == 0 or any(network.subnet_of(private) for private in RFC1918):
+    if network.prefixlen == 0 or any(network.subnet_of(private) for private in PRIVATE_RANGES):
         return []
     if network.prefixlen >= 31:
         return [str(address) for address in (network.hosts() if network.prefixlen == 31 else [network.network_address])]

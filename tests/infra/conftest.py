@@ -11,10 +11,11 @@ import pytest
 from infra.config import parse_config
 from infra.stack import build_stack
 from tests.infra.azure_mocks import AzureMocks, Resolved, resolve
+from tests.infra.ssh_keys import ED25519
 
 PROJECT = "azure-horovod"
 STACK = "test"
-SSH_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGmockmockmockmockmockmockmockmockmockmockmock ops@example"
+SSH_KEY = ED25519
 VALID_CONFIG: dict[str, Any] = {
     "location": "eastus",
     "owner": "ml-platform@example.com",

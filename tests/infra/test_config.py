@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -10,13 +11,18 @@ import pulumi
 import pytest
 import yaml
 
+from infra.azure_limits import DATA_DIR, VM_SIZES, VmSize
 from infra.cloud_init import nccl_env_for_sku
-from infra.config import GPU_SKUS, ConfigError, load_config, parse_config
+from infra.config import GPU_SKUS, MAX_TAGS, RESERVED_TAGS, ConfigError, GpuSku, load_config, parse_config
 from infra.stack import build_stack
 from tests.infra.azure_mocks import AzureMocks
 from tests.infra.conftest import PROJECT, STACK, VALID_CONFIG
+from tests.infra.ssh_keys import ECDSA_P256, ED25519, RSA_1024, RSA_2048, blob, make_key, rsa_with, wire
 
 YESTERDAY = (datetime.now(UTC) - timedelta(days=1)).isoformat()
+IN_TWO_HOURS = (datetime.now(UTC) + timedelta(hours=2)).isoformat()
+ED25519_WORD, ED25519_DATA, _ = ED25519.split()
+ODD_2048_BIT_MODULUS = (1 << 2047) + 1
 
 BAD_VALUES = [
     ("location", "East US"),
@@ -49,19 +55,213 @@ BAD_VALUES = [
     ("vnetCidr", "8.8.0.0/16"),  # public range
     ("vnetCidr", "10.40.0.0/24"),  # too small to split into role subnets
     ("tags", {"bad key!": "x"}),
+    *[("tags", {f"a{char}b": "x"}) for char in "<>%&\\?/"],  # characters Azure refuses in tag names
     ("allowOpenSsh", "maybe"),
     ("colour", "blue"),  # unknown key: a typo must not be silently ignored
+    ("sshPublicKey", f'from="10.0.0.0/8" {ED25519}'),  # authorized_keys options are not a key
+    ("sshPublicKey", "ssh-ed25519"),
+    ("owner", "x" * 257),
 ]
 
 
-@pytest.mark.parametrize(("key", "value"), BAD_VALUES, ids=[f"{k}={v!r}"[:60] for k, v in BAD_VALUES])
+# Values that passed before the issue "Reliability and security": each would have failed midway
+# through `pulumi up`, or broken a promise the stack makes.
+BAD_SSH_KEYS = [
+    ED25519.replace("QLNQu9", "QL!Qu9"),  # corrupted base64
+    ED25519.replace("AAAAC3NzaC1l", "AAAAD3NzaC1l"),  # corrupted length field
+    make_key("ssh-ed25519", blob(RSA_2048)),  # type word and embedded type differ
+    make_key("ssh-rsa", blob(ED25519)),
+    f"{ED25519}\n{RSA_2048}",  # two keys in one value
+    f"{ED25519} {RSA_2048}",
+    f"{ED25519_WORD} {ED25519_DATA[:-8]}",  # truncated at a base64 group boundary
+    f"{ED25519_WORD} {ED25519_DATA[:-3]}",  # truncated mid-group
+    RSA_1024,  # Azure requires 2048 bits
+    make_key("ssh-ed25519", wire(b"ssh-ed25519", bytes(31))),  # an ed25519 key is 32 bytes
+    make_key("ssh-ed25519", blob(ED25519) + wire(b"extra")),  # trailing field
+    make_key("ssh-ed25519", blob(ED25519) + b"\x00\x00"),  # trailing half a length field
+    rsa_with(65536, ODD_2048_BIT_MODULUS),  # even exponent
+    ECDSA_P256,  # Azure takes RSA and ed25519 keys only
+]
+BAD_NETWORKS = [
+    ("allowedSshCidr", "0.0.0.0/1"),  # half the internet
+    ("allowedSshCidr", "8.0.0.0/8"),
+    ("allowedSshCidr", "100.0.0.0/15"),  # just wider than the /16 bound
+    ("allowedSshCidr", "10.40.1.0/24"),  # inside the VNet
+    ("allowedSshCidr", "10.40.0.0/16"),  # the VNet itself
+    ("allowedSshCidr", "10.0.0.0/8"),  # contains the VNet
+    ("allowedSshCidr", "127.0.0.1/32"),
+    ("allowedSshCidr", "169.254.169.254/32"),  # link-local (the metadata service)
+    ("allowedSshCidr", "224.0.0.0/4"),
+    ("allowedSshCidr", "239.1.2.3/32"),
+    ("allowedSshCidr", "240.0.0.0/4"),
+    ("allowedSshCidr", "255.255.255.255/32"),
+    ("allowedSshCidr", "0.0.0.0/8"),
+    ("allowedSshCidr", "0.0.0.1/32"),
+    ("vnetCidr", "127.0.0.0/16"),
+    ("vnetCidr", "169.254.0.0/16"),
+    ("vnetCidr", "0.0.0.0/16"),
+]
+BAD_TAGS = [
+    {"owner": "someone-else"},  # would silently replace the stack's owner tag
+    {"Project": "other"},
+    {"STACK": "prod"},
+    {"microsoftTeam": "x"},  # prefixes Azure reserves, in any case
+    {"Azure.cost": "x"},
+    {"WINDOWS-version": "x"},
+    {"note": "x" * 257},
+    {"costCenter": "a", "CostCenter": "b"},  # one tag to Azure
+    {f"t{i}": "x" for i in range(MAX_TAGS - len(RESERVED_TAGS) + 1)},  # 51 with the stack's own
+]
+NEW_BAD_VALUES = [
+    *[("sshPublicKey", value) for value in BAD_SSH_KEYS],
+    *BAD_NETWORKS,
+    *[("tags", value) for value in BAD_TAGS],
+    ("sasExpiry", "PT1S"),
+    ("sasExpiry", "PT1H"),
+    ("sasExpiry", "PT23H"),
+    ("sasExpiry", IN_TWO_HOURS),
+    ("image", "microsoft-dsvm:ubuntu-hpc:2204 :latest"),
+    ("image", "microsoft dsvm:ubuntu-hpc:2204:latest"),
+    ("image", "microsoft-dsvm:ubuntu-hpc:2204:latest "),
+    ("image", "microsoft-dsvm:ubuntu-hpc:22/04:latest"),
+    ("image", "microsoft-dsvm:ubuntu-hpc:2204:v1"),
+    ("adminUser", "admin1"),  # Azure's list, beyond the few names checked before
+    ("adminUser", "john"),
+    ("adminUser", "support_388945a0"),
+    ("adminUser", "video"),
+    ("adminUser", "user5"),
+    ("adminUser", "a"),
+    ("owner", "   "),
+    ("owner", "\t"),
+    ("location", "westeurope2"),
+    ("location", "mars"),
+    ("location", "global"),
+    ("nfsVmSize", "Standard_X99_v9"),  # sizes whose limits are unknown
+    ("nfsVmSize", "Standard_D16_v5"),  # no premium storage
+    ("jumpboxVmSize", "Standard_A2_v2"),  # no encryption at host, no premium storage
+]
+
+
+def _bad_id(key: str, value: object) -> str:
+    return f"{key}={value!r}"[:60]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), BAD_VALUES + NEW_BAD_VALUES, ids=[_bad_id(k, v) for k, v in BAD_VALUES + NEW_BAD_VALUES]
+)
 def test_bad_value_names_key_and_value(key: str, value: object) -> None:
     with pytest.raises(ConfigError) as raised:
         parse_config({**VALID_CONFIG, key: value}, PROJECT)
+    lines = str(raised.value).splitlines()[1:]
+    assert [line for line in lines if line.startswith(f"  {PROJECT}:{key}: ")], lines
+    assert repr(value)[:60] in str(raised.value)
+
+
+BAD_COMBINATIONS = [
+    ({"nfsVmSize": "Standard_D2s_v5", "nfsDiskCount": "8"}, "nfsDiskCount", "holds at most 4 data disks"),
+    ({"nfsVmSize": "Standard_B2s", "nfsDiskCount": "5"}, "nfsDiskCount", "holds at most 4 data disks"),
+    ({"nfsVmSize": "Standard_L8s_v3", "nfsDiskCount": "17"}, "nfsDiskCount", "holds at most 16 data disks"),
+    ({"vnetCidr": "192.168.0.0/16", "allowedSshCidr": "192.168.7.0/24"}, "allowedSshCidr", "overlaps vnetCidr"),
+    ({"allowedSshCidr": "0.0.0.0/1", "allowOpenSsh": "false"}, "allowedSshCidr", "2,147,483,648 public addresses"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key", "reason"), BAD_COMBINATIONS)
+def test_rules_across_keys_name_the_key_and_value(overrides: dict[str, str], key: str, reason: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_config({**VALID_CONFIG, **overrides}, PROJECT)
+    assert f"  {PROJECT}:{key}: got {overrides[key]!r}; " in str(raised.value)
+    assert reason in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "accepted",
+    [
+        {"allowedSshCidr": "0.0.0.0/1", "allowOpenSsh": "true"},  # consented: the bound is about consent
+        {"allowedSshCidr": "198.51.0.0/16"},  # a public /16 is still the operator's range
+        {"allowedSshCidr": "172.16.0.0/12"},  # a wide private range outside the VNet (a VPN)
+        {"sshPublicKey": RSA_2048},
+        {"sshPublicKey": f"  {ED25519_WORD} {ED25519_DATA} a comment with spaces \n"},
+        {"sasExpiry": "P1D"},
+        {"tags": {f"t{i}": "x" * 256 for i in range(MAX_TAGS - len(RESERVED_TAGS))}},
+        {"image": "microsoft-dsvm:ubuntu-hpc:2204:22.04.2024102301"},
+        {"location": "swedencentral", "nfsVmSize": "Standard_L8s_v3", "nfsDiskCount": "16"},
+        {"jumpboxVmSize": "Standard_B2s_v2", "owner": "  ml-platform@example.com  "},
+    ],
+)
+def test_valid_edges_are_accepted(accepted: dict[str, object]) -> None:
+    parse_config({**VALID_CONFIG, **accepted}, PROJECT)
+
+
+def test_ssh_key_and_owner_are_stored_stripped() -> None:
+    cfg = parse_config({**VALID_CONFIG, "sshPublicKey": f" {ED25519}\n", "owner": " me@example.com "})
+    assert cfg.ssh_public_key == ED25519 and cfg.owner == "me@example.com"
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        (RSA_1024, "is a 1024-bit RSA key; Azure requires at least 2048 bits"),
+        (make_key("ssh-ed25519", blob(RSA_2048)), "says ssh-ed25519 but its key data holds a 'ssh-rsa' key"),
+        (f"{ED25519} {RSA_2048}", "holds more than one key"),
+        (f"{ED25519_WORD} {ED25519_DATA[:-8]}", "cut short"),
+        (ECDSA_P256, "of type ssh-rsa or ssh-ed25519; Azure refuses other types"),
+    ],
+)
+def test_ssh_key_errors_say_what_is_wrong(value: str, reason: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(reason)):
+        parse_config({**VALID_CONFIG, "sshPublicKey": value}, PROJECT)
+
+
+def test_long_values_are_shortened_in_errors() -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_config({**VALID_CONFIG, "tags": {f"t{i}": "x" for i in range(60)}}, PROJECT)
+    line = next(line for line in str(raised.value).splitlines() if ":tags: got" in line)
+    assert "characters)" in line and "60 tags plus the stack's 3 exceed Azure's 50" in line
+    assert len(line) < 300
+
+
+def test_region_typo_gets_a_suggestion() -> None:
+    with pytest.raises(ConfigError, match="did you mean 'eastus'"):
+        parse_config({**VALID_CONFIG, "location": "East US"}, PROJECT)
+
+
+def test_unknown_size_error_lists_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match="Standard_D16s_v5") as raised:
+        parse_config({**VALID_CONFIG, "nfsVmSize": "Standard_X99_v9"}, PROJECT)
+    assert "infra/data/vm_sizes.json" in str(raised.value)
+
+
+def test_size_without_encryption_at_host_needs_the_opt_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(VM_SIZES, "Standard_Legacy_v1", VmSize(max_data_disks=8, encryption_at_host=False))
+    monkeypatch.setitem(GPU_SKUS, "Standard_NDlegacy", GpuSku(8, "V100", encryption_at_host=False))
+    raw = {**VALID_CONFIG, "jumpboxVmSize": "Standard_Legacy_v1", "gpuSku": "Standard_NDlegacy"}
+    with pytest.raises(ConfigError) as raised:
+        parse_config(raw, PROJECT)
     message = str(raised.value)
-    assert f"{PROJECT}:{key}" in message or f"{PROJECT}:{key}:" in message
-    if isinstance(value, str) and value and key != "allowedSshCidr":
-        assert repr(value) in message
+    for key, size in (("jumpboxVmSize", "Standard_Legacy_v1"), ("gpuSku", "Standard_NDlegacy")):
+        assert f"{PROJECT}:{key}: got {size!r}; does not support encryption at host" in message
+    assert "nfsVmSize" not in message
+    assert parse_config({**raw, "encryptionAtHost": "false"}).encryption_at_host is False
+
+
+def test_encryption_at_host_is_on_by_default() -> None:
+    assert parse_config(VALID_CONFIG).encryption_at_host is True
+
+
+def test_default_sizes_are_known_and_support_encryption_at_host() -> None:
+    cfg = parse_config(VALID_CONFIG)
+    assert VM_SIZES[cfg.jumpbox_vm_size].encryption_at_host and VM_SIZES[cfg.nfs_vm_size].encryption_at_host
+    assert all(sku.encryption_at_host for sku in GPU_SKUS.values())
+
+
+@pytest.mark.parametrize("name", ["azure_regions.json", "reserved_admin_users.json", "vm_sizes.json"])
+def test_data_files_name_their_source_and_date(name: str) -> None:
+    document = json.loads((DATA_DIR / name).read_text())
+    assert document["retrieved"] == "2026-11-22"
+    sources = [document.get("source"), *document.get("sources", [])]
+    sources += [family["page"] for family in document.get("families", {}).values()]
+    assert [url for url in sources if url] and all(url.startswith("https://") for url in sources if url)
 
 
 @pytest.mark.parametrize("key", ["location", "owner", "sshPublicKey", "allowedSshCidr", "sasExpiry"])

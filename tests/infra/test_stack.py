@@ -296,3 +296,26 @@ def test_open_ssh_keeps_storage_closed() -> None:
     assert one(deployed, ":StorageAccount").inputs["networkRuleSet"].get("ipRules", []) == []
     allows = [r for r in _rules(deployed, "jumpbox") if r["access"] == "Allow"]
     assert [r["sourceAddressPrefix"] for r in allows] == ["0.0.0.0/0"]
+
+
+def _security_profiles(deployed: Deployment) -> dict[str, dict]:
+    """Each machine's securityProfile as sent to Azure: the two VMs and the scale set's model."""
+    profiles = {vm.name: vm.inputs.get("securityProfile", {}) for vm in deployed.mocks.of_type(":VirtualMachine")}
+    vmss = one(deployed, ":VirtualMachineScaleSet")
+    profiles[vmss.name] = vmss.inputs["virtualMachineProfile"].get("securityProfile", {})
+    assert len(profiles) == 3, profiles
+    return profiles
+
+
+def test_encryption_at_host_on_every_machine(deployment: Deployment) -> None:
+    assert _security_profiles(deployment) == {
+        "hvd-jumpbox-vm": {"encryptionAtHost": True},
+        "hvd-nfs-vm": {"encryptionAtHost": True},
+        "hvd-gpu-vmss": {"encryptionAtHost": True},
+    }
+
+
+def test_encryption_at_host_opt_out_turns_it_off_everywhere() -> None:
+    deployed = deploy({**VALID_CONFIG, "encryptionAtHost": "false"})
+    profiles = _security_profiles(deployed)
+    assert [profile["encryptionAtHost"] for profile in profiles.values()] == [False, False, False]
