@@ -18,13 +18,15 @@ Content-MD5 before it is moved into place (written to a temporary name, then ren
 With --unpack-tars, downloaded `*.tar` shards are also extracted into DEST (once per shard content).
 
 The last line on stdout is a JSON summary: listed, downloaded, skipped, present, failed, bytes, ...
-Exit status: 0 all present and verified; 1 some blobs failed; 2 bad arguments, authorization or
-listing errors.
+(or {"error": ...}). Exit status: 0 all present and verified; 1 some blobs failed (or an internal
+error); 2 bad arguments, destination or container URL; 3 storage unreachable or access refused
+(SAS); 130 interrupted. --debug (or SCRIPTS_DEBUG=1) adds the traceback of an error.
 """
 
 import argparse
 import base64
 import contextlib
+import errno
 import hashlib
 import http.client
 import json
@@ -33,6 +35,7 @@ import sys
 import tarfile
 import threading
 import time
+import traceback
 import urllib.parse
 import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -42,15 +45,22 @@ API_VERSION = "2021-08-06"
 CHUNK = 1024 * 1024
 RETRIES = 4
 MARKER_DIR = ".blob-pull"
+# The exit-status table of scripts/errors.py, repeated: this file must stand alone on the NFS server.
+EXIT_FAILED = 1  # some blobs failed, or an unexpected internal error
+EXIT_BAD_INPUT = 2  # arguments, destination, container URL
+EXIT_NOT_READY = 3  # storage unreachable or access refused, disk full
+EXIT_INTERRUPTED = 130
+DEBUG_ENV = "SCRIPTS_DEBUG"
 
 
 class BlobError(Exception):
-    """An error with a message meant for the operator."""
+    """An error with a message meant for the operator, and the exit status it means."""
 
-    def __init__(self, message, status=None, code=None):
+    def __init__(self, message, status=None, code=None, exit_code=EXIT_BAD_INPUT):
         Exception.__init__(self, message)
         self.status = status
         self.code = code
+        self.exit_code = exit_code
 
 
 def _sas_expiry(sas):
@@ -68,8 +78,15 @@ def _sas_expiry(sas):
     return expiry
 
 
+def _http_exit_code(status):
+    """401/403: the service refused us; 5xx: it failed; anything else: the request (URL, names) is wrong."""
+    if status in (401, 403):
+        return EXIT_NOT_READY
+    return EXIT_FAILED if status >= 500 else EXIT_BAD_INPUT
+
+
 def explain_http_error(status, body, sas, what):
-    """Turn a Blob service error response into one clear sentence."""
+    """Turn a Blob service error response into one clear sentence (a BlobError with its exit status)."""
     code = message = ""
     try:
         root = ET.fromstring(body)
@@ -89,22 +106,47 @@ def explain_http_error(status, body, sas, what):
         else:
             text = f"blob authorization failed while {what}"
         text += f" (HTTP {status} {code or 'Forbidden'})"
-        return BlobError(text, status, code)
-    if status == 404 and code == "ContainerNotFound":
-        return BlobError(f"container not found while {what} (HTTP 404 ContainerNotFound)", status, code)
-    detail = (": " + message) if message else ""
-    return BlobError(f"blob service error while {what}: HTTP {status} {code}{detail}", status, code)
+    elif status == 404 and code == "ContainerNotFound":
+        text = f"container not found while {what} (HTTP 404 ContainerNotFound)"
+    else:
+        text = f"blob service error while {what}: HTTP {status} {code}" + ((": " + message) if message else "")
+    return BlobError(text, status, code, _http_exit_code(status))
+
+
+def split_container_url(container_url):
+    parsed = urllib.parse.urlsplit(container_url.strip().rstrip("/"))
+    if parsed.scheme not in ("http", "https") or not parsed.netloc or not parsed.path.strip("/"):
+        raise BlobError(f"--container-url must be an http(s) URL of a container, got {container_url!r}")
+    if parsed.query:
+        raise BlobError("--container-url must not carry a query string: pass the SAS via the environment")
+    return parsed
+
+
+def prepare_dest(dest):
+    """The destination directory, created if missing; a clear BlobError when it cannot be one."""
+    if not dest.strip():
+        raise BlobError("--dest must not be empty")
+    if os.path.exists(dest) and not os.path.isdir(dest):
+        raise BlobError(f"--dest {dest} is a file, not a directory")
+    try:
+        os.makedirs(dest, exist_ok=True)
+    except OSError as exc:
+        raise BlobError(f"cannot create --dest {dest}: {exc.strerror}") from None
+    if not os.access(dest, os.W_OK | os.X_OK):
+        raise BlobError(f"cannot write to --dest {dest}: read-only or no permission")
+
+
+def _backoff(attempt):
+    """Wait before the next attempt; not after the last one."""
+    if attempt + 1 < RETRIES:
+        time.sleep(0.5 * 2**attempt)
 
 
 class Container:
     """A container URL plus SAS, with one persistent HTTP(S) connection per thread."""
 
     def __init__(self, container_url, sas, timeout=60):
-        parsed = urllib.parse.urlsplit(container_url.rstrip("/"))
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise BlobError(f"--container-url must be an http(s) URL, got {container_url!r}")
-        if parsed.query:
-            raise BlobError("--container-url must not carry a query string: pass the SAS via the environment")
+        parsed = split_container_url(container_url)
         self.scheme = parsed.scheme
         self.netloc = parsed.netloc
         self.path = parsed.path
@@ -140,19 +182,19 @@ class Container:
             except (OSError, http.client.HTTPException) as exc:
                 self._drop_connection()
                 last = exc
-                time.sleep(0.5 * 2**attempt)
+                _backoff(attempt)
                 continue
             if response.status < 300:
                 return response
             body = response.read()
             if response.status >= 500 or response.status == 408:
                 last = explain_http_error(response.status, body, self.sas, method + " " + path)
-                time.sleep(0.5 * 2**attempt)
+                _backoff(attempt)
                 continue
             raise explain_http_error(response.status, body, self.sas, _describe(method, path, self.path))
         if isinstance(last, BlobError):
             raise last
-        raise BlobError(f"cannot reach {self.scheme}://{self.netloc}: {last}")
+        raise BlobError(f"cannot reach {self.scheme}://{self.netloc}: {last}", exit_code=EXIT_NOT_READY)
 
     def list_blobs(self, prefix=""):
         """Yield dicts (name, size, md5 base64 or None) for every blob under prefix, all pages."""
@@ -164,7 +206,7 @@ class Container:
             if marker:
                 query["marker"] = marker
             response = self.request("GET", self.path, urllib.parse.urlencode(query))
-            root = ET.fromstring(response.read())
+            root = self._listing(response.read())
             for blob in root.iter("Blob"):
                 props = blob.find("Properties")
                 md5 = props.findtext("Content-MD5") if props is not None else None
@@ -176,6 +218,18 @@ class Container:
             marker = (root.findtext("NextMarker") or "").strip()
             if not marker:
                 return
+
+    def _listing(self, body):
+        try:
+            root = ET.fromstring(body)
+        except ET.ParseError:
+            root = None
+        if root is None or root.tag != "EnumerationResults":
+            raise BlobError(
+                f"{self.scheme}://{self.netloc}{self.path} did not answer with a blob listing: "
+                "is --container-url the URL of a blob container?"
+            )
+        return root
 
     def blob_path(self, name):
         return self.path + "/" + urllib.parse.quote(name, safe="/~")
@@ -231,7 +285,7 @@ def download(container, blob, target):
         except (OSError, http.client.HTTPException) as exc:
             container._drop_connection()
             last = exc
-            time.sleep(0.5 * 2**attempt)
+            _backoff(attempt)
             continue
         except BaseException:
             _remove(temp)
@@ -281,8 +335,8 @@ def pull(container_url, sas, dest, prefix="", workers=8, unpack_tars=False, prog
     """Copy every blob under prefix into dest. Returns the summary dict."""
     started = time.time()
     container = Container(container_url, sas)
+    prepare_dest(dest)
     blobs = list(container.list_blobs(prefix))
-    os.makedirs(dest, exist_ok=True)
     summary = {
         "listed": len(blobs),
         "downloaded": 0,
@@ -325,7 +379,11 @@ def pull(container_url, sas, dest, prefix="", workers=8, unpack_tars=False, prog
             if not verified:
                 summary["unverified"] += 1
             if unpack_tars and blob["name"].endswith(".tar"):
-                summary["unpacked_files"] += unpack_tar(target, dest, blob["md5"])
+                try:
+                    summary["unpacked_files"] += unpack_tar(target, dest, blob["md5"])
+                except (BlobError, tarfile.TarError, OSError) as exc:  # a bad shard fails, the pull goes on
+                    summary["failed"] += 1
+                    summary["errors"].append(f"cannot unpack {blob['name']}: {exc}")
             if progress:
                 progress(summary)
     summary["seconds"] = round(time.time() - started, 3)
@@ -341,24 +399,37 @@ def read_sas(env_name):
     return sas.lstrip("?")
 
 
+def _whole_number_at_least_1(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="blob-pull",
         description="Copy a blob container (or prefix) into a directory, resumable and MD5-verified. "
         "The SAS token comes from the environment (--sas-env, default BLOB_SAS) or stdin, never argv.",
+        epilog="Exit status: 0 ok; 1 some blobs failed (or an internal error); 2 bad input; "
+        "3 storage unreachable or access refused; 130 interrupted.",
     )
     parser.add_argument("--container-url", required=True, help="https://ACCOUNT.blob.core.windows.net/CONTAINER")
     parser.add_argument("--dest", required=True, help="destination directory (created if missing)")
     parser.add_argument("--prefix", default="", help="only blobs whose names start with this; it is stripped")
-    parser.add_argument("--workers", type=int, default=8, help="parallel downloads (default 8)")
+    parser.add_argument("--workers", type=_whole_number_at_least_1, default=8, help="parallel downloads (default 8)")
     parser.add_argument("--unpack-tars", action="store_true", help="extract downloaded *.tar shards into DEST")
     parser.add_argument("--sas-env", default="BLOB_SAS", help="environment variable holding the SAS token")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return parser
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
+def run(args):
+    """Check the arguments, pull, print the summary; returns the exit status."""
     last = [time.time()]
 
     def progress(summary):
@@ -367,16 +438,10 @@ def main(argv=None):
             last[0] = now
             sys.stderr.write(f"blob-pull: {summary['present']} present, {summary['failed']} failed\n")
 
-    try:
-        sas = read_sas(args.sas_env)
-        summary = pull(args.container_url, sas, args.dest, args.prefix, args.workers, args.unpack_tars, progress)
-    except BlobError as exc:
-        sys.stderr.write(f"blob-pull: error: {exc}\n")
-        sys.stdout.write(json.dumps({"error": str(exc)}) + "\n")
-        return 2
-    except KeyboardInterrupt:
-        sys.stderr.write("blob-pull: interrupted; rerun to resume\n")
-        return 130
+    split_container_url(args.container_url)  # argument errors first, before asking for the SAS
+    prepare_dest(args.dest)
+    sas = read_sas(args.sas_env)
+    summary = pull(args.container_url, sas, args.dest, args.prefix, args.workers, args.unpack_tars, progress)
     for error in summary["errors"][:20]:
         sys.stderr.write(f"blob-pull: {error}\n")
     sys.stderr.write(
@@ -384,7 +449,37 @@ def main(argv=None):
         "{failed} failed, {bytes} bytes in {seconds:.1f}s\n".format(**summary)
     )
     sys.stdout.write(json.dumps(summary) + "\n")
-    return 0 if summary["failed"] == 0 else 1
+    return 0 if summary["failed"] == 0 else EXIT_FAILED
+
+
+def _fail(message, exit_code, debug):
+    """The one error path: a traceback only when asked for, the message on stderr, JSON on stdout."""
+    if debug:
+        traceback.print_exc()
+    sys.stderr.write(f"blob-pull: error: {message}\n")
+    sys.stdout.write(json.dumps({"error": message}) + "\n")
+    return exit_code
+
+
+def _describe_unexpected(exc):
+    if isinstance(exc, OSError) and exc.filename is not None:
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        return f"cannot use {exc.filename}: {exc.strerror}", EXIT_NOT_READY if full else EXIT_BAD_INPUT
+    return f"unexpected {type(exc).__name__}: {exc}", EXIT_FAILED
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    try:
+        return run(args)
+    except BlobError as exc:
+        return _fail(str(exc), exc.exit_code, debug)
+    except KeyboardInterrupt:
+        return _fail("interrupted; rerun to resume", EXIT_INTERRUPTED, debug)
+    except Exception as exc:  # the safety net: whatever slipped past the checks gets a message too
+        message, code = _describe_unexpected(exc)
+        return _fail(message if debug else message + " (run again with --debug for the traceback)", code, debug)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,18 @@ import hashlib
 import mimetypes
 from pathlib import Path
 
-from azure.core.exceptions import ClientAuthenticationError, HttpResponseError, ResourceNotFoundError
+from azure.core.exceptions import (
+    ClientAuthenticationError,
+    HttpResponseError,
+    ResourceNotFoundError,
+    ServiceRequestError,
+    ServiceResponseError,
+)
 from azure.storage.blob import ContainerClient, ContentSettings
 
 from scripts.blob_pull import explain_http_error
 from scripts.cluster import BlobCredential, BlobLocation
-from scripts.errors import OperatorError
+from scripts.errors import ExitCode, OperatorError
 
 CHUNK = 1024 * 1024
 
@@ -29,7 +35,9 @@ def container_client(location: BlobLocation, credential: BlobCredential | None =
     try:
         from azure.identity import DefaultAzureCredential
     except ImportError:  # pragma: no cover - azure-identity is in requirements.txt
-        raise OperatorError("azure-identity is needed for Entra ID access: pip install -r requirements.txt") from None
+        raise OperatorError(
+            "azure-identity is needed for Entra ID access: pip install -r requirements.txt", ExitCode.NOT_READY
+        ) from None
     identity = DefaultAzureCredential(managed_identity_client_id=cred.client_id)
     return ContainerClient(location.endpoint, location.container, credential=identity, **kwargs)
 
@@ -78,12 +86,14 @@ def explain(exc: Exception, what: str, sas: str | None = None) -> OperatorError:
         except Exception:
             body = b""
         err = explain_http_error(exc.status_code, body or _xml(exc), sas, what)
-        return OperatorError(str(err), 3 if exc.status_code in (401, 403) else 2)
+        return OperatorError(str(err), err.exit_code)
     if isinstance(exc, ResourceNotFoundError):
         return OperatorError(f"not found while {what}: {exc.message}")
     if isinstance(exc, ClientAuthenticationError):
-        return OperatorError(f"blob authorization failed while {what}: {exc.message}", 3)
-    return OperatorError(f"blob storage error while {what}: {exc}")
+        return OperatorError(f"blob authorization failed while {what}: {exc.message}", ExitCode.NOT_READY)
+    if isinstance(exc, ServiceRequestError | ServiceResponseError):
+        return OperatorError(f"blob storage unreachable while {what}: {exc}", ExitCode.NOT_READY)
+    return OperatorError(f"blob storage error while {what}: {exc}", ExitCode.FAILED)
 
 
 def _xml(exc: HttpResponseError) -> bytes:

@@ -11,17 +11,19 @@ tree has uncommitted changes) and `latest`. Launch a pinned build with
 from __future__ import annotations
 
 import argparse
-import shutil
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from scripts.cluster import IMAGE_REPOSITORIES, REPO_ROOT, load, pulumi_stack_outputs
-from scripts.errors import OperatorError, run_cli
+from scripts.cli import CLIParser, arg_type, non_empty, require_tool, run_cli
+from scripts.cluster import FRAMEWORKS, IMAGE_REPOSITORIES, REPO_ROOT, check_image_tag, load, pulumi_stack_outputs
+from scripts.errors import ExitCode, OperatorError
 from scripts.ui import make_console
 
 console = make_console()
+REGISTRY = re.compile(r"[A-Za-z0-9]+(\.[A-Za-z0-9-]+)*")  # NAME or NAME.azurecr.io
 
 
 def dockerfile_for(framework: str, root: Path = REPO_ROOT) -> Path:
@@ -31,31 +33,47 @@ def dockerfile_for(framework: str, root: Path = REPO_ROOT) -> Path:
     return path
 
 
+def check_context(context: str | Path) -> Path:
+    """The build context: the repository root, which holds training/docker/Dockerfile.<framework>."""
+    root = Path(context).expanduser()
+    if not root.is_dir():
+        state = "is not a directory" if root.exists() else "does not exist"
+        raise OperatorError(f"build context {root} {state}: pass the repository root as --context")
+    return root.resolve()
+
+
 def git_revision(root: Path = REPO_ROOT) -> str:
+    require_tool("git", "install git, or pass --tag")
     proc = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise OperatorError(f"cannot read the git revision of {root} (no commit yet?); pass --tag")
+        raise OperatorError(
+            f"cannot read the git revision of {root} (not a git checkout, or no commit yet); pass --tag"
+        )
     rev = proc.stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True)
     return f"{rev}-dirty" if dirty.stdout.strip() else rev
 
 
+def check_registry(registry: str) -> str:
+    if not REGISTRY.fullmatch(registry.strip()):
+        raise OperatorError(f"invalid registry {registry!r}: expected NAME or NAME.azurecr.io")
+    return registry.strip()
+
+
 def registry_name(registry: str) -> str:
     """`az acr build --registry` takes the registry's name: myacr.azurecr.io -> myacr."""
-    name = registry.split(".", 1)[0].strip()
-    if not name.isalnum():
-        raise OperatorError(f"invalid registry {registry!r}: expected NAME or NAME.azurecr.io")
-    return name
+    return check_registry(registry).split(".", 1)[0]
 
 
 def build_commands(
     registry: str, frameworks: Sequence[str], tag: str, root: Path = REPO_ROOT
 ) -> list[tuple[str, list[str]]]:
     """(image reference, az argv) per image to build. Keras needs no image of its own."""
+    check_image_tag(tag)
     wanted = []
     for fw in frameworks:
         if fw not in IMAGE_REPOSITORIES:
-            raise OperatorError(f"unknown framework {fw!r} (pytorch, tensorflow, keras)")
+            raise OperatorError(f"unknown framework {fw!r} ({', '.join(FRAMEWORKS)})")
         base = "tensorflow" if fw == "keras" else fw  # Keras runs in the TensorFlow image
         if base not in wanted:
             wanted.append(base)
@@ -88,51 +106,60 @@ def build(
     commands = build_commands(registry, frameworks, tag, root)
     if not (root / ".dockerignore").exists():
         console.print("[yellow]no .dockerignore: az acr build would upload the virtual environments too[/yellow]")
-    if not dry_run and shutil.which("az") is None:
-        raise OperatorError(
-            "the Azure CLI (az) is not installed: https://learn.microsoft.com/cli/azure/install-azure-cli"
-        )
+    if not dry_run:
+        require_tool("az", "install the Azure CLI (https://learn.microsoft.com/cli/azure/install-azure-cli)")
     for image, argv in commands:
         console.print(f"{'would run' if dry_run else 'building'} {image}: {' '.join(argv)}")
         if dry_run:
             continue
         if subprocess.run(argv, cwd=root).returncode != 0:
-            raise OperatorError(f"az acr build failed for {image}")
+            raise OperatorError(f"az acr build failed for {image} (its output is above)", ExitCode.FAILED)
     return [image for image, _ in commands]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts.build_images", description=__doc__.split("\n\n")[0])
+def build_parser() -> CLIParser:
+    parser = CLIParser(prog="python -m scripts.build_images", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--registry", help="registry name or login server (NAME.azurecr.io)")
-    source.add_argument("--stack", help="read acr_login_server from this Pulumi stack's outputs")
-    source.add_argument("--cluster", help="read the registry from a cluster description's images")
-    parser.add_argument("--framework", action="append", choices=("pytorch", "tensorflow", "keras"))
-    parser.add_argument("--tag", help="image tag (default: the git revision)")
+    source.add_argument(
+        "--registry", type=arg_type(check_registry), help="registry name or login server (NAME.azurecr.io)"
+    )
+    source.add_argument("--stack", type=non_empty, help="read acr_login_server from this Pulumi stack's outputs")
+    source.add_argument("--cluster", type=non_empty, help="read the registry from a cluster description's images")
+    parser.add_argument("--framework", action="append", choices=FRAMEWORKS)
+    parser.add_argument("--tag", type=arg_type(check_image_tag), help="image tag (default: the git revision)")
     parser.add_argument("--dry-run", action="store_true", help="print the az commands without running them")
-    parser.add_argument("--context", default=str(REPO_ROOT), help="build context: the repository (default)")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--context", type=non_empty, default=str(REPO_ROOT), help="build context: the repository (default)"
+    )
+    return parser
 
-    def body() -> int:
-        if args.stack:
-            outputs = pulumi_stack_outputs(args.stack)
-            if not outputs.get("acr_login_server"):
-                raise OperatorError(f"stack {args.stack!r} has no acr_login_server output")
-            registry = str(outputs["acr_login_server"])
-        elif args.cluster:
-            images = load(args.cluster).runtime.images
-            if not images:
-                raise OperatorError("the cluster description has no images (host runtime?)")
-            registry = next(iter(images.values())).split("/", 1)[0]
-        else:
-            registry = args.registry
-        frameworks = args.framework or ["pytorch", "tensorflow"]
-        images = build(registry, frameworks, args.tag, args.dry_run, Path(args.context).resolve())
-        for image in images:
-            print(image)
-        return 0
 
-    return run_cli(body)
+def _registry(args: argparse.Namespace) -> str:
+    if args.stack:
+        outputs = pulumi_stack_outputs(args.stack)
+        if not outputs.get("acr_login_server"):
+            raise OperatorError(f"stack {args.stack!r} has no acr_login_server output")
+        return check_registry(str(outputs["acr_login_server"]))
+    if args.cluster:
+        images = load(args.cluster).runtime.images
+        if not images:
+            raise OperatorError(
+                f"the cluster description {args.cluster} has no images (host runtime?): pass --registry"
+            )
+        return check_registry(next(iter(images.values())).split("/", 1)[0])
+    return args.registry
+
+
+def _run(args: argparse.Namespace) -> int:
+    root = check_context(args.context)
+    frameworks = args.framework or ["pytorch", "tensorflow"]
+    for image in build(_registry(args), frameworks, args.tag, args.dry_run, root):
+        print(image)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(build_parser(), _run, argv)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ import argparse
 import json
 import os
 import posixpath
-import shutil
+import re
+import stat
 import subprocess
 import sys
 from datetime import datetime
@@ -27,7 +28,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_serializer, model_validator
 
-from scripts.errors import OperatorError, run_cli
+from scripts.cli import (
+    CLIParser,
+    arg_type,
+    check_directory,
+    describe_validation_error,
+    non_empty,
+    read_json_file,
+    require_tool,
+    run_cli,
+)
+from scripts.errors import ExitCode, OperatorError, explain_os_error
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_LOCAL_STATE = REPO_ROOT / ".local-cluster"
@@ -36,6 +47,34 @@ FRAMEWORKS = ("pytorch", "tensorflow", "keras")
 # Image repository per framework in the registry; the Keras job runs in the TensorFlow image.
 IMAGE_REPOSITORIES = {"pytorch": "hvd-pytorch", "tensorflow": "hvd-tensorflow", "keras": "hvd-tensorflow"}
 CONTAINER_SSH_PORT = 12345  # sshd inside the job containers, used by horovodrun between nodes
+DOCKER_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # Docker's grammar for an image tag
+
+
+def check_image_tag(tag: str) -> str:
+    if not DOCKER_TAG.fullmatch(tag):
+        raise OperatorError(
+            f"invalid image tag {tag!r}: up to 128 letters, digits, '_', '.' and '-', not starting with '.' or '-'"
+        )
+    return tag
+
+
+def check_private_key(path: str | Path) -> Path:
+    """The operator's SSH private key: a readable file that ssh will accept (not readable by others)."""
+    path = Path(path).expanduser()
+    try:
+        mode = path.stat().st_mode
+        if stat.S_ISREG(mode):  # (opening a FIFO would block)
+            path.open("rb").close()
+    except OSError as exc:
+        raise explain_os_error(exc, "use the SSH key") from None
+    if not stat.S_ISREG(mode):
+        raise OperatorError(f"SSH key {path} is not a file: pass the private key (e.g. ~/.ssh/id_ed25519)")
+    if mode & 0o077:
+        raise OperatorError(
+            f"SSH key {path} is readable by other users (mode {stat.S_IMODE(mode):04o}) and ssh refuses such "
+            f"keys: run `chmod 600 {path}`"
+        )
+    return path
 
 
 class _Model(BaseModel):
@@ -177,13 +216,16 @@ class ClusterDescription(_Model):
     # --- persistence -------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(self.model_dump(mode="json", context={"reveal_secrets": True}), indent=2)
         tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text + "\n")
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(text + "\n")
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise explain_os_error(exc, "write the cluster description") from None
         return path
 
     def masked(self) -> dict[str, Any]:
@@ -193,37 +235,44 @@ class ClusterDescription(_Model):
 
 def load(path: str | Path | None = None) -> ClusterDescription:
     """Read a description; path defaults to $CLUSTER_DESCRIPTION, then the local cluster's."""
-    path = Path(path or os.environ.get("CLUSTER_DESCRIPTION") or DEFAULT_DESCRIPTION)
-    if not path.is_file():
+    path = Path(path or os.environ.get("CLUSTER_DESCRIPTION") or DEFAULT_DESCRIPTION).expanduser()
+    if not path.exists():
         raise OperatorError(
             f"no cluster description at {path}: run `python -m scripts.local_cluster up` (local) or "
             "`python -m scripts.cluster from-stack --stack NAME -o FILE` (Azure), or pass --cluster FILE"
         )
+    data = read_json_file(path, "cluster description")
     try:
-        return ClusterDescription.model_validate_json(path.read_text())
+        return ClusterDescription.model_validate(data)
     except ValidationError as exc:
-        raise OperatorError(f"invalid cluster description {path}:\n{exc}") from None
+        raise OperatorError(f"invalid cluster description {path}: {describe_validation_error(exc)}") from None
 
 
 # --- producer 1: a Pulumi stack's outputs ------------------------------------------------------
-REQUIRED_OUTPUTS = (
-    "jumpbox_public_ip",
-    "admin_user",
-    "nfs_private_ip",
-    "nfs_export_path",
-    "shared_mount_path",
-    "data_path",
-    "node_registry_path",
-    "blob_endpoint",
-    "data_container",
-    "results_container",
-    "data_sas",
-    "acr_login_server",
-    "node_count",
-    "gpus_per_node",
-    "gpu_sku",
-    "nccl_env",
-)
+class StackOutputs(BaseModel):
+    """The outputs a description is made from, typed, so that a wrong one is named (node_count "two")."""
+
+    model_config = ConfigDict(extra="ignore", coerce_numbers_to_str=True)
+
+    jumpbox_public_ip: str
+    admin_user: str
+    nfs_private_ip: str
+    nfs_export_path: str
+    shared_mount_path: str
+    data_path: str
+    node_registry_path: str
+    blob_endpoint: str
+    data_container: str
+    results_container: str
+    data_sas: SecretStr
+    acr_login_server: str
+    node_count: int = Field(ge=1)
+    gpus_per_node: int = Field(ge=0)
+    gpu_sku: str
+    nccl_env: dict[str, str]
+
+
+REQUIRED_OUTPUTS = tuple(StackOutputs.model_fields)
 
 
 def from_stack_outputs(
@@ -234,33 +283,17 @@ def from_stack_outputs(
     runtime: Literal["docker", "host"] = "docker",
     image_tag: str = "latest",
 ) -> ClusterDescription:
-    """Map `pulumi stack output --json --show-secrets` to a description; name any missing output."""
+    """Map `pulumi stack output --json --show-secrets` to a description; name any missing or invalid output."""
+    check_image_tag(image_tag)
     missing = [key for key in REQUIRED_OUTPUTS if outputs.get(key) in (None, "")]
     if missing:
         raise OperatorError(f"stack {stack!r} is missing outputs: {', '.join(missing)} (did `pulumi up` finish?)")
-    if not isinstance(outputs["nccl_env"], dict):
-        raise OperatorError(f"stack {stack!r}: output nccl_env must be a map, got {outputs['nccl_env']!r}")
-    user = str(outputs["admin_user"])
-    registry = str(outputs["acr_login_server"])
-    sas = str(outputs["data_sas"]).lstrip("?")
+    try:
+        out = StackOutputs.model_validate(outputs)
+    except ValidationError as exc:
+        raise OperatorError(f"stack {stack!r} has invalid outputs: {describe_validation_error(exc)}") from None
+    user = out.admin_user
     known = Path(known_hosts) if known_hosts else Path.home() / ".ssh" / f"known_hosts.{stack}"
-    if runtime == "docker":
-        job_runtime = Runtime(
-            kind="docker",
-            images={fw: f"{registry}/{repo}:{image_tag}" for fw, repo in IMAGE_REPOSITORIES.items()},
-            python="python",
-            workdir="/workspace",
-            ssh_port=CONTAINER_SSH_PORT,
-            network_interface="eth0",
-        )
-    else:
-        job_runtime = Runtime(
-            kind="host",
-            python="/opt/hvd-venv/bin/python",
-            workdir=posixpath.join(str(outputs["shared_mount_path"]), "code"),
-            identity_file=f"/home/{user}/.ssh/id_ed25519",
-            network_interface="eth0",
-        )
     try:
         return ClusterDescription(
             name=stack,
@@ -268,54 +301,76 @@ def from_stack_outputs(
             ssh_user=user,
             ssh_key=str(Path(ssh_key).expanduser()),
             known_hosts=str(known.expanduser()),
-            jump_host=SSHEndpoint(host=str(outputs["jumpbox_public_ip"]), user=user),
-            storage_host=SSHEndpoint(host=str(outputs["nfs_private_ip"]), user=user),
-            node_count=int(outputs["node_count"]),
-            gpus_per_node=int(outputs["gpus_per_node"]),
-            gpu_sku=str(outputs["gpu_sku"]),
+            jump_host=SSHEndpoint(host=out.jumpbox_public_ip, user=user),
+            storage_host=SSHEndpoint(host=out.nfs_private_ip, user=user),
+            node_count=out.node_count,
+            gpus_per_node=out.gpus_per_node,
+            gpu_sku=out.gpu_sku,
             expect_infiniband=True,  # every SKU the stack accepts is an InfiniBand SKU
-            shared_mount_path=str(outputs["shared_mount_path"]),
+            shared_mount_path=out.shared_mount_path,
             shared_is_mount=True,
-            storage_export_path=str(outputs["nfs_export_path"]),
-            node_registry_path=str(outputs["node_registry_path"]),
-            data_path=str(outputs["data_path"]),
+            storage_export_path=out.nfs_export_path,
+            node_registry_path=out.node_registry_path,
+            data_path=out.data_path,
             # /export/data belongs to root on the NFS server: the admin user pulls with sudo (-n: never prompt)
             blob_pull=["sudo", "-n", "blob-pull"],
             data=BlobLocation(
-                endpoint=str(outputs["blob_endpoint"]),
-                container=str(outputs["data_container"]),
-                credential=BlobCredential(kind="sas", secret=SecretStr(sas)),
+                endpoint=out.blob_endpoint,
+                container=out.data_container,
+                credential=BlobCredential(kind="sas", secret=SecretStr(out.data_sas.get_secret_value().lstrip("?"))),
             ),
             staging_credential=BlobCredential(kind="entra_id"),
             results=BlobLocation(
-                endpoint=str(outputs["blob_endpoint"]),
-                container=str(outputs["results_container"]),
-                credential=BlobCredential(kind="entra_id"),
+                endpoint=out.blob_endpoint, container=out.results_container, credential=BlobCredential(kind="entra_id")
             ),
-            runtime=job_runtime,
-            nccl_env={str(k): str(v) for k, v in outputs["nccl_env"].items()},
+            runtime=_stack_runtime(out, runtime, image_tag),
+            nccl_env=out.nccl_env,
             min_free_disk_gb=50.0,
         )
     except ValidationError as exc:
-        raise OperatorError(f"stack {stack!r}: outputs do not make a valid cluster description:\n{exc}") from None
+        raise OperatorError(
+            f"stack {stack!r}: outputs do not make a valid cluster description: {describe_validation_error(exc)}"
+        ) from None
+
+
+def _stack_runtime(out: StackOutputs, kind: Literal["docker", "host"], image_tag: str) -> Runtime:
+    if kind == "docker":
+        return Runtime(
+            kind="docker",
+            images={fw: f"{out.acr_login_server}/{repo}:{image_tag}" for fw, repo in IMAGE_REPOSITORIES.items()},
+            python="python",
+            workdir="/workspace",
+            ssh_port=CONTAINER_SSH_PORT,
+            network_interface="eth0",
+        )
+    return Runtime(
+        kind="host",
+        python="/opt/hvd-venv/bin/python",
+        workdir=posixpath.join(out.shared_mount_path, "code"),
+        identity_file=f"/home/{out.admin_user}/.ssh/id_ed25519",
+        network_interface="eth0",
+    )
 
 
 def pulumi_stack_outputs(stack: str, cwd: str | Path = REPO_ROOT, timeout: float = 60) -> dict[str, Any]:
     """`pulumi stack output --json --show-secrets --stack NAME` (the only boundary tests mock)."""
     cmd = ["pulumi", "stack", "output", "--json", "--show-secrets", "--stack", stack]
-    if shutil.which("pulumi") is None:
-        raise OperatorError("the pulumi CLI is not on PATH: install it (https://www.pulumi.com/docs/install/)")
+    require_tool("pulumi", "install the Pulumi CLI (https://www.pulumi.com/docs/install/)")
+    if not Path(cwd).is_dir():
+        raise OperatorError(f"the Pulumi project directory {cwd} does not exist (--cwd)")
     try:
         proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise OperatorError(f"`{' '.join(cmd)}` did not answer within {timeout:.0f}s") from None
+        raise OperatorError(f"`{' '.join(cmd)}` did not answer within {timeout:.0f}s", ExitCode.TIMED_OUT) from None
     if proc.returncode != 0:
-        detail = (proc.stderr or proc.stdout).strip().splitlines()
-        raise OperatorError(f"cannot read outputs of stack {stack!r}: {' '.join(detail) or 'pulumi failed'}")
+        detail = " ".join((proc.stderr or proc.stdout).strip().splitlines()) or "pulumi failed"
+        # a wrong stack name is the operator's input; anything else (login, backend) is the environment
+        code = ExitCode.BAD_INPUT if "no stack named" in detail else ExitCode.NOT_READY
+        raise OperatorError(f"cannot read outputs of stack {stack!r}: {detail}", code)
     try:
         outputs = json.loads(proc.stdout or "{}")
     except json.JSONDecodeError:
-        raise OperatorError(f"pulumi returned no JSON for stack {stack!r}") from None
+        raise OperatorError(f"pulumi returned no JSON for stack {stack!r}", ExitCode.FAILED) from None
     if not isinstance(outputs, dict) or not outputs:
         raise OperatorError(f"stack {stack!r} has no outputs (has `pulumi up` run?)")
     return outputs
@@ -334,38 +389,51 @@ def default_ssh_key() -> str:
     return str(Path.home() / ".ssh" / "id_ed25519")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts.cluster", description=__doc__.split("\n\n")[0])
+# --- CLI ---------------------------------------------------------------------------------------
+def build_parser() -> CLIParser:
+    parser = CLIParser(prog="python -m scripts.cluster", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     stack = sub.add_parser("from-stack", help="write a description from a Pulumi stack's outputs")
-    stack.add_argument("--stack", required=True, help="Pulumi stack name")
-    stack.add_argument("--ssh-key", default=default_ssh_key(), help="private key for the admin user")
+    stack.add_argument("--stack", required=True, type=non_empty, help="Pulumi stack name")
+    stack.add_argument("--ssh-key", type=non_empty, default=default_ssh_key(), help="private key for the admin user")
     stack.add_argument("--runtime", choices=("docker", "host"), default="docker")
-    stack.add_argument("--image-tag", default="latest", help="tag of the framework images (see build_images)")
-    stack.add_argument("--known-hosts", help="known_hosts file for this cluster (default ~/.ssh/known_hosts.STACK)")
-    stack.add_argument("-o", "--output", help="file to write (default cluster-STACK.json)")
-    stack.add_argument("--cwd", default=str(REPO_ROOT), help="directory of the Pulumi project")
+    stack.add_argument(
+        "--image-tag", type=arg_type(check_image_tag), default="latest", help="tag of the images (see build_images)"
+    )
+    stack.add_argument(
+        "--known-hosts", type=non_empty, help="known_hosts file for this cluster (default ~/.ssh/known_hosts.STACK)"
+    )
+    stack.add_argument("-o", "--output", type=non_empty, help="file to write (default cluster-STACK.json)")
+    stack.add_argument("--cwd", type=non_empty, default=str(REPO_ROOT), help="directory of the Pulumi project")
     show = sub.add_parser("show", help="print a description with its secrets masked")
-    show.add_argument("--cluster", help="description file (default $CLUSTER_DESCRIPTION or the local cluster)")
-    args = parser.parse_args(argv)
+    show.add_argument(
+        "--cluster", type=non_empty, help="description file (default $CLUSTER_DESCRIPTION or the local cluster)"
+    )
+    return parser
 
-    def body() -> int:
-        if args.command == "from-stack":
-            desc = from_pulumi_stack(
-                args.stack,
-                args.ssh_key,
-                cwd=args.cwd,
-                known_hosts=args.known_hosts,
-                runtime=args.runtime,
-                image_tag=args.image_tag,
-            )
-            out = desc.save(args.output or f"cluster-{args.stack}.json")
-            print(f"wrote {out} (mode 0600: it holds the read-only data SAS)")
-        else:
-            print(json.dumps(load(args.cluster).masked(), indent=2))
-        return 0
 
-    return run_cli(body)
+def _from_stack(args: argparse.Namespace) -> int:
+    key = check_private_key(args.ssh_key)
+    output = Path(args.output or f"cluster-{args.stack}.json").expanduser()
+    if output.is_dir():
+        raise OperatorError(f"--output {output} is a directory: pass a file name")
+    check_directory(output.parent, "the directory of --output")
+    desc = from_pulumi_stack(
+        args.stack, key, cwd=args.cwd, known_hosts=args.known_hosts, runtime=args.runtime, image_tag=args.image_tag
+    )
+    print(f"wrote {desc.save(output)} (mode 0600: it holds the read-only data SAS)")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "from-stack":
+        return _from_stack(args)
+    print(json.dumps(load(args.cluster).masked(), indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(build_parser(), _run, argv)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,15 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from ipaddress import IPv4Network
 from pathlib import Path
 
 from rich.table import Table
 
 from scripts import blobs, local_cluster, stage
+from scripts.cli import CLIParser, arg_type, check_directory, int_between, non_empty, run_cli
 from scripts.cluster import DEFAULT_LOCAL_STATE, ClusterDescription
-from scripts.errors import OperatorError, run_cli
+from scripts.errors import ExitCode, OperatorError
 from scripts.launch import DEFAULT_RUNS_DIR, LaunchOptions, RunResult, launch
 from scripts.ui import make_console
 
@@ -68,7 +70,7 @@ def run_demo(
     state_dir: str | Path = DEFAULT_LOCAL_STATE,
     runs_dir: str | Path = DEFAULT_RUNS_DIR,
     name: str = local_cluster.DEFAULT_NAME,
-    subnet: str = local_cluster.DEFAULT_SUBNET,
+    subnet: str | IPv4Network = local_cluster.DEFAULT_SUBNET,
     mode: str = "auto",
     keep: bool = False,
     entrypoint: str | None = None,
@@ -129,13 +131,13 @@ def run_demo(
             result.error = run.message or f"the job exited with status {run.exit_code}"
         elif not run.metrics:
             result.error = "the job wrote no metrics JSON"
-            result.exit_code = 1
+            result.exit_code = ExitCode.FAILED
     except OperatorError as exc:
         result.error = str(exc)
         result.exit_code = exc.exit_code
     except KeyboardInterrupt:
         result.error = "interrupted"
-        result.exit_code = 130
+        result.exit_code = ExitCode.INTERRUPTED
     finally:
         if keep:
             console.print(
@@ -177,41 +179,45 @@ def summary_table(result: DemoResult, keep: bool = False) -> Table:
     return table
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts.demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nodes", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6, help="training steps (default 6)")
-    parser.add_argument("--batch-size", type=int, default=8, help="per process (default 8)")
-    parser.add_argument("--image-size", type=int, default=64)
+def build_parser() -> CLIParser:
+    parser = CLIParser(prog="python -m scripts.demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int_between(1, local_cluster.MAX_NODES), default=2)
+    parser.add_argument("--steps", type=int_between(1), default=6, help="training steps (default 6)")
+    parser.add_argument("--batch-size", type=int_between(1), default=8, help="per process (default 8)")
+    parser.add_argument("--image-size", type=int_between(8, 4096), default=64)
     parser.add_argument("--model", default="resnet50", choices=("resnet50", "resnet_tiny", "simple_cnn"))
-    parser.add_argument("--state-dir", default=str(DEFAULT_LOCAL_STATE))
-    parser.add_argument("--runs-dir", default=str(DEFAULT_RUNS_DIR))
-    parser.add_argument("--subnet", default=local_cluster.DEFAULT_SUBNET)
-    parser.add_argument("--name", default=local_cluster.DEFAULT_NAME)
+    parser.add_argument("--state-dir", type=non_empty, default=str(DEFAULT_LOCAL_STATE))
+    parser.add_argument("--runs-dir", type=non_empty, default=str(DEFAULT_RUNS_DIR))
+    parser.add_argument("--subnet", type=arg_type(local_cluster.parse_subnet), default=local_cluster.DEFAULT_SUBNET)
+    parser.add_argument("--name", type=arg_type(local_cluster.check_name), default=local_cluster.DEFAULT_NAME)
     parser.add_argument("--mode", choices=("auto", "netns", "localhost"), default="auto")
     parser.add_argument("--keep", action="store_true", help="leave the cluster up at the end")
-    args = parser.parse_args(argv)
+    return parser
 
-    def body() -> int:
-        result = run_demo(
-            nodes=args.nodes,
-            steps=args.steps,
-            batch_size=args.batch_size,
-            image_size=args.image_size,
-            model=args.model,
-            state_dir=args.state_dir,
-            runs_dir=args.runs_dir,
-            name=args.name,
-            subnet=args.subnet,
-            mode=args.mode,
-            keep=args.keep,
-        )
-        make_console(stderr=False).print(summary_table(result, args.keep))
-        if result.exit_code != 0:
-            console.print(f"[red]demo failed: {result.error}[/red]")
-        return result.exit_code
 
-    return run_cli(body)
+def _run(args: argparse.Namespace) -> int:
+    check_directory(args.runs_dir, "--runs-dir")  # before a cluster is made for nothing
+    result = run_demo(
+        nodes=args.nodes,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        image_size=args.image_size,
+        model=args.model,
+        state_dir=args.state_dir,
+        runs_dir=args.runs_dir,
+        name=args.name,
+        subnet=args.subnet,
+        mode=args.mode,
+        keep=args.keep,
+    )
+    make_console(stderr=False).print(summary_table(result, args.keep))
+    if result.exit_code != 0:
+        raise OperatorError(f"demo failed: {result.error}", result.exit_code)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(build_parser(), _run, argv)
 
 
 if __name__ == "__main__":

@@ -39,14 +39,27 @@ from pydantic import ValidationError
 from rich.table import Table
 
 from scripts import blobs
+from scripts.cli import (
+    CLIParser,
+    arg_type,
+    check_directory,
+    int_between,
+    non_empty,
+    non_negative_number,
+    positive_number,
+    run_cli,
+)
 from scripts.cluster import FRAMEWORKS, REPO_ROOT, ClusterDescription, NodeRecord, load
-from scripts.errors import OperatorError, run_cli
+from scripts.errors import ExitCode, OperatorError
 from scripts.sshutil import SSH, SSHFailure, Target, q, stop_local
 from scripts.ui import make_console
 
 console = make_console()
 RUN_ENV = "HVD_RUN_ID"  # every process of a run carries it in its environment: that is how we find them
 DEFAULT_RUNS_DIR = REPO_ROOT / "runs"
+# A run id names a directory here and on the share, and a container: one plain path component.
+RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,100}")
+HOSTNAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
 @dataclass
@@ -119,7 +132,13 @@ def read_registry(desc: ClusterDescription, ssh: SSH) -> tuple[list[NodeRecord],
     """The node records on the NFS server (valid ones), and a note for each invalid file."""
     path = desc.on_storage_host(desc.node_registry_path)
     proc = ssh.run(ssh.storage, f"{q(desc.storage_python)} -c {q(_READ_REGISTRY)} {q(path)}", timeout=60)
-    data = json.loads(proc.stdout)
+    try:
+        data = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        raise OperatorError(
+            f"{ssh.storage.label}: reading the node registry gave no JSON: {proc.stdout.strip()[-300:]!r}",
+            ExitCode.FAILED,
+        ) from None
     if not data["exists"]:
         return [], [f"registry directory {path} does not exist on the NFS server"]
     records, notes = [], []
@@ -172,7 +191,7 @@ def wait_for_nodes(
                     "never registered (check the scale set instances and their cloud-init logs)"
                 )
             extra = f"; invalid registry files: {'; '.join(notes)}" if notes else ""
-            raise OperatorError(f"{what} (found: {found}; waited {timeout:.0f}s){extra}")
+            raise OperatorError(f"{what} (found: {found}; waited {timeout:.0f}s){extra}", ExitCode.TIMED_OUT)
         if not announced:
             console.print(f"waiting up to {timeout:.0f}s for {len(hosts) if hosts else count} ready nodes ...")
             announced = True
@@ -506,6 +525,28 @@ def new_run_id(framework: str) -> str:
     return f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{framework}-{secrets.token_hex(2)}"
 
 
+def check_run_id(run_id: str) -> str:
+    if not RUN_ID.fullmatch(run_id) or run_id in (".", ".."):
+        raise OperatorError(
+            f"invalid run id {run_id!r}: use up to 100 letters, digits, '-', '_' and '.' (not '.' or '..')"
+        )
+    return run_id
+
+
+def parse_hosts(text: str) -> list[str]:
+    """--hosts: comma-separated registry hostnames, each once."""
+    hosts = [host.strip() for host in text.split(",") if host.strip()]
+    if not hosts:
+        raise OperatorError("no host names given: pass comma-separated registry hostnames (node-0,node-1)")
+    bad = [host for host in hosts if not HOSTNAME.fullmatch(host)]
+    if bad:
+        raise OperatorError(f"invalid host name {bad[0]!r}: letters, digits, '-', '_' and '.' only")
+    repeated = sorted({host for host in hosts if hosts.count(host) > 1})
+    if repeated:
+        raise OperatorError(f"{', '.join(repeated)} named more than once")
+    return hosts
+
+
 def _tar_bytes(files: dict[str, tuple[str, int]]) -> bytes:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as archive:
@@ -542,21 +583,8 @@ def _data_dir_in(job_args: Sequence[str]) -> str | None:
 def launch(desc: ClusterDescription, opts: LaunchOptions, echo: Callable[[str], None] | None = None) -> RunResult:
     """Run one job end to end. Raises OperatorError for problems found before the job starts; returns a
     RunResult (exit_code = the job's) once it has started, whatever happened to it."""
-    if opts.framework not in FRAMEWORKS:
-        raise OperatorError(f"--framework must be one of {', '.join(FRAMEWORKS)}")
-    wanted = len(opts.hosts) if opts.hosts else (opts.nodes or desc.node_count)
-    if wanted < 1:
-        raise OperatorError("--nodes must be at least 1")
-    slots = opts.gpus_per_node or desc.gpus_per_node or 1
-    if desc.gpus_per_node and slots > desc.gpus_per_node:
-        raise OperatorError(f"--gpus-per-node {slots} is more than the {desc.gpus_per_node} GPUs of a node")
-    image = None
-    if desc.runtime.kind == "docker":
-        image = opts.image or desc.image_for(opts.framework)
-        if not image:
-            raise OperatorError(f"no image for {opts.framework} in the cluster description; pass --image")
-    run_id = opts.run_id or new_run_id(opts.framework)
-    local_dir = Path(opts.runs_dir) / run_id
+    wanted, slots, image, local_dir = _check_options(desc, opts)
+    run_id = local_dir.name
     data_dir = _data_dir_in(opts.job_args)
 
     with SSH(desc) as ssh:
@@ -572,14 +600,15 @@ def launch(desc: ClusterDescription, opts: LaunchOptions, echo: Callable[[str], 
         if bad and opts.abort_on_unhealthy:
             raise OperatorError(
                 "preflight failed (--abort-on-unhealthy): "
-                + "; ".join(f"{c.hostname}: {', '.join(c.problems)}" for c in bad)
+                + "; ".join(f"{c.hostname}: {', '.join(c.problems)}" for c in bad),
+                ExitCode.NOT_READY,
             )
         healthy = [n for n, c in zip(pool, checks, strict=True) if c.ok]
         if bad:
             console.print(f"[yellow]excluding unhealthy nodes: {', '.join(c.hostname for c in bad)}[/yellow]")
         if len(healthy) < wanted:
             reasons = "; ".join(f"{c.hostname}: {', '.join(c.problems)}" for c in bad)
-            raise OperatorError(f"only {len(healthy)} healthy nodes, {wanted} needed ({reasons})")
+            raise OperatorError(f"only {len(healthy)} healthy nodes, {wanted} needed ({reasons})", ExitCode.NOT_READY)
         nodes = healthy[:wanted]
         world = len(nodes) * slots
         hosts_by_rank = rank_hosts(nodes, slots)
@@ -678,6 +707,29 @@ def launch(desc: ClusterDescription, opts: LaunchOptions, echo: Callable[[str], 
     return result
 
 
+def _check_options(desc: ClusterDescription, opts: LaunchOptions) -> tuple[int, int, str | None, Path]:
+    """What can be wrong with the request before any connection: (nodes, processes per node, image,
+    the run's local directory)."""
+    if opts.framework not in FRAMEWORKS:
+        raise OperatorError(f"--framework must be one of {', '.join(FRAMEWORKS)}")
+    wanted = len(opts.hosts) if opts.hosts else (opts.nodes or desc.node_count)
+    if wanted < 1:
+        raise OperatorError("--nodes must be at least 1")
+    slots = opts.gpus_per_node or desc.gpus_per_node or 1
+    if desc.gpus_per_node and slots > desc.gpus_per_node:
+        raise OperatorError(f"--gpus-per-node {slots} is more than the {desc.gpus_per_node} GPUs of a node")
+    image = None
+    if desc.runtime.kind == "docker":
+        image = opts.image or desc.image_for(opts.framework)
+        if not image:
+            raise OperatorError(f"no image for {opts.framework} in the cluster description; pass --image")
+    run_id = check_run_id(opts.run_id) if opts.run_id else new_run_id(opts.framework)
+    local_dir = check_directory(opts.runs_dir, "--runs-dir") / run_id  # made once the job is about to start
+    if local_dir.exists():
+        raise OperatorError(f"run id {run_id} is already used ({local_dir} exists): pass another --run-id")
+    return wanted, slots, image, local_dir
+
+
 def _job_exit(
     code: int, streamer: Streamer, result: RunResult, hosts_by_rank: list[str], nodes: Sequence[NodeRecord]
 ) -> int:
@@ -727,7 +779,9 @@ def _start_containers(
     results = ssh.run_parallel([ssh.node(n.hostname) for n in nodes], cmd, timeout=300, check=True)
     failed = {h: str(r) for h, r in results.items() if isinstance(r, OperatorError)}
     if failed:
-        raise OperatorError("could not start the job containers: " + "; ".join(f"{h}: {e}" for h, e in failed.items()))
+        raise OperatorError(
+            "could not start the job containers: " + "; ".join(f"{h}: {e}" for h, e in failed.items()), ExitCode.FAILED
+        )
 
 
 def cleanup(desc: ClusterDescription, ssh: SSH, nodes: Sequence[NodeRecord], run_id: str) -> dict[str, int]:
@@ -800,26 +854,34 @@ def _restore_signal_handlers(previous: dict[int, object]) -> None:
 
 
 # --- CLI ---------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> CLIParser:
+    parser = CLIParser(
         prog="python -m scripts.launch",
         description="Launch a Horovod job on the cluster: ready nodes -> preflight -> horovodrun -> logs -> results.",
         epilog="Everything after `--` goes to the job (python -m training.<framework> --help). "
-        "Exit status: the job's; 2 bad input or preflight; 3 blob authorization; 130 interrupted.",
+        "Once the job has started, the exit status is the job's own (which follows the same table).",
     )
     parser.add_argument("--framework", required=True, choices=FRAMEWORKS)
-    parser.add_argument("--nodes", type=int, help="nodes to use (default: the cluster's node count)")
-    parser.add_argument("--gpus-per-node", type=int, help="processes per node (default: GPUs per node; 1 on CPU)")
-    parser.add_argument("--hosts", help="comma-separated registry hostnames to use instead of --nodes")
-    parser.add_argument("--cluster", help="cluster description (default $CLUSTER_DESCRIPTION or the local cluster)")
-    parser.add_argument("--wait-timeout", type=float, default=60.0, help="seconds to wait for ready nodes (60)")
+    parser.add_argument("--nodes", type=int_between(1), help="nodes to use (default: the cluster's node count)")
+    parser.add_argument(
+        "--gpus-per-node", type=int_between(1), help="processes per node (default: GPUs per node; 1 on CPU)"
+    )
+    parser.add_argument(
+        "--hosts", type=arg_type(parse_hosts), help="comma-separated registry hostnames to use instead of --nodes"
+    )
+    parser.add_argument(
+        "--cluster", type=non_empty, help="cluster description (default $CLUSTER_DESCRIPTION or the local cluster)"
+    )
+    parser.add_argument(
+        "--wait-timeout", type=non_negative_number, default=60.0, help="seconds to wait for ready nodes (60)"
+    )
     parser.add_argument("--abort-on-unhealthy", action="store_true", help="abort instead of excluding bad nodes")
-    parser.add_argument("--entrypoint", help="job module or .py path instead of training.<framework>")
-    parser.add_argument("--image", help="docker runtime: image to run instead of the framework's")
-    parser.add_argument("--runs-dir", default=str(DEFAULT_RUNS_DIR), help="where runs/<run-id>/ goes")
-    parser.add_argument("--run-id", help="default: <UTC time>-<framework>-<random>")
+    parser.add_argument("--entrypoint", type=non_empty, help="job module or .py path instead of training.<framework>")
+    parser.add_argument("--image", type=non_empty, help="docker runtime: image to run instead of the framework's")
+    parser.add_argument("--runs-dir", type=non_empty, default=str(DEFAULT_RUNS_DIR), help="where runs/<run-id>/ goes")
+    parser.add_argument("--run-id", type=arg_type(check_run_id), help="default: <UTC time>-<framework>-<random>")
     parser.add_argument("--no-upload", action="store_true", help="do not upload the run to the results container")
-    parser.add_argument("--job-timeout", type=float, help="stop the job after this many seconds")
+    parser.add_argument("--job-timeout", type=positive_number, help="stop the job after this many seconds")
     parser.add_argument("job_args", nargs=argparse.REMAINDER, help="-- then the job's own flags")
     return parser
 
@@ -833,7 +895,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         job_args=job_args,
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
-        hosts=[h for h in args.hosts.split(",") if h] if args.hosts else None,
+        hosts=args.hosts,
         wait_timeout=args.wait_timeout,
         abort_on_unhealthy=args.abort_on_unhealthy,
         entrypoint=args.entrypoint,
@@ -845,18 +907,17 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     )
 
 
+def _run(args: argparse.Namespace) -> int:
+    desc = load(args.cluster)
+    result = launch(desc, options_from_args(args))
+    where = f"; results {result.results_url}" if result.results_url else ""
+    status = "ok" if result.exit_code == 0 else f"exit {result.exit_code}"
+    console.print(f"run {result.run_id}: {status}; logs {result.run_dir}{where}")
+    return result.exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-
-    def body() -> int:
-        desc = load(args.cluster)
-        result = launch(desc, options_from_args(args))
-        where = f"; results {result.results_url}" if result.results_url else ""
-        status = "ok" if result.exit_code == 0 else f"exit {result.exit_code}"
-        console.print(f"run {result.run_id}: {status}; logs {result.run_dir}{where}")
-        return result.exit_code
-
-    return run_cli(body)
+    return run_cli(build_parser(), _run, argv)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import getpass
 import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -38,9 +39,20 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, ValidationError
 from rich.table import Table
 
+from scripts.cli import (
+    CLIParser,
+    arg_type,
+    describe_validation_error,
+    ensure_directory,
+    int_between,
+    non_empty,
+    read_json_file,
+    require_tool,
+    run_cli,
+)
 from scripts.cluster import (
     DEFAULT_LOCAL_STATE,
     REPO_ROOT,
@@ -51,7 +63,7 @@ from scripts.cluster import (
     Runtime,
     SSHEndpoint,
 )
-from scripts.errors import OperatorError, run_cli
+from scripts.errors import ExitCode, OperatorError
 from scripts.ui import make_console
 
 AZURITE_ACCOUNT = "devstoreaccount1"
@@ -59,6 +71,8 @@ AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 DEFAULT_SUBNET = "10.213.0.0/24"
 DEFAULT_NAME = "hvd"
+CLUSTER_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]{0,7}")  # it prefixes interface names (15 characters at most)
+MAX_NODES = 32
 SSHD = "/usr/sbin/sshd"
 # The NFS server runs blob-pull with the system python (as on Azure): proves it needs only the stdlib.
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
@@ -104,7 +118,7 @@ class LocalState(BaseModel):
 def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(list(argv), capture_output=True, text=True)
     if check and proc.returncode != 0:
-        raise OperatorError(f"`{' '.join(argv)}` failed: {(proc.stderr or proc.stdout).strip()}")
+        raise OperatorError(f"`{' '.join(argv)}` failed: {(proc.stderr or proc.stdout).strip()}", ExitCode.FAILED)
     return proc
 
 
@@ -125,7 +139,9 @@ def wait_port(host: str, port: int, timeout: float, what: str, log: Path | None 
     tail = ""
     if log and log.exists():
         tail = "\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-    raise OperatorError(f"{what} did not start listening on {host}:{port} within {timeout:.0f}s{tail}")
+    raise OperatorError(
+        f"{what} did not start listening on {host}:{port} within {timeout:.0f}s{tail}", ExitCode.TIMED_OUT
+    )
 
 
 def pid_alive(record: ProcessRecord) -> bool:
@@ -201,10 +217,19 @@ def write_registry_record(registry: Path, record: NodeRecord) -> Path:
 
 
 def load_state(state_dir: Path) -> LocalState | None:
+    if state_dir.exists() and not state_dir.is_dir():
+        raise OperatorError(f"--state-dir {state_dir} is a file, not a directory")
     path = state_dir / "state.json"
     if not path.exists():
         return None
-    return LocalState.model_validate_json(path.read_text())
+    data = read_json_file(path, "local cluster state")
+    try:
+        return LocalState.model_validate(data)
+    except ValidationError as exc:
+        raise OperatorError(
+            f"invalid local cluster state {path}: {describe_validation_error(exc)} (if nothing of that cluster "
+            f"still runs, remove {state_dir})"
+        ) from None
 
 
 def netns_allowed(name: str) -> bool:
@@ -224,11 +249,15 @@ def check_subnet_free(subnet: ipaddress.IPv4Network) -> None:
         fields = line.split()
         cidr = fields[fields.index("inet") + 1]
         if ipaddress.ip_interface(cidr).network.overlaps(subnet):
-            raise OperatorError(f"subnet {subnet} is already in use on this machine ({fields[1]} has {cidr})")
+            raise OperatorError(
+                f"subnet {subnet} is already in use on this machine ({fields[1]} has {cidr}): pass another --subnet"
+            )
     for line in sh("ip", "-4", "route", "show").stdout.splitlines():
         dest = line.split()[0]
         if dest != "default" and "/" in dest and ipaddress.ip_network(dest, strict=False).overlaps(subnet):
-            raise OperatorError(f"subnet {subnet} overlaps the route {line.strip()!r} on this machine")
+            raise OperatorError(
+                f"subnet {subnet} overlaps the route {line.strip()!r} on this machine: pass another --subnet"
+            )
 
 
 def sshd_config(path: Path, listen: str, port: int, host_key: Path, authorized_keys: Path, log_level: str) -> None:
@@ -271,46 +300,97 @@ def up(
     nodes: int = 2,
     state_dir: str | Path = DEFAULT_LOCAL_STATE,
     name: str = DEFAULT_NAME,
-    subnet: str = DEFAULT_SUBNET,
+    subnet: str | ipaddress.IPv4Network = DEFAULT_SUBNET,
     mode: Literal["auto", "netns", "localhost"] = "auto",
     train_python: str | Path | None = None,
 ) -> ClusterDescription:
     """Create the local cluster and write STATE_DIR/cluster.json; on any failure remove what was made."""
     state_dir = Path(state_dir).resolve()
-    if nodes < 1 or nodes > 32:
-        raise OperatorError("--nodes must be between 1 and 32")
-    if not name.isalnum() or len(name) > 8 or not name[0].isalpha():
-        raise OperatorError("--name must be 1-8 letters/digits starting with a letter (it prefixes interface names)")
-    existing = load_state(state_dir)
-    if existing is not None:
-        raise OperatorError(
-            f"a local cluster is already recorded in {state_dir} (run `python -m scripts.local_cluster down "
-            f"--state-dir {state_dir}` first)"
-        )
-    for tool in ("ssh", "ssh-keygen", SSHD, "node"):
-        if shutil.which(tool) is None:
-            raise OperatorError(f"{tool} is not installed (apt-get install openssh-server openssh-client; nodejs)")
-    azurite = REPO_ROOT / "node_modules" / ".bin" / "azurite-blob"
-    if not azurite.exists():
-        raise OperatorError(f"Azurite is not installed: run `npm ci` in {REPO_ROOT}")
-    python = Path(train_python) if train_python else TRAIN_PYTHON
-    if not python.exists():
-        raise OperatorError(f"training environment not found at {python} (see README: set up .venv-train)")
-
+    network = _check_up_request(nodes, state_dir, name, subnet)
+    python = _training_python(train_python)
+    azurite = _check_tools()
     if mode == "auto":
         mode = "netns" if netns_allowed(name) else "localhost"
     elif mode == "netns" and not netns_allowed(name):
-        raise OperatorError("network namespaces cannot be created here (needs root); use --mode localhost")
+        raise OperatorError(
+            "network namespaces cannot be created here (needs root); use --mode localhost", ExitCode.NOT_READY
+        )
 
-    state_dir.mkdir(parents=True, exist_ok=True)
+    ensure_directory(state_dir, "--state-dir")
     state = LocalState(name=name, mode=mode, state_dir=str(state_dir))
     state.save()
     try:
-        return _up(state, nodes, ipaddress.ip_network(subnet), azurite, python)
+        return _up(state, nodes, network, azurite, python)
     except BaseException:
         console.print("[red]local cluster: up failed; removing what was created[/red]")
         down(state_dir, quiet=True)
         raise
+
+
+def check_name(name: str) -> str:
+    if not CLUSTER_NAME.fullmatch(name):
+        raise OperatorError(
+            f"invalid cluster name {name!r}: 1-8 letters and digits, starting with a letter (it prefixes interfaces)"
+        )
+    return name
+
+
+def parse_subnet(text: str) -> ipaddress.IPv4Network:
+    """The nodes' range: a private IPv4 network, /28 or larger (public addresses would shadow real hosts)."""
+    try:
+        subnet = ipaddress.ip_network(text.strip())
+    except ValueError as exc:
+        raise OperatorError(f"invalid subnet {text!r}: {exc} (expected a range such as {DEFAULT_SUBNET})") from None
+    if not isinstance(subnet, ipaddress.IPv4Network) or not subnet.is_private:
+        raise OperatorError(f"subnet {text} is not a private IPv4 range (such as {DEFAULT_SUBNET})")
+    if subnet.prefixlen > 28:
+        raise OperatorError(f"subnet {subnet} is too small: use a /28 or larger")
+    return subnet
+
+
+def _check_up_request(
+    nodes: int, state_dir: Path, name: str, subnet: str | ipaddress.IPv4Network
+) -> ipaddress.IPv4Network:
+    """The operator's choices, checked before anything is created; returns the parsed subnet."""
+    if not 1 <= nodes <= MAX_NODES:
+        raise OperatorError(f"--nodes must be between 1 and {MAX_NODES}")
+    check_name(name)
+    network = parse_subnet(str(subnet))
+    if network.num_addresses < nodes + 12:
+        raise OperatorError(f"subnet {network} is too small for {nodes} nodes")
+    if load_state(state_dir) is not None:
+        raise OperatorError(
+            f"a local cluster is already recorded in {state_dir} (run `python -m scripts.local_cluster down "
+            f"--state-dir {state_dir}` first)"
+        )
+    # `down` removes the whole state directory: never adopt one that holds anything else
+    if state_dir.is_dir() and any(state_dir.iterdir()):
+        raise OperatorError(f"--state-dir {state_dir} is not empty: pass a new or empty directory (down removes it)")
+    return network
+
+
+def _training_python(train_python: str | Path | None) -> Path:
+    if train_python:
+        python = Path(train_python)
+        if not (python.is_file() and os.access(python, os.X_OK)):
+            raise OperatorError(f"--train-python {python} is not an executable file")
+        return python
+    if not TRAIN_PYTHON.exists():
+        raise OperatorError(
+            f"training environment not found at {TRAIN_PYTHON}: run `make setup`, or pass --train-python",
+            ExitCode.NOT_READY,
+        )
+    return TRAIN_PYTHON
+
+
+def _check_tools() -> Path:
+    """The programs `up` runs; returns Azurite's launcher."""
+    for tool in ("ssh", "ssh-keygen", SSHD, "node"):
+        require_tool(tool, "apt-get install openssh-server openssh-client nodejs")
+    azurite = REPO_ROOT / "node_modules" / ".bin" / "azurite-blob"
+    if not azurite.exists():
+        raise OperatorError(f"Azurite is not installed: run `npm ci` in {REPO_ROOT}", ExitCode.NOT_READY)
+    return azurite
 
 
 def _up(
@@ -330,8 +410,6 @@ def _up(
 
     # node addresses and wiring
     if state.mode == "netns":
-        if subnet.prefixlen > 28 or subnet.num_addresses < count + 12:
-            raise OperatorError(f"subnet {subnet} is too small for {count} nodes")
         check_subnet_free(subnet)
         hosts = list(subnet.hosts())
         gateway = hosts[0]
@@ -605,37 +683,54 @@ def print_status(info: dict) -> None:
     out.print(f"cluster description: {info['description']}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+def build_parser() -> CLIParser:
+    parser = CLIParser(
         prog="python -m scripts.local_cluster",
         description="Embedded local cluster: nodes as network namespaces with sshd, Azurite as blob storage.",
     )
-    parser.add_argument("--state-dir", default=str(DEFAULT_LOCAL_STATE), help="where its state lives (%(default)s)")
+    parser.add_argument(
+        "--state-dir", type=non_empty, default=str(DEFAULT_LOCAL_STATE), help="where its state lives (%(default)s)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p_up = sub.add_parser("up", help="create the cluster and write STATE_DIR/cluster.json")
-    p_up.add_argument("--nodes", type=int, default=2)
-    p_up.add_argument("--name", default=DEFAULT_NAME, help="prefix of namespaces and interfaces (%(default)s)")
-    p_up.add_argument("--subnet", default=DEFAULT_SUBNET, help="private range for the nodes (%(default)s)")
+    p_up.add_argument("--nodes", type=int_between(1, MAX_NODES), default=2)
+    p_up.add_argument(
+        "--name",
+        type=arg_type(check_name),
+        default=DEFAULT_NAME,
+        help="prefix of namespaces and interfaces (%(default)s)",
+    )
+    p_up.add_argument(
+        "--subnet",
+        type=arg_type(parse_subnet),
+        default=DEFAULT_SUBNET,
+        help="private range for the nodes (%(default)s)",
+    )
     p_up.add_argument("--mode", choices=("auto", "netns", "localhost"), default="auto")
-    p_up.add_argument("--train-python", help=f"python of the training environment (default {TRAIN_PYTHON})")
+    p_up.add_argument(
+        "--train-python", type=non_empty, help=f"python of the training environment (default {TRAIN_PYTHON})"
+    )
     sub.add_parser("down", help="stop and remove everything `up` created")
-    sub.add_parser("status", help="what is running (exit 0 when everything is up)")
-    args = parser.parse_args(argv)
+    sub.add_parser("status", help="what is running (exit 0 when everything is up, 3 when not)")
+    return parser
 
-    def body() -> int:
-        if args.command == "up":
-            desc = up(args.nodes, args.state_dir, args.name, args.subnet, args.mode, args.train_python)
-            where = Path(args.state_dir) / "cluster.json"
-            console.print(f"local cluster up: {desc.node_count} nodes; description {where}")
-            return 0
-        if args.command == "down":
-            down(args.state_dir)
-            return 0
-        info = status(args.state_dir)
-        print_status(info)
-        return 0 if info["up"] else 1
 
-    return run_cli(body)
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "up":
+        desc = up(args.nodes, args.state_dir, args.name, args.subnet, args.mode, args.train_python)
+        where = Path(args.state_dir) / "cluster.json"
+        console.print(f"local cluster up: {desc.node_count} nodes; description {where}")
+        return 0
+    if args.command == "down":
+        down(args.state_dir)
+        return 0
+    info = status(args.state_dir)
+    print_status(info)
+    return 0 if info["up"] else ExitCode.NOT_READY
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(build_parser(), _run, argv)
 
 
 if __name__ == "__main__":

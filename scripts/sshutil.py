@@ -22,8 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.cluster import ClusterDescription, NodeRecord, SSHEndpoint
-from scripts.errors import OperatorError
+from scripts.cli import require_tool
+from scripts.cluster import ClusterDescription, NodeRecord, SSHEndpoint, check_private_key
+from scripts.errors import ExitCode, OperatorError
 
 JUMP_ALIAS = "jump-host"
 STORAGE_ALIAS = "storage-host"
@@ -39,7 +40,10 @@ class Target:
 
 
 class SSHFailure(OperatorError):
-    """ssh itself failed (exit 255): unreachable host, authentication, host key."""
+    """ssh itself failed (exit 255): unreachable host, authentication, host key: the cluster is not ready."""
+
+    def __init__(self, message: str, exit_code: int = ExitCode.NOT_READY):
+        super().__init__(message, exit_code)
 
 
 def _block(alias: str, host: str, port: int, user: str | None, jump: bool) -> list[str]:
@@ -55,6 +59,11 @@ class SSH:
     """Runs commands on the cluster's hosts. Writes its ssh_config to a private temporary directory."""
 
     def __init__(self, desc: ClusterDescription, nodes: Iterable[NodeRecord] = (), workdir: str | Path | None = None):
+        require_tool("ssh", "install the OpenSSH client (apt-get install openssh-client)")
+        try:
+            check_private_key(desc.ssh_key)
+        except OperatorError as exc:
+            raise OperatorError(f"the cluster description's ssh_key: {exc}", exc.exit_code) from None
         self.desc = desc
         self._tmp = None
         if workdir is None:
@@ -149,13 +158,15 @@ class SSH:
                 stdin=subprocess.DEVNULL if input is None else None,
             )
         except subprocess.TimeoutExpired:
-            raise SSHFailure(f"{target.label}: no answer within {timeout:.0f}s") from None
+            raise SSHFailure(f"{target.label}: no answer within {timeout:.0f}s", ExitCode.TIMED_OUT) from None
         if proc.returncode == 255:
             stderr = proc.stderr if isinstance(proc.stderr, str) else proc.stderr.decode(errors="replace")
             raise SSHFailure(explain_ssh_failure(target.label, stderr, self.desc))
         if check and proc.returncode != 0:
             err = proc.stderr if isinstance(proc.stderr, str) else proc.stderr.decode(errors="replace")
-            raise OperatorError(f"{target.label}: command failed (exit {proc.returncode}): {err.strip()[-800:]}")
+            raise OperatorError(
+                f"{target.label}: command failed (exit {proc.returncode}): {err.strip()[-800:]}", ExitCode.FAILED
+            )
         return proc
 
     def popen(self, target: Target, command: str, **kwargs: object) -> subprocess.Popen:

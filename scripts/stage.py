@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tarfile
@@ -45,13 +46,16 @@ from rich.progress import (
 from rich.table import Table
 
 from scripts import blobs
+from scripts.cli import CLIParser, arg_type, ensure_directory, int_between, non_empty, positive_number, run_cli
 from scripts.cluster import BlobCredential, BlobLocation, ClusterDescription, load
-from scripts.errors import OperatorError, run_cli
-from scripts.sshutil import SSH, explain_ssh_failure, q
+from scripts.errors import ExitCode, OperatorError
+from scripts.sshutil import SSH, SSHFailure, explain_ssh_failure, q
 from scripts.ui import make_console
 
 console = make_console()
 SHARD_PREFIX = "shards/"
+# A dataset name is a blob prefix and a directory under data_path: plain components, '/' to nest.
+DATASET_NAME = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
 
 
 # --- synthetic dataset -------------------------------------------------------------------------
@@ -70,7 +74,7 @@ def generate_synthetic_imagenet(
 
     if classes < 1 or train_per_class < 1 or val_per_class < 0 or image_size < 8:
         raise OperatorError("generate: need classes >= 1, train-per-class >= 1, val-per-class >= 0, size >= 8")
-    out = Path(out)
+    out = ensure_directory(out, "the output directory")
     rng = random.Random(seed)
     counts = {"train": 0, "val": 0}
     for c in range(classes):
@@ -192,10 +196,11 @@ def _hash_all(items: list[tuple[str, Path]], workers: int, cache_file: Path | No
     with ThreadPoolExecutor(max_workers=workers) as pool:
         digests = list(pool.map(one, items))
     if cache_file:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(cache))
-        os.replace(tmp, cache_file)
+        with contextlib.suppress(OSError):  # the cache only saves time: an unwritable one is no failure
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(cache))
+            os.replace(tmp, cache_file)
     return {name: digest for (name, _), digest in zip(items, digests, strict=True)}
 
 
@@ -213,12 +218,12 @@ def upload(
 ) -> UploadSummary:
     """Upload a local dataset directory to <container>/<dataset>/ with ``credential`` (the
     operator's write access, not the container's read-only SAS), skipping what is already there."""
-    dataset = _check_dataset_name(dataset)
+    dataset = check_dataset_name(dataset)
     source = Path(source).expanduser().resolve()
     files = list_files(source)
     prefix = f"{dataset}/"
     if shard_size_mb:
-        cache = Path(shard_dir) if shard_dir else _cache_dir() / "shards" / dataset
+        cache = ensure_directory(shard_dir or _cache_dir() / "shards" / dataset, "the shard directory")
         console.print(f"packing {len(files)} files into tar shards of {shard_size_mb:g} MB in {cache}")
         items = pack_shards(files, cache, shard_size_mb)
     else:
@@ -261,7 +266,7 @@ def upload(
             sent = blobs.upload_file(client, path, prefix + name, local[name])
         except Exception as exc:
             err = blobs.explain(exc, f"writing {prefix + name} to {container.url}", sas)
-            if err.exit_code == 3:  # authorization: nothing else will succeed either
+            if err.exit_code == ExitCode.NOT_READY:  # refused or unreachable: nothing else will succeed either
                 abort.set()
                 raise err from None
             with lock:
@@ -342,7 +347,7 @@ def pull(
     timeout: float = 6 * 3600,
 ) -> PullSummary:
     """Run blob-pull on the NFS server into <data_path>/<dataset>; verify counts. SAS goes on stdin."""
-    dataset = _check_dataset_name(dataset)
+    dataset = check_dataset_name(dataset)
     dest_nodes = f"{desc.data_path.rstrip('/')}/{dataset}"
     dest = desc.on_storage_host(dest_nodes)
     sas = sas or desc.data.credential.secret.get_secret_value()  # type: ignore[union-attr]
@@ -375,16 +380,17 @@ def pull(
                 proc.wait()
         relay.join(5)
         if proc.returncode == -9:
-            raise OperatorError(f"pull on the NFS server did not finish within {timeout:.0f}s")
+            raise OperatorError(f"pull on the NFS server did not finish within {timeout:.0f}s", ExitCode.TIMED_OUT)
         if proc.returncode == 255:
-            raise OperatorError(explain_ssh_failure(ssh.storage.label, "\n".join(stderr_lines), desc))
+            raise SSHFailure(explain_ssh_failure(ssh.storage.label, "\n".join(stderr_lines), desc))
         summary = _last_json(out.decode(errors="replace"))
-        if "error" in summary:
-            code = 3 if "authorization" in summary["error"] else 2
+        if "error" in summary:  # blob-pull exits with the same table: 2 bad input, 3 storage refused or away
+            known = proc.returncode in (ExitCode.BAD_INPUT, ExitCode.NOT_READY, ExitCode.TIMED_OUT)
+            code = proc.returncode if known else ExitCode.FAILED
             raise OperatorError(f"pull on the NFS server failed: {summary['error']}", code)
         if proc.returncode not in (0, 1) or not summary:  # 1: some blobs failed, verified below
             tail = "\n".join(stderr_lines[-10:])
-            raise OperatorError(f"pull on the NFS server failed (exit {proc.returncode}):\n{tail}")
+            raise OperatorError(f"pull on the NFS server failed (exit {proc.returncode}):\n{tail}", ExitCode.FAILED)
         count_cmd = (
             f"find {q(dest)} -type f -not -path {q(dest + '/.blob-pull/*')} "
             f"-not -path {q(dest + '/' + SHARD_PREFIX + '*')} -not -name '.*.part-*' | wc -l"
@@ -411,8 +417,9 @@ def pull(
         problems.append(f"the container lists {summary['listed']} blobs, {expected_objects} were uploaded")
     if expected_files is not None and files_in_dest < expected_files:
         problems.append(f"{dest} has {files_in_dest} files, expected {expected_files}")
-    if problems:
-        raise OperatorError("pull verification failed: " + "; ".join(problems))
+    if problems:  # nothing listed at all: most likely a wrong --dataset
+        code = ExitCode.BAD_INPUT if summary["listed"] == 0 else ExitCode.FAILED
+        raise OperatorError("pull verification failed: " + "; ".join(problems), code)
     return result
 
 
@@ -463,11 +470,11 @@ def print_pull_summary(result: PullSummary) -> None:
 
 
 # --- helpers -----------------------------------------------------------------------------------
-def _check_dataset_name(dataset: str) -> str:
-    dataset = dataset.strip("/")
-    if not dataset or any(part in ("", ".", "..") for part in dataset.split("/")) or " " in dataset:
-        raise OperatorError(f"invalid dataset name {dataset!r}: use letters, digits, '-', '_' (and '/' to nest)")
-    return dataset
+def check_dataset_name(dataset: str) -> str:
+    name = dataset.strip("/")
+    if not DATASET_NAME.fullmatch(name) or any(part in (".", "..") for part in name.split("/")):
+        raise OperatorError(f"invalid dataset name {dataset!r}: use letters, digits, '-', '_', '.' (and '/' to nest)")
+    return name
 
 
 def _cache_dir() -> Path:
@@ -483,73 +490,90 @@ def credential_from_env(var: str | None) -> BlobCredential | None:
     return BlobCredential(kind="sas", secret=SecretStr(value.lstrip("?")))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+def build_parser() -> CLIParser:
+    parser = CLIParser(
         prog="python -m scripts.stage",
         description="Stage a dataset: generate (synthetic), upload to blob, pull onto the NFS server.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="write a small synthetic JPEG dataset in ImageNet layout")
-    gen.add_argument("--out", required=True)
-    gen.add_argument("--classes", type=int, default=4)
-    gen.add_argument("--train-per-class", type=int, default=16)
-    gen.add_argument("--val-per-class", type=int, default=4)
-    gen.add_argument("--image-size", type=int, default=64)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--out", required=True, type=non_empty, help="directory to write (created if missing)")
+    gen.add_argument("--classes", type=int_between(1), default=4)
+    gen.add_argument("--train-per-class", type=int_between(1), default=16)
+    gen.add_argument("--val-per-class", type=int_between(0), default=4)
+    gen.add_argument("--image-size", type=int_between(8, 4096), default=64)
+    gen.add_argument("--seed", type=int_between(0), default=0)
     for name, text in (
         ("upload", "upload a local directory to the data container (resumable)"),
         ("pull", "pull a staged dataset onto the NFS server with the read-only SAS"),
         ("all", "upload, then pull"),
     ):
         p = sub.add_parser(name, help=text)
-        p.add_argument("--cluster", help="cluster description (default $CLUSTER_DESCRIPTION or the local cluster)")
-        p.add_argument("--dataset", required=True, help="name: blob prefix and directory under data_path")
+        p.add_argument(
+            "--cluster", type=non_empty, help="cluster description (default $CLUSTER_DESCRIPTION or the local cluster)"
+        )
+        p.add_argument(
+            "--dataset", required=True, type=arg_type(check_dataset_name), help="blob prefix and directory name"
+        )
         if name in ("upload", "all"):
-            p.add_argument("--source", required=True, help="local dataset directory (ImageNet layout)")
-            p.add_argument("--shard-size-mb", type=float, help="pack files into tar shards of about this size")
-            p.add_argument("--shard-dir", help="where shards are built (default ~/.cache/hvd-stage/shards/DATASET)")
-            p.add_argument("--workers", type=int, default=8, help="parallel uploads (default 8)")
-            p.add_argument("--sas-env", help="upload with a SAS from this environment variable instead")
+            p.add_argument("--source", required=True, type=non_empty, help="local dataset directory (ImageNet layout)")
+            p.add_argument("--shard-size-mb", type=positive_number, help="pack files into tar shards of this size")
+            p.add_argument(
+                "--shard-dir", type=non_empty, help="where shards are built (default ~/.cache/hvd-stage/shards/DATASET)"
+            )
+            p.add_argument("--workers", type=int_between(1, 256), default=8, help="parallel uploads (default 8)")
+            p.add_argument("--sas-env", type=non_empty, help="upload with a SAS from this environment variable instead")
             p.add_argument("--no-progress", action="store_true")
         if name in ("pull", "all"):
-            p.add_argument("--pull-workers", type=int, default=16, help="parallel downloads on the NFS server")
-    args = parser.parse_args(argv)
+            p.add_argument(
+                "--pull-workers", type=int_between(1, 256), default=16, help="parallel downloads on the NFS server"
+            )
+    return parser
 
-    def body() -> int:
-        if args.command == "generate":
-            counts = generate_synthetic_imagenet(
-                args.out, args.classes, args.train_per_class, args.val_per_class, args.image_size, args.seed
-            )
-            console.print(f"wrote {counts['train']} train and {counts['val']} val JPEGs under {args.out}")
-            return 0
-        desc = load(args.cluster)
-        expected = None
-        objects = None
-        if args.command in ("upload", "all"):
-            summary = upload(
-                desc.data,
-                credential_from_env(args.sas_env) or desc.staging_credential,
-                args.source,
-                args.dataset,
-                shard_size_mb=args.shard_size_mb,
-                shard_dir=args.shard_dir,
-                workers=args.workers,
-                show_progress=not args.no_progress,
-            )
-            print_upload_summary(summary)
-            print(json.dumps({"upload": asdict(summary)}))
-            if summary.failed:
-                raise OperatorError(f"{summary.failed} files failed to upload; rerun to resume", 1)
-            expected, objects = summary.source_files, summary.objects
-        if args.command in ("pull", "all"):
-            result = pull(
-                desc, args.dataset, expected_files=expected, expected_objects=objects, workers=args.pull_workers
-            )
-            print_pull_summary(result)
-            print(json.dumps({"pull": asdict(result)}))
-        return 0
 
-    return run_cli(body)
+def _generate(args: argparse.Namespace) -> int:
+    counts = generate_synthetic_imagenet(
+        args.out, args.classes, args.train_per_class, args.val_per_class, args.image_size, args.seed
+    )
+    console.print(f"wrote {counts['train']} train and {counts['val']} val JPEGs under {args.out}")
+    return 0
+
+
+def _upload(args: argparse.Namespace, desc: ClusterDescription) -> UploadSummary:
+    summary = upload(
+        desc.data,
+        credential_from_env(args.sas_env) or desc.staging_credential,
+        args.source,
+        args.dataset,
+        shard_size_mb=args.shard_size_mb,
+        shard_dir=args.shard_dir,
+        workers=args.workers,
+        show_progress=not args.no_progress,
+    )
+    print_upload_summary(summary)
+    print(json.dumps({"upload": asdict(summary)}))
+    if summary.failed:
+        raise OperatorError(f"{summary.failed} files failed to upload; rerun to resume", ExitCode.FAILED)
+    return summary
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "generate":
+        return _generate(args)
+    desc = load(args.cluster)
+    expected = objects = None
+    if args.command in ("upload", "all"):
+        summary = _upload(args, desc)
+        expected, objects = summary.source_files, summary.objects
+    if args.command in ("pull", "all"):
+        result = pull(desc, args.dataset, expected_files=expected, expected_objects=objects, workers=args.pull_workers)
+        print_pull_summary(result)
+        print(json.dumps({"pull": asdict(result)}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(build_parser(), _run, argv)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import ipaddress
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -56,12 +56,13 @@ SESSION_NAME, SESSION_SUBNET = cluster_name("s"), free_subnet()
 
 
 def run_module(
-    module: str, *args: str, env: dict | None = None, timeout: float = 300, **kw
+    module: str, *args: str, env: dict | None = None, timeout: float = 300, prefix: Sequence[str] = (), **kw
 ) -> subprocess.CompletedProcess:
-    """Run `python -m <module> args` from the repository root, the way an operator would."""
+    """Run `python -m <module> args` from the repository root, the way an operator would (prefix: a
+    command that wraps it, such as unshare)."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", module, *args],
+        [*prefix, sys.executable, "-m", module, *args],
         cwd=REPO,
         env=full_env,
         capture_output=True,
@@ -69,6 +70,15 @@ def run_module(
         timeout=timeout,
         **kw,
     )
+
+
+def private_key_file(directory: Path) -> Path:
+    """A file that passes the private-key check (a regular file, mode 0600): enough for commands that
+    check the key but never connect with it."""
+    key = directory / "id_ed25519"
+    key.write_text("not a real key\n")
+    key.chmod(0o600)
+    return key
 
 
 def start_module(module: str, *args: str, env: dict | None = None) -> subprocess.Popen:

@@ -60,7 +60,7 @@ def test_cli_dry_run_and_missing_az(context, tmp_path):
         "scripts.build_images", "--registry", "myacr", "--tag", "t1", "--context", str(context),
         env={"PATH": str(tmp_path)}, timeout=60,
     )  # fmt: skip
-    assert nodir.returncode == 2 and "the Azure CLI (az) is not installed" in nodir.stderr
+    assert nodir.returncode == 3 and "az is not installed or not on PATH: install the Azure CLI" in nodir.stderr
 
 
 def test_repository_ships_a_dockerfile_for_every_image():

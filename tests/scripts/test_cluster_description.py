@@ -13,7 +13,7 @@ from scripts import launch
 from scripts.cluster import ClusterDescription, NodeRecord
 from scripts.errors import OperatorError
 
-from .conftest import FIXTURES, run_module
+from .conftest import FIXTURES, private_key_file, run_module
 
 OUTPUTS = json.loads((FIXTURES / "stack_outputs.json").read_text())
 FAKE_PULUMI_PATH = f"{FIXTURES / 'bin'}{os.pathsep}{os.environ['PATH']}"
@@ -83,18 +83,20 @@ def test_pulumi_boundary_unknown_stack(monkeypatch):
 
 def test_pulumi_cli_missing(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(OperatorError, match="pulumi CLI is not on PATH"):
+    with pytest.raises(OperatorError, match="pulumi is not installed or not on PATH") as err:
         cl.pulumi_stack_outputs("dev")
+    assert err.value.exit_code == 3
 
 
 def test_cli_from_stack_writes_the_description(tmp_path):
     out = tmp_path / "c.json"
+    key = private_key_file(tmp_path)
     proc = run_module(
-        "scripts.cluster", "from-stack", "--stack", "dev", "--ssh-key", "/k", "-o", str(out),
+        "scripts.cluster", "from-stack", "--stack", "dev", "--ssh-key", str(key), "-o", str(out),
         env={"PATH": FAKE_PULUMI_PATH},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert cl.load(out).jump_host.host == "20.51.100.7"
+    assert cl.load(out).jump_host.host == "20.51.100.7" and cl.load(out).ssh_key == str(key)
     shown = run_module("scripts.cluster", "show", "--cluster", str(out))
     assert shown.returncode == 0 and OUTPUTS["data_sas"] not in shown.stdout and "20.51.100.7" in shown.stdout
 
@@ -109,7 +111,7 @@ def test_cli_from_stack_writes_the_description(tmp_path):
 def test_cli_from_stack_faults(tmp_path, stack, expected):
     proc = run_module(
         "scripts.cluster", "from-stack", "--stack", stack, "-o", str(tmp_path / "c.json"),
-        env={"PATH": FAKE_PULUMI_PATH}, timeout=60,
+        "--ssh-key", str(private_key_file(tmp_path)), env={"PATH": FAKE_PULUMI_PATH}, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2
     assert expected in proc.stderr

@@ -220,13 +220,13 @@ def test_node_missing_from_the_registry(cluster_file, tmp_path):
         "scripts.launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--hosts", "node-0,node-7",
         "--wait-timeout", "3", "--runs-dir", str(tmp_path), timeout=60,
     )  # fmt: skip
-    assert proc.returncode == 2
+    assert proc.returncode == 4  # timed out waiting for the node
     assert "error: node-7 is not in the node registry" in proc.stderr and "(found: node-0, node-1;" in proc.stderr
     proc = run_module(
         "scripts.launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--nodes", "3",
         "--wait-timeout", "3", "--runs-dir", str(tmp_path), timeout=60,
     )  # fmt: skip
-    assert proc.returncode == 2 and "only 2 of 3 nodes are ready" in proc.stderr
+    assert proc.returncode == 4 and "only 2 of 3 nodes are ready" in proc.stderr
     assert time.time() - started < 60
 
 
@@ -237,7 +237,7 @@ def test_ssh_authentication_failure(cluster, tmp_path):
     path = desc.save(tmp_path / "cluster.json")
     started = time.time()
     proc = run_module("scripts.launch", "--cluster", str(path), "--framework", "pytorch", timeout=60)
-    assert proc.returncode == 2
+    assert proc.returncode == 3  # the cluster refused us: environment, not input
     assert "SSH authentication failed for user 'root' with key" in proc.stderr
     assert "through the jump host" in proc.stderr
     assert time.time() - started < 60
@@ -249,7 +249,7 @@ def test_unreachable_jump_host_and_node(cluster, tmp_path):
     path = cluster.model_copy(update={"jump_host": jump}).save(tmp_path / "cluster.json")
     started = time.time()
     proc = run_module("scripts.launch", "--cluster", str(path), "--framework", "pytorch", timeout=60)
-    assert proc.returncode == 2 and "unreachable (connection refused)" in proc.stderr
+    assert proc.returncode == 3 and "unreachable (connection refused)" in proc.stderr
     with ghost_node(cluster, "node-2"), SSH(cluster) as ssh:
         ssh.set_nodes(registry(cluster))
         with pytest.raises(OperatorError, match=rf"node node-2 \(root@{re.escape(GHOST_ADDRESS)}\): unreachable"):

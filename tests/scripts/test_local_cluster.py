@@ -63,7 +63,7 @@ def test_up_status_down_leaves_nothing(tmp_path):
     assert f"{name}-" not in links()
     assert not Path(f"/etc/netns/{name}-node-0").exists() and not state.exists()
     gone = run_module("scripts.local_cluster", "--state-dir", str(state), "status")
-    assert gone.returncode == 1 and "no local cluster" in gone.stdout
+    assert gone.returncode == 3 and "no local cluster" in gone.stdout
 
 
 def test_up_refuses_a_range_in_use_and_cleans_up(cluster_dir, tmp_path):

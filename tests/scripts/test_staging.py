@@ -205,7 +205,7 @@ def test_expired_sas_gives_a_clear_error(cluster, cluster_file, jpegs):
         "scripts.blob_pull", "--container-url", cluster.data.url, "--dest", str(dest),
         env={"BLOB_SAS": expired}, timeout=60,
     )  # fmt: skip
-    assert proc.returncode == 2 and "the SAS token expired at" in proc.stderr
+    assert proc.returncode == 3 and "the SAS token expired at" in proc.stderr
     up = run_module(
         "scripts.stage", "upload", "--cluster", str(cluster_file), "--source", str(jpegs), "--dataset", "x",
         "--sas-env", "STAGE_SAS", "--no-progress", env={"STAGE_SAS": expired}, timeout=60,
@@ -229,8 +229,8 @@ def test_blob_pull_is_stdlib_only_and_refuses_escaping_names():
     source = Path(blob_pull.__file__).read_text()
     imports = {line.split()[1].split(".")[0] for line in source.splitlines() if line.startswith(("import ", "from "))}
     assert imports <= {
-        "argparse", "base64", "contextlib", "hashlib", "http", "json", "os", "sys", "tarfile", "threading", "time",
-        "urllib", "xml", "concurrent", "datetime",
+        "argparse", "base64", "contextlib", "errno", "hashlib", "http", "json", "os", "sys", "tarfile", "threading",
+        "time", "traceback", "urllib", "xml", "concurrent", "datetime",
     }  # fmt: skip
     assert source.startswith("#!/usr/bin/env python3")
     with pytest.raises(blob_pull.BlobError, match="outside the destination"):

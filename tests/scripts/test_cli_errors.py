@@ -1,0 +1,494 @@
+"""Bad input to every operator CLI: a clear `error: ...`, the documented exit status, no traceback.
+
+Each case runs the real command the way an operator would (`python -m scripts.<tool> ...`); none
+needs the local cluster. `{name}` in a case's arguments, environment and message is a path (or
+URL) from the `paths` fixture. The statuses are the table in docs/operator.md (scripts/errors.py).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import re
+import shlex
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from scripts import blob_pull, local_cluster
+from scripts import cluster as cl
+from scripts.errors import ExitCode
+
+from .conftest import FIXTURES, REPO, private_key_file, run_module
+
+OUTPUTS = json.loads((FIXTURES / "stack_outputs.json").read_text())
+BAD, NOT_READY, FAILED = ExitCode.BAD_INPUT, ExitCode.NOT_READY, ExitCode.FAILED
+# A private tmpfs mounted read-only over {ro} for the command alone (its own mount namespace).
+READ_ONLY = (
+    "unshare",
+    "--mount",
+    "--propagation",
+    "private",
+    "sh",
+    "-c",
+    'mount -t tmpfs -o ro none "$0" && exec "$@"',
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    args: tuple[str, ...]
+    code: int
+    message: str
+    env: dict[str, str] = field(default_factory=dict)
+    read_only: bool = False  # run with {ro} mounted read-only
+
+    def __str__(self) -> str:  # the test id
+        return " ".join(self.args)[:80] or "(no arguments)"
+
+
+def case(command: str, *, message: str, code: int = BAD, env: dict[str, str] | None = None, ro: bool = False) -> Case:
+    """A bad command line, as shell words with `{name}` placeholders for paths."""
+    return Case(tuple(shlex.split(command)), code, message, env or {}, ro)
+
+
+# --- the inputs on disk ------------------------------------------------------------------------
+class BlobService(http.server.BaseHTTPRequestHandler):
+    """Answers like a URL that is not a blob container, a refusing service, a missing container, and
+    a listing with a malformed blob."""
+
+    ANSWERS: ClassVar[dict[str, tuple[int, str, str]]] = {
+        "/html": (200, "text/html", "<html><body>a web page</body></html>"),
+        "/denied": (403, "application/xml", "<Error><Code>AuthenticationFailed</Code><Message>no</Message></Error>"),
+        "/gone": (404, "application/xml", "<Error><Code>ContainerNotFound</Code><Message>no</Message></Error>"),
+        "/odd": (
+            200,
+            "application/xml",
+            "<EnumerationResults><Blobs><Blob><Name>a</Name><Properties><Content-Length>many</Content-Length>"
+            "</Properties></Blob></Blobs><NextMarker/></EnumerationResults>",
+        ),
+    }
+
+    def do_GET(self) -> None:
+        status, kind, body = self.ANSWERS[self.path.split("?")[0]]
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def blob_service() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), BlobService)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def _write(path: Path, data: str | bytes, mode: int = 0o644) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(data)
+    path.chmod(mode)
+    return str(path)
+
+
+def _descriptions(tmp: Path, key: Path) -> dict[str, str]:
+    """Valid descriptions (Azure, docker and host runtime) and one whose SSH key is gone."""
+
+    def saved(name: str, **kwargs: object) -> str:
+        return str(cl.from_stack_outputs(OUTPUTS, "dev", known_hosts=tmp / "kh", **kwargs).save(tmp / name))  # type: ignore[arg-type]
+
+    return {
+        "desc": saved("cluster.json", ssh_key=key),
+        "desc_host": saved("cluster-host.json", ssh_key=key, runtime="host"),
+        "desc_no_key": saved("cluster-nokey.json", ssh_key=tmp / "gone" / "id_ed25519"),
+    }
+
+
+def _state_dirs(tmp: Path) -> dict[str, str]:
+    recorded = tmp / "state-recorded"
+    recorded.mkdir()
+    local_cluster.LocalState(name="t", mode="localhost", state_dir=str(recorded)).save()  # nothing runs
+    return {
+        "state_recorded": str(recorded),
+        "state_not_utf8": str(Path(_write(tmp / "state-not-utf8" / "state.json", b"\xff\xfe")).parent),
+        "state_wrong": str(Path(_write(tmp / "state-wrong" / "state.json", '{"name": 1}')).parent),
+        "not_empty": str(Path(_write(tmp / "not-empty" / "notes.txt", "mine")).parent),
+    }
+
+
+@pytest.fixture
+def paths(tmp_path: Path, blob_service: str) -> dict[str, str]:
+    key = private_key_file(tmp_path)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "runs" / "r1").mkdir(parents=True)
+    context = tmp_path / "context"
+    for fw in ("pytorch", "tensorflow"):
+        _write(context / "training" / "docker" / f"Dockerfile.{fw}", "FROM scratch\n")
+    return {
+        "tmp": str(tmp_path),
+        "key": str(key),
+        "open_key": _write(tmp_path / "open_key", "key\n", 0o644),
+        "file": _write(tmp_path / "file.txt", "a file\n"),
+        "empty": str(tmp_path / "empty"),
+        "missing": str(tmp_path / "missing"),
+        "ro": str(tmp_path / "ro"),
+        "runs": str(tmp_path / "runs"),
+        "dataset": str(Path(_write(tmp_path / "dataset" / "train" / "a.txt", "x")).parents[1]),
+        "context": str(context),
+        "not_utf8": _write(tmp_path / "not-utf8.json", b'{"name": "\xff"}'),
+        "not_json": _write(tmp_path / "not-json.json", "{name: dev}"),
+        "wrong_schema": _write(tmp_path / "wrong.json", json.dumps({"name": "dev", "node_count": "two"})),
+        "bad_outputs": _write(tmp_path / "outputs-two.json", json.dumps({**OUTPUTS, "node_count": "two"})),
+        "list_outputs": _write(tmp_path / "outputs-list.json", json.dumps({**OUTPUTS, "nccl_env": ["A=1"]})),
+        "fake_pulumi": str(FIXTURES / "bin"),
+        "failing_az": str(Path(_write(tmp_path / "azbin" / "az", "#!/bin/sh\necho no >&2\nexit 1\n", 0o755)).parent),
+        "server": blob_service,
+        "closed": f"http://127.0.0.1:{local_cluster.free_port()}",
+        **_descriptions(tmp_path, key),
+        **_state_dirs(tmp_path),
+    }
+
+
+def check(module: str, bad: Case, paths: dict[str, str]) -> subprocess.CompletedProcess:
+    args = [arg.format(**paths) for arg in bad.args]
+    env = {name: value.format(**paths) for name, value in bad.env.items()}
+    prefix = [*READ_ONLY, paths["ro"]] if bad.read_only else []
+    proc = run_module(module, *args, env=env, timeout=60, prefix=prefix, stdin=subprocess.DEVNULL)
+    assert proc.returncode == bad.code, proc.stderr
+    assert bad.message.format(**paths) in proc.stderr
+    assert "error: " in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    return proc
+
+
+# --- per CLI: the command line (shell words, `{name}` from paths), then what must come back ---
+UPLOAD = "upload --cluster {desc} --dataset ds --no-progress"
+STAGE = [
+    case(f"{UPLOAD} --source {{dataset}} --workers 0", message="argument --workers: must be a whole number"),
+    case(f"{UPLOAD} --source {{dataset}} --shard-size-mb -5", message="must be a number > 0, got '-5'"),
+    case(f"{UPLOAD} --source {{dataset}} --shard-size-mb 0", message="must be a number > 0, got '0'"),
+    case(
+        "generate --out {ro}/tiny",
+        ro=True,
+        message="cannot write to the output directory {ro}/tiny ({ro}): read-only file system (choose a writable",
+    ),
+    case("generate --out {file}", message="the output directory {file} is a file, not a directory"),
+    case("generate --out ''", message="argument --out: must not be empty"),
+    case("generate --out {tmp}/g --classes 0", message="argument --classes: must be a whole number >= 1"),
+    case("generate --out {tmp}/g --image-size 4", message="--image-size: must be a whole number between 8"),
+    case(f"{UPLOAD} --source {{missing}}", message="dataset path {missing} does not exist"),
+    case(f"{UPLOAD} --source {{file}}", message="dataset path {file} is not a directory"),
+    case(f"{UPLOAD} --source {{empty}}", message="dataset path {empty} has no files"),
+    case("upload --source {dataset} --dataset ../x", message="invalid dataset name '../x'"),
+    case(
+        f"{UPLOAD} --source {{dataset}} --sas-env HVD_TEST_UNSET_SAS",
+        message="environment variable HVD_TEST_UNSET_SAS is empty or unset",
+    ),
+    case(
+        f"{UPLOAD} --source {{dataset}} --shard-size-mb 1 --shard-dir {{file}}",
+        message="the shard directory {file} is a file, not a directory",
+    ),
+    case("pull --cluster {not_json} --dataset ds", message="cluster description {not_json} is not JSON"),
+    case("pull --cluster {missing} --dataset ds", message="no cluster description at {missing}"),
+    case("pull --dataset ds --pull-workers 0", message="argument --pull-workers: must be a whole number"),
+    case("", message="the following arguments are required: command"),
+]
+
+FROM_STACK = "from-stack --stack dev -o {tmp}/out.json --ssh-key"
+PULUMI = {"PATH": "{fake_pulumi}:/usr/bin:/bin"}
+CLUSTER = [
+    case("show --cluster {not_utf8}", message="cluster description {not_utf8} is not UTF-8 text (byte 10)"),
+    case("show --cluster {not_json}", message="cluster description {not_json} is not JSON (Expecting"),
+    case("show --cluster {wrong_schema}", message="node_count: Input should be a valid integer"),
+    case("show --cluster {empty}", message="cannot read the cluster description {empty}: it is a directory"),
+    case("show --cluster {missing}", message="no cluster description at {missing}: run"),
+    case(f"{FROM_STACK} {{missing}}", message="cannot use the SSH key {missing}: it does not exist"),
+    case(f"{FROM_STACK} {{open_key}}", message="is readable by other users (mode 0644)"),
+    case(f"{FROM_STACK} {{empty}}", message="SSH key {empty} is not a file"),
+    case(
+        f"{FROM_STACK} {{key}} --cwd {{missing}}",
+        env=PULUMI,
+        message="the Pulumi project directory {missing} does not exist (--cwd)",
+    ),
+    case(
+        f"{FROM_STACK} {{key}}",
+        env={**PULUMI, "FAKE_PULUMI_OUTPUTS": "{bad_outputs}"},
+        message="stack 'dev' has invalid outputs: node_count: Input should be a valid integer",
+    ),
+    case(
+        f"{FROM_STACK} {{key}}",
+        env={**PULUMI, "FAKE_PULUMI_OUTPUTS": "{list_outputs}"},
+        message="stack 'dev' has invalid outputs: nccl_env: Input should be a valid dictionary",
+    ),
+    case(
+        f"{FROM_STACK} {{key}}",
+        env={**PULUMI, "FAKE_PULUMI_OUTPUTS": "{not_json}"},
+        code=FAILED,
+        message="pulumi returned no JSON for stack 'dev'",
+    ),
+    case(f"{FROM_STACK} {{key}} --image-tag 'bad tag'", message="argument --image-tag: invalid image tag 'bad tag'"),
+    case("from-stack --stack dev --ssh-key {key} -o {empty}", message="--output {empty} is a directory"),
+    case(
+        f"{FROM_STACK} {{key}}",
+        env={"PATH": "{empty}"},
+        code=NOT_READY,
+        message="pulumi is not installed or not on PATH",
+    ),
+    case("from-stack --stack ''", message="argument --stack: must not be empty"),
+    case(
+        "from-stack --stack nope -o {tmp}/out.json --ssh-key {key}",
+        env=PULUMI,
+        message="cannot read outputs of stack 'nope': error: no stack named 'nope' found",
+    ),
+]
+
+ACR = "--registry acr --dry-run"
+BUILD_IMAGES = [
+    case(f"{ACR} --context {{missing}}", message="build context {missing} does not exist"),
+    case(f"{ACR} --context {{file}}", message="build context {file} is not a directory"),
+    case(f"{ACR} --tag t --context {{empty}}", message="no Dockerfile for pytorch: expected training/docker/"),
+    case(f"{ACR} --tag 'bad tag:with/colon'", message="argument --tag: invalid image tag 'bad tag:with/colon'"),
+    case(f"{ACR} --tag ''", message="argument --tag: invalid image tag ''"),
+    case(f"{ACR} --tag .hidden", message="invalid image tag '.hidden'"),
+    case(f"{ACR} --tag {'x' * 129}", message="invalid image tag 'xxx"),
+    case("--registry 'not a registry'", message="argument --registry: invalid registry 'not a registry'"),
+    case("--registry ''", message="argument --registry: invalid registry ''"),
+    case(f"{ACR} --framework mxnet", message="argument --framework: invalid choice: 'mxnet'"),
+    case("--tag t", message="one of the arguments --registry --stack --cluster is required"),
+    case("--cluster {not_utf8} --tag t", message="cluster description {not_utf8} is not UTF-8"),
+    case("--cluster {desc_host} --tag t", message="has no images (host runtime?)"),
+    case(
+        "--registry acr --tag t --context {context}",
+        env={"PATH": "{empty}"},
+        code=NOT_READY,
+        message="az is not installed or not on PATH: install the Azure CLI",
+    ),
+    case(
+        "--registry acr --tag t --context {context}",
+        env={"PATH": "{failing_az}"},
+        code=FAILED,
+        message="az acr build failed for acr.azurecr.io/hvd-pytorch:t",
+    ),
+    case(f"{ACR} --context {{context}}", message="cannot read the git revision of"),
+    case("--stack dev", env={"PATH": "{empty}"}, code=NOT_READY, message="pulumi is not installed or not on PATH"),
+]
+
+RUN = "--cluster {desc} --framework pytorch --runs-dir {runs}"
+LAUNCH = [
+    case(f"{RUN} --run-id ../../x", message="argument --run-id: invalid run id '../../x'"),
+    case(f"{RUN} --run-id ..", message="invalid run id '..'"),
+    case(f"{RUN} --run-id 'a b'", message="invalid run id 'a b'"),
+    case(f"{RUN} --run-id r1", message="run id r1 is already used ({runs}/r1 exists): pass another --run-id"),
+    case(f"{RUN} --nodes 0", message="argument --nodes: must be a whole number >= 1, got '0'"),
+    case(f"{RUN} --gpus-per-node 16", message="--gpus-per-node 16 is more than the 8 GPUs of a node"),
+    case(f"{RUN} --wait-timeout -5", message="argument --wait-timeout: must be a number >= 0, got '-5'"),
+    case(f"{RUN} --job-timeout nan", message="argument --job-timeout: must be a number > 0, got 'nan'"),
+    case("--cluster {desc} --framework mxnet", message="argument --framework: invalid choice: 'mxnet'"),
+    case("--cluster {not_utf8} --framework pytorch", message="cluster description {not_utf8} is not UTF-8"),
+    case("--cluster {wrong_schema} --framework keras", message="invalid cluster description {wrong_schema}"),
+    case("--cluster {missing} --framework pytorch", message="no cluster description at {missing}"),
+    case(
+        "--cluster {desc} --framework pytorch --runs-dir {file}", message="--runs-dir {file} is a file, not a directory"
+    ),
+    case(f"{RUN} --hosts ,,", message="argument --hosts: no host names given"),
+    case(f"{RUN} --hosts node-0,node-0", message="node-0 named more than once"),
+    case(f"{RUN} --hosts 'node 0'", message="invalid host name 'node 0'"),
+    case(
+        "--cluster {desc_no_key} --framework pytorch --runs-dir {runs}",
+        message="the cluster description's ssh_key: cannot use the SSH key {tmp}/gone/id_ed25519: it does not exist",
+    ),
+]
+
+STATE = "--state-dir {tmp}/state"
+LOCAL_CLUSTER = [
+    case(f"{STATE} up --nodes 0", message="argument --nodes: must be a whole number between 1 and 32, got '0'"),
+    case(f"{STATE} up --nodes 33", message="argument --nodes: must be a whole number between 1 and 32"),
+    case(f"{STATE} up --name ''", message="argument --name: invalid cluster name ''"),
+    case(f"{STATE} up --name 9lives", message="invalid cluster name '9lives'"),
+    case(f"{STATE} up --name toolongname", message="invalid cluster name 'toolongname'"),
+    case(f"{STATE} up --name a-b", message="invalid cluster name 'a-b'"),
+    case(f"{STATE} up --subnet nonsense", message="argument --subnet: invalid subnet 'nonsense'"),
+    case(f"{STATE} up --subnet 10.213.0.0/30", message="subnet 10.213.0.0/30 is too small: use a /28 or larger"),
+    case(f"{STATE} up --subnet fd00::/64", message="subnet fd00::/64 is not a private IPv4 range"),
+    case(f"{STATE} up --subnet 10.213.0.5/24", message="invalid subnet '10.213.0.5/24': 10.213.0.5/24 has host"),
+    case(f"{STATE} up --subnet 8.8.8.0/24", message="subnet 8.8.8.0/24 is not a private IPv4 range"),
+    case(f"{STATE} up --train-python {{missing}}", message="--train-python {missing} is not an executable file"),
+    case(f"{STATE} up --mode bogus", message="argument --mode: invalid choice: 'bogus'"),
+    case("--state-dir {file} status", message="--state-dir {file} is a file, not a directory"),
+    case("--state-dir {state_not_utf8} status", message="local cluster state {state_not_utf8}/state.json is not UTF-8"),
+    case("--state-dir {state_wrong} down", message="invalid local cluster state {state_wrong}/state.json"),
+    case("--state-dir {state_recorded} up", message="a local cluster is already recorded in"),
+    case("--state-dir {not_empty} up", message="--state-dir {not_empty} is not empty"),
+    case(STATE, message="the following arguments are required: command"),
+]
+
+DEMO_DIRS = "--state-dir {tmp}/demo-state --runs-dir {tmp}/demo-runs"
+DEMO = [
+    case(f"{DEMO_DIRS} --nodes 0", message="argument --nodes: must be a whole number between 1 and 32, got '0'"),
+    case(f"{DEMO_DIRS} --nodes 33", message="argument --nodes: must be a whole number between 1 and 32"),
+    case(f"{DEMO_DIRS} --steps 0", message="argument --steps: must be a whole number >= 1, got '0'"),
+    case(f"{DEMO_DIRS} --steps many", message="argument --steps: must be a whole number >= 1, got 'many'"),
+    case(f"{DEMO_DIRS} --batch-size -1", message="argument --batch-size: must be a whole number >= 1, got '-1'"),
+    case(f"{DEMO_DIRS} --image-size 4", message="argument --image-size: must be a whole number between 8 and"),
+    case(f"{DEMO_DIRS} --model vgg", message="argument --model: invalid choice: 'vgg'"),
+    case(f"{DEMO_DIRS} --mode bogus", message="argument --mode: invalid choice: 'bogus'"),
+    case(f"{DEMO_DIRS} --subnet 8.8.8.0/24", message="subnet 8.8.8.0/24 is not a private IPv4 range"),
+    case(f"{DEMO_DIRS} --name 1x", message="argument --name: invalid cluster name '1x'"),
+    case("--runs-dir {file} --state-dir {tmp}/s", message="--runs-dir {file} is a file, not a directory"),
+    case("--state-dir {file} --runs-dir {tmp}/r", message="--state-dir {file} is a file, not a directory"),
+    case(
+        "--state-dir {state_not_utf8} --runs-dir {tmp}/r",
+        message="local cluster state {state_not_utf8}/state.json is not UTF-8",
+    ),
+]
+
+SAS = {"BLOB_SAS": "sv=2022-11-02&sig=test"}
+INTO = "--dest {tmp}/pulled"
+BLOB_PULL = [
+    case(f"--container-url {{server}}/data {INTO} --workers 0", env=SAS, message="--workers: must be a whole number"),
+    case(f"--container-url ftp://host/data {INTO}", env=SAS, message="must be an http(s) URL of a container"),
+    case(f"--container-url {{server}} {INTO}", env=SAS, message="must be an http(s) URL of a container"),
+    case(f"--container-url '{{server}}/data?sv=1' {INTO}", env=SAS, message="must not carry a query string"),
+    case("--container-url {server}/html --dest {file}", env=SAS, message="--dest {file} is a file, not a directory"),
+    case(
+        "--container-url {server}/html --dest {ro}/pulled",
+        env=SAS,
+        ro=True,
+        message="cannot create --dest {ro}/pulled: Read-only file system",
+    ),
+    case(f"--container-url {{server}}/html {INTO}", env={"BLOB_SAS": ""}, message="no SAS token: set BLOB_SAS"),
+    case(
+        f"--container-url {{closed}}/data {INTO}",
+        env=SAS,
+        code=NOT_READY,
+        message="cannot reach {closed}: [Errno 111] Connection refused",
+    ),
+    case(f"--container-url {{server}}/html {INTO}", env=SAS, message="did not answer with a blob listing"),
+    case(
+        f"--container-url {{server}}/denied {INTO}",
+        env=SAS,
+        code=NOT_READY,
+        message="blob authorization failed while listing the container: the SAS token is wrong, expired or not",
+    ),
+    case(f"--container-url {{server}}/gone {INTO}", env=SAS, message="container not found while listing"),
+    case("--container-url {server}/data", env=SAS, message="the following arguments are required: --dest"),
+]
+
+
+@pytest.mark.parametrize("bad", STAGE, ids=str)
+def test_stage(bad: Case, paths: dict[str, str]) -> None:
+    check("scripts.stage", bad, paths)
+
+
+@pytest.mark.parametrize("bad", CLUSTER, ids=str)
+def test_cluster(bad: Case, paths: dict[str, str]) -> None:
+    check("scripts.cluster", bad, paths)
+    assert not Path(paths["tmp"], "out.json").exists()
+
+
+@pytest.mark.parametrize("bad", BUILD_IMAGES, ids=str)
+def test_build_images(bad: Case, paths: dict[str, str]) -> None:
+    check("scripts.build_images", bad, paths)
+
+
+@pytest.mark.parametrize("bad", LAUNCH, ids=str)
+def test_launch(bad: Case, paths: dict[str, str]) -> None:
+    check("scripts.launch", bad, paths)
+    assert sorted(p.name for p in Path(paths["runs"]).iterdir()) == ["r1"]  # nothing written outside, or inside
+
+
+@pytest.mark.parametrize("bad", LOCAL_CLUSTER, ids=str)
+def test_local_cluster(bad: Case, paths: dict[str, str]) -> None:
+    check("scripts.local_cluster", bad, paths)
+    assert not Path(paths["tmp"], "state").exists()  # refused before anything was created
+
+
+@pytest.mark.parametrize("bad", DEMO, ids=str)
+def test_demo(bad: Case, paths: dict[str, str]) -> None:
+    check("scripts.demo", bad, paths)
+    assert not Path(paths["tmp"], "demo-state").exists()
+
+
+@pytest.mark.parametrize("bad", BLOB_PULL, ids=str)
+def test_blob_pull(bad: Case, paths: dict[str, str]) -> None:
+    proc = check("scripts.blob_pull", bad, paths)
+    if "usage:" not in proc.stderr:  # past argparse, the error is also the JSON line `stage pull` reads back
+        assert json.loads(proc.stdout.splitlines()[-1])["error"] in proc.stderr
+
+
+# --- the safety net and --debug ----------------------------------------------------------------
+UNEXPECTED = """
+import sys
+from scripts.cli import CLIParser, run_cli
+
+def body(args):
+    raise KeyError("boom")
+
+sys.exit(run_cli(CLIParser(prog="tool"), body))
+"""
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "traceback"),
+    [((), {}, False), (("--debug",), {}, True), ((), {"SCRIPTS_DEBUG": "1"}, True)],
+)
+def test_an_unexpected_error_is_a_message_and_the_traceback_only_on_request(flags, env, traceback):
+    proc = subprocess.run(
+        [sys.executable, "-c", UNEXPECTED, *flags], cwd=REPO, env={"PYTHONPATH": str(REPO), **env},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == ExitCode.FAILED
+    assert "error: unexpected KeyError: 'boom'" in proc.stderr
+    assert ("Traceback (most recent call last)" in proc.stderr) is traceback
+    assert ("(run again with --debug for the traceback)" in proc.stderr) is not traceback
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_is_accepted_before_and_after_a_subcommand(where, paths):
+    args = ["generate", "--out", paths["file"]]
+    args.insert(0 if where == "before" else 1, "--debug")
+    proc = run_module("scripts.stage", *args, timeout=60)
+    assert proc.returncode == ExitCode.BAD_INPUT
+    assert "Traceback (most recent call last)" in proc.stderr and "is a file, not a directory" in proc.stderr
+
+
+def test_blob_pull_safety_net_and_debug(paths):
+    """A listing blob_pull cannot make sense of: an unexpected error, still a message and a status."""
+    args = ["--container-url", f"{paths['server']}/odd", "--dest", f"{paths['tmp']}/odd"]
+    plain = run_module("scripts.blob_pull", *args, env=SAS, timeout=60, stdin=subprocess.DEVNULL)
+    assert plain.returncode == ExitCode.FAILED and "Traceback" not in plain.stderr
+    assert "blob-pull: error: unexpected ValueError" in plain.stderr and "--debug for the traceback" in plain.stderr
+    debug = run_module("scripts.blob_pull", *args, "--debug", env=SAS, timeout=60, stdin=subprocess.DEVNULL)
+    assert debug.returncode == ExitCode.FAILED and "Traceback (most recent call last)" in debug.stderr
+
+
+def test_blob_pull_repeats_the_exit_status_table():
+    assert (blob_pull.EXIT_FAILED, blob_pull.EXIT_BAD_INPUT, blob_pull.EXIT_NOT_READY, blob_pull.EXIT_INTERRUPTED) == (
+        ExitCode.FAILED,
+        ExitCode.BAD_INPUT,
+        ExitCode.NOT_READY,
+        ExitCode.INTERRUPTED,
+    )
+
+
+def test_the_exit_status_table_is_documented():
+    doc = (REPO / "docs" / "operator.md").read_text()
+    for code in ExitCode:
+        assert re.search(rf"^\| {code.value} \| ", doc, re.MULTILINE), f"exit status {code.value} is not in the table"
