@@ -1,4 +1,4 @@
-"""The GPU cluster: a Uniform scale set of InfiniBand VMs in one placement group."""
+"""The GPU cluster: a Uniform scale set of InfiniBand VMs in one placement group, each running slurmd."""
 
 from __future__ import annotations
 
@@ -8,14 +8,32 @@ from dataclasses import dataclass
 import pulumi
 from pulumi_azure_native import compute
 
-from infra.cloud_init import nccl_env_for_sku, render_cluster_node
+from infra.cloud_init import render_cluster_node
 from infra.config import ImageReference
+from infra.contract import NODE_REGISTRY_PATH, SHARED_MOUNT_PATH
+from infra.skus import GpuSku
 from infra.vm import encode_custom_data, image_reference, linux_configuration, security_profile
 
-# Not under /mnt: Azure mounts the VM's temporary disk there at boot, which would hide it.
-SHARED_MOUNT_PATH = "/shared"
-NODE_REGISTRY_PATH = f"{SHARED_MOUNT_PATH}/nodes"
-DATA_PATH = f"{SHARED_MOUNT_PATH}/data"
+BASE36_DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
+INSTANCE_ID_DIGITS = 6
+
+
+def scale_set_node_names(computer_name_prefix: str, count: int) -> list[str]:
+    """Slurm's names for instances 0..count-1 of a Uniform scale set.
+
+    Azure names instance i computerNamePrefix + i in base 36, six digits (instance 10 is
+    ...00000a; Azure may write the letters in upper case, Slurm's names are lower case). With
+    overprovisioning off, a new scale set's instance ids are 0..count-1, and scaling in removes the
+    highest ids first.
+    """
+    names = []
+    for instance_id in range(count):
+        digits = ""
+        for _ in range(INSTANCE_ID_DIGITS):
+            instance_id, digit = divmod(instance_id, 36)
+            digits = BASE36_DIGITS[digit] + digits
+        names.append(f"{computer_name_prefix}{digits}")
+    return names
 
 
 @dataclass
@@ -23,8 +41,8 @@ class GpuClusterArgs:
     resource_group_name: pulumi.Input[str]
     location: str
     subnet_id: pulumi.Input[str]
-    sku: str
-    gpus_per_node: int
+    sku_name: str
+    sku: GpuSku
     node_count: int
     image: ImageReference
     admin_user: str
@@ -35,6 +53,8 @@ class GpuClusterArgs:
     acr_login_server: pulumi.Input[str]
     nfs_server_ip: str
     nfs_export_path: str
+    slurmctld_address: str  # the head node's private IP, from which slurmd fetches its configuration
+    munge_key: pulumi.Input[str]  # base64, secret
     tags: Mapping[str, str]
 
 
@@ -42,7 +62,9 @@ class GpuCluster(pulumi.ComponentResource):
     def __init__(self, name: str, args: GpuClusterArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("hvd:infra:GpuCluster", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        self.nccl_env = nccl_env_for_sku(args.sku)
+        self.nccl_env = dict(args.sku.nccl_env)
+        self.computer_name_prefix = f"{name}-"
+        self.node_names = scale_set_node_names(self.computer_name_prefix, args.node_count)
 
         # Keeps the nodes physically close: lowest latency on the InfiniBand fabric.
         self.placement_group = compute.ProximityPlacementGroup(
@@ -53,7 +75,8 @@ class GpuCluster(pulumi.ComponentResource):
             tags=args.tags,
             opts=child,
         )
-        custom_data = pulumi.Output.all(args.acr_login_server, args.identity_client_id).apply(
+        # Secret because the munge key is in it (Output.all keeps an input's secrecy).
+        self.custom_data = pulumi.Output.all(args.acr_login_server, args.identity_client_id, args.munge_key).apply(
             lambda values: encode_custom_data(
                 render_cluster_node(
                     nfs_server_ip=args.nfs_server_ip,
@@ -63,7 +86,9 @@ class GpuCluster(pulumi.ComponentResource):
                     acr_login_server=values[0],
                     identity_client_id=values[1],
                     nccl_env=self.nccl_env,
-                    expected_gpus=args.gpus_per_node,
+                    expected_gpus=args.sku.gpus_per_node,
+                    slurmctld_address=args.slurmctld_address,
+                    munge_key=values[2],
                 )
             )
         )
@@ -72,10 +97,10 @@ class GpuCluster(pulumi.ComponentResource):
             resource_group_name=args.resource_group_name,
             location=args.location,
             orchestration_mode="Uniform",
-            sku=compute.SkuArgs(name=args.sku, tier="Standard", capacity=args.node_count),
+            sku=compute.SkuArgs(name=args.sku_name, tier="Standard", capacity=args.node_count),
             # One placement group is one InfiniBand fabric; it also caps the set at 100 VMs.
             single_placement_group=True,
-            # Extra VMs would register on NFS and be picked up by the launcher, then vanish.
+            # Extra VMs would take instance ids that Slurm's node names do not cover.
             overprovision=False,
             platform_fault_domain_count=1,
             proximity_placement_group=compute.SubResourceArgs(id=self.placement_group.id),
@@ -85,9 +110,9 @@ class GpuCluster(pulumi.ComponentResource):
             ),
             virtual_machine_profile=compute.VirtualMachineScaleSetVMProfileArgs(
                 os_profile=compute.VirtualMachineScaleSetOSProfileArgs(
-                    computer_name_prefix=f"{name}-",
+                    computer_name_prefix=self.computer_name_prefix,
                     admin_username=args.admin_user,
-                    custom_data=custom_data,
+                    custom_data=self.custom_data,
                     linux_configuration=linux_configuration(args.admin_user, args.ssh_public_key),
                 ),
                 storage_profile=compute.VirtualMachineScaleSetStorageProfileArgs(

@@ -29,28 +29,8 @@ from pydantic.alias_generators import to_camel
 from pydantic_core import ErrorDetails
 
 from infra.azure_limits import AZURE_REGIONS, RESERVED_ADMIN_USERS, VM_SIZES
+from infra.skus import GPU_SKUS, GpuSku
 from infra.ssh_key import check_public_key
-
-
-@dataclass(frozen=True)
-class GpuSku:
-    """An InfiniBand GPU VM size and what the launcher needs to know about it."""
-
-    gpus_per_node: int
-    gpu: str
-    encryption_at_host: bool  # Azure's EncryptionAtHostSupported capability for the size
-
-
-# InfiniBand-connected GPU sizes only: the training stack assumes RDMA between nodes. All support
-# encryption at host: ND96amsr_A100_v4 per the Resource SKUs listing cited in
-# infra/data/vm_sizes.json, the others as current ND sizes (not cross-checked; that file's
-# `refresh` command checks a size in a region).
-GPU_SKUS: dict[str, GpuSku] = {
-    "Standard_ND96isr_H200_v5": GpuSku(8, "H200", encryption_at_host=True),
-    "Standard_ND96isr_H100_v5": GpuSku(8, "H100", encryption_at_host=True),
-    "Standard_ND96amsr_A100_v4": GpuSku(8, "A100 80GB", encryption_at_host=True),
-    "Standard_ND96asr_v4": GpuSku(8, "A100 40GB", encryption_at_host=True),
-}
 
 OPEN_CIDRS = frozenset({"*", "0.0.0.0/0", "any", "internet"})
 # RFC 1918: the only ranges a VNet here may use, and the ones the storage firewall cannot list.
@@ -63,6 +43,11 @@ DEFAULT_IMAGE = "microsoft-dsvm:ubuntu-hpc:2204:latest"
 IMAGE_NAME_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # publisher, offer and sku
 IMAGE_VERSION = re.compile(r"latest|\d+\.\d+\.\d+")  # Azure image versions are major.minor.build
 MAX_NODES = 100  # one placement group, hence one InfiniBand fabric, holds at most 100 VMs
+# Idle minutes before Slurm deallocates a node (0: never). Below the lower bound, a pause between
+# two jobs would cost a GPU VM's restart (10-30 minutes); beyond a day idle, keeping nodes up is a
+# choice better made with 0.
+MIN_AUTOSTOP_MINUTES = 10
+MAX_AUTOSTOP_MINUTES = 1440
 MAX_SAS_LIFETIME = timedelta(days=365)  # a leaked read token should not outlive a year
 # Staging ImageNet to blob and pulling it onto NFS takes hours; a token that expires the same day
 # would stop a staging run midway.
@@ -127,12 +112,14 @@ class StackConfig(BaseModel):
     image: str = DEFAULT_IMAGE
     vnet_cidr: str = "10.40.0.0/16"
     jumpbox_vm_size: str = "Standard_B2s"
+    head_vm_size: str = "Standard_D4s_v5"
     nfs_vm_size: str = "Standard_D16s_v5"
     nfs_disk_count: int = Field(default=4, ge=1, le=32)
     nfs_disk_size_gb: int = Field(default=1024, ge=32, le=32767)
     # Encrypts the temp disks and the host-side disk caches, which Azure's default encryption of
     # managed disks leaves out. Needs the subscription's Microsoft.Compute/EncryptionAtHost feature.
     encryption_at_host: bool = True
+    autostop_minutes: int = 30
     sas_expiry: datetime
     tags: dict[str, str] = Field(default_factory=dict)
 
@@ -201,7 +188,16 @@ class StackConfig(BaseModel):
             raise ValueError("must be a private (RFC 1918) range between /8 and /22, e.g. 10.40.0.0/16")
         return str(network)
 
-    @field_validator("jumpbox_vm_size", "nfs_vm_size")
+    @field_validator("autostop_minutes")
+    @classmethod
+    def _autostop(cls, value: int) -> int:
+        if value != 0 and not MIN_AUTOSTOP_MINUTES <= value <= MAX_AUTOSTOP_MINUTES:
+            raise ValueError(
+                f"must be 0 (never stop idle nodes) or {MIN_AUTOSTOP_MINUTES} to {MAX_AUTOSTOP_MINUTES} minutes"
+            )
+        return value
+
+    @field_validator("jumpbox_vm_size", "head_vm_size", "nfs_vm_size")
     @classmethod
     def _known_size(cls, value: str) -> str:
         if value not in VM_SIZES:
@@ -277,6 +273,7 @@ class StackConfig(BaseModel):
             return []
         supported = {
             "jumpboxVmSize": (self.jumpbox_vm_size, VM_SIZES[self.jumpbox_vm_size].encryption_at_host),
+            "headVmSize": (self.head_vm_size, VM_SIZES[self.head_vm_size].encryption_at_host),
             "nfsVmSize": (self.nfs_vm_size, VM_SIZES[self.nfs_vm_size].encryption_at_host),
             "gpuSku": (self.gpu_sku, self.sku.encryption_at_host),
         }
@@ -303,6 +300,12 @@ class StackConfig(BaseModel):
     def nfs_private_ip(self) -> str:
         # Azure reserves the first four addresses of a subnet.
         return str(ipaddress.IPv4Network(self.subnets["nfs"]).network_address + 4)
+
+    @property
+    def head_private_ip(self) -> str:
+        """The last usable address of the cluster subnet (Azure reserves the broadcast address):
+        the scale set takes its dynamic addresses from the bottom, so the two never collide."""
+        return str(ipaddress.IPv4Network(self.subnets["cluster"]).broadcast_address - 1)
 
     def resource_tags(self, project: str, stack: str) -> dict[str, str]:
         return {**self.tags, **dict(zip(RESERVED_TAGS, (project, stack, self.owner), strict=True))}

@@ -11,6 +11,14 @@ from pulumi_azure_native import authorization, managedidentity
 # Built-in role definition ids (the same in every tenant).
 ACR_PULL = "7f951dda-4ed3-4680-a7ca-43fe172d538d"
 STORAGE_BLOB_DATA_CONTRIBUTOR = "ba92f5b4-2d11-453d-a403-e96b0029c9fe"
+# What Slurm's power programs do to the scale set (infra/cloud_init/scripts/slurm_power.py), and
+# nothing else: start and deallocate instances, and read an instance's view to say why one did not
+# come up. Not delete, not scale, not reimage, not run commands on the nodes.
+SCALE_SET_POWER_ACTIONS = (
+    "Microsoft.Compute/virtualMachineScaleSets/start/action",
+    "Microsoft.Compute/virtualMachineScaleSets/deallocate/action",
+    "Microsoft.Compute/virtualMachineScaleSets/virtualMachines/instanceView/read",
+)
 
 
 @dataclass
@@ -25,6 +33,22 @@ class ClusterIdentityArgs:
 def role_definition_id(subscription_id: pulumi.Input[str], role: str) -> pulumi.Output[str]:
     return pulumi.Output.concat(
         "/subscriptions/", subscription_id, "/providers/Microsoft.Authorization/roleDefinitions/", role
+    )
+
+
+def user_assigned_identity(
+    name: str,
+    resource_group_name: pulumi.Input[str],
+    location: str,
+    tags: Mapping[str, str],
+    parent: pulumi.Resource,
+) -> managedidentity.UserAssignedIdentity:
+    return managedidentity.UserAssignedIdentity(
+        f"{name}-id",
+        resource_group_name=resource_group_name,
+        location=location,
+        tags=tags,
+        opts=pulumi.ResourceOptions(parent=parent),
     )
 
 
@@ -54,14 +78,7 @@ class ClusterIdentity(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: ClusterIdentityArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("hvd:infra:ClusterIdentity", name, None, opts)
-        child = pulumi.ResourceOptions(parent=self)
-        self.identity = managedidentity.UserAssignedIdentity(
-            f"{name}-id",
-            resource_group_name=args.resource_group_name,
-            location=args.location,
-            tags=args.tags,
-            opts=child,
-        )
+        self.identity = user_assigned_identity(name, args.resource_group_name, args.location, args.tags, self)
         subscription_id = authorization.get_client_config_output().subscription_id
         grants = {
             "acr-pull": (ACR_PULL, args.registry_id),
@@ -106,3 +123,46 @@ class OperatorAccess(pulumi.ComponentResource):
             for container, scope in args.container_ids.items()
         ]
         self.register_outputs({})
+
+
+@dataclass
+class ScaleSetPowerIdentityArgs:
+    resource_group_name: pulumi.Input[str]
+    location: str
+    scale_set_id: pulumi.Input[str]
+    tags: Mapping[str, str]
+
+
+class ScaleSetPowerIdentity(pulumi.ComponentResource):
+    """The head node's identity: a custom role with SCALE_SET_POWER_ACTIONS, assignable on one
+    scale set only, and its assignment there. Whoever holds it can power that scale set's nodes and
+    touch nothing else. (Azure discourages resource-level assignable scopes because custom roles
+    count against a tenant limit of 5000; one per deployment is the price of a role no wider.)"""
+
+    def __init__(self, name: str, args: ScaleSetPowerIdentityArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("hvd:infra:ScaleSetPowerIdentity", name, None, opts)
+        self.identity = user_assigned_identity(name, args.resource_group_name, args.location, args.tags, self)
+        self.role = authorization.RoleDefinition(
+            f"{name}-role",
+            scope=args.scale_set_id,
+            assignable_scopes=[args.scale_set_id],
+            # Custom role names must be unique in the tenant; the scale set's id is.
+            role_name=pulumi.Output.concat("Slurm power control for ", args.scale_set_id),
+            description="Start and deallocate the instances of one VM scale set (Slurm power saving).",
+            role_type="CustomRole",
+            permissions=[authorization.PermissionArgs(actions=list(SCALE_SET_POWER_ACTIONS))],
+            opts=pulumi.ResourceOptions(parent=self),
+        )
+        subscription_id = authorization.get_client_config_output().subscription_id
+        self.assignment = grant(
+            f"{name}-assignment",
+            self.identity.principal_id,
+            # The definition's name is its GUID; assignments take the subscription-level id.
+            role_definition_id(subscription_id, self.role.name),
+            args.scale_set_id,
+            self,
+            "ServicePrincipal",
+        )
+        self.register_outputs(
+            {"id": self.identity.id, "client_id": self.identity.client_id, "role_definition_id": self.role.id}
+        )

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pulumi
 from pulumi_azure_native import network
 
-# Port of the OpenSSH server inside the training containers (horovodrun between containers).
-CONTAINER_SSH_PORT = 12345
+from infra.contract import CONTAINER_SSH_PORT, SLURMCTLD_PORT, SLURMD_PORT, SRUN_PORTS, SSH_PORT
+
 # Azure's default rules allow all traffic from inside the VNet at priority 65000; a deny at
 # the lowest user priority overrides them, so only the rules above it admit anything.
 DENY_ALL_PRIORITY = 4096
@@ -56,20 +56,26 @@ def _deny_all_inbound():
 def security_rules(args: NetworkArgs) -> dict[str, list[network.SecurityRuleArgs]]:
     """Inbound rules per subnet role. Outbound keeps Azure's defaults (apt, registry, storage)."""
     cluster, jumpbox = args.subnets["cluster"], args.subnets["jumpbox"]
+    ssh = str(SSH_PORT)
     return {
         "cluster": [
+            # slurmctld (head node), slurmd (nodes) and srun (head node, nodes) talk only inside the
+            # cluster subnet. AllowClusterInternal admits them as well; named on their own, they
+            # stay open if that rule is ever narrowed.
+            _allow("AllowSlurmInCluster", 100, cluster, [str(SLURMCTLD_PORT), str(SLURMD_PORT), SRUN_PORTS]),
             # Horovod/NCCL bootstrap and gloo use ephemeral ports between nodes.
-            _allow("AllowClusterInternal", 100, cluster, ["0-65535"], protocol="*"),
-            _allow("AllowSshFromJumpbox", 110, jumpbox, ["22", str(CONTAINER_SSH_PORT)]),
+            _allow("AllowClusterInternal", 110, cluster, ["0-65535"], protocol="*"),
+            # The head node (the login node) and the GPU nodes are reached through the jumpbox.
+            _allow("AllowSshFromJumpbox", 120, jumpbox, [ssh, str(CONTAINER_SSH_PORT)]),
             _deny_all_inbound(),
         ],
         "nfs": [
             _allow("AllowNfsFromCluster", 100, cluster, ["2049"]),  # NFSv4 needs only 2049
-            _allow("AllowSshFromJumpbox", 110, jumpbox, ["22"]),
+            _allow("AllowSshFromJumpbox", 110, jumpbox, [ssh]),
             _deny_all_inbound(),
         ],
         "jumpbox": [
-            _allow("AllowSshFromOperator", 100, args.allowed_ssh_cidr, ["22"]),
+            _allow("AllowSshFromOperator", 100, args.allowed_ssh_cidr, [ssh]),
             _deny_all_inbound(),
         ],
     }

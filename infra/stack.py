@@ -1,21 +1,31 @@
-"""Wires the components together and returns the outputs that the launcher reads."""
+"""Wires the components together and returns the outputs that the operator's CLI reads."""
 
 from __future__ import annotations
 
 import pulumi
 from pulumi_azure_native import resources
 
-from infra.cluster import DATA_PATH, NODE_REGISTRY_PATH, SHARED_MOUNT_PATH, GpuCluster, GpuClusterArgs
+from infra.cluster import GpuCluster, GpuClusterArgs
 from infra.config import StackConfig
-from infra.identity import ClusterIdentity, ClusterIdentityArgs, OperatorAccess, OperatorAccessArgs
+from infra.contract import DATA_PATH, NODE_REGISTRY_PATH, SHARED_MOUNT_PATH, SLURM_PARTITION, StackOutput
+from infra.head import HeadNode, HeadNodeArgs
+from infra.identity import (
+    ClusterIdentity,
+    ClusterIdentityArgs,
+    OperatorAccess,
+    OperatorAccessArgs,
+    ScaleSetPowerIdentity,
+    ScaleSetPowerIdentityArgs,
+)
 from infra.jumpbox import Jumpbox, JumpboxArgs
+from infra.munge import MungeKey
 from infra.network import Network, NetworkArgs
 from infra.nfs import NfsServer, NfsServerArgs
 from infra.registry import Registry, RegistryArgs
 from infra.storage import DATA_CONTAINER, RESULTS_CONTAINER, Storage, StorageArgs
 
 
-def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[str, pulumi.Input]:
+def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput, pulumi.Input]:
     """Declare every resource of the deployment; return the stack outputs by name."""
     tags = cfg.resource_tags(project, stack)
     prefix = cfg.name_prefix
@@ -70,12 +80,14 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[str, pulumi.
             **common,
         ),
     )
+    slurm_cluster_name = prefix  # lower-case letters and digits, as Slurm's ClusterName wants
+    munge = MungeKey(f"{prefix}-munge")
     cluster = GpuCluster(
         f"{prefix}-gpu",
         GpuClusterArgs(
             subnet_id=net.subnet_ids["cluster"],
-            sku=cfg.gpu_sku,
-            gpus_per_node=cfg.sku.gpus_per_node,
+            sku_name=cfg.gpu_sku,
+            sku=cfg.sku,
             node_count=cfg.node_count,
             image=cfg.image_reference,
             identity_id=identity.identity.id,
@@ -83,30 +95,60 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[str, pulumi.
             acr_login_server=registry.registry.login_server,
             nfs_server_ip=nfs.private_ip,
             nfs_export_path=nfs.export_path,
+            slurmctld_address=cfg.head_private_ip,
+            munge_key=munge.key_base64,
+            **machine,
+            **common,
+        ),
+    )
+    power = ScaleSetPowerIdentity(
+        f"{prefix}-head-power", ScaleSetPowerIdentityArgs(scale_set_id=cluster.scale_set.id, **common)
+    )
+    head = HeadNode(
+        f"{prefix}-head",
+        HeadNodeArgs(
+            subnet_id=net.subnet_ids["cluster"],
+            vm_size=cfg.head_vm_size,
+            private_ip=cfg.head_private_ip,
+            cluster_name=slurm_cluster_name,
+            node_names=cluster.node_names,
+            node_prefix=cluster.computer_name_prefix,
+            sku=cfg.sku,
+            autostop_minutes=cfg.autostop_minutes,
+            scale_set_id=cluster.scale_set.id,
+            identity_id=power.identity.id,
+            identity_client_id=power.identity.client_id,
+            munge_key=munge.key_base64,
+            nfs_server_ip=nfs.private_ip,
+            nfs_export_path=nfs.export_path,
             **machine,
             **common,
         ),
     )
     return {
-        "resource_group": group.name,
-        "location": cfg.location,
-        "jumpbox_public_ip": jumpbox.ip_address,
-        "admin_user": cfg.admin_user,
-        "nfs_private_ip": nfs.private_ip,
-        "nfs_export_path": nfs.export_path,
-        "shared_mount_path": SHARED_MOUNT_PATH,
-        "data_path": DATA_PATH,
-        "node_registry_path": NODE_REGISTRY_PATH,
-        "storage_account": store.account.name,
-        "blob_endpoint": store.blob_endpoint,
-        "data_container": DATA_CONTAINER,
-        "results_container": RESULTS_CONTAINER,
-        "data_sas": store.data_sas,
-        "acr_login_server": registry.registry.login_server,
-        "scale_set_name": cluster.scale_set.name,
-        "node_count": cfg.node_count,
-        "gpus_per_node": cfg.sku.gpus_per_node,
-        "gpu_sku": cfg.gpu_sku,
-        "cluster_identity_client_id": identity.identity.client_id,
-        "nccl_env": cluster.nccl_env,
+        StackOutput.RESOURCE_GROUP: group.name,
+        StackOutput.LOCATION: cfg.location,
+        StackOutput.JUMPBOX_PUBLIC_IP: jumpbox.ip_address,
+        StackOutput.ADMIN_USER: cfg.admin_user,
+        StackOutput.HEAD_PRIVATE_IP: head.private_ip,
+        StackOutput.HEAD_HOSTNAME: head.hostname,
+        StackOutput.SLURM_CLUSTER_NAME: slurm_cluster_name,
+        StackOutput.SLURM_PARTITION: SLURM_PARTITION,
+        StackOutput.NFS_PRIVATE_IP: nfs.private_ip,
+        StackOutput.NFS_EXPORT_PATH: nfs.export_path,
+        StackOutput.SHARED_MOUNT_PATH: SHARED_MOUNT_PATH,
+        StackOutput.DATA_PATH: DATA_PATH,
+        StackOutput.NODE_REGISTRY_PATH: NODE_REGISTRY_PATH,
+        StackOutput.STORAGE_ACCOUNT: store.account.name,
+        StackOutput.BLOB_ENDPOINT: store.blob_endpoint,
+        StackOutput.DATA_CONTAINER: DATA_CONTAINER,
+        StackOutput.RESULTS_CONTAINER: RESULTS_CONTAINER,
+        StackOutput.DATA_SAS: store.data_sas,
+        StackOutput.ACR_LOGIN_SERVER: registry.registry.login_server,
+        StackOutput.SCALE_SET_NAME: cluster.scale_set.name,
+        StackOutput.NODE_COUNT: cfg.node_count,
+        StackOutput.GPUS_PER_NODE: cfg.sku.gpus_per_node,
+        StackOutput.GPU_SKU: cfg.gpu_sku,
+        StackOutput.CLUSTER_IDENTITY_CLIENT_ID: identity.identity.client_id,
+        StackOutput.NCCL_ENV: cluster.nccl_env,
     }

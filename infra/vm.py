@@ -1,4 +1,4 @@
-"""Pieces shared by the jumpbox, the NFS server and the scale set: SSH-key-only Linux VMs."""
+"""Pieces shared by the jumpbox, the NFS server, the head node and the scale set: SSH-key-only Linux VMs."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def encode_custom_data(cloud_config: str) -> str:
 
 @dataclass
 class MachineArgs:
-    """What every single VM role (jumpbox, NFS server) is given."""
+    """What every single VM role (jumpbox, NFS server, head node) is given."""
 
     resource_group_name: pulumi.Input[str]
     location: str
@@ -72,6 +72,9 @@ class LinuxVmArgs(MachineArgs):
     data_disks: Sequence[compute.DataDiskArgs] = field(default_factory=list)
     custom_data: pulumi.Input[str] | None = None  # base64 cloud-config
     accelerated_networking: bool = True
+    identity_ids: Sequence[pulumi.Input[str]] = ()  # user-assigned managed identities
+    # cloud-init reads custom data at the first boot only; Azure would store a new one unread.
+    rebuild_on_custom_data_change: bool = False
 
 
 class LinuxVm(pulumi.ComponentResource):
@@ -98,6 +101,12 @@ class LinuxVm(pulumi.ComponentResource):
             tags=args.tags,
             opts=child,
         )
+        vm_opts = child
+        if args.rebuild_on_custom_data_change:
+            # Deleted first: the new VM takes over the NIC, which holds the static address.
+            vm_opts = pulumi.ResourceOptions(
+                parent=self, replace_on_changes=["osProfile.customData"], delete_before_replace=True
+            )
         self.vm = compute.VirtualMachine(
             f"{name}-vm",
             resource_group_name=args.resource_group_name,
@@ -122,8 +131,13 @@ class LinuxVm(pulumi.ComponentResource):
                 network_interfaces=[compute.NetworkInterfaceReferenceArgs(id=self.nic.id, primary=True)]
             ),
             security_profile=security_profile(args.encryption_at_host),
+            identity=compute.VirtualMachineIdentityArgs(
+                type="UserAssigned", user_assigned_identities=list(args.identity_ids)
+            )
+            if args.identity_ids
+            else None,
             tags=args.tags,
-            opts=child,
+            opts=vm_opts,
         )
         self.private_ip = self.nic.ip_configurations.apply(lambda configs: configs[0].private_ip_address)
         self.register_outputs({"vm_id": self.vm.id, "private_ip": self.private_ip})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import ipaddress
 import re
 import shlex
@@ -13,6 +15,9 @@ import yaml
 
 # Azure rejects customData larger than 65535 bytes (before base64).
 MAX_CUSTOM_DATA_BYTES = 65535
+MUNGE_KEY_PATH = "/etc/munge/munge.key"
+MIN_MUNGE_KEY_BYTES = 32  # munged refuses shorter keys
+NFS_MOUNT_PATH = "/usr/local/sbin/nfs-mount"
 
 _PLACEHOLDER = re.compile(r"@([A-Z][A-Z0-9_]*)@")
 # Paths land in fstab, /etc/exports and systemd units, which each escape differently: allow only
@@ -91,8 +96,39 @@ def read_unit(name: str) -> str:
     return resources.files(__package__).joinpath("units", name).read_text(encoding="utf-8")
 
 
-def write_file(path: str, content: str, permissions: str) -> dict[str, str]:
-    return {"path": path, "owner": "root:root", "permissions": permissions, "content": content}
+def write_file(path: str, content: str, permissions: str, *, defer: bool = False) -> dict[str, Any]:
+    """A write_files entry owned by root. defer: written after packages are installed (cloud-init's
+    final stage), e.g. into a directory that a package creates, or before a service reads it."""
+    entry: dict[str, Any] = {"path": path, "owner": "root:root", "permissions": permissions, "content": content}
+    if defer:
+        entry["defer"] = True
+    return entry
+
+
+def munge_key_file(key_base64: str) -> dict[str, Any]:
+    """The cluster's munge key, readable by the munge user alone. The user exists only once the
+    munge package is installed, so the file is deferred until then."""
+    try:
+        key = base64.b64decode(key_base64, validate=True)
+    except (binascii.Error, TypeError, ValueError):
+        raise ValueError("munge_key: not valid base64") from None
+    if len(key) < MIN_MUNGE_KEY_BYTES:
+        raise ValueError(f"munge_key: {len(key)} bytes; munge needs at least {MIN_MUNGE_KEY_BYTES}")
+    return {
+        "path": MUNGE_KEY_PATH,
+        "owner": "munge:munge",
+        "permissions": "0400",
+        "encoding": "b64",
+        "content": key_base64,
+        "defer": True,
+    }
+
+
+def nfs_mount_file(*, server_ip: str, export_path: str, mount_path: str) -> dict[str, Any]:
+    """The script that mounts the cluster's NFS export (nodes and head node alike)."""
+    source = f"{check_ipv4('nfs_server_ip', server_ip)}:{check_path('nfs_export_path', export_path)}"
+    script = render_script("nfs-mount.sh", {"NFS_SOURCE": source, "MOUNT_PATH": check_path("mount_path", mount_path)})
+    return write_file(NFS_MOUNT_PATH, script, "0755")
 
 
 class _Dumper(yaml.SafeDumper):

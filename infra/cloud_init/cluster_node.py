@@ -1,8 +1,9 @@
 """cloud-config for a GPU node on the Azure HPC image (microsoft-dsvm ubuntu-hpc 22.04).
 
 The image already carries the GPU, InfiniBand and NCCL drivers, docker and the NVIDIA container
-toolkit; this adds the NFS mount, the registry login, the NCCL settings and the node's
-registration on the shared file system.
+toolkit; this adds the NFS mount, the registry login, the NCCL settings, slurmd (configless, from
+Ubuntu 22.04's Slurm packages) with its health check, and the node's registration on the shared
+file system.
 """
 
 from __future__ import annotations
@@ -17,21 +18,30 @@ from infra.cloud_init._common import (
     check_ipv4,
     check_path,
     cloud_config,
+    munge_key_file,
+    nfs_mount_file,
     read_unit,
     render_script,
     write_file,
 )
 from infra.cloud_init.nccl import check_nccl_env
+from infra.cloud_init.slurm import MAX_GPUS_PER_NODE, render_health_check
+from infra.contract import MIN_FREE_DISK_GB, SLURMCTLD_PORT
 
-NFS_MOUNT_PATH = "/usr/local/sbin/nfs-mount"
 ACR_LOGIN_PATH = "/usr/local/sbin/acr-login"
 NODE_SETUP_PATH = "/usr/local/sbin/node-setup"
+SLURMD_SETUP_PATH = "/usr/local/sbin/slurmd-setup"
 REGISTER_NODE_PATH = "/usr/local/sbin/register-node"
+HEALTH_CHECK_PATH = "/usr/local/sbin/slurm-health-check"
 # The master copy; nccl-conf.service installs it as /etc/nccl.conf after the image's own rewrite.
 NCCL_CONF_SOURCE = "/usr/local/etc/nccl.conf"
 NCCL_PROFILE_PATH = "/etc/profile.d/nccl.sh"
 UNITS_DIR = "/etc/systemd/system"
 UNITS = ("acr-login.service", "acr-login.timer", "nccl-conf.service")
+SLURMD_DROP_IN = f"{UNITS_DIR}/slurmd.service.d/configless.conf"
+# Where framework images land: the disk the health check keeps free space on.
+DOCKER_DATA_PATH = "/var/lib/docker"
+PACKAGES = ["nfs-common", "munge", "slurmd", "slurm-client"]  # slurm-client: scontrol, for the health check
 
 
 def render_cluster_node(
@@ -44,11 +54,12 @@ def render_cluster_node(
     identity_client_id: str,
     nccl_env: Mapping[str, str],
     expected_gpus: int,
+    slurmctld_address: str,
+    munge_key: str,
 ) -> str:
     """cloud-config that mounts NFS, logs docker in to ACR with the managed identity, writes the
-    NCCL settings and registers the node in node_registry_path."""
-    server = check_ipv4("nfs_server_ip", nfs_server_ip)
-    export = check_path("nfs_export_path", nfs_export_path)
+    NCCL settings, starts slurmd against the controller at slurmctld_address with the cluster's
+    munge key (base64), and registers the node in node_registry_path."""
     mount = check_path("mount_path", mount_path)
     registry = check_path("node_registry_path", node_registry_path)
     if not registry.startswith(f"{mount}/"):
@@ -56,18 +67,23 @@ def render_cluster_node(
     acr = check_hostname("acr_login_server", acr_login_server)
     client_id = check_client_id("identity_client_id", identity_client_id)
     env = check_nccl_env(nccl_env)
-    gpus = check_int("expected_gpus", expected_gpus, 1, 64)
+    gpus = check_int("expected_gpus", expected_gpus, 1, MAX_GPUS_PER_NODE)
+    controller = f"{check_ipv4('slurmctld_address', slurmctld_address)}:{SLURMCTLD_PORT}"
 
     scripts = [
-        (NFS_MOUNT_PATH, render_script("nfs-mount.sh", {"NFS_SOURCE": f"{server}:{export}", "MOUNT_PATH": mount})),
-        (
-            ACR_LOGIN_PATH,
-            render_script("acr-login.sh", {"ACR_LOGIN_SERVER": acr, "IDENTITY_CLIENT_ID": client_id}),
-        ),
+        (ACR_LOGIN_PATH, render_script("acr-login.sh", {"ACR_LOGIN_SERVER": acr, "IDENTITY_CLIENT_ID": client_id})),
         (NODE_SETUP_PATH, render_script("node-setup.sh", {})),
+        (SLURMD_SETUP_PATH, render_script("slurmd-setup.sh", {"SLURMCTLD_ADDRESS": controller})),
+        (REGISTER_NODE_PATH, render_script("register-node.sh", {"REGISTRY_DIR": registry, "EXPECTED_GPUS": gpus})),
         (
-            REGISTER_NODE_PATH,
-            render_script("register-node.sh", {"REGISTRY_DIR": registry, "EXPECTED_GPUS": gpus}),
+            HEALTH_CHECK_PATH,
+            render_health_check(
+                shared_mount=mount,
+                expected_gpus=gpus,
+                check_infiniband=True,
+                min_free_gb=MIN_FREE_DISK_GB,
+                free_disk_path=DOCKER_DATA_PATH,
+            ),
         ),
     ]
     nccl_conf = "".join(f"{key}={value}\n" for key, value in env.items())
@@ -79,12 +95,15 @@ def render_cluster_node(
             "package_update": True,
             # Never upgrade on the HPC image: its kernel, OFED and GPU drivers are a tested set.
             "package_upgrade": False,
-            "packages": ["nfs-common"],
+            "packages": PACKAGES,
             "write_files": [
+                nfs_mount_file(server_ip=nfs_server_ip, export_path=nfs_export_path, mount_path=mount),
                 *(write_file(path, text, "0755") for path, text in scripts),
                 *(write_file(f"{UNITS_DIR}/{unit}", read_unit(unit), "0644") for unit in UNITS),
+                write_file(SLURMD_DROP_IN, read_unit("slurmd-configless.conf"), "0644"),
                 write_file(NCCL_CONF_SOURCE, nccl_conf, "0644"),
                 write_file(NCCL_PROFILE_PATH, nccl_profile, "0644"),
+                munge_key_file(munge_key),
             ],
             # runcmd is a plain sh script (no -e): chaining keeps a failed setup from registering.
             "runcmd": [f"{NODE_SETUP_PATH} && {REGISTER_NODE_PATH}"],

@@ -2,21 +2,26 @@
 
 It echoes inputs as outputs, as the provider does, adds the computed outputs that the program
 reads, and records each registered resource and each invoke so that tests assert on what was
-sent to Azure rather than on Python objects.
+sent to Azure rather than on Python objects. Secret inputs are recorded in the clear, with the
+names of the properties that were sent as secrets.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 from dataclasses import dataclass
 from typing import Any
 
 import pulumi
+from pulumi.runtime.rpc import is_rpc_secret, unwrap_rpc_secret
 
 SUBSCRIPTION = "00000000-0000-0000-0000-0000000000aa"
 OPERATOR_OBJECT_ID = "00000000-0000-0000-0000-0000000000bb"
 MOCK_SAS = "sv=2024-01-01&sr=c&sp=rl&spr=https&se=2099-01-01T00%3A00%3A00Z&sig=mock"
 JUMPBOX_IP = "203.0.113.10"
+# What the mock random provider returns for the munge key: recognisable wherever it leaks.
+MUNGE_KEY = base64.b64encode(b"MUNGE-TEST-KEY:" + bytes(range(256)) * 4).decode()
 
 
 @dataclass
@@ -26,6 +31,7 @@ class Registered:
     inputs: dict[str, Any]
     outputs: dict[str, Any]
     id: str
+    secret_inputs: frozenset[str]  # top-level properties sent as secrets (a secret anywhere inside marks its property)
 
 
 class AzureMocks(pulumi.runtime.Mocks):
@@ -34,11 +40,13 @@ class AzureMocks(pulumi.runtime.Mocks):
         self.calls: list[tuple[str, dict[str, Any]]] = []
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs) -> tuple[str, dict[str, Any]]:
-        outputs = dict(args.inputs)
+        secret = frozenset(key for key, value in args.inputs.items() if is_rpc_secret(value))
+        inputs = {key: unwrap_rpc_secret(value) if key in secret else value for key, value in args.inputs.items()}
+        outputs = dict(args.inputs)  # secrets stay secret in the echo, as with the provider
         outputs.setdefault("name", args.name)
         resource_id = f"/subscriptions/{SUBSCRIPTION}/mock/{args.typ}/{args.name}"
-        outputs.update(_computed(args.typ, args.name, args.inputs))
-        self.resources.append(Registered(args.typ, args.name, dict(args.inputs), outputs, resource_id))
+        outputs.update(_computed(args.typ, args.name, inputs))
+        self.resources.append(Registered(args.typ, args.name, inputs, outputs, resource_id, secret))
         return resource_id, outputs
 
     def call(self, args: pulumi.runtime.MockCallArgs) -> dict[str, Any]:
@@ -61,7 +69,9 @@ class AzureMocks(pulumi.runtime.Mocks):
 
 
 def _computed(typ: str, name: str, inputs: dict[str, Any]) -> dict[str, Any]:
-    """The outputs Azure computes that the program reads."""
+    """The outputs Azure (and the random provider) computes that the program reads."""
+    if typ == "random:index/randomBytes:RandomBytes":
+        return {"base64": MUNGE_KEY}
     if typ.endswith("managedidentity:UserAssignedIdentity"):
         return {"principalId": f"principal-{name}", "clientId": f"client-{name}"}
     if typ.endswith("containerregistry:Registry"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pulumi
@@ -11,6 +12,7 @@ import pytest
 from infra.config import parse_config
 from infra.stack import build_stack
 from tests.infra.azure_mocks import AzureMocks, Resolved, resolve
+from tests.infra.sandbox import Sandbox
 from tests.infra.ssh_keys import ED25519
 
 PROJECT = "azure-horovod"
@@ -53,3 +55,8 @@ def deploy(raw: dict[str, Any]) -> Deployment:
 @pytest.fixture(scope="module")
 def deployment() -> Deployment:
     return deploy(VALID_CONFIG)
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path) -> Sandbox:
+    return Sandbox(tmp_path)

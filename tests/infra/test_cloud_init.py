@@ -3,175 +3,45 @@
 Each rendered document goes through Debian's `cloud-init schema`, each embedded shell script through
 shellcheck (every severity, style included), the systemd units through `systemd-analyze verify`,
 and the scripts themselves run here against stub commands (mdadm, mount, curl, docker, ...) with
-their system paths pointed into a temporary directory.
+their system paths pointed into a temporary directory. Slurm's files and programs: test_slurm.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shlex
 import shutil
 import socket
 import stat
 import subprocess
 import time
-from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 import yaml
 
-from infra.cloud_init import check_nccl_env, nccl_env_for_sku, render_cluster_node, render_nfs_server
-from infra.cloud_init.nccl import NCCL_ENV_BY_SKU
+from infra.cloud_init import check_nccl_env
+from infra.skus import GPU_SKUS, GpuSku
+from tests.infra.documents import (
+    ACR,
+    BLOB_PULL,
+    CLIENT_ID,
+    CLUSTER_CIDR,
+    DOCUMENTS,
+    HEAD_IP,
+    NFS_IP,
+    SHELL_SCRIPTS,
+    SKUS,
+    files_of,
+    nfs_doc,
+    node_doc,
+    script_of,
+)
+from tests.infra.sandbox import Sandbox, add_port, shell_value, tool, with_value
 
-SKUS = sorted(NCCL_ENV_BY_SKU)
-BLOB_PULL = '#!/usr/bin/env python3\n"""Stand-in for scripts/blob_pull.py."""\nprint("pulled")\n'
-ACR = "trainacr.azurecr.io"
-CLIENT_ID = "0f0e0d0c-0b0a-0908-0706-050403020100"
-NFS_IP = "10.0.1.4"
-CLUSTER_CIDR = "10.0.0.0/24"
 AAD_TOKEN = "AAD-SECRET-eyJ0eXAiOiJKV1Qi"
 ACR_REFRESH_TOKEN = "ACR-SECRET-refresh-token"
-
-
-def nfs_doc(**overrides: object) -> str:
-    args: dict[str, object] = {
-        "data_disk_count": 4,
-        "export_path": "/export",
-        "allowed_cidr": CLUSTER_CIDR,
-        "blob_pull_script": BLOB_PULL,
-    }
-    return render_nfs_server(**{**args, **overrides})  # type: ignore[arg-type]
-
-
-def node_doc(sku: str = "Standard_ND96isr_H100_v5", **overrides: object) -> str:
-    args: dict[str, object] = {
-        "nfs_server_ip": NFS_IP,
-        "nfs_export_path": "/export",
-        "mount_path": "/mnt/shared",
-        "node_registry_path": "/mnt/shared/nodes",
-        "acr_login_server": ACR,
-        "identity_client_id": CLIENT_ID,
-        "nccl_env": nccl_env_for_sku(sku),
-        "expected_gpus": 8,
-    }
-    return render_cluster_node(**{**args, **overrides})  # type: ignore[arg-type]
-
-
-DOCUMENTS = {
-    **{f"nfs-{count}-disks": nfs_doc(data_disk_count=count) for count in (1, 2, 4)},
-    **{f"node-{sku}": node_doc(sku) for sku in SKUS},
-}
-
-
-def files_of(document: str) -> dict[str, dict[str, str]]:
-    return {entry["path"]: entry for entry in yaml.safe_load(document)["write_files"]}
-
-
-def script_of(document: str, path: str) -> str:
-    return files_of(document)[path]["content"]
-
-
-def shell_scripts() -> dict[str, tuple[str, str]]:
-    """Every distinct embedded shell script as id -> (shell, text), runcmd included."""
-    found: dict[str, tuple[str, str]] = {}
-    for name, document in DOCUMENTS.items():
-        parsed = yaml.safe_load(document)
-        for entry in parsed["write_files"]:
-            content = entry["content"]
-            if content.startswith("#!/bin/bash") or entry["path"].endswith(".sh"):
-                shell = "bash" if content.startswith("#!/bin/bash") else "sh"
-                found.setdefault(f"{name}:{entry['path']}", (shell, content))
-        # cloud-init writes runcmd out as a /bin/sh script, one line per item.
-        lines = [item if isinstance(item, str) else shlex.join(item) for item in parsed["runcmd"]]
-        found[f"{name}:runcmd"] = ("sh", "\n".join(lines) + "\n")
-    return found
-
-
-SHELL_SCRIPTS = shell_scripts()
-
-
-def tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"`{name}` is required by these tests and is not on PATH; install it (see .ci/run)")
-    return path
-
-
-def shell_value(script: str, name: str) -> str | list[str]:
-    """Value of a top-level `NAME=...` (or `readonly NAME=...`) assignment; arrays as lists."""
-    match = re.search(rf"^(?:readonly )?{name}=(.*)$", script, re.MULTILINE)
-    assert match, f"{name} is not assigned in the script"
-    value = match[1]
-    if value.startswith("("):
-        return shlex.split(value[1:-1])
-    (word,) = shlex.split(value)
-    return word
-
-
-def with_value(script: str, name: str, value: str | int | list[str]) -> str:
-    """The script with one top-level assignment replaced (how tests point system paths elsewhere)."""
-    if isinstance(value, list):
-        literal = "(" + " ".join(shlex.quote(item) for item in value) + ")"
-    else:
-        literal = shlex.quote(str(value))
-    new, count = re.subn(
-        rf"^(readonly )?{name}=.*$",
-        lambda match: f"{match[1] or ''}{name}={literal}",
-        script,
-        flags=re.MULTILINE,
-    )
-    assert count == 1, f"{name} is assigned {count} times"
-    return new
-
-
-class Sandbox:
-    """Runs a script with stub commands first on PATH; each stub logs `name args` and runs its body."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.bin = root / "bin"
-        self.state = root / "state"
-        self.log = root / "calls.log"
-        self.bin.mkdir()
-        self.state.mkdir()
-        self.log.touch()
-
-    def stub(self, name: str, body: str = "exit 0") -> None:
-        path = self.bin / name
-        path.write_text(f'#!/bin/bash\necho "{name} $*" >>"$STUB_LOG"\n{body}\n')
-        path.chmod(0o755)
-
-    def calls(self, name: str) -> list[str]:
-        return [line for line in self.log.read_text().splitlines() if line.split(" ", 1)[0] == name]
-
-    def run(self, script: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        path = self.root / "script.sh"
-        path.write_text(script)
-        # nvidia-smi must be absent unless a test stubs it.
-        system_path = [
-            entry
-            for entry in os.environ["PATH"].split(os.pathsep)
-            if entry and not (Path(entry) / "nvidia-smi").exists()
-        ]
-        full_env = {
-            **os.environ,
-            "PATH": os.pathsep.join([str(self.bin), *system_path]),
-            "STUB_LOG": str(self.log),
-            "STUB_STATE": str(self.state),
-            **(env or {}),
-        }
-        return subprocess.run(
-            [tool("bash"), str(path)], env=full_env, capture_output=True, text=True, timeout=60, check=False
-        )
-
-
-@pytest.fixture
-def sandbox(tmp_path: Path) -> Sandbox:
-    return Sandbox(tmp_path)
 
 
 # --- validators: cloud-init schema, shellcheck, systemd-analyze -------------------------------
@@ -205,22 +75,60 @@ def test_embedded_shell_script_passes_shellcheck(name: str) -> None:
 
 def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     files = files_of(node_doc())
-    units = [path for path in files if path.startswith("/etc/systemd/system/")]
+    units = [path for path in files if re.fullmatch(r"/etc/systemd/system/[^/]+", path)]
     assert sorted(Path(unit).name for unit in units) == ["acr-login.service", "acr-login.timer", "nccl-conf.service"]
     for unit in units:
         # verify insists that ExecStart binaries exist; the scripts they name are checked above.
-        text = re.sub(r"^ExecStart=.*$", "ExecStart=/bin/true", files[unit]["content"], flags=re.MULTILINE)
+        text = re.sub(r"^ExecStart=/.*$", "ExecStart=/bin/true", files[unit]["content"], flags=re.MULTILINE)
         (tmp_path / Path(unit).name).write_text(text)
+    # The slurmd drop-in, over a stand-in for the packaged unit it amends.
+    (tmp_path / "slurmd.service").write_text("[Service]\nExecStart=/bin/true\n")
+    drop_in = tmp_path / "slurmd.service.d" / "configless.conf"
+    drop_in.parent.mkdir()
+    content = files["/etc/systemd/system/slurmd.service.d/configless.conf"]["content"]
+    drop_in.write_text(re.sub(r"^ExecStart=/.*$", "ExecStart=/bin/true", content, flags=re.MULTILINE))
     result = subprocess.run(
-        [tool("systemd-analyze"), "verify", *(f"./{Path(unit).name}" for unit in units)],
+        [tool("systemd-analyze"), "verify", *(f"./{Path(unit).name}" for unit in units), "./slurmd.service"],
         cwd=tmp_path,
+        # Drop-in directories are read from the unit search path only.
+        env={"SYSTEMD_UNIT_PATH": f"{tmp_path}:", "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,
         check=False,
     )
     assert result.returncode == 0, result.stderr
     # Unknown keys are only warnings: any mention of our units is a finding.
-    assert not [line for line in result.stderr.splitlines() if re.search(r"acr-login|nccl-conf", line)], result.stderr
+    found = [line for line in result.stderr.splitlines() if re.search(r"acr-login|nccl-conf|configless", line)]
+    assert not found, result.stderr
+
+
+def test_slurmd_drop_in_runs_configless_under_the_node_name_that_setup_writes() -> None:
+    files = files_of(node_doc())
+    drop_in = files["/etc/systemd/system/slurmd.service.d/configless.conf"]["content"]
+    assert re.search(r"^ConditionPathExists=$", drop_in, re.MULTILINE)  # clears the packaged unit's condition
+    exec_starts = re.findall(r"^ExecStart=(.*)$", drop_in, re.MULTILINE)
+    assert exec_starts == ["", "/usr/sbin/slurmd -D -s -N ${SLURMD_NODENAME} --conf-server ${SLURMCTLD_ADDRESS}"]
+    assert "Restart=on-failure" in drop_in
+    environment_file = re.search(r"^EnvironmentFile=(.*)$", drop_in, re.MULTILINE)[1]
+    setup = script_of(node_doc(), "/usr/local/sbin/slurmd-setup")
+    assert shell_value(setup, "ENV_FILE") == environment_file
+    assert shell_value(setup, "SLURMCTLD_ADDRESS") == f"{HEAD_IP}:6817"
+
+
+def test_slurmd_setup_names_the_node_in_lower_case_and_restarts_munge_first(sandbox: Sandbox) -> None:
+    env_file = sandbox.root / "slurmd-configless"
+    script = with_value(script_of(node_doc(), "/usr/local/sbin/slurmd-setup"), "ENV_FILE", str(env_file))
+    sandbox.stub("hostname", 'echo "hvd-gpu-00000A"')
+    sandbox.stub("systemctl")
+    result = sandbox.run(script)
+    assert result.returncode == 0, result.stderr
+    assert env_file.read_text() == f"SLURMD_NODENAME=hvd-gpu-00000a\nSLURMCTLD_ADDRESS={HEAD_IP}:6817\n"
+    assert sandbox.calls("systemctl") == [
+        "systemctl restart munge",
+        "systemctl daemon-reload",
+        "systemctl enable slurmd",
+        "systemctl restart slurmd",
+    ]
 
 
 def test_no_script_traces_and_tokens_only_travel_through_stdin() -> None:
@@ -410,7 +318,7 @@ def test_node_mounts_the_nfs_export_of_the_right_server() -> None:
     assert shell_value(mount, "NFS_SOURCE") == f"{NFS_IP}:/export"
     assert shell_value(mount, "MOUNT_PATH") == "/mnt/shared"
     assert set(str(shell_value(mount, "MOUNT_OPTIONS")).split(",")) >= {"_netdev", "nofail", "hard"}
-    assert yaml.safe_load(node_doc())["packages"] == ["nfs-common"]
+    assert yaml.safe_load(node_doc())["packages"] == ["nfs-common", "munge", "slurmd", "slurm-client"]
 
 
 def nfs_mount_in(sandbox: Sandbox, *, wait_seconds: int, failures: int) -> tuple[str, Path]:
@@ -441,7 +349,7 @@ def test_nfs_mount_adds_fstab_entry_once_and_retries_until_the_server_answers(sa
     assert sandbox.run(script).returncode == 0
     assert len(sandbox.calls("mount")) == 3  # already mounted: left alone
     assert (sandbox.root / "fstab").read_text().splitlines()[1:] == [
-        f"{NFS_IP}:/export {mount_path} nfs _netdev,nofail,hard,noatime 0 0"
+        f"{NFS_IP}:/export {mount_path} nfs _netdev,nofail,hard,noatime,x-systemd.before=slurmd.service 0 0"
     ]
 
 
@@ -539,13 +447,6 @@ def test_register_node_without_gpus_or_infiniband(sandbox: Sandbox) -> None:
     assert target == str(record_path)
 
 
-def add_port(sysfs: Path, device: str, link_layer: str, state: str) -> None:
-    port = sysfs / device / "ports" / "1"
-    port.mkdir(parents=True)
-    (port / "link_layer").write_text(f"{link_layer}\n")
-    (port / "state").write_text(f"{state}\n")
-
-
 @pytest.mark.parametrize(
     ("ports", "ib_state"),
     [
@@ -596,7 +497,7 @@ def test_node_registers_last_and_only_after_setup_succeeded() -> None:
 
 @pytest.mark.parametrize("sku", SKUS)
 def test_nccl_settings_for_every_sku_keep_infiniband(sku: str) -> None:
-    env = nccl_env_for_sku(sku)
+    env = dict(GPU_SKUS[sku].nccl_env)
     assert "NCCL_IB_DISABLE" not in env
     assert env["NCCL_IB_PCI_RELAXED_ORDERING"] == "1"
     assert env["NCCL_SOCKET_IFNAME"] == "eth0"
@@ -619,12 +520,12 @@ def test_nccl_settings_for_every_sku_keep_infiniband(sku: str) -> None:
     assert "/usr/local/etc/nccl.conf /etc/nccl.conf" in nccl_conf_unit
 
 
-def test_nccl_env_for_sku_returns_a_copy_and_refuses_unknown_sizes() -> None:
-    env = nccl_env_for_sku("Standard_ND96asr_v4")
-    env["NCCL_DEBUG"] = "INFO"
-    assert nccl_env_for_sku("Standard_ND96asr_v4")["NCCL_DEBUG"] == "WARN"
-    with pytest.raises(ValueError, match="Standard_ND40rs_v2"):
-        nccl_env_for_sku("Standard_ND40rs_v2")
+def test_sku_table_nccl_settings_are_read_only_and_checked_when_the_table_is_built() -> None:
+    with pytest.raises(TypeError):
+        GPU_SKUS["Standard_ND96asr_v4"].nccl_env["NCCL_DEBUG"] = "INFO"  # type: ignore[index]
+    assert GPU_SKUS["Standard_ND96asr_v4"].nccl_env["NCCL_DEBUG"] == "WARN"
+    with pytest.raises(ValueError, match="NCCL_IB_DISABLE"):
+        GpuSku(8, "V100", 40, 672, encryption_at_host=True, nccl_env={"NCCL_IB_DISABLE": "1"})
 
 
 @pytest.mark.parametrize(
@@ -640,7 +541,7 @@ def test_nccl_env_for_sku_returns_a_copy_and_refuses_unknown_sizes() -> None:
 def test_node_refuses_nccl_settings_that_leave_infiniband_or_break_the_files(
     extra: dict[str, str], message: str
 ) -> None:
-    env = {**nccl_env_for_sku("Standard_ND96isr_H100_v5"), **extra}
+    env = {**GPU_SKUS["Standard_ND96isr_H100_v5"].nccl_env, **extra}
     with pytest.raises(ValueError, match=message):
         node_doc(nccl_env=env)
     with pytest.raises(ValueError, match=message):
@@ -660,6 +561,9 @@ def test_node_refuses_nccl_settings_that_leave_infiniband_or_break_the_files(
             "identity_client_id",
         ),
         ({"expected_gpus": 0}, "expected_gpus"),
+        ({"slurmctld_address": "hvd-head"}, "slurmctld_address"),
+        ({"munge_key": "not base64!"}, "munge_key"),
+        ({"munge_key": "c2hvcnQ="}, "munge_key"),  # 5 bytes; munged wants 32 or more
     ],
 )
 def test_node_rejects_bad_input(overrides: dict[str, object], key: str) -> None:

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from infra.azure_limits import DATA_DIR, VM_SIZES, VmSize
-from infra.cloud_init import nccl_env_for_sku
-from infra.config import GPU_SKUS, MAX_TAGS, RESERVED_TAGS, ConfigError, GpuSku, load_config, parse_config
+from infra.config import MAX_TAGS, RESERVED_TAGS, ConfigError, load_config, parse_config
+from infra.skus import GPU_SKUS, GpuSku
 from infra.stack import build_stack
 from tests.infra.azure_mocks import AzureMocks
 from tests.infra.conftest import PROJECT, STACK, VALID_CONFIG
@@ -139,6 +139,12 @@ NEW_BAD_VALUES = [
     ("nfsVmSize", "Standard_X99_v9"),  # sizes whose limits are unknown
     ("nfsVmSize", "Standard_D16_v5"),  # no premium storage
     ("jumpboxVmSize", "Standard_A2_v2"),  # no encryption at host, no premium storage
+    ("headVmSize", "Standard_X99_v9"),
+    ("autostopMinutes", "-1"),
+    ("autostopMinutes", "5"),  # shorter than a GPU node takes to come back
+    ("autostopMinutes", "1441"),
+    ("autostopMinutes", "thirty"),
+    ("autostopMinutes", "1.5"),
 ]
 
 
@@ -234,12 +240,22 @@ def test_unknown_size_error_lists_the_known_ones() -> None:
 
 def test_size_without_encryption_at_host_needs_the_opt_out(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(VM_SIZES, "Standard_Legacy_v1", VmSize(max_data_disks=8, encryption_at_host=False))
-    monkeypatch.setitem(GPU_SKUS, "Standard_NDlegacy", GpuSku(8, "V100", encryption_at_host=False))
-    raw = {**VALID_CONFIG, "jumpboxVmSize": "Standard_Legacy_v1", "gpuSku": "Standard_NDlegacy"}
+    legacy = GpuSku(8, "V100", 40, 672, encryption_at_host=False, nccl_env={"NCCL_DEBUG": "WARN"})
+    monkeypatch.setitem(GPU_SKUS, "Standard_NDlegacy", legacy)
+    raw = {
+        **VALID_CONFIG,
+        "jumpboxVmSize": "Standard_Legacy_v1",
+        "headVmSize": "Standard_Legacy_v1",
+        "gpuSku": "Standard_NDlegacy",
+    }
     with pytest.raises(ConfigError) as raised:
         parse_config(raw, PROJECT)
     message = str(raised.value)
-    for key, size in (("jumpboxVmSize", "Standard_Legacy_v1"), ("gpuSku", "Standard_NDlegacy")):
+    for key, size in (
+        ("jumpboxVmSize", "Standard_Legacy_v1"),
+        ("headVmSize", "Standard_Legacy_v1"),
+        ("gpuSku", "Standard_NDlegacy"),
+    ):
         assert f"{PROJECT}:{key}: got {size!r}; does not support encryption at host" in message
     assert "nfsVmSize" not in message
     assert parse_config({**raw, "encryptionAtHost": "false"}).encryption_at_host is False
@@ -251,7 +267,8 @@ def test_encryption_at_host_is_on_by_default() -> None:
 
 def test_default_sizes_are_known_and_support_encryption_at_host() -> None:
     cfg = parse_config(VALID_CONFIG)
-    assert VM_SIZES[cfg.jumpbox_vm_size].encryption_at_host and VM_SIZES[cfg.nfs_vm_size].encryption_at_host
+    for size in (cfg.jumpbox_vm_size, cfg.head_vm_size, cfg.nfs_vm_size):
+        assert VM_SIZES[size].encryption_at_host
     assert all(sku.encryption_at_host for sku in GPU_SKUS.values())
 
 
@@ -287,6 +304,8 @@ def test_valid_config_and_derived_values() -> None:
     assert cfg.node_count == 4 and cfg.sku == GPU_SKUS["Standard_ND96isr_H100_v5"]
     assert cfg.subnets == {"cluster": "10.40.0.0/18", "nfs": "10.40.64.0/18", "jumpbox": "10.40.128.0/18"}
     assert cfg.nfs_private_ip == "10.40.64.4"
+    assert cfg.head_private_ip == "10.40.63.254"  # the cluster subnet's last usable address
+    assert cfg.autostop_minutes == 30 and cfg.head_vm_size == "Standard_D4s_v5"
     assert cfg.image_reference.publisher == "microsoft-dsvm" and cfg.image_reference.offer == "ubuntu-hpc"
     assert cfg.resource_tags(PROJECT, STACK) == {
         "costCenter": "ml-research",
@@ -346,5 +365,21 @@ def test_dev_stack_file_passes_validation() -> None:
     assert cfg.gpu_sku in GPU_SKUS and cfg.allowed_ssh_cidr != "0.0.0.0/0"
 
 
-def test_every_allowed_sku_has_nccl_settings() -> None:
-    assert {sku: bool(nccl_env_for_sku(sku)) for sku in GPU_SKUS} == dict.fromkeys(GPU_SKUS, True)
+def test_every_allowed_sku_has_nccl_settings_and_what_slurm_needs() -> None:
+    for sku in GPU_SKUS.values():
+        assert sku.nccl_env["NCCL_TOPO_FILE"].startswith("/opt/microsoft/")
+        assert sku.vcpus > 0 and sku.gpus_per_node > 0
+        # Slurm drains a node that registers with less memory than configured: leave room.
+        assert sku.slurm_real_memory_mb < sku.memory_gib * 1024 * 0.95
+
+
+@pytest.mark.parametrize(("minutes", "expected"), [("0", 0), ("10", 10), ("1440", 1440)])
+def test_autostop_minutes_accepts_never_and_its_range(minutes: str, expected: int) -> None:
+    assert parse_config({**VALID_CONFIG, "autostopMinutes": minutes}).autostop_minutes == expected
+
+
+def test_autostop_error_says_what_is_allowed() -> None:
+    with pytest.raises(
+        ConfigError, match=r"autostopMinutes: got '5'; must be 0 \(never stop idle nodes\) or 10 to 1440"
+    ):
+        parse_config({**VALID_CONFIG, "autostopMinutes": "5"}, PROJECT)

@@ -3,19 +3,35 @@
 from __future__ import annotations
 
 import base64
+import json
+import subprocess
+import sys
 from collections import Counter
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
+import yaml
 
 from infra.config import MAX_NODES, parse_config
-from infra.identity import ACR_PULL, STORAGE_BLOB_DATA_CONTRIBUTOR
+from infra.contract import SLURMCTLD_PORT, SLURMD_PORT, SRUN_PORT_RANGE, StackOutput
+from infra.identity import ACR_PULL, SCALE_SET_POWER_ACTIONS, STORAGE_BLOB_DATA_CONTRIBUTOR
 from infra.network import DENY_ALL_PRIORITY
-from tests.infra.azure_mocks import JUMPBOX_IP, MOCK_SAS, OPERATOR_OBJECT_ID, Registered
+from infra.skus import GPU_SKUS
+from tests.infra.azure_mocks import (
+    JUMPBOX_IP,
+    MOCK_SAS,
+    MUNGE_KEY,
+    OPERATOR_OBJECT_ID,
+    SUBSCRIPTION,
+    Registered,
+)
 from tests.infra.conftest import PROJECT, SSH_KEY, STACK, VALID_CONFIG, Deployment, deploy
 
 # Azure resource types that take no tags (sub-resources and extension resources).
-UNTAGGABLE = (":Subnet", ":BlobContainer", ":RoleAssignment")
+UNTAGGABLE = (":Subnet", ":BlobContainer", ":RoleAssignment", ":RoleDefinition")
+HEAD_IP = "10.40.63.254"  # the last usable address of the cluster subnet 10.40.0.0/18
+NODE_NAMES = ["hvd-gpu-000000", "hvd-gpu-000001", "hvd-gpu-000002", "hvd-gpu-000003"]
 
 
 def one(deployment: Deployment, suffix: str) -> Registered:
@@ -37,9 +53,9 @@ def test_declares_the_whole_deployment(deployment: Deployment) -> None:
     assert counts["Subnet"] >= 3
     assert counts["NetworkSecurityGroup"] >= 2
     assert counts["StorageAccount"] == 1 and counts["BlobContainer"] == 2
-    assert counts["Registry"] == 1 and counts["UserAssignedIdentity"] == 1
-    assert counts["RoleAssignment"] >= 2
-    assert counts["VirtualMachine"] == 2  # jumpbox and NFS server
+    assert counts["Registry"] == 1 and counts["UserAssignedIdentity"] == 2  # the nodes' and the head node's
+    assert counts["RoleAssignment"] >= 3 and counts["RoleDefinition"] == 1
+    assert counts["VirtualMachine"] == 3  # jumpbox, NFS server, head node
     assert counts["PublicIPAddress"] == 1
     assert counts["ProximityPlacementGroup"] == 1 and counts["VirtualMachineScaleSet"] == 1
 
@@ -48,12 +64,15 @@ def test_components_parent_their_children(deployment: Deployment) -> None:
     components = [r for r in deployment.mocks.resources if r.type.startswith("hvd:infra:")]
     assert {r.type.split(":")[-1] for r in components} >= {
         "Network", "Storage", "Registry", "ClusterIdentity", "Jumpbox", "NfsServer", "GpuCluster",
+        "HeadNode", "ScaleSetPowerIdentity", "MungeKey",
     }  # fmt: skip
 
 
 def test_every_resource_in_the_one_group(deployment: Deployment) -> None:
     group = one(deployment, ":ResourceGroup")
-    others = [r for r in deployment.mocks.of_type("") if r is not group and not r.type.endswith(":RoleAssignment")]
+    others = [
+        r for r in deployment.mocks.of_type("") if r is not group and not r.type.endswith(("Assignment", "Definition"))
+    ]
     assert others
     for resource in others:
         assert resource.inputs.get("resourceGroupName") == group.outputs["name"], resource.name
@@ -79,6 +98,27 @@ def test_only_the_jumpbox_has_a_public_ip(deployment: Deployment) -> None:
     vmss = one(deployment, ":VirtualMachineScaleSet")
     for nic in vmss.inputs["virtualMachineProfile"]["networkProfile"]["networkInterfaceConfigurations"]:
         assert all("publicIPAddressConfiguration" not in c for c in nic["ipConfigurations"])
+
+
+def node_document(deployment: Deployment) -> str:
+    """The GPU nodes' cloud-config."""
+    os_profile = one(deployment, ":VirtualMachineScaleSet").inputs["virtualMachineProfile"]["osProfile"]
+    return base64.b64decode(os_profile["customData"]).decode()
+
+
+def head_document(deployment: Deployment) -> str:
+    """The head node's cloud-config."""
+    return base64.b64decode(by_name(deployment, ":VirtualMachine", "head").inputs["osProfile"]["customData"]).decode()
+
+
+def head_file(deployment: Deployment, path: str) -> str:
+    return next(e["content"] for e in yaml.safe_load(head_document(deployment))["write_files"] if e["path"] == path)
+
+
+def slurm_settings(deployment: Deployment) -> dict[str, str]:
+    """slurm.conf as key -> value; the node and partition lines under 'NodeName' and 'PartitionName'."""
+    lines = head_file(deployment, "/etc/slurm/slurm.conf").splitlines()
+    return {line.split("=", 1)[0]: line.split("=", 1)[1] for line in lines if line and not line.startswith("#")}
 
 
 def _rules(deployment: Deployment, role: str) -> list[dict]:
@@ -120,7 +160,11 @@ def test_private_subnets_admit_only_the_vnet_roles_they_need(deployment: Deploym
     assert nfs["AllowNfsFromCluster"]["destinationPortRanges"] == ["2049"]
     assert nfs["AllowSshFromJumpbox"]["sourceAddressPrefix"] == "10.40.128.0/18"
     cluster = {r["name"]: r["sourceAddressPrefix"] for r in _rules(deployment, "cluster") if r["access"] == "Allow"}
-    assert cluster == {"AllowClusterInternal": "10.40.0.0/18", "AllowSshFromJumpbox": "10.40.128.0/18"}
+    assert cluster == {
+        "AllowSlurmInCluster": "10.40.0.0/18",
+        "AllowClusterInternal": "10.40.0.0/18",
+        "AllowSshFromJumpbox": "10.40.128.0/18",
+    }
 
 
 def test_subnets_are_standalone_with_nsgs_and_storage_endpoints(deployment: Deployment) -> None:
@@ -182,7 +226,10 @@ def test_registry_admin_disabled(deployment: Deployment) -> None:
 
 
 def test_role_assignment_scopes(deployment: Deployment) -> None:
-    identity = one(deployment, ":UserAssignedIdentity")
+    identity = by_name(deployment, ":UserAssignedIdentity", "-cluster-")
+    head = by_name(deployment, ":UserAssignedIdentity", "-head-")
+    power_role = one(deployment, ":RoleDefinition").outputs["name"]
+    scale_set = one(deployment, ":VirtualMachineScaleSet")
     registry = one(deployment, ":Registry")
     containers = {r.inputs["containerName"]: r.id for r in deployment.mocks.of_type(":BlobContainer")}
     grants = {
@@ -195,6 +242,7 @@ def test_role_assignment_scopes(deployment: Deployment) -> None:
         (principal, STORAGE_BLOB_DATA_CONTRIBUTOR, containers["results"]),
         (OPERATOR_OBJECT_ID, STORAGE_BLOB_DATA_CONTRIBUTOR, containers["data"]),
         (OPERATOR_OBJECT_ID, STORAGE_BLOB_DATA_CONTRIBUTOR, containers["results"]),
+        (head.outputs["principalId"], power_role, scale_set.id),
     }
     # Nothing at account, group or subscription scope.
     assert not any(scope.endswith(("StorageAccount/hvdsa", "ResourceGroup/hvd-rg")) for *_, scope in grants)
@@ -202,7 +250,7 @@ def test_role_assignment_scopes(deployment: Deployment) -> None:
 
 def test_role_definitions_are_subscription_qualified(deployment: Deployment) -> None:
     client_config_calls = [token for token, _ in deployment.mocks.calls if token.endswith(":getClientConfig")]
-    assert len(client_config_calls) == 2  # once per identity component, not once per grant
+    assert len(client_config_calls) == 3  # once per identity component, not once per grant
     for assignment in deployment.mocks.of_type(":RoleAssignment"):
         assert assignment.inputs["roleDefinitionId"].startswith(
             "/subscriptions/00000000-0000-0000-0000-0000000000aa/providers/Microsoft.Authorization/roleDefinitions/"
@@ -228,19 +276,17 @@ def test_scale_set_flags(deployment: Deployment) -> None:
 
 def test_scale_set_uses_the_cluster_identity(deployment: Deployment) -> None:
     vmss = one(deployment, ":VirtualMachineScaleSet")
-    identity = one(deployment, ":UserAssignedIdentity")
+    identity = by_name(deployment, ":UserAssignedIdentity", "-cluster-")
     assert vmss.inputs["identity"] == {"type": "UserAssigned", "userAssignedIdentities": [identity.id]}
     assert list(vmss.outputs["identity"]["userAssignedIdentities"]) == [identity.id]
 
 
-def test_node_cloud_init_is_wired_to_nfs_registry_and_identity(deployment: Deployment) -> None:
-    vmss = one(deployment, ":VirtualMachineScaleSet")
-    custom_data = vmss.inputs["virtualMachineProfile"]["osProfile"]["customData"]
-    document = base64.b64decode(custom_data).decode()
+def test_node_cloud_init_is_wired_to_nfs_registry_identity_and_the_head_node(deployment: Deployment) -> None:
+    document = node_document(deployment)
     assert document.startswith("#cloud-config")
     registry = one(deployment, ":Registry").outputs["loginServer"]
-    identity = one(deployment, ":UserAssignedIdentity").outputs["clientId"]
-    for expected in ("10.40.64.4", "/export", "/shared/nodes", registry, identity):
+    identity = by_name(deployment, ":UserAssignedIdentity", "-cluster-").outputs["clientId"]
+    for expected in ("10.40.64.4", "/export", "/shared/nodes", registry, identity, f"{HEAD_IP}:6817"):
         assert expected in document, expected
     assert "NCCL_IB_DISABLE" not in document
 
@@ -248,7 +294,7 @@ def test_node_cloud_init_is_wired_to_nfs_registry_and_identity(deployment: Deplo
 def test_password_authentication_disabled_everywhere(deployment: Deployment) -> None:
     profiles = [vm.inputs["osProfile"] for vm in deployment.mocks.of_type(":VirtualMachine")]
     profiles += [one(deployment, ":VirtualMachineScaleSet").inputs["virtualMachineProfile"]["osProfile"]]
-    assert len(profiles) == 3
+    assert len(profiles) == 4
     for profile in profiles:
         assert "adminPassword" not in profile
         linux = profile["linuxConfiguration"]
@@ -281,8 +327,24 @@ def test_outputs_are_known_and_complete(deployment: Deployment) -> None:
     assert outputs["node_count"] == 4 and outputs["gpus_per_node"] == 8
     assert outputs["admin_user"] == "hpcadmin"
     assert outputs["scale_set_name"] == one(deployment, ":VirtualMachineScaleSet").outputs["name"]
-    assert outputs["cluster_identity_client_id"] == one(deployment, ":UserAssignedIdentity").outputs["clientId"]
+    cluster_identity = by_name(deployment, ":UserAssignedIdentity", "-cluster-")
+    assert outputs["cluster_identity_client_id"] == cluster_identity.outputs["clientId"]
     assert "NCCL_IB_DISABLE" not in outputs["nccl_env"]
+    assert outputs["head_private_ip"] == HEAD_IP and outputs["head_hostname"] == "hvd-head"
+    assert outputs["slurm_partition"] == "gpu" and outputs["slurm_cluster_name"] == "hvd"
+
+
+def test_outputs_are_the_contracts(deployment: Deployment) -> None:
+    assert sorted(deployment.outputs) == sorted(StackOutput)
+
+
+def test_contract_imports_without_pulumi_or_pydantic() -> None:
+    """The operator's CLI reads the contract without the Pulumi program's dependencies."""
+    check = "import sys, infra.contract; sys.exit(sorted({'pulumi', 'pydantic'} & set(sys.modules)) or 0)"
+    result = subprocess.run(
+        [sys.executable, "-c", check], cwd=Path(__file__).parents[2], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("nodes", [1, MAX_NODES])
@@ -303,7 +365,7 @@ def _security_profiles(deployed: Deployment) -> dict[str, dict]:
     profiles = {vm.name: vm.inputs.get("securityProfile", {}) for vm in deployed.mocks.of_type(":VirtualMachine")}
     vmss = one(deployed, ":VirtualMachineScaleSet")
     profiles[vmss.name] = vmss.inputs["virtualMachineProfile"].get("securityProfile", {})
-    assert len(profiles) == 3, profiles
+    assert len(profiles) == 4, profiles
     return profiles
 
 
@@ -311,6 +373,7 @@ def test_encryption_at_host_on_every_machine(deployment: Deployment) -> None:
     assert _security_profiles(deployment) == {
         "hvd-jumpbox-vm": {"encryptionAtHost": True},
         "hvd-nfs-vm": {"encryptionAtHost": True},
+        "hvd-head-vm": {"encryptionAtHost": True},
         "hvd-gpu-vmss": {"encryptionAtHost": True},
     }
 
@@ -318,4 +381,140 @@ def test_encryption_at_host_on_every_machine(deployment: Deployment) -> None:
 def test_encryption_at_host_opt_out_turns_it_off_everywhere() -> None:
     deployed = deploy({**VALID_CONFIG, "encryptionAtHost": "false"})
     profiles = _security_profiles(deployed)
-    assert [profile["encryptionAtHost"] for profile in profiles.values()] == [False, False, False]
+    assert [profile["encryptionAtHost"] for profile in profiles.values()] == [False] * 4
+
+
+# --- Slurm: the head node, its power role, the munge key, the ports ---------------------------
+
+
+def test_head_power_role_has_only_start_deallocate_and_instance_view_on_the_scale_set(deployment: Deployment) -> None:
+    scale_set = one(deployment, ":VirtualMachineScaleSet")
+    role = one(deployment, ":RoleDefinition")
+    assert role.inputs["permissions"] == [{"actions": list(SCALE_SET_POWER_ACTIONS)}]
+    assert sorted(SCALE_SET_POWER_ACTIONS) == [
+        "Microsoft.Compute/virtualMachineScaleSets/deallocate/action",
+        "Microsoft.Compute/virtualMachineScaleSets/start/action",
+        "Microsoft.Compute/virtualMachineScaleSets/virtualMachines/instanceView/read",
+    ]
+    assert role.inputs["assignableScopes"] == [scale_set.id]
+    assert role.inputs["scope"] == scale_set.id
+    assert role.inputs["roleType"] == "CustomRole"
+    assert scale_set.id in role.inputs["roleName"]  # custom role names are unique per tenant
+    (assignment,) = [
+        r
+        for r in deployment.mocks.of_type(":RoleAssignment")
+        if r.inputs["roleDefinitionId"].endswith(role.outputs["name"])
+    ]
+    head = by_name(deployment, ":UserAssignedIdentity", "-head-")
+    assert assignment.inputs["scope"] == scale_set.id
+    assert assignment.inputs["principalId"] == head.outputs["principalId"]
+    assert assignment.inputs["principalType"] == "ServicePrincipal"
+    assert assignment.inputs["roleDefinitionId"] == (
+        f"/subscriptions/{SUBSCRIPTION}/providers/Microsoft.Authorization/roleDefinitions/{role.outputs['name']}"
+    )
+
+
+def test_head_node_is_private_in_the_cluster_subnet_with_its_own_identity(deployment: Deployment) -> None:
+    vm = by_name(deployment, ":VirtualMachine", "head")
+    nic = by_name(deployment, ":NetworkInterface", "head").inputs["ipConfigurations"][0]
+    assert "publicIPAddress" not in nic
+    assert nic["subnet"]["id"] == by_name(deployment, ":Subnet", "-cluster").id
+    assert (nic["privateIPAllocationMethod"], nic["privateIPAddress"]) == ("Static", HEAD_IP)
+    head_identity = by_name(deployment, ":UserAssignedIdentity", "-head-")
+    assert vm.inputs["identity"] == {"type": "UserAssigned", "userAssignedIdentities": [head_identity.id]}
+    assert vm.inputs["osProfile"]["computerName"] == "hvd-head"
+    image = vm.inputs["storageProfile"]["imageReference"]
+    assert (image["offer"], image["sku"]) == ("0001-com-ubuntu-server-jammy", "22_04-lts-gen2")  # the nodes' Ubuntu
+    # The scale set's identity is not on the head node, nor the head node's on the scale set.
+    vmss = one(deployment, ":VirtualMachineScaleSet")
+    assert head_identity.id not in vmss.inputs["identity"]["userAssignedIdentities"]
+
+
+def test_slurm_conf_has_the_partition_gres_power_saving_and_health_check(deployment: Deployment) -> None:
+    settings = slurm_settings(deployment)
+    sku = GPU_SKUS[VALID_CONFIG["gpuSku"]]
+    assert settings["NodeName"] == (
+        f"{','.join(NODE_NAMES)} CPUs={sku.vcpus} RealMemory={sku.slurm_real_memory_mb} Gres=gpu:8 State=CLOUD"
+    )
+    assert settings["PartitionName"].startswith("gpu Nodes=ALL Default=YES")
+    assert settings["SlurmctldHost"] == f"hvd-head({HEAD_IP})"
+    assert settings["SuspendTime"] == "1800"  # autostopMinutes' default, 30
+    assert settings["ResumeTimeout"] == "1800"
+    assert "SuspendExcParts" not in settings
+    assert settings["HealthCheckProgram"] == "/usr/local/sbin/slurm-health-check"
+    assert settings["HealthCheckNodeState"] == "ANY"
+    assert head_file(deployment, "/etc/slurm/gres.conf") == "Name=gpu File=/dev/nvidia[0-7]\n"
+    # The programs slurm.conf names are the ones the documents install.
+    head_paths = {e["path"] for e in yaml.safe_load(head_document(deployment))["write_files"]}
+    node_paths = {e["path"] for e in yaml.safe_load(node_document(deployment))["write_files"]}
+    assert {settings[key] for key in ("SuspendProgram", "ResumeProgram", "ResumeFailProgram")} <= head_paths
+    assert settings["HealthCheckProgram"] in node_paths
+
+
+def test_node_names_are_the_scale_sets_computer_names() -> None:
+    deployed = deploy({**VALID_CONFIG, "nodeCount": "37"})
+    prefix = one(deployed, ":VirtualMachineScaleSet").inputs["virtualMachineProfile"]["osProfile"]["computerNamePrefix"]
+    names = slurm_settings(deployed)["NodeName"].split()[0].split(",")
+    # Instance i is the prefix and i in base 36, six digits.
+    assert prefix == "hvd-gpu-"
+    assert names[:2] + names[9:12] + names[-1:] == [
+        "hvd-gpu-000000", "hvd-gpu-000001", "hvd-gpu-000009", "hvd-gpu-00000a", "hvd-gpu-00000b", "hvd-gpu-000010",
+    ]  # fmt: skip
+    assert len(names) == 37 and all(int(name.removeprefix(prefix), 36) == i for i, name in enumerate(names))
+    power = json.loads(head_file(deployed, "/etc/slurm/azure-power.json"))
+    assert power["node_prefix"] == prefix
+    assert power["scale_set_id"] == one(deployed, ":VirtualMachineScaleSet").id
+    assert power["identity_client_id"] == by_name(deployed, ":UserAssignedIdentity", "-head-").outputs["clientId"]
+
+
+@pytest.mark.parametrize(("minutes", "suspend_time"), [("0", None), ("10", "600"), ("1440", "86400")])
+def test_autostop_minutes_set_slurms_suspend_time(minutes: str, suspend_time: str | None) -> None:
+    settings = slurm_settings(deploy({**VALID_CONFIG, "autostopMinutes": minutes}))
+    if suspend_time is None:  # never: the partition is excluded from suspending
+        assert settings["SuspendExcParts"] == "gpu"
+    else:
+        assert settings["SuspendTime"] == suspend_time and "SuspendExcParts" not in settings
+    assert settings["ResumeProgram"] == "/usr/local/sbin/slurm-resume"
+
+
+def test_munge_key_is_a_secret_sent_only_inside_the_custom_data(deployment: Deployment) -> None:
+    (key,) = [r for r in deployment.mocks.resources if r.type == "random:index/randomBytes:RandomBytes"]
+    assert key.inputs["length"] == 1024
+    # The custom data holding it goes to Azure as a secret (and so is encrypted in the stack's state).
+    assert "osProfile" in by_name(deployment, ":VirtualMachine", "head").secret_inputs
+    assert "virtualMachineProfile" in one(deployment, ":VirtualMachineScaleSet").secret_inputs
+    for document in (head_document(deployment), node_document(deployment)):
+        (entry,) = [e for e in yaml.safe_load(document)["write_files"] if e["path"] == "/etc/munge/munge.key"]
+        assert (entry["content"], entry["owner"], entry["permissions"]) == (MUNGE_KEY, "munge:munge", "0400")
+    # Nowhere else: no other input in the clear, no secret input but those two, no stack output.
+    sent = json.dumps([r.inputs for r in deployment.mocks.resources if r is not key], default=str)
+    assert MUNGE_KEY not in sent
+    secrets = {(r.name, name) for r in deployment.mocks.resources for name in r.secret_inputs}
+    assert secrets == {("hvd-head-vm", "osProfile"), ("hvd-gpu-vmss", "virtualMachineProfile")}
+    assert MUNGE_KEY not in json.dumps({key: out.value for key, out in deployment.outputs.items()}, default=str)
+
+
+def _covers(port_ranges: list[str], port: int) -> bool:
+    def span(text: str) -> tuple[int, int]:
+        low, _, high = text.partition("-")
+        return (0, 65535) if text == "*" else (int(low), int(high or low))
+
+    return any(low <= port <= high for low, high in map(span, port_ranges))
+
+
+@pytest.mark.parametrize("port", [SLURMCTLD_PORT, SLURMD_PORT, SRUN_PORT_RANGE[0], SRUN_PORT_RANGE[1]])
+@pytest.mark.parametrize("role", ["cluster", "nfs", "jumpbox"])
+def test_slurm_ports_are_closed_outside_the_cluster_subnet(deployment: Deployment, role: str, port: int) -> None:
+    admitting = [
+        rule
+        for rule in _rules(deployment, role)
+        if rule["access"] == "Allow"
+        and _covers(rule.get("destinationPortRanges") or [rule["destinationPortRange"]], port)
+    ]
+    assert {rule["sourceAddressPrefix"] for rule in admitting} == ({"10.40.0.0/18"} if role == "cluster" else set())
+    # The head node and the nodes are both in the cluster subnet, so that is where Slurm talks.
+    cluster_subnet = by_name(deployment, ":Subnet", "-cluster").id
+    head_nic = by_name(deployment, ":NetworkInterface", "head").inputs["ipConfigurations"][0]
+    vmss = one(deployment, ":VirtualMachineScaleSet").inputs["virtualMachineProfile"]["networkProfile"]
+    vmss_subnet = vmss["networkInterfaceConfigurations"][0]["ipConfigurations"][0]["subnet"]["id"]
+    assert head_nic["subnet"]["id"] == vmss_subnet == cluster_subnet

@@ -7,8 +7,9 @@ NFS_SOURCE=@NFS_SOURCE@
 MOUNT_PATH=@MOUNT_PATH@
 readonly FSTAB=/etc/fstab
 # hard: I/O waits out a server restart instead of failing a training job; _netdev and nofail keep
-# a missing server from blocking boot.
-readonly MOUNT_OPTIONS=_netdev,nofail,hard,noatime
+# a missing server from blocking boot. x-systemd.before: when a powered-down node boots again,
+# slurmd starts once the mount was tried, so its first health check does not find /shared missing.
+readonly MOUNT_OPTIONS=_netdev,nofail,hard,noatime,x-systemd.before=slurmd.service
 readonly WAIT_SECONDS=1200
 readonly ATTEMPT_SECONDS=60
 readonly RETRY_SECONDS=10

@@ -1,0 +1,92 @@
+"""cloud-config for the head node (Ubuntu 22.04, as the nodes' image): slurmctld, the programs
+that power the scale set's nodes down and up, and the shared file system for the login node."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from infra.cloud_init._common import (
+    check_client_id,
+    cloud_config,
+    munge_key_file,
+    nfs_mount_file,
+    render_script,
+    write_file,
+)
+from infra.cloud_init.slurm import SLURM_USER
+
+SLURM_CONF_PATH = "/etc/slurm/slurm.conf"
+GRES_CONF_PATH = "/etc/slurm/gres.conf"
+HEAD_SETUP_PATH = "/usr/local/sbin/head-setup"
+STATE_SAVE_DIR = "/var/spool/slurmctld"
+SLURM_LOG_DIR = "/var/log/slurm"
+POWER_PROGRAM_PATH = "/usr/local/sbin/slurm-power"
+POWER_CONFIG_PATH = "/etc/slurm/azure-power.json"  # slurm_power.py's default
+POWER_LOG_PATH = f"{SLURM_LOG_DIR}/power.log"
+# What slurm.conf names as its programs, and the slurm-power action each one runs.
+SUSPEND_PROGRAM = "/usr/local/sbin/slurm-suspend"
+RESUME_PROGRAM = "/usr/local/sbin/slurm-resume"
+RESUME_FAIL_PROGRAM = "/usr/local/sbin/slurm-resume-fail"
+POWER_ACTIONS = {SUSPEND_PROGRAM: "suspend", RESUME_PROGRAM: "resume", RESUME_FAIL_PROGRAM: "resume-fail"}
+PACKAGES = ["nfs-common", "munge", "slurmctld", "slurm-client"]  # slurm-client: sbatch and friends (login node)
+# A scale set's id as Azure Resource Manager writes it; nothing that would bend the URL built on it.
+_SCALE_SET_ID = re.compile(r"/subscriptions/[^\s/?#]+(/[^\s/?#]+)+")
+_NODE_PREFIX = re.compile(r"[a-z][a-z0-9-]{0,14}")  # Azure's computerNamePrefix, lower case as Slurm names it
+
+
+def _power_wrapper(action: str) -> str:
+    return f'#!/bin/sh\n# Run by slurmctld as SlurmUser.\nexec {POWER_PROGRAM_PATH} {action} "$@"\n'
+
+
+def render_head_node(
+    *,
+    slurm_conf: str,
+    gres_conf: str,
+    munge_key: str,
+    nfs_server_ip: str,
+    nfs_export_path: str,
+    mount_path: str,
+    scale_set_id: str,
+    identity_client_id: str,
+    node_prefix: str,
+) -> str:
+    """cloud-config that installs slurmctld with slurm_conf and gres_conf, the cluster's munge key
+    (base64), the power programs acting on scale_set_id through the identity identity_client_id,
+    and mounts the NFS export at mount_path."""
+    if not _SCALE_SET_ID.fullmatch(scale_set_id or ""):
+        raise ValueError(f"scale_set_id: {scale_set_id!r} is not an Azure resource id")
+    if not _NODE_PREFIX.fullmatch(node_prefix or ""):
+        raise ValueError(f"node_prefix: {node_prefix!r} is not a lower-case computer name prefix (1-15 characters)")
+    for key, text in (("slurm_conf", slurm_conf), ("gres_conf", gres_conf)):
+        if not isinstance(text, str) or not text.endswith("\n"):
+            raise ValueError(f"{key}: must be the file's text, ending in a newline")
+    power_config = {
+        "scale_set_id": scale_set_id,
+        "identity_client_id": check_client_id("identity_client_id", identity_client_id),
+        "node_prefix": node_prefix,
+        "log_file": POWER_LOG_PATH,
+    }
+    setup = render_script(
+        "head-setup.sh",
+        {"SLURM_USER": SLURM_USER, "SLURM_DIRS": [STATE_SAVE_DIR, SLURM_LOG_DIR]},
+    )
+    return cloud_config(
+        {
+            "package_update": True,
+            "packages": PACKAGES,
+            "write_files": [
+                nfs_mount_file(server_ip=nfs_server_ip, export_path=nfs_export_path, mount_path=mount_path),
+                write_file(HEAD_SETUP_PATH, setup, "0755"),
+                write_file(POWER_PROGRAM_PATH, render_script("slurm_power.py", {}), "0755"),
+                *(write_file(path, _power_wrapper(action), "0755") for path, action in POWER_ACTIONS.items()),
+                # Deferred: /etc/slurm is the packages' directory, and slurmctld must not start on
+                # the package's install before head-setup (its unit waits for slurm.conf).
+                write_file(SLURM_CONF_PATH, slurm_conf, "0644", defer=True),
+                write_file(GRES_CONF_PATH, gres_conf, "0644", defer=True),
+                write_file(POWER_CONFIG_PATH, json.dumps(power_config, indent=2) + "\n", "0644", defer=True),
+                munge_key_file(munge_key),
+            ],
+            "runcmd": [[HEAD_SETUP_PATH]],
+        }
+    )

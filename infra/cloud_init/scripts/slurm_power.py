@@ -1,0 +1,203 @@
+#!/usr/bin/python3
+"""Slurm power saving for an Azure VM scale set: deallocate idle nodes, start them for jobs.
+
+Installed on the head node as /usr/local/sbin/slurm-power; slurmctld runs it, as SlurmUser, through
+the wrappers slurm-suspend, slurm-resume and slurm-resume-fail, with the nodes as a hostlist:
+
+    slurm-power suspend|resume|resume-fail hvd-gpu-[000000-000003]
+
+It acts through the head node's user-assigned identity (an IMDS token for Azure Resource Manager),
+whose only rights are a custom role on the scale set: start, deallocate, read an instance's view.
+A scale set's node is named computerNamePrefix + its instance id in base 36 (six digits), so
+the instance ids come from the names without asking Azure. The token never reaches argv or a log.
+
+Python 3.10 standard library only (Ubuntu 22.04's python3); settings come from a JSON file written
+by cloud-init (SLURM_POWER_CONFIG names another).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+CONFIG_PATH = os.environ.get("SLURM_POWER_CONFIG", "/etc/slurm/azure-power.json")
+ARM_ENDPOINT = "https://management.azure.com"
+IMDS_ENDPOINT = "http://169.254.169.254"
+COMPUTE_API_VERSION = "2024-07-01"
+IMDS_API_VERSION = "2018-02-01"
+INSTANCE_SUFFIX_DIGITS = 6  # base-36 digits after computerNamePrefix
+ATTEMPTS = 4
+RETRY_SECONDS = 15
+HTTP_TIMEOUT_SECONDS = 60
+RETRIED_STATUSES = frozenset({409, 429, 500, 502, 503, 504})  # conflicts (a deallocation still running) and throttling
+
+log = logging.getLogger("slurm-power")
+
+
+class PowerError(RuntimeError):
+    """An Azure call that failed for good, in words for the Slurm node reason and the log."""
+
+
+class ScaleSet:
+    def __init__(self, config: dict[str, Any]):
+        self.scale_set_id = config["scale_set_id"]
+        self.client_id = config["identity_client_id"]
+        self.node_prefix = config["node_prefix"]
+        # Other endpoints serve Azure's sovereign clouds (the token is asked for the one called).
+        self.arm = config.get("arm_endpoint", ARM_ENDPOINT)
+        self.imds = config.get("imds_endpoint", IMDS_ENDPOINT)
+        self.retry_seconds: float = config.get("retry_seconds", RETRY_SECONDS)
+        self._token: str | None = None
+
+    def instance_id(self, node: str) -> str:
+        suffix = node[len(self.node_prefix) :]
+        if not node.startswith(self.node_prefix) or len(suffix) != INSTANCE_SUFFIX_DIGITS or not suffix.isalnum():
+            raise PowerError(f"{node} is not a node of this scale set (expected {self.node_prefix}<6 base-36 digits>)")
+        return str(int(suffix, 36))
+
+    def _access_token(self) -> str:
+        if self._token is None:
+            query = urllib.parse.urlencode(
+                {"api-version": IMDS_API_VERSION, "resource": f"{self.arm}/", "client_id": self.client_id}
+            )
+            request = urllib.request.Request(
+                f"{self.imds}/metadata/identity/oauth2/token?{query}", headers={"Metadata": "true"}
+            )
+            self._token = _send(request, self.retry_seconds)["access_token"]
+        return self._token
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        url = f"{self.arm}{self.scale_set_id}{path}?api-version={COMPUTE_API_VERSION}"
+        request = urllib.request.Request(
+            url,
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": f"Bearer {self._access_token()}", "Content-Type": "application/json"},
+        )
+        return _send(request, self.retry_seconds)
+
+    def start(self, instance_ids: list[str]) -> None:
+        self.call("POST", "/start", {"instanceIds": instance_ids})
+
+    def deallocate(self, instance_ids: list[str]) -> None:
+        self.call("POST", "/deallocate", {"instanceIds": instance_ids})
+
+    def states(self, instance_id: str) -> str:
+        """Azure's view of one instance, e.g. 'ProvisioningState/failed/AllocationFailed, PowerState/stopped'."""
+        view = self.call("GET", f"/virtualMachines/{instance_id}/instanceView")
+        return ", ".join(status.get("code", "?") for status in view.get("statuses", [])) or "no status"
+
+
+def _send(request: urllib.request.Request, retry_seconds: float) -> dict[str, Any]:
+    """The JSON body of a 2xx answer; retries throttling, conflicts and server errors, then gives up."""
+    where = f"{request.get_method()} {urllib.parse.urlsplit(request.full_url).path}"
+    attempt = 1
+    while True:
+        try:
+            with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_SECONDS) as response:
+                text = response.read()
+            return json.loads(text) if text.strip() else {}
+        except urllib.error.HTTPError as error:
+            problem = f"HTTP {error.code} {_azure_error(error.read())}"
+            retry = error.code in RETRIED_STATUSES
+        except (urllib.error.URLError, TimeoutError) as error:
+            problem, retry = f"no answer ({error})", True
+        if not retry or attempt == ATTEMPTS:
+            raise PowerError(f"{where}: {problem}")
+        log.warning("%s: %s; retrying in %ss (%d/%d)", where, problem, retry_seconds, attempt, ATTEMPTS)
+        time.sleep(retry_seconds)
+        attempt += 1
+
+
+def _azure_error(body: bytes) -> str:
+    try:
+        error = json.loads(body)["error"]
+        return f"{error['code']}: {error['message']}"
+    except (ValueError, KeyError, TypeError):
+        return body[:200].decode(errors="replace")
+
+
+def expand(hostlist: str) -> list[str]:
+    result = subprocess.run(["scontrol", "show", "hostnames", hostlist], capture_output=True, text=True, check=True)
+    return result.stdout.split()
+
+
+def mark_down(nodes: str, reason: str) -> None:
+    """DOWN requeues the nodes' jobs at once; ReturnToService=2 lets a node back once it registers."""
+    subprocess.run(["scontrol", "update", f"nodename={nodes}", "state=down", f"reason={reason}"], check=True)
+
+
+def suspend(scale_set: ScaleSet, hostlist: str) -> None:
+    nodes = expand(hostlist)
+    scale_set.deallocate([scale_set.instance_id(node) for node in nodes])
+    log.info("deallocating %s", ",".join(nodes))
+
+
+def resume(scale_set: ScaleSet, hostlist: str) -> None:
+    nodes = expand(hostlist)
+    try:
+        scale_set.start([scale_set.instance_id(node) for node in nodes])
+    except PowerError as error:
+        # Fail the nodes now rather than let their jobs wait out ResumeTimeout.
+        mark_down(hostlist, f"resume failed: {error}"[:200])
+        raise
+    log.info("starting %s", ",".join(nodes))
+
+
+def resume_failed(scale_set: ScaleSet, hostlist: str) -> None:
+    """Nodes that did not register within ResumeTimeout: say why in their reason, stop paying for them."""
+    nodes = expand(hostlist)
+    ids = {node: scale_set.instance_id(node) for node in nodes}
+    for node, instance_id in ids.items():
+        try:
+            states = scale_set.states(instance_id)
+        except PowerError as error:
+            states = f"instance view unavailable: {error}"
+        log.warning("%s did not join within ResumeTimeout: %s", node, states)
+        mark_down(node, f"resume timed out: {states}"[:200])
+    scale_set.deallocate(list(ids.values()))
+
+
+ACTIONS = {"suspend": suspend, "resume": resume, "resume-fail": resume_failed}
+
+
+def _reopen_standard_streams() -> None:
+    # slurmctld closes every descriptor before it runs the program: without this, the first file
+    # opened would become stdout or stderr.
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)
+
+
+def main(argv: list[str]) -> int:
+    _reopen_standard_streams()
+    if len(argv) != 3 or argv[1] not in ACTIONS:
+        print(f"usage: {argv[0]} {{{'|'.join(ACTIONS)}}} HOSTLIST", file=sys.stderr)
+        return 2
+    with open(CONFIG_PATH, encoding="utf-8") as file:
+        config = json.load(file)
+    # stdout and stderr lead nowhere under slurmctld: the log file is the record.
+    logging.basicConfig(
+        filename=config["log_file"], level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    action, hostlist = argv[1:]
+    try:
+        ACTIONS[action](ScaleSet(config), hostlist)
+    except (PowerError, subprocess.CalledProcessError) as error:
+        log.error("%s %s failed: %s", action, hostlist, error)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

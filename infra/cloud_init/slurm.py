@@ -1,0 +1,181 @@
+"""slurm.conf and gres.conf, rendered by pure functions from plain values.
+
+Valid for Slurm 21.08 (Ubuntu 22.04's packages, on Azure) and 22.05 (Debian 12's, the local
+cluster): only options that both versions read, with the meaning both give them. Nothing here is
+Azure's: the caller names the nodes, their resources and the programs that power them down and up.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from infra.cloud_init._common import check_int, check_ipv4, check_path, render_script
+from infra.contract import SLURMCTLD_PORT, SLURMD_PORT, SRUN_PORTS
+
+SLURM_USER = "slurm"  # the account Debian's and Ubuntu's packages create
+# Slurm compares names case-sensitively while DNS does not: lower case keeps the two agreeing.
+_NAME = re.compile(r"[a-z][a-z0-9-]{0,62}")
+MAX_GPUS_PER_NODE = 64
+MAX_CPUS_PER_NODE = 4096
+MAX_REAL_MEMORY_MB = 2**31 - 1
+# Slurm forwards messages through a tree of slurmds, which must then resolve each other's names.
+# Cloud nodes are not in DNS under their Slurm names, so slurmctld talks to every node itself
+# (the widest tree Slurm allows; the scale set holds at most 100 nodes).
+TREE_WIDTH = 65533
+
+
+@dataclass(frozen=True)
+class NodeSet:
+    """Identical nodes: their Slurm names and what each offers to jobs."""
+
+    names: Sequence[str]
+    cpus: int
+    real_memory_mb: int
+    gpus: int  # 0: no GPUs, no GRES (CPU nodes)
+
+
+@dataclass(frozen=True)
+class PowerSaving:
+    """Slurm's power saving: idle nodes are suspended by one program and resumed by another."""
+
+    suspend_program: str
+    resume_program: str
+    resume_fail_program: str
+    suspend_time_s: int | None  # idle seconds before a node is suspended; None: never
+    suspend_timeout_s: int  # how long a suspend may take before the node can be resumed again
+    resume_timeout_s: int  # how long a node may take to boot and register before it is marked DOWN
+
+
+@dataclass(frozen=True)
+class HealthCheck:
+    program: str  # run by slurmd as root on every node
+    interval_s: int
+
+
+def check_name(key: str, value: str) -> str:
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise ValueError(f"{key}: {value!r} is not a lower-case name of letters, digits and '-' (at most 63)")
+    return value
+
+
+def _check_nodes(nodes: NodeSet) -> None:
+    names = [check_name("nodes.names", name) for name in nodes.names]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"nodes.names: {names!r} must be one or more distinct names")
+    check_int("nodes.cpus", nodes.cpus, 1, MAX_CPUS_PER_NODE)
+    check_int("nodes.real_memory_mb", nodes.real_memory_mb, 1, MAX_REAL_MEMORY_MB)
+    check_int("nodes.gpus", nodes.gpus, 0, MAX_GPUS_PER_NODE)
+
+
+def _power_lines(power: PowerSaving, partition: str) -> list[str]:
+    for key in ("suspend_program", "resume_program", "resume_fail_program"):
+        check_path(f"power.{key}", getattr(power, key))
+    # Slurm 21.08 reads both timeouts as 16-bit numbers.
+    suspend_timeout = check_int("power.suspend_timeout_s", power.suspend_timeout_s, 1, 65533)
+    resume_timeout = check_int("power.resume_timeout_s", power.resume_timeout_s, 1, 65533)
+    if power.suspend_time_s is None:
+        # SuspendTime=INFINITE would switch the whole power-save module off, and with it the
+        # resuming of nodes that are powered down (deallocated earlier): keep the module on (any
+        # other SuspendTime; this sum is Slurm's advised minimum) and exclude the partition instead.
+        idle = [f"SuspendExcParts={partition}", f"SuspendTime={suspend_timeout + resume_timeout}"]
+    else:
+        idle = [f"SuspendTime={check_int('power.suspend_time_s', power.suspend_time_s, 60, 2**31 - 1)}"]
+    return [
+        f"SuspendProgram={power.suspend_program}",
+        f"ResumeProgram={power.resume_program}",
+        f"ResumeFailProgram={power.resume_fail_program}",
+        *idle,
+        f"SuspendTimeout={suspend_timeout}",
+        f"ResumeTimeout={resume_timeout}",
+    ]
+
+
+def render_slurm_conf(
+    *,
+    cluster_name: str,
+    controller_host: str,
+    controller_address: str,
+    partition: str,
+    nodes: NodeSet,
+    state_save_dir: str,
+    slurmd_spool_dir: str,
+    power: PowerSaving,
+    health_check: HealthCheck,
+) -> str:
+    """slurm.conf for one controller and one partition of identical, power-managed nodes."""
+    _check_nodes(nodes)
+    check_name("partition", partition)
+    node_line = f"NodeName={','.join(nodes.names)} CPUs={nodes.cpus} RealMemory={nodes.real_memory_mb}"
+    if nodes.gpus:
+        node_line += f" Gres=gpu:{nodes.gpus}"
+    lines = [
+        "# Rendered by infra/cloud_init/slurm.py; valid for Slurm 21.08 and 22.05.",
+        f"ClusterName={check_name('cluster_name', cluster_name)}",
+        f"SlurmctldHost={check_name('controller_host', controller_host)}"
+        f"({check_ipv4('controller_address', controller_address)})",
+        f"SlurmctldPort={SLURMCTLD_PORT}",
+        f"SlurmdPort={SLURMD_PORT}",
+        # A fixed range, so that the network rules can name srun's ports.
+        f"SrunPortRange={SRUN_PORTS}",
+        f"SlurmUser={SLURM_USER}",
+        # auth/slurm arrived in 23.11; munge is what both versions here have.
+        "AuthType=auth/munge",
+        f"StateSaveLocation={check_path('state_save_dir', state_save_dir)}",
+        f"SlurmdSpoolDir={check_path('slurmd_spool_dir', slurmd_spool_dir)}",
+        # configless: slurmd fetches this file (and gres.conf) from slurmctld, so it lives only on
+        # the controller. cloud_reg_addrs: slurmctld learns a node's address when it registers,
+        # which survives a node coming back with another address. idle_on_node_suspend: a node
+        # that was DOWN or drained is idle again once powered down, so that it is tried afresh.
+        "SlurmctldParameters=enable_configless,cloud_reg_addrs,idle_on_node_suspend",
+        f"TreeWidth={TREE_WIDTH}",
+        # Without it, sinfo hides powered-down cloud nodes even from root.
+        "PrivateData=cloud",
+        # A node marked DOWN (by a resume that timed out, say) rejoins once its slurmd registers.
+        "ReturnToService=2",
+        # Slurm 21.08 has no cgroup v2 support and Ubuntu 22.04 mounts only cgroup v2: track jobs
+        # through /proc, and bind nothing by default (launchers pin their own ranks).
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/affinity",
+        "TaskPluginParam=None",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_Core",
+        "MpiDefault=none",
+        *(["GresTypes=gpu"] if nodes.gpus else []),
+        f"HealthCheckProgram={check_path('health_check.program', health_check.program)}",
+        f"HealthCheckInterval={check_int('health_check.interval_s', health_check.interval_s, 60, 86400)}",
+        "HealthCheckNodeState=ANY",
+        *_power_lines(power, partition),
+        # CLOUD: power-managed nodes, taken as powered down until their slurmd registers.
+        f"{node_line} State=CLOUD",
+        # Whole nodes only: without cgroups nothing keeps two jobs on one node off each other's GPUs.
+        f"PartitionName={partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=EXCLUSIVE",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render_gres_conf(gpus: int) -> str:
+    """gres.conf naming the GPU device files: Ubuntu's and Debian's Slurm are built without NVML."""
+    count = check_int("gpus", gpus, 1, MAX_GPUS_PER_NODE)
+    files = "/dev/nvidia0" if count == 1 else f"/dev/nvidia[0-{count - 1}]"
+    return f"Name=gpu File={files}\n"
+
+
+def render_health_check(
+    *, shared_mount: str, expected_gpus: int, check_infiniband: bool, min_free_gb: int, free_disk_path: str
+) -> str:
+    """The HealthCheckProgram script with this cluster's defaults (each can still be overridden
+    from the environment, see the script)."""
+    if not isinstance(check_infiniband, bool):
+        raise ValueError(f"check_infiniband: {check_infiniband!r} is not a bool")
+    return render_script(
+        "slurm-health-check.sh",
+        {
+            "SHARED_MOUNT": check_path("shared_mount", shared_mount),
+            "EXPECTED_GPUS": check_int("expected_gpus", expected_gpus, 0, MAX_GPUS_PER_NODE),
+            "CHECK_INFINIBAND": int(check_infiniband),
+            "MIN_FREE_GB": check_int("min_free_gb", min_free_gb, 0, 1_000_000),
+            "FREE_DISK_PATH": check_path("free_disk_path", free_disk_path),
+        },
+    )

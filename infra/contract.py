@@ -1,0 +1,58 @@
+"""The names infra/ and the operator CLI (scripts/) share: stack outputs, paths, ports, frameworks.
+
+Standard library only, so that the CLI can import it without Pulumi or pydantic. A value that both
+sides read lives here once; changing one is a change of the contract between the two.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+# Where every node and the head node mount the NFS export. Not under /mnt: Azure mounts the VM's
+# temporary disk there at boot, which would hide it.
+SHARED_MOUNT_PATH = "/shared"
+DATA_PATH = f"{SHARED_MOUNT_PATH}/data"
+NODE_REGISTRY_PATH = f"{SHARED_MOUNT_PATH}/nodes"
+
+SSH_PORT = 22
+CONTAINER_SSH_PORT = 12345  # sshd inside the training containers (horovodrun between nodes)
+SLURMCTLD_PORT = 6817
+SLURMD_PORT = 6818
+# srun listens on ports from this range (slurm.conf SrunPortRange), so that a firewall can name them.
+SRUN_PORT_RANGE = (60001, 63000)
+SRUN_PORTS = "{}-{}".format(*SRUN_PORT_RANGE)  # as slurm.conf and the network rules write it
+
+SLURM_PARTITION = "gpu"
+FRAMEWORKS = ("pytorch", "tensorflow", "keras")
+# Below this much free space where images and job data land, a node is not fit for a job.
+MIN_FREE_DISK_GB = 50
+
+
+class StackOutput(StrEnum):
+    """Every output of the Azure stack (`pulumi stack output --json --show-secrets`)."""
+
+    RESOURCE_GROUP = "resource_group"
+    LOCATION = "location"
+    JUMPBOX_PUBLIC_IP = "jumpbox_public_ip"
+    ADMIN_USER = "admin_user"
+    HEAD_PRIVATE_IP = "head_private_ip"  # the Slurm controller and login node, reached through the jumpbox
+    HEAD_HOSTNAME = "head_hostname"
+    SLURM_CLUSTER_NAME = "slurm_cluster_name"
+    SLURM_PARTITION = "slurm_partition"
+    NFS_PRIVATE_IP = "nfs_private_ip"
+    NFS_EXPORT_PATH = "nfs_export_path"
+    SHARED_MOUNT_PATH = "shared_mount_path"
+    DATA_PATH = "data_path"
+    NODE_REGISTRY_PATH = "node_registry_path"
+    STORAGE_ACCOUNT = "storage_account"
+    BLOB_ENDPOINT = "blob_endpoint"
+    DATA_CONTAINER = "data_container"
+    RESULTS_CONTAINER = "results_container"
+    DATA_SAS = "data_sas"  # the only secret output
+    ACR_LOGIN_SERVER = "acr_login_server"
+    SCALE_SET_NAME = "scale_set_name"
+    NODE_COUNT = "node_count"
+    GPUS_PER_NODE = "gpus_per_node"
+    GPU_SKU = "gpu_sku"
+    CLUSTER_IDENTITY_CLIENT_ID = "cluster_identity_client_id"
+    NCCL_ENV = "nccl_env"

@@ -1,0 +1,121 @@
+"""The head node: slurmctld, the login node, and the only holder of the right to power the nodes.
+
+A small VM of its own in the cluster subnet, with a static private address the nodes fetch their
+configuration from, no public IP (SSH through the jumpbox), and its own user-assigned identity, the
+one that holds the scale set's power role (infra/identity.py). Keeping that identity off the NFS
+server and the GPU nodes means the machine that can start and stop the nodes runs nothing a
+training job or a dataset pull can reach.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pulumi
+
+from infra.cloud_init import render_gres_conf, render_head_node, render_slurm_conf
+from infra.cloud_init.cluster_node import HEALTH_CHECK_PATH
+from infra.cloud_init.head_node import (
+    RESUME_FAIL_PROGRAM,
+    RESUME_PROGRAM,
+    STATE_SAVE_DIR,
+    SUSPEND_PROGRAM,
+)
+from infra.cloud_init.slurm import HealthCheck, NodeSet, PowerSaving
+from infra.contract import SHARED_MOUNT_PATH, SLURM_PARTITION
+from infra.skus import GpuSku
+from infra.vm import LinuxVm, LinuxVmArgs, MachineArgs, encode_custom_data
+
+# A deallocated ND-series VM must be placed on a host again (a large size, in one placement group),
+# boot with 1-2 TB of memory, bring up 8 GPUs, their fabric manager and the InfiniBand links, and
+# mount NFS before slurmd registers: 10-20 minutes is common, more when capacity is tight. Shorter,
+# and a node still booting is marked DOWN and its job requeued; much longer, and a node that
+# will never come keeps its job waiting.
+RESUME_TIMEOUT_S = 30 * 60
+# Deallocating a large VM takes minutes; Slurm waits this long before it may start the node again.
+SUSPEND_TIMEOUT_S = 10 * 60
+HEALTH_CHECK_INTERVAL_S = 5 * 60
+SLURMD_SPOOL_DIR = "/var/spool/slurmd"
+
+
+@dataclass
+class HeadNodeArgs(MachineArgs):
+    private_ip: str
+    cluster_name: str
+    node_names: Sequence[str]
+    node_prefix: str
+    sku: GpuSku
+    autostop_minutes: int  # 0: never
+    scale_set_id: pulumi.Input[str]
+    identity_id: pulumi.Input[str]  # the holder of the scale set's power role, on this VM alone
+    identity_client_id: pulumi.Input[str]
+    munge_key: pulumi.Input[str]  # base64, secret
+    nfs_server_ip: str
+    nfs_export_path: str
+
+
+def slurm_conf(name: str, args: HeadNodeArgs) -> str:
+    return render_slurm_conf(
+        cluster_name=args.cluster_name,
+        controller_host=name,
+        controller_address=args.private_ip,
+        partition=SLURM_PARTITION,
+        nodes=NodeSet(
+            names=args.node_names,
+            cpus=args.sku.vcpus,
+            real_memory_mb=args.sku.slurm_real_memory_mb,
+            gpus=args.sku.gpus_per_node,
+        ),
+        state_save_dir=STATE_SAVE_DIR,
+        slurmd_spool_dir=SLURMD_SPOOL_DIR,
+        power=PowerSaving(
+            suspend_program=SUSPEND_PROGRAM,
+            resume_program=RESUME_PROGRAM,
+            resume_fail_program=RESUME_FAIL_PROGRAM,
+            suspend_time_s=args.autostop_minutes * 60 or None,
+            suspend_timeout_s=SUSPEND_TIMEOUT_S,
+            resume_timeout_s=RESUME_TIMEOUT_S,
+        ),
+        health_check=HealthCheck(program=HEALTH_CHECK_PATH, interval_s=HEALTH_CHECK_INTERVAL_S),
+    )
+
+
+class HeadNode(pulumi.ComponentResource):
+    def __init__(self, name: str, args: HeadNodeArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("hvd:infra:HeadNode", name, None, opts)
+        conf = slurm_conf(name, args)
+        # Secret because the munge key is in it (Output.all keeps an input's secrecy).
+        self.custom_data = pulumi.Output.all(args.scale_set_id, args.identity_client_id, args.munge_key).apply(
+            lambda values: encode_custom_data(
+                render_head_node(
+                    slurm_conf=conf,
+                    gres_conf=render_gres_conf(args.sku.gpus_per_node),
+                    munge_key=values[2],
+                    nfs_server_ip=args.nfs_server_ip,
+                    nfs_export_path=args.nfs_export_path,
+                    mount_path=SHARED_MOUNT_PATH,
+                    scale_set_id=values[0],
+                    identity_client_id=values[1],
+                    node_prefix=args.node_prefix,
+                )
+            )
+        )
+        self.machine = LinuxVm(
+            name,
+            LinuxVmArgs(
+                **args.machine_fields(),
+                private_ip=args.private_ip,
+                custom_data=self.custom_data,
+                identity_ids=[args.identity_id],
+                # Slurm's control traffic is small, and not every size a user may pick supports it.
+                accelerated_networking=False,
+                # cloud-init applies custom data at the first boot only: a new slurm.conf (another
+                # node count, size or autostop) needs a new head node.
+                rebuild_on_custom_data_change=True,
+            ),
+            opts=pulumi.ResourceOptions(parent=self),
+        )
+        self.private_ip = args.private_ip
+        self.hostname = name  # LinuxVm names the computer after the component
+        self.register_outputs({"private_ip": self.private_ip, "hostname": self.hostname})

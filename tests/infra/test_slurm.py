@@ -1,0 +1,614 @@
+"""Slurm's side of the cluster: slurm.conf and gres.conf, the node health check, the power program
+that starts and deallocates scale-set instances, and the head node's cloud-config.
+
+The health check runs here against stand-ins for nvidia-smi, mountpoint, df and scontrol; the power
+program runs against a fake Azure (IMDS and Resource Manager on a local HTTP server).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+import yaml
+
+from infra.cloud_init import render_gres_conf, render_health_check
+from infra.cloud_init._common import MUNGE_KEY_PATH, NFS_MOUNT_PATH
+from infra.cloud_init.head_node import POWER_ACTIONS, POWER_CONFIG_PATH, POWER_LOG_PATH, POWER_PROGRAM_PATH
+from infra.cloud_init.slurm import NodeSet
+from infra.contract import SRUN_PORTS
+from tests.infra.azure_mocks import MUNGE_KEY
+from tests.infra.documents import (
+    HEAD_CLIENT_ID,
+    HEAD_IP,
+    NODE_NAMES,
+    SCALE_SET_ID,
+    files_of,
+    head_doc,
+    node_doc,
+    power,
+    script_of,
+    slurm_conf,
+)
+from tests.infra.sandbox import Sandbox, add_port, shell_value, with_value
+
+HEALTH_CHECK = "/usr/local/sbin/slurm-health-check"
+NODE = "hvd-gpu-000001"
+TOKEN = "ARM-SECRET-eyJhbGciOiJSUzI1NiJ9"
+
+
+def parse_slurm_conf(text: str) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """(global settings, {'NodeName'|'PartitionName': that line's settings}), comments dropped."""
+    settings: dict[str, str] = {}
+    lines: dict[str, dict[str, str]] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key = line.split("=", 1)[0]
+        if key in ("NodeName", "PartitionName"):
+            assert key not in lines, f"more than one {key} line"
+            lines[key] = dict(word.split("=", 1) for word in line.split())
+        else:
+            assert key not in settings, f"{key} is set twice"
+            settings[key] = line.split("=", 1)[1]
+    return settings, lines
+
+
+# --- slurm.conf and gres.conf ---------------------------------------------------------------
+
+
+def test_slurm_conf_has_one_gpu_partition_of_the_named_cloud_nodes() -> None:
+    settings, lines = parse_slurm_conf(slurm_conf())
+    assert lines["NodeName"] == {
+        "NodeName": ",".join(NODE_NAMES),
+        "CPUs": "96",
+        "RealMemory": "1751040",
+        "Gres": "gpu:8",
+        "State": "CLOUD",
+    }
+    assert lines["PartitionName"] == {
+        "PartitionName": "gpu",
+        "Nodes": "ALL",
+        "Default": "YES",
+        "MaxTime": "INFINITE",
+        "State": "UP",
+        "OverSubscribe": "EXCLUSIVE",
+    }
+    assert settings["GresTypes"] == "gpu"
+    assert settings["ClusterName"] == "hvd"
+    assert settings["SlurmctldHost"] == f"hvd-head({HEAD_IP})"
+
+
+def test_slurm_conf_ports_auth_and_configless() -> None:
+    settings, _ = parse_slurm_conf(slurm_conf())
+    assert (settings["SlurmctldPort"], settings["SlurmdPort"], settings["SrunPortRange"]) == (
+        "6817",
+        "6818",
+        SRUN_PORTS,
+    )
+    assert settings["AuthType"] == "auth/munge"
+    assert set(settings["SlurmctldParameters"].split(",")) == {
+        "enable_configless",
+        "cloud_reg_addrs",
+        "idle_on_node_suspend",
+    }
+    assert settings["ReturnToService"] == "2"
+    assert settings["PrivateData"] == "cloud"
+    # Slurm 21.08 cannot use cgroup v2, the only hierarchy Ubuntu 22.04 mounts.
+    assert "cgroup" not in settings["ProctrackType"] + settings["TaskPlugin"]
+
+
+def test_slurm_conf_power_saving_suspends_after_the_autostop_time() -> None:
+    settings, _ = parse_slurm_conf(slurm_conf(power=power(suspend_time_s=45 * 60)))
+    assert {key: settings[key] for key in settings if key.startswith(("Suspend", "Resume"))} == {
+        "SuspendProgram": "/usr/local/sbin/slurm-suspend",
+        "ResumeProgram": "/usr/local/sbin/slurm-resume",
+        "ResumeFailProgram": "/usr/local/sbin/slurm-resume-fail",
+        "SuspendTime": "2700",
+        "SuspendTimeout": "600",
+        "ResumeTimeout": "1800",
+    }
+
+
+def test_slurm_conf_without_autostop_never_suspends_but_still_resumes() -> None:
+    settings, _ = parse_slurm_conf(slurm_conf(power=power(suspend_time_s=None)))
+    # Every node is in the excluded partition, so none is ever suspended for being idle...
+    assert settings["SuspendExcParts"] == "gpu"
+    # ...while the power-save module stays on (INFINITE or -1 would switch it off), so that a node
+    # found powered down is still started for a job.
+    assert int(settings["SuspendTime"]) > 0
+    assert settings["ResumeProgram"] == "/usr/local/sbin/slurm-resume"
+
+
+def test_slurm_conf_health_check_runs_on_every_node_state() -> None:
+    settings, _ = parse_slurm_conf(slurm_conf())
+    assert settings["HealthCheckProgram"] == HEALTH_CHECK
+    assert settings["HealthCheckInterval"] == "300"
+    assert settings["HealthCheckNodeState"] == "ANY"
+
+
+def test_slurm_conf_for_cpu_nodes_has_no_gres() -> None:
+    """The local cluster's shape: CPU nodes, no GPUs."""
+    settings, lines = parse_slurm_conf(
+        slurm_conf(nodes=NodeSet(names=["node-0", "node-1"], cpus=2, real_memory_mb=1024, gpus=0))
+    )
+    assert "GresTypes" not in settings
+    assert "Gres" not in lines["NodeName"]
+    assert lines["NodeName"]["NodeName"] == "node-0,node-1"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"nodes": NodeSet(names=["Hvd-Gpu-00000A"], cpus=96, real_memory_mb=1024, gpus=8)}, "nodes.names"),
+        ({"nodes": NodeSet(names=["n1", "n1"], cpus=96, real_memory_mb=1024, gpus=8)}, "nodes.names"),
+        ({"nodes": NodeSet(names=[], cpus=96, real_memory_mb=1024, gpus=8)}, "nodes.names"),
+        ({"nodes": NodeSet(names=["n1"], cpus=0, real_memory_mb=1024, gpus=8)}, "nodes.cpus"),
+        ({"nodes": NodeSet(names=["n1"], cpus=96, real_memory_mb=1024, gpus=65)}, "nodes.gpus"),
+        ({"partition": "GPU partition"}, "partition"),
+        ({"cluster_name": "hvd_dev"}, "cluster_name"),
+        ({"controller_address": "hvd-head"}, "controller_address"),
+        ({"power": power(suspend_time_s=30)}, "suspend_time_s"),
+        ({"state_save_dir": "var/spool"}, "state_save_dir"),
+    ],
+)
+def test_slurm_conf_rejects_bad_input(overrides: dict[str, object], key: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(key)):
+        slurm_conf(**overrides)
+
+
+@pytest.mark.parametrize(("gpus", "files"), [(8, "/dev/nvidia[0-7]"), (4, "/dev/nvidia[0-3]"), (1, "/dev/nvidia0")])
+def test_gres_conf_names_each_gpu_device(gpus: int, files: str) -> None:
+    assert render_gres_conf(gpus) == f"Name=gpu File={files}\n"
+
+
+def test_gres_conf_needs_gpus() -> None:
+    with pytest.raises(ValueError, match="gpus"):
+        render_gres_conf(0)
+
+
+# --- the health check ------------------------------------------------------------------------
+
+
+@dataclass
+class Node:
+    """A stand-in node: what nvidia-smi, mountpoint, df, sysfs and scontrol report."""
+
+    sandbox: Sandbox
+    gpus: int = 8
+    mounted: bool = True
+    free_gb: int = 400
+    state: str = "IDLE"
+    reason: str | None = None
+    ports: list[tuple[str, str, str]] = field(
+        default_factory=lambda: [("mlx5_an0", "Ethernet", "4: ACTIVE"), ("mlx5_ib0", "InfiniBand", "4: ACTIVE")]
+    )
+
+    def run(self, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        sandbox, sysfs = self.sandbox, self.sandbox.root / "sys-class-infiniband"
+        if not sysfs.exists():
+            for port in self.ports:
+                add_port(sysfs, *port)
+        gpu_lines = "".join(f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})\\n" for i in range(self.gpus))
+        sandbox.stub("nvidia-smi", f'printf "{gpu_lines}"')
+        sandbox.stub("mountpoint", "exit 0" if self.mounted else "exit 32")
+        sandbox.stub(
+            "df",
+            "echo 'Filesystem 1024-blocks Used Available Capacity Mounted on'\n"
+            f"echo '/dev/sda1 999999999 1 {self.free_gb * 1024 * 1024} 1% /'",
+        )
+        reason = f" Reason={self.reason} [root@2026-01-01T00:00:00]" if self.reason else ""
+        shown = f"NodeName=$3 Arch=x86_64 State={self.state} Gres=gpu:8{reason}"
+        sandbox.stub("scontrol", f'case "$1 $2" in\n  "show node") echo "{shown}" ;;\nesac')
+        script = script_of(node_doc(), HEALTH_CHECK)
+        disk = sandbox.root / "docker"
+        disk.mkdir(exist_ok=True)
+        base = {"SLURMD_NODENAME": NODE, "IB_SYSFS": str(sysfs), "FREE_DISK_PATH": str(disk)}
+        return sandbox.run(script, {**base, **(env or {})})
+
+    def updates(self) -> list[str]:
+        return [call for call in self.sandbox.calls("scontrol") if call.startswith("scontrol update")]
+
+
+@pytest.fixture
+def node(sandbox: Sandbox) -> Node:
+    return Node(sandbox)
+
+
+def test_health_check_defaults_are_the_clusters() -> None:
+    script = script_of(node_doc(), HEALTH_CHECK)
+    defaults = {
+        name: re.search(rf"^{name}=\$\{{{name}:-(.*)\}}", script, re.MULTILINE)[1]
+        for name in ("SHARED_MOUNT", "EXPECTED_GPUS", "CHECK_INFINIBAND", "MIN_FREE_GB", "FREE_DISK_PATH")
+    }
+    assert defaults == {
+        "SHARED_MOUNT": "/mnt/shared",
+        "EXPECTED_GPUS": "8",
+        "CHECK_INFINIBAND": "1",
+        "MIN_FREE_GB": "50",
+        "FREE_DISK_PATH": "/var/lib/docker",
+    }
+
+
+def test_healthy_node_is_left_alone(node: Node) -> None:
+    result = node.run()
+    assert result.returncode == 0, result.stderr
+    assert node.sandbox.calls("scontrol") == [f"scontrol show node {NODE} --oneliner"]
+    assert node.sandbox.calls("mountpoint") == ["mountpoint -q /mnt/shared"]
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"gpus": 7}, "7 of 8 GPUs"),
+        ({"gpus": 0}, "0 of 8 GPUs"),
+        ({"mounted": False}, "/mnt/shared not mounted"),
+        ({"free_gb": 12}, "12 GB free on {disk}, need 50"),
+        ({"ports": [("mlx5_ib0", "InfiniBand", "1: DOWN")]}, "no ACTIVE InfiniBand port (InfiniBand DOWN)"),
+        ({"ports": []}, "no ACTIVE InfiniBand port (InfiniBand absent)"),
+        # The accelerated-networking NIC is ACTIVE, but on an Ethernet link layer: no InfiniBand.
+        ({"ports": [("mlx5_an0", "Ethernet", "4: ACTIVE")]}, "no ACTIVE InfiniBand port (InfiniBand absent)"),
+        (
+            {"ports": [("mlx5_an0", "Ethernet", "4: ACTIVE"), ("mlx5_ib0", "InfiniBand", "1: DOWN")]},
+            "no ACTIVE InfiniBand port (InfiniBand DOWN)",
+        ),
+    ],
+)
+def test_failing_check_drains_the_node_with_the_check_as_reason(
+    node: Node, change: dict[str, Any], reason: str
+) -> None:
+    for key, value in change.items():
+        setattr(node, key, value)
+    result = node.run()
+    assert result.returncode == 1
+    expected = f"health-check: {reason.format(disk=node.sandbox.root / 'docker')}"
+    assert node.updates() == [f"scontrol update nodename={NODE} state=drain reason={expected}"]
+    assert expected in result.stderr
+
+
+def test_every_failed_check_is_in_the_reason(node: Node) -> None:
+    node.gpus, node.mounted, node.ports = 6, False, []
+    assert node.run().returncode == 1
+    assert node.updates() == [
+        f"scontrol update nodename={NODE} state=drain reason=health-check: 6 of 8 GPUs; "
+        "no ACTIVE InfiniBand port (InfiniBand absent); /mnt/shared not mounted"
+    ]
+
+
+def test_an_active_infiniband_port_beside_a_down_one_passes(node: Node) -> None:
+    node.ports = [("mlx5_ib0", "InfiniBand", "1: DOWN"), ("mlx5_ib1", "InfiniBand", "4: ACTIVE")]
+    assert node.run().returncode == 0
+    assert node.updates() == []
+
+
+def test_node_drained_by_the_health_check_is_resumed_once_healthy(node: Node) -> None:
+    node.state, node.reason = "IDLE+DRAIN", "health-check: 7 of 8 GPUs"
+    result = node.run()
+    assert result.returncode == 0, result.stderr
+    assert node.updates() == [f"scontrol update nodename={NODE} state=resume"]
+
+
+@pytest.mark.parametrize("healthy", [True, False])
+def test_node_drained_by_someone_else_is_left_drained(node: Node, healthy: bool) -> None:
+    node.state, node.reason = "IDLE+DRAIN", "replacing a DIMM"
+    node.gpus = 8 if healthy else 4
+    node.run()
+    assert node.updates() == []
+
+
+def test_unchanged_reason_is_not_rewritten_and_a_new_one_is(node: Node) -> None:
+    node.state, node.reason, node.mounted = "IDLE+DRAIN", "health-check: /mnt/shared not mounted", False
+    assert node.run().returncode == 1
+    assert node.updates() == []
+    node.gpus = 7
+    node.run()
+    assert node.updates() == [
+        f"scontrol update nodename={NODE} state=drain reason=health-check: 7 of 8 GPUs; /mnt/shared not mounted"
+    ]
+
+
+def test_local_cluster_settings_come_from_the_environment(node: Node, tmp_path: Path) -> None:
+    """CPU nodes, no InfiniBand, a shared directory instead of a mount: the same script, other values."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    node.gpus, node.ports, node.mounted = 0, [], False
+    env = {"EXPECTED_GPUS": "0", "CHECK_INFINIBAND": "0", "SHARED_IS_MOUNT": "0", "SHARED_MOUNT": str(shared)}
+    result = node.run(env)
+    assert result.returncode == 0, result.stderr
+    assert node.sandbox.calls("nvidia-smi") == [] and node.sandbox.calls("mountpoint") == []
+    shared.rmdir()
+    assert node.run(env).returncode == 1
+    assert node.updates() == [
+        f"scontrol update nodename={NODE} state=drain reason=health-check: {shared} missing or not writable"
+    ]
+
+
+def test_health_check_fails_loudly_when_slurm_cannot_be_asked(node: Node) -> None:
+    node.run()
+    node.sandbox.stub("scontrol", "exit 1")
+    result = node.sandbox.run(script_of(node_doc(), HEALTH_CHECK), {"SLURMD_NODENAME": NODE})
+    assert result.returncode == 1
+    assert f"cannot read the state of node {NODE}" in result.stderr
+
+
+def test_health_check_renderer_validates_its_defaults() -> None:
+    kwargs = {"shared_mount": "/shared", "expected_gpus": 8, "check_infiniband": True, "min_free_gb": 50}
+    with pytest.raises(ValueError, match="free_disk_path"):
+        render_health_check(**kwargs, free_disk_path="var/lib/docker")
+    with pytest.raises(ValueError, match="expected_gpus"):
+        render_health_check(**{**kwargs, "expected_gpus": -1}, free_disk_path="/var/lib/docker")
+
+
+# --- the power program against a fake Azure ---------------------------------------------------
+
+
+@dataclass
+class Call:
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    headers: dict[str, str]
+    body: Any
+
+
+@dataclass
+class FakeAzure:
+    """IMDS and Resource Manager for one scale set; `answers` queues (status, body) per 'METHOD /suffix'."""
+
+    calls: list[Call] = field(default_factory=list)
+    answers: dict[str, list[tuple[int, Any]]] = field(default_factory=dict)
+    endpoint: str = ""
+
+    def answer(self, method: str, path: str) -> tuple[int, Any]:
+        if path == "/metadata/identity/oauth2/token":
+            return 200, {"access_token": TOKEN, "expires_in": "86399"}
+        suffix = path.removeprefix(SCALE_SET_ID)
+        queued = self.answers.get(f"{method} {suffix}")
+        if queued:
+            return queued.pop(0)
+        if method == "POST" and suffix in ("/start", "/deallocate"):
+            return 202, None
+        if method == "GET" and suffix.endswith("/instanceView"):
+            return 200, {"statuses": [{"code": "ProvisioningState/succeeded"}, {"code": "PowerState/starting"}]}
+        return 404, {"error": {"code": "NotFound", "message": path}}
+
+    def arm_calls(self) -> list[Call]:
+        return [call for call in self.calls if call.path.startswith(SCALE_SET_ID)]
+
+
+@pytest.fixture
+def azure() -> Iterator[FakeAzure]:
+    fake = FakeAzure()
+
+    class Handler(BaseHTTPRequestHandler):
+        def _handle(self) -> None:
+            url = urlsplit(self.path)
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            fake.calls.append(
+                Call(self.command, url.path, parse_qs(url.query), dict(self.headers), json.loads(raw) if raw else None)
+            )
+            status, body = fake.answer(self.command, url.path)
+            data = b"" if body is None else json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = _handle
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    fake.endpoint = f"http://127.0.0.1:{server.server_port}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield fake
+    server.shutdown()
+    thread.join()
+
+
+def run_power(sandbox: Sandbox, azure: FakeAzure, *argv: str) -> subprocess.CompletedProcess[str]:
+    config = json.loads(script_of(head_doc(), POWER_CONFIG_PATH))
+    log = sandbox.root / "power.log"
+    config.update(arm_endpoint=azure.endpoint, imds_endpoint=azure.endpoint, retry_seconds=0, log_file=str(log))
+    path = sandbox.root / "azure-power.json"
+    path.write_text(json.dumps(config))
+    # scontrol show hostnames: the nodes of a bracketed hostlist are in the state file.
+    sandbox.stub(
+        "scontrol",
+        'if [ "$1 $2" = "show hostnames" ]; then tr "," "\\n" <<<"$3"; fi',
+    )
+    program = script_of(head_doc(), POWER_PROGRAM_PATH)
+    return sandbox.run(program, {"SLURM_POWER_CONFIG": str(path)}, argv=argv, interpreter=sys.executable)
+
+
+def power_log(sandbox: Sandbox) -> str:
+    return (sandbox.root / "power.log").read_text()
+
+
+def assert_token_kept_secret(sandbox: Sandbox, result: subprocess.CompletedProcess[str]) -> None:
+    assert TOKEN not in sandbox.log.read_text()  # no command line
+    assert TOKEN not in power_log(sandbox)
+    assert TOKEN not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("action", "verb"), [("suspend", "deallocate"), ("resume", "start")])
+def test_power_program_acts_on_the_instances_named_by_the_nodes(
+    sandbox: Sandbox, azure: FakeAzure, action: str, verb: str
+) -> None:
+    nodes = "hvd-gpu-000000,hvd-gpu-000001,hvd-gpu-00000a,hvd-gpu-000010"
+    result = run_power(sandbox, azure, action, nodes)
+    assert result.returncode == 0, result.stderr + power_log(sandbox)
+
+    imds, arm = azure.calls
+    assert imds.headers["Metadata"] == "true"
+    assert imds.query["client_id"] == [HEAD_CLIENT_ID] and imds.query["resource"] == [f"{azure.endpoint}/"]
+    assert (arm.method, arm.path) == ("POST", f"{SCALE_SET_ID}/{verb}")
+    assert arm.query["api-version"] == ["2024-07-01"]
+    assert arm.headers["Authorization"] == f"Bearer {TOKEN}"
+    # Instance ids are the names' base-36 suffixes.
+    assert arm.body == {"instanceIds": ["0", "1", "10", "36"]}
+    assert sandbox.calls("scontrol") == [f"scontrol show hostnames {nodes}"]
+    assert_token_kept_secret(sandbox, result)
+
+
+def test_failed_resume_marks_the_nodes_down_at_once(sandbox: Sandbox, azure: FakeAzure) -> None:
+    denied = {"error": {"code": "AuthorizationFailed", "message": "no start/action on this scope"}}
+    azure.answers["POST /start"] = [(403, denied)]
+    result = run_power(sandbox, azure, "resume", "hvd-gpu-000002")
+    assert result.returncode == 1
+    assert len(azure.arm_calls()) == 1  # a refusal is not retried
+    (update,) = [call for call in sandbox.calls("scontrol") if "update" in call]
+    assert update.startswith("scontrol update nodename=hvd-gpu-000002 state=down reason=resume failed: ")
+    assert "HTTP 403 AuthorizationFailed: no start/action on this scope" in update
+    assert "AuthorizationFailed" in power_log(sandbox)
+    assert_token_kept_secret(sandbox, result)
+
+
+def test_throttling_and_conflicts_are_retried(sandbox: Sandbox, azure: FakeAzure) -> None:
+    busy = {"error": {"code": "OperationNotAllowed", "message": "deallocation in progress"}}
+    azure.answers["POST /start"] = [(409, busy), (429, {"error": {"code": "TooManyRequests", "message": "slow"}})]
+    result = run_power(sandbox, azure, "resume", "hvd-gpu-000003")
+    assert result.returncode == 0, power_log(sandbox)
+    assert [call.path for call in azure.arm_calls()] == [f"{SCALE_SET_ID}/start"] * 3
+
+
+def test_node_of_another_scale_set_is_refused_and_marked_down(sandbox: Sandbox, azure: FakeAzure) -> None:
+    result = run_power(sandbox, azure, "resume", "other-000001")
+    assert result.returncode == 1
+    assert azure.arm_calls() == []
+    assert any("state=down" in call and "not a node of this scale set" in call for call in sandbox.calls("scontrol"))
+
+
+def test_resume_failure_records_azures_view_and_deallocates(sandbox: Sandbox, azure: FakeAzure) -> None:
+    failed = {"statuses": [{"code": "ProvisioningState/failed/AllocationFailed"}, {"code": "PowerState/stopped"}]}
+    azure.answers["GET /virtualMachines/2/instanceView"] = [(200, failed)]
+    result = run_power(sandbox, azure, "resume-fail", "hvd-gpu-000002,hvd-gpu-000003")
+    assert result.returncode == 0, power_log(sandbox)
+    assert [(call.method, call.path.removeprefix(SCALE_SET_ID)) for call in azure.arm_calls()] == [
+        ("GET", "/virtualMachines/2/instanceView"),
+        ("GET", "/virtualMachines/3/instanceView"),
+        ("POST", "/deallocate"),
+    ]
+    assert azure.arm_calls()[-1].body == {"instanceIds": ["2", "3"]}
+    updates = [call for call in sandbox.calls("scontrol") if "update" in call]
+    assert updates == [
+        "scontrol update nodename=hvd-gpu-000002 state=down "
+        "reason=resume timed out: ProvisioningState/failed/AllocationFailed, PowerState/stopped",
+        "scontrol update nodename=hvd-gpu-000003 state=down "
+        "reason=resume timed out: ProvisioningState/succeeded, PowerState/starting",
+    ]
+
+
+def test_power_program_survives_slurmctlds_closed_descriptors(sandbox: Sandbox, azure: FakeAzure) -> None:
+    """slurmctld closes stdin, stdout and stderr before it runs the program."""
+    run_power(sandbox, azure, "suspend", "hvd-gpu-000000")  # writes the config and stubs
+    azure.calls.clear()
+    config, program = sandbox.root / "azure-power.json", sandbox.root / "slurm-power"
+    program.write_text(script_of(head_doc(), POWER_PROGRAM_PATH))
+    result = sandbox.run(
+        f'exec 0<&- 1>&- 2>&-\nexec "{sys.executable}" "{program}" suspend hvd-gpu-000001\n',
+        {"SLURM_POWER_CONFIG": str(config)},
+    )
+    assert result.returncode == 0
+    assert azure.arm_calls()[0].body == {"instanceIds": ["1"]}
+    assert "deallocating hvd-gpu-000001" in power_log(sandbox)
+
+
+def test_power_program_usage(sandbox: Sandbox, azure: FakeAzure) -> None:
+    result = run_power(sandbox, azure, "reboot", "hvd-gpu-000000")
+    assert result.returncode == 2
+    assert "suspend|resume|resume-fail" in result.stderr
+    assert azure.calls == []
+
+
+# --- the head node's cloud-config --------------------------------------------------------------
+
+
+def test_head_node_installs_the_controller_and_its_files_after_the_packages() -> None:
+    document = head_doc()
+    parsed = yaml.safe_load(document)
+    assert parsed["packages"] == ["nfs-common", "munge", "slurmctld", "slurm-client"]
+    files = files_of(document)
+    for path, expected in (("/etc/slurm/slurm.conf", slurm_conf()), ("/etc/slurm/gres.conf", render_gres_conf(8))):
+        assert files[path]["content"] == expected
+        assert (files[path]["defer"], files[path]["owner"], files[path]["permissions"]) == (True, "root:root", "0644")
+    assert parsed["runcmd"] == [["/usr/local/sbin/head-setup"]]
+
+
+def test_munge_key_is_readable_by_munge_alone_and_written_once_munge_exists() -> None:
+    for document in (head_doc(), node_doc()):
+        entry = files_of(document)[MUNGE_KEY_PATH]
+        assert entry == {
+            "path": "/etc/munge/munge.key",
+            "owner": "munge:munge",
+            "permissions": "0400",
+            "encoding": "b64",
+            "content": MUNGE_KEY,
+            "defer": True,
+        }
+        # Nowhere else in the document: not in a script, a unit, a config file or runcmd.
+        others = {path: entry for path, entry in files_of(document).items() if path != MUNGE_KEY_PATH}
+        assert MUNGE_KEY not in json.dumps(others) + json.dumps(yaml.safe_load(document)["runcmd"])
+
+
+def test_power_programs_are_wrappers_of_the_one_program() -> None:
+    files = files_of(head_doc())
+    for path, action in POWER_ACTIONS.items():
+        assert files[path]["permissions"] == "0755"
+        assert files[path]["content"].splitlines()[-1] == f'exec {POWER_PROGRAM_PATH} {action} "$@"'
+    program = files[POWER_PROGRAM_PATH]["content"]
+    assert program.startswith("#!/usr/bin/python3\n")
+    assert f'"SLURM_POWER_CONFIG", "{POWER_CONFIG_PATH}"' in program
+    assert json.loads(files[POWER_CONFIG_PATH]["content"]) == {
+        "scale_set_id": SCALE_SET_ID,
+        "identity_client_id": HEAD_CLIENT_ID,
+        "node_prefix": "hvd-gpu-",
+        "log_file": POWER_LOG_PATH,
+    }
+
+
+def test_head_setup_starts_the_controller_before_waiting_for_nfs(sandbox: Sandbox) -> None:
+    setup = script_of(head_doc(), "/usr/local/sbin/head-setup")
+    assert shell_value(setup, "NFS_MOUNT") == NFS_MOUNT_PATH and NFS_MOUNT_PATH in files_of(head_doc())
+    setup = with_value(setup, "NFS_MOUNT", str(sandbox.bin / "nfs-mount"))
+    for command in ("install", "systemctl", "nfs-mount"):
+        sandbox.stub(command)
+    assert sandbox.run(setup).returncode == 0
+    calls = sandbox.log.read_text().splitlines()
+    assert calls == [
+        "install -d -o slurm -g slurm -m 0750 /var/spool/slurmctld /var/log/slurm",
+        "systemctl restart munge",
+        "systemctl enable slurmctld",
+        "systemctl restart slurmctld",
+        "nfs-mount ",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"scale_set_id": "vmss-1"}, "scale_set_id"),
+        ({"scale_set_id": f"{SCALE_SET_ID}?api-version=1"}, "scale_set_id"),
+        ({"node_prefix": "HVD-GPU-"}, "node_prefix"),
+        ({"identity_client_id": "/subscriptions/x"}, "identity_client_id"),
+        ({"slurm_conf": "ClusterName=hvd"}, "slurm_conf"),
+        ({"munge_key": "c2hvcnQ="}, "munge_key"),
+        ({"nfs_server_ip": "nfs"}, "nfs_server_ip"),
+    ],
+)
+def test_head_node_rejects_bad_input(overrides: dict[str, object], key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        head_doc(**overrides)
