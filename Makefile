@@ -13,7 +13,7 @@ help:  ## list the targets
 
 setup: system $(OPS)/.installed $(TRAIN)/.installed node_modules/.installed  ## install everything (both venvs, Horovod, Azurite)
 
-system:  ## apt packages: cloud-init, shellcheck, openssh, iproute2, npm
+system:  ## apt packages: cloud-init, shellcheck, openssh, iproute2, npm, Slurm (slurmctld, slurmd, client), munge
 	@scripts/setup_system.sh
 
 $(OPS)/.installed: requirements.txt
@@ -45,7 +45,7 @@ test-infra: $(OPS)/.installed system  ## Pulumi program under mocks, cloud-init 
 test-training: $(TRAIN)/.installed  ## Horovod jobs over gloo, several processes
 	$(TRAIN)/bin/python -m pytest tests/training
 
-test-scripts: setup  ## staging, launcher and local cluster against Azurite and sshd
+test-scripts: setup  ## staging, launcher and local cluster against Azurite, sshd and Slurm
 	$(OPS)/bin/python -m pytest tests/scripts
 
 demo: setup  ## the whole operator workflow on a 2-node local cluster (as root; about 2 minutes)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import hashlib
 import mimetypes
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from azure.storage.blob import ContainerClient, ContentSettings
 from scripts.blob_pull import explain_http_error
 from scripts.cluster import BlobCredential, BlobLocation
 from scripts.errors import ExitCode, OperatorError
+from scripts.fileio import file_md5
 
 CHUNK = 1024 * 1024
 
@@ -40,14 +40,6 @@ def container_client(location: BlobLocation, credential: BlobCredential | None =
         ) from None
     identity = DefaultAzureCredential(managed_identity_client_id=cred.client_id)
     return ContainerClient(location.endpoint, location.container, credential=identity, **kwargs)
-
-
-def file_md5(path: Path) -> bytes:
-    digest = hashlib.md5()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(CHUNK), b""):
-            digest.update(chunk)
-    return digest.digest()
 
 
 def b64(digest: bytes | bytearray | None) -> str | None:

@@ -39,6 +39,7 @@ from scripts.cli import (
     run_cli,
 )
 from scripts.errors import ExitCode, OperatorError, explain_os_error
+from scripts.fileio import atomic_write
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_LOCAL_STATE = REPO_ROOT / ".local-cluster"
@@ -142,6 +143,17 @@ class Runtime(_Model):
     network_interface: str | None = None  # interface for gloo/NCCL sockets (None: let Horovod probe)
 
 
+class SlurmAccess(_Model):
+    """The cluster's Slurm: its controller, its one partition, and where its commands are run."""
+
+    cluster_name: str
+    partition: str
+    controller_host: str
+    controller_address: str  # slurmctld listens on contract.SLURMCTLD_PORT there
+    login: SSHEndpoint  # where sbatch, squeue, scontrol run: the head node (Azure), this machine (local)
+    conf: str | None = None  # SLURM_CONF on the login host; None: Slurm's default, /etc/slurm/slurm.conf
+
+
 class NodeRecord(BaseModel):
     """One node registry file, `<node_registry_path>/<hostname>.json` (written by cloud-init on Azure,
     by `local_cluster up` locally)."""
@@ -186,6 +198,7 @@ class ClusterDescription(_Model):
     staging_credential: BlobCredential  # what the operator writes the `data` container with
     results: BlobLocation  # the `results` container and the operator's credential for it
     # jobs
+    slurm: SlurmAccess | None = None  # None: no Slurm (the local cluster's fallback mode)
     runtime: Runtime
     nccl_env: dict[str, str] = Field(default_factory=dict)
     min_free_disk_gb: float = 20.0
@@ -217,13 +230,9 @@ class ClusterDescription(_Model):
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         text = json.dumps(self.model_dump(mode="json", context={"reveal_secrets": True}), indent=2)
-        tmp = path.with_name(path.name + ".tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as handle:
-                handle.write(text + "\n")
-            os.replace(tmp, path)
+            atomic_write(path, text + "\n", 0o600)
         except OSError as exc:
             raise explain_os_error(exc, "write the cluster description") from None
         return path
@@ -256,6 +265,10 @@ class StackOutputs(BaseModel):
 
     jumpbox_public_ip: str
     admin_user: str
+    head_private_ip: str
+    head_hostname: str
+    slurm_cluster_name: str
+    slurm_partition: str
     nfs_private_ip: str
     nfs_export_path: str
     shared_mount_path: str
@@ -323,6 +336,7 @@ def from_stack_outputs(
             results=BlobLocation(
                 endpoint=out.blob_endpoint, container=out.results_container, credential=BlobCredential(kind="entra_id")
             ),
+            slurm=_stack_slurm(out),
             runtime=_stack_runtime(out, runtime, image_tag),
             nccl_env=out.nccl_env,
             min_free_disk_gb=50.0,
@@ -331,6 +345,17 @@ def from_stack_outputs(
         raise OperatorError(
             f"stack {stack!r}: outputs do not make a valid cluster description: {describe_validation_error(exc)}"
         ) from None
+
+
+def _stack_slurm(out: StackOutputs) -> SlurmAccess:
+    """The head node runs slurmctld and is the login node, with Slurm's default slurm.conf."""
+    return SlurmAccess(
+        cluster_name=out.slurm_cluster_name,
+        partition=out.slurm_partition,
+        controller_host=out.head_hostname,
+        controller_address=out.head_private_ip,
+        login=SSHEndpoint(host=out.head_private_ip, user=out.admin_user),
+    )
 
 
 def _stack_runtime(out: StackOutputs, kind: Literal["docker", "host"], image_tag: str) -> Runtime:

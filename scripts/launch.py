@@ -51,7 +51,8 @@ from scripts.cli import (
 )
 from scripts.cluster import FRAMEWORKS, REPO_ROOT, ClusterDescription, NodeRecord, load
 from scripts.errors import ExitCode, OperatorError
-from scripts.sshutil import SSH, SSHFailure, Target, q, stop_local
+from scripts.processes import stop_process_group
+from scripts.sshutil import SSH, SSHFailure, Target, q
 from scripts.ui import make_console
 
 console = make_console()
@@ -679,7 +680,7 @@ def launch(desc: ClusterDescription, opts: LaunchOptions, echo: Callable[[str], 
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
             try:
                 if proc is not None:
-                    stop_local(proc)
+                    stop_process_group(proc)
                 result.stray_processes = cleanup(desc, ssh, nodes, run_id)
                 streamer.note(f"clean-up: {result.stray_processes}")
                 result.metrics = _fetch_metrics(ssh, launch_node, metrics_remote, local_dir)
@@ -764,7 +765,7 @@ def _job_timer(proc: subprocess.Popen, timeout: float | None) -> threading.Timer
 
     def expire() -> None:
         console.print(f"[red]job timeout ({timeout:.0f}s): stopping it[/red]")
-        stop_local(proc)
+        stop_process_group(proc)
 
     timer = threading.Timer(timeout, expire)
     timer.daemon = True

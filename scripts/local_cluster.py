@@ -10,6 +10,8 @@ What `up` creates (all of it recorded in STATE_DIR/state.json, all of it removed
     machine already uses it), its own /etc/hosts (/etc/netns/<ns>/hosts) and its own sshd started
     under `unshare --uts` so that it has its own hostname. Where namespaces cannot be made (no
     root, no CAP_NET_ADMIN), each node is an sshd on its own loopback address (127.0.1.x) and port;
+  * Slurm (namespaces only, see scripts/local_slurm.py): munged on the host, slurmctld in a head
+    namespace (`<name>-head`), a slurmd on every node, with infra's slurm.conf;
   * a jump host and an "NFS server": two sshds on 127.0.0.1 ports (every SSH call goes through
     the jump host with ProxyJump, as on Azure);
   * the shared file system: STATE_DIR/shared (the same path on every node), with the node
@@ -30,11 +32,9 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Literal
@@ -42,6 +42,9 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, ValidationError
 from rich.table import Table
 
+from infra.contract import SLURM_PARTITION, SLURMCTLD_PORT, SLURMD_PORT
+from scripts import local_network as net
+from scripts import local_slurm
 from scripts.cli import (
     CLIParser,
     arg_type,
@@ -61,9 +64,14 @@ from scripts.cluster import (
     ClusterDescription,
     NodeRecord,
     Runtime,
+    SlurmAccess,
     SSHEndpoint,
 )
+from scripts.daemons import free_port, wait_port, wait_socket_file
 from scripts.errors import ExitCode, OperatorError
+from scripts.fileio import atomic_write
+from scripts.local_network import check_subnet_free, sh
+from scripts.processes import children, descendants, matches, stop_pids
 from scripts.ui import make_console
 
 AZURITE_ACCOUNT = "devstoreaccount1"
@@ -77,6 +85,9 @@ SSHD = "/usr/sbin/sshd"
 # The NFS server runs blob-pull with the system python (as on Azure): proves it needs only the stdlib.
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
 TRAIN_PYTHON = REPO_ROOT / ".venv-train" / "bin" / "python"
+SLURM_TOOLS = (f"{local_slurm.SBIN}/munged", f"{local_slurm.SBIN}/slurmctld", f"{local_slurm.SBIN}/slurmd", "sinfo")
+SLURM_READY_TIMEOUT_S = 60
+NO_SLURM_NOTE = "not run in localhost mode (each slurmd needs a network namespace of its own)"
 console = make_console()
 
 
@@ -85,13 +96,21 @@ class ProcessRecord(BaseModel):
     pid: int
     marker: str  # a string in its command line: guards against a recycled pid
 
+    def alive(self) -> bool:
+        return matches(self.pid, self.marker)
 
-class NodeState(BaseModel):
+
+class HostState(BaseModel):
+    """A machine of the cluster: its name, and in netns mode its namespace and veth on the bridge."""
+
     hostname: str
     address: str
-    ssh_port: int
     namespace: str | None = None
     veth: str | None = None
+
+
+class NodeState(HostState):
+    ssh_port: int
 
 
 class LocalState(BaseModel):
@@ -100,113 +119,42 @@ class LocalState(BaseModel):
     state_dir: str
     subnet: str | None = None
     bridge: str | None = None
+    head: HostState | None = None  # slurmctld's namespace (netns mode)
     nodes: list[NodeState] = Field(default_factory=list)
     processes: list[ProcessRecord] = Field(default_factory=list)
     etc_netns: list[str] = Field(default_factory=list)
     azurite_port: int | None = None
     ports: dict[str, int] = Field(default_factory=dict)  # jumpbox, nfs: sshd ports on 127.0.0.1
+    slurm_conf: str | None = None  # SLURM_CONF for Slurm's commands on this machine (netns mode)
     created_at: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
 
     def save(self) -> None:
-        path = Path(self.state_dir) / "state.json"
-        tmp = path.with_name("state.json.tmp")
-        tmp.write_text(self.model_dump_json(indent=2))
-        os.replace(tmp, path)
+        atomic_write(Path(self.state_dir) / "state.json", self.model_dump_json(indent=2))
+
+    def hosts(self) -> list[HostState]:
+        """Every machine with a namespace of its own: the head, then the nodes."""
+        return [host for host in (self.head, *self.nodes) if host is not None and host.namespace]
+
+    @property
+    def logs(self) -> Path:
+        return Path(self.state_dir) / "logs"
+
+    @property
+    def slurm_cluster_name(self) -> str:
+        return self.name.lower()  # Slurm's names are lower case
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Azurite, as the description hands it out."""
+
+    endpoint: str
+    connection_string: str
+    data_sas: str
+    results_sas: str
 
 
 # --- helpers -----------------------------------------------------------------------------------
-def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(list(argv), capture_output=True, text=True)
-    if check and proc.returncode != 0:
-        raise OperatorError(f"`{' '.join(argv)}` failed: {(proc.stderr or proc.stdout).strip()}", ExitCode.FAILED)
-    return proc
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def wait_port(host: str, port: int, timeout: float, what: str, log: Path | None = None) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.1)
-    tail = ""
-    if log and log.exists():
-        tail = "\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-    raise OperatorError(
-        f"{what} did not start listening on {host}:{port} within {timeout:.0f}s{tail}", ExitCode.TIMED_OUT
-    )
-
-
-def pid_alive(record: ProcessRecord) -> bool:
-    try:
-        cmdline = Path(f"/proc/{record.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return False
-    return record.marker in cmdline
-
-
-def descendants(pid: int) -> list[int]:
-    """All live descendants of pid (children first found via /proc/*/stat)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def kill_pids(pids: list[int], grace_s: float = 3.0) -> None:
-    """TERM the given pids, wait, then KILL what is left."""
-    live = [p for p in pids if Path(f"/proc/{p}").exists()]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in live:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        deadline = time.time() + grace_s
-        while time.time() < deadline:
-            live = [p for p in live if _running(p)]
-            if not live:
-                return
-            time.sleep(0.05)
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    if state == "Z":  # a zombie of ours: reap it
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
-        return False
-    return True
-
-
-def atomic_write(path: Path, text: str, mode: int = 0o644) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
-
-
 def write_registry_record(registry: Path, record: NodeRecord) -> Path:
     """The node registry format cloud-init writes on Azure: <dir>/<hostname>.json, atomically."""
     registry.mkdir(parents=True, exist_ok=True)
@@ -230,34 +178,6 @@ def load_state(state_dir: Path) -> LocalState | None:
             f"invalid local cluster state {path}: {describe_validation_error(exc)} (if nothing of that cluster "
             f"still runs, remove {state_dir})"
         ) from None
-
-
-def netns_allowed(name: str) -> bool:
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
-        return False
-    probe = f"{name}-probe"
-    if sh("ip", "netns", "add", probe, check=False).returncode != 0:
-        return False
-    sh("ip", "netns", "del", probe, check=False)
-    return True
-
-
-def check_subnet_free(subnet: ipaddress.IPv4Network) -> None:
-    """Refuse a range that any interface or route on this machine already uses."""
-    out = sh("ip", "-o", "-4", "addr", "show").stdout
-    for line in out.splitlines():
-        fields = line.split()
-        cidr = fields[fields.index("inet") + 1]
-        if ipaddress.ip_interface(cidr).network.overlaps(subnet):
-            raise OperatorError(
-                f"subnet {subnet} is already in use on this machine ({fields[1]} has {cidr}): pass another --subnet"
-            )
-    for line in sh("ip", "-4", "route", "show").stdout.splitlines():
-        dest = line.split()[0]
-        if dest != "default" and "/" in dest and ipaddress.ip_network(dest, strict=False).overlaps(subnet):
-            raise OperatorError(
-                f"subnet {subnet} overlaps the route {line.strip()!r} on this machine: pass another --subnet"
-            )
 
 
 def sshd_config(path: Path, listen: str, port: int, host_key: Path, authorized_keys: Path, log_level: str) -> None:
@@ -308,13 +228,13 @@ def up(
     state_dir = Path(state_dir).resolve()
     network = _check_up_request(nodes, state_dir, name, subnet)
     python = _training_python(train_python)
-    azurite = _check_tools()
     if mode == "auto":
-        mode = "netns" if netns_allowed(name) else "localhost"
-    elif mode == "netns" and not netns_allowed(name):
+        mode = "netns" if net.netns_allowed(f"{name}-probe") else "localhost"
+    elif mode == "netns" and not net.netns_allowed(f"{name}-probe"):
         raise OperatorError(
             "network namespaces cannot be created here (needs root); use --mode localhost", ExitCode.NOT_READY
         )
+    azurite = _check_tools(mode)
 
     ensure_directory(state_dir, "--state-dir")
     state = LocalState(name=name, mode=mode, state_dir=str(state_dir))
@@ -383,10 +303,13 @@ def _training_python(train_python: str | Path | None) -> Path:
     return TRAIN_PYTHON
 
 
-def _check_tools() -> Path:
+def _check_tools(mode: str) -> Path:
     """The programs `up` runs; returns Azurite's launcher."""
     for tool in ("ssh", "ssh-keygen", SSHD, "node"):
         require_tool(tool, "apt-get install openssh-server openssh-client nodejs")
+    if mode == "netns":
+        for tool in (*SLURM_TOOLS, "nsenter"):
+            require_tool(tool, "run scripts/setup_system.sh (apt-get install munge slurmctld slurmd slurm-client)")
     azurite = REPO_ROOT / "node_modules" / ".bin" / "azurite-blob"
     if not azurite.exists():
         raise OperatorError(f"Azurite is not installed: run `npm ci` in {REPO_ROOT}", ExitCode.NOT_READY)
@@ -396,80 +319,97 @@ def _check_tools() -> Path:
 def _up(
     state: LocalState, count: int, subnet: ipaddress.IPv4Network, azurite: Path, python: Path
 ) -> ClusterDescription:
+    """Every step of `up`, each recording what it creates before creating it."""
     root = Path(state.state_dir)
-    user = getpass.getuser()
     for sub in ("ssh", "hostkeys", "sshd", "logs", "shared/nodes", "shared/data", "shared/runs", "azurite"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     key = root / "ssh" / "id_ed25519"
     authorized = root / "ssh" / "authorized_keys"
     authorized.write_text(keygen(key, f"hvd-local-{state.name}") + "\n")
+    if state.mode == "netns":
+        _wire_namespaces(state, count, subnet)
+    else:
+        _loopback_nodes(state, count)
     known_hosts = root / "ssh" / "known_hosts"
-    known_lines: list[str] = []
+    atomic_write(known_hosts, "\n".join(_start_sshds(state, authorized)) + "\n", 0o600)
+    _start_azurite(state, azurite)
+    _wait_for_sshds_and_azurite(state)
+    storage = _azurite_storage(state.azurite_port or 0)
+    if state.mode == "netns":
+        _start_slurm(state)
+    _write_registry(state)
+    desc = _describe(state, python, key, known_hosts, storage)
+    desc.save(root / "cluster.json")
+    return desc
+
+
+def _wire_namespaces(state: LocalState, count: int, subnet: ipaddress.IPv4Network) -> None:
+    """The bridge (the subnet's first address), the head namespace (second) and one per node (.10+i)."""
+    check_subnet_free(subnet)
+    addresses = list(subnet.hosts())
+    bridge = f"{state.name}-br"
+    head = HostState(
+        hostname=local_slurm.CONTROLLER_HOST,
+        address=str(addresses[1]),
+        namespace=f"{state.name}-head",
+        veth=f"{state.name}-vh",
+    )
+    nodes = [
+        NodeState(
+            hostname=f"node-{i}",
+            address=str(addresses[9 + i]),
+            ssh_port=22,
+            namespace=f"{state.name}-node-{i}",
+            veth=f"{state.name}-v{i}",
+        )
+        for i in range(count)
+    ]
+    # refuse before recording: `down` deletes whatever is recorded
+    if net.interface_exists(bridge):
+        raise OperatorError(f"interface {bridge} already exists: another local cluster named {state.name}?")
+    for host in (head, *nodes):
+        if net.namespace_exists(str(host.namespace)):
+            raise OperatorError(f"network namespace {host.namespace} already exists")
+    state.subnet, state.bridge, state.head, state.nodes = str(subnet), bridge, head, nodes
+    state.etc_netns = [str(net.etc_dir(str(host.namespace))) for host in state.hosts()]
+    state.save()
+    net.add_bridge(bridge, str(addresses[0]), subnet.prefixlen)
+    hosts_text = net.hosts_file_text([(host.address, host.hostname) for host in (head, *nodes)])
+    for host in state.hosts():
+        net.add_namespace(str(host.namespace), str(host.veth), bridge, host.address, subnet.prefixlen)
+        etc = net.etc_dir(str(host.namespace))
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "hosts").write_text(hosts_text)
+
+
+def _loopback_nodes(state: LocalState, count: int) -> None:
+    for i in range(count):
+        address = f"127.0.1.{10 + i}"
+        state.nodes.append(NodeState(hostname=f"node-{i}", address=address, ssh_port=free_port(address)))
+    state.save()
+
+
+def _start(state: LocalState, role: str, argv: list[str], marker: str) -> int:
+    """Start a daemon in its own session, output to STATE/logs/<role>.log, and record its pid."""
+    with open(state.logs / f"{role}.log", "ab") as out:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    state.processes.append(ProcessRecord(role=role, pid=proc.pid, marker=marker))
+    state.save()
+    return proc.pid
+
+
+def _start_sshds(state: LocalState, authorized: Path) -> list[str]:
+    """An sshd per node, plus the jump host and the NFS server on loopback ports; returns the
+    known_hosts lines for all of them."""
+    root = Path(state.state_dir)
     with contextlib.suppress(OSError):  # sshd's privilege separation directory (root only)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
-
-    # node addresses and wiring
-    if state.mode == "netns":
-        check_subnet_free(subnet)
-        hosts = list(subnet.hosts())
-        gateway = hosts[0]
-        state.subnet = str(subnet)
-        state.bridge = f"{state.name}-br"
-        if Path(f"/sys/class/net/{state.bridge}").exists():
-            raise OperatorError(f"interface {state.bridge} already exists: another local cluster named {state.name}?")
-        sh("ip", "link", "add", state.bridge, "type", "bridge")
-        state.save()
-        sh("ip", "addr", "add", f"{gateway}/{subnet.prefixlen}", "dev", state.bridge)
-        sh("ip", "link", "set", state.bridge, "up")
-        for i in range(count):
-            node = NodeState(
-                hostname=f"node-{i}", address=str(hosts[9 + i]), ssh_port=22, namespace=f"{state.name}-node-{i}"
-            )
-            if sh("ip", "netns", "list").stdout.split().count(node.namespace):
-                raise OperatorError(f"network namespace {node.namespace} already exists")
-            sh("ip", "netns", "add", node.namespace)
-            node.veth = f"{state.name}-v{i}"
-            state.nodes.append(node)
-            state.save()
-            peer = f"{state.name}-p{i}"
-            sh("ip", "link", "add", node.veth, "type", "veth", "peer", "name", peer)
-            sh("ip", "link", "set", peer, "netns", node.namespace)
-            sh("ip", "link", "set", node.veth, "master", state.bridge)
-            sh("ip", "link", "set", node.veth, "up")
-            nsx = ("ip", "netns", "exec", node.namespace)
-            sh(*nsx, "ip", "link", "set", peer, "name", "eth0")
-            sh(*nsx, "ip", "addr", "add", f"{node.address}/{subnet.prefixlen}", "dev", "eth0")
-            sh(*nsx, "ip", "link", "set", "eth0", "up")
-            sh(*nsx, "ip", "link", "set", "lo", "up")
-        hosts_text = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n" + "".join(
-            f"{n.address}\t{n.hostname}\n" for n in state.nodes
-        )
-        for node in state.nodes:
-            etc = Path("/etc/netns") / str(node.namespace)
-            etc.mkdir(parents=True, exist_ok=True)
-            state.etc_netns.append(str(etc))
-            state.save()
-            (etc / "hosts").write_text(hosts_text)
-    else:
-        for i in range(count):
-            address = f"127.0.1.{10 + i}"
-            state.nodes.append(NodeState(hostname=f"node-{i}", address=address, ssh_port=free_port(address)))
-        state.save()
-
-    # sshd per node, plus the jump host and the NFS server on loopback ports
-    def start(role: str, argv: list[str], cfg: Path) -> None:
-        log = root / "logs" / f"{role}.log"
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        state.processes.append(ProcessRecord(role=role, pid=proc.pid, marker=str(cfg)))
-        state.save()
-
+    known_lines = []
     for node in state.nodes:
         host_key = root / "hostkeys" / node.hostname / "ssh_host_ed25519_key"
-        pub = keygen(host_key, node.hostname)
-        known_lines.append(f"{_known_host(node.address, node.ssh_port)} {pub}")
+        known_lines.append(f"{_known_host(node.address, node.ssh_port)} {keygen(host_key, node.hostname)}")
         cfg = root / "sshd" / f"{node.hostname}.conf"
         sshd_config(cfg, node.address, node.ssh_port, host_key, authorized, "ERROR")
         if state.mode == "netns":
@@ -480,42 +420,66 @@ def _up(
             argv = ["ip", "netns", "exec", str(node.namespace), *unshare, "sh", "-c", script, str(cfg)]
         else:
             argv = [SSHD, "-D", "-e", "-f", str(cfg)]
-        start(node.hostname, argv, cfg)
-    ports = state.ports
+        _start(state, node.hostname, argv, str(cfg))
     for role in ("jumpbox", "nfs"):
-        port = ports[role] = free_port()
+        port = state.ports[role] = free_port()
         host_key = root / "hostkeys" / role / "ssh_host_ed25519_key"
         known_lines.append(f"{_known_host('127.0.0.1', port)} {keygen(host_key, role)}")
         cfg = root / "sshd" / f"{role}.conf"
         sshd_config(cfg, "127.0.0.1", port, host_key, authorized, "ERROR")
-        start(role, [SSHD, "-D", "-e", "-f", str(cfg)], cfg)
-    atomic_write(known_hosts, "\n".join(known_lines) + "\n", 0o600)
+        _start(state, role, [SSHD, "-D", "-e", "-f", str(cfg)], str(cfg))
+    return known_lines
 
-    # Azurite
+
+def _start_azurite(state: LocalState, azurite: Path) -> None:
     state.azurite_port = free_port()
-    location = root / "azurite"
-    start(
-        "azurite",
-        [
-            str(azurite),
-            *("--blobHost", "127.0.0.1", "--blobPort", str(state.azurite_port)),
-            *("--location", str(location), "--skipApiVersionCheck"),
-        ],
-        location,
-    )
-    for node in state.nodes:
-        wait_port(node.address, node.ssh_port, 20, f"sshd of {node.hostname}", root / "logs" / f"{node.hostname}.log")
-    for role, port in ports.items():
-        wait_port("127.0.0.1", port, 20, f"sshd of the {role}", root / "logs" / f"{role}.log")
-    wait_port("127.0.0.1", state.azurite_port, 60, "Azurite", root / "logs" / "azurite.log")
-    endpoint = f"http://127.0.0.1:{state.azurite_port}/{AZURITE_ACCOUNT}"
-    conn_str = (
-        f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};BlobEndpoint={endpoint};"
-    )
-    data_sas, results_sas = _azurite_containers(conn_str)
+    location = Path(state.state_dir) / "azurite"
+    argv = [
+        str(azurite),
+        *("--blobHost", "127.0.0.1", "--blobPort", str(state.azurite_port)),
+        *("--location", str(location), "--skipApiVersionCheck"),
+    ]
+    _start(state, "azurite", argv, str(location))
 
-    # the node registry, as cloud-init writes it on Azure once a node is ready
-    shared = root / "shared"
+
+def _wait_for_sshds_and_azurite(state: LocalState) -> None:
+    for node in state.nodes:
+        wait_port(node.address, node.ssh_port, 20, f"sshd of {node.hostname}", state.logs / f"{node.hostname}.log")
+    for role, port in state.ports.items():
+        wait_port("127.0.0.1", port, 20, f"sshd of the {role}", state.logs / f"{role}.log")
+    wait_port("127.0.0.1", state.azurite_port or 0, 60, "Azurite", state.logs / "azurite.log")
+
+
+def _start_slurm(state: LocalState) -> None:
+    """munged, slurmctld in the head namespace, a slurmd on every node; returns once all are idle."""
+    files = local_slurm.SlurmFiles(Path(state.state_dir))
+    head, names = state.head, [node.hostname for node in state.nodes]
+    assert head is not None and head.namespace  # netns mode wires the head first
+    files.make_dirs(names)
+    local_slurm.write_config(files, state.slurm_cluster_name, head.address, names, Path(state.state_dir) / "shared")
+    state.slurm_conf = str(files.conf)
+    _start(state, "munged", local_slurm.munged_argv(files), str(files.munge_socket))
+    wait_socket_file(files.munge_socket, 20, "munged", state.logs / "munged.log")
+    _start(state, "slurmctld", local_slurm.slurmctld_argv(head.namespace, files.conf), str(files.conf))
+    wait_port(head.address, SLURMCTLD_PORT, 30, "slurmctld", state.logs / "slurmctld.log")
+    for node in state.nodes:
+        argv = local_slurm.slurmd_argv(_node_init_pid(state, node), node.hostname, files.conf)
+        _start(state, local_slurm.slurmd_role(node.hostname), argv, str(files.conf))
+    local_slurm.wait_until_idle(files.conf, names, SLURM_READY_TIMEOUT_S, state.logs)
+
+
+def _node_init_pid(state: LocalState, node: NodeState) -> int:
+    """The first process inside a node's namespaces (its sshd): what slurmd joins."""
+    record = next(r for r in state.processes if r.role == node.hostname)
+    found = children(record.pid) if record.alive() else []
+    if len(found) != 1:
+        log = state.logs / f"{node.hostname}.log"
+        raise OperatorError(f"the sshd of {node.hostname} is not running (see {log})", ExitCode.FAILED)
+    return found[0]
+
+
+def _write_registry(state: LocalState) -> None:
+    """The node registry, as cloud-init writes it on Azure once a node is ready."""
     now = datetime.now(UTC).replace(microsecond=0)
     for node in state.nodes:
         record = NodeRecord(
@@ -526,17 +490,22 @@ def _up(
             ready_at=now,
             ssh_port=node.ssh_port if state.mode == "localhost" else None,
         )
-        write_registry_record(shared / "nodes", record)
+        write_registry_record(Path(state.state_dir) / "shared" / "nodes", record)
 
-    desc = ClusterDescription(
+
+def _describe(state: LocalState, python: Path, key: Path, known_hosts: Path, storage: Storage) -> ClusterDescription:
+    shared = Path(state.state_dir) / "shared"
+    user = getpass.getuser()
+    jump_host = SSHEndpoint(host="127.0.0.1", port=state.ports["jumpbox"], user=user)
+    return ClusterDescription(
         name=f"local-{state.name}",
         provider="local",
         ssh_user=user,
         ssh_key=str(key),
         known_hosts=str(known_hosts),
-        jump_host=SSHEndpoint(host="127.0.0.1", port=ports["jumpbox"], user=user),
-        storage_host=SSHEndpoint(host="127.0.0.1", port=ports["nfs"], user=user),
-        node_count=count,
+        jump_host=jump_host,
+        storage_host=SSHEndpoint(host="127.0.0.1", port=state.ports["nfs"], user=user),
+        node_count=len(state.nodes),
         gpus_per_node=0,
         expected_hostnames=[n.hostname for n in state.nodes],
         node_ssh_port=22,
@@ -548,14 +517,17 @@ def _up(
         blob_pull=[SYSTEM_PYTHON, str(REPO_ROOT / "scripts" / "blob_pull.py")],
         storage_python=SYSTEM_PYTHON,
         data=BlobLocation(
-            endpoint=endpoint, container="data", credential=BlobCredential(kind="sas", secret=SecretStr(data_sas))
+            endpoint=storage.endpoint,
+            container="data",
+            credential=BlobCredential(kind="sas", secret=SecretStr(storage.data_sas)),
         ),
-        staging_credential=BlobCredential(kind="connection_string", secret=SecretStr(conn_str)),
+        staging_credential=BlobCredential(kind="connection_string", secret=SecretStr(storage.connection_string)),
         results=BlobLocation(
-            endpoint=endpoint,
+            endpoint=storage.endpoint,
             container="results",
-            credential=BlobCredential(kind="sas", secret=SecretStr(results_sas)),
+            credential=BlobCredential(kind="sas", secret=SecretStr(storage.results_sas)),
         ),
+        slurm=_slurm_access(state, login=jump_host),
         runtime=Runtime(
             kind="host",
             python=str(python),
@@ -566,17 +538,34 @@ def _up(
         nccl_env={},
         min_free_disk_gb=1.0,
     )
-    desc.save(root / "cluster.json")
-    return desc
+
+
+def _slurm_access(state: LocalState, login: SSHEndpoint) -> SlurmAccess | None:
+    """Slurm's facts for the description: its commands run on this machine (the jump host)."""
+    if state.slurm_conf is None or state.head is None:
+        return None
+    return SlurmAccess(
+        cluster_name=state.slurm_cluster_name,
+        partition=SLURM_PARTITION,
+        controller_host=state.head.hostname,
+        controller_address=state.head.address,
+        login=login,
+        conf=state.slurm_conf,
+    )
 
 
 def _known_host(address: str, port: int) -> str:
     return address if port == 22 else f"[{address}]:{port}"
 
 
-def _azurite_containers(conn_str: str) -> tuple[str, str]:
+def _azurite_storage(port: int) -> Storage:
+    """The `data` and `results` containers, a read + list SAS for the first and a write SAS for the second."""
     from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, generate_container_sas
 
+    endpoint = f"http://127.0.0.1:{port}/{AZURITE_ACCOUNT}"
+    conn_str = (
+        f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};BlobEndpoint={endpoint};"
+    )
     service = BlobServiceClient.from_connection_string(conn_str)
     for container in ("data", "results"):
         service.create_container(container)
@@ -588,9 +577,11 @@ def _azurite_containers(conn_str: str) -> tuple[str, str]:
             protocol="https,http",
         )  # fmt: skip
 
-    return (
-        sas("data", ContainerSasPermissions(read=True, list=True)),
-        sas("results", ContainerSasPermissions(read=True, add=True, create=True, write=True, list=True)),
+    return Storage(
+        endpoint=endpoint,
+        connection_string=conn_str,
+        data_sas=sas("data", ContainerSasPermissions(read=True, list=True)),
+        results_sas=sas("results", ContainerSasPermissions(read=True, add=True, create=True, write=True, list=True)),
     )
 
 
@@ -607,25 +598,14 @@ def down(state_dir: str | Path = DEFAULT_LOCAL_STATE, quiet: bool = False, keep_
         return False
     pids: list[int] = []
     for record in state.processes:
-        if pid_alive(record):
+        if record.alive():
             pids += [record.pid, *descendants(record.pid)]
-    for node in state.nodes:  # anything still inside our namespaces is ours
-        if node.namespace and Path(f"/run/netns/{node.namespace}").exists():
-            out = sh("ip", "netns", "pids", node.namespace, check=False).stdout.split()
-            pids += [int(p) for p in out if p.isdigit()]
-    kill_pids(sorted(set(pids)))
-    for node in state.nodes:
-        if node.namespace:
-            sh("ip", "netns", "del", node.namespace, check=False)
-        if node.veth and Path(f"/sys/class/net/{node.veth}").exists():
-            sh("ip", "link", "del", node.veth, check=False)
-    if state.bridge and Path(f"/sys/class/net/{state.bridge}").exists():
-        sh("ip", "link", "del", state.bridge, check=False)
-    for etc in state.etc_netns:
-        shutil.rmtree(etc, ignore_errors=True)
-    if state.etc_netns:
-        with contextlib.suppress(OSError):  # only when empty: other clusters may be using it
-            Path("/etc/netns").rmdir()
+    for host in state.hosts():  # anything still inside our namespaces is ours
+        pids += net.namespace_pids(str(host.namespace))
+    stop_pids(sorted(set(pids)))
+    hosts = state.hosts()
+    links = [str(h.veth) for h in hosts if h.veth] + ([state.bridge] if state.bridge else [])
+    net.remove([str(h.namespace) for h in hosts], links, state.etc_netns)
     if keep_files:
         (state_dir / "state.json").unlink(missing_ok=True)
     else:
@@ -643,11 +623,10 @@ def status(state_dir: str | Path = DEFAULT_LOCAL_STATE) -> dict:
         return {"up": False, "state_dir": str(state_dir), "components": []}
     components = []
     for record in state.processes:
-        components.append({"component": record.role, "pid": record.pid, "running": pid_alive(record)})
-    for node in state.nodes:
-        if node.namespace:
-            exists = Path(f"/run/netns/{node.namespace}").exists()
-            components.append({"component": f"netns {node.namespace}", "pid": None, "running": exists})
+        components.append({"component": record.role, "pid": record.pid, "running": record.alive()})
+    for host in state.hosts():
+        exists = net.namespace_exists(str(host.namespace))
+        components.append({"component": f"netns {host.namespace}", "pid": None, "running": exists})
     return {
         "up": all(c["running"] for c in components) and bool(components),
         "state_dir": str(state_dir),
@@ -655,10 +634,26 @@ def status(state_dir: str | Path = DEFAULT_LOCAL_STATE) -> dict:
         "subnet": state.subnet,
         "nodes": [n.model_dump() for n in state.nodes],
         "ports": state.ports,
+        "addresses": _addresses(state),
         "azurite": f"http://127.0.0.1:{state.azurite_port}/{AZURITE_ACCOUNT}" if state.azurite_port else None,
+        "slurm_conf": state.slurm_conf,
         "description": str(state_dir / "cluster.json"),
         "components": components,
     }
+
+
+def _addresses(state: LocalState) -> dict[str, str]:
+    """component -> where it listens."""
+    addresses = {n.hostname: f"{n.address}:{n.ssh_port}" for n in state.nodes}
+    addresses.update({role: f"127.0.0.1:{port}" for role, port in state.ports.items()})
+    if state.azurite_port:
+        addresses["azurite"] = f"http://127.0.0.1:{state.azurite_port}/{AZURITE_ACCOUNT}"
+    if state.slurm_conf and state.head:
+        addresses["munged"] = str(local_slurm.SlurmFiles(Path(state.state_dir)).munge_socket)
+        addresses["slurmctld"] = f"{state.head.address}:{SLURMCTLD_PORT}"
+        for n in state.nodes:
+            addresses[local_slurm.slurmd_role(n.hostname)] = f"{n.address}:{SLURMD_PORT}"
+    return addresses
 
 
 def print_status(info: dict) -> None:
@@ -669,24 +664,26 @@ def print_status(info: dict) -> None:
     table = Table(title=f"local cluster ({info['mode']}, {info['state_dir']})")
     for col in ("component", "pid", "address", "state"):
         table.add_column(col)
-    addresses = {n["hostname"]: f"{n['address']}:{n['ssh_port']}" for n in info["nodes"]}
-    addresses.update({role: f"127.0.0.1:{port}" for role, port in info.get("ports", {}).items()})
     for c in info["components"]:
-        role = c["component"]
         table.add_row(
-            role,
+            c["component"],
             str(c["pid"] or "-"),
-            addresses.get(role, info["azurite"] if role == "azurite" else ""),
+            info["addresses"].get(c["component"], ""),
             "[green]running[/green]" if c["running"] else "[red]down[/red]",
         )
     out.print(table)
     out.print(f"cluster description: {info['description']}")
+    if info["slurm_conf"]:
+        out.print(f"slurm: SLURM_CONF={info['slurm_conf']} sinfo (logs in {Path(info['state_dir']) / 'logs'})")
+    else:
+        out.print(f"slurm: {NO_SLURM_NOTE}")
 
 
 def build_parser() -> CLIParser:
     parser = CLIParser(
         prog="python -m scripts.local_cluster",
-        description="Embedded local cluster: nodes as network namespaces with sshd, Azurite as blob storage.",
+        description="Embedded local cluster: nodes as network namespaces with sshd and slurmd, Azurite as blob "
+        "storage.",
     )
     parser.add_argument(
         "--state-dir", type=non_empty, default=str(DEFAULT_LOCAL_STATE), help="where its state lives (%(default)s)"

@@ -11,6 +11,10 @@ declare -A wanted=(
   [ip]=iproute2                # network namespaces as nodes
   [systemd-analyze]=systemd    # verifies the systemd units in cloud-init documents
   [npm]=npm                    # Azurite
+  [slurmctld]=slurmctld        # the local cluster's Slurm controller (Debian 12: Slurm 22.05)
+  [slurmd]=slurmd              # one per local node
+  [sinfo]=slurm-client         # sinfo, srun, sbatch, squeue, scontrol from the operator's side
+  [munged]=munge               # Slurm's authentication
 )
 missing=()
 for command in "${!wanted[@]}"; do

@@ -10,13 +10,10 @@ the user, key, known_hosts file and timeouts, so every call is just `ssh -F CONF
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import signal
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -235,22 +232,6 @@ def explain_ssh_failure(label: str, stderr: str, desc: ClusterDescription) -> st
 
 def q(value: object) -> str:
     return shlex.quote(str(value))
-
-
-def stop_local(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
-    """Stop a local child process we started (its own session): TERM, then KILL, by pid."""
-    if proc.poll() is not None:
-        return
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.time() + grace_s
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                return
-            time.sleep(0.05)
 
 
 def endpoint_label(endpoint: SSHEndpoint) -> str:

@@ -45,7 +45,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from scripts import blobs
+from scripts import blobs, fileio
 from scripts.cli import CLIParser, arg_type, ensure_directory, int_between, non_empty, positive_number, run_cli
 from scripts.cluster import BlobCredential, BlobLocation, ClusterDescription, load
 from scripts.errors import ExitCode, OperatorError
@@ -135,8 +135,7 @@ def pack_shards(files: list[tuple[str, Path]], shard_dir: Path, shard_size_mb: f
         manifest = [[name, p.stat().st_size, int(p.stat().st_mtime)] for name, p in group]
         manifest_path = shard.with_suffix(".json")
         if not (shard.exists() and manifest_path.exists() and json.loads(manifest_path.read_text()) == manifest):
-            tmp = shard.with_suffix(".tar.tmp")
-            with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as archive:
+            with fileio.atomic_path(shard) as tmp, tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as archive:
                 for (name, path), (_, length, mtime) in zip(group, manifest, strict=True):
                     info = tarfile.TarInfo(name)
                     info.size, info.mtime, info.mode = length, mtime, 0o644
@@ -144,7 +143,6 @@ def pack_shards(files: list[tuple[str, Path]], shard_dir: Path, shard_size_mb: f
                     info.uname = info.gname = ""
                     with open(path, "rb") as handle:
                         archive.addfile(info, handle)
-            os.replace(tmp, shard)
             manifest_path.write_text(json.dumps(manifest))
         shards.append((SHARD_PREFIX + shard.name, shard))
     for stale in shard_dir.glob("shard-*.tar"):  # from an earlier, larger packing
@@ -189,7 +187,7 @@ def _hash_all(items: list[tuple[str, Path]], workers: int, cache_file: Path | No
         hit = cache.get(str(path))
         if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
             return bytes.fromhex(hit[2])
-        digest = blobs.file_md5(path)
+        digest = fileio.file_md5(path)
         cache[str(path)] = [st.st_size, st.st_mtime_ns, digest.hex()]
         return digest
 
@@ -198,9 +196,7 @@ def _hash_all(items: list[tuple[str, Path]], workers: int, cache_file: Path | No
     if cache_file:
         with contextlib.suppress(OSError):  # the cache only saves time: an unwritable one is no failure
             cache_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(cache))
-            os.replace(tmp, cache_file)
+            fileio.atomic_write(cache_file, json.dumps(cache))
     return {name: digest for (name, _), digest in zip(items, digests, strict=True)}
 
 

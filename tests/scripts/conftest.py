@@ -1,4 +1,4 @@
-"""Shared fixtures: one real local cluster (network namespaces, sshd, Azurite) for the session.
+"""Shared fixtures: one real local cluster (network namespaces, sshd, Slurm, Azurite) for the session.
 
 Everything here is real: Azurite enforces SAS permissions, nodes are namespaces with their own sshd,
 hostname and process table, Horovod runs across them over SSH. The only mocked boundary in the
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import local_cluster
+from scripts import local_cluster, local_network
 from scripts.cluster import ClusterDescription, NodeRecord, load
 from scripts.errors import OperatorError
 from scripts.sshutil import SSH
@@ -40,7 +40,7 @@ def free_subnet() -> str:
         if subnet in _HANDED_OUT:
             continue
         try:
-            local_cluster.check_subnet_free(ipaddress.ip_network(subnet))
+            local_network.check_subnet_free(ipaddress.ip_network(subnet))
         except OperatorError:
             continue
         _HANDED_OUT.add(subnet)
@@ -106,6 +106,19 @@ def host_pids_with(marker: str) -> list[int]:
         except OSError:
             continue
         if environ.startswith(needle) or b"\0" + needle in environ:
+            found.append(int(entry.name))
+    return found
+
+
+def live_pids_mentioning(text: str) -> list[int]:
+    """Processes (not zombies: theirs is empty) whose command line contains text."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if text.encode() in cmdline:
             found.append(int(entry.name))
     return found
 

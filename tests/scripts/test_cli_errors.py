@@ -23,6 +23,7 @@ import pytest
 
 from scripts import blob_pull, local_cluster
 from scripts import cluster as cl
+from scripts.daemons import free_port
 from scripts.errors import ExitCode
 
 from .conftest import FIXTURES, REPO, private_key_file, run_module
@@ -160,7 +161,7 @@ def paths(tmp_path: Path, blob_service: str) -> dict[str, str]:
         "fake_pulumi": str(FIXTURES / "bin"),
         "failing_az": str(Path(_write(tmp_path / "azbin" / "az", "#!/bin/sh\necho no >&2\nexit 1\n", 0o755)).parent),
         "server": blob_service,
-        "closed": f"http://127.0.0.1:{local_cluster.free_port()}",
+        "closed": f"http://127.0.0.1:{free_port()}",
         **_descriptions(tmp_path, key),
         **_state_dirs(tmp_path),
     }

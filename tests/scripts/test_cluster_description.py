@@ -43,6 +43,15 @@ def test_outputs_map_to_the_description(tmp_path):
     assert desc.runtime.images["pytorch"] == "hvddevacr3f9a1c.azurecr.io/hvd-pytorch:latest"
     assert desc.runtime.images["keras"] == "hvddevacr3f9a1c.azurecr.io/hvd-tensorflow:latest"
     assert desc.blob_pull[-1] == "blob-pull"
+    # Slurm's commands run on the head node, through the jump host, with its own /etc/slurm/slurm.conf
+    assert desc.slurm.model_dump() == {
+        "cluster_name": "hvd-dev",
+        "partition": "gpu",
+        "controller_host": "hvd-dev-head",
+        "controller_address": "10.20.1.4",
+        "login": {"host": "10.20.1.4", "user": "azureuser", "port": 22},
+        "conf": None,
+    }
 
 
 def test_image_tag_and_host_runtime():

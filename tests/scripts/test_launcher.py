@@ -18,6 +18,7 @@ from rich.console import Console
 from scripts import launch, local_cluster
 from scripts.blobs import container_client
 from scripts.cluster import NodeRecord, load
+from scripts.daemons import free_port
 from scripts.errors import OperatorError
 from scripts.sshutil import SSH
 from tests.polling import wait_for
@@ -244,7 +245,7 @@ def test_ssh_authentication_failure(cluster, tmp_path):
 
 
 def test_unreachable_jump_host_and_node(cluster, tmp_path):
-    closed = local_cluster.free_port()
+    closed = free_port()
     jump = cluster.jump_host.model_copy(update={"port": closed})
     path = cluster.model_copy(update={"jump_host": jump}).save(tmp_path / "cluster.json")
     started = time.time()

@@ -13,7 +13,7 @@ from scripts.cluster import load
 from scripts.errors import OperatorError
 from scripts.sshutil import SSH
 
-from .conftest import SESSION_SUBNET, address, cluster_name, free_subnet, run_module
+from .conftest import SESSION_SUBNET, address, cluster_name, free_subnet, live_pids_mentioning, run_module
 
 
 def links() -> str:
@@ -52,14 +52,18 @@ def test_up_status_down_leaves_nothing(tmp_path):
         assert int(procs) < 10  # only this node's sshd and our session, not the host's processes
         assert (state / "cluster.json").stat().st_mode & 0o077 == 0
         status = run_module("scripts.local_cluster", "--state-dir", str(state), "status")
-        assert status.returncode == 0 and "azurite" in status.stdout and status.stdout.count("running") == 7
-        pids = [p.pid for p in recorded.processes]
-        assert all(Path(f"/proc/{pid}").exists() for pid in pids)
+        # 4 sshds, Azurite, munged, slurmctld, 2 slurmds; 3 namespaces (the head and the nodes)
+        assert status.returncode == 0 and "azurite" in status.stdout and status.stdout.count("running") == 12
+        assert f"slurm: SLURM_CONF={state.resolve()}/slurm/slurm.conf sinfo" in status.stdout
+        roles = {p.role for p in recorded.processes}
+        assert {"munged", "slurmctld", "slurmd-node-0", "slurmd-node-1"} <= roles
+        assert all(p.alive() for p in recorded.processes)
     finally:
         down = run_module("scripts.local_cluster", "--state-dir", str(state), "down")
     assert down.returncode == 0, down.stderr
-    assert not any(Path(f"/proc/{p.pid}").exists() and local_cluster.pid_alive(p) for p in recorded.processes)
-    assert not {f"{name}-node-0", f"{name}-node-1"} & set(namespaces())
+    assert not any(p.alive() for p in recorded.processes)
+    assert live_pids_mentioning(str(state.resolve())) == []  # slurmd, slurmctld, munged, sshd, Azurite: all gone
+    assert not {f"{name}-head", f"{name}-node-0", f"{name}-node-1"} & set(namespaces())
     assert f"{name}-" not in links()
     assert not Path(f"/etc/netns/{name}-node-0").exists() and not state.exists()
     gone = run_module("scripts.local_cluster", "--state-dir", str(state), "status")

@@ -253,8 +253,8 @@ def test_blob_pull_takes_the_sas_from_stdin_never_argv(cluster, tmp_path):
 def test_rerun_does_not_hash_unchanged_files_again(cluster, jpegs, monkeypatch):
     stage.upload(cluster.data, cluster.staging_credential, jpegs, "hashcache", show_progress=False)
     calls = []
-    real = stage.blobs.file_md5
-    monkeypatch.setattr(stage.blobs, "file_md5", lambda path: calls.append(path) or real(path))
+    real = stage.fileio.file_md5
+    monkeypatch.setattr(stage.fileio, "file_md5", lambda path: calls.append(path) or real(path))
     again = stage.upload(cluster.data, cluster.staging_credential, jpegs, "hashcache", show_progress=False)
     assert (again.skipped, calls) == (24, [])
     victim = next(jpegs.rglob("*.JPEG"))

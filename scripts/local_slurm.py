@@ -1,0 +1,247 @@
+"""Slurm on the local cluster: Debian's slurmctld, slurmd and munged, run the way the Azure cluster
+runs them, with the slurm.conf that infra/cloud_init/slurm.py renders for Azure.
+
+  munged     on the host; its socket is a file under the state directory. The namespaces share the
+             host's file system, so every daemon and client reaches it by that path (slurm.conf's
+             AuthInfo names it).
+  slurmctld  in its own network namespace, the head node (`<name>-head`, hostname `head`, the
+             subnet's second address): each cluster has its own port 6817, and the nodes reach the
+             controller at an address on the bridge, as on Azure.
+  slurmd     in each node's namespaces, those of its sshd (network, hostname, process table,
+             mounts): a node is one machine, and `ps` over SSH shows its job steps.
+Commands from the host: `SLURM_CONF=STATE/slurm/slurm.conf sinfo` (`client_env`).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from infra.cloud_init.slurm import HealthCheck, NodeSet, PowerSaving, render_health_check, render_slurm_conf
+from infra.contract import SLURM_PARTITION
+from scripts.daemons import log_tail
+from scripts.errors import ExitCode, OperatorError
+from scripts.fileio import atomic_write
+
+CONTROLLER_HOST = "head"
+NODE_CPUS = 2  # what each node offers to jobs: every node shares this machine's cores
+NODE_MEMORY_MB = 2048
+# Power saving stays off until the local cluster emulates it: the partition is never suspended,
+# and a node Slurm thinks powered down is "resumed" by its slurmd registering again.
+NO_POWER_PROGRAM = "/bin/true"
+HEALTH_CHECK_INTERVAL_S = 60  # the shortest infra's renderer allows
+MIN_FREE_GB = 1
+SBIN = "/usr/sbin"
+
+
+@dataclass(frozen=True)
+class SlurmFiles:
+    """Where everything of the local Slurm lives, under the cluster's state directory."""
+
+    state_dir: Path
+
+    @property
+    def root(self) -> Path:
+        return self.state_dir / "slurm"
+
+    @property
+    def conf(self) -> Path:
+        return self.root / "slurm.conf"
+
+    @property
+    def state_save(self) -> Path:
+        return self.root / "slurmctld"
+
+    @property
+    def spool(self) -> Path:
+        return self.root / "spool"  # one directory per node below it (%n)
+
+    @property
+    def health_check(self) -> Path:
+        return self.root / "health-check"
+
+    @property
+    def munge(self) -> Path:
+        return self.state_dir / "munge"
+
+    @property
+    def munge_key(self) -> Path:
+        return self.munge / "munge.key"
+
+    @property
+    def munge_socket(self) -> Path:
+        return self.munge / "munge.socket"
+
+    def make_dirs(self, nodes: Sequence[str]) -> None:
+        for directory in (self.state_save, *(self.spool / node for node in nodes)):
+            directory.mkdir(parents=True, exist_ok=True)
+        # munged wants its socket's directory open to every user
+        self.munge.mkdir(mode=0o755, exist_ok=True)
+        self.munge.chmod(0o755)
+
+
+def client_env(conf: str | Path) -> dict[str, str]:
+    """The environment the Slurm commands (sinfo, srun, sbatch, ...) need on the host."""
+    return {"SLURM_CONF": str(conf)}
+
+
+def write_config(files: SlurmFiles, cluster: str, controller_address: str, nodes: Sequence[str], shared: Path) -> None:
+    """slurm.conf, cgroup.conf, the health check and the munge key."""
+    try:
+        conf = render_local_conf(files, cluster, controller_address, nodes)
+        check = render_health_check(
+            shared_mount=str(shared),
+            expected_gpus=0,
+            check_infiniband=False,
+            min_free_gb=MIN_FREE_GB,
+            free_disk_path=str(shared),
+        )
+    except ValueError as exc:  # a state directory whose path slurm.conf cannot carry, say
+        raise OperatorError(f"cannot configure Slurm for the local cluster: {exc}") from None
+    atomic_write(files.conf, conf)
+    # slurmd reads cgroup.conf beside slurm.conf. Its default, autodetect, fails inside a network
+    # namespace (`ip netns exec` mounts a fresh /sys without /sys/fs/cgroup); v1 is only loaded, never
+    # used: processes are tracked through /proc (proctrack/linuxproc).
+    atomic_write(files.conf.with_name("cgroup.conf"), "CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n")
+    script = files.root / "slurm-health-check.sh"
+    atomic_write(script, check, 0o755)
+    # slurmd runs its HealthCheckProgram with SLURMD_NODENAME alone in the environment: the wrapper
+    # adds what differs here (a plain shared directory, and this cluster's slurm.conf for scontrol).
+    wrapper = (
+        "#!/bin/sh\n"
+        f"export SLURM_CONF={shlex.quote(str(files.conf))} SHARED_IS_MOUNT=0\n"
+        f"exec {shlex.quote(str(script))}\n"
+    )
+    atomic_write(files.health_check, wrapper, 0o755)
+    atomic_write(files.munge_key, os.urandom(1024), 0o400)  # a fresh key per cluster, root's only
+
+
+def render_local_conf(files: SlurmFiles, cluster: str, controller_address: str, nodes: Sequence[str]) -> str:
+    """Azure's slurm.conf (infra's renderer) with what one machine of namespaces needs instead."""
+    azure = render_slurm_conf(
+        cluster_name=cluster,
+        controller_host=CONTROLLER_HOST,
+        controller_address=controller_address,
+        partition=SLURM_PARTITION,
+        nodes=NodeSet(names=list(nodes), cpus=NODE_CPUS, real_memory_mb=NODE_MEMORY_MB, gpus=0),
+        state_save_dir=str(files.state_save),
+        slurmd_spool_dir=str(files.spool),
+        power=PowerSaving(
+            suspend_program=NO_POWER_PROGRAM,
+            resume_program=NO_POWER_PROGRAM,
+            resume_fail_program=NO_POWER_PROGRAM,
+            suspend_time_s=None,
+            suspend_timeout_s=30,
+            resume_timeout_s=60,
+        ),
+        health_check=HealthCheck(program=str(files.health_check), interval_s=HEALTH_CHECK_INTERVAL_S),
+    )
+    run = files.root
+    return override(
+        azure,
+        {
+            "SlurmUser": "root",  # every local daemon runs as root, which owns the state directory
+            "AuthInfo": f"socket={files.munge_socket}",
+            # every node shares one machine: its own spool and pid file (%n: the node's name)
+            "SlurmdSpoolDir": f"{files.spool}/%n",
+            "SlurmdPidFile": f"{run}/slurmd-%n.pid",
+            "SlurmctldPidFile": f"{run}/slurmctld.pid",
+            # the nodes advertise NODE_CPUS whatever this machine has
+            "SlurmdParameters": "config_overrides",
+            # binding tasks to "their" cores would pin every node's tasks to the same few cores
+            "TaskPlugin": "task/none",
+            "MailProg": "/bin/true",  # Debian's default, /usr/bin/mail, is not installed
+        },
+    )
+
+
+def override(conf: str, settings: dict[str, str]) -> str:
+    """conf with each `Key=value` line of settings replaced in place, or appended when absent."""
+    pending = dict(settings)
+    lines = []
+    for line in conf.splitlines():
+        key = line.split("=", 1)[0] if "=" in line and not line.startswith("#") else None
+        lines.append(f"{key}={pending.pop(key)}" if key in pending else line)
+    lines += ["# the local cluster's own settings", *(f"{key}={value}" for key, value in pending.items())]
+    return "\n".join(lines) + "\n"
+
+
+# --- the daemons' command lines ----------------------------------------------------------------
+def munged_argv(files: SlurmFiles) -> list[str]:
+    munge = files.munge
+    return [
+        f"{SBIN}/munged",
+        "--foreground",  # logs to stderr (the log file under STATE/logs), stays our child
+        f"--key-file={files.munge_key}",
+        f"--socket={files.munge_socket}",
+        f"--pid-file={munge / 'munged.pid'}",
+        f"--seed-file={munge / 'munged.seed'}",
+        # munged refuses a socket below a directory that not every user may enter (pytest's 0700
+        # temporary directories): --force lets it serve; every client here is root anyway
+        "--force",
+    ]
+
+
+def slurmctld_argv(namespace: str, conf: Path) -> list[str]:
+    """slurmctld in the head namespace, with the hostname slurm.conf's SlurmctldHost names (it refuses
+    to run on any other host)."""
+    script = f'hostname {CONTROLLER_HOST} && exec {SBIN}/slurmctld -D -f "$0"'
+    return ["ip", "netns", "exec", namespace, "unshare", "--uts", "sh", "-c", script, str(conf)]
+
+
+def slurmd_argv(node_init_pid: int, node: str, conf: Path) -> list[str]:
+    """slurmd inside the namespaces of the node's first process (its sshd)."""
+    enter = ["nsenter", f"--target={node_init_pid}", "--net", "--uts", "--pid", "--mount"]
+    return [*enter, f"{SBIN}/slurmd", "-D", "-f", str(conf), "-N", node]
+
+
+def slurmd_role(node: str) -> str:
+    """The name of a node's slurmd in the cluster's records and logs (STATE/logs/<role>.log)."""
+    return f"slurmd-{node}"
+
+
+# --- readiness ---------------------------------------------------------------------------------
+def node_states(conf: Path) -> dict[str, str]:
+    """node -> its state as sinfo prints it (idle, idle~, down*, drained, ...), with the reason if any."""
+    proc = subprocess.run(
+        ["sinfo", "--noheader", "--Node", "--format=%N|%T|%E"],
+        env={**os.environ, **client_env(conf)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if proc.returncode != 0:
+        raise OperatorError(f"sinfo failed: {(proc.stderr or proc.stdout).strip()}", ExitCode.NOT_READY)
+    states = {}
+    for line in proc.stdout.splitlines():
+        node, state, reason = line.split("|", 2)
+        states[node] = state if reason in ("", "none") else f"{state} ({reason})"
+    return states
+
+
+def wait_until_idle(conf: Path, nodes: Sequence[str], timeout: float, logs: Path) -> None:
+    """Until sinfo shows every node idle; on timeout, name each other node with its slurmd log."""
+    deadline = time.time() + timeout
+    states: dict[str, str] = {}
+    problem = ""
+    while time.time() < deadline:
+        try:
+            states, problem = node_states(conf), ""
+        except (OperatorError, subprocess.TimeoutExpired) as exc:
+            problem = f" ({exc})"
+        if states and all(states.get(node) == "idle" for node in nodes):
+            return
+        time.sleep(0.2)
+    late = [node for node in nodes if states.get(node) != "idle"]
+    details = "".join(
+        f"\n{node}: {states.get(node, 'unknown to slurmctld')}{log_tail(logs / f'{slurmd_role(node)}.log')}"
+        for node in late
+    )
+    raise OperatorError(
+        f"Slurm nodes not idle within {timeout:.0f}s: {', '.join(late)}{problem}{details}", ExitCode.TIMED_OUT
+    )
