@@ -6,31 +6,42 @@ import argparse
 from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
+from typing import NoReturn, TypeVar
+
+T = TypeVar("T", int, float)
 
 MODELS = ("resnet50", "resnet_tiny", "simple_cnn")
 FRAMEWORKS = ("pytorch", "tensorflow", "keras")
 DEFAULT_SYNTHETIC_STEPS = 100
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, like every other error of the jobs."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def _number(text: str, kind: type[T], least: T, description: str) -> T:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {description}, got {text!r}") from None
+    if not value >= least:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be {description}, got {text}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _number(text, int, 1, "a positive integer")
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
+    return _number(text, int, 0, "an integer, 0 or more")
 
 
 def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
+    return _number(text, float, 0.0, "a number, 0 or more")
 
 
 def _epoch_list(text: str) -> tuple[float, ...]:
@@ -48,7 +59,7 @@ def _epoch_list(text: str) -> tuple[float, ...]:
 def build_parser(framework: str) -> argparse.ArgumentParser:
     if framework not in FRAMEWORKS:
         raise ValueError(f"unknown framework {framework!r}")
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog=f"python -m training.{framework}",
         description=f"Data-parallel ResNet training with Horovod ({framework}). "
         "Run one process per GPU under horovodrun"
@@ -125,6 +136,11 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
         help="steps between checkpoints (default: every epoch); the last step is always saved",
     )
     ckpt.add_argument("--keep-checkpoints", type=_positive_int, default=3)
+    ckpt.add_argument(
+        "--ignore-bad-checkpoints",
+        action="store_true",
+        help="when every checkpoint is damaged, rename them to *.corrupt and start from step 0 (default: refuse)",
+    )
 
     report = parser.add_argument_group("reporting")
     report.add_argument("--metrics-json", type=Path, help="rank 0 writes the run's metrics here")
@@ -136,6 +152,7 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
         default=10,
         help="first steps of a run left out of images/s (compilation, autotuning, allocator warmup)",
     )
+    report.add_argument("--debug", action="store_true", help="print the traceback of every error")
     return parser
 
 

@@ -22,6 +22,7 @@ import numpy as np
 from PIL import Image
 
 from training.args import DEFAULT_SYNTHETIC_STEPS
+from training.errors import BadInput
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +32,15 @@ STD = (58.395, 57.12, 57.375)
 IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")
 VAL_RESIZE_RATIO = 0.875  # resize to size / 0.875, then center-crop size (224 from 256)
 VAL_EPOCH = -1  # the "epoch" of a validation key: center crop, no randomness
+# More unreadable files than this in a row is a broken data directory, not a few bad files; it
+# also bounds the work a sample can cost (an all-corrupt split would otherwise try every file).
+MAX_UNREADABLE_IN_A_ROW = 50
 
 Key = tuple[int, int]  # (image index, epoch)
 
 
-class DataDirError(Exception):
-    """The data directory is missing, empty or inconsistent; the message names the path."""
+class DataDirError(BadInput):
+    """The data directory is missing, empty, inconsistent or unreadable; the message names the path."""
 
 
 @dataclass
@@ -61,7 +65,8 @@ class ImageFolder:
         allreduce).
         """
         index, epoch = key
-        for skipped in range(len(self.paths)):
+        tries = min(len(self.paths), MAX_UNREADABLE_IN_A_ROW)
+        for skipped in range(tries):
             i = (index + skipped) % len(self.paths)
             try:
                 if epoch == VAL_EPOCH:
@@ -72,7 +77,11 @@ class ImageFolder:
                 return image, int(self.labels[i]), skipped
             except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
                 log.warning("skipping unreadable image %s: %s", self.paths[i], exc)
-        raise DataDirError(f"no image under {self.root} could be decoded")
+                reason = f"{self.paths[i]}: {exc}"
+        raise DataDirError(
+            f"{tries} images in a row under {self.root} could not be decoded (the last, {reason}): "
+            "check the data directory (a truncated copy?)"
+        )
 
 
 def scan_split(
@@ -92,6 +101,8 @@ def scan_split(
         unknown = sorted(set(found) - set(classes))
         if unknown:
             raise DataDirError(f"{split_dir} has classes not in train/: {', '.join(unknown[:5])}")
+    if not found:
+        raise DataDirError(f"{split_dir} contains no class folders (expected {split}/<class>/*.JPEG)")
     label_of = {name: label for label, name in enumerate(classes)}
     paths: list[str] = []
     labels: list[int] = []
@@ -101,10 +112,14 @@ def scan_split(
             for entry in os.scandir(split_dir / name)
             if entry.is_file() and entry.name.lower().endswith(IMAGE_SUFFIXES)
         )
+        if not files:
+            # A class without images would still get a label and an output of the model.
+            raise DataDirError(
+                f"class folder {split_dir / name} contains no images ({', '.join(IMAGE_SUFFIXES)}): "
+                "add its images or remove the folder"
+            )
         paths += files
         labels += [label_of[name]] * len(files)
-    if not paths:
-        raise DataDirError(f"{split_dir} contains no images (expected <class>/*.JPEG)")
     return ImageFolder(split_dir, paths, np.asarray(labels, dtype=np.int32), classes, image_size, seed)
 
 

@@ -10,14 +10,14 @@ shared per-step bookkeeping (LR schedule, logs, checkpoints, timing).
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import horovod.tensorflow.keras as hvd_keras
 import tensorflow as tf
 
 from training import tf_common
+from training.job import run_job
 from training.loop import TrainingRun
 
 
@@ -46,30 +46,31 @@ class StepCallback(tf.keras.callbacks.Callback):
         self.step += 1
 
 
-def train(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    s = tf_common.setup("keras", argv, _distributed)
+def train(args: argparse.Namespace, dist: tf_common.HorovodTF) -> dict[str, Any]:
+    s = tf_common.setup(args, dist, _distributed)
     s.model.compile(
         optimizer=s.optimizer,
         loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     run = s.training_run("keras")
     remaining = run.total_steps - run.start_step
-    if remaining:
-        if s.plan.train is None:
-            # fit() reads from tf.data, which lives on the host: the fixed uint8 batch is copied
-            # to the GPU every step, overlapped with compute by the prefetch.
-            dataset = tf.data.Dataset.from_tensors(s.synthetic_tensors()).repeat().prefetch(tf.data.AUTOTUNE)
-        else:
-            dataset = s.train_dataset(run.total_steps)
-        # One Keras "epoch" of all remaining steps: Keras cannot start mid-epoch, and our
-        # epochs (LR decay, evaluation, checkpoints) are counted by the callback instead.
-        s.model.fit(dataset, epochs=1, steps_per_epoch=remaining, callbacks=[StepCallback(run)], verbose=0)
-    return run.finish(s.skip_counter())
+    with s.pipeline_errors.unwrapped():
+        if remaining:
+            if s.plan.train is None:
+                # fit() reads from tf.data, which lives on the host: the fixed uint8 batch is copied
+                # to the GPU every step, overlapped with compute by the prefetch.
+                dataset = tf.data.Dataset.from_tensors(s.synthetic_tensors()).repeat().prefetch(tf.data.AUTOTUNE)
+            else:
+                dataset = s.train_dataset(run.total_steps)
+            # One Keras "epoch" of all remaining steps: Keras cannot start mid-epoch, and our
+            # epochs (LR decay, evaluation, checkpoints) are counted by the callback instead.
+            s.model.fit(dataset, epochs=1, steps_per_epoch=remaining, callbacks=[StepCallback(run)], verbose=0)
+        return run.finish(s.skip_counter())
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return tf_common.exit_code(train, argv)
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    run_job("keras", argv, tf_common.start_backend, train)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

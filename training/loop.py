@@ -14,10 +14,12 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from training.checkpoint import CheckpointDir
+from training.checkpoint import Checkpoint, CheckpointDir, Fingerprint
 from training.data import SkipCounter
 from training.distributed import Dist
+from training.errors import CheckpointRefused, JobError, first_line
 from training.metrics import METRIC_KEYS, StepTimer, throughput, write_metrics
+from training.outputs import output_error
 from training.schedule import learning_rate
 
 log = logging.getLogger(__name__)
@@ -32,24 +34,63 @@ def configure_logging(rank: int) -> None:
     )
 
 
-def resume(args: argparse.Namespace, dist: Dist, decode: Callable[[bytes], T]) -> tuple[int, T | None]:
+def resume(
+    args: argparse.Namespace,
+    dist: Dist,
+    fingerprint: Fingerprint,
+    steps_per_epoch: int,
+    decode: Callable[[bytes], T],
+) -> tuple[int, T | None]:
     """Rank 0 finds the newest valid checkpoint; every rank gets its ``(step, state)``.
 
     ``(0, None)`` when there is nothing to resume. Only rank 0 reads the directory, so ranks
-    cannot disagree about which checkpoint is newest (one may be landing as they look); the
-    payload is broadcast and every rank decodes the same bytes.
+    cannot disagree about which checkpoint is newest (one may be landing as they look); its
+    verdict and the payload are broadcast, and every rank decodes the same bytes. A refusal
+    (a damaged or foreign directory, a checkpoint past this run's end) is raised on every rank.
     """
-    found = None
+    found: Checkpoint | None = None
+    refusal: str | None = None
     if dist.rank == 0 and args.checkpoint_dir is not None:
-        checkpoints = CheckpointDir(args.checkpoint_dir, args.keep_checkpoints)
-        checkpoints.remove_stale_temporaries()
-        found = checkpoints.load_latest(decode)
-    step = dist.broadcast_object(found[0] if found else 0)
+        try:
+            found = _find_checkpoint(args, fingerprint, args.epochs * steps_per_epoch, decode)
+        except CheckpointRefused as exc:
+            refusal = str(exc)
+    step, refusal = dist.broadcast_object((found.step if found else 0, refusal))
+    if refusal is not None:
+        raise CheckpointRefused(refusal, every_rank=True)
     if step == 0:
         return 0, None
     if dist.rank == 0:
         log.info("resuming from %s at step %d", args.checkpoint_dir, step)
-    return step, decode(dist.broadcast_bytes(found[1] if found else None))
+    return step, decode(dist.broadcast_bytes(found.payload if found else None))
+
+
+def _find_checkpoint(
+    args: argparse.Namespace, fingerprint: Fingerprint, total_steps: int, decode: Callable[[bytes], object]
+) -> Checkpoint | None:
+    checkpoints = CheckpointDir(args.checkpoint_dir, args.keep_checkpoints)
+    checkpoints.remove_stale_temporaries()
+    found = checkpoints.load_latest(fingerprint, decode, args.ignore_bad_checkpoints)
+    if found is not None and found.step > total_steps:
+        raise CheckpointRefused(
+            f"checkpoint {found.path} is at step {found.step}, past this run's {total_steps} steps "
+            f"({args.epochs} epochs x {total_steps // args.epochs}): raise --epochs or --steps to continue it, "
+            "or use another --checkpoint-dir"
+        )
+    return found
+
+
+def restore(args: argparse.Namespace, step: int, apply: Callable[[], object]) -> None:
+    """Load a resumed state into the job's objects: a state that does not fit them (another
+    optimizer or precision) is a refusal on every rank, which all decode the same bytes."""
+    try:
+        apply()
+    except (KeyError, ValueError, RuntimeError) as exc:
+        raise CheckpointRefused(
+            f"the checkpoint of step {step} in {args.checkpoint_dir} does not fit this run ({first_line(exc)}): "
+            "resume with the flags that wrote it, or use another --checkpoint-dir",
+            every_rank=True,
+        ) from exc
 
 
 class TrainingRun:
@@ -65,6 +106,7 @@ class TrainingRun:
         start_step: int,
         precision: str,
         device: str,
+        fingerprint: Fingerprint,
         save_state: Callable[[int], bytes],
         evaluate: Callable[[], tuple[int, int]] | None = None,
     ) -> None:
@@ -73,15 +115,11 @@ class TrainingRun:
         self.framework = framework
         self.steps_per_epoch = steps_per_epoch
         self.total_steps = args.epochs * steps_per_epoch
-        if start_step > self.total_steps:
-            raise ValueError(
-                f"checkpoint step {start_step} is past this run's {self.total_steps} steps "
-                f"({args.epochs} epochs x {steps_per_epoch}); use a new --checkpoint-dir"
-            )
         self.start_step = start_step
         self.global_batch_size = args.batch_size * dist.size
         self.precision = precision
         self.device = device
+        self._fingerprint = fingerprint
         self._save_state = save_state
         self._evaluate = evaluate
         self._checkpoints = CheckpointDir(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
@@ -163,7 +201,10 @@ class TrainingRun:
     def _save(self, done: int) -> None:
         if self.dist.rank == 0:
             assert self._checkpoints is not None
-            path = self._checkpoints.save(done, self._save_state(done))
+            try:
+                path = self._checkpoints.save(done, self._fingerprint, self._save_state(done))
+            except OSError as exc:
+                raise output_error("--checkpoint-dir", self._checkpoints.directory, exc) from None
             log.info("saved checkpoint %s", path)
         # Keep ranks together here, so the save's time is not charged to the next step.
         self.dist.allgather_object(done)
@@ -180,7 +221,7 @@ class TrainingRun:
         """Collect the run's metrics on all ranks; rank 0 writes ``--metrics-json``.
 
         ``skipped`` counts this rank's unreadable images (None for synthetic data); the report
-        sums all ranks. Raises RuntimeError after writing the metrics if the loss is not finite.
+        sums all ranks. Raises :class:`JobError` after writing the metrics if the loss is not finite.
         """
         if self._evaluate is not None and self._val_top1 is None:
             self._run_evaluation(self.total_steps // self.steps_per_epoch)
@@ -213,7 +254,10 @@ class TrainingRun:
         if self.dist.rank == 0:
             log.info("metrics: %s", metrics)
             if self.args.metrics_json is not None:
-                write_metrics(self.args.metrics_json, metrics)
+                try:
+                    write_metrics(self.args.metrics_json, metrics)
+                except OSError as exc:
+                    raise output_error("--metrics-json", self.args.metrics_json, exc) from None
         if diverged:
-            raise RuntimeError(f"training diverged: final loss is {final_loss}")
+            raise JobError(f"training diverged: the final loss is {final_loss}", every_rank=True)
         return metrics

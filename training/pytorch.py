@@ -11,21 +11,19 @@ import argparse
 import io
 import logging
 import os
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from functools import partial
 from itertools import repeat
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.args import parse_args
+from training.checkpoint import Fingerprint
 from training.data import (
-    DataDirError,
     DataPlan,
     ImageFolder,
     SkipCounter,
@@ -35,8 +33,10 @@ from training.data import (
     train_keys,
     val_keys,
 )
-from training.distributed import set_failure_timeouts
-from training.loop import TrainingRun, configure_logging, resume
+from training.distributed import agree, set_failure_timeouts
+from training.errors import BadInput, JobError
+from training.job import run_job
+from training.loop import TrainingRun, configure_logging, restore, resume
 from training.torch_models import build_model
 
 log = logging.getLogger(__name__)
@@ -50,9 +50,11 @@ class HorovodBackend:
     def __init__(self) -> None:
         set_failure_timeouts()  # before init: Horovod reads them when it starts
         import horovod.torch as hvd
+        from horovod.common.exceptions import HorovodInternalError
 
         hvd.init()
         self.hvd = hvd
+        self.failures = (HorovodInternalError,)
         self.rank, self.size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
 
@@ -96,9 +98,11 @@ class HorovodBackend:
 class DDPBackend:
     backend = "ddp"
 
+    failures = (torch.distributed.DistError,)
+
     def __init__(self) -> None:
         if "RANK" not in os.environ:
-            raise SystemExit("--backend ddp runs under torchrun: torchrun --nproc_per_node N -m training.pytorch ...")
+            raise BadInput("--backend ddp runs under torchrun: torchrun --nproc_per_node N -m training.pytorch ...")
         timeouts = set_failure_timeouts()
         self.rank, self.size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ["LOCAL_RANK"])
@@ -190,8 +194,21 @@ def image_loader(
     loader = torch.utils.data.DataLoader(
         folder, batch_sampler=keys, num_workers=workers, collate_fn=collate, pin_memory=device.type == "cuda", **extra
     )
-    for images, labels, skipped in loader:
-        yield images.to(device, non_blocking=True), labels.to(device, non_blocking=True), skipped
+    try:
+        for images, labels, skipped in loader:
+            yield images.to(device, non_blocking=True), labels.to(device, non_blocking=True), skipped
+    except JobError as exc:
+        raise worker_error(exc) from None
+
+
+def worker_error(exc: JobError) -> JobError:
+    """The error a DataLoader worker raised, without the worker's traceback that the DataLoader
+    writes into the message when it raises the error again in this process."""
+    text = str(exc)
+    if "Original Traceback" not in text:
+        return exc
+    last = text.rstrip().splitlines()[-1]  # "training.data.DataDirError: <message>"
+    return type(exc)(last.partition(": ")[2])
 
 
 def _worker_logging(rank: int, worker_id: int) -> None:
@@ -251,7 +268,7 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
     # Ranks start from different random weights on purpose: training only works if the
     # broadcast from rank 0 makes them equal, and the equivalence test checks that it does.
     torch.manual_seed(args.seed + backend.rank)
-    plan = plan_data(args, backend.size)
+    plan = agree(backend, lambda: plan_data(args, backend.size))
     dtype = amp_dtype(args.precision, device)
 
     def autocast() -> torch.autocast:
@@ -265,13 +282,14 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
     )
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     skipped = SkipCounter()
-    start_step, state = resume(args, backend, decode_state)
+    shapes = ((name, tuple(tensor.shape)) for name, tensor in model.state_dict().items())
+    fingerprint = Fingerprint.of("pytorch", args.model, plan.num_classes, shapes)
+    start_step, state = resume(args, backend, fingerprint, plan.steps_per_epoch, decode_state)
     if state is not None:
-        model.load_state_dict(state["model"])
+        restore(args, start_step, lambda: model.load_state_dict(state["model"]))
     train_model, optimizer = backend.distribute(model, optimizer, args.fp16_allreduce)
     if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
+        restore(args, start_step, lambda: load_training_state(optimizer, scaler, state))
     if args.compile:
         train_model = torch.compile(train_model)
 
@@ -297,6 +315,7 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
         start_step=start_step,
         precision=precision,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        fingerprint=fingerprint,
         save_state=save_state,
         evaluate=make_evaluate(args, plan, backend, model, device, autocast, skipped),
     )
@@ -316,23 +335,22 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
     return run.finish(skipped if plan.train is not None else None)
 
 
+def load_training_state(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, state: dict[str, Any]) -> None:
+    optimizer.load_state_dict(state["optimizer"])
+    scaler.load_state_dict(state["scaler"])
+
+
 def decode_state(payload: bytes) -> dict[str, Any]:
     return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args("pytorch", argv)
-    backend: Backend = HorovodBackend() if args.backend == "horovod" else DDPBackend()
-    configure_logging(backend.rank)
-    try:
-        train(args, backend)
-    except DataDirError as exc:
-        log.error("%s", exc)
-        return 2
-    finally:
-        backend.shutdown()
-    return 0
+def start_backend(args: argparse.Namespace) -> Backend:
+    return HorovodBackend() if args.backend == "horovod" else DDPBackend()
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    run_job("pytorch", argv, start_backend, train)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -7,15 +7,15 @@ initial (or resumed) variables are broadcast from rank 0 before the first step.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Iterator, Sequence
 from itertools import repeat
-from typing import Any
+from typing import Any, NoReturn
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from training import tf_common
+from training.job import run_job
 
 
 def _plain_or_loss_scaled(
@@ -27,8 +27,8 @@ def _plain_or_loss_scaled(
     return optimizer
 
 
-def train(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    s = tf_common.setup("tensorflow", argv, _plain_or_loss_scaled)
+def train(args: argparse.Namespace, dist: tf_common.HorovodTF) -> dict[str, Any]:
+    s = tf_common.setup(args, dist, _plain_or_loss_scaled)
     model, optimizer = s.model, s.optimizer
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     scaled = isinstance(optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
@@ -50,16 +50,17 @@ def train(argv: Sequence[str] | None = None) -> dict[str, Any]:
     batches: Iterator[tuple[tf.Tensor, tf.Tensor]] = (
         repeat(s.synthetic_tensors()) if s.plan.train is None else iter(s.train_dataset(run.total_steps))
     )
-    for step, (images, labels) in zip(run.steps(), batches, strict=False):
-        optimizer.learning_rate = run.lr(step)
-        loss = train_step(images, labels)
-        run.step_done(step, lambda loss=loss: float(loss))
-    return run.finish(s.skip_counter())
+    with s.pipeline_errors.unwrapped():
+        for step, (images, labels) in zip(run.steps(), batches, strict=False):
+            optimizer.learning_rate = run.lr(step)
+            loss = train_step(images, labels)
+            run.step_done(step, lambda loss=loss: float(loss))
+        return run.finish(s.skip_counter())
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return tf_common.exit_code(train, argv)
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    run_job("tensorflow", argv, tf_common.start_backend, train)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

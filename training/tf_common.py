@@ -9,17 +9,18 @@ from __future__ import annotations
 import argparse
 import io
 import logging
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
+from horovod.common.exceptions import HorovodInternalError
 
-from training.args import parse_args
+from training.checkpoint import Fingerprint
 from training.data import (
-    DataDirError,
     DataPlan,
     ImageFolder,
     Key,
@@ -30,8 +31,9 @@ from training.data import (
     train_keys,
     val_keys,
 )
-from training.distributed import set_failure_timeouts
-from training.loop import TrainingRun, configure_logging, resume
+from training.distributed import agree, set_failure_timeouts
+from training.errors import JobError
+from training.loop import TrainingRun, restore, resume
 from training.tf_models import build_model
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,8 @@ T = TypeVar("T")
 
 class HorovodTF:
     backend = "horovod"
+    # A failed collective; a failed op or input pipeline (ours are unwrapped by PipelineErrors).
+    failures = (HorovodInternalError, tf.errors.OpError)
 
     def __init__(self) -> None:
         set_failure_timeouts()  # before init: Horovod reads them when it starts
@@ -66,6 +70,9 @@ class HorovodTF:
         size = self.broadcast_object(len(data) if data is not None else None)
         buffer = np.frombuffer(data, dtype=np.uint8) if data is not None else np.empty(size, dtype=np.uint8)
         return hvd.broadcast(tf.constant(buffer), root_rank=0, name="training.broadcast_bytes").numpy().tobytes()
+
+    def shutdown(self) -> None:
+        hvd.shutdown()
 
 
 def set_precision(precision: str) -> str:
@@ -93,8 +100,33 @@ def device_name() -> str:
     return tf.config.experimental.get_device_details(gpus[0]).get("device_name", "gpu")
 
 
+class PipelineErrors:
+    """Our errors raised inside tf.data's threads. TensorFlow hands them back wrapped in an
+    ``UnknownError`` whose text is the Python traceback; :meth:`unwrapped` raises ours instead."""
+
+    def __init__(self) -> None:
+        self.first: JobError | None = None
+
+    def record(self, exc: JobError) -> None:
+        if self.first is None:  # several decode threads may fail at once; any of them says it
+            self.first = exc
+
+    @contextmanager
+    def unwrapped(self) -> Iterator[None]:
+        try:
+            yield
+        except tf.errors.OpError:
+            if self.first is None:
+                raise
+            raise self.first from None
+
+
 def image_dataset(
-    folder: ImageFolder, key_batches: Iterable[list[Key]], batch_size: int, skipped: SkipCounter
+    folder: ImageFolder,
+    key_batches: Iterable[list[Key]],
+    batch_size: int,
+    skipped: SkipCounter,
+    errors: PipelineErrors,
 ) -> tf.data.Dataset:
     """Decode keys in parallel (AUTOTUNE threads; PIL releases the GIL while decoding)."""
 
@@ -103,7 +135,11 @@ def image_dataset(
             yield from batch
 
     def load(key: np.ndarray) -> tuple[np.ndarray, np.int32]:
-        image, label, n = folder[int(key[0]), int(key[1])]
+        try:
+            image, label, n = folder[int(key[0]), int(key[1])]
+        except JobError as exc:
+            errors.record(exc)
+            raise
         skipped.add(n)
         return image, np.int32(label)
 
@@ -129,7 +165,9 @@ class Setup:
     optimizer: tf.keras.optimizers.Optimizer
     start_step: int
     precision: str
-    skipped: SkipCounter
+    fingerprint: Fingerprint
+    skipped: SkipCounter = field(default_factory=SkipCounter)
+    pipeline_errors: PipelineErrors = field(default_factory=PipelineErrors)
 
     def synthetic_tensors(self) -> tuple[tf.Tensor, tf.Tensor]:
         """This rank's fixed synthetic batch, created once on the device."""
@@ -151,7 +189,10 @@ class Setup:
             self.start_step,
             total_steps,
         )
-        return self._with_threads(image_dataset(self.plan.train, keys, self.args.batch_size, self.skipped))
+        return self._with_threads(self._images(self.plan.train, keys))
+
+    def _images(self, folder: ImageFolder, keys: Iterable[list[Key]]) -> tf.data.Dataset:
+        return image_dataset(folder, keys, self.args.batch_size, self.skipped, self.pipeline_errors)
 
     def _with_threads(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
         workers = self.args.data_workers
@@ -176,7 +217,7 @@ class Setup:
         def run() -> tuple[int, int]:
             keys = val_keys(len(val), self.dist.rank, self.dist.size, self.args.batch_size)
             hits = total = 0
-            for images, labels in self._with_threads(image_dataset(val, keys, self.args.batch_size, self.skipped)):
+            for images, labels in self._with_threads(self._images(val, keys)):
                 hits += int(correct(images, labels))
                 total += int(labels.shape[0])
             return hits, total
@@ -199,6 +240,7 @@ class Setup:
             start_step=self.start_step,
             precision=self.precision,
             device=device_name(),
+            fingerprint=self.fingerprint,
             save_state=self.save_state,
             evaluate=self.evaluate(),
         )
@@ -224,19 +266,16 @@ def _assign(prefix: str, variables: Sequence[tf.Variable], state: dict[str, np.n
 
 
 def setup(
-    framework: str,
-    argv: Sequence[str] | None,
+    args: argparse.Namespace,
+    dist: HorovodTF,
     wrap_optimizer: Callable[[tf.keras.optimizers.Optimizer, argparse.Namespace], tf.keras.optimizers.Optimizer],
 ) -> Setup:
-    """Parse flags, start Horovod, build data, model and optimizer, resume, broadcast."""
-    args = parse_args(framework, argv)
-    dist = HorovodTF()
-    configure_logging(dist.rank)
+    """Build data, model and optimizer, resume, broadcast."""
     # Ranks start from different random weights on purpose: the broadcast below must make
     # them equal, and the equivalence test checks that it does.
     tf.keras.utils.set_random_seed(args.seed + dist.rank)
     precision = set_precision(args.precision)
-    plan = plan_data(args, dist.size)
+    plan = agree(dist, lambda: plan_data(args, dist.size))
     model = build_model(args.model, plan.num_classes, args.image_size)
     optimizer = wrap_optimizer(
         tf.keras.optimizers.SGD(
@@ -245,12 +284,16 @@ def setup(
         args,
     )
     optimizer.build(model.trainable_variables)  # create slots now, so they can be restored and broadcast
-    start_step, state = resume(args, dist, decode_state)
+    # "tensorflow" for both jobs: they write the same checkpoints, so either may resume the other's.
+    # Keras' variable names depend on how many models the process built before: shapes only.
+    shapes = (tuple(v.shape) for v in model.variables)
+    fingerprint = Fingerprint.of("tensorflow", args.model, plan.num_classes, shapes)
+    start_step, state = resume(args, dist, fingerprint, plan.steps_per_epoch, decode_state)
     if state is not None:
-        _assign("model", model.variables, state)
-        _assign("optimizer", optimizer.variables, state)
+        restore(args, start_step, lambda: _assign("model", model.variables, state))
+        restore(args, start_step, lambda: _assign("optimizer", optimizer.variables, state))
     hvd.broadcast_variables(model.variables + list(optimizer.variables), root_rank=0)
-    return Setup(args, dist, plan, model, optimizer, start_step, precision, SkipCounter())
+    return Setup(args, dist, plan, model, optimizer, start_step, precision, fingerprint)
 
 
 def compression(args: argparse.Namespace) -> Any:
@@ -258,11 +301,5 @@ def compression(args: argparse.Namespace) -> Any:
     return hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
 
 
-def exit_code(train: Callable[[Sequence[str] | None], object], argv: Sequence[str] | None) -> int:
-    """Run a TensorFlow-side job: a bad data directory is one clear line and exit 2, no traceback."""
-    try:
-        train(argv)
-    except DataDirError as exc:
-        log.error("%s", exc)
-        return 2
-    return 0
+def start_backend(args: argparse.Namespace) -> HorovodTF:
+    return HorovodTF()

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,14 @@ BIN = Path(sys.executable).parent
 HOROVODRUN = BIN / "horovodrun"
 TORCHRUN = BIN / "torchrun"
 # Small enough for a shared 2-core machine: tiny model, 16x16 images, one decode worker.
+# Every process a job starts inherits this variable, so that a test can find the ones left behind.
+LEFTOVER_MARKER = "TRAINING_TEST_JOB"
 TINY = ["--model", "resnet_tiny", "--image-size", "16", "--batch-size", "4", "--log-every", "5", "--data-workers", "1"]
 
 
-def job_env() -> dict[str, str]:
+def job_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+    env.update(OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), **extra)
     return env
 
 
@@ -59,13 +62,13 @@ def torchrun(nproc: int, *args: Any) -> list[Any]:
     return [TORCHRUN, "--standalone", "--nproc_per_node", nproc, "-m", "training.pytorch", *args]
 
 
-def start(cmd: Sequence[Any], log: Path) -> subprocess.Popen:
-    """Start a launcher in its own session, output to ``log``."""
+def start(cmd: Sequence[Any], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a launcher in its own session, output to ``log``; ``env`` adds variables."""
     with open(log, "w") as out:
         return subprocess.Popen(
             [str(part) for part in cmd],
             cwd=REPO,
-            env=job_env(),
+            env=job_env(**(env or {})),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -84,9 +87,22 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run(cmd: Sequence[Any], log: Path, timeout: float = 240, expect_rc: int = 0) -> str:
-    """Run to completion and return the output; fail with its tail on an unexpected exit."""
-    proc = start(cmd, log)
+def wait_exit(proc: subprocess.Popen, timeout: float) -> int:
+    """The launcher's exit status; fail (and kill it) if it is still running after ``timeout``."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        raise AssertionError(f"the job was still running {timeout}s after a worker failed") from None
+
+
+def run(
+    cmd: Sequence[Any], log: Path, timeout: float = 240, expect_rc: int = 0, env: dict[str, str] | None = None
+) -> str:
+    """Run to completion and return the output; fail with its tail on an unexpected exit, or
+    when any process the job started (a decode worker, a forkserver) outlives it."""
+    marker = uuid.uuid4().hex
+    proc = start(cmd, log, {**(env or {}), LEFTOVER_MARKER: marker})
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -96,21 +112,38 @@ def run(cmd: Sequence[Any], log: Path, timeout: float = 240, expect_rc: int = 0)
         ) from None
     output = log.read_text()
     assert rc == expect_rc, f"{' '.join(map(str, cmd))} exited {rc}:\n{output[-4000:]}"
+    try:
+        wait_for(lambda: not leftovers(marker), 10, f"the processes of {' '.join(map(str, cmd))} to end")
+    finally:
+        for pid in leftovers(marker):  # a failed check leaves nothing behind for the next test either
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()
     return output
 
 
+def leftovers(marker: str) -> list[int]:
+    """Pids of live processes that inherited the job's marker variable, whatever their parent."""
+    found = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            if process.environ().get(LEFTOVER_MARKER) == marker:
+                found.append(process.pid)
+    return found
+
+
 def worker_pid(launcher: subprocess.Popen, rank: int, module: str = "training.pytorch", timeout: float = 120) -> int:
-    """Pid of the worker process with the given Horovod rank under ``launcher``."""
+    """Pid of the worker process with the given rank under ``launcher`` (horovodrun or torchrun)."""
     return wait_for(lambda: _find_worker(launcher.pid, rank, module), timeout, f"rank {rank} of {module}")
 
 
 def _find_worker(launcher_pid: int, rank: int, module: str) -> int | None:
     for p in psutil.Process(launcher_pid).children(recursive=True):
         try:
-            cmdline = p.cmdline()
-            if cmdline[1:3] == ["-m", module] and p.environ().get("HOROVOD_RANK") == str(rank):
+            cmdline, env = p.cmdline(), p.environ()
+            # The Python process itself, not the shell horovodrun starts it with.
+            if "-m" in cmdline and module in cmdline and env.get("HOROVOD_RANK", env.get("RANK")) == str(rank):
                 return p.pid
-        except (psutil.NoSuchProcess, psutil.AccessDenied, IndexError):
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return None
 
@@ -149,3 +182,15 @@ def check_common(metrics: dict[str, Any], framework: str, backend: str = "horovo
     assert metrics["images_per_sec"] > 0
     assert metrics["images_per_sec_per_worker"] == pytest.approx(metrics["images_per_sec"] / 2)
     assert metrics["resumed_from_step"] is None
+
+
+def error_lines(output: str) -> list[str]:
+    """The ``error:`` lines of a job's output (horovodrun prefixes them with the rank)."""
+    return [line for line in output.splitlines() if line.startswith("error: ") or "<stderr>:error: " in line]
+
+
+def truncate_images(root: Path) -> None:
+    """Cut every JPEG under ``root`` to a third: each one fails to decode."""
+    for path in root.rglob("*.JPEG"):
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 3])

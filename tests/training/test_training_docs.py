@@ -1,4 +1,4 @@
-"""docs/training.md keeps up with the code: every flag, metric and failure timeout is described."""
+"""docs/training.md keeps up with the code: every flag, metric, failure timeout and exit status is described."""
 
 from __future__ import annotations
 
@@ -6,8 +6,11 @@ import pytest
 
 from tests.training.jobs import REPO
 from training.args import FRAMEWORKS, build_parser
-from training.distributed import FAILURE_TIMEOUTS
+from training.distributed import FAILURE_TIMEOUTS, PEER_TIMEOUT_SECONDS
+from training.errors import ExitCode
+from training.liveness import PROBE_TIMEOUT_SECONDS
 from training.metrics import METRIC_KEYS
+from training.outputs import DEFAULT_MIN_FREE_MB, MIN_FREE_ENV
 
 DOC = (REPO / "docs" / "training.md").read_text()
 
@@ -23,3 +26,10 @@ def test_every_metric_and_timeout_is_documented() -> None:
     assert [key for key in METRIC_KEYS if f"| `{key}` |" not in DOC] == []
     for name, default in FAILURE_TIMEOUTS.items():
         assert f"`{name}` ({default})" in DOC, name
+
+
+def test_exit_statuses_and_bounds_are_documented() -> None:
+    assert [code for code in ExitCode if f"\n| {code.value} | " not in DOC] == []
+    assert f"`{MIN_FREE_ENV}` MiB free (default {DEFAULT_MIN_FREE_MB}" in DOC
+    assert f"in both backends: **{PEER_TIMEOUT_SECONDS} s**" in DOC
+    assert f"pings its peers for up to {PROBE_TIMEOUT_SECONDS:g} s" in DOC

@@ -27,7 +27,7 @@ COMMON = [
 
 
 def weights(directory: Path, step: int, framework: str) -> dict[str, np.ndarray]:
-    _, payload = read_checkpoint(checkpoint_path(directory, step))
+    payload = read_checkpoint(checkpoint_path(directory, step)).payload
     if framework == "pytorch":
         import torch
 

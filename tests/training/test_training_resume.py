@@ -5,24 +5,15 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.polling import wait_for
-from tests.training.jobs import TINY, horovodrun, kill_tree, read_metrics, run, start, worker_pid
+from tests.training.jobs import TINY, horovodrun, kill_tree, read_metrics, run, start, wait_exit, worker_pid
 from training.checkpoint import CheckpointDir, checkpoint_path, read_checkpoint
 from training.pytorch import decode_state
-
-
-def wait_exit(proc: subprocess.Popen, timeout: float) -> int:
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        raise AssertionError(f"the job was still running {timeout}s after a worker was killed") from None
 
 
 def test_killed_worker_fails_the_job_and_a_rerun_resumes(tmp_path: Path) -> None:
@@ -54,6 +45,7 @@ def test_killed_worker_fails_the_job_and_a_rerun_resumes(tmp_path: Path) -> None
     final.write_bytes(final.read_bytes()[:-100])
     output = run(horovodrun(2, "pytorch", *args), tmp_path / "corrupt.log")
     assert f"checkpoint {final} is unusable" in output
+    assert f"falling back to the older {checkpoint_path(ckpt, 90)}" in output
     metrics = read_metrics(metrics_path)
     assert metrics["resumed_from_step"] == 90
     assert metrics["steps"] == 100
@@ -83,9 +75,9 @@ def test_kills_during_saves_never_leave_a_partial_checkpoint(tmp_path: Path, cap
     steps = CheckpointDir(ckpt).steps()
     assert steps
     for step in steps:  # every checkpoint file is whole and loads
-        stored_step, payload = read_checkpoint(checkpoint_path(ckpt, step))
-        assert stored_step == step == decode_state(payload)["step"]
+        checkpoint = read_checkpoint(checkpoint_path(ckpt, step))
+        assert checkpoint.step == step == decode_state(checkpoint.payload)["step"]
     with caplog.at_level(logging.WARNING):
-        newest = CheckpointDir(ckpt).load_latest(decode_state)
-    assert newest is not None and newest[0] == steps[-1]
+        newest = CheckpointDir(ckpt).load_latest(checkpoint.fingerprint, decode_state)
+    assert newest is not None and newest.step == steps[-1]
     assert not caplog.records  # nothing to fall back from

@@ -12,16 +12,19 @@ import pytest
 from PIL import Image
 
 from tests.training.jobs import make_imagenet
-from training import data, metrics
+from training import data, metrics, outputs
 from training.args import MODELS, parse_args
 from training.checkpoint import (
+    Checkpoint,
     CheckpointDir,
     CorruptCheckpoint,
+    Fingerprint,
     checkpoint_path,
     read_checkpoint,
     write_checkpoint,
 )
-from training.distributed import FAILURE_TIMEOUTS, set_failure_timeouts
+from training.distributed import FAILURE_TIMEOUTS, agree, set_failure_timeouts
+from training.errors import BadInput, CheckpointRefused, OutputPathError
 from training.loop import TrainingRun, resume
 from training.schedule import learning_rate
 
@@ -45,16 +48,19 @@ def test_lr_without_warmup_is_scaled_from_the_first_step() -> None:
 
 # --- checkpoints ---------------------------------------------------------------------------
 
+PRINT = Fingerprint.of("pytorch", "resnet_tiny", 10, [("fc.weight", (10, 64))])
+
 
 def test_checkpoint_round_trip_and_damage_detection(tmp_path: Path) -> None:
-    path = write_checkpoint(tmp_path, 7, b"payload" * 100)
+    path = write_checkpoint(tmp_path, 7, PRINT, b"payload" * 100)
     assert path == checkpoint_path(tmp_path, 7)
-    assert read_checkpoint(path) == (7, b"payload" * 100)
+    assert read_checkpoint(path) == Checkpoint(path, 7, PRINT, b"payload" * 100)
     whole = path.read_bytes()
     for damaged, reason in [
-        (whole[:-1], "payload is"),
+        (whole[:-1], "after the header, the header says"),
         (whole[:10], "shorter than the header"),
         (b"NOTACKPT" + whole[8:], "bad magic"),
+        (b"HVDCKPT1" + whole[8:], "older version of these jobs"),
         (whole[:-1] + bytes([whole[-1] ^ 1]), "checksum"),
     ]:
         path.write_bytes(damaged)
@@ -63,39 +69,70 @@ def test_checkpoint_round_trip_and_damage_detection(tmp_path: Path) -> None:
 
 
 def test_checkpoint_renamed_to_another_step_is_rejected(tmp_path: Path) -> None:
-    write_checkpoint(tmp_path, 3, b"x").rename(checkpoint_path(tmp_path, 4))
+    write_checkpoint(tmp_path, 3, PRINT, b"x").rename(checkpoint_path(tmp_path, 4))
     with pytest.raises(CorruptCheckpoint, match="header says step 3"):
         read_checkpoint(checkpoint_path(tmp_path, 4))
 
 
-def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_corrupt_newest_checkpoint_falls_back_to_the_older_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     checkpoints = CheckpointDir(tmp_path, keep=3)
     for step in (10, 20, 30):
-        checkpoints.save(step, f"state {step}".encode())
+        checkpoints.save(step, PRINT, f"state {step}".encode())
     newest = checkpoint_path(tmp_path, 30)
     newest.write_bytes(newest.read_bytes()[:-3])
     with caplog.at_level(logging.WARNING):
-        assert checkpoints.load_latest(bytes.decode) == (20, b"state 20")
+        found = checkpoints.load_latest(PRINT, bytes.decode)
+    assert found is not None and (found.step, found.payload) == (20, b"state 20")
     assert f"checkpoint {newest} is unusable" in caplog.text
+    assert f"falling back to the older {checkpoint_path(tmp_path, 20)}" in caplog.text
 
 
 def test_checkpoint_that_does_not_decode_falls_back(tmp_path: Path) -> None:
     checkpoints = CheckpointDir(tmp_path, keep=3)
-    checkpoints.save(1, b'{"ok": 1}')
-    checkpoints.save(2, b"not json")
-    assert checkpoints.load_latest(json.loads) == (1, b'{"ok": 1}')
+    checkpoints.save(1, PRINT, b'{"ok": 1}')
+    checkpoints.save(2, PRINT, b"not json")
+    found = checkpoints.load_latest(PRINT, json.loads)
+    assert found is not None and found.payload == b'{"ok": 1}'
 
 
-def test_no_valid_checkpoint_means_none(tmp_path: Path) -> None:
-    assert CheckpointDir(tmp_path / "absent").load_latest(bytes.decode) is None
-    checkpoint_path(tmp_path, 5).write_bytes(b"garbage")
-    assert CheckpointDir(tmp_path).load_latest(bytes.decode) is None
+def test_an_empty_or_absent_directory_means_a_fresh_start(tmp_path: Path) -> None:
+    assert CheckpointDir(tmp_path / "absent").load_latest(PRINT, bytes.decode) is None
+    assert CheckpointDir(tmp_path).load_latest(PRINT, bytes.decode) is None
+
+
+def test_only_damaged_checkpoints_are_refused_unless_ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    checkpoint_path(tmp_path, 5).write_bytes(b"garbage" * 20)
+    with pytest.raises(
+        CheckpointRefused, match=r"no usable checkpoint in .*ckpt-0000000005\.ckpt: .*bad magic"
+    ) as refused:
+        CheckpointDir(tmp_path).load_latest(PRINT, bytes.decode)
+    assert "--ignore-bad-checkpoints" in str(refused.value)
+    assert "falling back" not in caplog.text  # there is nothing to fall back to
+    with caplog.at_level(logging.WARNING):
+        assert CheckpointDir(tmp_path).load_latest(PRINT, bytes.decode, ignore_bad=True) is None
+    assert "starting from step 0" in caplog.text and "falling back" not in caplog.text
+    # Moved aside, so they cannot shadow the checkpoints of the fresh run.
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-0000000005.ckpt.corrupt"]
+
+
+def test_a_checkpoint_of_another_model_is_refused_not_skipped(tmp_path: Path) -> None:
+    checkpoints = CheckpointDir(tmp_path)
+    checkpoints.save(1, PRINT, b"older")
+    checkpoints.save(2, Fingerprint.of("keras", "resnet50", 1000, [(7, 7, 3, 64)]), b"newer")
+    with pytest.raises(CheckpointRefused) as refused:
+        checkpoints.load_latest(PRINT, bytes.decode)
+    message = str(refused.value)
+    assert f"checkpoint {checkpoint_path(tmp_path, 2)} holds keras resnet50 with 1000 classes" in message
+    assert "this run is pytorch resnet_tiny with 10 classes" in message
+    assert "use another --checkpoint-dir, or delete" in message
 
 
 def test_save_keeps_the_newest_and_stale_temporaries_are_removed(tmp_path: Path) -> None:
     checkpoints = CheckpointDir(tmp_path, keep=2)
     for step in range(1, 6):
-        checkpoints.save(step, b"x")
+        checkpoints.save(step, PRINT, b"x")
     assert checkpoints.steps() == [4, 5]
     stale = tmp_path / ".ckpt-0000000006.tmp-12345"
     stale.write_bytes(b"half a checkpoint")
@@ -112,9 +149,30 @@ def test_missing_and_empty_data_dirs_are_named(tmp_path: Path) -> None:
         data.load_imagenet(tmp_path / "nope", 32, 0)
     with pytest.raises(data.DataDirError, match=f"{tmp_path / 'train'} does not exist"):
         data.load_imagenet(tmp_path, 32, 0)
-    (tmp_path / "train" / "n01").mkdir(parents=True)
-    with pytest.raises(data.DataDirError, match=f"{tmp_path / 'train'} contains no images"):
+    (tmp_path / "train").mkdir()
+    with pytest.raises(data.DataDirError, match=f"{tmp_path / 'train'} contains no class folders"):
         data.load_imagenet(tmp_path, 32, 0)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_an_empty_class_folder_is_refused(tmp_path: Path, split: str) -> None:
+    root = make_imagenet(tmp_path, classes=2, train_per_class=1, val_per_class=1, corrupt=0)
+    for image in (root / split / "n00000001").iterdir():
+        image.unlink()
+    with pytest.raises(data.DataDirError, match=f"class folder {root / split / 'n00000001'} contains no images"):
+        data.load_imagenet(root, 32, 0)
+
+
+def test_a_run_of_unreadable_images_is_an_error_not_an_endless_search(tmp_path: Path) -> None:
+    root = make_imagenet(
+        tmp_path, classes=1, train_per_class=data.MAX_UNREADABLE_IN_A_ROW + 5, val_per_class=1, corrupt=0
+    )
+    train, _ = data.load_imagenet(root, 16, 0)
+    for path in train.paths[: data.MAX_UNREADABLE_IN_A_ROW]:
+        Path(path).write_bytes(b"\xff\xd8 truncated")
+    with pytest.raises(data.DataDirError, match=f"{data.MAX_UNREADABLE_IN_A_ROW} images in a row under"):
+        train[0, 0]
+    assert train[1, 0][2] == data.MAX_UNREADABLE_IN_A_ROW - 1  # one readable file within reach: skipped, counted
 
 
 def test_val_classes_must_exist_in_train(tmp_path: Path) -> None:
@@ -249,6 +307,24 @@ def test_failure_timeouts_fill_in_defaults_but_keep_user_values() -> None:
     assert env.keys() == FAILURE_TIMEOUTS.keys()
 
 
+def test_output_paths_are_checked_up_front(tmp_path: Path) -> None:
+    def check(*flags: str, min_free_mb: str = "1") -> None:
+        outputs.check_output_paths(parse_args("pytorch", list(flags)), {outputs.MIN_FREE_ENV: min_free_mb})
+
+    check("--checkpoint-dir", str(tmp_path / "new" / "ckpt"), "--metrics-json", str(tmp_path / "new" / "m.json"))
+    assert (tmp_path / "new" / "ckpt").is_dir() and list((tmp_path / "new").iterdir()) == [tmp_path / "new" / "ckpt"]
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OutputPathError, match=f"cannot write --checkpoint-dir {blocker / 'ckpt'}: a part of the path"):
+        check("--checkpoint-dir", str(blocker / "ckpt"))
+    with pytest.raises(OutputPathError, match=f"--metrics-json {tmp_path} is a directory"):
+        check("--metrics-json", str(tmp_path))
+    with pytest.raises(OutputPathError, match=r"only \d+ MiB free, at least 1073741824 MiB needed"):
+        check("--checkpoint-dir", str(tmp_path), min_free_mb=str(2**30))
+    with pytest.raises(BadInput, match=f"{outputs.MIN_FREE_ENV}='lots'"):
+        check("--checkpoint-dir", str(tmp_path), min_free_mb="lots")
+
+
 # --- the step loop's bookkeeping (one process) -------------------------------------------------
 
 
@@ -266,10 +342,28 @@ class OneProcess:
         return data
 
 
-def run_steps(tmp_path: Path, flags: list[str], evaluate: Any = None) -> tuple[dict[str, Any], list[int]]:
-    args = parse_args("pytorch", ["--checkpoint-dir", str(tmp_path / "ckpt"), *flags])
+def test_agree_raises_the_first_refusal_on_every_rank() -> None:
+    class SecondOfTwo(OneProcess):
+        rank, size = 1, 2
+
+        def allgather_object(self, obj: Any) -> list[Any]:
+            return [None, obj]  # rank 0 found nothing wrong
+
+    def refuse() -> None:
+        raise data.DataDirError("data directory /x does not exist")
+
+    assert agree(OneProcess(), lambda: 7) == 7
+    with pytest.raises(data.DataDirError, match=r"^rank 1: data directory /x does not exist$") as refused:
+        agree(SecondOfTwo(), refuse)
+    assert refused.value.every_rank
+
+
+def run_steps(
+    tmp_path: Path, flags: list[str], evaluate: Any = None, checkpoint_dir: Path | None = None
+) -> tuple[dict[str, Any], list[int]]:
+    args = parse_args("pytorch", ["--checkpoint-dir", str(checkpoint_dir or tmp_path / "ckpt"), *flags])
     dist = OneProcess()
-    start, state = resume(args, dist, bytes.decode)
+    start, state = resume(args, dist, PRINT, args.steps, bytes.decode)
     assert state == (f"{start}" if start else None)  # what save_state below wrote
     run = TrainingRun(
         args,
@@ -279,6 +373,7 @@ def run_steps(tmp_path: Path, flags: list[str], evaluate: Any = None) -> tuple[d
         start_step=start,
         precision="fp32",
         device="cpu",
+        fingerprint=PRINT,
         save_state=lambda step: f"{step}".encode(),
         evaluate=evaluate,
     )
@@ -308,8 +403,23 @@ def test_loop_default_checkpoints_once_per_epoch_and_resumes(tmp_path: Path) -> 
     report, saved = run_steps(tmp_path, ["--steps", "4", "--epochs", "3"], evaluate)
     assert saved == [4, 8, 12] and report["resumed_from_step"] == 8
     assert report["val_top1"] == 0.75
-    with pytest.raises(ValueError, match="past this run"):
+    with pytest.raises(CheckpointRefused, match="is at step 12, past this run's 4 steps") as refused:
         run_steps(tmp_path, ["--steps", "4", "--epochs", "1"])
+    assert refused.value.every_rank  # the verdict is broadcast: rank 0 alone reports it
+
+
+def test_a_checkpoint_or_metrics_write_that_fails_later_names_the_path(tmp_path: Path) -> None:
+    # Both outputs passed the up-front check; then their directories turned into files.
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where a directory should be")
+    with pytest.raises(
+        OutputPathError, match=f"cannot write --checkpoint-dir {blocker / 'ckpt'}: a part of the path is a file"
+    ):
+        run_steps(tmp_path, ["--steps", "2"], checkpoint_dir=blocker / "ckpt")
+    with pytest.raises(
+        OutputPathError, match=f"cannot write --metrics-json {blocker / 'm.json'}: a part of the path is a file"
+    ):
+        run_steps(tmp_path, ["--steps", "2", "--metrics-json", str(blocker / "m.json")])
 
 
 @pytest.mark.parametrize("mode", ["RGB", "L", "CMYK"])

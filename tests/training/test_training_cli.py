@@ -1,0 +1,218 @@
+"""The jobs are command-line tools: bad input is one ``error:`` line and exit 2, with no traceback
+and before any training; a broken input pipeline ends the job within seconds; and a job leaves
+with its status even when threads outlive its backend."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.training.jobs import TINY, error_lines, horovodrun, make_imagenet, run, single, truncate_images
+from training.checkpoint import Fingerprint, checkpoint_path, write_checkpoint
+from training.outputs import MIN_FREE_ENV
+
+Case = tuple[list[object], str, dict[str, str]]  # job flags, the error message expected, extra environment
+
+
+def negative_steps(tmp_path: Path) -> Case:
+    return ["--steps", "-1"], "argument --steps: must be a positive integer, got -1", {}
+
+
+def zero_batch_size(tmp_path: Path) -> Case:
+    return ["--batch-size", "0"], "argument --batch-size: must be a positive integer, got 0", {}
+
+
+def missing_data_dir(tmp_path: Path) -> Case:
+    missing = tmp_path / "no-such-imagenet"
+    return ["--data", "imagenet", "--data-dir", missing], f"data directory {missing} does not exist", {}
+
+
+def empty_class_folder(tmp_path: Path) -> Case:
+    root = make_imagenet(tmp_path / "imagenet", classes=2, train_per_class=4, val_per_class=1, corrupt=0)
+    for image in (root / "val" / "n00000001").iterdir():
+        image.unlink()
+    return (
+        ["--data", "imagenet", "--data-dir", root],
+        f"class folder {root / 'val' / 'n00000001'} contains no images",
+        {},
+    )
+
+
+def unwritable_checkpoint_dir(tmp_path: Path) -> Case:
+    # Root ignores permission bits, so "unwritable" is a path through a file: it fails for everyone.
+    (tmp_path / "file").write_text("x")
+    target = tmp_path / "file" / "ckpt"
+    return ["--checkpoint-dir", target], f"cannot write --checkpoint-dir {target}: a part of the path is a file", {}
+
+
+def unwritable_metrics_json(tmp_path: Path) -> Case:
+    (tmp_path / "file").write_text("x")
+    target = tmp_path / "file" / "metrics.json"
+    return ["--metrics-json", target], f"cannot write --metrics-json {target}: a part of the path is a file", {}
+
+
+def full_disk(tmp_path: Path) -> Case:
+    # The free-space floor is raised past any disk's size: the same refusal a full disk gets.
+    flags: list[object] = ["--checkpoint-dir", tmp_path / "ckpt"]
+    return flags, f"--checkpoint-dir {tmp_path / 'ckpt'}: only", {MIN_FREE_ENV: str(2**40)}
+
+
+def corrupt_only_checkpoint(tmp_path: Path) -> Case:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    checkpoint_path(ckpt, 10).write_bytes(b"\0" * 100)
+    return ["--checkpoint-dir", ckpt], f"no usable checkpoint in {ckpt} (ckpt-0000000010.ckpt: not a checkpoint", {}
+
+
+def checkpoint_of_another_model(tmp_path: Path) -> Case:
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, 10, Fingerprint.of("pytorch", "resnet50", 1000, []), b"state")
+    expected = f"checkpoint {checkpoint_path(ckpt, 10)} holds pytorch resnet50 with 1000 classes"
+    return ["--checkpoint-dir", ckpt], expected, {}
+
+
+def ddp_outside_torchrun(tmp_path: Path) -> Case:
+    return ["--backend", "ddp"], "--backend ddp runs under torchrun: torchrun --nproc_per_node N", {}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        negative_steps,
+        zero_batch_size,
+        missing_data_dir,
+        empty_class_folder,
+        unwritable_checkpoint_dir,
+        unwritable_metrics_json,
+        full_disk,
+        corrupt_only_checkpoint,
+        checkpoint_of_another_model,
+        ddp_outside_torchrun,
+    ],
+)
+def test_bad_input_is_one_error_line_and_exit_2_before_training(tmp_path: Path, case: Callable[[Path], Case]) -> None:
+    flags, message, env = case(tmp_path)
+    output = run(single("pytorch", *TINY, "--steps", 2, *flags), tmp_path / "job.log", expect_rc=2, env=env)
+    [line] = error_lines(output)
+    assert line.startswith(f"error: {message}"), output
+    assert "Traceback" not in output
+    assert "starting at step" not in output  # refused before the first step
+
+
+def test_a_refusal_every_rank_meets_is_reported_once_by_rank_0(tmp_path: Path) -> None:
+    flags, message, _ = corrupt_only_checkpoint(tmp_path)
+    output = run(horovodrun(2, "pytorch", *TINY, "--steps", 2, *flags), tmp_path / "job.log", expect_rc=1)
+    [line] = error_lines(output)
+    assert line.startswith(f"[0]<stderr>:error: {message}")
+    assert "Process name: 0\nExit code: 2" in output  # rank 0 exits first, so horovodrun names it
+
+
+def test_a_checkpoint_of_another_framework_is_refused(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, 10, Fingerprint.of("pytorch", "resnet_tiny", 1000, []), b"state")
+    output = run(single("keras", *TINY, "--checkpoint-dir", ckpt), tmp_path / "job.log", expect_rc=2)
+    [line] = error_lines(output)
+    assert "holds pytorch resnet_tiny with 1000 classes" in line
+    assert "but this run is tensorflow resnet_tiny with 1000 classes" in line  # Keras writes TensorFlow's
+    assert "use another --checkpoint-dir, or delete" in line
+    assert "Traceback" not in output
+
+
+def test_debug_shows_the_traceback_and_keeps_the_status(tmp_path: Path) -> None:
+    missing = tmp_path / "missing"
+    output = run(
+        single("pytorch", *TINY, "--data", "imagenet", "--data-dir", missing, "--debug"),
+        tmp_path / "job.log",
+        expect_rc=2,
+    )
+    assert "Traceback" in output and f"error: data directory {missing} does not exist" in output
+
+
+def test_ignore_bad_checkpoints_starts_fresh_with_a_warning(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    checkpoint_path(ckpt, 10).write_bytes(b"\0" * 100)
+    output = run(
+        single("pytorch", *TINY, "--steps", 2, "--checkpoint-dir", ckpt, "--ignore-bad-checkpoints"),
+        tmp_path / "job.log",
+    )
+    assert f"no usable checkpoint in {ckpt}" in output and "starting from step 0" in output
+    assert "falling back" not in output  # there was nothing to fall back to
+    assert sorted(p.name for p in ckpt.iterdir()) == ["ckpt-0000000002.ckpt", "ckpt-0000000010.ckpt.corrupt"]
+
+
+# --- a broken input pipeline ends the job in seconds ------------------------------------------------
+
+
+@pytest.mark.parametrize("framework", ["pytorch", "tensorflow", "keras"])
+def test_an_unreadable_data_directory_ends_the_job_in_seconds(tmp_path: Path, framework: str) -> None:
+    # Every JPEG truncated: the decode fails inside DataLoader workers or tf.data's threads, and
+    # used to come back as TensorFlow's UnknownError, then hang in the iterator's destructor.
+    root = make_imagenet(tmp_path / "imagenet", classes=2, train_per_class=8, val_per_class=2, corrupt=0)
+    truncate_images(root)
+    began = time.monotonic()
+    output = run(single(framework, *TINY, "--data", "imagenet", "--data-dir", root), tmp_path / "job.log", 30, 2)
+    assert time.monotonic() - began < 30
+    [line] = error_lines(output)
+    assert line.startswith(f"error: 16 images in a row under {root / 'train'} could not be decoded")
+    assert "Traceback" not in output and "UnknownError" not in output
+
+
+def test_an_unreadable_data_directory_ends_a_two_process_job(tmp_path: Path) -> None:
+    root = make_imagenet(tmp_path / "imagenet", classes=2, train_per_class=8, val_per_class=2, corrupt=0)
+    truncate_images(root)
+    cmd = horovodrun(2, "tensorflow", *TINY, "--data", "imagenet", "--data-dir", root)
+    output = run(cmd, tmp_path / "job.log", timeout=60, expect_rc=1)  # horovodrun's own status for any failure
+    assert "Exit code: 2" in output  # the first worker to fail: bad input
+    assert any("16 images in a row" in line for line in error_lines(output))
+
+
+# --- leaving: nothing that runs after the backend shut down can change the status ------------------
+
+# A backend whose thread outlives everything, as gloo's threads outlive destroy_process_group():
+# a process that let Python finalize would wait for it forever.
+STUCK_THREAD_JOB = """
+import logging, sys, threading
+from training.data import DataDirError
+from training.job import run_job
+
+class Backend:
+    backend, rank, size, local_rank, local_size, failures = "test", 0, 1, 0, 1, ()
+    def __init__(self, args):
+        threading.Thread(target=threading.Event().wait).start()  # not a daemon, never ends
+    def allgather_object(self, obj):
+        return [obj]
+    def shutdown(self):
+        pass
+
+def train(args, backend):
+    logging.getLogger("job").info("trained")
+    outcome = sys.argv[1]
+    if outcome == "bad-input":
+        raise DataDirError("data directory /x does not exist")
+    if outcome == "bug":
+        raise ZeroDivisionError("division by zero")
+
+run_job("pytorch", [], Backend, train)
+"""
+
+
+@pytest.mark.parametrize(
+    ("outcome", "status", "message"),
+    [
+        ("success", 0, None),
+        ("bad-input", 2, "error: data directory /x does not exist"),
+        ("bug", 1, "error: ZeroDivisionError: division by zero"),
+    ],
+)
+def test_a_job_exits_with_its_status_though_a_thread_outlives_its_backend(
+    tmp_path: Path, outcome: str, status: int, message: str | None
+) -> None:
+    output = run([sys.executable, "-c", STUCK_THREAD_JOB, outcome], tmp_path / "job.log", timeout=30, expect_rc=status)
+    assert "trained" in output  # the log was flushed before the process left
+    assert error_lines(output) == ([message] if message else [])
+    assert ("Traceback" in output) == (outcome == "bug")  # only a bug gets its traceback

@@ -1,0 +1,54 @@
+"""The errors a job reports in one line, and the exit-status table (the operator scripts use the same).
+
+| exit | meaning |
+| ---- | ------- |
+| 0    | success |
+| 1    | the run failed: a peer died or stopped answering, a collective timed out, training diverged |
+| 2    | bad input: a flag, a path, a data directory, a checkpoint that does not fit (fix the command or the files) |
+| 130  | interrupted (Ctrl-C) |
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    FAILED = 1
+    BAD_INPUT = 2
+    INTERRUPTED = 130
+
+
+class JobError(Exception):
+    """A failure whose message says everything: printed as one ``error:`` line, no traceback.
+
+    ``every_rank``: every rank raises this same error at the same point (a verdict that was
+    broadcast or agreed), so rank 0 alone reports it.
+    """
+
+    exit_code = ExitCode.FAILED
+
+    def __init__(self, message: str, *, every_rank: bool = False) -> None:
+        super().__init__(message)
+        self.every_rank = every_rank
+
+
+class BadInput(JobError):
+    """The command or its files are wrong; the message says what to change."""
+
+    exit_code = ExitCode.BAD_INPUT
+
+
+class OutputPathError(BadInput):
+    """An output path (checkpoint directory, metrics JSON) cannot be written, or its disk is full."""
+
+
+class CheckpointRefused(BadInput):
+    """The checkpoint directory holds nothing this run may resume from."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (frameworks append pages of context)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

@@ -1,0 +1,126 @@
+"""How every job starts and ends: flags, the check of its outputs, the backend, one exit status.
+
+The three jobs give :func:`run_job` a way to start their backend and a way to train; it turns
+whatever happens into one ``error:`` line and the exit status of :mod:`training.errors`.
+
+Every job leaves through ``os._exit``, after flushing its logs, once its backend has shut down
+(or failed). The alternative, releasing every collective's work object and joining every
+backend thread before Python finalizes, cannot be made to hold: the last references to a
+gloo ``Work`` sit inside torch (DDP's reducer, the object collectives, the process-group
+registry), and a gloo worker thread that drops one during finalization needs the GIL, exits,
+and ``std::terminate`` aborts a run that had already finished (upstream's race: a few DDP runs
+in a hundred). tf.data's iterator destructors can hang at exit the same way. With ``os._exit``
+nothing runs after the metrics are written and the backend is down. Of the ``atexit`` handlers
+skipped, one matters: the DataLoader's shutdown of its workers. Workers started through the
+forkserver watch the forkserver, not the job, so the job stops its own descendants before it
+leaves (:func:`_stop_descendants`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import NoReturn, TypeVar
+
+import psutil
+
+from training.args import parse_args
+from training.distributed import Backend, launcher_rank
+from training.errors import ExitCode, JobError, first_line
+from training.liveness import Liveness
+from training.loop import configure_logging
+from training.outputs import check_output_paths
+
+B = TypeVar("B", bound=Backend)
+
+# A rank other than 0 that meets an error every rank meets leaves the report to rank 0, and
+# lets rank 0 exit first: launchers stop the others at the first exit and report that one.
+QUIET_RANK_DELAY_SECONDS = 10.0
+
+
+def run_job(
+    framework: str,
+    argv: Sequence[str] | None,
+    start: Callable[[argparse.Namespace], B],
+    train: Callable[[argparse.Namespace, B], object],
+) -> NoReturn:
+    """Parse the flags, check the outputs, start the backend, train, and exit with the table's status."""
+    args = parse_args(framework, argv)  # a bad flag exits 2 here, before anything starts
+    configure_logging(launcher_rank())
+    _exit(_run(args, start, train))
+
+
+def _run(
+    args: argparse.Namespace,
+    start: Callable[[argparse.Namespace], B],
+    train: Callable[[argparse.Namespace, B], object],
+) -> int:
+    backend: B | None = None
+    liveness: Liveness | None = None
+    try:
+        if launcher_rank() == 0:
+            check_output_paths(args)
+        backend = start(args)
+        liveness = Liveness(backend)
+        train(args, backend)
+        backend.shutdown()
+        return ExitCode.OK
+    except BaseException as exc:  # every way out becomes one line and one exit status
+        return _report(exc, args.debug, backend, liveness)
+
+
+def _report(exc: BaseException, debug: bool, backend: Backend | None, liveness: Liveness | None) -> int:
+    if debug:
+        traceback.print_exception(exc)
+    if isinstance(exc, KeyboardInterrupt):
+        _print_error("interrupted")
+        return ExitCode.INTERRUPTED
+    if isinstance(exc, JobError):
+        if exc.every_rank and backend is not None and backend.rank != 0:
+            time.sleep(QUIET_RANK_DELAY_SECONDS)
+        else:
+            _print_error(str(exc))
+        return exc.exit_code
+    # A collective failed, or something unexpected: is a peer frozen, cut off or gone?
+    troubled = liveness.troubled_peers() if liveness is not None else {}
+    if liveness is not None and troubled:
+        culprits = "; ".join(f"{peer} {problem}" for peer, problem in troubled.items())
+        _print_error(f"{culprits}; {liveness.me} noticed: {first_line(exc)}")
+        return ExitCode.FAILED
+    if backend is not None and isinstance(exc, backend.failures):
+        _print_error(first_line(exc))
+    else:
+        if not debug:  # a bug: its traceback is the report
+            traceback.print_exception(exc)
+        _print_error(f"{type(exc).__name__}: {first_line(exc)}")
+    return ExitCode.FAILED
+
+
+def _print_error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def _stop_descendants(grace_s: float = 5.0) -> None:
+    """SIGKILL every process this one started (decode workers, the forkserver): they hold no
+    state worth saving, and left alone they would outlive the job."""
+    descendants = psutil.Process().children(recursive=True)
+    for process in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(descendants, timeout=grace_s)
+
+
+def _exit(code: int) -> NoReturn:
+    _stop_descendants()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ctypes.CDLL(None).fflush(None)  # what the frameworks' C++ code left in stdio buffers
+    os._exit(code)

@@ -1,0 +1,73 @@
+"""The files a job writes (checkpoints, the metrics JSON): checked before anything starts, so a
+path that cannot be written is found in a second rather than after hours of training.
+
+Rank 0 writes every output, so rank 0 checks them. Logs go to stdout/stderr, which belong to
+the launcher. A write that still fails later (the disk filled up meanwhile) is reported the
+same way, with the path and what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from training.errors import BadInput, OutputPathError
+
+MIN_FREE_ENV = "TRAINING_MIN_FREE_MB"
+DEFAULT_MIN_FREE_MB = 1024  # a few ResNet-50 checkpoints (about 200 MB each with momentum)
+MB = 2**20
+
+
+def check_output_paths(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> None:
+    """Raise :class:`OutputPathError` unless every output can be written and has room."""
+    need = min_free_bytes(env)
+    if args.checkpoint_dir is not None:
+        check_directory(args.checkpoint_dir, "--checkpoint-dir", args.checkpoint_dir, need)
+    if args.metrics_json is not None:
+        if args.metrics_json.is_dir():
+            raise OutputPathError(f"--metrics-json {args.metrics_json} is a directory: pass the path of a file")
+        check_directory(args.metrics_json.parent, "--metrics-json", args.metrics_json, need)
+
+
+def min_free_bytes(env: Mapping[str, str]) -> int:
+    text = env.get(MIN_FREE_ENV, str(DEFAULT_MIN_FREE_MB))
+    if not text.isdigit():
+        raise BadInput(f"{MIN_FREE_ENV}={text!r}: expected a number of MiB (0 turns the free-space check off)")
+    return int(text) * MB
+
+
+def check_directory(directory: Path, flag: str, value: Path, need: int) -> None:
+    """Create ``directory`` (where ``flag``'s ``value`` goes) if needed, write a file in it, and
+    check its file system's free space."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-") as probe:
+            probe.write(b"x")
+            probe.flush()
+        free = shutil.disk_usage(directory).free
+    except OSError as exc:
+        raise output_error(flag, value, exc) from None
+    if free < need:
+        raise OutputPathError(
+            f"{flag} {value}: only {free // MB} MiB free, at least {need // MB} MiB needed "
+            f"(free some space, choose another {flag}, or lower {MIN_FREE_ENV})"
+        )
+
+
+def output_error(flag: str, path: Path, exc: OSError) -> OutputPathError:
+    """'cannot write <flag> <path>: <reason> (<what to do>)' for a failed write."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        advice = f"free some space or choose another {flag}"
+    else:
+        advice = f"choose another {flag} or fix its permissions"
+    if exc.errno in (errno.ENOTDIR, errno.EEXIST):  # EEXIST: mkdir met a file
+        reason = "a part of the path is a file, not a directory"
+    else:
+        reason = (exc.strerror or str(exc)).lower()
+    where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+    return OutputPathError(f"cannot write {flag} {path}: {reason}{where} ({advice})")
