@@ -468,6 +468,9 @@ class Streamer:
         logs = run_dir / "logs"
         self.rank_logs = {r: open(logs / f"rank-{r}.log", "a", buffering=1) for r in range(len(hosts_by_rank))}  # noqa: SIM115
         self.failures: list[tuple[int, int]] = []  # (rank, exit code) in the order horovodrun reported them
+        # The job's own verdict (training/job.py prints one `error:` line): it names the rank that
+        # stopped answering, where horovodrun names the rank that exited first.
+        self.job_error: str | None = None
         self.first_failure: tuple[int | None, int | None] = (None, None)
         self.in_traceback = False
 
@@ -481,6 +484,8 @@ class Streamer:
             out = f"[{rank}|{host}]{'!' if stream == 'stderr' else ''} {text}"
             if rank in self.rank_logs:
                 self.rank_logs[rank].write(text + "\n")
+            if self.job_error is None and text.startswith("error: "):
+                self.job_error = text.removeprefix("error: ")
         else:
             out = f"[horovodrun] {line}"
             # horovodrun ends a failed job with its own Python traceback: keep it in the log only
@@ -752,6 +757,8 @@ def _job_exit(
         else:
             how = f"exited with status {exit_code}"
         result.message = f"job failed: rank {rank} on {result.failed_host} {how}"
+        if streamer.job_error:
+            result.message += f": {streamer.job_error}"
         console.print(f"[red]{result.message}[/red]")
         return exit_code
     result.message = f"horovodrun exited with status {code}"

@@ -278,3 +278,24 @@ def test_fallback_nodes_on_localhost_ports(tmp_path):
     finally:
         local_cluster.down(state, quiet=True)
     assert not state.exists()
+
+
+def test_the_jobs_own_verdict_names_the_rank_that_stopped_answering(tmp_path):
+    # horovodrun blames the rank that exited first (the healthy rank 0, which noticed); the job's
+    # own error line names the one that stopped answering, and the summary must carry it.
+    streamer = launch.Streamer(tmp_path, ["node-0", "node-1"], echo=lambda line: None)
+    for line in (
+        "[1]<stdout>:step 5/8",
+        "[0]<stderr>:error: rank 1 on host node-1 stopped answering (no reply within 5 s); rank 0 noticed",
+        "Process 0 exit with status code 1.",
+        "Process name: 0",
+        "Exit code: 1",
+    ):
+        streamer.feed(line)
+    streamer.close()
+    result = launch.RunResult(run_id="r", exit_code=1, run_dir=tmp_path, nodes=["node-0", "node-1"], world_size=2)
+    assert launch._job_exit(1, streamer, result, ["node-0", "node-1"], []) == 1
+    assert result.message == (
+        "job failed: rank 0 on node-0 exited with status 1: "
+        "rank 1 on host node-1 stopped answering (no reply within 5 s); rank 0 noticed"
+    )
