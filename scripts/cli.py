@@ -35,6 +35,8 @@ class CLIParser(argparse.ArgumentParser):
     errors printed as `error: ...` like every other error (exit 2)."""
 
     def __init__(self, *args: Any, epilog: str | None = None, **kwargs: Any):
+        # allow_abbrev=False: a flag is taken only as spelled in full, never as a guess at a longer one.
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, epilog=" ".join(filter(None, (epilog, EXIT_STATUS_HELP))), **kwargs)
         # SUPPRESS: a subcommand's parser must not reset a --debug given before the subcommand
         self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")

@@ -6,34 +6,49 @@ import argparse
 from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T", int, float)
 
 MODELS = ("resnet50", "resnet_tiny", "simple_cnn")
 FRAMEWORKS = ("pytorch", "tensorflow", "keras")
 DEFAULT_SYNTHETIC_STEPS = 100
+MAX_BATCH_SIZE = 65536  # per worker
+MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 8, 4096  # pixels, square
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line, like every other error of the jobs."""
+    """An ArgumentParser whose errors are one line, like every other error of the jobs, and which
+    takes flags only as spelled in full: `--lr` must not quietly mean `--lr-decay-epochs`."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
-def _number(text: str, kind: type[T], least: T, description: str) -> T:
+def _number(text: str, kind: type[T], least: T, description: str, most: T | None = None) -> T:
     try:
         value = kind(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be {description}, got {text!r}") from None
-    if not value >= least:  # also refuses nan
+    if not value >= least or (most is not None and value > most):  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be {description}, got {text}")
     return value
 
 
 def _positive_int(text: str) -> int:
     return _number(text, int, 1, "a positive integer")
+
+
+def _batch_size(text: str) -> int:
+    # Past this a batch no longer fits any accelerator's memory; a typo, not a plan.
+    return _number(text, int, 1, f"a positive integer up to {MAX_BATCH_SIZE}", MAX_BATCH_SIZE)
+
+
+def _image_size(text: str) -> int:
+    return _number(text, int, MIN_IMAGE_SIZE, f"an integer from {MIN_IMAGE_SIZE} to {MAX_IMAGE_SIZE}", MAX_IMAGE_SIZE)
 
 
 def _non_negative_int(text: str) -> int:
@@ -70,7 +85,7 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
     data.add_argument(
         "--data-dir", type=Path, help="ImageNet layout: train/<class>/*.JPEG, optional val/<class>/*.JPEG"
     )
-    data.add_argument("--image-size", type=_positive_int, default=224)
+    data.add_argument("--image-size", type=_image_size, default=224)
     data.add_argument(
         "--num-classes",
         type=_positive_int,
@@ -86,7 +101,7 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
     model.add_argument("--model", choices=MODELS, default="resnet50")
 
     schedule = parser.add_argument_group("schedule")
-    schedule.add_argument("--batch-size", type=_positive_int, default=64, help="per worker")
+    schedule.add_argument("--batch-size", type=_batch_size, default=64, help="per worker")
     schedule.add_argument("--epochs", type=_positive_int, default=1)
     schedule.add_argument(
         "--steps",

@@ -125,8 +125,10 @@ def scan_split(
 
 def load_imagenet(data_dir: Path, image_size: int, seed: int) -> tuple[ImageFolder, ImageFolder | None]:
     """Index ``train/`` (required) and ``val/`` (optional) under ``data_dir``."""
-    if not data_dir.is_dir():
+    if not data_dir.exists():
         raise DataDirError(f"data directory {data_dir} does not exist")
+    if not data_dir.is_dir():
+        raise DataDirError(f"data directory {data_dir} is a file: pass the directory that holds train/ and val/")
     train = scan_split(data_dir, "train", image_size, seed)
     if train is None:
         raise DataDirError(f"{data_dir / 'train'} does not exist (expected train/<class>/*.JPEG)")

@@ -185,6 +185,8 @@ STAGE = [
     case(f"{UPLOAD} --source {{dataset}} --workers 0", message="argument --workers: must be a whole number"),
     case(f"{UPLOAD} --source {{dataset}} --shard-size-mb -5", message="must be a number > 0, got '-5'"),
     case(f"{UPLOAD} --source {{dataset}} --shard-size-mb 0", message="must be a number > 0, got '0'"),
+    # a prefix of a flag is not taken for the flag (argparse's default would read --work as --workers)
+    case(f"{UPLOAD} --source {{dataset}} --work 4", message="unrecognized arguments: --work 4"),
     case(
         "generate --out {ro}/tiny",
         ro=True,

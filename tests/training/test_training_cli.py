@@ -23,7 +23,7 @@ def negative_steps(tmp_path: Path) -> Case:
 
 
 def zero_batch_size(tmp_path: Path) -> Case:
-    return ["--batch-size", "0"], "argument --batch-size: must be a positive integer, got 0", {}
+    return ["--batch-size", "0"], "argument --batch-size: must be a positive integer up to 65536, got 0", {}
 
 
 def missing_data_dir(tmp_path: Path) -> Case:
@@ -75,6 +75,20 @@ def checkpoint_of_another_model(tmp_path: Path) -> Case:
     return ["--checkpoint-dir", ckpt], expected, {}
 
 
+def abbreviated_flag(tmp_path: Path) -> Case:
+    # argparse would otherwise take --lr for --lr-decay-epochs, and -1 for an epoch list
+    return ["--lr", "-1"], "unrecognized arguments: --lr -1", {}
+
+
+def huge_batch_size(tmp_path: Path) -> Case:
+    return ["--batch-size", 10**20], "argument --batch-size: must be a positive integer up to 65536", {}
+
+
+def data_dir_is_a_file(tmp_path: Path) -> Case:
+    (tmp_path / "file").write_text("x")
+    return ["--data", "imagenet", "--data-dir", tmp_path / "file"], f"data directory {tmp_path / 'file'} is a file", {}
+
+
 def ddp_outside_torchrun(tmp_path: Path) -> Case:
     return ["--backend", "ddp"], "--backend ddp runs under torchrun: torchrun --nproc_per_node N", {}
 
@@ -92,6 +106,9 @@ def ddp_outside_torchrun(tmp_path: Path) -> Case:
         corrupt_only_checkpoint,
         checkpoint_of_another_model,
         ddp_outside_torchrun,
+        abbreviated_flag,
+        huge_batch_size,
+        data_dir_is_a_file,
     ],
 )
 def test_bad_input_is_one_error_line_and_exit_2_before_training(tmp_path: Path, case: Callable[[Path], Case]) -> None:
