@@ -17,8 +17,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from infra.contract import FRAMEWORKS
 from scripts.cli import CLIParser, arg_type, non_empty, require_tool, run_cli
-from scripts.cluster import FRAMEWORKS, IMAGE_REPOSITORIES, REPO_ROOT, check_image_tag, load, pulumi_stack_outputs
+from scripts.cluster import IMAGE_REPOSITORIES, REPO_ROOT, check_image_tag, load, pulumi_stack_outputs
 from scripts.errors import ExitCode, OperatorError
 from scripts.ui import make_console
 

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_serializer, model_validator
 
+from infra.contract import CONTAINER_SSH_PORT
 from scripts.cli import (
     CLIParser,
     arg_type,
@@ -44,10 +45,8 @@ from scripts.fileio import atomic_write
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_LOCAL_STATE = REPO_ROOT / ".local-cluster"
 DEFAULT_DESCRIPTION = DEFAULT_LOCAL_STATE / "cluster.json"
-FRAMEWORKS = ("pytorch", "tensorflow", "keras")
 # Image repository per framework in the registry; the Keras job runs in the TensorFlow image.
 IMAGE_REPOSITORIES = {"pytorch": "hvd-pytorch", "tensorflow": "hvd-tensorflow", "keras": "hvd-tensorflow"}
-CONTAINER_SSH_PORT = 12345  # sshd inside the job containers, used by horovodrun between nodes
 DOCKER_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # Docker's grammar for an image tag
 
 

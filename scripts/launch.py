@@ -38,6 +38,7 @@ from pathlib import Path
 from pydantic import ValidationError
 from rich.table import Table
 
+from infra.contract import FRAMEWORKS
 from scripts import blobs
 from scripts.cli import (
     CLIParser,
@@ -49,7 +50,7 @@ from scripts.cli import (
     positive_number,
     run_cli,
 )
-from scripts.cluster import FRAMEWORKS, REPO_ROOT, ClusterDescription, NodeRecord, load
+from scripts.cluster import REPO_ROOT, ClusterDescription, NodeRecord, load
 from scripts.errors import ExitCode, OperatorError
 from scripts.processes import stop_process_group
 from scripts.sshutil import SSH, SSHFailure, Target, q

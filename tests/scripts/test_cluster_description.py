@@ -8,6 +8,7 @@ import stat
 
 import pytest
 
+from infra.contract import StackOutput
 from scripts import cluster as cl
 from scripts import launch
 from scripts.cluster import ClusterDescription, NodeRecord
@@ -160,3 +161,8 @@ def test_docker_runtime_commands():
     files = launch.ssh_files_for_horovodrun(desc, nodes, run_dir, run_key="KEY")
     assert "Port 12345" in files["ssh/config"][0] and "/root/.ssh/hvd_run_key" in files["ssh/config"][0]
     assert files["ssh/id_ed25519"] == ("KEY", 0o600)  # a private key on the share is never world-readable
+
+
+def test_every_output_the_cli_reads_is_one_the_stack_declares():
+    # infra/contract.py names the stack's outputs; the CLI must not read one the stack never exports.
+    assert cl.REQUIRED_OUTPUTS and set(cl.REQUIRED_OUTPUTS) <= set(StackOutput)
