@@ -10,7 +10,7 @@ from pulumi_azure_native import compute
 
 from infra.cloud_init import render_cluster_node
 from infra.config import ImageReference
-from infra.contract import NODE_REGISTRY_PATH, SHARED_MOUNT_PATH
+from infra.contract import SHARED_MOUNT_PATH
 from infra.skus import GpuSku
 from infra.vm import encode_custom_data, image_reference, linux_configuration, security_profile
 
@@ -82,7 +82,6 @@ class GpuCluster(pulumi.ComponentResource):
                     nfs_server_ip=args.nfs_server_ip,
                     nfs_export_path=args.nfs_export_path,
                     mount_path=SHARED_MOUNT_PATH,
-                    node_registry_path=NODE_REGISTRY_PATH,
                     acr_login_server=values[0],
                     identity_client_id=values[1],
                     nccl_env=self.nccl_env,

@@ -12,7 +12,9 @@ from enum import StrEnum
 # temporary disk there at boot, which would hide it.
 SHARED_MOUNT_PATH = "/shared"
 DATA_PATH = f"{SHARED_MOUNT_PATH}/data"
-NODE_REGISTRY_PATH = f"{SHARED_MOUNT_PATH}/nodes"
+# Beneath the shared mount (SHARED_MOUNT_PATH on Azure; the local cluster's is elsewhere):
+RUNS_DIR = "runs"  # runs/<run_id>/: one job's files, made by its submitter (mode 0700)
+HEALTH_REPORT_DIR = ".health"  # .health/<node>: the node health check's last result (root's, 0644)
 
 SSH_PORT = 22
 CONTAINER_SSH_PORT = 12345  # sshd inside the training containers (horovodrun between nodes)
@@ -43,7 +45,6 @@ class StackOutput(StrEnum):
     NFS_EXPORT_PATH = "nfs_export_path"
     SHARED_MOUNT_PATH = "shared_mount_path"
     DATA_PATH = "data_path"
-    NODE_REGISTRY_PATH = "node_registry_path"
     STORAGE_ACCOUNT = "storage_account"
     BLOB_ENDPOINT = "blob_endpoint"
     DATA_CONTAINER = "data_container"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pulumi
 
 from infra.cloud_init import render_gres_conf, render_head_node, render_slurm_conf
-from infra.cloud_init.cluster_node import HEALTH_CHECK_PATH
+from infra.cloud_init.cluster_node import EPILOG_PATH, HEALTH_CHECK_PATH
 from infra.cloud_init.head_node import (
     RESUME_FAIL_PROGRAM,
     RESUME_PROGRAM,
@@ -78,6 +78,8 @@ def slurm_conf(name: str, args: HeadNodeArgs) -> str:
             resume_timeout_s=RESUME_TIMEOUT_S,
         ),
         health_check=HealthCheck(program=HEALTH_CHECK_PATH, interval_s=HEALTH_CHECK_INTERVAL_S),
+        # Removes the job's containers, which dockerd keeps out of Slurm's reach.
+        epilog=EPILOG_PATH,
     )
 
 
@@ -98,6 +100,7 @@ class HeadNode(pulumi.ComponentResource):
                     scale_set_id=values[0],
                     identity_client_id=values[1],
                     node_prefix=args.node_prefix,
+                    admin_user=args.admin_user,
                 )
             )
         )

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import pulumi
 from pulumi_azure_native import compute
 
-from infra.cloud_init import render_nfs_server
+from infra.cloud_init import remote_file, render_nfs_server
 from infra.vm import LinuxVm, LinuxVmArgs, MachineArgs, encode_custom_data
 
 EXPORT_PATH = "/export"
-# Shipped onto the server as /usr/local/bin/blob-pull: pulls the dataset with the read-only SAS.
-BLOB_PULL_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "blob_pull.py"
+# scripts/remote/blob_pull.py, shipped onto the server as /usr/local/bin/blob-pull: pulls the
+# dataset with the read-only SAS.
+BLOB_PULL_SCRIPT = "blob_pull.py"
 
 
 @dataclass
@@ -31,7 +31,7 @@ class NfsServer(pulumi.ComponentResource):
             data_disk_count=args.disk_count,
             export_path=EXPORT_PATH,
             allowed_cidr=args.cluster_cidr,
-            blob_pull_script=BLOB_PULL_SCRIPT.read_text(),
+            blob_pull_script=remote_file(BLOB_PULL_SCRIPT),
         )
         self.machine = LinuxVm(
             name,

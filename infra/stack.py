@@ -7,7 +7,7 @@ from pulumi_azure_native import resources
 
 from infra.cluster import GpuCluster, GpuClusterArgs
 from infra.config import StackConfig
-from infra.contract import DATA_PATH, NODE_REGISTRY_PATH, SHARED_MOUNT_PATH, SLURM_PARTITION, StackOutput
+from infra.contract import DATA_PATH, SHARED_MOUNT_PATH, SLURM_PARTITION, StackOutput
 from infra.head import HeadNode, HeadNodeArgs
 from infra.identity import (
     ClusterIdentity,
@@ -138,7 +138,6 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
         StackOutput.NFS_EXPORT_PATH: nfs.export_path,
         StackOutput.SHARED_MOUNT_PATH: SHARED_MOUNT_PATH,
         StackOutput.DATA_PATH: DATA_PATH,
-        StackOutput.NODE_REGISTRY_PATH: NODE_REGISTRY_PATH,
         StackOutput.STORAGE_ACCOUNT: store.account.name,
         StackOutput.BLOB_ENDPOINT: store.blob_endpoint,
         StackOutput.DATA_CONTAINER: DATA_CONTAINER,

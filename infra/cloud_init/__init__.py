@@ -2,9 +2,12 @@
 
 No Pulumi here: plain values in, `#cloud-config` YAML text out, so that tests can validate the
 documents with `cloud-init schema` and the embedded shell scripts with shellcheck. slurm.py renders
-Slurm's own files and the node health check, for any cluster (Azure's and the local one).
+Slurm's own files and the node health check, for any cluster (Azure's and the local one). The
+scripts and programs the documents install are read from scripts/remote/, where everything that
+runs on a cluster host lives.
 """
 
+from infra.cloud_init._common import remote_file
 from infra.cloud_init.cluster_node import render_cluster_node
 from infra.cloud_init.head_node import render_head_node
 from infra.cloud_init.nccl import check_nccl_env
@@ -13,6 +16,7 @@ from infra.cloud_init.slurm import render_gres_conf, render_health_check, render
 
 __all__ = [
     "check_nccl_env",
+    "remote_file",
     "render_cluster_node",
     "render_gres_conf",
     "render_head_node",

@@ -18,6 +18,9 @@ MAX_CUSTOM_DATA_BYTES = 65535
 MUNGE_KEY_PATH = "/etc/munge/munge.key"
 MIN_MUNGE_KEY_BYTES = 32  # munged refuses shorter keys
 NFS_MOUNT_PATH = "/usr/local/sbin/nfs-mount"
+# What runs on the hosts lives with the operator's tools (the local cluster runs it in place);
+# a package of docstring-only __init__ files, so reading it imports nothing of the CLI.
+REMOTE_PACKAGE = "scripts.remote"
 
 _PLACEHOLDER = re.compile(r"@([A-Z][A-Z0-9_]*)@")
 # Paths land in fstab, /etc/exports and systemd units, which each escape differently: allow only
@@ -83,9 +86,14 @@ def _shell_literal(value: ScriptValue) -> str:
     return "(" + " ".join(shlex.quote(item) for item in value) + ")"
 
 
+def remote_file(name: str) -> str:
+    """The text of scripts/remote/<name>, the folder of everything that runs on a cluster host."""
+    return resources.files(REMOTE_PACKAGE).joinpath(name).read_text(encoding="utf-8")
+
+
 def render_script(name: str, values: Mapping[str, ScriptValue]) -> str:
-    """Fill the @NAME@ placeholders of scripts/<name> with shell-quoted values (lists become arrays)."""
-    template = resources.files(__package__).joinpath("scripts", name).read_text(encoding="utf-8")
+    """Fill the @NAME@ placeholders of scripts/remote/<name> with shell-quoted values (lists become arrays)."""
+    template = remote_file(name)
     wanted = set(_PLACEHOLDER.findall(template))
     if wanted != set(values):
         raise KeyError(f"{name}: placeholders {sorted(wanted)} but values for {sorted(values)}")

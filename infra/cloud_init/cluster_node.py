@@ -1,9 +1,9 @@
 """cloud-config for a GPU node on the Azure HPC image (microsoft-dsvm ubuntu-hpc 22.04).
 
 The image already carries the GPU, InfiniBand and NCCL drivers, docker and the NVIDIA container
-toolkit; this adds the NFS mount, the registry login, the NCCL settings, slurmd (configless, from
-Ubuntu 22.04's Slurm packages) with its health check, and the node's registration on the shared
-file system.
+toolkit; this adds the NFS mount, the registry login, the NCCL settings, and slurmd (configless,
+from Ubuntu 22.04's Slurm packages) with its health check and the epilog that removes a job's
+containers. Slurm knows its nodes: nothing else records them.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from infra.contract import MIN_FREE_DISK_GB, SLURMCTLD_PORT
 ACR_LOGIN_PATH = "/usr/local/sbin/acr-login"
 NODE_SETUP_PATH = "/usr/local/sbin/node-setup"
 SLURMD_SETUP_PATH = "/usr/local/sbin/slurmd-setup"
-REGISTER_NODE_PATH = "/usr/local/sbin/register-node"
 HEALTH_CHECK_PATH = "/usr/local/sbin/slurm-health-check"
+EPILOG_PATH = "/usr/local/sbin/slurm-epilog"
 # The master copy; nccl-conf.service installs it as /etc/nccl.conf after the image's own rewrite.
 NCCL_CONF_SOURCE = "/usr/local/etc/nccl.conf"
 NCCL_PROFILE_PATH = "/etc/profile.d/nccl.sh"
@@ -49,7 +49,6 @@ def render_cluster_node(
     nfs_server_ip: str,
     nfs_export_path: str,
     mount_path: str,
-    node_registry_path: str,
     acr_login_server: str,
     identity_client_id: str,
     nccl_env: Mapping[str, str],
@@ -58,12 +57,9 @@ def render_cluster_node(
     munge_key: str,
 ) -> str:
     """cloud-config that mounts NFS, logs docker in to ACR with the managed identity, writes the
-    NCCL settings, starts slurmd against the controller at slurmctld_address with the cluster's
-    munge key (base64), and registers the node in node_registry_path."""
+    NCCL settings, and starts slurmd against the controller at slurmctld_address with the
+    cluster's munge key (base64); slurm.conf names the health check and epilog installed here."""
     mount = check_path("mount_path", mount_path)
-    registry = check_path("node_registry_path", node_registry_path)
-    if not registry.startswith(f"{mount}/"):
-        raise ValueError(f"node_registry_path: {registry!r} must lie on the NFS mount {mount!r}")
     acr = check_hostname("acr_login_server", acr_login_server)
     client_id = check_client_id("identity_client_id", identity_client_id)
     env = check_nccl_env(nccl_env)
@@ -74,7 +70,6 @@ def render_cluster_node(
         (ACR_LOGIN_PATH, render_script("acr-login.sh", {"ACR_LOGIN_SERVER": acr, "IDENTITY_CLIENT_ID": client_id})),
         (NODE_SETUP_PATH, render_script("node-setup.sh", {})),
         (SLURMD_SETUP_PATH, render_script("slurmd-setup.sh", {"SLURMCTLD_ADDRESS": controller})),
-        (REGISTER_NODE_PATH, render_script("register-node.sh", {"REGISTRY_DIR": registry, "EXPECTED_GPUS": gpus})),
         (
             HEALTH_CHECK_PATH,
             render_health_check(
@@ -85,6 +80,7 @@ def render_cluster_node(
                 free_disk_path=DOCKER_DATA_PATH,
             ),
         ),
+        (EPILOG_PATH, render_script("slurm-epilog.sh", {})),
     ]
     nccl_conf = "".join(f"{key}={value}\n" for key, value in env.items())
     nccl_profile = "# NCCL/UCX settings of this cluster, as in /etc/nccl.conf; written by cloud-init.\n" + "".join(
@@ -105,7 +101,6 @@ def render_cluster_node(
                 write_file(NCCL_PROFILE_PATH, nccl_profile, "0644"),
                 munge_key_file(munge_key),
             ],
-            # runcmd is a plain sh script (no -e): chaining keeps a failed setup from registering.
-            "runcmd": [f"{NODE_SETUP_PATH} && {REGISTER_NODE_PATH}"],
+            "runcmd": [[NODE_SETUP_PATH]],
         }
     )

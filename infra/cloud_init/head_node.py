@@ -8,6 +8,7 @@ import re
 
 from infra.cloud_init._common import (
     check_client_id,
+    check_path,
     cloud_config,
     munge_key_file,
     nfs_mount_file,
@@ -15,6 +16,7 @@ from infra.cloud_init._common import (
     write_file,
 )
 from infra.cloud_init.slurm import SLURM_USER
+from infra.contract import RUNS_DIR
 
 SLURM_CONF_PATH = "/etc/slurm/slurm.conf"
 GRES_CONF_PATH = "/etc/slurm/gres.conf"
@@ -33,6 +35,7 @@ PACKAGES = ["nfs-common", "munge", "slurmctld", "slurm-client"]  # slurm-client:
 # A scale set's id as Azure Resource Manager writes it; nothing that would bend the URL built on it.
 _SCALE_SET_ID = re.compile(r"/subscriptions/[^\s/?#]+(/[^\s/?#]+)+")
 _NODE_PREFIX = re.compile(r"[a-z][a-z0-9-]{0,14}")  # Azure's computerNamePrefix, lower case as Slurm names it
+_USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}")  # a Linux user name, as useradd takes it by default
 
 
 def _power_wrapper(action: str) -> str:
@@ -50,14 +53,18 @@ def render_head_node(
     scale_set_id: str,
     identity_client_id: str,
     node_prefix: str,
+    admin_user: str,
 ) -> str:
     """cloud-config that installs slurmctld with slurm_conf and gres_conf, the cluster's munge key
     (base64), the power programs acting on scale_set_id through the identity identity_client_id,
-    and mounts the NFS export at mount_path."""
+    mounts the NFS export at mount_path, and gives the runs directory there to admin_user (who
+    submits the jobs)."""
     if not _SCALE_SET_ID.fullmatch(scale_set_id or ""):
         raise ValueError(f"scale_set_id: {scale_set_id!r} is not an Azure resource id")
     if not _NODE_PREFIX.fullmatch(node_prefix or ""):
         raise ValueError(f"node_prefix: {node_prefix!r} is not a lower-case computer name prefix (1-15 characters)")
+    if not _USER.fullmatch(admin_user or ""):
+        raise ValueError(f"admin_user: {admin_user!r} is not a Linux user name")
     for key, text in (("slurm_conf", slurm_conf), ("gres_conf", gres_conf)):
         if not isinstance(text, str) or not text.endswith("\n"):
             raise ValueError(f"{key}: must be the file's text, ending in a newline")
@@ -69,7 +76,12 @@ def render_head_node(
     }
     setup = render_script(
         "head-setup.sh",
-        {"SLURM_USER": SLURM_USER, "SLURM_DIRS": [STATE_SAVE_DIR, SLURM_LOG_DIR]},
+        {
+            "SLURM_USER": SLURM_USER,
+            "SLURM_DIRS": [STATE_SAVE_DIR, SLURM_LOG_DIR],
+            "RUNS_DIR": f"{check_path('mount_path', mount_path)}/{RUNS_DIR}",
+            "RUNS_OWNER": admin_user,
+        },
     )
     return cloud_config(
         {

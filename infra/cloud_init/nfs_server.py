@@ -17,9 +17,10 @@ LUN_DIR = "/dev/disk/azure/scsi1"
 MAX_DATA_DISKS = 64
 BLOB_PULL_PATH = "/usr/local/bin/blob-pull"
 SETUP_PATH = "/usr/local/sbin/nfs-data-setup"
-# no_root_squash: node root (cloud-init) writes nodes/ and the training containers run as root
-# and write runs/. Squashing would add no trust boundary: only the cluster subnet may mount, and
-# whoever is root on a node is the operator, who already is root on this server.
+# no_root_squash: root on the head node sets up runs/, root on the nodes writes the health reports
+# (.health/), and the training containers run as root and write their run directories. Squashing
+# would add no trust boundary: only the cluster subnet may mount, and whoever is root on a node is
+# the operator, who already is root on this server.
 EXPORT_OPTIONS = "rw,sync,no_subtree_check,no_root_squash"
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from infra.cloud_init._common import check_int, check_ipv4, check_path, render_script
-from infra.contract import SLURMCTLD_PORT, SLURMD_PORT, SRUN_PORTS
+from infra.contract import HEALTH_REPORT_DIR, SLURMCTLD_PORT, SLURMD_PORT, SRUN_PORTS
 
 SLURM_USER = "slurm"  # the account Debian's and Ubuntu's packages create
 # Slurm compares names case-sensitively while DNS does not: lower case keeps the two agreeing.
@@ -24,6 +24,21 @@ MAX_REAL_MEMORY_MB = 2**31 - 1
 # Cloud nodes are not in DNS under their Slurm names, so slurmctld talks to every node itself
 # (the widest tree Slurm allows; the scale set holds at most 100 nodes).
 TREE_WIDTH = 65533
+# Slurm reads these timeouts as 16-bit numbers.
+MAX_TIMEOUT_S = 65533
+# Slurm's MessageTimeout, which this file leaves at its default: no node can be judged dead, nor a
+# process unkillable, sooner than a message to its slurmd may take.
+MESSAGE_TIMEOUT_S = 10
+# Seconds between SIGTERM and SIGKILL when a job is cancelled or runs out of time: the batch
+# script's EXIT trap uploads the job's results in that window.
+KILL_WAIT_S = 30
+# How long slurmctld waits for a silent slurmd before it marks the node DOWN (and requeues its
+# jobs, those submitted with --requeue). Slurm's default; an Azure node under load, or a brief
+# network blip, must not lose its job.
+SLURMD_TIMEOUT_S = 300
+# After SIGKILL, how long a step's processes may linger (a process stuck in I/O on a hard NFS
+# mount) before the node is drained as unhealthy. Slurm wants at least 5 MessageTimeouts.
+UNKILLABLE_STEP_TIMEOUT_S = 120
 
 
 @dataclass(frozen=True)
@@ -72,9 +87,8 @@ def _check_nodes(nodes: NodeSet) -> None:
 def _power_lines(power: PowerSaving, partition: str) -> list[str]:
     for key in ("suspend_program", "resume_program", "resume_fail_program"):
         check_path(f"power.{key}", getattr(power, key))
-    # Slurm 21.08 reads both timeouts as 16-bit numbers.
-    suspend_timeout = check_int("power.suspend_timeout_s", power.suspend_timeout_s, 1, 65533)
-    resume_timeout = check_int("power.resume_timeout_s", power.resume_timeout_s, 1, 65533)
+    suspend_timeout = check_int("power.suspend_timeout_s", power.suspend_timeout_s, 1, MAX_TIMEOUT_S)
+    resume_timeout = check_int("power.resume_timeout_s", power.resume_timeout_s, 1, MAX_TIMEOUT_S)
     if power.suspend_time_s is None:
         # SuspendTime=INFINITE would switch the whole power-save module off, and with it the
         # resuming of nodes that are powered down (deallocated earlier): keep the module on (any
@@ -92,6 +106,23 @@ def _power_lines(power: PowerSaving, partition: str) -> list[str]:
     ]
 
 
+def _job_lines(
+    *, kill_wait_s: int, slurmd_timeout_s: int, unkillable_step_timeout_s: int, epilog: str | None
+) -> list[str]:
+    """How jobs end: signals, timeouts, requeueing and the epilog."""
+    return [
+        # A job goes back to the queue after a node failure only when submitted with --requeue:
+        # one that cannot resume from a checkpoint would otherwise start over unasked.
+        "JobRequeue=0",
+        f"KillWait={check_int('kill_wait_s', kill_wait_s, 1, MAX_TIMEOUT_S)}",
+        f"SlurmdTimeout={check_int('slurmd_timeout_s', slurmd_timeout_s, MESSAGE_TIMEOUT_S, MAX_TIMEOUT_S)}",
+        "UnkillableStepTimeout="
+        f"{check_int('unkillable_step_timeout_s', unkillable_step_timeout_s, 5 * MESSAGE_TIMEOUT_S, MAX_TIMEOUT_S)}",
+        # Run by slurmd as root on every node of the allocation once the job has ended.
+        *([f"Epilog={check_path('epilog', epilog)}"] if epilog is not None else []),
+    ]
+
+
 def render_slurm_conf(
     *,
     cluster_name: str,
@@ -103,8 +134,18 @@ def render_slurm_conf(
     slurmd_spool_dir: str,
     power: PowerSaving,
     health_check: HealthCheck,
+    epilog: str | None = None,
+    kill_wait_s: int = KILL_WAIT_S,
+    slurmd_timeout_s: int = SLURMD_TIMEOUT_S,
+    unkillable_step_timeout_s: int = UNKILLABLE_STEP_TIMEOUT_S,
 ) -> str:
-    """slurm.conf for one controller and one partition of identical, power-managed nodes."""
+    """slurm.conf for one controller and one partition of identical, power-managed nodes.
+
+    epilog: the program slurmd runs after each job (None: none). The timeouts are in seconds:
+    kill_wait_s from SIGTERM to SIGKILL (at least 1), slurmd_timeout_s before a silent node is
+    DOWN (at least MessageTimeout, 10), unkillable_step_timeout_s after SIGKILL before a node with
+    processes left is drained (at least 50); each at most 65533.
+    """
     _check_nodes(nodes)
     check_name("partition", partition)
     node_line = f"NodeName={','.join(nodes.names)} CPUs={nodes.cpus} RealMemory={nodes.real_memory_mb}"
@@ -142,6 +183,13 @@ def render_slurm_conf(
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core",
         "MpiDefault=none",
+        # No PrologFlags=Contain: it needs proctrack/cgroup, which Slurm 21.08 cannot use on cgroup v2.
+        *_job_lines(
+            kill_wait_s=kill_wait_s,
+            slurmd_timeout_s=slurmd_timeout_s,
+            unkillable_step_timeout_s=unkillable_step_timeout_s,
+            epilog=epilog,
+        ),
         *(["GresTypes=gpu"] if nodes.gpus else []),
         f"HealthCheckProgram={check_path('health_check.program', health_check.program)}",
         f"HealthCheckInterval={check_int('health_check.interval_s', health_check.interval_s, 60, 86400)}",
@@ -166,7 +214,8 @@ def render_health_check(
     *, shared_mount: str, expected_gpus: int, check_infiniband: bool, min_free_gb: int, free_disk_path: str
 ) -> str:
     """The HealthCheckProgram script with this cluster's defaults (each can still be overridden
-    from the environment, see the script)."""
+    from the environment, see the script). It writes its last result to the node's file in
+    <shared_mount>/.health (contract.HEALTH_REPORT_DIR) unless HEALTH_REPORT_DIR names another."""
     if not isinstance(check_infiniband, bool):
         raise ValueError(f"check_infiniband: {check_infiniband!r} is not a bool")
     return render_script(
@@ -177,5 +226,6 @@ def render_health_check(
             "CHECK_INFINIBAND": int(check_infiniband),
             "MIN_FREE_GB": check_int("min_free_gb", min_free_gb, 0, 1_000_000),
             "FREE_DISK_PATH": check_path("free_disk_path", free_disk_path),
+            "HEALTH_REPORT_NAME": HEALTH_REPORT_DIR,
         },
     )

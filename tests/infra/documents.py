@@ -18,7 +18,7 @@ from infra.skus import GPU_SKUS
 from tests.infra.azure_mocks import MUNGE_KEY
 
 SKUS = sorted(GPU_SKUS)
-BLOB_PULL = '#!/usr/bin/env python3\n"""Stand-in for scripts/blob_pull.py."""\nprint("pulled")\n'
+BLOB_PULL = '#!/usr/bin/env python3\n"""Stand-in for scripts/remote/blob_pull.py."""\nprint("pulled")\n'
 ACR = "trainacr.azurecr.io"
 CLIENT_ID = "0f0e0d0c-0b0a-0908-0706-050403020100"
 HEAD_CLIENT_ID = "1f1e1d1c-1b1a-1918-1716-151413121110"
@@ -44,7 +44,6 @@ def node_doc(sku: str = "Standard_ND96isr_H100_v5", **overrides: object) -> str:
         "nfs_server_ip": NFS_IP,
         "nfs_export_path": "/export",
         "mount_path": "/mnt/shared",
-        "node_registry_path": "/mnt/shared/nodes",
         "acr_login_server": ACR,
         "identity_client_id": CLIENT_ID,
         "nccl_env": dict(GPU_SKUS[sku].nccl_env),
@@ -77,6 +76,7 @@ def slurm_conf(**overrides: object) -> str:
         "slurmd_spool_dir": "/var/spool/slurmd",
         "power": power(),
         "health_check": HealthCheck(program="/usr/local/sbin/slurm-health-check", interval_s=300),
+        "epilog": "/usr/local/sbin/slurm-epilog",
     }
     return render_slurm_conf(**{**args, **overrides})  # type: ignore[arg-type]
 
@@ -92,6 +92,7 @@ def head_doc(**overrides: object) -> str:
         "scale_set_id": SCALE_SET_ID,
         "identity_client_id": HEAD_CLIENT_ID,
         "node_prefix": "hvd-gpu-",
+        "admin_user": "hpcadmin",
     }
     return render_head_node(**{**args, **overrides})  # type: ignore[arg-type]
 

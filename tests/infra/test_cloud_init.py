@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import socket
 import stat
 import subprocess
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -38,7 +35,7 @@ from tests.infra.documents import (
     node_doc,
     script_of,
 )
-from tests.infra.sandbox import Sandbox, add_port, shell_value, tool, with_value
+from tests.infra.sandbox import Sandbox, shell_value, tool, with_value
 
 AAD_TOKEN = "AAD-SECRET-eyJ0eXAiOiJKV1Qi"
 ACR_REFRESH_TOKEN = "ACR-SECRET-refresh-token"
@@ -138,6 +135,17 @@ def test_no_script_traces_and_tokens_only_travel_through_stdin() -> None:
     assert "--password-stdin" in acr_login
     assert "--data @-" in acr_login
     assert not re.search(r"--password[ =]|\s-p\s|--data-urlencode|echo .*token", acr_login)
+
+
+def test_what_the_hosts_run_comes_from_scripts_remote() -> None:
+    """One folder holds every program a host runs; the documents install its files as they are
+    (or rendered, where they have placeholders), and infra/ keeps no copies."""
+    remote = Path(__file__).parents[2] / "scripts" / "remote"
+    node = files_of(node_doc())
+    for installed, name in (("slurm-epilog", "slurm-epilog.sh"), ("node-setup", "node-setup.sh")):
+        assert node[f"/usr/local/sbin/{installed}"]["content"] == (remote / name).read_text()
+    assert "@EXPECTED_GPUS@" in (remote / "slurm-health-check.sh").read_text()
+    assert not list((Path(__file__).parents[2] / "infra").rglob("*.sh"))
 
 
 # --- NFS server ----------------------------------------------------------------------------
@@ -275,8 +283,9 @@ def test_nfs_setup_stripes_exactly_the_luns_formats_mounts_and_exports(sandbox: 
     assert fstab == f"UUID=5e7a1c2d-0000-4000-8000-000000000001 {export} xfs defaults,noatime,nofail 0 0\n"
     exports = (sandbox.root / "exports.d" / "training.exports").read_text()
     assert exports == f"/export {CLUSTER_CIDR}(rw,sync,no_subtree_check,no_root_squash)\n"
-    assert all((export / name).is_dir() for name in ("data", "nodes", "runs"))
-    assert stat.S_IMODE((export / "runs").stat().st_mode) == 0o1777
+    # data/ only: the head node makes runs/ for the admin user, the nodes' health check .health/.
+    assert [path.name for path in export.iterdir()] == ["data"]
+    assert not stat.S_IMODE((export / "data").stat().st_mode) & stat.S_IWOTH
     assert "systemctl enable --now nfs-server" in sandbox.calls("systemctl")
     assert sandbox.calls("exportfs") == ["exportfs -ra"]
 
@@ -411,79 +420,10 @@ def test_acr_login_gives_up_after_its_attempts(sandbox: Sandbox) -> None:
     assert "after 3 attempts" in result.stderr
 
 
-def register_node_in(sandbox: Sandbox, *, expected_gpus: int = 8) -> tuple[str, Path, Path]:
-    script = script_of(node_doc(expected_gpus=expected_gpus), "/usr/local/sbin/register-node")
-    registry = sandbox.root / "nodes"
-    registry.mkdir()
-    sysfs = sandbox.root / "sys-class-infiniband"
-    script = with_value(script, "REGISTRY_DIR", str(registry))
-    script = with_value(script, "IB_SYSFS", str(sysfs))
-    # lo always has 127.0.0.1: the test does not depend on this machine's eth0.
-    script = with_value(script, "IFACE", "lo")
-    # Records the rename, then really does it.
-    sandbox.stub("mv", f'exec {shutil.which("mv")} "$@"')
-    return script, registry, sysfs
-
-
-def test_register_node_without_gpus_or_infiniband(sandbox: Sandbox) -> None:
-    script, registry, _ = register_node_in(sandbox)
-    before = datetime.now(UTC).replace(microsecond=0)
-    result = sandbox.run(script)
-    assert result.returncode == 0, result.stderr
-
-    host = socket.gethostname()
-    record_path = registry / f"{host}.json"
-    assert [path.name for path in registry.iterdir()] == [record_path.name]  # no temporary left
-    record = json.loads(record_path.read_text())
-    ready_at = datetime.strptime(record.pop("ready_at"), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
-    assert record == {"hostname": host, "address": "127.0.0.1", "gpus": 0, "ib_state": "absent"}
-    assert before <= ready_at <= datetime.now(UTC)
-    assert stat.S_IMODE(record_path.stat().st_mode) == 0o644
-    assert "WARNING" in result.stderr and "sees 0 GPUs, expected 8" in result.stderr
-    # Written to a temporary in the same directory, then renamed over the final name.
-    (move,) = sandbox.calls("mv")
-    source, target = move.split()[-2:]
-    assert Path(source).parent == registry and Path(source).name.startswith(f".{host}.json.")
-    assert target == str(record_path)
-
-
-@pytest.mark.parametrize(
-    ("ports", "ib_state"),
-    [
-        ([("mlx5_an0", "Ethernet", "4: ACTIVE")], "absent"),
-        ([("mlx5_an0", "Ethernet", "4: ACTIVE"), ("mlx5_ib0", "InfiniBand", "1: DOWN")], "DOWN"),
-        (
-            [("mlx5_ib0", "InfiniBand", "1: DOWN"), ("mlx5_ib1", "InfiniBand", "4: ACTIVE")],
-            "ACTIVE",
-        ),
-    ],
-)
-def test_register_node_counts_gpus_and_only_infiniband_ports(
-    sandbox: Sandbox, ports: list[tuple[str, str, str]], ib_state: str
-) -> None:
-    script, registry, sysfs = register_node_in(sandbox)
-    for port in ports:
-        add_port(sysfs, *port)
-    sandbox.stub("nvidia-smi", 'for i in 0 1 2 3 4 5 6 7; do echo "GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-$i)"; done')
-    result = sandbox.run(script)
-    assert result.returncode == 0, result.stderr
-    record = json.loads((registry / f"{socket.gethostname()}.json").read_text())
-    assert (record["gpus"], record["ib_state"]) == (8, ib_state)
-    assert "WARNING" not in result.stderr
-
-
-def test_register_node_refuses_when_the_registry_is_not_mounted(sandbox: Sandbox) -> None:
-    script, registry, _ = register_node_in(sandbox)
-    registry.rmdir()
-    result = sandbox.run(script)
-    assert result.returncode == 1
-    assert "is the shared file system mounted" in result.stderr
-
-
-def test_node_registers_last_and_only_after_setup_succeeded() -> None:
+def test_node_setup_is_the_one_first_boot_command_and_installs_what_it_runs() -> None:
     document = node_doc()
     files = files_of(document)
-    assert yaml.safe_load(document)["runcmd"] == ["/usr/local/sbin/node-setup && /usr/local/sbin/register-node"]
+    assert yaml.safe_load(document)["runcmd"] == [["/usr/local/sbin/node-setup"]]
     setup = files["/usr/local/sbin/node-setup"]["content"]
     assert "set -euo pipefail" in setup
     referenced = set(re.findall(r"/usr/local/(?:sbin|etc)/[\w.-]+", setup + json.dumps(files)))
@@ -554,7 +494,6 @@ def test_node_refuses_nccl_settings_that_leave_infiniband_or_break_the_files(
         ({"nfs_server_ip": "nfs.internal"}, "nfs_server_ip"),
         ({"nfs_export_path": "/export data"}, "nfs_export_path"),
         ({"mount_path": "shared"}, "mount_path"),
-        ({"node_registry_path": "/var/lib/nodes"}, "node_registry_path"),
         ({"acr_login_server": "https://trainacr.azurecr.io"}, "acr_login_server"),
         (
             {"identity_client_id": "/subscriptions/x/resourceGroups/rg/providers/Microsoft.ManagedIdentity/x"},

@@ -1,19 +1,25 @@
-"""Slurm's side of the cluster: slurm.conf and gres.conf, the node health check, the power program
-that starts and deallocates scale-set instances, and the head node's cloud-config.
+"""Slurm's side of the cluster: slurm.conf and gres.conf, the node health check and its report, the
+epilog that removes a job's containers, the power program that starts and deallocates scale-set
+instances, and the head node's cloud-config.
 
-The health check runs here against stand-ins for nvidia-smi, mountpoint, df and scontrol; the power
-program runs against a fake Azure (IMDS and Resource Manager on a local HTTP server).
+The health check runs here against stand-ins for nvidia-smi, mountpoint, df and scontrol, the
+epilog against a stand-in docker; the power program runs against a fake Azure (IMDS and Resource
+Manager on a local HTTP server).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
+import socket
+import stat
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -26,7 +32,7 @@ from infra.cloud_init import render_gres_conf, render_health_check
 from infra.cloud_init._common import MUNGE_KEY_PATH, NFS_MOUNT_PATH
 from infra.cloud_init.head_node import POWER_ACTIONS, POWER_CONFIG_PATH, POWER_LOG_PATH, POWER_PROGRAM_PATH
 from infra.cloud_init.slurm import NodeSet
-from infra.contract import SRUN_PORTS
+from infra.contract import HEALTH_REPORT_DIR, SRUN_PORTS
 from tests.infra.azure_mocks import MUNGE_KEY
 from tests.infra.documents import (
     HEAD_CLIENT_ID,
@@ -43,6 +49,7 @@ from tests.infra.documents import (
 from tests.infra.sandbox import Sandbox, add_port, shell_value, with_value
 
 HEALTH_CHECK = "/usr/local/sbin/slurm-health-check"
+EPILOG = "/usr/local/sbin/slurm-epilog"
 NODE = "hvd-gpu-000001"
 TOKEN = "ARM-SECRET-eyJhbGciOiJSUzI1NiJ9"
 
@@ -137,6 +144,26 @@ def test_slurm_conf_health_check_runs_on_every_node_state() -> None:
     assert settings["HealthCheckNodeState"] == "ANY"
 
 
+def test_slurm_conf_ends_jobs_as_azure_needs() -> None:
+    settings, _ = parse_slurm_conf(slurm_conf())
+    assert {key: settings.get(key) for key in ("JobRequeue", "KillWait", "SlurmdTimeout", "UnkillableStepTimeout")} == {
+        "JobRequeue": "0",  # requeued after a node failure only when submitted with --requeue
+        "KillWait": "30",  # SIGTERM to SIGKILL: time for the job's EXIT trap to upload its results
+        "SlurmdTimeout": "300",
+        "UnkillableStepTimeout": "120",
+    }
+    assert settings["Epilog"] == EPILOG
+    # No cgroups (Slurm 21.08 on cgroup v2): nothing that needs them, such as PrologFlags=Contain.
+    assert not [key for key in settings if key.startswith("Prolog")]
+    assert "cgroup" not in slurm_conf()
+
+
+def test_slurm_conf_takes_the_local_clusters_shorter_timeouts_and_no_epilog() -> None:
+    settings, _ = parse_slurm_conf(slurm_conf(kill_wait_s=5, slurmd_timeout_s=10, epilog=None))
+    assert (settings["KillWait"], settings["SlurmdTimeout"], settings["UnkillableStepTimeout"]) == ("5", "10", "120")
+    assert "Epilog" not in settings
+
+
 def test_slurm_conf_for_cpu_nodes_has_no_gres() -> None:
     """The local cluster's shape: CPU nodes, no GPUs."""
     settings, lines = parse_slurm_conf(
@@ -160,6 +187,14 @@ def test_slurm_conf_for_cpu_nodes_has_no_gres() -> None:
         ({"controller_address": "hvd-head"}, "controller_address"),
         ({"power": power(suspend_time_s=30)}, "suspend_time_s"),
         ({"state_save_dir": "var/spool"}, "state_save_dir"),
+        ({"epilog": "slurm-epilog"}, "epilog"),
+        ({"kill_wait_s": 0}, "kill_wait_s"),
+        ({"kill_wait_s": 65534}, "kill_wait_s"),
+        ({"kill_wait_s": True}, "kill_wait_s"),
+        ({"slurmd_timeout_s": 9}, "slurmd_timeout_s"),  # below MessageTimeout
+        ({"slurmd_timeout_s": 0}, "slurmd_timeout_s"),  # Slurm's "never": a dead node would hold its job
+        ({"unkillable_step_timeout_s": 49}, "unkillable_step_timeout_s"),  # Slurm wants 5 MessageTimeouts
+        ({"unkillable_step_timeout_s": "120"}, "unkillable_step_timeout_s"),
     ],
 )
 def test_slurm_conf_rejects_bad_input(overrides: dict[str, object], key: str) -> None:
@@ -194,7 +229,8 @@ class Node:
         default_factory=lambda: [("mlx5_an0", "Ethernet", "4: ACTIVE"), ("mlx5_ib0", "InfiniBand", "4: ACTIVE")]
     )
 
-    def run(self, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    def run(self, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess[str]:
+        """Runs the health check; env adds to or (None) removes from the stand-in environment."""
         sandbox, sysfs = self.sandbox, self.sandbox.root / "sys-class-infiniband"
         if not sysfs.exists():
             for port in self.ports:
@@ -213,8 +249,15 @@ class Node:
         script = script_of(node_doc(), HEALTH_CHECK)
         disk = sandbox.root / "docker"
         disk.mkdir(exist_ok=True)
-        base = {"SLURMD_NODENAME": NODE, "IB_SYSFS": str(sysfs), "FREE_DISK_PATH": str(disk)}
-        return sandbox.run(script, {**base, **(env or {})})
+        base = {
+            "SLURMD_NODENAME": NODE,
+            "IB_SYSFS": str(sysfs),
+            "FREE_DISK_PATH": str(disk),
+            # Not the default, under the rendered /mnt/shared: the stubs say it is mounted.
+            "HEALTH_REPORT_DIR": str(sandbox.root / "health"),
+        }
+        merged = {key: value for key, value in {**base, **(env or {})}.items() if value is not None}
+        return sandbox.run(script, merged)
 
     def updates(self) -> list[str]:
         return [call for call in self.sandbox.calls("scontrol") if call.startswith("scontrol update")]
@@ -229,7 +272,14 @@ def test_health_check_defaults_are_the_clusters() -> None:
     script = script_of(node_doc(), HEALTH_CHECK)
     defaults = {
         name: re.search(rf"^{name}=\$\{{{name}:-(.*)\}}", script, re.MULTILINE)[1]
-        for name in ("SHARED_MOUNT", "EXPECTED_GPUS", "CHECK_INFINIBAND", "MIN_FREE_GB", "FREE_DISK_PATH")
+        for name in (
+            "SHARED_MOUNT",
+            "EXPECTED_GPUS",
+            "CHECK_INFINIBAND",
+            "MIN_FREE_GB",
+            "FREE_DISK_PATH",
+            "HEALTH_REPORT_DIR",
+        )
     }
     assert defaults == {
         "SHARED_MOUNT": "/mnt/shared",
@@ -237,6 +287,7 @@ def test_health_check_defaults_are_the_clusters() -> None:
         "CHECK_INFINIBAND": "1",
         "MIN_FREE_GB": "50",
         "FREE_DISK_PATH": "/var/lib/docker",
+        "HEALTH_REPORT_DIR": f"$SHARED_MOUNT/{HEALTH_REPORT_DIR}",
     }
 
 
@@ -333,10 +384,122 @@ def test_local_cluster_settings_come_from_the_environment(node: Node, tmp_path: 
     ]
 
 
+REPORT_KEYS = ["node", "checked_at", "ok", "gpus", "infiniband", "shared", "disk", "reason"]
+
+
+def local_env(shared: Path, **extra: str | None) -> dict[str, str | None]:
+    """The local cluster's settings: CPU nodes, no InfiniBand, a shared directory, the report's
+    default place (under the shared directory)."""
+    return {
+        "EXPECTED_GPUS": "0",
+        "CHECK_INFINIBAND": "0",
+        "SHARED_IS_MOUNT": "0",
+        "SHARED_MOUNT": str(shared),
+        "HEALTH_REPORT_DIR": None,
+        **extra,
+    }
+
+
+def read_report(path: Path, *, written_after: datetime) -> dict[str, str]:
+    lines = path.read_text().splitlines()
+    assert [line.split("=", 1)[0] for line in lines] == REPORT_KEYS
+    report = dict(line.split("=", 1) for line in lines)
+    checked_at = datetime.strptime(report.pop("checked_at"), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    assert written_after <= checked_at <= datetime.now(UTC)
+    return report
+
+
+def test_passing_check_reports_ok_in_the_shared_directory(node: Node, tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    node.gpus, node.ports, node.mounted = 0, [], False
+    node.sandbox.stub("mv", f'exec {shutil.which("mv")} "$@"')  # records the rename, then does it
+    before = datetime.now(UTC).replace(microsecond=0)
+    result = node.run(local_env(shared))
+    assert result.returncode == 0, result.stderr
+
+    reports = shared / HEALTH_REPORT_DIR
+    assert [path.name for path in reports.iterdir()] == [NODE]  # no temporary file left
+    assert stat.S_IMODE(reports.stat().st_mode) == 0o755
+    assert stat.S_IMODE((reports / NODE).stat().st_mode) == 0o644
+    assert read_report(reports / NODE, written_after=before) == {
+        "node": NODE,
+        "ok": "1",
+        "gpus": "not checked",
+        "infiniband": "not checked",
+        "shared": "ok",
+        "disk": "ok",
+        "reason": "",
+    }
+    # Written beside the report under a temporary name, then renamed over it.
+    (move,) = node.sandbox.calls("mv")
+    source, target = move.split()[-2:]
+    assert Path(source).parent == reports and Path(source).name.startswith(f".{NODE}.")
+    assert target == str(reports / NODE)
+    assert node.sandbox.calls("scontrol") == [f"scontrol show node {NODE} --oneliner"]
+
+
+def test_failing_check_is_reported_and_drains_the_node(node: Node, tmp_path: Path) -> None:
+    shared, reports = tmp_path / "shared", tmp_path / "reports"  # the shared directory is missing
+    node.gpus, node.ports, node.free_gb = 0, [], 12
+    before = datetime.now(UTC).replace(microsecond=0)
+    result = node.run(local_env(shared, HEALTH_REPORT_DIR=str(reports)))
+    assert result.returncode == 1
+
+    disk = f"12 GB free on {node.sandbox.root / 'docker'}, need 50"
+    reason = f"health-check: {shared} missing or not writable; {disk}"
+    assert node.updates() == [f"scontrol update nodename={NODE} state=drain reason={reason}"]
+    assert read_report(reports / NODE, written_after=before) == {
+        "node": NODE,
+        "ok": "0",
+        "gpus": "not checked",
+        "infiniband": "not checked",
+        "shared": f"{shared} missing or not writable",
+        "disk": disk,
+        "reason": reason,
+    }
+    # Once healthy again, the report says so and the node is resumed.
+    shared.mkdir()
+    node.free_gb, node.state, node.reason = 400, "IDLE+DRAIN", reason
+    assert node.run(local_env(shared, HEALTH_REPORT_DIR=str(reports))).returncode == 0
+    report = read_report(reports / NODE, written_after=before)
+    assert (report["ok"], report["shared"], report["disk"], report["reason"]) == ("1", "ok", "ok", "")
+    assert node.updates()[-1] == f"scontrol update nodename={NODE} state=resume"
+
+
+@pytest.mark.parametrize("mounted", [False, True])
+def test_no_report_on_a_shared_file_system_that_failed_its_check(node: Node, tmp_path: Path, mounted: bool) -> None:
+    """Missing, it would be created on the local disk; unmounted, the report would land under the
+    empty mount point (or hang on a dead server). The node is drained all the same."""
+    shared = tmp_path / "shared"
+    if mounted:  # a mount point with nothing mounted on it
+        shared.mkdir()
+        env = {"SHARED_MOUNT": str(shared), "HEALTH_REPORT_DIR": None}
+        node.mounted = False
+    else:
+        env = local_env(shared)
+    result = node.run(env)
+    assert result.returncode == 1
+    assert not (shared / HEALTH_REPORT_DIR).exists()
+    assert shared.exists() == mounted
+    (update,) = node.updates()
+    assert update.startswith(f"scontrol update nodename={NODE} state=drain reason=health-check:")
+
+
+def test_a_report_that_cannot_be_written_never_fails_the_check(node: Node, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = node.run({"HEALTH_REPORT_DIR": str(blocker / "health")})
+    assert result.returncode == 0
+    assert f"could not write the report in {blocker / 'health'}" in result.stderr
+    assert node.updates() == []
+
+
 def test_health_check_fails_loudly_when_slurm_cannot_be_asked(node: Node) -> None:
     node.run()
     node.sandbox.stub("scontrol", "exit 1")
-    result = node.sandbox.run(script_of(node_doc(), HEALTH_CHECK), {"SLURMD_NODENAME": NODE})
+    env = {"SLURMD_NODENAME": NODE, "HEALTH_REPORT_DIR": str(node.sandbox.root / "health")}
+    result = node.sandbox.run(script_of(node_doc(), HEALTH_CHECK), env)
     assert result.returncode == 1
     assert f"cannot read the state of node {NODE}" in result.stderr
 
@@ -347,6 +510,89 @@ def test_health_check_renderer_validates_its_defaults() -> None:
         render_health_check(**kwargs, free_disk_path="var/lib/docker")
     with pytest.raises(ValueError, match="expected_gpus"):
         render_health_check(**{**kwargs, "expected_gpus": -1}, free_disk_path="/var/lib/docker")
+
+
+# --- the epilog ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Docker:
+    """A stand-in docker whose containers are lines of a file; `rm` takes them away unless stuck."""
+
+    sandbox: Sandbox
+    socket_path: Path
+
+    def run(
+        self, containers: list[str], *, job: str = "42", ps_fails: bool = False, stuck: bool = False
+    ) -> subprocess.CompletedProcess[str]:
+        state = self.sandbox.state / "containers"
+        state.write_text("".join(f"{c}\n" for c in containers))
+        ps = "exit 1" if ps_fails else f'cat "{state}"'
+        rm = "exit 1" if stuck else f': >"{state}"'
+        self.sandbox.stub("docker", f'case "$1" in\n  ps) {ps} ;;\n  rm) {rm} ;;\nesac')
+        return self.sandbox.run(epilog_script(self.sandbox, self.socket_path), {"SLURM_JOB_ID": job})
+
+    def calls(self) -> list[str]:
+        return self.sandbox.calls("docker")
+
+
+def epilog_script(sandbox: Sandbox, socket_path: Path) -> str:
+    """The node's epilog, searching only the sandbox's stubs (and the tools it needs) for commands."""
+    for tool_name in ("timeout", "cat"):
+        link = sandbox.bin / tool_name
+        if not link.exists():
+            link.symlink_to(shutil.which(tool_name) or tool_name)
+    script = with_value(script_of(node_doc(), EPILOG), "PATH", str(sandbox.bin))
+    return with_value(script, "DOCKER_SOCKET", str(socket_path))
+
+
+@pytest.fixture
+def docker(sandbox: Sandbox) -> Iterator[Docker]:
+    path = sandbox.root / "docker.sock"
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(path))  # a daemon's socket, as far as `test -S` can tell
+        yield Docker(sandbox, path)
+
+
+def test_epilog_removes_the_jobs_containers_and_only_them(docker: Docker) -> None:
+    result = docker.run(["c0ffee01", "c0ffee02"], job="4242")
+    assert result.returncode == 0, result.stderr
+    listing = "docker ps --all --quiet --filter label=slurm.job=4242"
+    assert docker.calls() == [listing, "docker rm --force c0ffee01 c0ffee02", listing]
+    assert "removed 2 container(s) of job 4242" in result.stderr
+
+
+def test_epilog_with_nothing_to_remove_only_looks(docker: Docker) -> None:
+    result = docker.run([])
+    assert result.returncode == 0, result.stderr
+    assert docker.calls() == ["docker ps --all --quiet --filter label=slurm.job=42"]
+
+
+def test_epilog_is_quiet_without_docker_or_its_daemon(docker: Docker) -> None:
+    docker.socket_path.unlink()  # the client, but no daemon
+    result = docker.run(["c0ffee01"])
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+    assert docker.calls() == []
+    (docker.sandbox.bin / "docker").unlink()  # no docker at all
+    result = docker.sandbox.run(epilog_script(docker.sandbox, docker.socket_path), {"SLURM_JOB_ID": "42"})
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+
+
+@pytest.mark.parametrize(
+    ("failure", "message"),
+    [
+        ({"ps_fails": True}, "docker did not list the containers of job 42"),
+        ({"stuck": True}, "containers of job 42 are still there: c0ffee01 c0ffee02"),
+        ({"job": ""}, "SLURM_JOB_ID is '', not a job id"),
+        ({"job": "42; reboot"}, "not a job id"),
+    ],
+)
+def test_epilog_fails_so_that_slurm_drains_a_node_it_could_not_clear(
+    docker: Docker, failure: dict[str, Any], message: str
+) -> None:
+    result = docker.run(["c0ffee01", "c0ffee02"], **failure)
+    assert result.returncode == 1
+    assert message in result.stderr
 
 
 # --- the power program against a fake Azure ---------------------------------------------------
@@ -594,6 +840,8 @@ def test_head_setup_starts_the_controller_before_waiting_for_nfs(sandbox: Sandbo
         "systemctl enable slurmctld",
         "systemctl restart slurmctld",
         "nfs-mount ",
+        # runs/ on the shared file system is the admin user's, who submits the jobs: not world-writable.
+        "install -d -o hpcadmin -m 0755 /mnt/shared/runs",
     ]
 
 
@@ -607,6 +855,9 @@ def test_head_setup_starts_the_controller_before_waiting_for_nfs(sandbox: Sandbo
         ({"slurm_conf": "ClusterName=hvd"}, "slurm_conf"),
         ({"munge_key": "c2hvcnQ="}, "munge_key"),
         ({"nfs_server_ip": "nfs"}, "nfs_server_ip"),
+        ({"admin_user": "Admin"}, "admin_user"),
+        ({"admin_user": "hpc admin"}, "admin_user"),
+        ({"admin_user": ""}, "admin_user"),
     ],
 )
 def test_head_node_rejects_bad_input(overrides: dict[str, object], key: str) -> None:

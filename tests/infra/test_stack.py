@@ -286,7 +286,7 @@ def test_node_cloud_init_is_wired_to_nfs_registry_identity_and_the_head_node(dep
     assert document.startswith("#cloud-config")
     registry = one(deployment, ":Registry").outputs["loginServer"]
     identity = by_name(deployment, ":UserAssignedIdentity", "-cluster-").outputs["clientId"]
-    for expected in ("10.40.64.4", "/export", "/shared/nodes", registry, identity, f"{HEAD_IP}:6817"):
+    for expected in ("10.40.64.4", "/export", "/shared", registry, identity, f"{HEAD_IP}:6817"):
         assert expected in document, expected
     assert "NCCL_IB_DISABLE" not in document
 
@@ -312,6 +312,8 @@ def test_nfs_server_disks_and_static_private_ip(deployment: Deployment) -> None:
     assert nic["subnet"]["id"] == by_name(deployment, ":Subnet", "-nfs").id
     cloud_config = base64.b64decode(vm.inputs["osProfile"]["customData"]).decode()
     assert "10.40.0.0/18" in cloud_config  # exported to the cluster subnet
+    (blob_pull,) = [e for e in yaml.safe_load(cloud_config)["write_files"] if e["path"] == "/usr/local/bin/blob-pull"]
+    assert blob_pull["content"] == (Path(__file__).parents[2] / "scripts" / "remote" / "blob_pull.py").read_text()
 
 
 def test_outputs_are_known_and_complete(deployment: Deployment) -> None:
@@ -320,7 +322,8 @@ def test_outputs_are_known_and_complete(deployment: Deployment) -> None:
     assert outputs["jumpbox_public_ip"] == JUMPBOX_IP
     assert outputs["nfs_private_ip"] == "10.40.64.4"
     assert outputs["nfs_export_path"] == "/export"
-    assert outputs["node_registry_path"] == "/shared/nodes"
+    assert outputs["shared_mount_path"] == "/shared" and outputs["data_path"] == "/shared/data"
+    assert "node_registry_path" not in outputs  # Slurm knows the nodes
     assert outputs["data_container"] == "data" and outputs["results_container"] == "results"
     assert outputs["acr_login_server"] == one(deployment, ":Registry").outputs["loginServer"]
     assert outputs["blob_endpoint"] == f"https://{outputs['storage_account']}.blob.core.windows.net/"
@@ -448,7 +451,14 @@ def test_slurm_conf_has_the_partition_gres_power_saving_and_health_check(deploym
     head_paths = {e["path"] for e in yaml.safe_load(head_document(deployment))["write_files"]}
     node_paths = {e["path"] for e in yaml.safe_load(node_document(deployment))["write_files"]}
     assert {settings[key] for key in ("SuspendProgram", "ResumeProgram", "ResumeFailProgram")} <= head_paths
-    assert settings["HealthCheckProgram"] in node_paths
+    assert {settings["HealthCheckProgram"], settings["Epilog"]} <= node_paths
+    assert (settings["JobRequeue"], settings["KillWait"], settings["SlurmdTimeout"]) == ("0", "30", "300")
+
+
+def test_head_node_gives_the_runs_directory_to_the_admin_user(deployment: Deployment) -> None:
+    setup = head_file(deployment, "/usr/local/sbin/head-setup")
+    assert "RUNS_DIR=/shared/runs" in setup.splitlines()
+    assert "RUNS_OWNER=hpcadmin" in setup.splitlines()
 
 
 def test_node_names_are_the_scale_sets_computer_names() -> None:
