@@ -1,22 +1,26 @@
 """The embedded local cluster: the Azure topology emulated on one machine, for demos and tests.
 
-  python -m scripts.local_cluster up [--nodes 2]     # writes .local-cluster/cluster.json
-  python -m scripts.local_cluster status
-  python -m scripts.local_cluster down
+  python -m scripts local up [--nodes 2] [--autostop-seconds 0]   # writes .local-cluster/cluster.json
+  python -m scripts local status
+  python -m scripts local down
 
 What `up` creates (all of it recorded in STATE_DIR/state.json, all of it removed by `down`):
   * nodes: one network namespace per node (`<name>-node-<i>`), a veth pair into it as eth0 on a
     bridge `<name>-br` with a private /24 (default 10.213.0.0/24, refused if anything on the
     machine already uses it), its own /etc/hosts (/etc/netns/<ns>/hosts) and its own sshd started
-    under `unshare --uts` so that it has its own hostname. Where namespaces cannot be made (no
-    root, no CAP_NET_ADMIN), each node is an sshd on its own loopback address (127.0.1.x) and port;
+    under `unshare --uts` so that it has its own hostname (scripts/local_nodes.py). Where
+    namespaces cannot be made (no root, no CAP_NET_ADMIN), each node is an sshd on its own
+    loopback address (127.0.1.x) and port, and there is no Slurm;
   * Slurm (namespaces only, see scripts/local_slurm.py): munged on the host, slurmctld in a head
-    namespace (`<name>-head`), a slurmd on every node, with infra's slurm.conf;
+    namespace (`<name>-head`), a slurmd on every node, with infra's slurm.conf; power saving
+    (--autostop-seconds) stops and starts nodes (scripts/local_power.py), and the health check
+    drains a node that fails it;
   * a jump host and an "NFS server": two sshds on 127.0.0.1 ports (every SSH call goes through
     the jump host with ProxyJump, as on Azure);
-  * the shared file system: STATE_DIR/shared (the same path on every node), with the node
-    registry in shared/nodes, the dataset in shared/data, job files in shared/runs;
-  * blob storage: Azurite (from this repository's node_modules) on 127.0.0.1, with `data` and
+  * the shared file system: STATE_DIR/shared (the same path on every node), with the dataset in
+    shared/data, job files in shared/runs, the nodes' health reports in shared/.health;
+  * blob storage: Azurite (from this repository's node_modules) on the bridge (127.0.0.1 in localhost
+    mode), where the host and the nodes reach it, with `data` and
     `results` containers, a read-only SAS for `data` and a write SAS for `results`;
   * a freshly generated SSH key (and host keys, pre-registered in a known_hosts file).
 Processes are stopped by pid (with the descendants they forked), never by name.
@@ -28,41 +32,28 @@ import argparse
 import contextlib
 import getpass
 import ipaddress
-import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr, ValidationError
+from pydantic import SecretStr
 from rich.table import Table
 
-from infra.contract import SLURM_PARTITION, SLURMCTLD_PORT, SLURMD_PORT
+from infra.contract import HEALTH_REPORT_DIR, SLURM_PARTITION, SLURMCTLD_PORT, SLURMD_PORT
 from scripts import local_network as net
-from scripts import local_slurm
-from scripts.cli import (
-    CLIParser,
-    arg_type,
-    describe_validation_error,
-    ensure_directory,
-    int_between,
-    non_empty,
-    read_json_file,
-    require_tool,
-    run_cli,
-)
+from scripts import local_power, local_slurm
+from scripts.cli import arg_type, ensure_directory, int_between, non_empty, require_tool
 from scripts.cluster import (
     DEFAULT_LOCAL_STATE,
     REPO_ROOT,
     BlobCredential,
     BlobLocation,
     ClusterDescription,
-    NodeRecord,
     Runtime,
     SlurmAccess,
     SSHEndpoint,
@@ -70,78 +61,37 @@ from scripts.cluster import (
 from scripts.daemons import free_port, wait_port, wait_socket_file
 from scripts.errors import ExitCode, OperatorError
 from scripts.fileio import atomic_write
-from scripts.local_network import check_subnet_free, sh
-from scripts.processes import children, descendants, matches, stop_pids
+from scripts.local_network import check_subnet_free
+from scripts.local_nodes import (
+    SSHD,
+    keygen,
+    node_roles,
+    sshd_config,
+    sshd_config_path,
+    start_daemon,
+    start_slurmd,
+    start_sshd,
+)
+from scripts.local_slurm import LocalSlurmSettings
+from scripts.local_state import AZURITE_ACCOUNT, HostState, LocalState, NodeState, load_state, state_lock
+from scripts.processes import descendants, stop_pids
 from scripts.ui import make_console
 
-AZURITE_ACCOUNT = "devstoreaccount1"
 # Azurite's well-known development key (public, documented by Microsoft; not a secret).
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 DEFAULT_SUBNET = "10.213.0.0/24"
 DEFAULT_NAME = "hvd"
 CLUSTER_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]{0,7}")  # it prefixes interface names (15 characters at most)
 MAX_NODES = 32
-SSHD = "/usr/sbin/sshd"
-# The NFS server runs blob-pull with the system python (as on Azure): proves it needs only the stdlib.
+MAX_HEALTH_CHECK_INTERVAL_S = 86400
+# The NFS server and the nodes run the remote tools with the system python (as on Azure): proves
+# they need only the stdlib.
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
 TRAIN_PYTHON = REPO_ROOT / ".venv-train" / "bin" / "python"
 SLURM_TOOLS = (f"{local_slurm.SBIN}/munged", f"{local_slurm.SBIN}/slurmctld", f"{local_slurm.SBIN}/slurmd", "sinfo")
 SLURM_READY_TIMEOUT_S = 60
 NO_SLURM_NOTE = "not run in localhost mode (each slurmd needs a network namespace of its own)"
 console = make_console()
-
-
-class ProcessRecord(BaseModel):
-    role: str
-    pid: int
-    marker: str  # a string in its command line: guards against a recycled pid
-
-    def alive(self) -> bool:
-        return matches(self.pid, self.marker)
-
-
-class HostState(BaseModel):
-    """A machine of the cluster: its name, and in netns mode its namespace and veth on the bridge."""
-
-    hostname: str
-    address: str
-    namespace: str | None = None
-    veth: str | None = None
-
-
-class NodeState(HostState):
-    ssh_port: int
-
-
-class LocalState(BaseModel):
-    name: str
-    mode: Literal["netns", "localhost"]
-    state_dir: str
-    subnet: str | None = None
-    bridge: str | None = None
-    head: HostState | None = None  # slurmctld's namespace (netns mode)
-    nodes: list[NodeState] = Field(default_factory=list)
-    processes: list[ProcessRecord] = Field(default_factory=list)
-    etc_netns: list[str] = Field(default_factory=list)
-    azurite_port: int | None = None
-    ports: dict[str, int] = Field(default_factory=dict)  # jumpbox, nfs: sshd ports on 127.0.0.1
-    slurm_conf: str | None = None  # SLURM_CONF for Slurm's commands on this machine (netns mode)
-    created_at: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
-
-    def save(self) -> None:
-        atomic_write(Path(self.state_dir) / "state.json", self.model_dump_json(indent=2))
-
-    def hosts(self) -> list[HostState]:
-        """Every machine with a namespace of its own: the head, then the nodes."""
-        return [host for host in (self.head, *self.nodes) if host is not None and host.namespace]
-
-    @property
-    def logs(self) -> Path:
-        return Path(self.state_dir) / "logs"
-
-    @property
-    def slurm_cluster_name(self) -> str:
-        return self.name.lower()  # Slurm's names are lower case
 
 
 @dataclass(frozen=True)
@@ -154,67 +104,6 @@ class Storage:
     results_sas: str
 
 
-# --- helpers -----------------------------------------------------------------------------------
-def write_registry_record(registry: Path, record: NodeRecord) -> Path:
-    """The node registry format cloud-init writes on Azure: <dir>/<hostname>.json, atomically."""
-    registry.mkdir(parents=True, exist_ok=True)
-    data = record.model_dump(mode="json", exclude_none=True)
-    path = registry / f"{record.hostname}.json"
-    atomic_write(path, json.dumps(data) + "\n")
-    return path
-
-
-def load_state(state_dir: Path) -> LocalState | None:
-    if state_dir.exists() and not state_dir.is_dir():
-        raise OperatorError(f"--state-dir {state_dir} is a file, not a directory")
-    path = state_dir / "state.json"
-    if not path.exists():
-        return None
-    data = read_json_file(path, "local cluster state")
-    try:
-        return LocalState.model_validate(data)
-    except ValidationError as exc:
-        raise OperatorError(
-            f"invalid local cluster state {path}: {describe_validation_error(exc)} (if nothing of that cluster "
-            f"still runs, remove {state_dir})"
-        ) from None
-
-
-def sshd_config(path: Path, listen: str, port: int, host_key: Path, authorized_keys: Path, log_level: str) -> None:
-    path.write_text(
-        "\n".join(
-            [
-                f"ListenAddress {listen}",
-                f"Port {port}",
-                f"HostKey {host_key}",
-                "PidFile none",
-                f"AuthorizedKeysFile {authorized_keys}",
-                "PermitRootLogin prohibit-password",
-                "PubkeyAuthentication yes",
-                "PasswordAuthentication no",
-                "KbdInteractiveAuthentication no",
-                "UsePAM no",
-                "StrictModes no",
-                "AllowTcpForwarding yes",
-                "X11Forwarding no",
-                "PrintMotd no",
-                "PrintLastLog no",
-                "MaxStartups 200",
-                "MaxSessions 200",
-                f"LogLevel {log_level}",
-                "Subsystem sftp internal-sftp",
-                "",
-            ]
-        )
-    )
-
-
-def keygen(path: Path, comment: str) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path))
-    return path.with_name(path.name + ".pub").read_text().strip()
-
-
 # --- up ----------------------------------------------------------------------------------------
 def up(
     nodes: int = 2,
@@ -223,10 +112,16 @@ def up(
     subnet: str | ipaddress.IPv4Network = DEFAULT_SUBNET,
     mode: Literal["auto", "netns", "localhost"] = "auto",
     train_python: str | Path | None = None,
+    autostop_seconds: int = 0,
+    health_check_interval_s: int = 60,
 ) -> ClusterDescription:
-    """Create the local cluster and write STATE_DIR/cluster.json; on any failure remove what was made."""
+    """Create the local cluster and write STATE_DIR/cluster.json; on any failure remove what was made.
+
+    autostop_seconds: idle seconds before Slurm suspends a node (0: never); health_check_interval_s:
+    how often every node runs the health check."""
     state_dir = Path(state_dir).resolve()
     network = _check_up_request(nodes, state_dir, name, subnet)
+    slurm = _check_slurm_settings(autostop_seconds, health_check_interval_s)
     python = _training_python(train_python)
     if mode == "auto":
         mode = "netns" if net.netns_allowed(f"{name}-probe") else "localhost"
@@ -234,13 +129,17 @@ def up(
         raise OperatorError(
             "network namespaces cannot be created here (needs root); use --mode localhost", ExitCode.NOT_READY
         )
+    if mode == "localhost" and autostop_seconds:
+        raise OperatorError(f"--autostop-seconds needs Slurm, which is {NO_SLURM_NOTE}", ExitCode.NOT_READY)
     azurite = _check_tools(mode)
 
     ensure_directory(state_dir, "--state-dir")
-    state = LocalState(name=name, mode=mode, state_dir=str(state_dir))
-    state.save()
     try:
-        return _up(state, nodes, network, azurite, python)
+        # held until the cluster is complete: the power programs slurmctld may start meanwhile wait
+        with state_lock(state_dir):
+            state = LocalState(name=name, mode=mode, state_dir=str(state_dir))
+            state.save()
+            return _up(state, nodes, network, azurite, python, slurm)
     except BaseException:
         console.print("[red]local cluster: up failed; removing what was created[/red]")
         down(state_dir, quiet=True)
@@ -280,13 +179,24 @@ def _check_up_request(
         raise OperatorError(f"subnet {network} is too small for {nodes} nodes")
     if load_state(state_dir) is not None:
         raise OperatorError(
-            f"a local cluster is already recorded in {state_dir} (run `python -m scripts.local_cluster down "
+            f"a local cluster is already recorded in {state_dir} (run `python -m scripts local down "
             f"--state-dir {state_dir}` first)"
         )
     # `down` removes the whole state directory: never adopt one that holds anything else
     if state_dir.is_dir() and any(state_dir.iterdir()):
         raise OperatorError(f"--state-dir {state_dir} is not empty: pass a new or empty directory (down removes it)")
     return network
+
+
+def _check_slurm_settings(autostop_seconds: int, health_check_interval_s: int) -> LocalSlurmSettings:
+    if autostop_seconds < 0:
+        raise OperatorError(f"--autostop-seconds must be 0 (never) or more, got {autostop_seconds}")
+    if not 1 <= health_check_interval_s <= MAX_HEALTH_CHECK_INTERVAL_S:
+        raise OperatorError(
+            f"--health-check-interval must be between 1 and {MAX_HEALTH_CHECK_INTERVAL_S} seconds, "
+            f"got {health_check_interval_s}"
+        )
+    return LocalSlurmSettings(autostop_s=autostop_seconds, health_check_interval_s=health_check_interval_s)
 
 
 def _training_python(train_python: str | Path | None) -> Path:
@@ -317,12 +227,14 @@ def _check_tools(mode: str) -> Path:
 
 
 def _up(
-    state: LocalState, count: int, subnet: ipaddress.IPv4Network, azurite: Path, python: Path
+    state: LocalState, count: int, subnet: ipaddress.IPv4Network, azurite: Path, python: Path, slurm: LocalSlurmSettings
 ) -> ClusterDescription:
     """Every step of `up`, each recording what it creates before creating it."""
     root = Path(state.state_dir)
-    for sub in ("ssh", "hostkeys", "sshd", "logs", "shared/nodes", "shared/data", "shared/runs", "azurite"):
+    for sub in ("ssh", "hostkeys", "sshd", "logs", "shared/data", "shared/runs", "azurite"):
         (root / sub).mkdir(parents=True, exist_ok=True)
+    # the nodes' health reports: root's, readable by every user (as cloud-init makes it on Azure)
+    (root / "shared" / HEALTH_REPORT_DIR).mkdir(mode=0o755, exist_ok=True)
     key = root / "ssh" / "id_ed25519"
     authorized = root / "ssh" / "authorized_keys"
     authorized.write_text(keygen(key, f"hvd-local-{state.name}") + "\n")
@@ -334,10 +246,9 @@ def _up(
     atomic_write(known_hosts, "\n".join(_start_sshds(state, authorized)) + "\n", 0o600)
     _start_azurite(state, azurite)
     _wait_for_sshds_and_azurite(state)
-    storage = _azurite_storage(state.azurite_port or 0)
+    storage = _azurite_storage(str(state.azurite_endpoint))
     if state.mode == "netns":
-        _start_slurm(state)
-    _write_registry(state)
+        _start_slurm(state, slurm)
     desc = _describe(state, python, key, known_hosts, storage)
     desc.save(root / "cluster.json")
     return desc
@@ -389,17 +300,6 @@ def _loopback_nodes(state: LocalState, count: int) -> None:
     state.save()
 
 
-def _start(state: LocalState, role: str, argv: list[str], marker: str) -> int:
-    """Start a daemon in its own session, output to STATE/logs/<role>.log, and record its pid."""
-    with open(state.logs / f"{role}.log", "ab") as out:
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    state.processes.append(ProcessRecord(role=role, pid=proc.pid, marker=marker))
-    state.save()
-    return proc.pid
-
-
 def _start_sshds(state: LocalState, authorized: Path) -> list[str]:
     """An sshd per node, plus the jump host and the NFS server on loopback ports; returns the
     known_hosts lines for all of them."""
@@ -407,27 +307,19 @@ def _start_sshds(state: LocalState, authorized: Path) -> list[str]:
     with contextlib.suppress(OSError):  # sshd's privilege separation directory (root only)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
     known_lines = []
-    for node in state.nodes:
-        host_key = root / "hostkeys" / node.hostname / "ssh_host_ed25519_key"
-        known_lines.append(f"{_known_host(node.address, node.ssh_port)} {keygen(host_key, node.hostname)}")
-        cfg = root / "sshd" / f"{node.hostname}.conf"
-        sshd_config(cfg, node.address, node.ssh_port, host_key, authorized, "ERROR")
-        if state.mode == "netns":
-            # own hostname (UTS) and own process table (PID + /proc): like a separate machine, `ps` on
-            # a node shows only that node's processes; when its sshd stops, the kernel ends them all
-            unshare = ["unshare", "--uts", "--pid", "--fork", "--kill-child", "--mount-proc"]
-            script = f'hostname {node.hostname} && exec {SSHD} -D -e -f "$0"'
-            argv = ["ip", "netns", "exec", str(node.namespace), *unshare, "sh", "-c", script, str(cfg)]
-        else:
-            argv = [SSHD, "-D", "-e", "-f", str(cfg)]
-        _start(state, node.hostname, argv, str(cfg))
+    listeners = [(node.hostname, node.address, node.ssh_port) for node in state.nodes]
     for role in ("jumpbox", "nfs"):
-        port = state.ports[role] = free_port()
+        state.ports[role] = free_port()
+        listeners.append((role, "127.0.0.1", state.ports[role]))
+    for role, address, port in listeners:
         host_key = root / "hostkeys" / role / "ssh_host_ed25519_key"
-        known_lines.append(f"{_known_host('127.0.0.1', port)} {keygen(host_key, role)}")
-        cfg = root / "sshd" / f"{role}.conf"
-        sshd_config(cfg, "127.0.0.1", port, host_key, authorized, "ERROR")
-        _start(state, role, [SSHD, "-D", "-e", "-f", str(cfg)], str(cfg))
+        known_lines.append(f"{_known_host(address, port)} {keygen(host_key, role)}")
+        sshd_config(sshd_config_path(state, role), address, port, host_key, authorized, "ERROR")
+    for node in state.nodes:
+        start_sshd(state, node)
+    for role in ("jumpbox", "nfs"):
+        cfg = sshd_config_path(state, role)
+        start_daemon(state, role, [SSHD, "-D", "-e", "-f", str(cfg)], str(cfg))
     return known_lines
 
 
@@ -436,10 +328,10 @@ def _start_azurite(state: LocalState, azurite: Path) -> None:
     location = Path(state.state_dir) / "azurite"
     argv = [
         str(azurite),
-        *("--blobHost", "127.0.0.1", "--blobPort", str(state.azurite_port)),
+        *("--blobHost", state.azurite_host, "--blobPort", str(state.azurite_port)),
         *("--location", str(location), "--skipApiVersionCheck"),
     ]
-    _start(state, "azurite", argv, str(location))
+    start_daemon(state, "azurite", argv, str(location))
 
 
 def _wait_for_sshds_and_azurite(state: LocalState) -> None:
@@ -447,50 +339,26 @@ def _wait_for_sshds_and_azurite(state: LocalState) -> None:
         wait_port(node.address, node.ssh_port, 20, f"sshd of {node.hostname}", state.logs / f"{node.hostname}.log")
     for role, port in state.ports.items():
         wait_port("127.0.0.1", port, 20, f"sshd of the {role}", state.logs / f"{role}.log")
-    wait_port("127.0.0.1", state.azurite_port or 0, 60, "Azurite", state.logs / "azurite.log")
+    wait_port(state.azurite_host, state.azurite_port or 0, 60, "Azurite", state.logs / "azurite.log")
 
 
-def _start_slurm(state: LocalState) -> None:
+def _start_slurm(state: LocalState, settings: LocalSlurmSettings) -> None:
     """munged, slurmctld in the head namespace, a slurmd on every node; returns once all are idle."""
     files = local_slurm.SlurmFiles(Path(state.state_dir))
     head, names = state.head, [node.hostname for node in state.nodes]
     assert head is not None and head.namespace  # netns mode wires the head first
     files.make_dirs(names)
-    local_slurm.write_config(files, state.slurm_cluster_name, head.address, names, Path(state.state_dir) / "shared")
+    shared = Path(state.state_dir) / "shared"
+    local_slurm.write_config(files, state.slurm_cluster_name, head.address, names, shared, settings)
+    local_power.install_programs(files, Path(state.state_dir))
     state.slurm_conf = str(files.conf)
-    _start(state, "munged", local_slurm.munged_argv(files), str(files.munge_socket))
+    start_daemon(state, "munged", local_slurm.munged_argv(files), str(files.munge_socket))
     wait_socket_file(files.munge_socket, 20, "munged", state.logs / "munged.log")
-    _start(state, "slurmctld", local_slurm.slurmctld_argv(head.namespace, files.conf), str(files.conf))
+    start_daemon(state, "slurmctld", local_slurm.slurmctld_argv(head.namespace, files.conf), str(files.conf))
     wait_port(head.address, SLURMCTLD_PORT, 30, "slurmctld", state.logs / "slurmctld.log")
     for node in state.nodes:
-        argv = local_slurm.slurmd_argv(_node_init_pid(state, node), node.hostname, files.conf)
-        _start(state, local_slurm.slurmd_role(node.hostname), argv, str(files.conf))
+        start_slurmd(state, node)
     local_slurm.wait_until_idle(files.conf, names, SLURM_READY_TIMEOUT_S, state.logs)
-
-
-def _node_init_pid(state: LocalState, node: NodeState) -> int:
-    """The first process inside a node's namespaces (its sshd): what slurmd joins."""
-    record = next(r for r in state.processes if r.role == node.hostname)
-    found = children(record.pid) if record.alive() else []
-    if len(found) != 1:
-        log = state.logs / f"{node.hostname}.log"
-        raise OperatorError(f"the sshd of {node.hostname} is not running (see {log})", ExitCode.FAILED)
-    return found[0]
-
-
-def _write_registry(state: LocalState) -> None:
-    """The node registry, as cloud-init writes it on Azure once a node is ready."""
-    now = datetime.now(UTC).replace(microsecond=0)
-    for node in state.nodes:
-        record = NodeRecord(
-            hostname=node.hostname,
-            address=node.address,
-            gpus=0,
-            ib_state="absent",
-            ready_at=now,
-            ssh_port=node.ssh_port if state.mode == "localhost" else None,
-        )
-        write_registry_record(Path(state.state_dir) / "shared" / "nodes", record)
 
 
 def _describe(state: LocalState, python: Path, key: Path, known_hosts: Path, storage: Storage) -> ClusterDescription:
@@ -507,15 +375,13 @@ def _describe(state: LocalState, python: Path, key: Path, known_hosts: Path, sto
         storage_host=SSHEndpoint(host="127.0.0.1", port=state.ports["nfs"], user=user),
         node_count=len(state.nodes),
         gpus_per_node=0,
-        expected_hostnames=[n.hostname for n in state.nodes],
         node_ssh_port=22,
         shared_mount_path=str(shared),
         shared_is_mount=False,
         storage_export_path=str(shared),
-        node_registry_path=str(shared / "nodes"),
         data_path=str(shared / "data"),
-        blob_pull=[SYSTEM_PYTHON, str(REPO_ROOT / "scripts" / "blob_pull.py")],
-        storage_python=SYSTEM_PYTHON,
+        blob_pull=[SYSTEM_PYTHON, str(REPO_ROOT / "scripts" / "remote" / "blob_pull.py")],
+        remote_python=SYSTEM_PYTHON,
         data=BlobLocation(
             endpoint=storage.endpoint,
             container="data",
@@ -527,6 +393,8 @@ def _describe(state: LocalState, python: Path, key: Path, known_hosts: Path, sto
             container="results",
             credential=BlobCredential(kind="sas", secret=SecretStr(storage.results_sas)),
         ),
+        # jobs on the nodes write results with the same SAS (on Azure: the cluster's identity)
+        results_upload=BlobCredential(kind="sas", secret=SecretStr(storage.results_sas)),
         slurm=_slurm_access(state, login=jump_host),
         runtime=Runtime(
             kind="host",
@@ -558,11 +426,10 @@ def _known_host(address: str, port: int) -> str:
     return address if port == 22 else f"[{address}]:{port}"
 
 
-def _azurite_storage(port: int) -> Storage:
+def _azurite_storage(endpoint: str) -> Storage:
     """The `data` and `results` containers, a read + list SAS for the first and a write SAS for the second."""
     from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, generate_container_sas
 
-    endpoint = f"http://127.0.0.1:{port}/{AZURITE_ACCOUNT}"
     conn_str = (
         f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};BlobEndpoint={endpoint};"
     )
@@ -586,30 +453,33 @@ def _azurite_storage(port: int) -> Storage:
 
 
 # --- down --------------------------------------------------------------------------------------
-def down(state_dir: str | Path = DEFAULT_LOCAL_STATE, quiet: bool = False, keep_files: bool = False) -> bool:
+def down(state_dir: str | Path = DEFAULT_LOCAL_STATE, quiet: bool = False) -> bool:
     """Stop every recorded process (and what it forked), delete namespaces, links and files.
 
     Returns False when nothing was recorded there."""
     state_dir = Path(state_dir).resolve()
-    state = load_state(state_dir)
-    if state is None:
+    if load_state(state_dir) is None:
         if not quiet:
             console.print(f"no local cluster recorded in {state_dir}")
         return False
-    pids: list[int] = []
-    for record in state.processes:
-        if record.alive():
-            pids += [record.pid, *descendants(record.pid)]
-    for host in state.hosts():  # anything still inside our namespaces is ours
-        pids += net.namespace_pids(str(host.namespace))
-    stop_pids(sorted(set(pids)))
-    hosts = state.hosts()
-    links = [str(h.veth) for h in hosts if h.veth] + ([state.bridge] if state.bridge else [])
-    net.remove([str(h.namespace) for h in hosts], links, state.etc_netns)
-    if keep_files:
-        (state_dir / "state.json").unlink(missing_ok=True)
-    else:
+    with state_lock(state_dir):  # no power program starts a node while it goes
+        state = load_state(state_dir)
+        assert state is not None  # only `down` removes it, and it holds the lock
+        pids: list[int] = []
+        for record in state.processes:
+            if record.alive():
+                pids += [record.pid, *descendants(record.pid)]
+        for host in state.hosts():  # anything still inside our namespaces is ours
+            pids += net.namespace_pids(str(host.namespace))
+        stop_pids(sorted(set(pids)))
+        hosts = state.hosts()
+        links = [str(h.veth) for h in hosts if h.veth] + ([state.bridge] if state.bridge else [])
+        net.remove([str(h.namespace) for h in hosts], links, state.etc_netns)
+        runtime = local_slurm.SlurmFiles(state_dir).runtime
         shutil.rmtree(state_dir, ignore_errors=True)
+        shutil.rmtree(runtime, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the runtime root, once no cluster uses it
+            runtime.parent.rmdir()
     if not quiet:
         console.print(f"local cluster {state.name!r} removed ({len(set(pids))} processes stopped)")
     return True
@@ -617,25 +487,32 @@ def down(state_dir: str | Path = DEFAULT_LOCAL_STATE, quiet: bool = False, keep_
 
 # --- status ------------------------------------------------------------------------------------
 def status(state_dir: str | Path = DEFAULT_LOCAL_STATE) -> dict:
+    """What runs: every recorded process and namespace. A stopped node's daemons (power saving)
+    show as stopped, and count as neither running nor failed."""
     state_dir = Path(state_dir).resolve()
     state = load_state(state_dir)
     if state is None:
         return {"up": False, "state_dir": str(state_dir), "components": []}
+    stopped_roles = {role for node in state.nodes if node.stopped for role in node_roles(node.hostname)}
     components = []
     for record in state.processes:
-        components.append({"component": record.role, "pid": record.pid, "running": record.alive()})
+        running = record.alive()
+        condition = "running" if running else "stopped" if record.role in stopped_roles else "down"
+        components.append({"component": record.role, "pid": record.pid if running else None, "state": condition})
     for host in state.hosts():
         exists = net.namespace_exists(str(host.namespace))
-        components.append({"component": f"netns {host.namespace}", "pid": None, "running": exists})
+        components.append(
+            {"component": f"netns {host.namespace}", "pid": None, "state": "running" if exists else "down"}
+        )
     return {
-        "up": all(c["running"] for c in components) and bool(components),
+        "up": bool(components) and all(c["state"] != "down" for c in components),
         "state_dir": str(state_dir),
         "mode": state.mode,
         "subnet": state.subnet,
         "nodes": [n.model_dump() for n in state.nodes],
         "ports": state.ports,
         "addresses": _addresses(state),
-        "azurite": f"http://127.0.0.1:{state.azurite_port}/{AZURITE_ACCOUNT}" if state.azurite_port else None,
+        "azurite": state.azurite_endpoint,
         "slurm_conf": state.slurm_conf,
         "description": str(state_dir / "cluster.json"),
         "components": components,
@@ -646,14 +523,17 @@ def _addresses(state: LocalState) -> dict[str, str]:
     """component -> where it listens."""
     addresses = {n.hostname: f"{n.address}:{n.ssh_port}" for n in state.nodes}
     addresses.update({role: f"127.0.0.1:{port}" for role, port in state.ports.items()})
-    if state.azurite_port:
-        addresses["azurite"] = f"http://127.0.0.1:{state.azurite_port}/{AZURITE_ACCOUNT}"
+    if state.azurite_endpoint:
+        addresses["azurite"] = state.azurite_endpoint
     if state.slurm_conf and state.head:
         addresses["munged"] = str(local_slurm.SlurmFiles(Path(state.state_dir)).munge_socket)
         addresses["slurmctld"] = f"{state.head.address}:{SLURMCTLD_PORT}"
         for n in state.nodes:
             addresses[local_slurm.slurmd_role(n.hostname)] = f"{n.address}:{SLURMD_PORT}"
     return addresses
+
+
+STATE_STYLE = {"running": "[green]running[/green]", "stopped": "[yellow]stopped[/yellow]", "down": "[red]down[/red]"}
 
 
 def print_status(info: dict) -> None:
@@ -665,70 +545,149 @@ def print_status(info: dict) -> None:
     for col in ("component", "pid", "address", "state"):
         table.add_column(col)
     for c in info["components"]:
-        table.add_row(
-            c["component"],
-            str(c["pid"] or "-"),
-            info["addresses"].get(c["component"], ""),
-            "[green]running[/green]" if c["running"] else "[red]down[/red]",
-        )
+        address = info["addresses"].get(c["component"], "")
+        table.add_row(c["component"], str(c["pid"] or "-"), address, STATE_STYLE[c["state"]])
     out.print(table)
     out.print(f"cluster description: {info['description']}")
     if info["slurm_conf"]:
         out.print(f"slurm: SLURM_CONF={info['slurm_conf']} sinfo (logs in {Path(info['state_dir']) / 'logs'})")
     else:
         out.print(f"slurm: {NO_SLURM_NOTE}")
+    if any(c["state"] == "stopped" for c in info["components"]):
+        out.print("stopped: nodes Slurm powered down (they start again when a job needs them)")
 
 
-def build_parser() -> CLIParser:
-    parser = CLIParser(
-        prog="python -m scripts.local_cluster",
-        description="Embedded local cluster: nodes as network namespaces with sshd and slurmd, Azurite as blob "
-        "storage.",
+# --- the `local` command -----------------------------------------------------------------------
+DESCRIPTION = """\
+The embedded local cluster: the Azure cluster's topology on this machine. Every node is a network
+namespace with its own hostname, sshd and slurmd; slurmctld runs in a head namespace; Azurite
+stands in for blob storage; STATE_DIR/shared is the shared file system. Needs root for the
+namespaces (without it: --mode localhost, sshds on loopback ports and no Slurm).
+
+`up` writes STATE_DIR/cluster.json, the description every other command reads by default.
+"""
+EXAMPLES = """\
+examples:
+  python -m scripts local up --nodes 2                       # then: launch, jobs, logs, ...
+  python -m scripts local up --autostop-seconds 300          # idle nodes are suspended after 5 min
+  python -m scripts local status                             # exit 0 when everything runs
+  python -m scripts local down                               # stops and removes all of it
+"""
+
+
+def configure(commands: argparse._SubParsersAction) -> None:
+    raw = argparse.RawDescriptionHelpFormatter  # the examples keep their lines
+    parser = commands.add_parser(
+        "local",
+        help="the embedded local cluster: up, status, down",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=raw,
     )
+    _add_state_dir(parser, top_level=True)
+    actions = parser.add_subparsers(dest="command", metavar="command", required=True)
+    p_up = actions.add_parser(
+        "up",
+        help="create the cluster and write STATE_DIR/cluster.json",
+        description="Create the local cluster (namespaces, sshds, Slurm, Azurite) and write its description,\n"
+        "STATE_DIR/cluster.json. Anything that fails on the way is removed again.",
+        epilog="example:\n  python -m scripts local up --nodes 2 --autostop-seconds 60\n",
+        formatter_class=raw,
+    )
+    _add_up_arguments(p_up)
+    p_up.set_defaults(handler=_run_up)
+    p_down = actions.add_parser(
+        "down",
+        help="stop and remove everything `up` created",
+        description="Stop every process of the local cluster, remove its namespaces and links, and STATE_DIR.",
+        epilog="example:\n  python -m scripts local down --state-dir /tmp/lc\n",
+        formatter_class=raw,
+    )
+    p_status = actions.add_parser(
+        "status",
+        help="what is running (exit 0 when everything is up, 3 when not)",
+        description="Every process and namespace of the local cluster, where it listens, and whether it runs.\n"
+        "Nodes that Slurm powered down show as stopped, and are no failure.",
+        epilog="example:\n  python -m scripts local status\n",
+        formatter_class=raw,
+    )
+    for sub, handler in ((p_down, _run_down), (p_status, _run_status)):
+        _add_state_dir(sub)
+        sub.set_defaults(handler=handler)
+
+
+def _add_state_dir(parser: argparse.ArgumentParser, top_level: bool = False) -> None:
+    """--state-dir before the action (`local --state-dir D up`) or after it (`local up --state-dir D`)."""
     parser.add_argument(
-        "--state-dir", type=non_empty, default=str(DEFAULT_LOCAL_STATE), help="where its state lives (%(default)s)"
+        "--state-dir",
+        type=non_empty,
+        default=str(DEFAULT_LOCAL_STATE) if top_level else argparse.SUPPRESS,
+        help=f"where the cluster's state lives (default {DEFAULT_LOCAL_STATE})",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_up = sub.add_parser("up", help="create the cluster and write STATE_DIR/cluster.json")
-    p_up.add_argument("--nodes", type=int_between(1, MAX_NODES), default=2)
-    p_up.add_argument(
+
+
+def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_state_dir(parser)
+    parser.add_argument("--nodes", type=int_between(1, MAX_NODES), default=2, help="how many nodes (%(default)s)")
+    parser.add_argument(
         "--name",
         type=arg_type(check_name),
         default=DEFAULT_NAME,
         help="prefix of namespaces and interfaces (%(default)s)",
     )
-    p_up.add_argument(
+    parser.add_argument(
         "--subnet",
         type=arg_type(parse_subnet),
         default=DEFAULT_SUBNET,
         help="private range for the nodes (%(default)s)",
     )
-    p_up.add_argument("--mode", choices=("auto", "netns", "localhost"), default="auto")
-    p_up.add_argument(
+    parser.add_argument(
+        "--mode",
+        choices=("auto", "netns", "localhost"),
+        default="auto",
+        help="netns: namespaces and Slurm (needs root); localhost: sshds on loopback, no Slurm; auto: netns "
+        "where allowed (%(default)s)",
+    )
+    parser.add_argument(
         "--train-python", type=non_empty, help=f"python of the training environment (default {TRAIN_PYTHON})"
     )
-    sub.add_parser("down", help="stop and remove everything `up` created")
-    sub.add_parser("status", help="what is running (exit 0 when everything is up, 3 when not)")
-    return parser
+    parser.add_argument(
+        "--autostop-seconds",
+        type=int_between(0),
+        default=0,
+        help="idle seconds before Slurm suspends a node (stops its slurmd and sshd); a job that needs it "
+        "starts it again. 0: never (%(default)s)",
+    )
+    parser.add_argument(
+        "--health-check-interval",
+        type=int_between(1, MAX_HEALTH_CHECK_INTERVAL_S),
+        default=60,
+        help="seconds between two runs of the node health check, which drains a failing node (%(default)s)",
+    )
 
 
-def _run(args: argparse.Namespace) -> int:
-    if args.command == "up":
-        desc = up(args.nodes, args.state_dir, args.name, args.subnet, args.mode, args.train_python)
-        where = Path(args.state_dir) / "cluster.json"
-        console.print(f"local cluster up: {desc.node_count} nodes; description {where}")
-        return 0
-    if args.command == "down":
-        down(args.state_dir)
-        return 0
+def _run_up(args: argparse.Namespace) -> int:
+    desc = up(
+        args.nodes,
+        args.state_dir,
+        args.name,
+        args.subnet,
+        args.mode,
+        args.train_python,
+        autostop_seconds=args.autostop_seconds,
+        health_check_interval_s=args.health_check_interval,
+    )
+    where = Path(args.state_dir) / "cluster.json"
+    console.print(f"local cluster up: {desc.node_count} nodes; description {where}")
+    return 0
+
+
+def _run_down(args: argparse.Namespace) -> int:
+    down(args.state_dir)
+    return 0
+
+
+def _run_status(args: argparse.Namespace) -> int:
     info = status(args.state_dir)
     print_status(info)
     return 0 if info["up"] else ExitCode.NOT_READY
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_cli(build_parser(), _run, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,10 +10,15 @@ runs them, with the slurm.conf that infra/cloud_init/slurm.py renders for Azure.
   slurmd     in each node's namespaces, those of its sshd (network, hostname, process table,
              mounts): a node is one machine, and `ps` over SSH shows its job steps.
 Commands from the host: `SLURM_CONF=STATE/slurm/slurm.conf sinfo` (`client_env`).
+
+Power saving is Slurm's own: after `autostop_s` idle seconds slurmctld runs STATE/slurm/suspend,
+and STATE/slurm/resume when a job needs the node again (scripts/local_power.py stops and starts the
+node's sshd and slurmd). Timeouts are seconds here, where Azure's are minutes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
 import subprocess
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra.cloud_init.slurm import HealthCheck, NodeSet, PowerSaving, render_health_check, render_slurm_conf
-from infra.contract import SLURM_PARTITION
+from infra.contract import HEALTH_REPORT_DIR, SLURM_PARTITION
 from scripts.daemons import log_tail
 from scripts.errors import ExitCode, OperatorError
 from scripts.fileio import atomic_write
@@ -31,19 +36,44 @@ from scripts.fileio import atomic_write
 CONTROLLER_HOST = "head"
 NODE_CPUS = 2  # what each node offers to jobs: every node shares this machine's cores
 NODE_MEMORY_MB = 2048
-# Power saving stays off until the local cluster emulates it: the partition is never suspended,
-# and a node Slurm thinks powered down is "resumed" by its slurmd registering again.
-NO_POWER_PROGRAM = "/bin/true"
-HEALTH_CHECK_INTERVAL_S = 60  # the shortest infra's renderer allows
 MIN_FREE_GB = 1
+RUNTIME_ROOT = Path("/run/hvd-local")
 SBIN = "/usr/sbin"
+# Azure's Epilog, run in place: it removes a job's containers (there are none with the host runtime)
+EPILOG = Path(__file__).resolve().parent / "remote" / "slurm-epilog.sh"
+POWER_ACTIONS = ("suspend", "resume", "resume-fail")  # scripts/local_power.py
+# Shorter than on Azure, where a VM boots in minutes: here a node is two processes.
+SUSPEND_TIMEOUT_S = 5  # a suspended node may be resumed this long after its suspend began
+RESUME_TIMEOUT_S = 60
+POWER_SAVE_INTERVAL_S = 2  # how often slurmctld looks for nodes to suspend (Slurm's default: 10)
+SLURMD_TIMEOUT_S = 10  # a node whose slurmd stops answering is DOWN after this long
+KILL_WAIT_S = 5  # SIGTERM to SIGKILL, on cancel and at the time limit
+RENDERER_MIN_S = 60  # the shortest SuspendTime and HealthCheckInterval infra's renderer accepts
+
+
+@dataclass(frozen=True)
+class LocalSlurmSettings:
+    """What the operator chooses for the local Slurm (`local up` flags)."""
+
+    autostop_s: int = 0  # idle seconds before a node is suspended (SuspendTime); 0: never
+    health_check_interval_s: int = 60
 
 
 @dataclass(frozen=True)
 class SlurmFiles:
-    """Where everything of the local Slurm lives, under the cluster's state directory."""
+    """Where everything of the local Slurm lives: under the cluster's state directory, but for the
+    sockets. A UNIX socket's path holds at most 107 bytes, and slurmstepd names one per job step in
+    the spool directory (`<spool>/<node>/<node>_<job>.<step>`): under a deep state directory (a pytest
+    temporary directory, a clone in a long home path) steps would fail to start. So the spool
+    directories and munged's socket live in a short runtime directory, /run/hvd-local/<hash of the
+    state directory>, which `down` removes."""
 
     state_dir: Path
+
+    @property
+    def runtime(self) -> Path:
+        digest = hashlib.sha256(str(self.state_dir.resolve()).encode()).hexdigest()[:12]
+        return RUNTIME_ROOT / digest
 
     @property
     def root(self) -> Path:
@@ -59,11 +89,15 @@ class SlurmFiles:
 
     @property
     def spool(self) -> Path:
-        return self.root / "spool"  # one directory per node below it (%n)
+        return self.runtime / "spool"  # one directory per node below it (%n)
 
     @property
     def health_check(self) -> Path:
         return self.root / "health-check"
+
+    def power_program(self, action: str) -> Path:
+        """The wrapper slurmctld runs to suspend, resume (or give up resuming) nodes."""
+        return self.root / action
 
     @property
     def munge(self) -> Path:
@@ -75,14 +109,15 @@ class SlurmFiles:
 
     @property
     def munge_socket(self) -> Path:
-        return self.munge / "munge.socket"
+        return self.runtime / "munge.socket"
 
     def make_dirs(self, nodes: Sequence[str]) -> None:
         for directory in (self.state_save, *(self.spool / node for node in nodes)):
             directory.mkdir(parents=True, exist_ok=True)
         # munged wants its socket's directory open to every user
-        self.munge.mkdir(mode=0o755, exist_ok=True)
-        self.munge.chmod(0o755)
+        for directory in (self.munge, self.runtime):
+            directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+            directory.chmod(0o755)
 
 
 def client_env(conf: str | Path) -> dict[str, str]:
@@ -90,10 +125,17 @@ def client_env(conf: str | Path) -> dict[str, str]:
     return {"SLURM_CONF": str(conf)}
 
 
-def write_config(files: SlurmFiles, cluster: str, controller_address: str, nodes: Sequence[str], shared: Path) -> None:
+def write_config(
+    files: SlurmFiles,
+    cluster: str,
+    controller_address: str,
+    nodes: Sequence[str],
+    shared: Path,
+    settings: LocalSlurmSettings,
+) -> None:
     """slurm.conf, cgroup.conf, the health check and the munge key."""
     try:
-        conf = render_local_conf(files, cluster, controller_address, nodes)
+        conf = render_local_conf(files, cluster, controller_address, nodes, settings)
         check = render_health_check(
             shared_mount=str(shared),
             expected_gpus=0,
@@ -111,18 +153,23 @@ def write_config(files: SlurmFiles, cluster: str, controller_address: str, nodes
     script = files.root / "slurm-health-check.sh"
     atomic_write(script, check, 0o755)
     # slurmd runs its HealthCheckProgram with SLURMD_NODENAME alone in the environment: the wrapper
-    # adds what differs here (a plain shared directory, and this cluster's slurm.conf for scontrol).
+    # adds what differs here (a plain shared directory, this cluster's slurm.conf for scontrol, and
+    # where the node's last result goes, as on Azure: the shared file system's .health directory).
     wrapper = (
         "#!/bin/sh\n"
-        f"export SLURM_CONF={shlex.quote(str(files.conf))} SHARED_IS_MOUNT=0\n"
+        f"export SLURM_CONF={shlex.quote(str(files.conf))} SHARED_IS_MOUNT=0 "
+        f"HEALTH_REPORT_DIR={shlex.quote(str(shared / HEALTH_REPORT_DIR))}\n"
         f"exec {shlex.quote(str(script))}\n"
     )
     atomic_write(files.health_check, wrapper, 0o755)
     atomic_write(files.munge_key, os.urandom(1024), 0o400)  # a fresh key per cluster, root's only
 
 
-def render_local_conf(files: SlurmFiles, cluster: str, controller_address: str, nodes: Sequence[str]) -> str:
+def render_local_conf(
+    files: SlurmFiles, cluster: str, controller_address: str, nodes: Sequence[str], settings: LocalSlurmSettings
+) -> str:
     """Azure's slurm.conf (infra's renderer) with what one machine of namespaces needs instead."""
+    autostop = settings.autostop_s > 0
     azure = render_slurm_conf(
         cluster_name=cluster,
         controller_host=CONTROLLER_HOST,
@@ -132,16 +179,21 @@ def render_local_conf(files: SlurmFiles, cluster: str, controller_address: str, 
         state_save_dir=str(files.state_save),
         slurmd_spool_dir=str(files.spool),
         power=PowerSaving(
-            suspend_program=NO_POWER_PROGRAM,
-            resume_program=NO_POWER_PROGRAM,
-            resume_fail_program=NO_POWER_PROGRAM,
-            suspend_time_s=None,
-            suspend_timeout_s=30,
-            resume_timeout_s=60,
+            suspend_program=str(files.power_program("suspend")),
+            resume_program=str(files.power_program("resume")),
+            resume_fail_program=str(files.power_program("resume-fail")),
+            # seconds here, where the renderer wants minutes' worth: replaced below
+            suspend_time_s=RENDERER_MIN_S if autostop else None,
+            suspend_timeout_s=SUSPEND_TIMEOUT_S,
+            resume_timeout_s=RESUME_TIMEOUT_S,
         ),
-        health_check=HealthCheck(program=str(files.health_check), interval_s=HEALTH_CHECK_INTERVAL_S),
+        health_check=HealthCheck(program=str(files.health_check), interval_s=RENDERER_MIN_S),
+        epilog=str(EPILOG),
+        kill_wait_s=KILL_WAIT_S,
+        slurmd_timeout_s=SLURMD_TIMEOUT_S,
     )
     run = files.root
+    controller = conf_value(azure, "SlurmctldParameters")
     return override(
         azure,
         {
@@ -156,8 +208,19 @@ def render_local_conf(files: SlurmFiles, cluster: str, controller_address: str, 
             # binding tasks to "their" cores would pin every node's tasks to the same few cores
             "TaskPlugin": "task/none",
             "MailProg": "/bin/true",  # Debian's default, /usr/bin/mail, is not installed
+            "SlurmctldParameters": f"{controller},power_save_interval={POWER_SAVE_INTERVAL_S}",
+            "HealthCheckInterval": str(settings.health_check_interval_s),
+            **({"SuspendTime": str(settings.autostop_s)} if autostop else {}),
         },
     )
+
+
+def conf_value(conf: str, key: str) -> str:
+    """The value of a `Key=value` line of conf."""
+    for line in conf.splitlines():
+        if line.startswith(f"{key}="):
+            return line.split("=", 1)[1]
+    raise ValueError(f"{key} is not set in the rendered slurm.conf")
 
 
 def override(conf: str, settings: dict[str, str]) -> str:
@@ -195,9 +258,13 @@ def slurmctld_argv(namespace: str, conf: Path) -> list[str]:
 
 
 def slurmd_argv(node_init_pid: int, node: str, conf: Path) -> list[str]:
-    """slurmd inside the namespaces of the node's first process (its sshd)."""
+    """slurmd inside the namespaces of the node's first process (its sshd).
+
+    -b: the node reports that it booted when its slurmd started. slurmctld ignores a resumed node
+    until it registers with a boot time after the resume request, and this machine's uptime is
+    older than any request."""
     enter = ["nsenter", f"--target={node_init_pid}", "--net", "--uts", "--pid", "--mount"]
-    return [*enter, f"{SBIN}/slurmd", "-D", "-f", str(conf), "-N", node]
+    return [*enter, f"{SBIN}/slurmd", "-D", "-b", "-f", str(conf), "-N", node]
 
 
 def slurmd_role(node: str) -> str:
@@ -225,19 +292,23 @@ def node_states(conf: Path) -> dict[str, str]:
 
 
 def wait_until_idle(conf: Path, nodes: Sequence[str], timeout: float, logs: Path) -> None:
-    """Until sinfo shows every node idle; on timeout, name each other node with its slurmd log."""
+    """Until sinfo has shown every node idle (once: with a short SuspendTime, a node may be
+    suspended again before the last one registers); on timeout, name each other node with its
+    slurmd log."""
     deadline = time.time() + timeout
     states: dict[str, str] = {}
+    seen_idle: set[str] = set()
     problem = ""
     while time.time() < deadline:
         try:
             states, problem = node_states(conf), ""
         except (OperatorError, subprocess.TimeoutExpired) as exc:
             problem = f" ({exc})"
-        if states and all(states.get(node) == "idle" for node in nodes):
+        seen_idle.update(node for node in nodes if states.get(node) == "idle")
+        if seen_idle.issuperset(nodes):
             return
         time.sleep(0.2)
-    late = [node for node in nodes if states.get(node) != "idle"]
+    late = [node for node in nodes if node not in seen_idle]
     details = "".join(
         f"\n{node}: {states.get(node, 'unknown to slurmctld')}{log_tail(logs / f'{slurmd_role(node)}.log')}"
         for node in late

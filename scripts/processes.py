@@ -1,8 +1,7 @@
 """Stopping processes we started: by pid, TERM first, KILL for what is left; never by name.
 
 A pid alone can be recycled: `matches` confirms a recorded pid is still the process we started by
-a string from its command line. scripts/launch.py stops a run's processes on the nodes by the run id
-in their environment, with a shell command run there (see `launch.sweep_command`).
+a string from its command line. A job's processes on the nodes are Slurm's to stop, not ours.
 """
 
 from __future__ import annotations
@@ -57,10 +56,11 @@ def _children_by_parent() -> dict[int, list[int]]:
     return by_parent
 
 
-def stop_pids(pids: list[int], grace_s: float = 3.0) -> None:
-    """TERM the given pids, wait up to grace_s for them to end, then KILL what is left."""
+def stop_pids(pids: list[int], grace_s: float = 3.0, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
+    """TERM the given pids, wait up to grace_s for them to end, then KILL what is left (signals: the
+    signals to send in turn, each followed by that wait)."""
     live = [p for p in pids if Path(f"/proc/{p}").exists()]
-    for sig in STOP_SIGNALS:
+    for sig in signals:
         for pid in live:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)

@@ -12,14 +12,14 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from scripts import local_cluster, local_network
-from scripts.cluster import ClusterDescription, NodeRecord, load
+from scripts import local_cluster, local_network, local_slurm
+from scripts.cluster import ClusterDescription, load
 from scripts.errors import OperatorError
-from scripts.sshutil import SSH
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -94,22 +94,6 @@ def start_module(module: str, *args: str, env: dict | None = None) -> subprocess
     )
 
 
-def host_pids_with(marker: str) -> list[int]:
-    """Pids (host view) of every process whose environment holds marker (e.g. HVD_RUN_ID=<id>)."""
-    found = []
-    needle = marker.encode() + b"\0"
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if environ.startswith(needle) or b"\0" + needle in environ:
-            found.append(int(entry.name))
-    return found
-
-
 def live_pids_mentioning(text: str) -> list[int]:
     """Processes (not zombies: theirs is empty) whose command line contains text."""
     found = []
@@ -123,17 +107,47 @@ def live_pids_mentioning(text: str) -> list[int]:
     return found
 
 
-def node_pids_with(desc: ClusterDescription, marker: str) -> dict[str, int]:
-    """On every node, over SSH, in that node's own process table: how many processes carry marker."""
-    records = [
-        NodeRecord.model_validate_json(p.read_text()) for p in sorted(Path(desc.node_registry_path).glob("*.json"))
-    ]
-    script = (
-        f"n=0; for d in /proc/[0-9]*; do grep -qxzF '{marker}' \"$d/environ\" 2>/dev/null && n=$((n+1)); done; echo $n"
-    )
-    with SSH(desc, records) as ssh:
-        results = ssh.run_parallel([ssh.node(r.hostname) for r in records], script, check=True)
-    return {host: int(res.stdout.strip()) for host, res in results.items()}  # type: ignore[union-attr]
+def local_state_dir(desc: ClusterDescription) -> Path:
+    """The state directory of a local cluster, from its description (its shared directory is STATE/shared)."""
+    return Path(desc.shared_mount_path).parent
+
+
+def slurm_command(desc: ClusterDescription, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """A Slurm command on this machine (the local cluster's login host), as the description says."""
+    assert desc.slurm is not None and desc.slurm.conf
+    env = {**os.environ, **local_slurm.client_env(desc.slurm.conf)}
+    return subprocess.run(list(argv), env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def namespaces() -> list[str]:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+
+
+def links() -> str:
+    return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+
+
+def leftovers(state_dir: Path, name: str) -> list[str]:
+    """What of a local cluster outlived `down`: namespaces and links named after it, processes
+    naming its state directory (sshds, slurmds, slurmctld, munged, Azurite), its files."""
+    found = [f"namespace {ns}" for ns in namespaces() if ns.startswith(f"{name}-")]
+    found += [f"link {line.split(':')[1].strip()}" for line in links().splitlines() if f" {name}-" in line]
+    found += [f"pid {pid}" for pid in live_pids_mentioning(str(state_dir.resolve()))]
+    runtime = local_slurm.SlurmFiles(state_dir).runtime  # the sockets' short directory under /run
+    return found + [f"directory {d}" for d in (state_dir, runtime) if d.exists()]
+
+
+@contextmanager
+def own_cluster(tmp_path: Path, letter: str, nodes: int = 2, **up_kwargs: object) -> Iterator[ClusterDescription]:
+    """A local cluster of the test's own (its own name and subnet), removed at the end, and checked
+    to leave nothing behind."""
+    state, name = tmp_path / f"cluster-{letter}", cluster_name(letter)
+    desc = local_cluster.up(nodes=nodes, state_dir=state, name=name, subnet=free_subnet(), **up_kwargs)  # type: ignore[arg-type]
+    try:
+        yield desc
+    finally:
+        local_cluster.down(state, quiet=True)
+    assert leftovers(state, name) == []
 
 
 @pytest.fixture(scope="session", autouse=True)

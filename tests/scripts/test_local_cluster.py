@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,23 +11,15 @@ from scripts.cluster import load
 from scripts.errors import OperatorError
 from scripts.sshutil import SSH
 
-from .conftest import SESSION_SUBNET, address, cluster_name, free_subnet, live_pids_mentioning, run_module
-
-
-def links() -> str:
-    return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-
-
-def namespaces() -> list[str]:
-    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+from .conftest import SESSION_SUBNET, address, cluster_name, free_subnet, leftovers, links, namespaces, run_module
 
 
 def test_up_status_down_leaves_nothing(tmp_path):
     state, name, subnet = tmp_path / "lc", cluster_name("c"), free_subnet()
     a10, a11 = address(subnet, 10), address(subnet, 11)
     up = run_module(
-        "scripts.local_cluster", "--state-dir", str(state), "up", "--nodes", "2", "--name", name,
-        "--subnet", subnet, timeout=120,
+        "scripts", "local", "up", "--state-dir", str(state), "--nodes", "2", "--name", name, "--subnet", subnet,
+        timeout=120,
     )  # fmt: skip
     assert up.returncode == 0, up.stderr
     recorded = local_cluster.load_state(state.resolve())
@@ -38,20 +28,21 @@ def test_up_status_down_leaves_nothing(tmp_path):
         assert recorded.mode == "netns" and [n.address for n in recorded.nodes] == [a10, a11]
         assert {f"{name}-node-0", f"{name}-node-1"} <= set(namespaces()) and f"{name}-br" in links()
         assert Path(f"/etc/netns/{name}-node-1/hosts").read_text().splitlines()[-1] == f"{a11}\tnode-1"
-        # the registry as cloud-init writes it on Azure
-        record = json.loads((Path(desc.node_registry_path) / "node-1.json").read_text())
-        assert set(record) == {"hostname", "address", "gpus", "ib_state", "ready_at"}
-        assert (record["hostname"], record["address"], record["ib_state"]) == ("node-1", a11, "absent")
+        # no node registry: Slurm knows the nodes; jobs upload results with the results SAS
+        assert not (state / "shared" / "nodes").exists()
+        assert desc.results_upload.kind == "sas" and desc.results_upload.secret == desc.results.credential.secret
+        assert desc.blob_pull[1].endswith("scripts/remote/blob_pull.py") and Path(desc.blob_pull[1]).is_file()
+        assert (state / "shared" / ".health").stat().st_mode & 0o777 == 0o755
         # each node: its own hostname, address, /etc/hosts and process table, reached through the jump host
-        with SSH(desc) as ssh:
-            ssh.set_nodes([local_cluster.NodeRecord.model_validate(record)])
+        with SSH(desc, addresses={"node-1": a11}) as ssh:
             probe = "hostname; ip -4 -o addr show eth0; getent hosts node-0; ls -d /proc/[0-9]* | wc -l"
             out = ssh.run(ssh.node("node-1"), probe)
         hostname, addr, hosts, procs = out.stdout.strip().splitlines()
         assert hostname == "node-1" and f"{a11}/24" in addr and hosts.split()[0] == a10
         assert int(procs) < 10  # only this node's sshd and our session, not the host's processes
         assert (state / "cluster.json").stat().st_mode & 0o077 == 0
-        status = run_module("scripts.local_cluster", "--state-dir", str(state), "status")
+        # --state-dir before the action works as well as after it
+        status = run_module("scripts", "local", "--state-dir", str(state), "status")
         # 4 sshds, Azurite, munged, slurmctld, 2 slurmds; 3 namespaces (the head and the nodes)
         assert status.returncode == 0 and "azurite" in status.stdout and status.stdout.count("running") == 12
         assert f"slurm: SLURM_CONF={state.resolve()}/slurm/slurm.conf sinfo" in status.stdout
@@ -59,14 +50,13 @@ def test_up_status_down_leaves_nothing(tmp_path):
         assert {"munged", "slurmctld", "slurmd-node-0", "slurmd-node-1"} <= roles
         assert all(p.alive() for p in recorded.processes)
     finally:
-        down = run_module("scripts.local_cluster", "--state-dir", str(state), "down")
+        down = run_module("scripts", "local", "down", "--state-dir", str(state))
     assert down.returncode == 0, down.stderr
     assert not any(p.alive() for p in recorded.processes)
-    assert live_pids_mentioning(str(state.resolve())) == []  # slurmd, slurmctld, munged, sshd, Azurite: all gone
-    assert not {f"{name}-head", f"{name}-node-0", f"{name}-node-1"} & set(namespaces())
-    assert f"{name}-" not in links()
-    assert not Path(f"/etc/netns/{name}-node-0").exists() and not state.exists()
-    gone = run_module("scripts.local_cluster", "--state-dir", str(state), "status")
+    # slurmd, slurmctld, munged, sshd, Azurite, namespaces, links, files: all gone
+    assert leftovers(state, name) == []
+    assert not Path(f"/etc/netns/{name}-node-0").exists()
+    gone = run_module("scripts", "local", "status", "--state-dir", str(state))
     assert gone.returncode == 3 and "no local cluster" in gone.stdout
 
 
@@ -81,3 +71,27 @@ def test_up_refuses_a_range_in_use_and_cleans_up(cluster_dir, tmp_path):
 def test_up_twice_is_refused(cluster_dir):
     with pytest.raises(OperatorError, match="already recorded"):
         local_cluster.up(nodes=1, state_dir=cluster_dir, name=cluster_name("y"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--autostop-seconds", "-1"], "argument --autostop-seconds: must be a whole number >= 0, got '-1'"),
+        (["--health-check-interval", "0"], "argument --health-check-interval: must be a whole number between 1"),
+    ],
+)
+def test_up_refuses_bad_power_and_health_flags(tmp_path, flags, message):
+    state = tmp_path / "never"
+    proc = run_module("scripts", "local", "up", "--state-dir", str(state), *flags, timeout=60)
+    assert proc.returncode == 2 and f"error: {message}" in proc.stderr and "Traceback" not in proc.stderr
+    assert not state.exists()
+
+
+def test_up_refuses_autostop_without_slurm(tmp_path):
+    with pytest.raises(OperatorError, match="--autostop-seconds needs Slurm, which is not run in localhost mode"):
+        local_cluster.up(
+            nodes=1, state_dir=tmp_path / "lh", name=cluster_name("z"), mode="localhost", autostop_seconds=5
+        )
+    with pytest.raises(OperatorError, match="--health-check-interval must be between 1 and 86400 seconds, got 0"):
+        local_cluster.up(nodes=1, state_dir=tmp_path / "lh", name=cluster_name("z"), health_check_interval_s=0)
+    assert not (tmp_path / "lh").exists()

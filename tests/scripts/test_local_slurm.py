@@ -3,27 +3,59 @@ driven from the host with the Slurm commands and SLURM_CONF, as the operator CLI
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
+import time
 import uuid
+from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from infra.contract import SLURM_PARTITION
-from scripts import local_cluster, local_slurm
-from scripts.cluster import ClusterDescription
+from scripts import local_cluster, local_network, local_power, local_slurm
 from scripts.errors import ExitCode, OperatorError
+from scripts.local_nodes import running_init_pid
 
-from .conftest import SESSION_SUBNET, address, cluster_name, free_subnet, live_pids_mentioning
+from .conftest import (
+    SESSION_SUBNET,
+    address,
+    cluster_name,
+    free_subnet,
+    live_pids_mentioning,
+    local_state_dir,
+    own_cluster,
+    run_module,
+)
+from .conftest import slurm_command as slurm  # a Slurm command on this machine, as the description says
+
+T = TypeVar("T")
 
 
-def slurm(desc: ClusterDescription, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """A Slurm command on this machine (the local cluster's login host), as the description says."""
-    assert desc.slurm is not None and desc.slurm.conf
-    env = {**os.environ, **local_slurm.client_env(desc.slurm.conf)}
-    return subprocess.run(list(argv), env=env, capture_output=True, text=True, timeout=timeout)
+def wait_for(probe: Callable[[], T | None], timeout: float, what: str) -> T:
+    """probe's first true answer, polled until timeout."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        answer = probe()
+        if answer:
+            return answer
+        time.sleep(0.5)
+    raise AssertionError(f"not within {timeout:.0f}s: {what}")
+
+
+def node_states(desc) -> dict[str, str]:
+    return local_slurm.node_states(Path(desc.slurm.conf))
+
+
+def report(path: Path, since: float = 0) -> dict[str, str] | None:
+    """A node's health report (key=value lines), if there is one from a check made since `since`."""
+    if not path.exists():
+        return None
+    found = dict(line.split("=", 1) for line in path.read_text().splitlines())
+    checked_at = datetime.strptime(found["checked_at"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    return found if checked_at >= int(since) else None  # checked_at: whole seconds
 
 
 def test_description_names_the_controller_and_partition(cluster):
@@ -89,9 +121,115 @@ def test_failed_up_stops_every_slurm_daemon(tmp_path, monkeypatch):
     assert f"{name}-" not in namespaces
 
 
+def test_local_conf_has_power_saving_in_seconds_and_the_health_check(tmp_path):
+    files = local_slurm.SlurmFiles(tmp_path)
+    nodes = ["node-0", "node-1"]
+    settings = local_slurm.LocalSlurmSettings(autostop_s=3, health_check_interval_s=2)
+    conf = local_slurm.render_local_conf(files, "t", "10.213.9.2", nodes, settings).splitlines()
+    for action, key in (
+        ("suspend", "SuspendProgram"),
+        ("resume", "ResumeProgram"),
+        ("resume-fail", "ResumeFailProgram"),
+    ):
+        assert f"{key}={tmp_path}/slurm/{action}" in conf
+    assert {"SuspendTime=3", "SuspendTimeout=5", "HealthCheckInterval=2", "SlurmdTimeout=10", "KillWait=5"} <= set(conf)
+    assert f"HealthCheckProgram={files.health_check}" in conf and not any(
+        line.startswith("SuspendExcParts") for line in conf
+    )
+    assert "SlurmctldParameters=enable_configless,cloud_reg_addrs,idle_on_node_suspend,power_save_interval=2" in conf
+    # autostop 0: the partition is never suspended (and the power programs are still there to resume)
+    never = local_slurm.render_local_conf(files, "t", "10.213.9.2", nodes, local_slurm.LocalSlurmSettings())
+    assert f"SuspendExcParts={SLURM_PARTITION}" in never.splitlines() and "HealthCheckInterval=60" in never
+
+
 def test_override_replaces_in_place_and_appends_the_rest():
     conf = "# SlurmUser=comment\nSlurmUser=slurm\nTaskPlugin=task/affinity\n"
     assert local_slurm.override(conf, {"SlurmUser": "root", "MailProg": "/bin/true"}) == (
         "# SlurmUser=comment\nSlurmUser=root\nTaskPlugin=task/affinity\n"
         "# the local cluster's own settings\nMailProg=/bin/true\n"
     )
+
+
+def test_autostop_suspends_idle_nodes_and_a_job_resumes_them(tmp_path):
+    with own_cluster(tmp_path, "a", autostop_seconds=3) as desc:
+        state_dir = local_state_dir(desc)
+        # idle for 3 s: Slurm runs the SuspendProgram, the nodes are powered down ("~")
+        wait_for(lambda: all(s == "idle~" for s in node_states(desc).values()), 60, "both nodes idle~")
+        state = local_cluster.load_state(state_dir)
+        assert all(node.stopped for node in state.nodes)
+        for node in state.nodes:  # switched off: no slurmd, no sshd, nothing in the node
+            assert local_network.namespace_pids(str(node.namespace)) == [], node.hostname
+        info = local_cluster.status(state_dir)
+        stopped = {c["component"] for c in info["components"] if c["state"] == "stopped"}
+        assert stopped == {"node-0", "node-1", "slurmd-node-0", "slurmd-node-1"} and info["up"]
+
+        # a job that needs both: the ResumeProgram starts them, and the job runs
+        started = time.time()
+        proc = slurm(desc, "srun", "--nodes=2", "hostname", timeout=90)
+        assert proc.returncode == 0, proc.stderr
+        assert sorted(proc.stdout.split()) == ["node-0", "node-1"] and time.time() - started < 30
+        state = local_cluster.load_state(state_dir)
+        assert not any(node.stopped for node in state.nodes)
+        log = (state_dir / "logs" / "power.log").read_text()
+        assert "suspend node-0,node-1: done" in log and "resume node-0,node-1: done" in log
+
+        # a node the program does not know: a clear error in the log, a failure for slurmctld
+        wrapper = local_slurm.SlurmFiles(state_dir).power_program("resume")
+        assert subprocess.run([str(wrapper), "node-9"]).returncode == ExitCode.BAD_INPUT
+        assert (
+            "ERROR resume node-9 failed: no node 'node-9' in the local cluster"
+            in (state_dir / "logs" / "power.log").read_text()
+        )
+    # own_cluster: `down` left no process, namespace, link or file
+
+
+def test_a_node_switched_off_goes_down_and_returns_when_started(tmp_path):
+    with own_cluster(tmp_path, "f") as desc:
+        state_dir = local_state_dir(desc)
+        local_power.stop_node(state_dir, "node-1")
+        node = local_cluster.load_state(state_dir).node("node-1")
+        assert node.stopped and local_network.namespace_pids(str(node.namespace)) == []
+        # SlurmdTimeout (10 s) after its last answer, slurmctld gives the node up
+        wait_for(lambda: node_states(desc)["node-1"].startswith("down*"), 40, "node-1 down")
+        assert node_states(desc)["node-0"] == "idle"
+
+        local_power.start_node(state_dir, "node-1")
+        # ReturnToService=2: back in service once its slurmd registers
+        wait_for(lambda: node_states(desc)["node-1"] == "idle", 30, "node-1 idle again")
+        proc = slurm(desc, "srun", "--nodes=2", "hostname")
+        assert proc.returncode == 0 and sorted(proc.stdout.split()) == ["node-0", "node-1"], proc.stderr
+
+
+def test_health_check_drains_a_node_whose_shared_directory_is_hidden(tmp_path):
+    with own_cluster(tmp_path, "h", health_check_interval_s=2) as desc:
+        shared, state_dir = Path(desc.shared_mount_path), local_state_dir(desc)
+        reports = shared / ".health"
+        node_0 = wait_for(lambda: report(reports / "node-0"), 20, "a report of node-0")
+        assert (node_0["node"], node_0["ok"], node_0["shared"], node_0["reason"]) == ("node-0", "1", "ok", "")
+        state = local_cluster.load_state(state_dir)
+        init = running_init_pid(state, state.node("node-1"))
+        in_node_1 = ["nsenter", f"--target={init}", "--mount"]
+        # node-1 alone sees an empty, read-only directory where the shared file system was
+        subprocess.run([*in_node_1, "mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(shared)], check=True)
+        try:
+            drained = wait_for(
+                lambda: (s := node_states(desc)["node-1"]).startswith("drained") and s, 30, "node-1 drained"
+            )
+            assert drained == f"drained (health-check: {shared} missing or not writable)"
+            # the other node still runs jobs; its report (from the host's side) says it is fine
+            proc = slurm(desc, "srun", "--nodes=1", "--nodelist=node-0", "hostname")
+            assert proc.returncode == 0 and proc.stdout.split() == ["node-0"], proc.stderr
+            assert report(reports / "node-0")["ok"] == "1"  # type: ignore[index]
+            # the operator's view: `status` names the drained node and why, and exits 0 (node-0 takes jobs)
+            shown = run_module("scripts", "status", "--cluster", str(state_dir / "cluster.json"))
+            assert shown.returncode == 0, shown.stderr
+            assert re.search(rf"node-1\s.*drained.*health-check: {re.escape(str(shared))}", shown.stdout), shown.stdout
+            assert "1 drained" in shown.stdout and "1 idle" in shown.stdout
+        finally:
+            subprocess.run([*in_node_1, "umount", str(shared)], check=True)
+        unhidden = time.time()
+        # the next check passes: the node is resumed, and its report is written again
+        wait_for(lambda: node_states(desc)["node-1"] == "idle", 30, "node-1 resumed")
+        node_1 = wait_for(lambda: report(reports / "node-1", since=unhidden), 10, "a new report of node-1")
+        assert (node_1["node"], node_1["ok"], node_1["shared"], node_1["reason"]) == ("node-1", "1", "ok", "")
+        assert (reports / "node-1").stat().st_mode & 0o777 == 0o644

@@ -1,0 +1,115 @@
+"""A local node's daemons, started the same way by `up` and by the power programs that resume a node.
+
+A node (netns mode) is a network namespace with, inside it, an sshd that is the first process of
+its own hostname, process table and mounts (`unshare --uts --pid --mount-proc`), and a slurmd that
+joins those namespaces. Killing the sshd (PID 1 there) ends every process of the node, as a
+machine that is switched off. Daemons run in their own session (nothing that started them waits
+for them), with their output in STATE/logs/<role>.log, and are recorded in the cluster's state.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from scripts import local_slurm
+from scripts.errors import ExitCode, OperatorError
+from scripts.local_network import sh
+from scripts.local_state import LocalState, NodeState, ProcessRecord
+from scripts.processes import children
+
+SSHD = "/usr/sbin/sshd"
+SSHD_WAIT_S = 20
+
+
+def sshd_config(path: Path, listen: str, port: int, host_key: Path, authorized_keys: Path, log_level: str) -> None:
+    path.write_text(
+        "\n".join(
+            [
+                f"ListenAddress {listen}",
+                f"Port {port}",
+                f"HostKey {host_key}",
+                "PidFile none",
+                f"AuthorizedKeysFile {authorized_keys}",
+                "PermitRootLogin prohibit-password",
+                "PubkeyAuthentication yes",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "UsePAM no",
+                "StrictModes no",
+                "AllowTcpForwarding yes",
+                "X11Forwarding no",
+                "PrintMotd no",
+                "PrintLastLog no",
+                "MaxStartups 200",
+                "MaxSessions 200",
+                f"LogLevel {log_level}",
+                "Subsystem sftp internal-sftp",
+                "",
+            ]
+        )
+    )
+
+
+def keygen(path: Path, comment: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path))
+    return path.with_name(path.name + ".pub").read_text().strip()
+
+
+def sshd_config_path(state: LocalState, role: str) -> Path:
+    return Path(state.state_dir) / "sshd" / f"{role}.conf"
+
+
+def start_daemon(state: LocalState, role: str, argv: list[str], marker: str) -> int:
+    """Start a daemon in its own session, output to STATE/logs/<role>.log, and record its pid."""
+    with open(state.logs / f"{role}.log", "ab") as out:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    state.add_process(ProcessRecord(role=role, pid=proc.pid, marker=marker))
+    state.save()
+    return proc.pid
+
+
+def start_sshd(state: LocalState, node: NodeState) -> None:
+    """The node's sshd, with the configuration `up` wrote for it (STATE/sshd/<node>.conf)."""
+    cfg = sshd_config_path(state, node.hostname)
+    if state.mode == "netns":
+        # own hostname (UTS) and own process table (PID + /proc): like a separate machine, `ps` on
+        # a node shows only that node's processes; when its sshd stops, the kernel ends them all
+        unshare = ["unshare", "--uts", "--pid", "--fork", "--kill-child", "--mount-proc"]
+        script = f'hostname {node.hostname} && exec {SSHD} -D -e -f "$0"'
+        argv = ["ip", "netns", "exec", str(node.namespace), *unshare, "sh", "-c", script, str(cfg)]
+    else:
+        argv = [SSHD, "-D", "-e", "-f", str(cfg)]
+    start_daemon(state, node.hostname, argv, str(cfg))
+
+
+def start_slurmd(state: LocalState, node: NodeState) -> None:
+    """The node's slurmd, inside the namespaces of its sshd (which must be running)."""
+    assert state.slurm_conf is not None  # netns mode configures Slurm before any slurmd starts
+    conf = Path(state.slurm_conf)
+    argv = local_slurm.slurmd_argv(node_init_pid(state, node), node.hostname, conf)
+    start_daemon(state, local_slurm.slurmd_role(node.hostname), argv, str(conf))
+
+
+def node_init_pid(state: LocalState, node: NodeState) -> int:
+    """The first process inside a node's namespaces (its sshd): what slurmd joins."""
+    pid = running_init_pid(state, node)
+    if pid is None:
+        log = state.logs / f"{node.hostname}.log"
+        raise OperatorError(f"the sshd of {node.hostname} is not running (see {log})", ExitCode.FAILED)
+    return pid
+
+
+def running_init_pid(state: LocalState, node: NodeState) -> int | None:
+    """The node's first process (netns mode), or None when the node is not running."""
+    record = state.record(node.hostname)
+    found = children(record.pid) if record is not None and record.alive() else []
+    return found[0] if len(found) == 1 else None
+
+
+def node_roles(node: str) -> tuple[str, str]:
+    """The roles of a node's daemons in the state record: its sshd, its slurmd."""
+    return node, local_slurm.slurmd_role(node)
