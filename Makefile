@@ -49,7 +49,7 @@ test-scripts: setup  ## staging, launcher and local cluster against Azurite, ssh
 	$(OPS)/bin/python -m pytest tests/scripts
 
 demo: setup  ## the whole operator workflow on a 2-node local cluster (as root; about 2 minutes)
-	$(OPS)/bin/python -m scripts.demo
+	$(OPS)/bin/python -m scripts demo
 
 bench: setup  ## benchmarks beside their baselines -> bench/results.{json,md,png} (under 15 minutes)
 	$(TRAIN)/bin/python -m bench

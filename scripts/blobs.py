@@ -15,10 +15,10 @@ from azure.core.exceptions import (
 )
 from azure.storage.blob import ContainerClient, ContentSettings
 
-from scripts.blob_pull import explain_http_error
 from scripts.cluster import BlobCredential, BlobLocation
 from scripts.errors import ExitCode, OperatorError
 from scripts.fileio import file_md5
+from scripts.remote.blob_pull import explain_http_error
 
 CHUNK = 1024 * 1024
 
@@ -33,12 +33,15 @@ def container_client(location: BlobLocation, credential: BlobCredential | None =
     if cred.kind == "sas":
         return ContainerClient.from_container_url(f"{location.url}?{secret.lstrip('?')}", **kwargs)
     try:
-        from azure.identity import DefaultAzureCredential
+        from azure.identity import DefaultAzureCredential, ManagedIdentityCredential
     except ImportError:  # pragma: no cover - azure-identity is in requirements.txt
         raise OperatorError(
             "azure-identity is needed for Entra ID access: pip install -r requirements.txt", ExitCode.NOT_READY
         ) from None
-    identity = DefaultAzureCredential(managed_identity_client_id=cred.client_id)
+    if cred.kind == "managed_identity":  # only where that identity is assigned: a VM of the cluster
+        identity = ManagedIdentityCredential(client_id=cred.client_id)
+    else:
+        identity = DefaultAzureCredential()
     return ContainerClient(location.endpoint, location.container, credential=identity, **kwargs)
 
 

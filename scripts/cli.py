@@ -37,13 +37,29 @@ class CLIParser(argparse.ArgumentParser):
     def __init__(self, *args: Any, epilog: str | None = None, **kwargs: Any):
         # allow_abbrev=False: a flag is taken only as spelled in full, never as a guess at a longer one.
         kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, epilog=" ".join(filter(None, (epilog, EXIT_STATUS_HELP))), **kwargs)
+        super().__init__(*args, epilog="\n\n".join(filter(None, (epilog, EXIT_STATUS_HELP))), **kwargs)
         # SUPPRESS: a subcommand's parser must not reset a --debug given before the subcommand
         self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         self.exit(ExitCode.BAD_INPUT, f"error: {message}\n")
+
+
+CLUSTER_HELP = "cluster description file (default: $CLUSTER_DESCRIPTION, else the local cluster's)"
+
+
+def add_cluster_option(parser: argparse.ArgumentParser, top_level: bool = False) -> None:
+    """--cluster, the one flag every cluster command shares. It is taken before the command
+    (`python -m scripts --cluster F jobs`) or after it (`... jobs --cluster F`); SUPPRESS keeps a
+    command's parser from resetting the value given before it."""
+    parser.add_argument(
+        "--cluster",
+        type=non_empty,
+        default=None if top_level else argparse.SUPPRESS,
+        metavar="FILE",
+        help=CLUSTER_HELP,
+    )
 
 
 def run_cli(

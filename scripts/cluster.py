@@ -1,15 +1,11 @@
 """The cluster description: the one seam between "a cluster exists" and everything that uses it.
 
-Two producers write it (JSON on disk, mode 0600 because it holds the read-only data SAS):
+Two producers write it (JSON on disk, mode 0600 because it holds secrets: the read-only data SAS,
+and locally the results SAS):
   * `from_stack_outputs` / `from_pulumi_stack`: the outputs of a Pulumi stack (Azure);
-  * `scripts.local_cluster up`: the embedded local cluster.
-Staging, launch, logs and results read only this. Nodes themselves are not listed here: they
-come and go, and are found at launch time in the node registry (one JSON file per node on the
-shared file system), see `NodeRecord`.
-
-CLI:
-  python -m scripts.cluster from-stack --stack dev --ssh-key ~/.ssh/id_ed25519 -o cluster-dev.json
-  python -m scripts.cluster show [--cluster FILE]
+  * `python -m scripts local up`: the embedded local cluster.
+Staging, launch, logs and results read only this. Nodes are not listed: Slurm knows them.
+The command `cluster` (`from-stack`, `show`) is configured here.
 """
 
 from __future__ import annotations
@@ -21,8 +17,6 @@ import posixpath
 import re
 import stat
 import subprocess
-import sys
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,14 +24,13 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from infra.contract import CONTAINER_SSH_PORT
 from scripts.cli import (
-    CLIParser,
+    add_cluster_option,
     arg_type,
     check_directory,
     describe_validation_error,
     non_empty,
     read_json_file,
     require_tool,
-    run_cli,
 )
 from scripts.errors import ExitCode, OperatorError, explain_os_error
 from scripts.fileio import atomic_write
@@ -47,6 +40,9 @@ DEFAULT_LOCAL_STATE = REPO_ROOT / ".local-cluster"
 DEFAULT_DESCRIPTION = DEFAULT_LOCAL_STATE / "cluster.json"
 # Image repository per framework in the registry; the Keras job runs in the TensorFlow image.
 IMAGE_REPOSITORIES = {"pytorch": "hvd-pytorch", "tensorflow": "hvd-tensorflow", "keras": "hvd-tensorflow"}
+# Version 2: the node registry went (Slurm knows the nodes), `results_upload` came, `storage_python`
+# became `remote_python`.
+SCHEMA_VERSION = 2
 DOCKER_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # Docker's grammar for an image tag
 
 
@@ -93,18 +89,26 @@ class BlobCredential(_Model):
     """How a blob container is accessed.
 
     sas: a SAS token (no leading '?'); connection_string: an account connection string (Azurite);
-    entra_id: the caller's Entra ID login (az login / environment / managed identity, through
-    azure-identity's DefaultAzureCredential; client_id selects a user-assigned managed identity).
+    entra_id: the operator's Entra ID login (az login or the environment, through azure-identity's
+    DefaultAzureCredential); managed_identity: the user-assigned managed identity whose client_id
+    is given (the cluster's, used on the cluster's hosts through their metadata endpoint).
     """
 
-    kind: Literal["sas", "connection_string", "entra_id"]
+    kind: Literal["sas", "connection_string", "entra_id", "managed_identity"]
     secret: SecretStr | None = None
     client_id: str | None = None
 
     @model_validator(mode="after")
-    def _secret_present(self) -> BlobCredential:
-        if self.kind in ("sas", "connection_string") and not (self.secret and self.secret.get_secret_value()):
+    def _fits_kind(self) -> BlobCredential:
+        has_secret = bool(self.secret and self.secret.get_secret_value())
+        if self.kind in ("sas", "connection_string") and not has_secret:
             raise ValueError(f"a {self.kind} credential needs its secret")
+        if self.kind in ("entra_id", "managed_identity") and self.secret is not None:
+            raise ValueError(f"a {self.kind} credential carries no secret")
+        if self.kind == "managed_identity" and not self.client_id:
+            raise ValueError("a managed_identity credential needs client_id (the identity's client id)")
+        if self.kind != "managed_identity" and self.client_id is not None:
+            raise ValueError(f"client_id belongs to a managed_identity credential, not to {self.kind}")
         return self
 
     @field_serializer("secret", when_used="always")
@@ -153,49 +157,34 @@ class SlurmAccess(_Model):
     conf: str | None = None  # SLURM_CONF on the login host; None: Slurm's default, /etc/slurm/slurm.conf
 
 
-class NodeRecord(BaseModel):
-    """One node registry file, `<node_registry_path>/<hostname>.json` (written by cloud-init on Azure,
-    by `local_cluster up` locally)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    hostname: str
-    address: str
-    gpus: int = 0
-    ib_state: Literal["ACTIVE", "DOWN", "absent"] = "absent"
-    ready_at: datetime
-    ssh_port: int | None = None  # local fallback mode only: the node's sshd port
-
-
 class ClusterDescription(_Model):
-    schema_version: Literal[1] = 1
+    schema_version: Literal[2] = SCHEMA_VERSION
     name: str
     provider: Literal["azure", "local"]
     # SSH from the operator's machine
     ssh_user: str
     ssh_key: str  # private key path on the operator's machine
     known_hosts: str  # known_hosts file kept for this cluster (host keys are accepted on first use)
-    jump_host: SSHEndpoint | None = None  # None: nodes are reached directly
-    storage_host: SSHEndpoint  # the NFS server: holds the node registry and pulls the dataset
+    jump_host: SSHEndpoint | None = None  # None: every host is reached directly
+    storage_host: SSHEndpoint  # the NFS server: pulls the dataset onto the shared file system
     # nodes
     node_count: int = Field(ge=1)
     gpus_per_node: int = Field(ge=0)
     gpu_sku: str | None = None
     expect_infiniband: bool = False
-    expected_hostnames: list[str] = Field(default_factory=list)  # known up front only locally
     node_ssh_port: int = 22
     # shared file system, as the nodes see it, and as the NFS server sees it
     shared_mount_path: str
     shared_is_mount: bool = True  # nodes must have it mounted (locally it is a plain directory)
     storage_export_path: str  # the directory on storage_host that nodes mount at shared_mount_path
-    node_registry_path: str
     data_path: str
     blob_pull: list[str]  # the blob-pull command on storage_host
-    storage_python: str = "python3"  # an interpreter on storage_host (reads the node registry)
+    remote_python: str = "python3"  # a stdlib python3 on every cluster host (runs scripts/remote/)
     # blob storage
     data: BlobLocation  # the `data` container with the read-only (read + list) SAS
     staging_credential: BlobCredential  # what the operator writes the `data` container with
-    results: BlobLocation  # the `results` container and the operator's credential for it
+    results: BlobLocation  # the `results` container and the operator's credential for it (reading runs)
+    results_upload: BlobCredential  # how jobs on the cluster write the `results` container
     # jobs
     slurm: SlurmAccess | None = None  # None: no Slurm (the local cluster's fallback mode)
     runtime: Runtime
@@ -204,11 +193,14 @@ class ClusterDescription(_Model):
 
     @model_validator(mode="after")
     def _paths(self) -> ClusterDescription:
-        for name in ("shared_mount_path", "storage_export_path", "node_registry_path", "data_path"):
+        for name in ("shared_mount_path", "storage_export_path", "data_path"):
             if not posixpath.isabs(getattr(self, name)):
                 raise ValueError(f"{name} must be an absolute path")
         if self.data.credential.kind != "sas":
             raise ValueError("data.credential must be the read-only SAS (kind 'sas')")
+        # the upload runs on the cluster's hosts with the standard library only: a SAS or an IMDS token
+        if self.results_upload.kind not in ("sas", "managed_identity"):
+            raise ValueError("results_upload must be of kind 'sas' or 'managed_identity'")
         if self.runtime.kind == "docker" and not self.runtime.ssh_port:
             raise ValueError("the docker runtime needs runtime.ssh_port (the containers' sshd)")
         return self
@@ -246,10 +238,15 @@ def load(path: str | Path | None = None) -> ClusterDescription:
     path = Path(path or os.environ.get("CLUSTER_DESCRIPTION") or DEFAULT_DESCRIPTION).expanduser()
     if not path.exists():
         raise OperatorError(
-            f"no cluster description at {path}: run `python -m scripts.local_cluster up` (local) or "
-            "`python -m scripts.cluster from-stack --stack NAME -o FILE` (Azure), or pass --cluster FILE"
+            f"no cluster description at {path}: run `python -m scripts local up` (local) or "
+            "`python -m scripts cluster from-stack --stack NAME -o FILE` (Azure), or pass --cluster FILE"
         )
     data = read_json_file(path, "cluster description")
+    if isinstance(data, dict) and data.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
+        raise OperatorError(
+            f"cluster description {path} has schema version {data['schema_version']!r}, this version reads "
+            f"{SCHEMA_VERSION}: write it again (`python -m scripts cluster from-stack`, or `local down`, `local up`)"
+        )
     try:
         return ClusterDescription.model_validate(data)
     except ValidationError as exc:
@@ -272,7 +269,6 @@ class StackOutputs(BaseModel):
     nfs_export_path: str
     shared_mount_path: str
     data_path: str
-    node_registry_path: str
     blob_endpoint: str
     data_container: str
     results_container: str
@@ -281,6 +277,7 @@ class StackOutputs(BaseModel):
     node_count: int = Field(ge=1)
     gpus_per_node: int = Field(ge=0)
     gpu_sku: str
+    cluster_identity_client_id: str
     nccl_env: dict[str, str]
 
 
@@ -322,7 +319,6 @@ def from_stack_outputs(
             shared_mount_path=out.shared_mount_path,
             shared_is_mount=True,
             storage_export_path=out.nfs_export_path,
-            node_registry_path=out.node_registry_path,
             data_path=out.data_path,
             # /export/data belongs to root on the NFS server: the admin user pulls with sudo (-n: never prompt)
             blob_pull=["sudo", "-n", "blob-pull"],
@@ -335,6 +331,8 @@ def from_stack_outputs(
             results=BlobLocation(
                 endpoint=out.blob_endpoint, container=out.results_container, credential=BlobCredential(kind="entra_id")
             ),
+            # jobs write their results from the nodes with the cluster's identity: no secret on the cluster
+            results_upload=BlobCredential(kind="managed_identity", client_id=out.cluster_identity_client_id),
             slurm=_stack_slurm(out),
             runtime=_stack_runtime(out, runtime, image_tag),
             nccl_env=out.nccl_env,
@@ -413,27 +411,100 @@ def default_ssh_key() -> str:
     return str(Path.home() / ".ssh" / "id_ed25519")
 
 
-# --- CLI ---------------------------------------------------------------------------------------
-def build_parser() -> CLIParser:
-    parser = CLIParser(prog="python -m scripts.cluster", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    stack = sub.add_parser("from-stack", help="write a description from a Pulumi stack's outputs")
-    stack.add_argument("--stack", required=True, type=non_empty, help="Pulumi stack name")
-    stack.add_argument("--ssh-key", type=non_empty, default=default_ssh_key(), help="private key for the admin user")
-    stack.add_argument("--runtime", choices=("docker", "host"), default="docker")
-    stack.add_argument(
-        "--image-tag", type=arg_type(check_image_tag), default="latest", help="tag of the images (see build_images)"
+# --- the `cluster` command ---------------------------------------------------------------------
+CLUSTER_DESCRIPTION_TEXT = """\
+The cluster description is the JSON file every other command reads: hosts and SSH access, the
+shared file system, blob storage, Slurm and the job runtime. `local up` writes one for the local
+cluster; `cluster from-stack` writes one from an Azure stack's outputs."""
+FROM_STACK_TEXT = """\
+Read `pulumi stack output --json --show-secrets` of a stack and write the cluster description
+(mode 0600: it holds the read-only data SAS). Needs the Pulumi CLI, logged in to the stack's backend."""
+FROM_STACK_EXAMPLES = """\
+examples:
+  python -m scripts cluster from-stack --stack dev -o cluster-dev.json
+  python -m scripts cluster from-stack --stack dev --runtime host --ssh-key ~/.ssh/azure_key
+  export CLUSTER_DESCRIPTION=$PWD/cluster-dev.json      # every command reads it from then on
+"""
+CLUSTER_EXAMPLES = """\
+examples:
+  python -m scripts cluster from-stack --stack dev -o cluster-dev.json
+  python -m scripts cluster show --cluster cluster-dev.json
+"""
+SHOW_EXAMPLES = """\
+examples:
+  python -m scripts cluster show                        # $CLUSTER_DESCRIPTION, else the local cluster's
+  python -m scripts cluster show --cluster cluster-dev.json
+"""
+
+
+def configure(commands: argparse._SubParsersAction) -> None:
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = commands.add_parser(
+        "cluster",
+        help="write a cluster description from a Pulumi stack, or show one",
+        description=CLUSTER_DESCRIPTION_TEXT,
+        epilog=CLUSTER_EXAMPLES,
+        formatter_class=raw,
     )
-    stack.add_argument(
-        "--known-hosts", type=non_empty, help="known_hosts file for this cluster (default ~/.ssh/known_hosts.STACK)"
+    sub = parser.add_subparsers(required=True)
+    stack = sub.add_parser(
+        "from-stack",
+        help="write a description from a Pulumi stack's outputs",
+        description=FROM_STACK_TEXT,
+        epilog=FROM_STACK_EXAMPLES,
+        formatter_class=raw,
     )
-    stack.add_argument("-o", "--output", type=non_empty, help="file to write (default cluster-STACK.json)")
-    stack.add_argument("--cwd", type=non_empty, default=str(REPO_ROOT), help="directory of the Pulumi project")
-    show = sub.add_parser("show", help="print a description with its secrets masked")
-    show.add_argument(
-        "--cluster", type=non_empty, help="description file (default $CLUSTER_DESCRIPTION or the local cluster)"
+    _from_stack_arguments(stack)
+    stack.set_defaults(handler=_from_stack)
+    show = sub.add_parser(
+        "show",
+        help="print a description with its secrets masked",
+        description="Print the cluster description as JSON, every secret replaced by ***.",
+        epilog=SHOW_EXAMPLES,
+        formatter_class=raw,
     )
-    return parser
+    add_cluster_option(show)
+    show.set_defaults(handler=_show)
+
+
+def _from_stack_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stack", required=True, type=non_empty, metavar="NAME", help="Pulumi stack name")
+    parser.add_argument(
+        "--ssh-key",
+        type=non_empty,
+        metavar="FILE",
+        default=default_ssh_key(),
+        help="private key of the stack's admin user (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--runtime",
+        choices=("docker", "host"),
+        default="docker",
+        help="jobs run in the framework images (docker, the default) or in /opt/hvd-venv on the nodes (host)",
+    )
+    parser.add_argument(
+        "--image-tag",
+        type=arg_type(check_image_tag),
+        metavar="TAG",
+        default="latest",
+        help="tag of the framework images, as `images` printed it (default: latest)",
+    )
+    parser.add_argument(
+        "--known-hosts",
+        type=non_empty,
+        metavar="FILE",
+        help="known_hosts file for this cluster (default: ~/.ssh/known_hosts.STACK)",
+    )
+    parser.add_argument(
+        "-o", "--output", type=non_empty, metavar="FILE", help="file to write (default: cluster-STACK.json)"
+    )
+    parser.add_argument(
+        "--cwd",
+        type=non_empty,
+        default=str(REPO_ROOT),
+        metavar="DIR",
+        help="Pulumi project directory (default: this repository)",
+    )
 
 
 def _from_stack(args: argparse.Namespace) -> int:
@@ -449,16 +520,6 @@ def _from_stack(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(args: argparse.Namespace) -> int:
-    if args.command == "from-stack":
-        return _from_stack(args)
+def _show(args: argparse.Namespace) -> int:
     print(json.dumps(load(args.cluster).masked(), indent=2))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_cli(build_parser(), _run, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

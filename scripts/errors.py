@@ -1,7 +1,7 @@
 """The errors the CLIs turn into a clear message, and the exit-status table they all share.
 
 The training jobs exit with the same table, so a launch that passes a job's status through keeps
-its meaning. scripts/blob_pull.py repeats the numbers because it must stand alone (stdlib only).
+its meaning. scripts/remote/blob_pull.py repeats the numbers because it must stand alone (stdlib only).
 """
 
 from __future__ import annotations

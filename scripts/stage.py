@@ -1,9 +1,4 @@
-"""Stage a dataset: local directory -> `data` blob container -> the NFS server (with the read-only SAS).
-
-  python -m scripts.stage generate --out /tmp/tiny-imagenet --classes 4 --train-per-class 16
-  python -m scripts.stage upload --source /tmp/tiny-imagenet --dataset tiny-imagenet [--shard-size-mb 64]
-  python -m scripts.stage pull --dataset tiny-imagenet
-  python -m scripts.stage all --source /tmp/tiny-imagenet --dataset tiny-imagenet   # upload, then pull
+"""The `stage` command: a local dataset -> the `data` blob container -> the NFS server (read-only SAS).
 
 upload: parallel, resumable (a file is sent only when no blob of that name has the same content MD5,
 so a rerun after an interruption sends only what is missing or different), Content-MD5 set on every
@@ -25,19 +20,19 @@ import os
 import random
 import re
 import subprocess
-import sys
 import tarfile
+import textwrap
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from azure.storage.blob import ContainerClient
 from pydantic import SecretStr
 from rich.progress import (
     BarColumn,
     DownloadColumn,
-    MofNCompleteColumn,
     Progress,
     TextColumn,
     TimeRemainingColumn,
@@ -46,7 +41,7 @@ from rich.progress import (
 from rich.table import Table
 
 from scripts import blobs, fileio
-from scripts.cli import CLIParser, arg_type, ensure_directory, int_between, non_empty, positive_number, run_cli
+from scripts.cli import add_cluster_option, arg_type, ensure_directory, int_between, non_empty, positive_number
 from scripts.cluster import BlobCredential, BlobLocation, ClusterDescription, load
 from scripts.errors import ExitCode, OperatorError
 from scripts.sshutil import SSH, SSHFailure, explain_ssh_failure, q
@@ -238,59 +233,66 @@ def upload(
     summary.skipped = len(items) - len(todo)
     wanted = {prefix + name for name, _ in items}
     summary.extra_remote = sum(1 for name in remote if name not in wanted)
-    total_bytes = sum(path.stat().st_size for _, path in todo)
-    lock = threading.Lock()
-    abort = threading.Event()
-
-    progress = Progress(
-        TextColumn("[bold]upload[/bold] {task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        disable=not show_progress,
-        transient=False,
-    )
-
-    def one(item: tuple[str, Path], task: int, files_task: int) -> None:
-        name, path = item
-        if abort.is_set():
-            return
-        try:
-            sent = blobs.upload_file(client, path, prefix + name, local[name])
-        except Exception as exc:
-            err = blobs.explain(exc, f"writing {prefix + name} to {container.url}", sas)
-            if err.exit_code == ExitCode.NOT_READY:  # refused or unreachable: nothing else will succeed either
-                abort.set()
-                raise err from None
-            with lock:
-                summary.failed += 1
-                summary.errors.append(str(err))
-            return
-        with lock:
-            summary.uploaded += 1
-            summary.bytes_uploaded += sent
-        progress.advance(task, sent)
-        progress.advance(files_task, 1)
-
-    with progress:
-        task = progress.add_task(f"{len(todo)} of {len(items)} to send", total=total_bytes or 1)
-        files_task = progress.add_task("files", total=len(todo) or 1, visible=False)
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            futures = [pool.submit(one, item, task, files_task) for item in todo]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            for future in done:
-                if future.exception() is not None:
-                    abort.set()
-                    for other in futures:
-                        other.cancel()
-                    raise future.exception()  # type: ignore[misc]
-        if not todo:
-            progress.update(task, completed=1)
+    _Sender(client, summary, local, sas, show_progress).send(todo, workers)
     summary.seconds = round(time.time() - started, 3)
     return summary
+
+
+class _Sender:
+    """Sends files in parallel and counts them in the summary. A refused or unreachable service
+    stops every worker (nothing else would succeed either); any other failure is counted."""
+
+    def __init__(
+        self, client: ContainerClient, summary: UploadSummary, digests: dict[str, bytes], sas: str | None, show: bool
+    ):
+        self.client, self.summary, self.digests, self.sas = client, summary, digests, sas
+        self.lock = threading.Lock()
+        self.abort = threading.Event()
+        self.progress = Progress(
+            TextColumn("[bold]upload[/bold] {task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            disable=not show,
+        )
+        self.task = self.progress.add_task("", total=None)
+
+    def send(self, todo: list[tuple[str, Path]], workers: int) -> None:
+        total = sum(path.stat().st_size for _, path in todo)
+        description = f"{len(todo)} of {self.summary.objects} to send"
+        self.progress.update(self.task, description=description, total=total or 1, completed=0 if todo else 1)
+        with self.progress, ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            futures = [pool.submit(self._one, item) for item in todo]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f.exception() for f in done if f.exception() is not None), None)
+            if failed is not None:
+                self.abort.set()
+                for other in futures:
+                    other.cancel()
+                raise failed
+
+    def _one(self, item: tuple[str, Path]) -> None:
+        name, path = item
+        if self.abort.is_set():
+            return
+        blob = self.summary.prefix + name
+        try:
+            sent = blobs.upload_file(self.client, path, blob, self.digests[name])
+        except Exception as exc:
+            err = blobs.explain(exc, f"writing {blob} to {self.summary.container_url}", self.sas)
+            if err.exit_code == ExitCode.NOT_READY:
+                self.abort.set()
+                raise err from None
+            with self.lock:
+                self.summary.failed += 1
+                self.summary.errors.append(str(err))
+            return
+        with self.lock:
+            self.summary.uploaded += 1
+            self.summary.bytes_uploaded += sent
+        self.progress.advance(self.task, sent)
 
 
 def print_upload_summary(summary: UploadSummary) -> None:
@@ -354,39 +356,7 @@ def pull(
     )
     started = time.time()
     with SSH(desc) as ssh:
-        proc = _popen_with_stdin(ssh, command)
-        assert proc.stdin is not None
-        try:
-            proc.stdin.write((sas + "\n").encode())
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass
-        stderr_lines: list[str] = []
-        relay = threading.Thread(target=_relay, args=(proc.stderr, stderr_lines), daemon=True)
-        relay.start()
-        timer = threading.Timer(timeout, proc.kill)
-        timer.start()
-        try:
-            out = proc.stdout.read()  # type: ignore[union-attr]
-            proc.wait()
-        finally:
-            timer.cancel()
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        relay.join(5)
-        if proc.returncode == -9:
-            raise OperatorError(f"pull on the NFS server did not finish within {timeout:.0f}s", ExitCode.TIMED_OUT)
-        if proc.returncode == 255:
-            raise SSHFailure(explain_ssh_failure(ssh.storage.label, "\n".join(stderr_lines), desc))
-        summary = _last_json(out.decode(errors="replace"))
-        if "error" in summary:  # blob-pull exits with the same table: 2 bad input, 3 storage refused or away
-            known = proc.returncode in (ExitCode.BAD_INPUT, ExitCode.NOT_READY, ExitCode.TIMED_OUT)
-            code = proc.returncode if known else ExitCode.FAILED
-            raise OperatorError(f"pull on the NFS server failed: {summary['error']}", code)
-        if proc.returncode not in (0, 1) or not summary:  # 1: some blobs failed, verified below
-            tail = "\n".join(stderr_lines[-10:])
-            raise OperatorError(f"pull on the NFS server failed (exit {proc.returncode}):\n{tail}", ExitCode.FAILED)
+        summary = _blob_pull(ssh, command, sas, timeout)
         count_cmd = (
             f"find {q(dest)} -type f -not -path {q(dest + '/.blob-pull/*')} "
             f"-not -path {q(dest + '/' + SHARD_PREFIX + '*')} -not -name '.*.part-*' | wc -l"
@@ -404,29 +374,66 @@ def pull(
         seconds=round(time.time() - started, 3),
         raw=summary,
     )
-    problems = []
-    if summary["failed"] or summary["present"] != summary["listed"]:
-        problems.append(f"{summary['failed']} of {summary['listed']} blobs failed: {summary.get('errors', [])[:3]}")
-    if summary["listed"] == 0:
-        problems.append(f"no blobs under {desc.data.url}/{dataset}/ (was it uploaded?)")
-    if expected_objects is not None and summary["listed"] < expected_objects:
-        problems.append(f"the container lists {summary['listed']} blobs, {expected_objects} were uploaded")
-    if expected_files is not None and files_in_dest < expected_files:
-        problems.append(f"{dest} has {files_in_dest} files, expected {expected_files}")
-    if problems:  # nothing listed at all: most likely a wrong --dataset
-        code = ExitCode.BAD_INPUT if summary["listed"] == 0 else ExitCode.FAILED
-        raise OperatorError("pull verification failed: " + "; ".join(problems), code)
+    _verify_pull(result, f"{desc.data.url}/{dataset}/", expected_objects)
     return result
 
 
-def _popen_with_stdin(ssh: SSH, command: str) -> subprocess.Popen:
-    return subprocess.Popen(
+def _blob_pull(ssh: SSH, command: str, sas: str, timeout: float) -> dict:
+    """Run blob-pull on the NFS server, the SAS on its stdin and its stderr relayed live; its summary."""
+    proc = subprocess.Popen(
         ssh.argv(ssh.storage, command),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
+    assert proc.stdin is not None and proc.stdout is not None
+    with contextlib.suppress(BrokenPipeError):
+        proc.stdin.write((sas + "\n").encode())
+        proc.stdin.close()
+    stderr_lines: list[str] = []
+    relay = threading.Thread(target=_relay, args=(proc.stderr, stderr_lines), daemon=True)
+    relay.start()
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    try:
+        out = proc.stdout.read()
+        proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    relay.join(5)
+    if proc.returncode == -9:
+        raise OperatorError(f"pull on the NFS server did not finish within {timeout:.0f}s", ExitCode.TIMED_OUT)
+    if proc.returncode == 255:
+        raise SSHFailure(explain_ssh_failure(ssh.storage.label, "\n".join(stderr_lines), ssh.desc))
+    summary = _last_json(out.decode(errors="replace"))
+    if "error" in summary:  # blob-pull exits with the same table: 2 bad input, 3 storage refused or away
+        known = proc.returncode in (ExitCode.BAD_INPUT, ExitCode.NOT_READY, ExitCode.TIMED_OUT)
+        code = proc.returncode if known else ExitCode.FAILED
+        raise OperatorError(f"pull on the NFS server failed: {summary['error']}", code)
+    if proc.returncode not in (0, 1) or not summary:  # 1: some blobs failed, verified by the caller
+        tail = "\n".join(stderr_lines[-10:])
+        raise OperatorError(f"pull on the NFS server failed (exit {proc.returncode}):\n{tail}", ExitCode.FAILED)
+    return summary
+
+
+def _verify_pull(result: PullSummary, source_url: str, expected_objects: int | None) -> None:
+    summary = result.raw
+    problems = []
+    if summary["failed"] or summary["present"] != summary["listed"]:
+        problems.append(f"{summary['failed']} of {summary['listed']} blobs failed: {summary.get('errors', [])[:3]}")
+    if summary["listed"] == 0:
+        problems.append(f"no blobs under {source_url} (was it uploaded?)")
+    if expected_objects is not None and summary["listed"] < expected_objects:
+        problems.append(f"the container lists {summary['listed']} blobs, {expected_objects} were uploaded")
+    if result.expected_files is not None and result.files_in_dest < result.expected_files:
+        problems.append(f"{result.dest_on_storage} has {result.files_in_dest} files, expected {result.expected_files}")
+    if problems:  # nothing listed at all: most likely a wrong --dataset
+        code = ExitCode.BAD_INPUT if summary["listed"] == 0 else ExitCode.FAILED
+        raise OperatorError("pull verification failed: " + "; ".join(problems), code)
 
 
 def _relay(stream, lines: list[str]) -> None:
@@ -486,45 +493,135 @@ def credential_from_env(var: str | None) -> BlobCredential | None:
     return BlobCredential(kind="sas", secret=SecretStr(value.lstrip("?")))
 
 
-def build_parser() -> CLIParser:
-    parser = CLIParser(
-        prog="python -m scripts.stage",
-        description="Stage a dataset: generate (synthetic), upload to blob, pull onto the NFS server.",
+# --- the `stage` command -----------------------------------------------------------------------
+RAW = argparse.RawDescriptionHelpFormatter
+STAGE_DESCRIPTION = """\
+Stage a dataset for training. A local directory in ImageNet layout (train/<class>/*.JPEG, and
+optionally val/) goes to the `data` blob container (resumable, MD5-checked), then the NFS server
+pulls it onto the shared file system with the read-only SAS, where every node finds it at
+<data_path>/<dataset> (`cluster show` prints data_path)."""
+STAGE_EXAMPLES = """\
+examples:
+  python -m scripts stage generate /tmp/imagenet-mini         # a small synthetic dataset
+  python -m scripts stage all /tmp/imagenet-mini --dataset mini
+  python -m scripts stage all /data/imagenet --dataset imagenet --shard-size-mb 256
+"""
+SUBCOMMANDS = {
+    "generate": (
+        "write a small synthetic JPEG dataset in ImageNet layout",
+        "Write JPEGs as DIR/{train,val}/<wnid>/<wnid>_NNNNN.JPEG, each class with its own colour and stripes "
+        "plus noise, so that a model can learn it. The same seed gives the same bytes.",
+        (
+            "python -m scripts stage generate /tmp/imagenet-mini",
+            "python -m scripts stage generate /tmp/tiny --classes 2 --train-per-class 8 --image-size 32",
+        ),
+    ),
+    "upload": (
+        "upload a local directory to the data container (resumable)",
+        "Upload SOURCE to <dataset>/ in the `data` container, in parallel, each blob with its Content-MD5. A file "
+        "is sent only when no blob of its name has the same MD5: rerun the same command to resume.",
+        (
+            "python -m scripts stage upload /tmp/imagenet-mini --dataset mini",
+            "python -m scripts stage upload /data/imagenet --dataset imagenet --shard-size-mb 256 --workers 16",
+        ),
+    ),
+    "pull": (
+        "pull a staged dataset onto the NFS server with the read-only SAS",
+        "Run blob-pull on the NFS server (over SSH, through the jump host) into <data_path>/<dataset>, with "
+        "the read-only SAS on its stdin, then check that every blob arrived. Files already in place are kept.",
+        ("python -m scripts stage pull --dataset mini",),
+    ),
+    "all": (
+        "upload, then pull (the usual way)",
+        "Upload SOURCE to the `data` container, then pull it onto the NFS server, checking the pulled "
+        "counts against the uploaded ones.",
+        (
+            "python -m scripts stage all /tmp/imagenet-mini --dataset mini",
+            "python -m scripts --cluster cluster-dev.json stage all /data/imagenet --dataset imagenet",
+        ),
+    ),
+}
+
+
+def configure(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "stage",
+        help="stage a dataset: local directory -> blob container -> NFS server",
+        description=STAGE_DESCRIPTION,
+        epilog=STAGE_EXAMPLES,
+        formatter_class=RAW,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="write a small synthetic JPEG dataset in ImageNet layout")
-    gen.add_argument("--out", required=True, type=non_empty, help="directory to write (created if missing)")
-    gen.add_argument("--classes", type=int_between(1), default=4)
-    gen.add_argument("--train-per-class", type=int_between(1), default=16)
-    gen.add_argument("--val-per-class", type=int_between(0), default=4)
-    gen.add_argument("--image-size", type=int_between(8, 4096), default=64)
-    gen.add_argument("--seed", type=int_between(0), default=0)
-    for name, text in (
-        ("upload", "upload a local directory to the data container (resumable)"),
-        ("pull", "pull a staged dataset onto the NFS server with the read-only SAS"),
-        ("all", "upload, then pull"),
-    ):
-        p = sub.add_parser(name, help=text)
-        p.add_argument(
-            "--cluster", type=non_empty, help="cluster description (default $CLUSTER_DESCRIPTION or the local cluster)"
+    sub = parser.add_subparsers(required=True)
+    for name, (help_text, description, examples) in SUBCOMMANDS.items():
+        command = sub.add_parser(
+            name,
+            help=help_text,
+            description=textwrap.fill(description, 100),
+            epilog="examples:\n" + "".join(f"  {line}\n" for line in examples),
+            formatter_class=RAW,
         )
-        p.add_argument(
-            "--dataset", required=True, type=arg_type(check_dataset_name), help="blob prefix and directory name"
+        if name == "generate":
+            _generate_arguments(command)
+            command.set_defaults(handler=_generate)
+            continue
+        add_cluster_option(command)
+        if name in ("upload", "all"):
+            command.add_argument("source", metavar="SOURCE", type=non_empty, help="local dataset directory")
+        command.add_argument(
+            "--dataset",
+            required=True,
+            metavar="NAME",
+            type=arg_type(check_dataset_name),
+            help="the dataset's name: its blob prefix and its directory under data_path",
         )
         if name in ("upload", "all"):
-            p.add_argument("--source", required=True, type=non_empty, help="local dataset directory (ImageNet layout)")
-            p.add_argument("--shard-size-mb", type=positive_number, help="pack files into tar shards of this size")
-            p.add_argument(
-                "--shard-dir", type=non_empty, help="where shards are built (default ~/.cache/hvd-stage/shards/DATASET)"
-            )
-            p.add_argument("--workers", type=int_between(1, 256), default=8, help="parallel uploads (default 8)")
-            p.add_argument("--sas-env", type=non_empty, help="upload with a SAS from this environment variable instead")
-            p.add_argument("--no-progress", action="store_true")
+            _upload_arguments(command)
         if name in ("pull", "all"):
-            p.add_argument(
-                "--pull-workers", type=int_between(1, 256), default=16, help="parallel downloads on the NFS server"
+            command.add_argument(
+                "--pull-workers",
+                type=int_between(1, 256),
+                default=16,
+                metavar="N",
+                help="parallel downloads (default: 16)",
             )
-    return parser
+        command.set_defaults(handler=_stage, upload=name != "pull", pull=name != "upload")
+
+
+def _generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", metavar="DIR", type=non_empty, help="directory to write (created if missing)")
+    parser.add_argument("--classes", type=int_between(1), default=4, metavar="N", help="default: 4")
+    parser.add_argument("--train-per-class", type=int_between(1), default=16, metavar="N", help="default: 16")
+    parser.add_argument("--val-per-class", type=int_between(0), default=4, metavar="N", help="default: 4")
+    parser.add_argument(
+        "--image-size", type=int_between(8, 4096), default=64, metavar="PX", help="pixels per side (default: 64)"
+    )
+    parser.add_argument("--seed", type=int_between(0), default=0, metavar="N", help="default: 0")
+
+
+def _upload_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--shard-size-mb",
+        type=positive_number,
+        metavar="MB",
+        help="pack files into tar shards of this size first (many small files)",
+    )
+    parser.add_argument(
+        "--shard-dir",
+        type=non_empty,
+        metavar="DIR",
+        help="where shards are built (default: ~/.cache/hvd-stage/shards/DATASET)",
+    )
+    parser.add_argument(
+        "--workers", type=int_between(1, 256), default=8, metavar="N", help="parallel uploads (default: 8)"
+    )
+    parser.add_argument(
+        "--sas-env",
+        type=non_empty,
+        metavar="VAR",
+        help="upload with a SAS (create + write) from this environment variable instead of the description's "
+        "staging credential",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (the summary table still shows)")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -553,24 +650,14 @@ def _upload(args: argparse.Namespace, desc: ClusterDescription) -> UploadSummary
     return summary
 
 
-def _run(args: argparse.Namespace) -> int:
-    if args.command == "generate":
-        return _generate(args)
+def _stage(args: argparse.Namespace) -> int:
     desc = load(args.cluster)
     expected = objects = None
-    if args.command in ("upload", "all"):
+    if args.upload:
         summary = _upload(args, desc)
         expected, objects = summary.source_files, summary.objects
-    if args.command in ("pull", "all"):
+    if args.pull:
         result = pull(desc, args.dataset, expected_files=expected, expected_objects=objects, workers=args.pull_workers)
         print_pull_summary(result)
         print(json.dumps({"pull": asdict(result)}))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_cli(build_parser(), _run, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

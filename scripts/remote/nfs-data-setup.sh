@@ -99,9 +99,9 @@ mount_data() {
 }
 
 export_data() {
-  mkdir -p "$EXPORT_PATH/data" "$EXPORT_PATH/nodes" "$EXPORT_PATH/runs"
-  # runs/ is shared job output: anyone may create entries, only their owner may remove them.
-  chmod 1777 "$EXPORT_PATH/runs"
+  # data/ is root's (blob-pull fills it). The rest is made by its users as the cluster's root: the
+  # head node gives runs/ to the user who submits jobs, the nodes' health check makes .health/.
+  mkdir -p "$EXPORT_PATH/data"
   # Written only now that the volume is mounted, so clients never see the bare mount point.
   mkdir -p "$(dirname "$EXPORTS_FILE")"
   printf '%s\n' "$EXPORT_LINE" >"$EXPORTS_FILE"

@@ -1,8 +1,7 @@
 #!/bin/bash
-# First-boot setup of a GPU node, in order. It stops at the first failure, and cloud-init runs
-# register-node only after it succeeded: a node is listed as ready only with its shared file
-# system, NCCL settings and registry login in place. slurmd comes last, so that its first health
-# check finds the same.
+# First-boot setup of a GPU node, in order, stopping at the first failure. slurmd comes last, so
+# that a node joins Slurm only with its shared file system, NCCL settings and registry login in
+# place, and its first health check finds them.
 set -euo pipefail
 
 systemctl daemon-reload

@@ -1,8 +1,10 @@
 #!/bin/bash
-# Slurm's HealthCheckProgram: the node checks the launcher's preflight makes (GPUs, an ACTIVE
-# InfiniBand port, the shared file system, free disk). A node that fails is drained with the failed
+# Slurm's HealthCheckProgram: the node checks (GPUs, an ACTIVE InfiniBand port, the shared file
+# system, free disk). A node that fails is drained with the failed
 # checks as the reason; a node that this script drained is resumed once every check passes again.
-# A node drained for any other reason is left alone.
+# A node drained for any other reason is left alone. Each run also leaves its result in
+# $HEALTH_REPORT_DIR/<node> (key=value lines: node, checked_at, ok, one per check, reason), which
+# the operator's `status` command shows.
 #
 # slurmd runs it as root every HealthCheckInterval, and once before it registers, with only
 # SLURMD_NODENAME in the environment, and kills it after 60 s. Every setting below may be given in
@@ -16,53 +18,94 @@ CHECK_INFINIBAND=${CHECK_INFINIBAND:-@CHECK_INFINIBAND@} # 0: no InfiniBand chec
 MIN_FREE_GB=${MIN_FREE_GB:-@MIN_FREE_GB@}
 FREE_DISK_PATH=${FREE_DISK_PATH:-@FREE_DISK_PATH@} # falls back to / where it does not exist
 IB_SYSFS=${IB_SYSFS:-/sys/class/infiniband}
+HEALTH_REPORT_DIR=${HEALTH_REPORT_DIR:-$SHARED_MOUNT/@HEALTH_REPORT_NAME@} # the last result, one file per node
 NODE=${SLURMD_NODENAME:-$(hostname -s)}
 readonly REASON_PREFIX="health-check:"
 # A dead NFS server hangs stat on a hard mount: give up on a probe well within slurmd's 60 s.
 readonly PROBE_SECONDS=15
 
-failures=()
-
+# Each check prints its result, "ok", "not checked" or what is wrong, and fails in the last case.
 check_gpus() {
-  ((EXPECTED_GPUS > 0)) || return 0
+  ((EXPECTED_GPUS > 0)) || { echo "not checked" && return 0; }
   local found
   found=$(timeout -k 2 "$PROBE_SECONDS" nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
-  ((found >= EXPECTED_GPUS)) || failures+=("$found of $EXPECTED_GPUS GPUs")
+  ((found >= EXPECTED_GPUS)) && echo ok && return 0
+  echo "$found of $EXPECTED_GPUS GPUs" && return 1
 }
 
 check_infiniband() {
-  ((CHECK_INFINIBAND)) || return 0
+  ((CHECK_INFINIBAND)) || { echo "not checked" && return 0; }
   local port seen=absent
   shopt -s nullglob
   for port in "$IB_SYSFS"/*/ports/*; do
     # The accelerated-networking NIC is listed here too, ACTIVE on an Ethernet link layer.
     [ "$(cat "$port/link_layer" 2>/dev/null)" = InfiniBand ] || continue
     seen=DOWN
-    grep -q ACTIVE "$port/state" && return 0
+    grep -q ACTIVE "$port/state" && echo ok && return 0
   done
-  failures+=("no ACTIVE InfiniBand port (InfiniBand $seen)")
+  echo "no ACTIVE InfiniBand port (InfiniBand $seen)" && return 1
 }
 
 check_shared() {
   if ((SHARED_IS_MOUNT)); then
-    timeout -k 2 "$PROBE_SECONDS" mountpoint -q "$SHARED_MOUNT" || failures+=("$SHARED_MOUNT not mounted")
-  elif [ ! -d "$SHARED_MOUNT" ] || [ ! -w "$SHARED_MOUNT" ]; then
-    failures+=("$SHARED_MOUNT missing or not writable")
+    timeout -k 2 "$PROBE_SECONDS" mountpoint -q "$SHARED_MOUNT" && echo ok && return 0
+    echo "$SHARED_MOUNT not mounted" && return 1
   fi
+  [ -d "$SHARED_MOUNT" ] && [ -w "$SHARED_MOUNT" ] && echo ok && return 0
+  echo "$SHARED_MOUNT missing or not writable" && return 1
 }
 
 check_disk() {
   local path=$FREE_DISK_PATH free_kb
   [ -e "$path" ] || path=/
   free_kb=$(df -Pk "$path" | awk 'NR == 2 { print $4 }')
-  ((${free_kb:-0} >= MIN_FREE_GB * 1024 * 1024)) ||
-    failures+=("$((${free_kb:-0} / 1024 / 1024)) GB free on $path, need $MIN_FREE_GB")
+  ((${free_kb:-0} >= MIN_FREE_GB * 1024 * 1024)) && echo ok && return 0
+  echo "$((${free_kb:-0} / 1024 / 1024)) GB free on $path, need $MIN_FREE_GB" && return 1
 }
 
-check_gpus
-check_infiniband
-check_shared
-check_disk
+results=()  # report lines, name=result
+failures=() # what is wrong, for the drain reason
+run_check() {
+  local result status
+  result=$("check_$1")
+  status=$?
+  results+=("$1=${result//$'\n'/ }")
+  ((status == 0)) || failures+=("$result")
+  return "$status"
+}
+shared_ok=0
+run_check gpus
+run_check infiniband
+run_check shared && shared_ok=1
+run_check disk
+reason=""
+if ((${#failures[@]})); then
+  reason=$REASON_PREFIX
+  for failure in "${failures[@]}"; do reason+=" $failure;"; done
+  reason=${reason%;}
+fi
+
+# The report, written atomically (a temporary file in the same directory, then a rename): readers
+# never see half of one. Not in a directory on the shared file system unless that passed its check:
+# a dead NFS server would hang the write, and under an empty mount point it would land on the
+# local disk, where nobody looks.
+write_report() {
+  local dir=$HEALTH_REPORT_DIR tmp
+  if [[ $dir == "$SHARED_MOUNT" || $dir == "$SHARED_MOUNT"/* ]] && ((!shared_ok)); then
+    return 0
+  fi
+  [ -d "$dir" ] || install -d -m 0755 "$dir" || return 1
+  tmp=$(mktemp "$dir/.$NODE.XXXXXX") || return 1
+  if ! {
+    printf '%s\n' "node=$NODE" "checked_at=$(date -u +%Y-%m-%dT%H:%M:%SZ)" "ok=$((${#failures[@]} == 0))" \
+      "${results[@]}" "reason=$reason" >"$tmp" && chmod 0644 "$tmp" && mv -f "$tmp" "$dir/$NODE"
+  }; then
+    rm -f "$tmp"
+    return 1
+  fi
+}
+# Only a record for the operator's `status`: never a reason to fail the check.
+write_report || echo "slurm-health-check: could not write the report in $HEALTH_REPORT_DIR" >&2
 
 node=$(scontrol show node "$NODE" --oneliner) || {
   echo "slurm-health-check: cannot read the state of node $NODE" >&2
@@ -72,10 +115,7 @@ state=$(grep -o ' State=[^ ]*' <<<"$node")
 drained_by_us=0
 [[ $state == *DRAIN* && $node == *" Reason=$REASON_PREFIX"* ]] && drained_by_us=1
 
-if ((${#failures[@]})); then
-  reason=$REASON_PREFIX
-  for failure in "${failures[@]}"; do reason+=" $failure;"; done
-  reason=${reason%;}
+if [ -n "$reason" ]; then
   echo "slurm-health-check: $reason" >&2
   # Never take over a node someone else drained, nor rewrite an unchanged reason.
   if [[ $state != *DRAIN* ]] || { ((drained_by_us)) && [[ $node != *" Reason=$reason ["* ]]; }; then

@@ -1,8 +1,10 @@
-"""Bad input to every operator CLI: a clear `error: ...`, the documented exit status, no traceback.
+"""Bad input to every operator command: a clear `error: ...`, the documented exit status, no traceback.
 
-Each case runs the real command the way an operator would (`python -m scripts.<tool> ...`); none
-needs the local cluster. `{name}` in a case's arguments, environment and message is a path (or
-URL) from the `paths` fixture. The statuses are the table in docs/operator.md (scripts/errors.py).
+Each case runs the real command the way an operator would (`python -m scripts <command> ...`, and
+blob-pull as the NFS server runs it); none needs the local cluster. `{name}` in a case's arguments,
+environment and message is a path (or URL) from the `paths` fixture. The statuses are the table in
+docs/operator.md (scripts/errors.py). The one entry point is checked too: every command listed, its
+help teaching with examples, --cluster before or after the command.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from typing import ClassVar
 
 import pytest
 
-from scripts import blob_pull, local_cluster
 from scripts import cluster as cl
 from scripts.daemons import free_port
 from scripts.errors import ExitCode
+from scripts.local_state import LocalState
+from scripts.remote import blob_pull
 
 from .conftest import FIXTURES, REPO, private_key_file, run_module
 
@@ -109,22 +112,25 @@ def _write(path: Path, data: str | bytes, mode: int = 0o644) -> str:
 
 
 def _descriptions(tmp: Path, key: Path) -> dict[str, str]:
-    """Valid descriptions (Azure, docker and host runtime) and one whose SSH key is gone."""
+    """Valid descriptions (Azure, docker and host runtime), one whose SSH key is gone, one of an old schema."""
 
     def saved(name: str, **kwargs: object) -> str:
         return str(cl.from_stack_outputs(OUTPUTS, "dev", known_hosts=tmp / "kh", **kwargs).save(tmp / name))  # type: ignore[arg-type]
 
+    old = json.loads(Path(saved("cluster-old.json", ssh_key=key)).read_text())
+    old |= {"schema_version": 1, "node_registry_path": "/shared/nodes"}  # as written before Slurm
     return {
         "desc": saved("cluster.json", ssh_key=key),
         "desc_host": saved("cluster-host.json", ssh_key=key, runtime="host"),
         "desc_no_key": saved("cluster-nokey.json", ssh_key=tmp / "gone" / "id_ed25519"),
+        "old_schema": _write(tmp / "cluster-old.json", json.dumps(old), 0o600),
     }
 
 
 def _state_dirs(tmp: Path) -> dict[str, str]:
     recorded = tmp / "state-recorded"
     recorded.mkdir()
-    local_cluster.LocalState(name="t", mode="localhost", state_dir=str(recorded)).save()  # nothing runs
+    LocalState(name="t", mode="localhost", state_dir=str(recorded)).save()  # nothing runs
     return {
         "state_recorded": str(recorded),
         "state_not_utf8": str(Path(_write(tmp / "state-not-utf8" / "state.json", b"\xff\xfe")).parent),
@@ -167,11 +173,13 @@ def paths(tmp_path: Path, blob_service: str) -> dict[str, str]:
     }
 
 
-def check(module: str, bad: Case, paths: dict[str, str]) -> subprocess.CompletedProcess:
+def check(command: str, bad: Case, paths: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run `python -m <command> <case's arguments>` (command: e.g. `scripts stage`) and check its error."""
+    module, *words = command.split()
     args = [arg.format(**paths) for arg in bad.args]
     env = {name: value.format(**paths) for name, value in bad.env.items()}
     prefix = [*READ_ONLY, paths["ro"]] if bad.read_only else []
-    proc = run_module(module, *args, env=env, timeout=60, prefix=prefix, stdin=subprocess.DEVNULL)
+    proc = run_module(module, *words, *args, env=env, timeout=60, prefix=prefix, stdin=subprocess.DEVNULL)
     assert proc.returncode == bad.code, proc.stderr
     assert bad.message.format(**paths) in proc.stderr
     assert "error: " in proc.stderr
@@ -182,46 +190,57 @@ def check(module: str, bad: Case, paths: dict[str, str]) -> subprocess.Completed
 # --- per CLI: the command line (shell words, `{name}` from paths), then what must come back ---
 UPLOAD = "upload --cluster {desc} --dataset ds --no-progress"
 STAGE = [
-    case(f"{UPLOAD} --source {{dataset}} --workers 0", message="argument --workers: must be a whole number"),
-    case(f"{UPLOAD} --source {{dataset}} --shard-size-mb -5", message="must be a number > 0, got '-5'"),
-    case(f"{UPLOAD} --source {{dataset}} --shard-size-mb 0", message="must be a number > 0, got '0'"),
+    case(f"{UPLOAD} {{dataset}} --workers 0", message="argument --workers: must be a whole number"),
+    case(f"{UPLOAD} {{dataset}} --shard-size-mb -5", message="must be a number > 0, got '-5'"),
+    case(f"{UPLOAD} {{dataset}} --shard-size-mb 0", message="must be a number > 0, got '0'"),
     # a prefix of a flag is not taken for the flag (argparse's default would read --work as --workers)
-    case(f"{UPLOAD} --source {{dataset}} --work 4", message="unrecognized arguments: --work 4"),
+    case(f"{UPLOAD} {{dataset}} --work 4", message="unrecognized arguments: --work 4"),
     case(
-        "generate --out {ro}/tiny",
+        "generate {ro}/tiny",
         ro=True,
         message="cannot write to the output directory {ro}/tiny ({ro}): read-only file system (choose a writable",
     ),
-    case("generate --out {file}", message="the output directory {file} is a file, not a directory"),
-    case("generate --out ''", message="argument --out: must not be empty"),
-    case("generate --out {tmp}/g --classes 0", message="argument --classes: must be a whole number >= 1"),
-    case("generate --out {tmp}/g --image-size 4", message="--image-size: must be a whole number between 8"),
-    case(f"{UPLOAD} --source {{missing}}", message="dataset path {missing} does not exist"),
-    case(f"{UPLOAD} --source {{file}}", message="dataset path {file} is not a directory"),
-    case(f"{UPLOAD} --source {{empty}}", message="dataset path {empty} has no files"),
-    case("upload --source {dataset} --dataset ../x", message="invalid dataset name '../x'"),
+    case("generate {file}", message="the output directory {file} is a file, not a directory"),
+    case("generate ''", message="argument DIR: must not be empty"),
+    case("generate", message="the following arguments are required: DIR"),
+    case("generate {tmp}/g --classes 0", message="argument --classes: must be a whole number >= 1"),
+    case("generate {tmp}/g --image-size 4", message="--image-size: must be a whole number between 8"),
+    case(f"{UPLOAD} {{missing}}", message="dataset path {missing} does not exist"),
+    case(f"{UPLOAD} {{file}}", message="dataset path {file} is not a directory"),
+    case(f"{UPLOAD} {{empty}}", message="dataset path {empty} has no files"),
+    case("upload {dataset} --dataset ../x", message="invalid dataset name '../x'"),
+    case("upload {dataset}", message="the following arguments are required: --dataset"),
+    case("all --dataset ds", message="the following arguments are required: SOURCE"),
     case(
-        f"{UPLOAD} --source {{dataset}} --sas-env HVD_TEST_UNSET_SAS",
+        f"{UPLOAD} {{dataset}} --sas-env HVD_TEST_UNSET_SAS",
         message="environment variable HVD_TEST_UNSET_SAS is empty or unset",
     ),
     case(
-        f"{UPLOAD} --source {{dataset}} --shard-size-mb 1 --shard-dir {{file}}",
+        f"{UPLOAD} {{dataset}} --shard-size-mb 1 --shard-dir {{file}}",
         message="the shard directory {file} is a file, not a directory",
     ),
     case("pull --cluster {not_json} --dataset ds", message="cluster description {not_json} is not JSON"),
     case("pull --cluster {missing} --dataset ds", message="no cluster description at {missing}"),
+    case(
+        "pull --dataset ds",
+        env={"CLUSTER_DESCRIPTION": "{missing}"},
+        message="no cluster description at {missing}: run `python -m scripts local up`",
+    ),
     case("pull --dataset ds --pull-workers 0", message="argument --pull-workers: must be a whole number"),
-    case("", message="the following arguments are required: command"),
+    case("pull --dataset ds --source {dataset}", message="unrecognized arguments: --source"),
+    case("", message="the following arguments are required: {{generate,upload,pull,all}}"),
 ]
 
 FROM_STACK = "from-stack --stack dev -o {tmp}/out.json --ssh-key"
 PULUMI = {"PATH": "{fake_pulumi}:/usr/bin:/bin"}
 CLUSTER = [
+    case("", message="the following arguments are required: {{from-stack,show}}"),
     case("show --cluster {not_utf8}", message="cluster description {not_utf8} is not UTF-8 text (byte 10)"),
     case("show --cluster {not_json}", message="cluster description {not_json} is not JSON (Expecting"),
     case("show --cluster {wrong_schema}", message="node_count: Input should be a valid integer"),
     case("show --cluster {empty}", message="cannot read the cluster description {empty}: it is a directory"),
     case("show --cluster {missing}", message="no cluster description at {missing}: run"),
+    case("show --cluster {old_schema}", message="has schema version 1, this version reads 2: write it again"),
     case(f"{FROM_STACK} {{missing}}", message="cannot use the SSH key {missing}: it does not exist"),
     case(f"{FROM_STACK} {{open_key}}", message="is readable by other users (mode 0644)"),
     case(f"{FROM_STACK} {{empty}}", message="SSH key {empty} is not a file"),
@@ -274,7 +293,17 @@ BUILD_IMAGES = [
     case("--registry 'not a registry'", message="argument --registry: invalid registry 'not a registry'"),
     case("--registry ''", message="argument --registry: invalid registry ''"),
     case(f"{ACR} --framework mxnet", message="argument --framework: invalid choice: 'mxnet'"),
-    case("--tag t", message="one of the arguments --registry --stack --cluster is required"),
+    case(
+        "--tag t",
+        env={"CLUSTER_DESCRIPTION": "{missing}"},
+        message="no cluster description at {missing}: run",
+    ),
+    case(
+        "--tag t --cluster {missing}",
+        message="(or name the registry: --registry NAME or --stack NAME)",
+    ),
+    case("--registry acr --stack dev", message="argument --stack: not allowed with argument --registry"),
+    case("--registry acr --cluster {desc} --tag t", message="pass one of --registry, --stack or --cluster"),
     case("--cluster {not_utf8} --tag t", message="cluster description {not_utf8} is not UTF-8"),
     case("--cluster {desc_host} --tag t", message="has no images (host runtime?)"),
     case(
@@ -293,73 +322,63 @@ BUILD_IMAGES = [
     case("--stack dev", env={"PATH": "{empty}"}, code=NOT_READY, message="pulumi is not installed or not on PATH"),
 ]
 
-RUN = "--cluster {desc} --framework pytorch --runs-dir {runs}"
+RUN = "--cluster {desc} --framework pytorch"
 LAUNCH = [
     case(f"{RUN} --run-id ../../x", message="argument --run-id: invalid run id '../../x'"),
     case(f"{RUN} --run-id ..", message="invalid run id '..'"),
     case(f"{RUN} --run-id 'a b'", message="invalid run id 'a b'"),
-    case(f"{RUN} --run-id r1", message="run id r1 is already used ({runs}/r1 exists): pass another --run-id"),
     case(f"{RUN} --nodes 0", message="argument --nodes: must be a whole number >= 1, got '0'"),
+    case(f"{RUN} --nodes 3", message="--nodes 3: the cluster has 2 nodes"),
     case(f"{RUN} --gpus-per-node 16", message="--gpus-per-node 16 is more than the 8 GPUs of a node"),
-    case(f"{RUN} --wait-timeout -5", message="argument --wait-timeout: must be a number >= 0, got '-5'"),
-    case(f"{RUN} --job-timeout nan", message="argument --job-timeout: must be a number > 0, got 'nan'"),
+    case(f"{RUN} --time-limit 0", message="argument --time-limit: must be a whole number >= 1, got '0'"),
+    case(f"{RUN} --follow --detach", message="argument --detach: not allowed with argument --follow"),
+    case("--cluster {desc} --framework keras --launcher torchrun", message="torchrun runs PyTorch jobs only"),
     case("--cluster {desc} --framework mxnet", message="argument --framework: invalid choice: 'mxnet'"),
     case("--cluster {not_utf8} --framework pytorch", message="cluster description {not_utf8} is not UTF-8"),
     case("--cluster {wrong_schema} --framework keras", message="invalid cluster description {wrong_schema}"),
     case("--cluster {missing} --framework pytorch", message="no cluster description at {missing}"),
     case(
-        "--cluster {desc} --framework pytorch --runs-dir {file}", message="--runs-dir {file} is a file, not a directory"
-    ),
-    case(f"{RUN} --hosts ,,", message="argument --hosts: no host names given"),
-    case(f"{RUN} --hosts node-0,node-0", message="node-0 named more than once"),
-    case(f"{RUN} --hosts 'node 0'", message="invalid host name 'node 0'"),
-    case(
-        "--cluster {desc_no_key} --framework pytorch --runs-dir {runs}",
+        "--cluster {desc_no_key} --framework pytorch",
         message="the cluster description's ssh_key: cannot use the SSH key {tmp}/gone/id_ed25519: it does not exist",
     ),
 ]
 
 STATE = "--state-dir {tmp}/state"
 LOCAL_CLUSTER = [
-    case(f"{STATE} up --nodes 0", message="argument --nodes: must be a whole number between 1 and 32, got '0'"),
-    case(f"{STATE} up --nodes 33", message="argument --nodes: must be a whole number between 1 and 32"),
-    case(f"{STATE} up --name ''", message="argument --name: invalid cluster name ''"),
-    case(f"{STATE} up --name 9lives", message="invalid cluster name '9lives'"),
-    case(f"{STATE} up --name toolongname", message="invalid cluster name 'toolongname'"),
-    case(f"{STATE} up --name a-b", message="invalid cluster name 'a-b'"),
-    case(f"{STATE} up --subnet nonsense", message="argument --subnet: invalid subnet 'nonsense'"),
-    case(f"{STATE} up --subnet 10.213.0.0/30", message="subnet 10.213.0.0/30 is too small: use a /28 or larger"),
-    case(f"{STATE} up --subnet fd00::/64", message="subnet fd00::/64 is not a private IPv4 range"),
-    case(f"{STATE} up --subnet 10.213.0.5/24", message="invalid subnet '10.213.0.5/24': 10.213.0.5/24 has host"),
-    case(f"{STATE} up --subnet 8.8.8.0/24", message="subnet 8.8.8.0/24 is not a private IPv4 range"),
-    case(f"{STATE} up --train-python {{missing}}", message="--train-python {missing} is not an executable file"),
-    case(f"{STATE} up --mode bogus", message="argument --mode: invalid choice: 'bogus'"),
-    case("--state-dir {file} status", message="--state-dir {file} is a file, not a directory"),
-    case("--state-dir {state_not_utf8} status", message="local cluster state {state_not_utf8}/state.json is not UTF-8"),
-    case("--state-dir {state_wrong} down", message="invalid local cluster state {state_wrong}/state.json"),
-    case("--state-dir {state_recorded} up", message="a local cluster is already recorded in"),
-    case("--state-dir {not_empty} up", message="--state-dir {not_empty} is not empty"),
-    case(STATE, message="the following arguments are required: command"),
+    case(f"up {STATE} --nodes 0", message="argument --nodes: must be a whole number between 1 and 32, got '0'"),
+    case(f"up {STATE} --nodes 33", message="argument --nodes: must be a whole number between 1 and 32"),
+    case(f"up {STATE} --name ''", message="argument --name: invalid cluster name ''"),
+    case(f"up {STATE} --name 9lives", message="invalid cluster name '9lives'"),
+    case(f"up {STATE} --name toolongname", message="invalid cluster name 'toolongname'"),
+    case(f"up {STATE} --name a-b", message="invalid cluster name 'a-b'"),
+    case(f"up {STATE} --subnet nonsense", message="argument --subnet: invalid subnet 'nonsense'"),
+    case(f"up {STATE} --subnet 10.213.0.0/30", message="subnet 10.213.0.0/30 is too small: use a /28 or larger"),
+    case(f"up {STATE} --subnet fd00::/64", message="subnet fd00::/64 is not a private IPv4 range"),
+    case(f"up {STATE} --subnet 10.213.0.5/24", message="invalid subnet '10.213.0.5/24': 10.213.0.5/24 has host"),
+    case(f"up {STATE} --subnet 8.8.8.0/24", message="subnet 8.8.8.0/24 is not a private IPv4 range"),
+    case(f"up {STATE} --train-python {{missing}}", message="--train-python {missing} is not an executable file"),
+    case(f"up {STATE} --mode bogus", message="argument --mode: invalid choice: 'bogus'"),
+    case("status --state-dir {file}", message="--state-dir {file} is a file, not a directory"),
+    case("status --state-dir {state_not_utf8}", message="local cluster state {state_not_utf8}/state.json is not UTF-8"),
+    case("down --state-dir {state_wrong}", message="invalid local cluster state {state_wrong}/state.json"),
+    case("up --state-dir {state_recorded}", message="a local cluster is already recorded in"),
+    case("up --state-dir {not_empty}", message="--state-dir {not_empty} is not empty"),
+    case("", message="error: the following arguments are required: "),
 ]
 
-DEMO_DIRS = "--state-dir {tmp}/demo-state --runs-dir {tmp}/demo-runs"
+DEMO_STATE = "--state-dir {tmp}/demo-state"
 DEMO = [
-    case(f"{DEMO_DIRS} --nodes 0", message="argument --nodes: must be a whole number between 1 and 32, got '0'"),
-    case(f"{DEMO_DIRS} --nodes 33", message="argument --nodes: must be a whole number between 1 and 32"),
-    case(f"{DEMO_DIRS} --steps 0", message="argument --steps: must be a whole number >= 1, got '0'"),
-    case(f"{DEMO_DIRS} --steps many", message="argument --steps: must be a whole number >= 1, got 'many'"),
-    case(f"{DEMO_DIRS} --batch-size -1", message="argument --batch-size: must be a whole number >= 1, got '-1'"),
-    case(f"{DEMO_DIRS} --image-size 4", message="argument --image-size: must be a whole number between 8 and"),
-    case(f"{DEMO_DIRS} --model vgg", message="argument --model: invalid choice: 'vgg'"),
-    case(f"{DEMO_DIRS} --mode bogus", message="argument --mode: invalid choice: 'bogus'"),
-    case(f"{DEMO_DIRS} --subnet 8.8.8.0/24", message="subnet 8.8.8.0/24 is not a private IPv4 range"),
-    case(f"{DEMO_DIRS} --name 1x", message="argument --name: invalid cluster name '1x'"),
-    case("--runs-dir {file} --state-dir {tmp}/s", message="--runs-dir {file} is a file, not a directory"),
-    case("--state-dir {file} --runs-dir {tmp}/r", message="--state-dir {file} is a file, not a directory"),
-    case(
-        "--state-dir {state_not_utf8} --runs-dir {tmp}/r",
-        message="local cluster state {state_not_utf8}/state.json is not UTF-8",
-    ),
+    case(f"{DEMO_STATE} --nodes 0", message="argument --nodes: must be a whole number between 1 and 32, got '0'"),
+    case(f"{DEMO_STATE} --nodes 33", message="argument --nodes: must be a whole number between 1 and 32"),
+    case(f"{DEMO_STATE} --steps 0", message="argument --steps: must be a whole number >= 1, got '0'"),
+    case(f"{DEMO_STATE} --steps many", message="argument --steps: must be a whole number >= 1, got 'many'"),
+    case(f"{DEMO_STATE} --batch-size -1", message="argument --batch-size: must be a whole number >= 1, got '-1'"),
+    case(f"{DEMO_STATE} --image-size 4", message="argument --image-size: must be a whole number between 8 and"),
+    case(f"{DEMO_STATE} --model vgg", message="argument --model: invalid choice: 'vgg'"),
+    case(f"{DEMO_STATE} --subnet 8.8.8.0/24", message="subnet 8.8.8.0/24 is not a private IPv4 range"),
+    case(f"{DEMO_STATE} --name 1x", message="argument --name: invalid cluster name '1x'"),
+    case("--state-dir {file}", message="--state-dir {file} is a file, not a directory"),
+    case("--state-dir {state_not_utf8}", message="local cluster state {state_not_utf8}/state.json is not UTF-8"),
 ]
 
 SAS = {"BLOB_SAS": "sv=2022-11-02&sig=test"}
@@ -397,43 +416,97 @@ BLOB_PULL = [
 
 @pytest.mark.parametrize("bad", STAGE, ids=str)
 def test_stage(bad: Case, paths: dict[str, str]) -> None:
-    check("scripts.stage", bad, paths)
+    check("scripts stage", bad, paths)
 
 
 @pytest.mark.parametrize("bad", CLUSTER, ids=str)
 def test_cluster(bad: Case, paths: dict[str, str]) -> None:
-    check("scripts.cluster", bad, paths)
+    check("scripts cluster", bad, paths)
     assert not Path(paths["tmp"], "out.json").exists()
 
 
 @pytest.mark.parametrize("bad", BUILD_IMAGES, ids=str)
-def test_build_images(bad: Case, paths: dict[str, str]) -> None:
-    check("scripts.build_images", bad, paths)
+def test_images(bad: Case, paths: dict[str, str]) -> None:
+    check("scripts images", bad, paths)
 
 
 @pytest.mark.parametrize("bad", LAUNCH, ids=str)
 def test_launch(bad: Case, paths: dict[str, str]) -> None:
-    check("scripts.launch", bad, paths)
-    assert sorted(p.name for p in Path(paths["runs"]).iterdir()) == ["r1"]  # nothing written outside, or inside
+    check("scripts launch", bad, paths)
 
 
 @pytest.mark.parametrize("bad", LOCAL_CLUSTER, ids=str)
 def test_local_cluster(bad: Case, paths: dict[str, str]) -> None:
-    check("scripts.local_cluster", bad, paths)
+    check("scripts local", bad, paths)
     assert not Path(paths["tmp"], "state").exists()  # refused before anything was created
 
 
 @pytest.mark.parametrize("bad", DEMO, ids=str)
 def test_demo(bad: Case, paths: dict[str, str]) -> None:
-    check("scripts.demo", bad, paths)
+    check("scripts demo", bad, paths)
     assert not Path(paths["tmp"], "demo-state").exists()
 
 
 @pytest.mark.parametrize("bad", BLOB_PULL, ids=str)
 def test_blob_pull(bad: Case, paths: dict[str, str]) -> None:
-    proc = check("scripts.blob_pull", bad, paths)
+    proc = check("scripts.remote.blob_pull", bad, paths)
     if "usage:" not in proc.stderr:  # past argparse, the error is also the JSON line `stage pull` reads back
         assert json.loads(proc.stdout.splitlines()[-1])["error"] in proc.stderr
+
+
+# --- the one entry point ---------------------------------------------------------------------
+COMMANDS = ("cluster", "stage", "images", "launch", "jobs", "logs", "cancel", "status", "local", "demo")
+SUBCOMMANDS = {
+    "cluster": ("from-stack", "show"),
+    "stage": ("generate", "upload", "pull", "all"),
+    "local": ("up", "down", "status"),
+}
+
+
+def test_help_lists_every_command():
+    proc = run_module("scripts", "--help", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    listed = re.findall(r"^ {4}(\S+) ", proc.stdout, re.MULTILINE)
+    assert sorted(listed) == sorted(COMMANDS)
+    assert "--cluster" in proc.stdout and "Exit status: 0 ok" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "words", [(c,) for c in COMMANDS] + [(c, sub) for c, subs in SUBCOMMANDS.items() for sub in subs], ids=" ".join
+)
+def test_every_command_teaches_with_an_example(words, capsys):
+    from scripts.__main__ import build_parser
+
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args([*words, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert f"usage: python -m scripts {' '.join(words)}" in text
+    # an example: a command line of its own (not the usage line) that runs this command
+    assert re.search(rf"^\s*(examples?:)?\s*python -m scripts .*\b{words[0]}\b", text, re.MULTILINE), text
+
+
+@pytest.mark.parametrize("argv", [("nosuchcommand",), ("stage", "nosuchsubcommand"), ()], ids=" ".join)
+def test_an_unknown_or_missing_command_is_a_usage_error(argv):
+    proc = run_module("scripts", *argv, timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == ExitCode.BAD_INPUT
+    assert proc.stderr.startswith("usage: python -m scripts") and "\nerror: " in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout and proc.stdout == ""
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_cluster_is_taken_before_or_after_the_command(where, paths):
+    # $CLUSTER_DESCRIPTION names no file: only the flag can make the command succeed
+    flag = ["--cluster", paths["desc"]]
+    argv = [*flag, "cluster", "show"] if where == "before" else ["cluster", "show", *flag]
+    proc = run_module("scripts", *argv, env={"CLUSTER_DESCRIPTION": paths["missing"]}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["jump_host"]["host"] == OUTPUTS["jumpbox_public_ip"]
+
+
+def test_cluster_after_the_command_wins(paths):
+    proc = run_module("scripts", "--cluster", paths["missing"], "cluster", "show", "--cluster", paths["desc"])
+    assert proc.returncode == 0, proc.stderr
 
 
 # --- the safety net and --debug ----------------------------------------------------------------
@@ -463,11 +536,11 @@ def test_an_unexpected_error_is_a_message_and_the_traceback_only_on_request(flag
     assert ("(run again with --debug for the traceback)" in proc.stderr) is not traceback
 
 
-@pytest.mark.parametrize("where", ["before", "after"])
+@pytest.mark.parametrize("where", ["before", "between", "after"])
 def test_debug_is_accepted_before_and_after_a_subcommand(where, paths):
-    args = ["generate", "--out", paths["file"]]
-    args.insert(0 if where == "before" else 1, "--debug")
-    proc = run_module("scripts.stage", *args, timeout=60)
+    args = ["stage", "generate", paths["file"]]
+    args.insert({"before": 0, "between": 1, "after": 2}[where], "--debug")
+    proc = run_module("scripts", *args, timeout=60)
     assert proc.returncode == ExitCode.BAD_INPUT
     assert "Traceback (most recent call last)" in proc.stderr and "is a file, not a directory" in proc.stderr
 
@@ -475,10 +548,10 @@ def test_debug_is_accepted_before_and_after_a_subcommand(where, paths):
 def test_blob_pull_safety_net_and_debug(paths):
     """A listing blob_pull cannot make sense of: an unexpected error, still a message and a status."""
     args = ["--container-url", f"{paths['server']}/odd", "--dest", f"{paths['tmp']}/odd"]
-    plain = run_module("scripts.blob_pull", *args, env=SAS, timeout=60, stdin=subprocess.DEVNULL)
+    plain = run_module("scripts.remote.blob_pull", *args, env=SAS, timeout=60, stdin=subprocess.DEVNULL)
     assert plain.returncode == ExitCode.FAILED and "Traceback" not in plain.stderr
     assert "blob-pull: error: unexpected ValueError" in plain.stderr and "--debug for the traceback" in plain.stderr
-    debug = run_module("scripts.blob_pull", *args, "--debug", env=SAS, timeout=60, stdin=subprocess.DEVNULL)
+    debug = run_module("scripts.remote.blob_pull", *args, "--debug", env=SAS, timeout=60, stdin=subprocess.DEVNULL)
     assert debug.returncode == ExitCode.FAILED and "Traceback (most recent call last)" in debug.stderr
 
 

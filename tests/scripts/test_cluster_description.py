@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 
 import pytest
+from pydantic import SecretStr, ValidationError
 
 from infra.contract import StackOutput
 from scripts import cluster as cl
-from scripts import launch
-from scripts.cluster import ClusterDescription, NodeRecord
+from scripts.cluster import BlobCredential, ClusterDescription
 from scripts.errors import OperatorError
+from scripts.sshutil import SSH
 
 from .conftest import FIXTURES, private_key_file, run_module
 
@@ -28,22 +30,27 @@ def test_outputs_map_to_the_description(tmp_path):
     assert desc.ssh_user == "azureuser" and desc.ssh_key == "/keys/id_ed25519"
     assert (desc.node_count, desc.gpus_per_node, desc.gpu_sku) == (2, 8, "Standard_ND96isr_H100_v5")
     assert desc.expect_infiniband and desc.shared_is_mount
-    assert desc.shared_mount_path == "/shared" and desc.node_registry_path == "/shared/nodes"
+    assert desc.shared_mount_path == "/shared"
     assert desc.data_path == "/shared/data" and desc.storage_export_path == "/export"
     # the NFS server sees the nodes' /shared as /export
-    assert desc.on_storage_host(desc.node_registry_path) == "/export/nodes"
+    assert desc.on_storage_host("/shared/runs") == "/export/runs"
     assert desc.on_storage_host("/shared/data/imagenet") == "/export/data/imagenet"
     assert desc.data.url == "https://hvddevst3f9a1c.blob.core.windows.net/data"
     assert desc.data.credential.kind == "sas"
     assert desc.data.credential.secret.get_secret_value() == OUTPUTS["data_sas"]
     assert desc.results.url.endswith("/results") and desc.results.credential.kind == "entra_id"
     assert desc.staging_credential.kind == "entra_id"
+    # jobs write their results from the nodes with the cluster's identity: no secret reaches the cluster
+    assert desc.results_upload == BlobCredential(
+        kind="managed_identity", client_id=OUTPUTS["cluster_identity_client_id"]
+    )
+    assert desc.remote_python == "python3" and desc.schema_version == 2
     assert desc.nccl_env == OUTPUTS["nccl_env"]
     assert "NCCL_IB_DISABLE" not in desc.nccl_env
     assert desc.runtime.kind == "docker" and desc.runtime.ssh_port == cl.CONTAINER_SSH_PORT
     assert desc.runtime.images["pytorch"] == "hvddevacr3f9a1c.azurecr.io/hvd-pytorch:latest"
     assert desc.runtime.images["keras"] == "hvddevacr3f9a1c.azurecr.io/hvd-tensorflow:latest"
-    assert desc.blob_pull[-1] == "blob-pull"
+    assert desc.blob_pull == ["sudo", "-n", "blob-pull"]
     # Slurm's commands run on the head node, through the jump host, with its own /etc/slurm/slurm.conf
     assert desc.slurm.model_dump() == {
         "cluster_name": "hvd-dev",
@@ -102,12 +109,12 @@ def test_cli_from_stack_writes_the_description(tmp_path):
     out = tmp_path / "c.json"
     key = private_key_file(tmp_path)
     proc = run_module(
-        "scripts.cluster", "from-stack", "--stack", "dev", "--ssh-key", str(key), "-o", str(out),
+        "scripts", "cluster", "from-stack", "--stack", "dev", "--ssh-key", str(key), "-o", str(out),
         env={"PATH": FAKE_PULUMI_PATH},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert cl.load(out).jump_host.host == "20.51.100.7" and cl.load(out).ssh_key == str(key)
-    shown = run_module("scripts.cluster", "show", "--cluster", str(out))
+    shown = run_module("scripts", "cluster", "show", "--cluster", str(out))
     assert shown.returncode == 0 and OUTPUTS["data_sas"] not in shown.stdout and "20.51.100.7" in shown.stdout
 
 
@@ -120,7 +127,7 @@ def test_cli_from_stack_writes_the_description(tmp_path):
 )
 def test_cli_from_stack_faults(tmp_path, stack, expected):
     proc = run_module(
-        "scripts.cluster", "from-stack", "--stack", stack, "-o", str(tmp_path / "c.json"),
+        "scripts", "cluster", "from-stack", "--stack", stack, "-o", str(tmp_path / "c.json"),
         "--ssh-key", str(private_key_file(tmp_path)), env={"PATH": FAKE_PULUMI_PATH}, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2
@@ -128,41 +135,90 @@ def test_cli_from_stack_faults(tmp_path, stack, expected):
     assert not (tmp_path / "c.json").exists()
 
 
-def test_docker_runtime_commands():
-    """The Azure path cannot run here: check the commands it would run on the nodes."""
+@pytest.mark.parametrize(
+    ("credential", "problem"),
+    [
+        ({"kind": "managed_identity"}, "a managed_identity credential needs client_id"),
+        (
+            {"kind": "managed_identity", "client_id": "c", "secret": "s"},
+            "a managed_identity credential carries no secret",
+        ),
+        ({"kind": "entra_id", "client_id": "c"}, "client_id belongs to a managed_identity credential, not to entra_id"),
+        ({"kind": "sas"}, "a sas credential needs its secret"),
+    ],
+)
+def test_credentials_carry_what_their_kind_needs(credential, problem):
+    with pytest.raises(ValidationError, match=problem):
+        BlobCredential.model_validate(credential)
+
+
+def test_jobs_upload_results_with_a_sas_or_the_cluster_identity_only():
     desc = cl.from_stack_outputs(OUTPUTS, "dev", ssh_key="k")
-    run_dir = "/shared/runs/r1"
-    start = launch.docker_run_command(desc, "r1", run_dir, desc.runtime.images["pytorch"], gpus=True)
-    for flag in (
-        "--network host", "--ipc host", "--gpus all", "--device /dev/infiniband", "--ulimit memlock=-1",
-        "-v /shared:/shared", "-e HVD_RUN_ID=r1", "-e NCCL_SOCKET_IFNAME=eth0", "--name hvd-r1",
-        "hvddevacr3f9a1c.azurecr.io/hvd-pytorch:latest",
-    ):  # fmt: skip
-        assert flag in start
-    assert "-p 12345" in start and "hvd_run_key" in start
-    opts = launch.LaunchOptions(framework="pytorch", job_args=["--model", "resnet50"])
-    cmd = launch.horovodrun_command(desc, opts, "r1", run_dir, 16, f"{run_dir}/metrics.json")
-    assert cmd.startswith("docker exec -e HVD_RUN_ID=r1 hvd-r1 sh -c ")
-    for part in ("horovodrun --gloo -np 16", "--hostfile /shared/runs/r1/hostfile", "-p 12345",
-                 "python -m training.pytorch --model resnet50 --metrics-json /shared/runs/r1/metrics.json",
-                 "NCCL_TOPO_FILE=/opt/microsoft/ndv5-topo.xml", "cd /workspace"):  # fmt: skip
-        assert part in cmd
-    assert launch.sweep_command(desc, "r1").startswith("if docker rm -f hvd-r1")
-    nodes = [
-        NodeRecord(
-            hostname="vmss000000", address="10.20.1.4", gpus=8, ib_state="ACTIVE", ready_at="2026-01-01T00:00:00Z"
-        ),
-        NodeRecord(
-            hostname="vmss000001", address="10.20.1.5", gpus=8, ib_state="ACTIVE", ready_at="2026-01-01T00:00:00Z"
-        ),
-    ]
-    assert launch.hostfile_text(nodes, 8) == "10.20.1.4 slots=8\n10.20.1.5 slots=8\n"
-    assert launch.rank_hosts(nodes, 2) == ["vmss000000", "vmss000000", "vmss000001", "vmss000001"]
-    files = launch.ssh_files_for_horovodrun(desc, nodes, run_dir, run_key="KEY")
-    assert "Port 12345" in files["ssh/config"][0] and "/root/.ssh/hvd_run_key" in files["ssh/config"][0]
-    assert files["ssh/id_ed25519"] == ("KEY", 0o600)  # a private key on the share is never world-readable
+    local = desc.model_copy(update={"results_upload": BlobCredential(kind="sas", secret=SecretStr("sp=cw&sig=x"))})
+    assert ClusterDescription.model_validate(local.model_dump(context={"reveal_secrets": True})) == local
+    for kind in ("entra_id", "connection_string"):
+        data = desc.model_dump(context={"reveal_secrets": True})
+        data["results_upload"] = {"kind": kind, "secret": "s" if kind == "connection_string" else None}
+        with pytest.raises(ValidationError, match="results_upload must be of kind 'sas' or 'managed_identity'"):
+            ClusterDescription.model_validate(data)
+
+
+def test_a_description_of_an_older_schema_is_named(tmp_path):
+    data = cl.from_stack_outputs(OUTPUTS, "dev", ssh_key="k").model_dump(mode="json", context={"reveal_secrets": True})
+    data |= {"schema_version": 1, "node_registry_path": "/shared/nodes"}
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    with pytest.raises(OperatorError, match=r"has schema version 1, this version reads 2: write it again"):
+        cl.load(old)
+
+
+def test_ssh_config_reaches_every_host_through_the_jump_host(tmp_path):
+    """The hosts the CLI reaches: jump host, NFS server, Slurm login node, and nodes by name (resolved
+    on the jump host) or by a given address. Checked with `ssh -G`, OpenSSH's own reading of the config."""
+    key = private_key_file(tmp_path)
+    desc = cl.from_stack_outputs(OUTPUTS, "dev", ssh_key=key, known_hosts=tmp_path / "kh")
+
+    def resolved(ssh: SSH, alias: str) -> dict[str, str]:
+        out = subprocess.run(["ssh", "-F", str(ssh.config_path), "-G", alias], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+
+    with SSH(desc, addresses={"vmss000001": "10.20.1.6"}) as ssh:
+        jump = resolved(ssh, ssh.jump.alias)
+        assert (jump["hostname"], jump["port"], jump["user"]) == ("20.51.100.7", "22", "azureuser")
+        assert "proxyjump" not in jump
+        expected = {
+            ssh.storage: "10.20.2.4",
+            ssh.login: "10.20.1.4",
+            ssh.node("vmss000000"): "vmss000000",  # Azure's DNS on the jump host's side knows the name
+            ssh.node("vmss000001"): "10.20.1.6",
+        }
+        for target, host in expected.items():
+            options = resolved(ssh, target.alias)
+            assert (options["hostname"], options["proxyjump"], options["user"]) == (host, "jump_host", "azureuser")
+            assert options["identityfile"] == str(key) and options["batchmode"] == "yes"
+        assert ssh.login.label == "Slurm login host azureuser@10.20.1.4:22"
+        assert ssh.node("vmss000000").alias == "vmss000000"
+        with pytest.raises(OperatorError, match="invalid node name"):
+            ssh.node("jump_host")  # never a name that could stand for another host, or inject config
+        with pytest.raises(OperatorError, match="invalid node name"):
+            ssh.node("a\n ProxyCommand evil")
+
+
+def test_a_login_host_that_is_the_jump_host_is_reached_directly(tmp_path):
+    desc = cl.from_stack_outputs(OUTPUTS, "dev", ssh_key=private_key_file(tmp_path), known_hosts=tmp_path / "kh")
+    local_like = desc.model_copy(update={"slurm": desc.slurm.model_copy(update={"login": desc.jump_host})})
+    with SSH(local_like) as ssh:
+        out = subprocess.run(["ssh", "-F", str(ssh.config_path), "-G", ssh.login.alias], capture_output=True, text=True)
+    assert "hostname 20.51.100.7" in out.stdout.splitlines() and "proxyjump" not in out.stdout
+    no_slurm = desc.model_copy(update={"slurm": None})
+    with SSH(no_slurm) as ssh, pytest.raises(OperatorError, match="has no Slurm") as err:
+        ssh.login  # noqa: B018
+    assert err.value.exit_code == 3
 
 
 def test_every_output_the_cli_reads_is_one_the_stack_declares():
-    # infra/contract.py names the stack's outputs; the CLI must not read one the stack never exports.
+    # infra/contract.py names the stack's outputs; the CLI must not read one the stack never exports,
+    # and the recorded outputs the tests use are exactly the stack's.
     assert cl.REQUIRED_OUTPUTS and set(cl.REQUIRED_OUTPUTS) <= set(StackOutput)
+    assert set(OUTPUTS) == set(StackOutput)

@@ -1,301 +1,310 @@
-"""The launcher against real sshd nodes of the local cluster (through the jump host), real Horovod over gloo."""
+"""`launch`, `jobs`, `logs`, `cancel` and `status` against the local cluster's real Slurm (slurmctld in a head
+namespace, slurmd in each node namespace), through the jump host's sshd, with Horovod over gloo and the
+results uploaded by the job itself to Azurite."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
-import threading
 import time
-from contextlib import contextmanager
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 
-from scripts import launch, local_cluster
+from scripts import local_power
 from scripts.blobs import container_client
-from scripts.cluster import NodeRecord, load
-from scripts.daemons import free_port
-from scripts.errors import OperatorError
-from scripts.sshutil import SSH
+from scripts.cluster import ClusterDescription
 from tests.polling import wait_for
 
 from .conftest import (
     JOB,
-    SESSION_SUBNET,
-    address,
-    cluster_name,
-    host_pids_with,
-    node_pids_with,
+    SESSION_NAME,
+    live_pids_mentioning,
+    local_state_dir,
+    own_cluster,
     run_module,
     start_module,
 )
 
-GHOST_ADDRESS = address(SESSION_SUBNET, 99)  # inside the session cluster's bridge range, no such host
-NODE0, NODE1 = address(SESSION_SUBNET, 10), address(SESSION_SUBNET, 11)
+CLI = "scripts"
 
 
-@contextmanager
-def ghost_node(cluster, hostname: str = "node-2"):
-    """A registry entry whose node does not answer (it was deleted, or its network is down)."""
-    record = NodeRecord(hostname=hostname, address=GHOST_ADDRESS, gpus=0, ib_state="absent", ready_at=datetime.now(UTC))
-    path = local_cluster.write_registry_record(Path(cluster.node_registry_path), record)
-    try:
-        yield record
-    finally:
-        path.unlink()
+def launch_args(cluster_file: Path, *job_args: str, run_id: str, nodes: int = 2, extra: tuple[str, ...] = ()) -> list:
+    return [
+        "launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--nodes", str(nodes),
+        "--entrypoint", JOB, "--run-id", run_id, *extra, "--", *job_args,
+    ]  # fmt: skip
 
 
-def registry(cluster) -> list[NodeRecord]:
-    with SSH(cluster) as ssh:
-        records, notes = launch.read_registry(cluster, ssh)
-    assert not notes
-    return records
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return run_module(CLI, *args, timeout=timeout)
 
 
-class Output:
-    """Collects a running launcher's output lines in a thread."""
-
-    def __init__(self, proc: subprocess.Popen):
-        self.lines: list[str] = []
-        self.thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
-        self.thread.start()
-
-    def _read(self, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            self.lines.append(line.rstrip("\n"))
-
-    def has(self, pattern: str) -> bool:
-        return any(re.search(pattern, line) for line in self.lines)
-
-    @property
-    def text(self) -> str:
-        return "\n".join(self.lines)
+def run_dir(cluster: ClusterDescription, run_id: str) -> Path:
+    return Path(cluster.shared_mount_path) / "runs" / run_id
 
 
-def test_registry_and_preflight_table(cluster, tmp_path):
-    data = Path(cluster.data_path) / "preflight-ds"
-    (data / "train" / "n0").mkdir(parents=True, exist_ok=True)
-    (data / "train" / "n0" / "a.JPEG").write_bytes(b"x")
-    with ghost_node(cluster), SSH(cluster) as ssh:
-        records = sorted(registry(cluster), key=lambda r: r.hostname)
-        assert [r.hostname for r in records] == ["node-0", "node-1", "node-2"]
-        ssh.set_nodes(records)
-        started = time.time()
-        results = launch.preflight(cluster, ssh, records, data_dir=str(data))
-        assert time.time() - started < 30
-        missing = launch.preflight(cluster, ssh, records[:1], data_dir=str(tmp_path / "no-such-dataset"))
-    by_host = {r.hostname: r for r in results}
-    for host in ("node-0", "node-1"):
-        r = by_host[host]
-        assert r.ok, r.problems
-        assert (r.gpus, r.ib_state, r.shared, r.data, r.runtime) == (0, "absent", "present", "present", "host-ok")
-        assert r.free_disk_gb and r.free_disk_gb > cluster.min_free_disk_gb
-    assert not by_host["node-2"].ok and "unreachable" in by_host["node-2"].problems[0]
-    assert not missing[0].ok and missing[0].problems == [f"dataset {tmp_path / 'no-such-dataset'} missing or empty"]
-
-    console = Console(width=220, record=True)
-    console.print(launch.preflight_table(results))
-    table = console.export_text()
-    for header in ("node", "GPUs", "IB", "shared FS", "data", "image/runtime", "free disk", "status"):
-        assert header in table
-    assert re.search(rf"node-0 .*{re.escape(NODE0)} .* 0 .* absent .* present .* present .* host-ok .* GB .* ok", table)
-    assert re.search(rf"node-2 .*{re.escape(GHOST_ADDRESS)} .*unreachable", table)
+def job_id_of(proc: subprocess.CompletedProcess) -> str:
+    match = re.search(r"submitted job (\d+)", proc.stdout + proc.stderr)
+    assert match, proc.stdout + proc.stderr
+    return match.group(1)
 
 
-def test_unhealthy_node_aborts_with_the_flag(cluster, tmp_path):
-    with ghost_node(cluster):
-        opts = launch.LaunchOptions(
-            framework="pytorch", nodes=2, entrypoint=JOB, abort_on_unhealthy=True, runs_dir=tmp_path, upload=False
-        )
-        with pytest.raises(OperatorError, match=r"preflight failed \(--abort-on-unhealthy\): node-2: .*unreachable"):
-            launch.launch(cluster, opts)
-        opts.abort_on_unhealthy = False
-        opts.nodes = 3
-        with pytest.raises(OperatorError, match=r"only 2 healthy nodes, 3 needed \(node-2: .*unreachable"):
-            launch.launch(cluster, opts)
-    assert not list(tmp_path.iterdir())  # nothing started, nothing recorded
+def status_of(cluster: ClusterDescription, run_id: str) -> dict | None:
+    path = run_dir(cluster, run_id) / "status.json"
+    return json.loads(path.read_text()) if path.exists() else None
 
 
-def test_two_node_job_prefixed_logs_exit_code_and_results(cluster, cluster_file, tmp_path):
-    """A ghost node is excluded by preflight; the job runs on the two healthy ones and exits 3."""
-    with ghost_node(cluster):
-        proc = run_module(
-            "scripts.launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--nodes", "2",
-            "--entrypoint", JOB, "--runs-dir", str(tmp_path), "--run-id", "exit3", "--",
-            "--steps", "3", "--exit-code", "3",
-        )  # fmt: skip
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 3, out
-    assert "excluding unhealthy nodes: node-2" in out
-    assert re.search(r"^\[0\|node-0\] hello from rank 0/2 on node-0 ", proc.stdout, re.M)
-    assert re.search(r"^\[1\|node-1\] hello from rank 1/2 on node-1 ", proc.stdout, re.M)
-    assert re.search(r"^\[1\|node-1\] step 2 sum 3$", proc.stdout, re.M)
-    assert re.search(r"job failed: rank \d on node-\d exited with status 3", out)
-    assert "Traceback" not in proc.stdout  # horovodrun's own traceback stays in the log file
-
-    run_dir = tmp_path / "exit3"
-    record = json.loads((run_dir / "run.json").read_text())
-    assert record["exit_code"] == 3 and record["world_size"] == 2
-    assert [n["hostname"] for n in record["nodes"]] == ["node-0", "node-1"]
-    assert record["metrics"]["world_size"] == 2 and record["metrics"]["hosts"] == ["node-0", "node-1"]
-    assert (run_dir / "hostfile").read_text() == f"{NODE0} slots=1\n{NODE1} slots=1\n"
-    assert "hello from rank 1/2 on node-1" in (run_dir / "logs" / "rank-1.log").read_text()
-    assert "Traceback" in (run_dir / "launch.log").read_text()
-    assert json.loads((run_dir / "metrics.json").read_text())["steps"] == 3
-    uploaded = {b.name for b in container_client(cluster.results).list_blobs(name_starts_with="exit3/")}
-    assert {"exit3/run.json", "exit3/launch.log", "exit3/metrics.json", "exit3/logs/rank-0.log"} <= uploaded
-    assert not host_pids_with("HVD_RUN_ID=exit3")
-
-
-def start_long_job(cluster_file, runs_dir, run_id):
-    """A 2-node launch that runs until something stops it, with its output captured."""
-    proc = start_module(
-        "scripts.launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--entrypoint", JOB,
-        "--runs-dir", str(runs_dir), "--run-id", run_id, "--no-upload", "--", "--steps", "1000", "--sleep", "0.2",
-    )  # fmt: skip
-    return proc, Output(proc)
-
-
-def test_sigint_stops_every_remote_process(cluster, cluster_file, tmp_path):
-    run_id = "sigint"
-    proc, out = start_long_job(cluster_file, tmp_path, run_id)
-    try:
-        wait_for(
-            lambda: out.has(r"^\[0\|node-0\] step 1 ") and out.has(r"^\[1\|node-1\] step 1 "),
-            120,
-            what="steps",
-            interval=0.1,
-        )
-        on_nodes = node_pids_with(cluster, f"HVD_RUN_ID={run_id}")
-        assert on_nodes["node-0"] >= 2 and on_nodes["node-1"] >= 1  # horovodrun + rank 0; rank 1
-        proc.send_signal(signal.SIGINT)
-        started = time.time()
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out.thread.join(5)
-    assert proc.returncode == 130, out.text
-    assert time.time() - started < 30
-    assert "interrupted: stopping every process of the run on every node" in out.text
-    assert node_pids_with(cluster, f"HVD_RUN_ID={run_id}") == {"node-0": 0, "node-1": 0}
-    assert not host_pids_with(f"HVD_RUN_ID={run_id}")
-    assert json.loads((tmp_path / run_id / "run.json").read_text())["interrupted"] is True
-
-
-def test_killed_worker_fails_the_launch_names_the_host_and_leaves_nothing(cluster, cluster_file, tmp_path):
-    run_id = "killed"
-    proc, out = start_long_job(cluster_file, tmp_path, run_id)
-    try:
-        wait_for(lambda: out.has(r"^\[1\|node-1\] step 1 "), 120, what="rank 1 running", interval=0.1)
-        # on node-1 itself, in its own process table: kill -9 the rank-1 worker
-        kill = (
-            "for d in /proc/[0-9]*; do grep -qxzF HVD_RUN_ID=killed $d/environ 2>/dev/null && "
-            "grep -qxzF HOROVOD_RANK=1 $d/environ && grep -q hvd_job $d/cmdline && kill -9 ${d#/proc/} && echo ok; "
-            "done; true"
-        )
-        with SSH(cluster, registry(cluster)) as ssh:
-            assert ssh.run(ssh.node("node-1"), kill).stdout.split() == ["ok"]
-        started = time.time()
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out.thread.join(5)
-    assert proc.returncode not in (0, 130), out.text
-    assert time.time() - started < 60
-    assert re.search(r"job failed: rank 1 on node-1 exited with status \d+", out.text)
-    assert node_pids_with(cluster, f"HVD_RUN_ID={run_id}") == {"node-0": 0, "node-1": 0}
-    assert not host_pids_with(f"HVD_RUN_ID={run_id}")
-    record = json.loads((tmp_path / run_id / "run.json").read_text())
-    assert (record["failed_rank"], record["failed_host"]) == (1, "node-1")
-
-
-def test_node_missing_from_the_registry(cluster_file, tmp_path):
-    started = time.time()
-    proc = run_module(
-        "scripts.launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--hosts", "node-0,node-7",
-        "--wait-timeout", "3", "--runs-dir", str(tmp_path), timeout=60,
-    )  # fmt: skip
-    assert proc.returncode == 4  # timed out waiting for the node
-    assert "error: node-7 is not in the node registry" in proc.stderr and "(found: node-0, node-1;" in proc.stderr
-    proc = run_module(
-        "scripts.launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--nodes", "3",
-        "--wait-timeout", "3", "--runs-dir", str(tmp_path), timeout=60,
-    )  # fmt: skip
-    assert proc.returncode == 4 and "only 2 of 3 nodes are ready" in proc.stderr
-    assert time.time() - started < 60
-
-
-def test_ssh_authentication_failure(cluster, tmp_path):
-    wrong = tmp_path / "wrong_key"
-    local_cluster.keygen(wrong, "not-authorized")
-    desc = cluster.model_copy(update={"ssh_key": str(wrong)})
-    path = desc.save(tmp_path / "cluster.json")
-    started = time.time()
-    proc = run_module("scripts.launch", "--cluster", str(path), "--framework", "pytorch", timeout=60)
-    assert proc.returncode == 3  # the cluster refused us: environment, not input
-    assert "SSH authentication failed for user 'root' with key" in proc.stderr
-    assert "through the jump host" in proc.stderr
-    assert time.time() - started < 60
-
-
-def test_unreachable_jump_host_and_node(cluster, tmp_path):
-    closed = free_port()
-    jump = cluster.jump_host.model_copy(update={"port": closed})
-    path = cluster.model_copy(update={"jump_host": jump}).save(tmp_path / "cluster.json")
-    started = time.time()
-    proc = run_module("scripts.launch", "--cluster", str(path), "--framework", "pytorch", timeout=60)
-    assert proc.returncode == 3 and "unreachable (connection refused)" in proc.stderr
-    with ghost_node(cluster, "node-2"), SSH(cluster) as ssh:
-        ssh.set_nodes(registry(cluster))
-        with pytest.raises(OperatorError, match=rf"node node-2 \(root@{re.escape(GHOST_ADDRESS)}\): unreachable"):
-            ssh.run(ssh.node("node-2"), "true", timeout=30)
-    assert time.time() - started < 60
-
-
-def test_fallback_nodes_on_localhost_ports(tmp_path):
-    """Where namespaces cannot be made: nodes are sshds on loopback addresses and ports; same launcher."""
-    state = tmp_path / "fallback"
-    desc = local_cluster.up(nodes=2, state_dir=state, name=cluster_name("l"), mode="localhost")
-    try:
-        assert local_cluster.load_state(state.resolve()).mode == "localhost"
-        records = sorted(registry(desc), key=lambda r: r.hostname)
-        assert [(r.address, r.ssh_port is not None) for r in records] == [("127.0.1.10", True), ("127.0.1.11", True)]
-        opts = launch.LaunchOptions(
-            framework="pytorch", entrypoint=JOB, job_args=["--steps", "2"], runs_dir=tmp_path / "runs", run_id="fb"
-        )
-        lines: list[str] = []
-        result = launch.launch(load(state / "cluster.json"), opts, echo=lines.append)
-        assert result.exit_code == 0, "\n".join(lines)
-        assert any(line.startswith("[1|node-1] step 1 sum 3") for line in lines)
-        assert result.metrics["world_size"] == 2
-        assert result.results_url and result.results_url.endswith("/results/fb/")
-    finally:
-        local_cluster.down(state, quiet=True)
-    assert not state.exists()
-
-
-def test_the_jobs_own_verdict_names_the_rank_that_stopped_answering(tmp_path):
-    # horovodrun blames the rank that exited first (the healthy rank 0, which noticed); the job's
-    # own error line names the one that stopped answering, and the summary must carry it.
-    streamer = launch.Streamer(tmp_path, ["node-0", "node-1"], echo=lambda line: None)
-    for line in (
-        "[1]<stdout>:step 5/8",
-        "[0]<stderr>:error: rank 1 on host node-1 stopped answering (no reply within 5 s); rank 0 noticed",
-        "Process 0 exit with status code 1.",
-        "Process name: 0",
-        "Exit code: 1",
-    ):
-        streamer.feed(line)
-    streamer.close()
-    result = launch.RunResult(run_id="r", exit_code=1, run_dir=tmp_path, nodes=["node-0", "node-1"], world_size=2)
-    assert launch._job_exit(1, streamer, result, ["node-0", "node-1"], []) == 1
-    assert result.message == (
-        "job failed: rank 0 on node-0 exited with status 1: "
-        "rank 1 on host node-1 stopped answering (no reply within 5 s); rank 0 noticed"
+def squeue_state(cluster: ClusterDescription, job_id: str) -> str:
+    assert cluster.slurm and cluster.slurm.conf
+    proc = subprocess.run(
+        ["squeue", "--noheader", f"--jobs={job_id}", "--format=%T"],
+        env={**os.environ, "SLURM_CONF": cluster.slurm.conf},
+        capture_output=True,
+        text=True,
     )
+    return proc.stdout.strip()
+
+
+def node_namespaces() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.startswith(f"{SESSION_NAME}-node-")]
+
+
+def job_processes_on_nodes(marker: str) -> dict[str, list[int]]:
+    """namespace -> pids of processes in that node namespace whose command line mentions marker."""
+    found = {}
+    for namespace in node_namespaces():
+        pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
+        hits = []
+        for pid in pids:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if marker.encode() in cmdline:
+                hits.append(int(pid))
+        found[namespace] = hits
+    return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def results_blobs(cluster: ClusterDescription, run_id: str) -> dict[str, bytes]:
+    client = container_client(cluster.results)
+    return {b.name: client.download_blob(b.name).readall() for b in client.list_blobs(name_starts_with=f"{run_id}/")}
+
+
+def world_writable(root: Path) -> list[str]:
+    return [str(p) for p in [root, *root.rglob("*")] if not p.is_symlink() and p.lstat().st_mode & 0o002]
+
+
+# --- a whole job -------------------------------------------------------------------------------
+def test_two_node_job_prefixed_logs_exit_code_and_results(cluster, cluster_file):
+    proc = cli(*launch_args(cluster_file, "--steps", "3", run_id="ok-run", extra=("--follow",)))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"^\[0\|node-0\] hello from rank 0/2 on node-0", out, re.M), out[-3000:]
+    assert re.search(r"^\[1\|node-1\] hello from rank 1/2 on node-1", out, re.M), out[-3000:]
+    assert "job ok-run" not in out and f"job {job_id_of(proc)} (run ok-run): ok" in out
+    # the run directory: the submitter's own, nothing in it (or anywhere on the share) open to everyone
+    directory = run_dir(cluster, "ok-run")
+    assert directory.stat().st_mode & 0o777 == 0o700
+    assert world_writable(Path(cluster.shared_mount_path)) == []
+    # the job itself uploaded its run: logs, metrics, the request, its exit; never the SAS or checkpoints
+    blobs = results_blobs(cluster, "ok-run")
+    assert {"ok-run/output.log", "ok-run/metrics.json", "ok-run/job.json", "ok-run/status.json"} <= set(blobs)
+    assert not [name for name in blobs if name.endswith(".sas") or "/remote/" in name]
+    assert json.loads(blobs["ok-run/metrics.json"])["hosts"] == ["node-0", "node-1"]
+    assert json.loads(blobs["ok-run/status.json"])["exit_code"] == 0
+    assert b"[1|node-1] rank 1 done" in blobs["ok-run/output.log"]
+
+
+def test_a_failing_rank_sets_the_exit_status_and_is_named(cluster, cluster_file):
+    job_args = ("--steps", "2", "--exit-code", "3", "--fail-rank", "1")
+    proc = cli(*launch_args(cluster_file, *job_args, run_id="fail-run", extra=("--follow",)))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out[-4000:]
+    assert "rank 1 on node-1 failed" in out
+    assert status_of(cluster, "fail-run")["exit_code"] == 3
+
+
+# --- the queue -------------------------------------------------------------------------------------
+def test_second_job_waits_for_the_nodes_then_runs(cluster, cluster_file):
+    job_args = ("--steps", "8", "--sleep", "1")
+    first = cli(*launch_args(cluster_file, *job_args, run_id="queue-a", extra=("--detach",)))
+    second = cli(*launch_args(cluster_file, *job_args, run_id="queue-b", extra=("--detach",)))
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    job_a, job_b = job_id_of(first), job_id_of(second)
+    assert first.stdout.strip() == job_a  # --detach: the job id alone on stdout
+    wait_for(lambda: squeue_state(cluster, job_a) == "RUNNING", 60, "the first job to run", interval=0.5)
+    assert squeue_state(cluster, job_b) == "PENDING"
+    listing = cli("jobs", "--cluster", str(cluster_file))
+    assert listing.returncode == 0
+    assert re.search(rf"{job_a}\s.*queue-a.*RUNNING", listing.stdout)
+    assert re.search(rf"{job_b}\s.*queue-b.*PENDING", listing.stdout)
+    for run_id in ("queue-a", "queue-b"):
+        status = wait_for(lambda r=run_id: status_of(cluster, r), 180, f"{run_id} to end", interval=1)
+        assert status["exit_code"] == 0
+    started = [json.loads((run_dir(cluster, r) / "status.json").read_text()) for r in ("queue-a", "queue-b")]
+    assert started[0]["finished_at"] <= started[1]["finished_at"]
+    listing = cli("jobs", "--cluster", str(cluster_file))
+    assert re.search(rf"{job_a}\s.*queue-a.*COMPLETED", listing.stdout), listing.stdout
+    assert re.search(rf"{job_b}\s.*queue-b.*COMPLETED", listing.stdout), listing.stdout
+
+
+# --- cancel ----------------------------------------------------------------------------------------
+def start_long_job(cluster, cluster_file, run_id: str) -> str:
+    proc = cli(*launch_args(cluster_file, "--steps", "600", "--sleep", "0.5", run_id=run_id, extra=("--detach",)))
+    assert proc.returncode == 0, proc.stderr
+    log = run_dir(cluster, run_id) / "output.log"
+    wait_for(lambda: log.exists() and "[1|node-1] step 1" in log.read_text(), 90, "both ranks to step", interval=0.5)
+    return job_id_of(proc)
+
+
+def test_cancel_stops_every_process_on_every_node(cluster, cluster_file):
+    job_id = start_long_job(cluster, cluster_file, "cancel-run")
+    assert all(job_processes_on_nodes("cancel-run").values())  # the job runs on both nodes
+    started = time.monotonic()
+    proc = cli("cancel", "--cluster", str(cluster_file), job_id)
+    took = time.monotonic() - started
+    assert proc.returncode == 0 and took < 30, (took, proc.stderr)
+    assert job_processes_on_nodes("cancel-run") == {ns: [] for ns in node_namespaces()}
+    assert squeue_state(cluster, job_id) == ""
+    # the job's EXIT trap still recorded the cancel and uploaded the run
+    assert status_of(cluster, "cancel-run")["exit_code"] == 143
+    assert "cancel-run/output.log" in results_blobs(cluster, "cancel-run")
+    again = cli("cancel", "--cluster", str(cluster_file), "cancel-run")  # by run id, once it has ended
+    assert again.returncode == 0 and "already ended" in again.stderr
+
+
+# --- the operator goes away ------------------------------------------------------------------------
+def test_job_outlives_a_killed_follower(cluster, cluster_file):
+    args = launch_args(cluster_file, "--steps", "10", "--sleep", "0.5", run_id="orphan-run", extra=("--follow",))
+    follower = start_module(CLI, *args)
+    assert follower.stdout is not None
+    for line in follower.stdout:
+        if "hello from rank 1" in line:
+            break
+    follower.send_signal(signal.SIGKILL)
+    follower.wait(timeout=10)
+    status = wait_for(lambda: status_of(cluster, "orphan-run"), 120, "the job to end on its own", interval=1)
+    assert status["exit_code"] == 0
+    assert "orphan-run/metrics.json" in results_blobs(cluster, "orphan-run")
+    logs = cli("logs", "--cluster", str(cluster_file), "orphan-run")
+    assert logs.returncode == 0 and "[0|node-0] step 9 sum 3" in logs.stdout
+    followed = cli("logs", "--cluster", str(cluster_file), status["job_id"], "-f")  # an ended job: its exit
+    assert followed.returncode == 0 and "[1|node-1] rank 1 done" in followed.stdout
+
+
+def test_ctrl_c_without_a_terminal_detaches(cluster, cluster_file):
+    args = launch_args(cluster_file, "--steps", "600", "--sleep", "0.5", run_id="detach-run", extra=("--follow",))
+    follower = start_module(CLI, *args)
+    assert follower.stdout is not None
+    for line in follower.stdout:
+        if "hello from rank 1" in line:
+            break
+    follower.send_signal(signal.SIGINT)
+    rest = follower.communicate(timeout=30)[0]
+    assert follower.returncode == 130 and "detached" in rest
+    job_id = (run_dir(cluster, "detach-run") / "job_id").read_text().strip()
+    assert squeue_state(cluster, job_id) == "RUNNING"
+    assert cli("cancel", "--cluster", str(cluster_file), "detach-run").returncode == 0
+
+
+# --- what is refused before anything is submitted ---------------------------------------------------
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--run-id", "../escape"), "invalid run id"),
+        (("--run-id", "a/b"), "invalid run id"),
+        (("--nodes", "3"), "the cluster has 2 nodes"),
+        (("--launcher", "torchrun", "--framework", "keras"), "torchrun runs PyTorch jobs only"),
+    ],
+)
+def test_bad_requests_are_refused_clearly(cluster_file, extra, message):
+    base = ["launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--detach"]
+    proc = cli(*base, *extra, "--", "--steps", "1")
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_missing_dataset_and_reused_run_id_are_refused(cluster, cluster_file):
+    proc = cli(*launch_args(cluster_file, "--data-dir", "/nonexistent/data", run_id="no-data", extra=("--detach",)))
+    assert proc.returncode == 2 and "not on the shared file system" in proc.stderr
+    assert not run_dir(cluster, "no-data").exists()
+    (run_dir(cluster, "taken")).mkdir(parents=True, mode=0o700)
+    proc = cli(*launch_args(cluster_file, run_id="taken", extra=("--detach",)))
+    assert proc.returncode == 2 and "already used" in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["logs", "cancel"])
+def test_unknown_jobs_are_named(cluster_file, command):
+    for job in ("999999", "no-such-run"):
+        proc = cli(command, "--cluster", str(cluster_file), job)
+        assert proc.returncode == 2 and job in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_status_lists_nodes_and_queue(cluster_file):
+    proc = cli("status", "--cluster", str(cluster_file))
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"node-0\s.*idle", proc.stdout) and re.search(r"node-1\s.*idle", proc.stdout)
+    assert "2 nodes: 2 idle; 0 powered down; queue: 0 running, 0 pending" in proc.stdout
+
+
+# --- a node fails --------------------------------------------------------------------------------
+def test_requeued_job_resumes_from_its_checkpoint_after_a_node_fails(tmp_path):
+    """--requeue: node-1 is switched off mid-job; Slurm marks it DOWN and requeues the job, which runs
+    again once the node is back and resumes from the run's newest checkpoint, ending at the right step."""
+    steps = 400
+    with own_cluster(tmp_path, "r") as desc:
+        state_dir = local_state_dir(desc)
+        cluster_file = state_dir / "cluster.json"
+        job_args = (
+            "--data", "synthetic", "--model", "simple_cnn", "--image-size", "32", "--batch-size", "8",
+            "--steps", str(steps), "--checkpoint-every", "20", "--log-every", "20", "--warmup-epochs", "0",
+        )  # fmt: skip
+        base = ["launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--run-id", "requeue-run"]
+        proc = cli(*base, "--requeue", "--detach", "--", *job_args)
+        assert proc.returncode == 0, proc.stderr
+        log = run_dir(desc, "requeue-run") / "output.log"
+        wait_for(lambda: log.exists() and "step 100/" in log.read_text(), 240, "step 100", interval=0.5)
+        local_power.stop_node(state_dir, "node-1")
+        job_id = proc.stdout.strip()
+        wait_for(lambda: squeue_state(desc, job_id) == "PENDING", 120, "Slurm to requeue the job", interval=1)
+        local_power.start_node(state_dir, "node-1")
+        status = wait_for(
+            lambda: (s := status_of(desc, "requeue-run")) and s["attempt"] == 2 and s,
+            300,
+            "attempt 2 to end",
+            interval=1,
+        )
+        assert status["exit_code"] == 0, log.read_text()[-3000:]
+        metrics = json.loads((run_dir(desc, "requeue-run") / "metrics.json").read_text())
+        assert metrics["steps"] == steps and metrics["resumed_from_step"] >= 100, metrics
+        assert "node node-1 does not answer: requeueing the job" in log.read_text()
+
+
+def test_a_submission_resumes_power_saved_nodes(tmp_path):
+    """Autostop: idle nodes are suspended after a few seconds (slurmd and sshd stopped); a job submitted
+    with `launch` makes Slurm resume them, and it runs on both."""
+    with own_cluster(tmp_path, "p", autostop_seconds=3) as desc:
+        cluster_file = local_state_dir(desc) / "cluster.json"
+
+        def node_states() -> str:
+            shown = cli("status", "--cluster", str(cluster_file))
+            return shown.stdout
+
+        wait_for(lambda: "2 powered down" in node_states(), 60, "both nodes powered down", interval=1)
+        assert not [pid for pid in live_pids_mentioning("slurmd") if str(local_state_dir(desc)) in cmdline(pid)]
+        args = ["launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--entrypoint", JOB]
+        proc = cli(*args, "--run-id", "wake-up", "--follow", "--", "--steps", "2", timeout=240)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        assert "[1|node-1] rank 1 done" in proc.stdout

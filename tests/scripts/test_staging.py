@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 import signal
 import time
@@ -15,10 +16,11 @@ from azure.core.exceptions import HttpResponseError
 from azure.storage.blob import ContainerClient, ContainerSasPermissions, ContentSettings, generate_container_sas
 from PIL import Image
 
-from scripts import blob_pull, local_cluster, stage
+from scripts import local_cluster, stage
 from scripts.blobs import container_client
 from scripts.cluster import ClusterDescription
 from scripts.errors import OperatorError
+from scripts.remote import blob_pull
 from tests.polling import wait_for
 
 from .conftest import run_module, start_module
@@ -122,7 +124,7 @@ def test_upload_resumes_after_a_kill(cluster, cluster_file, tmp_path):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"img_{i:04d}.JPEG").write_bytes(os.urandom(96 * 1024))
     proc = start_module(
-        "scripts.stage", "upload", "--cluster", str(cluster_file), "--source", str(src), "--dataset", "resume",
+        "scripts", "stage", "upload", str(src), "--cluster", str(cluster_file), "--dataset", "resume",
         "--workers", "1", "--no-progress",
     )  # fmt: skip
     client = admin(cluster)
@@ -202,12 +204,12 @@ def test_expired_sas_gives_a_clear_error(cluster, cluster_file, jpegs):
     # the same through the CLIs an operator runs: blob-pull itself, and an upload with that SAS
     dest = Path(cluster.data_path) / "never"
     proc = run_module(
-        "scripts.blob_pull", "--container-url", cluster.data.url, "--dest", str(dest),
+        "scripts.remote.blob_pull", "--container-url", cluster.data.url, "--dest", str(dest),
         env={"BLOB_SAS": expired}, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 3 and "the SAS token expired at" in proc.stderr
     up = run_module(
-        "scripts.stage", "upload", "--cluster", str(cluster_file), "--source", str(jpegs), "--dataset", "x",
+        "scripts", "stage", "upload", str(jpegs), "--cluster", str(cluster_file), "--dataset", "x",
         "--sas-env", "STAGE_SAS", "--no-progress", env={"STAGE_SAS": expired}, timeout=60,
     )  # fmt: skip
     assert up.returncode == 3 and "the SAS token expired at" in up.stderr
@@ -219,8 +221,8 @@ def test_wrong_sas_and_missing_dataset_path(cluster, cluster_file):
     with pytest.raises(OperatorError, match="blob authorization failed while listing the container"):
         stage.pull(cluster, "plain", sas=wrong)
     proc = run_module(
-        "scripts.stage", "upload", "--cluster", str(cluster_file), "--source", "/nonexistent/imagenet",
-        "--dataset", "x", timeout=60,
+        "scripts", "--cluster", str(cluster_file), "stage", "upload", "/nonexistent/imagenet", "--dataset", "x",
+        timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2 and "error: dataset path /nonexistent/imagenet does not exist" in proc.stderr
 
@@ -241,7 +243,7 @@ def test_blob_pull_is_stdlib_only_and_refuses_escaping_names():
 def test_blob_pull_takes_the_sas_from_stdin_never_argv(cluster, tmp_path):
     dest = tmp_path / "pulled"
     proc = run_module(
-        "scripts.blob_pull", "--container-url", cluster.data.url, "--dest", str(dest), "--prefix", "plain/",
+        "scripts.remote.blob_pull", "--container-url", cluster.data.url, "--dest", str(dest), "--prefix", "plain/",
         input=cluster.data.credential.secret.get_secret_value() + "\n", timeout=60, env={"BLOB_SAS": ""},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -261,3 +263,24 @@ def test_rerun_does_not_hash_unchanged_files_again(cluster, jpegs, monkeypatch):
     os.utime(victim, ns=(victim.stat().st_atime_ns, victim.stat().st_mtime_ns + 1))
     stage.upload(cluster.data, cluster.staging_credential, jpegs, "hashcache", show_progress=False)
     assert calls == [victim]
+
+
+def test_generate_then_stage_all_through_the_cli(cluster, cluster_file, tmp_path):
+    src = tmp_path / "mini"
+    made = run_module(
+        "scripts", "stage", "generate", str(src), "--classes", "2", "--train-per-class", "2", "--val-per-class", "1",
+        "--image-size", "16", timeout=60,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert len(list(src.rglob("*.JPEG"))) == 6
+    proc = run_module(
+        "scripts", "stage", "all", str(src), "--dataset", "cli-all", "--no-progress",
+        env={"CLUSTER_DESCRIPTION": str(cluster_file)}, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [next(iter(line)) for line in lines] == ["upload", "pull"]
+    assert (lines[0]["upload"]["uploaded"], lines[1]["pull"]["files_in_dest"]) == (6, 6)
+    dest = Path(cluster.data_path) / "cli-all"
+    for path in src.rglob("*.JPEG"):
+        assert md5_b64(dest / path.relative_to(src)) == md5_b64(path)

@@ -1,0 +1,51 @@
+"""The operator's one command: `python -m scripts <command>` (`--help` lists them, `<command> --help`
+teaches each). Every command module adds its parser in `configure(commands)` and sets `handler`;
+errors take one path to the terminal (scripts.cli.run_cli)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from scripts import build_images, cluster, demo, jobs, launch, local_cluster, stage
+from scripts.cli import CLIParser, add_cluster_option, run_cli
+
+# In the order a user meets them: a cluster, data and images on it, jobs, then the local cluster.
+COMMAND_MODULES = (cluster, stage, build_images, launch, jobs, local_cluster, demo)
+
+DESCRIPTION = """\
+Distributed training on a Slurm GPU cluster: the Azure stack (`pulumi up`), or the embedded local
+cluster (`local up`). Every command reads the cluster description (--cluster).
+
+typical session:
+  python -m scripts local up                          # or: cluster from-stack --stack dev ...
+  python -m scripts stage generate /tmp/imagenet-mini  # or your own ImageNet-layout directory
+  python -m scripts stage all /tmp/imagenet-mini --dataset mini
+  python -m scripts launch --framework pytorch --nodes 2 -- --data synthetic --steps 50
+  python -m scripts jobs                               # the queue and recent runs
+  python -m scripts logs JOB -f                        # JOB: a Slurm job id or a run id
+  python -m scripts cancel JOB
+  python -m scripts status                             # nodes, drain reasons, health, queue
+"""
+
+
+def build_parser() -> CLIParser:
+    parser = CLIParser(
+        prog="python -m scripts", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_cluster_option(parser, top_level=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CLIParser)
+    for module in COMMAND_MODULES:
+        module.configure(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(build_parser(), lambda args: args.handler(args), argv)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""The batch script of a run (`job.sh`, submitted with sbatch): pure functions from a JobSpec to bash.
+
+What the script does, on the first node of the allocation, whoever is attached:
+  1. writes the allocation's node list (rank -> host) and clears the verdict of an earlier attempt
+     (a requeued job runs the script again, and resumes from the run's checkpoints);
+  2. runs the job: Horovod with `horovodrun` on a hostfile made from the allocation, its remote workers
+     started as Slurm job steps through `remote/bin/ssh` (scripts/remote/srun_ssh.py), so that Slurm
+     tracks and kills every process; DDP with `torchrun` under `srun`, one per node. The docker runtime
+     runs the same launchers in the framework's image, one container per node (the nodes' Epilog
+     removes the job's containers, which dockerd owns, not Slurm);
+  3. pipes the launcher's output through remote/annotate_output.py: `[rank|host]` on every line, a log per
+     rank, and the verdict (which rank failed and why);
+  4. on exit, even after scancel (SIGTERM, then SIGKILL after KillWait), writes status.json and uploads the
+     run directory (not its checkpoints or secrets) to the results container.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from infra.contract import CONTAINER_SSH_PORT
+from scripts.remote.annotate_output import TORCHRUN_PREFIX_TEMPLATE
+
+Launcher = Literal["horovodrun", "torchrun"]
+NODE_PROBE_S = 60  # how long a node may take to run an empty job step before it counts as failed
+RDZV_PORT_BASE = 29400  # torchrun's rendezvous on the first node: this plus the job id modulo 1000
+REMOTE_TOOLS = ("annotate_output.py", "upload_results.py", "srun_ssh.py")
+# --ntasks too: the allocation's SLURM_NTASKS (nodes x processes) would otherwise win over per-node
+ONE_TASK_PER_NODE = '--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1'
+# torchrun prefixes each line of a rank with this (it has no flag for it): the global rank, which
+# annotate_output.py turns into [rank|host]. Quoted: torchrun, not bash, fills in ${rank}.
+TORCHRUN_PREFIX = f"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE={shlex.quote(TORCHRUN_PREFIX_TEMPLATE)}"
+
+
+@dataclass(frozen=True)
+class ResultsTarget:
+    """Where the job uploads its run directory, and with what (a SAS file in the run, or an identity)."""
+
+    account_url: str
+    container: str
+    sas_file: str | None = None  # a file in the run directory (0600), never on a command line
+    client_id: str | None = None  # the cluster's user-assigned identity (Azure)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    run_id: str
+    run_dir: str  # on the shared file system, the same path on every node
+    launcher: Launcher
+    nodes: int
+    processes_per_node: int
+    gpus_per_node: int  # GRES to ask for per node (0: CPU nodes)
+    partition: str
+    command: Sequence[str]  # the training program and its flags
+    workdir: str  # where the `training` package is (on the node, or in the image)
+    python: str  # the training environment's python (its directory holds horovodrun/torchrun)
+    remote_python: str  # a stdlib python3 on the nodes, for the remote tools
+    results: ResultsTarget
+    image: str | None = None  # docker runtime; None: the host environment
+    shared_mount: str = "/shared"
+    network_interface: str | None = None
+    infiniband: bool = False
+    requeue: bool = False
+    time_limit_minutes: int | None = None
+    env: dict[str, str] = field(default_factory=dict)  # NCCL settings and the like, for every rank
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.processes_per_node
+
+
+def q(value: object) -> str:
+    return shlex.quote(str(value))
+
+
+def render_job_script(spec: JobSpec) -> str:
+    requeue = _requeue_on_node_failure() if spec.requeue else []
+    return "\n".join([*_header(spec), *_prologue(spec), *_launch(spec), *_epilogue(requeue), ""])
+
+
+def _header(spec: JobSpec) -> list[str]:
+    lines = [
+        "#!/bin/bash",
+        f"# Run {spec.run_id}: {spec.world_size} processes ({spec.launcher}) on {spec.nodes} nodes.",
+        "# Written by `python -m scripts launch`; resubmit with `sbatch job.sh` from this directory.",
+        "# shellcheck disable=SC2016  # the single-quoted commands expand their variables in the containers",
+        f"#SBATCH --job-name={spec.run_id}",
+        f"#SBATCH --partition={spec.partition}",
+        f"#SBATCH --nodes={spec.nodes}",
+        f"#SBATCH --ntasks-per-node={spec.processes_per_node}",
+        "#SBATCH --exclusive",
+        f"#SBATCH --chdir={spec.run_dir}",
+        f"#SBATCH --output={spec.run_dir}/output.log",
+        "#SBATCH --open-mode=append",  # a requeued attempt adds to the same log
+        "#SBATCH --requeue" if spec.requeue else "#SBATCH --no-requeue",
+    ]
+    if spec.gpus_per_node:
+        lines.append(f"#SBATCH --gres=gpu:{spec.gpus_per_node}")
+    if spec.time_limit_minutes:
+        lines.append(f"#SBATCH --time={spec.time_limit_minutes}")
+    return lines
+
+
+def _prologue(spec: JobSpec) -> list[str]:
+    env = " ".join(f"{key}={q(value)}" for key, value in {"PYTHONUNBUFFERED": "1", **spec.env}.items())
+    return [
+        "set -uo pipefail",
+        "umask 077",
+        f"export RUN_DIR={q(spec.run_dir)}",  # exported: the containers read it too
+        f"readonly PY={q(spec.remote_python)}",
+        'readonly TOOLS="$RUN_DIR/remote"',
+        f"export {env}",
+        'export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-1}"',  # horovodrun imports TensorFlow: no INFO noise
+        'rm -f "$RUN_DIR/status.json" "$RUN_DIR/verdict.json"',
+        'scontrol show hostnames "$SLURM_JOB_NODELIST" >"$RUN_DIR/nodes"',
+        'HOSTS=$(paste -sd, "$RUN_DIR/nodes")',
+        'echo "[job] job $SLURM_JOB_ID, attempt $((${SLURM_RESTART_COUNT:-0} + 1)), on $HOSTS"',
+        *_finish_function(spec),
+        "trap finish EXIT",
+        # scancel signals the whole step: the launcher ends, and its last lines (and the verdict) reach
+        # the log before finish() uploads it
+        """trap '[ -n "${LAUNCH_PID:-}" ] && wait "$LAUNCH_PID"; exit 143' TERM""",
+        "trap 'exit 130' INT",
+    ]
+
+
+def _finish_function(spec: JobSpec) -> list[str]:
+    upload = [
+        '"$PY" "$TOOLS/upload_results.py" --dir "$RUN_DIR"',
+        f"--account-url {q(spec.results.account_url)} --container {q(spec.results.container)}",
+        f"--prefix {q(spec.run_id)}",
+    ]
+    if spec.results.sas_file:
+        upload.append(f'--sas-file "$RUN_DIR"/{q(spec.results.sas_file)}')
+    else:
+        upload.append(
+            "--managed-identity" + (f" --client-id {q(spec.results.client_id)}" if spec.results.client_id else "")
+        )
+    # results: "uploading" in the copy that goes to blob storage, then the outcome in the run directory
+    status = (
+        'printf \'{"job_id": "%s", "run_id": "%s", "exit_code": %d, "attempt": %d, "finished_at": "%s", '
+        '"results": "%s"}\\n\' '
+        f'"$SLURM_JOB_ID" {q(spec.run_id)} "$1" "$((${{SLURM_RESTART_COUNT:-0}} + 1))" "$FINISHED_AT" "$2" '
+        '>"$RUN_DIR/status.json.tmp" && mv "$RUN_DIR/status.json.tmp" "$RUN_DIR/status.json"'
+    )
+    return [
+        "# shellcheck disable=SC2317  # run by the EXIT trap",
+        f"write_status() {{ {status}; }}",
+        "# shellcheck disable=SC2317",
+        "finish() {",
+        "  local code=$?",
+        "  trap - EXIT TERM INT",
+        "  FINISHED_AT=$(date -u +%Y-%m-%dT%H:%M:%SZ)",
+        '  echo "[job] exit status $code"',
+        '  write_status "$code" uploading',
+        f"  if {' '.join(upload)} 2>&1 | sed 's/^/[job] /'; then",
+        '    write_status "$code" uploaded',
+        "  else",
+        "    echo '[job] results upload failed'",
+        '    write_status "$code" failed',
+        "  fi",
+        '  exit "$code"',
+        "}",
+    ]
+
+
+def _launch(spec: JobSpec) -> list[str]:
+    annotate = (
+        f'"$PY" "$TOOLS/annotate_output.py" --launcher {spec.launcher} --hosts "$HOSTS" '
+        f'--slots {spec.processes_per_node} --logs-dir "$RUN_DIR/logs" --verdict "$RUN_DIR/verdict.json"'
+    )
+    *setup, launcher = _horovod_lines(spec) if spec.launcher == "horovodrun" else _torchrun_lines(spec)
+    # in the background, so that a TERM from scancel is handled at once, not when the pipeline ends
+    return [*setup, f"{launcher} 2>&1 | {annotate} &", "LAUNCH_PID=$!", 'wait "$LAUNCH_PID"']
+
+
+def _horovod_lines(spec: JobSpec) -> list[str]:
+    hostfile = f'awk \'{{print $1 " slots={spec.processes_per_node}"}}\' "$RUN_DIR/nodes" >"$RUN_DIR/hostfile"'
+    argv = ["horovodrun", "--gloo", "-np", str(spec.world_size), "--hostfile", f"{spec.run_dir}/hostfile"]
+    argv += ["--disable-cache", "--start-timeout", "120"]
+    if spec.network_interface:
+        argv += ["--network-interface", spec.network_interface]
+    if spec.image:
+        argv += ["-p", str(CONTAINER_SSH_PORT)]
+    run = " ".join(_word(arg) for arg in [*argv, *spec.command])
+    if not spec.image:
+        bindir = spec.python.rsplit("/", 1)[0] if "/" in spec.python else ""
+        path = '"$TOOLS/bin:' + (f"{bindir}:" if bindir else "") + '$PATH"'
+        shim = 'mkdir -p "$TOOLS/bin" && ln -sf ../srun_ssh.py "$TOOLS/bin/ssh"'
+        return [hostfile, shim, f"cd {q(spec.workdir)} || exit 1", f"PATH={path} {run}"]
+    return [hostfile, *_containers(spec), f"docker exec {_container()} sh -c {q(f'cd {q(spec.workdir)} && {run}')}"]
+
+
+def _torchrun_lines(spec: JobSpec) -> list[str]:
+    prefix = f"export {TORCHRUN_PREFIX}"
+    argv = ["torchrun", "--nnodes", str(spec.nodes), "--nproc-per-node", str(spec.processes_per_node)]
+    argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", '"$RDZV"', "--rdzv-id", '"$SLURM_JOB_ID"', "--tee", "3"]
+    argv += ["--no-python"]  # the command starts with the interpreter (or a .py entry point run by it)
+    run = " ".join(_word(arg) for arg in [*argv, *spec.command])
+    rdzv = f'RDZV="$(head -n1 "$RUN_DIR/nodes"):$(({RDZV_PORT_BASE} + SLURM_JOB_ID % 1000))" && export RDZV'
+    step = f"srun --label --overlap --kill-on-bad-exit=1 {ONE_TASK_PER_NODE}"
+    if not spec.image:
+        bindir = spec.python.rsplit("/", 1)[0] if "/" in spec.python else ""
+        path = f'PATH="{bindir}:$PATH" ' if bindir else ""
+        return [prefix, rdzv, f"cd {q(spec.workdir)} || exit 1", f"{step} env {path}{run}"]
+    docker = " ".join(_docker_run(spec, detach=False))
+    return [prefix, rdzv, f"{step} {docker} sh -c {q(f'cd {q(spec.workdir)} && {run}')}"]
+
+
+def _containers(spec: JobSpec) -> list[str]:
+    """Docker + horovodrun: an sshd in each node's container, on a key made for this run, carries
+    horovodrun's remote workers between containers (Slurm's srun is not inside the image)."""
+    keys = (
+        'ssh-keygen -q -t ed25519 -N "" -f "$RUN_DIR/ssh/id_ed25519" && '
+        'ssh-keygen -q -t ed25519 -N "" -f "$RUN_DIR/ssh/host_ed25519" && '
+        'cp "$RUN_DIR/ssh/id_ed25519.pub" "$RUN_DIR/ssh/authorized_keys"'
+    )
+    sshd = (
+        "mkdir -p /root/.ssh /run/sshd && "
+        'install -m 600 "$RUN_DIR/ssh/id_ed25519" /root/.ssh/id_ed25519 && '
+        f"printf 'Host *\\n Port {CONTAINER_SSH_PORT}\\n StrictHostKeyChecking no\\n UserKnownHostsFile /dev/null\\n' "
+        ">/root/.ssh/config && "
+        f'exec /usr/sbin/sshd -D -e -p {CONTAINER_SSH_PORT} -h "$RUN_DIR/ssh/host_ed25519" '
+        '-o AuthorizedKeysFile="$RUN_DIR/ssh/authorized_keys" -o PermitRootLogin=prohibit-password '
+        "-o PasswordAuthentication=no -o UsePAM=no -o StrictModes=no"
+    )
+    start = " ".join(_docker_run(spec, detach=True))
+    return [
+        f'mkdir -p "$RUN_DIR/ssh" && {keys} || exit 1',
+        f"srun --overlap {ONE_TASK_PER_NODE} {start} sh -c {q(sshd)} || exit 1",
+    ]
+
+
+def _docker_run(spec: JobSpec, detach: bool) -> list[str]:
+    argv = ["docker", "run", "--rm", "--name", _container(), "--label", '"slurm.job=$SLURM_JOB_ID"']
+    argv += ["--network", "host", "--ipc", "host", "--ulimit", "memlock=-1", "--ulimit", "stack=67108864"]
+    argv += ["--cap-add", "IPC_LOCK", "-v", f"{q(spec.shared_mount)}:{q(spec.shared_mount)}"]
+    # the launch line inside is single-quoted: the variables it names come in through the environment
+    argv += ["-e", "RUN_DIR", "-e", "RDZV", "-e", "SLURM_JOB_ID", "-e", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"]
+    argv += [arg for key in ("PYTHONUNBUFFERED", *spec.env) for arg in ("-e", key)]
+    if spec.gpus_per_node:
+        argv += ["--gpus", "all"]
+    if spec.infiniband:
+        argv += ["--device", "/dev/infiniband"]
+    if detach:
+        argv.insert(2, "-d")
+    return [*argv, q(spec.image)]
+
+
+def _container() -> str:
+    return '"hvd-$SLURM_JOB_ID"'
+
+
+def _word(arg: str) -> str:
+    """A word of a launch line: quoted, but the script's own "$VARIABLES" stay expandable."""
+    return arg if arg.startswith('"$') else q(arg)
+
+
+def _epilogue(requeue: list[str]) -> list[str]:
+    """The job's status: the failed rank's own exit status where one failed (a launcher says only 1)."""
+    read = "import json, sys; print(json.load(open(sys.argv[1]))['exit_code_of_failed_rank'] or '')"
+    return [
+        "code=$?",
+        *requeue,
+        f'rank_code=$("$PY" -c {q(read)} "$RUN_DIR/verdict.json" 2>/dev/null)',
+        'if [ "$code" -ne 0 ] && [ -n "$rank_code" ]; then code=$rank_code; fi',
+        'exit "$code"',
+    ]
+
+
+def _requeue_on_node_failure() -> list[str]:
+    """--requeue: Slurm requeues a job whose node it finds dead (after SlurmdTimeout), but the ranks see
+    a lost peer within seconds and end the job first. So when the launch fails, ask every node of the
+    allocation for an empty job step; if one cannot run it, requeue the job ourselves: it runs again
+    once enough nodes are back, and resumes from its checkpoints."""
+    step = 'srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" true </dev/null >/dev/null 2>&1'
+    probe = f"timeout {NODE_PROBE_S} {step}"
+    return [
+        'if [ "$code" -ne 0 ]; then',
+        "  while read -r node; do",
+        f"    {probe} && continue",
+        '    echo "[job] node $node does not answer: requeueing the job (--requeue)"',
+        '    scontrol requeue "$SLURM_JOB_ID" && { sleep infinity & wait $!; }  # Slurm ends this attempt',
+        '  done <"$RUN_DIR/nodes"',
+        "fi",
+    ]

@@ -1,0 +1,226 @@
+"""The run lifecycle after `launch`: `jobs`, `logs JOB [-f]`, `cancel JOB`, `status`.
+
+JOB is a Slurm job id (digits) or a run id. Live state comes from Slurm (squeue, sinfo); what Slurm
+has forgotten (it keeps no history without an accounting database, which this deployment does not
+run) comes from the run directories on the shared file system, and the node health table from the
+health check's last report per node (`<shared>/.health/<node>`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import posixpath
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+from rich.table import Table
+
+from infra.contract import HEALTH_REPORT_DIR
+from scripts.cli import add_cluster_option, int_between, non_empty
+from scripts.cluster import ClusterDescription, load
+from scripts.errors import ExitCode, OperatorError
+from scripts.follow import cancel_and_wait, follow
+from scripts.runs import Run, list_runs, resolve
+from scripts.slurm import NodeInfo, QueuedJob, Slurm
+from scripts.sshutil import SSH, q
+from scripts.ui import make_console
+
+console = make_console()
+out = make_console(stderr=False)
+
+
+def configure(commands: argparse._SubParsersAction) -> None:
+    jobs = commands.add_parser(
+        "jobs",
+        help="the queue and recent runs",
+        description="Jobs Slurm holds (pending, running) and the most recent runs with their exit status.",
+        epilog="example: python -m scripts jobs --limit 50.",
+    )
+    jobs.add_argument("--limit", type=int_between(1, 1000), default=20, help="recent runs to show (%(default)s)")
+    logs = commands.add_parser(
+        "logs",
+        help="a job's output, every rank's line prefixed [rank|host]",
+        description="Print a job's log from the shared file system; -f follows it until the job ends and "
+        "exits with the job's status.",
+        epilog="examples: python -m scripts logs 42 -f; python -m scripts logs 20261122T101500Z-pytorch-1a2b.",
+    )
+    logs.add_argument("job", type=non_empty, metavar="JOB", help="Slurm job id or run id")
+    logs.add_argument("-f", "--follow", action="store_true", help="stream new lines until the job ends")
+    cancel = commands.add_parser(
+        "cancel",
+        help="stop a job on every node (scancel)",
+        description="Cancel a pending or running job and wait until Slurm has stopped all its processes "
+        "(up to 30 s). The job still uploads its logs to the results container as it ends.",
+        epilog="example: python -m scripts cancel 42.",
+    )
+    cancel.add_argument("job", type=non_empty, metavar="JOB", help="Slurm job id or run id")
+    status = commands.add_parser(
+        "status",
+        help="nodes (state, drain reason, power saving, health checks) and the queue",
+        description="The cluster at a glance: each node's Slurm state and drain reason, whether it is "
+        "powered down (power saving), its last health check, and the queue.",
+        epilog="example: python -m scripts status. Exit status 0, or 3 when no node can take a job.",
+    )
+    for parser, handler in ((jobs, run_jobs), (logs, run_logs), (cancel, run_cancel), (status, run_status)):
+        add_cluster_option(parser)
+        parser.set_defaults(handler=handler)
+
+
+def _connect(args: argparse.Namespace) -> tuple[ClusterDescription, SSH, Slurm]:
+    desc = load(args.cluster)
+    ssh = SSH(desc)
+    return desc, ssh, Slurm(desc, ssh)
+
+
+# --- jobs ----------------------------------------------------------------------------------------
+def run_jobs(args: argparse.Namespace) -> int:
+    desc, ssh, slurm = _connect(args)
+    with ssh:
+        queue = slurm.queue()
+        runs = list_runs(desc, slurm, limit=args.limit)
+    out.print(jobs_table(queue, runs))
+    return 0
+
+
+def jobs_table(queue: Sequence[QueuedJob], runs: Sequence[Run]) -> Table:
+    table = Table(title="jobs")
+    for column in ("job", "run", "state", "nodes", "time", "exit", "note"):
+        table.add_column(column)
+    live = {job.job_id: job for job in queue}
+    for job in queue:
+        table.add_row(job.job_id, job.name, job.state, job.nodes, job.elapsed, "", job.reason)
+    for run in runs:
+        if run.job_id in live:
+            continue
+        state, note = _ended_state(run)
+        finished = (run.status or {}).get("finished_at", "")
+        nodes = str((run.job or {}).get("nodes", ""))
+        table.add_row(run.job_id or "-", run.run_id or "-", state, nodes, finished, _exit(run), note)
+    return table
+
+
+def _ended_state(run: Run) -> tuple[str, str]:
+    code = run.exit_code
+    if code is None:
+        return "ENDED", "no exit status (cancelled while pending, or its node failed)"
+    if code == 0:
+        return "COMPLETED", ""
+    if code in (130, 143):
+        return "CANCELLED", ""
+    verdict = run.verdict or {}
+    if verdict.get("failed_rank") is not None:
+        return "FAILED", f"rank {verdict['failed_rank']} on {verdict.get('failed_host') or '?'}"
+    return "FAILED", ""
+
+
+def _exit(run: Run) -> str:
+    return "" if run.exit_code is None else str(run.exit_code)
+
+
+# --- logs ----------------------------------------------------------------------------------------
+def run_logs(args: argparse.Namespace) -> int:
+    desc, ssh, slurm = _connect(args)
+    with ssh:
+        run = _with_run_dir(resolve(desc, slurm, args.job))
+        if args.follow:
+            try:
+                return follow(desc, ssh, slurm, run)
+            except KeyboardInterrupt:
+                console.print(f"stopped following; {run.label} is not affected")
+                return int(ExitCode.INTERRUPTED)
+        text = slurm.run_unchecked(f"cat {q(f'{run.run_dir}/output.log')} 2>/dev/null").stdout
+    print(text, end="" if text.endswith("\n") or not text else "\n", flush=True)
+    if not text:
+        console.print(f"[dim]{run.label} has no output yet[/dim]")
+    if run.exit_code is None:
+        console.print(f"[dim]{run.label} has not ended: `logs {args.job} -f` follows it[/dim]")
+    return 0
+
+
+def _with_run_dir(run: Run) -> Run:
+    if run.run_dir is None:
+        raise OperatorError(f"{run.label} was not submitted with `python -m scripts launch`: it has no run directory")
+    return run
+
+
+# --- cancel --------------------------------------------------------------------------------------
+def run_cancel(args: argparse.Namespace) -> int:
+    desc, ssh, slurm = _connect(args)
+    with ssh:
+        run = resolve(desc, slurm, args.job)
+        if run.job_id is None or slurm.job_state(run.job_id) is None:
+            console.print(f"{run.label} has already ended" + (f" (exit {run.exit_code})" if run.status else ""))
+            return 0
+        if not cancel_and_wait(slurm, run.job_id):
+            raise OperatorError(f"{run.label} was cancelled but Slurm still holds it after 30 s", ExitCode.TIMED_OUT)
+    console.print(f"{run.label} cancelled: no process of it is left on any node")
+    return 0
+
+
+# --- status --------------------------------------------------------------------------------------
+def run_status(args: argparse.Namespace) -> int:
+    desc, ssh, slurm = _connect(args)
+    with ssh:
+        nodes = slurm.nodes()
+        queue = slurm.queue()
+        health = read_health(desc, slurm)
+    out.print(nodes_table(nodes, health))
+    out.print(summary(nodes, queue))
+    usable = [n for n in nodes if not any(word in n.state for word in ("drain", "down", "fail"))]
+    return 0 if usable else int(ExitCode.NOT_READY)
+
+
+def read_health(desc: ClusterDescription, slurm: Slurm) -> dict[str, dict[str, str]]:
+    """node -> its last health report (key=value lines), for the nodes that wrote one."""
+    directory = posixpath.join(desc.shared_mount_path, HEALTH_REPORT_DIR)
+    script = f'for f in {q(directory)}/*; do [ -f "$f" ] && {{ echo "@@ ${{f##*/}}"; cat "$f"; }}; done; true'
+    reports: dict[str, dict[str, str]] = {}
+    current: dict[str, str] | None = None
+    for line in slurm.run_unchecked(script).stdout.splitlines():
+        if line.startswith("@@ "):
+            current = reports.setdefault(line[3:], {})
+        elif current is not None and "=" in line:
+            key, value = line.split("=", 1)
+            current[key] = value
+    return reports
+
+
+def nodes_table(nodes: Sequence[NodeInfo], health: dict[str, dict[str, str]]) -> Table:
+    table = Table(title="nodes")
+    for column in ("node", "state", "power", "reason", "health check", "checked"):
+        table.add_column(column)
+    for node in nodes:
+        report = health.get(node.name, {})
+        checks = "; ".join(f"{k} {report[k]}" for k in ("gpus", "infiniband", "shared", "disk") if report.get(k))
+        verdict = "" if not report else ("[green]ok[/green]" if report.get("ok") == "1" else "[red]failed[/red]")
+        table.add_row(
+            node.name,
+            node.state.rstrip("~*#!%$@^-"),
+            "powered down" if node.powered_down else "on",
+            "" if node.reason in ("", "none") else node.reason,
+            f"{verdict} {checks}".strip(),
+            _age(report.get("checked_at")),
+        )
+    return table
+
+
+def _age(stamp: str | None) -> str:
+    if not stamp:
+        return ""
+    try:
+        seconds = (datetime.now(UTC) - datetime.fromisoformat(stamp.replace("Z", "+00:00"))).total_seconds()
+    except ValueError:
+        return stamp
+    return f"{int(seconds)} s ago" if seconds < 120 else f"{int(seconds // 60)} min ago"
+
+
+def summary(nodes: Sequence[NodeInfo], queue: Sequence[QueuedJob]) -> str:
+    states: dict[str, int] = {}
+    for node in nodes:
+        key = node.state.rstrip("~*#!%$@^-")
+        states[key] = states.get(key, 0) + 1
+    powered = sum(node.powered_down for node in nodes)
+    running = sum(job.state == "RUNNING" for job in queue)
+    pending = sum(job.state == "PENDING" for job in queue)
+    node_text = ", ".join(f"{count} {state}" for state, count in sorted(states.items())) or "none"
+    return f"{len(nodes)} nodes: {node_text}; {powered} powered down; queue: {running} running, {pending} pending"

@@ -1,0 +1,115 @@
+"""`launch`: submit a training run to Slurm over SSH (through the jump host), then follow it or detach.
+
+  python -m scripts launch --framework pytorch --nodes 2 -- --data synthetic --steps 100
+
+The steps, each a module: submit (scripts/submit.py: checks, run directory, job.sh, sbatch), follow
+(scripts/follow.py: the log until the job ends, and its exit), results (uploaded by the job itself on
+the cluster, scripts/remote/upload_results.py). Following is the default on a terminal; Ctrl-C then
+asks whether to cancel the job or detach from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from infra.contract import FRAMEWORKS
+from scripts.cli import add_cluster_option, arg_type, int_between, non_empty
+from scripts.cluster import load
+from scripts.follow import ask_cancel_or_detach, follow
+from scripts.runs import Run
+from scripts.slurm import Slurm
+from scripts.sshutil import SSH
+from scripts.submit import LaunchOptions, Submission, check_run_id, submit
+from scripts.ui import make_console
+
+console = make_console()
+
+EPILOG = """\
+Everything after `--` goes to the job (python -m training.<framework> --help). Horovod jobs run with
+horovodrun on a hostfile made from the allocation; `--backend ddp` (PyTorch) runs torchrun under srun.
+With --follow (the default on a terminal) the exit status is the job's own.
+
+examples:
+  python -m scripts launch --framework pytorch -- --data synthetic --steps 100
+  python -m scripts launch --framework pytorch --nodes 2 --requeue -- --backend ddp --data imagenet \\
+      --data-dir /shared/data/imagenet --epochs 90
+  python -m scripts launch --framework keras --detach -- --data synthetic --epochs 1
+"""
+
+
+def configure(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "launch",
+        help="submit a training job to Slurm and follow its output",
+        description="Submit a data-parallel training job with sbatch (through the jump host) and stream every "
+        "rank's output, prefixed [rank|host], until it ends. Logs, metrics and run.json reach the results "
+        "container from the cluster, whether or not you stay attached.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_cluster_option(parser)
+    parser.add_argument("--framework", required=True, choices=FRAMEWORKS)
+    parser.add_argument("--nodes", type=int_between(1), help="nodes to use (default: every node of the cluster)")
+    parser.add_argument(
+        "--gpus-per-node", type=int_between(1), help="processes per node (default: the GPUs of a node; 1 on CPU)"
+    )
+    parser.add_argument(
+        "--launcher", choices=("horovodrun", "torchrun"), help="default: torchrun for --backend ddp, else horovodrun"
+    )
+    parser.add_argument("--run-id", type=arg_type(check_run_id), help="default: <UTC time>-<framework>-<random>")
+    parser.add_argument(
+        "--requeue", action="store_true", help="if a node fails, Slurm requeues the job and it resumes from its "
+        "newest checkpoint (in the run directory)"
+    )  # fmt: skip
+    parser.add_argument("--time-limit", type=int_between(1), metavar="MINUTES", help="Slurm ends the job after this")
+    parser.add_argument("--entrypoint", type=non_empty, help="job module or .py path instead of training.<framework>")
+    parser.add_argument("--image", type=non_empty, help="docker runtime: image to run instead of the framework's")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--follow", action="store_true", default=None, help="stream the output (default on a terminal)")
+    mode.add_argument("--detach", action="store_true", help="print the job id and return")
+    parser.add_argument("job_args", nargs=argparse.REMAINDER, help="-- then the job's own flags")
+    parser.set_defaults(handler=run)
+
+
+def options_from_args(args: argparse.Namespace) -> LaunchOptions:
+    job_args = list(args.job_args)
+    if job_args and job_args[0] == "--":
+        job_args = job_args[1:]
+    return LaunchOptions(
+        framework=args.framework,
+        job_args=job_args,
+        nodes=args.nodes,
+        processes_per_node=args.gpus_per_node,
+        launcher=args.launcher,
+        entrypoint=args.entrypoint,
+        image=args.image,
+        run_id=args.run_id,
+        requeue=args.requeue,
+        time_limit_minutes=args.time_limit,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    desc = load(args.cluster)
+    follow_output = not args.detach and (args.follow or sys.stdout.isatty())
+    with SSH(desc) as ssh:
+        submitted = submit(desc, options_from_args(args), ssh)
+        announce(submitted)
+        if not follow_output:
+            print(submitted.job_id, flush=True)  # alone on stdout: `job=$(python -m scripts launch --detach ...)`
+            return 0
+        slurm = Slurm(desc, ssh)
+        job = Run(submitted.run_id, submitted.job_id, submitted.run_dir)
+        try:
+            return follow(desc, ssh, slurm, job)
+        except KeyboardInterrupt:
+            return ask_cancel_or_detach(slurm, job)
+
+
+def announce(submitted: Submission) -> None:
+    spec = submitted.spec
+    console.print(
+        f"submitted job {submitted.job_id} (run {submitted.run_id}): {spec.world_size} processes with "
+        f"{spec.launcher} on {spec.nodes} nodes; run directory {submitted.run_dir}"
+    )

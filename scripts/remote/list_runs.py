@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""The runs on the shared file system, as JSON: what `jobs`, `logs` and `cancel` know of past jobs.
+
+Runs on the login node (stdlib only): `python3 - RUNS_DIR [--job ID | --run RUN] [--limit N] < list_runs.py`.
+Slurm forgets a job minutes after it ends (there is no accounting database); each run directory
+keeps what the operator needs: job.json (the request), job_id, status.json (the exit, written by the
+job), verdict.json (which rank failed). Directories the caller cannot read (other users' runs,
+mode 0700) are skipped.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+
+def _read_json(path):
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except (OSError, ValueError):
+        return None
+
+
+def _read_text(path):
+    try:
+        with open(path) as handle:
+            return handle.read().strip()
+    except OSError:
+        return None
+
+
+def describe(runs_dir, name):
+    run_dir = os.path.join(runs_dir, name)
+    job = _read_json(os.path.join(run_dir, "job.json"))
+    if job is None:
+        return None
+    return {
+        "run_id": name,
+        "run_dir": run_dir,
+        "job_id": _read_text(os.path.join(run_dir, "job_id")),
+        "job": job,
+        "status": _read_json(os.path.join(run_dir, "status.json")),
+        "verdict": _read_json(os.path.join(run_dir, "verdict.json")),
+        "modified": os.path.getmtime(run_dir),
+    }
+
+
+def list_runs(runs_dir, job=None, run=None, limit=20):
+    try:
+        names = [run] if run else os.listdir(runs_dir)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if "/" in name or name in (".", ".."):
+            continue
+        entry = describe(runs_dir, name)
+        if entry is not None and (job is None or entry["job_id"] == job):
+            found.append(entry)
+    found.sort(key=lambda entry: entry["modified"], reverse=True)
+    return found[:limit]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs_dir")
+    parser.add_argument("--job", help="only the run of this Slurm job id")
+    parser.add_argument("--run", help="only this run id")
+    parser.add_argument("--limit", type=int, default=20)
+    args = parser.parse_args(argv)
+    json.dump(list_runs(args.runs_dir, args.job, args.run, args.limit), sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,335 @@
+#!/usr/bin/env python3
+"""upload-results: copy a run directory to the results container, from the cluster, when the job ends.
+
+Standard library only, Python 3.10+: the batch script (job.sh) runs it on the first node with the
+node's python3, from the run's `remote/` directory, whether or not the operator is still attached.
+
+  python3 upload_results.py --dir RUN_DIR --account-url https://ACCOUNT.blob.core.windows.net \\
+      --container results --prefix RUN_ID --managed-identity --client-id CLIENT_ID
+  python3 upload_results.py --dir RUN_DIR --account-url http://127.0.0.1:10000/devstoreaccount1 \\
+      --container results --prefix RUN_ID --sas-file RUN_DIR/results.sas
+
+Every file under RUN_DIR goes to the block blob <prefix>/<relative path>, except the directories
+`checkpoints/` (large; they stay on the shared file system) and `remote/` (copies of these tools),
+any `*.sas` file (secrets never leave) and symbolic links. Files up to 64 MiB are sent with one
+Put Blob, larger ones in blocks (Put Block, then Put Block List); every request carries the MD5 of
+its body, and the blob keeps the MD5 of the whole file.
+
+Credentials, never on the command line (it shows in `ps`), never printed:
+  --sas-file FILE          a SAS token (create + write on the container) on the file's first line;
+  --managed-identity       a token from the VM's instance metadata service (IMDS) for the identity
+                           given by --client-id (or the VM's only one), sent as a Bearer token over
+                           HTTPS. The environment variable IMDS_ENDPOINT replaces the IMDS token URL.
+Requests are tried 3 times, with a pause, on a server error (5xx, 408, 429) or a broken connection.
+
+The last line on stdout: `uploaded N files (X MB) to URL/CONTAINER/PREFIX/`. Exit status: 0 all
+uploaded; 1 the storage service failed; 2 bad arguments (directory, URL, names); 3 access refused
+(SAS or identity without write permission, expired) or storage / IMDS unreachable; 130 interrupted.
+"""
+
+import argparse
+import base64
+import hashlib
+import http.client
+import json
+import mimetypes
+import os
+import sys
+import time
+import urllib.parse
+import xml.etree.ElementTree as ET
+
+API_VERSION = "2021-08-06"
+SINGLE_PUT_LIMIT = 64 * 1024 * 1024  # larger files go in blocks
+BLOCK_SIZE = 16 * 1024 * 1024
+TRIES = 3
+TIMEOUT_S = 120
+IMDS_TOKEN_URL = "http://169.254.169.254/metadata/identity/oauth2/token"
+STORAGE_RESOURCE = "https://storage.azure.com/"
+SKIPPED_DIRS = ("checkpoints", "remote")  # at the top of the run directory
+SECRET_SUFFIX = ".sas"
+RETRIED_STATUSES = (408, 429)  # and every 5xx
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_NOT_READY = 3
+EXIT_INTERRUPTED = 130
+
+
+class UploadError(Exception):
+    """An error with a message meant for the operator, and the exit status it means."""
+
+    def __init__(self, message, exit_code=EXIT_FAILED):
+        Exception.__init__(self, message)
+        self.exit_code = exit_code
+
+
+# --- HTTP --------------------------------------------------------------------------------------
+class Endpoint:
+    """One HTTP(S) server, one persistent connection to it, requests retried on transient failures."""
+
+    def __init__(self, url, timeout=TIMEOUT_S):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise UploadError(f"not an http(s) URL: {url!r}", EXIT_BAD_INPUT)
+        self.scheme, self.netloc, self.path = parts.scheme, parts.netloc, parts.path.rstrip("/")
+        self.timeout = timeout
+        self.connection = None
+
+    def _connect(self):
+        if self.connection is None:
+            cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
+            self.connection = cls(self.netloc, timeout=self.timeout)
+        return self.connection
+
+    def _drop(self):
+        if self.connection is not None:
+            self.connection.close()
+        self.connection = None
+
+    def request(self, method, path, headers, body=b""):
+        """-> (status, body bytes): the first answer that is not a transient failure, or the last one.
+        Raises UploadError(EXIT_NOT_READY) when no answer came in TRIES attempts."""
+        failure = None
+        for attempt in range(TRIES):
+            if attempt:
+                time.sleep(0.5 * 2**attempt)
+            try:
+                connection = self._connect()
+                connection.request(method, path, body=body, headers=headers)
+                response = connection.getresponse()
+                status, data = response.status, response.read()
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop()
+                failure = None, f"{type(exc).__name__}: {exc}"
+                continue
+            if status < 500 and status not in RETRIED_STATUSES:
+                return status, data
+            failure = status, data
+        status, data = failure
+        if status is None:
+            raise UploadError(f"cannot reach {self.scheme}://{self.netloc} ({data}, {TRIES} tries)", EXIT_NOT_READY)
+        return status, data
+
+
+# --- credentials -------------------------------------------------------------------------------
+def read_sas(path):
+    """The SAS token on the first line of path (a leading `?` dropped)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            sas = handle.readline().strip().lstrip("?")
+    except OSError as exc:
+        raise UploadError(f"cannot read --sas-file {path}: {exc.strerror}", EXIT_BAD_INPUT) from None
+    if "sig=" not in sas:
+        raise UploadError(f"--sas-file {path} does not hold a SAS token (no sig= on its first line)", EXIT_BAD_INPUT)
+    return sas
+
+
+def imds_token(client_id=None, token_url=None):
+    """An access token for Azure Storage from the instance metadata service, for the managed identity
+    client_id (or the VM's only identity)."""
+    url = token_url or os.environ.get("IMDS_ENDPOINT") or IMDS_TOKEN_URL
+    endpoint = Endpoint(url, timeout=10)  # IMDS answers at once on a VM; elsewhere, fail soon
+    query = {"api-version": "2018-02-01", "resource": STORAGE_RESOURCE}
+    if client_id:
+        query["client_id"] = client_id
+    who = f"the managed identity {client_id}" if client_id else "the VM's managed identity"
+    try:
+        status, body = endpoint.request("GET", f"{endpoint.path}?{urllib.parse.urlencode(query)}", {"Metadata": "true"})
+    except UploadError as exc:
+        raise UploadError(f"no token for {who}: {exc} (is this an Azure VM?)", EXIT_NOT_READY) from None
+    try:
+        reply = json.loads(body)
+    except ValueError:
+        reply = {}
+    if status != 200:
+        why = reply.get("error_description") or reply.get("error") or body[:200].decode("utf-8", "replace")
+        raise UploadError(
+            f"no token for {who}: IMDS answered HTTP {status}: {why} (is the identity assigned to this VM?)",
+            EXIT_NOT_READY,
+        )
+    token = reply.get("access_token") if isinstance(reply, dict) else None
+    if not token:
+        raise UploadError(f"no token for {who}: the IMDS reply holds no access_token", EXIT_FAILED)
+    return token
+
+
+# --- the container -----------------------------------------------------------------------------
+class Container:
+    """A blob container, reached with a SAS (appended to every URL) or a Bearer token (a header): set
+    one of `sas` and `token` once the URL has been checked."""
+
+    def __init__(self, account_url, name):
+        self.endpoint = Endpoint(account_url)
+        if urllib.parse.urlsplit(account_url).query:
+            raise UploadError("--account-url must not carry a query string: pass the SAS in --sas-file", EXIT_BAD_INPUT)
+        self.name = name
+        self.url = f"{account_url.rstrip('/')}/{name}"
+        self.sas = None
+        self.token = None
+
+    @property
+    def credential(self):
+        return "the SAS" if self.sas else "the managed identity"
+
+    def put(self, blob, query, body, headers):
+        """PUT to a blob (query: its operation, e.g. comp=block); raises UploadError unless 201."""
+        path = f"{self.endpoint.path}/{self.name}/{urllib.parse.quote(blob, safe='/')}"
+        parts = [p for p in (query, self.sas) if p]
+        if parts:
+            path += "?" + "&".join(parts)
+        headers = {
+            "x-ms-version": API_VERSION,
+            "x-ms-date": time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime()),
+            "Content-MD5": md5_base64(body),
+            **headers,
+        }
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        status, data = self.endpoint.request("PUT", path, headers, body)
+        if status != 201:
+            raise self.explain(status, data, blob)
+
+    def explain(self, status, data, blob):
+        """A refused request as one sentence that names the blob, the HTTP status and what to do."""
+        try:
+            code = (ET.fromstring(data).findtext("Code") or "").strip()
+        except ET.ParseError:
+            code = ""
+        what = f"cannot upload {blob} to {self.url}: HTTP {status}" + (f" {code}" if code else "")
+        if status in (401, 403):
+            return UploadError(
+                f"{what}: {self.credential} lacks write permission on the container {self.name} (or has expired)",
+                EXIT_NOT_READY,
+            )
+        if status == 404 and code == "ContainerNotFound":
+            return UploadError(f"{what}: the container {self.name} does not exist", EXIT_BAD_INPUT)
+        if status >= 500 or status in RETRIED_STATUSES:
+            return UploadError(f"{what} ({TRIES} tries)", EXIT_FAILED)
+        return UploadError(what, EXIT_BAD_INPUT)
+
+
+def md5_base64(data):
+    return base64.b64encode(hashlib.md5(data).digest()).decode("ascii")
+
+
+def content_type(path):
+    if path.endswith(".log"):
+        return "text/plain; charset=utf-8"
+    return mimetypes.guess_type(path)[0] or "application/octet-stream"
+
+
+def upload_file(container, path, blob, single_put_limit=SINGLE_PUT_LIMIT, block_size=BLOCK_SIZE):
+    """Upload one file as a block blob: one Put Blob up to single_put_limit bytes, blocks beyond.
+    Returns its size in bytes."""
+    kind = content_type(path)
+    with open(path, "rb") as handle:
+        head = handle.read(single_put_limit + 1)
+        if len(head) <= single_put_limit:
+            container.put(blob, "", head, {"x-ms-blob-type": "BlockBlob", "x-ms-blob-content-type": kind})
+            return len(head)
+        return _upload_blocks(container, handle, head, blob, kind, block_size)
+
+
+def _upload_blocks(container, handle, head, blob, kind, block_size):
+    """Put Block for every block_size piece of head (what was read already) and of the rest of the
+    file, then Put Block List, with the MD5 of the whole file."""
+    digest, ids, size = hashlib.md5(), [], 0
+    chunk = head
+    while chunk:
+        for start in range(0, len(chunk), block_size):
+            block = chunk[start : start + block_size]
+            block_id = base64.b64encode(f"{len(ids):08d}".encode()).decode("ascii")  # all ids one length
+            container.put(blob, f"comp=block&blockid={urllib.parse.quote(block_id, safe='')}", block, {})
+            digest.update(block)
+            ids.append(block_id)
+            size += len(block)
+        chunk = handle.read(block_size)
+    listing = "".join(f"<Latest>{block_id}</Latest>" for block_id in ids)
+    body = f'<?xml version="1.0" encoding="utf-8"?><BlockList>{listing}</BlockList>'.encode()
+    headers = {"x-ms-blob-content-type": kind, "x-ms-blob-content-md5": base64.b64encode(digest.digest()).decode()}
+    container.put(blob, "comp=blocklist", body, headers)
+    return size
+
+
+# --- the run directory -------------------------------------------------------------------------
+def files_to_upload(run_dir):
+    """(path, relative POSIX path) of every regular file to upload, sorted; see the module's docstring."""
+    found = []
+    for root, dirs, files in os.walk(run_dir):
+        relative_root = os.path.relpath(root, run_dir)
+        if relative_root == ".":
+            dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS]
+        for name in files:
+            path = os.path.join(root, name)
+            if name.endswith(SECRET_SUFFIX) or os.path.islink(path) or not os.path.isfile(path):
+                continue
+            found.append((path, os.path.relpath(path, run_dir).replace(os.sep, "/")))
+    return sorted(found, key=lambda item: item[1])
+
+
+def upload_run(run_dir, container, prefix):
+    """Upload the run directory under prefix/; returns (files, bytes)."""
+    files = files_to_upload(run_dir)
+    total = 0
+    for path, relative in files:
+        total += upload_file(container, path, f"{prefix}/{relative}")
+    return len(files), total
+
+
+# --- command line ------------------------------------------------------------------------------
+def blob_prefix(text):
+    prefix = text.strip("/")
+    parts = prefix.split("/")
+    if not prefix or any(p in ("", ".", "..") for p in parts):
+        raise argparse.ArgumentTypeError(f"expected a blob name prefix such as a run id, got {text!r}")
+    return prefix
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="upload_results.py",
+        description="Upload a run directory (not its checkpoints, tool copies or *.sas files) to a blob container.",
+        epilog="example: python3 upload_results.py --dir /shared/runs/r1 --account-url "
+        "https://ACCOUNT.blob.core.windows.net --container results --prefix r1 --managed-identity --client-id ID",
+    )
+    parser.add_argument("--dir", required=True, help="the run directory")
+    parser.add_argument("--account-url", required=True, help="the storage account's blob endpoint, no SAS in it")
+    parser.add_argument("--container", required=True, help="the container to write (e.g. results)")
+    parser.add_argument("--prefix", required=True, type=blob_prefix, help="blob names start with PREFIX/ (the run id)")
+    auth = parser.add_mutually_exclusive_group(required=True)
+    auth.add_argument("--sas-file", help="a file whose first line is a SAS with create + write on the container")
+    auth.add_argument("--managed-identity", action="store_true", help="authenticate with the VM's managed identity")
+    parser.add_argument("--client-id", help="with --managed-identity: which user-assigned identity")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.client_id and not args.managed_identity:
+        parser.error("--client-id goes with --managed-identity")
+    try:
+        if not os.path.isdir(args.dir):
+            raise UploadError(f"--dir {args.dir} is not a directory", EXIT_BAD_INPUT)
+        container = Container(args.account_url, args.container)  # checked before IMDS is asked
+        if args.sas_file:
+            container.sas = read_sas(args.sas_file)
+        elif container.endpoint.scheme != "https":
+            raise UploadError(
+                "--managed-identity needs an https --account-url: a token never goes in clear", EXIT_BAD_INPUT
+            )
+        else:
+            container.token = imds_token(args.client_id)
+        count, size = upload_run(args.dir, container, args.prefix)
+    except UploadError as exc:
+        print(f"upload_results: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("upload_results: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(f"uploaded {count} files ({size / 1e6:.1f} MB) to {container.url}/{args.prefix}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""The runs on the cluster's shared file system, read through the login node (scripts/remote/list_runs.py),
+and the one way every command turns `JOB` (a Slurm job id or a run id) into a run."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from scripts.cluster import ClusterDescription
+from scripts.errors import ExitCode, OperatorError
+from scripts.slurm import JOB_ID, Slurm
+from scripts.sshutil import q
+from scripts.submit import REMOTE_DIR, check_run_id, runs_dir
+
+LIST_RUNS = REMOTE_DIR / "list_runs.py"
+
+
+@dataclass(frozen=True)
+class Run:
+    run_id: str | None  # None: a job that was not submitted by `launch` (no run directory)
+    job_id: str | None
+    run_dir: str | None = None
+    job: dict[str, Any] | None = None  # job.json
+    status: dict[str, Any] | None = None  # status.json: the exit, once the job has ended
+    verdict: dict[str, Any] | None = None  # verdict.json: which rank failed, and why
+
+    @property
+    def label(self) -> str:
+        return f"job {self.job_id or '?'} (run {self.run_id})" if self.run_id else f"job {self.job_id}"
+
+    @property
+    def exit_code(self) -> int | None:
+        return None if self.status is None else int(self.status.get("exit_code", 1))
+
+
+def list_runs(desc: ClusterDescription, slurm: Slurm, *, job: str | None = None, run: str | None = None,
+              limit: int = 20) -> list[Run]:  # fmt: skip
+    args = [runs_dir(desc), "--limit", str(limit)]
+    args += ["--job", job] if job else []
+    args += ["--run", run] if run else []
+    command = f"{q(desc.remote_python)} - {' '.join(q(a) for a in args)}"
+    result = slurm.run_unchecked(command, input=LIST_RUNS.read_bytes())
+    try:
+        entries = json.loads(result.stdout)
+    except json.JSONDecodeError:
+        raise OperatorError(
+            f"reading the runs on the login node failed: {(result.stderr or result.stdout).strip()[-400:]}",
+            ExitCode.FAILED,
+        ) from None
+    return [Run(e["run_id"], e["job_id"], e["run_dir"], e["job"], e["status"], e["verdict"]) for e in entries]
+
+
+def resolve(desc: ClusterDescription, slurm: Slurm, text: str) -> Run:
+    """JOB as the user typed it: digits are a Slurm job id, anything else a run id."""
+    if JOB_ID.fullmatch(text):
+        found = list_runs(desc, slurm, job=text, limit=1)
+        if found:
+            return found[0]
+        if slurm.queue(text):
+            return Run(run_id=None, job_id=text)
+        raise OperatorError(f"no job {text}: not in Slurm's queue, and no run of it (see `python -m scripts jobs`)")
+    found = list_runs(desc, slurm, run=check_run_id(text), limit=1)
+    if not found:
+        raise OperatorError(f"no run {text} in {runs_dir(desc)} (see `python -m scripts jobs`)")
+    return found[0]

@@ -1,0 +1,123 @@
+"""Slurm's commands on the cluster's login node, over SSH: sbatch, squeue, scancel, sinfo.
+
+Slurm is the scheduler; this module only speaks its command-line protocol (`--parsable`, fixed
+`--format` strings) and turns its failures into operator errors. It keeps no state of its own.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from scripts.cluster import ClusterDescription, SlurmAccess
+from scripts.errors import ExitCode, OperatorError
+from scripts.sshutil import SSH, q
+
+JOB_ID = re.compile(r"\d+")
+# squeue's states for a job that has not ended; anything else (or no line) means it has.
+ACTIVE_STATES = frozenset(
+    {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
+     "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "SPECIAL_EXIT"}
+)  # fmt: skip
+_SEP = "\x1f"  # between squeue/sinfo fields: never in a job name, a reason or a node name
+
+
+@dataclass(frozen=True)
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _text(data: str | bytes | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    job_id: str
+    name: str  # the run id
+    state: str
+    user: str
+    nodes: str  # the allocated node list, or the node count while pending
+    elapsed: str
+    reason: str  # why it waits (Resources, Priority, ...) or the node list while it runs
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str
+    state: str  # sinfo's long state: idle, allocated, drained, down, ... with '~' when powered down
+    reason: str
+    cpus: str
+    gres: str
+
+    @property
+    def powered_down(self) -> bool:
+        return self.state.endswith("~") or "POWERED_DOWN" in self.state.upper()
+
+
+def require_slurm(desc: ClusterDescription) -> SlurmAccess:
+    if desc.slurm is None:
+        raise OperatorError(
+            f"cluster {desc.name} has no Slurm (a local cluster in localhost mode): jobs need the namespace mode, "
+            "`python -m scripts local up` as root",
+            ExitCode.NOT_READY,
+        )
+    return desc.slurm
+
+
+class Slurm:
+    """Slurm's commands, run on the login node through `ssh`."""
+
+    def __init__(self, desc: ClusterDescription, ssh: SSH):
+        self.access = require_slurm(desc)
+        self.ssh = ssh
+
+    def run_unchecked(self, script: str, *, timeout: float = 60, input: bytes | None = None) -> Result:
+        """A shell script on the login node, with this cluster's SLURM_CONF; its status is the caller's."""
+        conf = f"export SLURM_CONF={q(self.access.conf)}; " if self.access.conf else ""
+        proc = self.ssh.run(self.ssh.login, conf + script, timeout=timeout, check=False, input=input)
+        return Result(proc.returncode, _text(proc.stdout), _text(proc.stderr))
+
+    def run(self, command: str, *, timeout: float = 60) -> str:
+        result = self.run_unchecked(command, timeout=timeout)
+        if result.returncode != 0:
+            word = command.split()[0]
+            raise OperatorError(f"{word} on the login node failed: {result.stderr.strip()[-600:]}", ExitCode.FAILED)
+        return result.stdout
+
+    def queue(self, job_id: str | None = None) -> list[QueuedJob]:
+        """Every job Slurm still holds (pending, running, completing), or just job_id's."""
+        fields = _SEP.join(("%i", "%j", "%T", "%u", "%D", "%M", "%R"))
+        which = f"--jobs={q(job_id)}" if job_id else f"--partition={q(self.access.partition)}"
+        # squeue exits 1 for a job id it has already forgotten: that is an answer, not a failure
+        text = self.run(f"squeue --noheader {which} --format={q(fields)} 2>/dev/null || true")
+        return [QueuedJob(*line.split(_SEP)) for line in text.splitlines() if line.count(_SEP) == 6]
+
+    def job_state(self, job_id: str) -> str | None:
+        """The job's state while Slurm holds it; None once it has ended and left the queue."""
+        found = [job for job in self.queue(job_id) if job.job_id == job_id]
+        return found[0].state if found and found[0].state in ACTIVE_STATES else None
+
+    def cancel(self, job_id: str) -> None:
+        self.run(f"scancel {q(job_id)}")
+
+    def nodes(self) -> list[NodeInfo]:
+        fields = _SEP.join(("%N", "%T", "%E", "%c", "%G"))
+        text = self.run(f"sinfo --noheader --Node --partition={q(self.access.partition)} --format={q(fields)}")
+        seen: dict[str, NodeInfo] = {}
+        for line in text.splitlines():
+            if line.count(_SEP) == 4:
+                node = NodeInfo(*(part.strip() for part in line.split(_SEP)))
+                seen.setdefault(node.name, node)
+        return list(seen.values())
+
+
+def parse_job_id(sbatch_output: str) -> str:
+    """`sbatch --parsable` prints `<id>` or `<id>;<cluster>`."""
+    first = sbatch_output.strip().splitlines()[-1] if sbatch_output.strip() else ""
+    job_id = first.split(";", 1)[0]
+    if not JOB_ID.fullmatch(job_id):
+        raise OperatorError(f"sbatch gave no job id: {sbatch_output.strip()[-300:]!r}", ExitCode.FAILED)
+    return job_id

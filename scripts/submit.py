@@ -1,0 +1,211 @@
+"""Submit a run to Slurm: check the request, write the run directory on the shared file system, sbatch.
+
+One SSH round trip to the login node does the cluster side: make `<shared>/runs/<run-id>/` (mode 0700,
+owned by the submitting user; an existing one is refused), unpack the run's files into it (job.sh,
+job.json, the remote tools, locally the results SAS), check the dataset is on the share, and sbatch.
+"""
+
+from __future__ import annotations
+
+import getpass
+import io
+import json
+import posixpath
+import re
+import secrets
+import tarfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+
+from infra.contract import FRAMEWORKS, RUNS_DIR
+from scripts.batch import REMOTE_TOOLS, JobSpec, Launcher, ResultsTarget, q, render_job_script
+from scripts.cluster import REPO_ROOT, ClusterDescription
+from scripts.errors import ExitCode, OperatorError
+from scripts.slurm import Slurm, parse_job_id
+from scripts.sshutil import SSH
+
+# A run id names a directory on the share, a Slurm job and a blob prefix: one plain path component.
+RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,100}")
+REMOTE_DIR = REPO_ROOT / "scripts" / "remote"
+SAS_FILE = "results.sas"
+_RUN_EXISTS, _NO_DATA = 17, 18  # the remote step's own exit statuses
+
+
+@dataclass
+class LaunchOptions:
+    framework: str
+    job_args: list[str] = field(default_factory=list)
+    nodes: int | None = None  # default: every node of the cluster
+    processes_per_node: int | None = None  # default: GPUs per node (1 on CPU nodes)
+    launcher: Launcher | None = None  # default: torchrun for `--backend ddp`, else horovodrun
+    entrypoint: str | None = None  # default: python -m training.<framework>; a .py path or a module
+    image: str | None = None  # docker runtime: instead of the framework's image
+    run_id: str | None = None
+    requeue: bool = False
+    time_limit_minutes: int | None = None
+
+
+@dataclass(frozen=True)
+class Submission:
+    run_id: str
+    job_id: str
+    run_dir: str
+    spec: JobSpec
+
+
+def new_run_id(framework: str) -> str:
+    return f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{framework}-{secrets.token_hex(2)}"
+
+
+def check_run_id(run_id: str) -> str:
+    if not RUN_ID.fullmatch(run_id) or run_id in (".", ".."):
+        raise OperatorError(
+            f"invalid run id {run_id!r}: use up to 100 letters, digits, '-', '_' and '.' (no '/', not '.' or '..')"
+        )
+    return run_id
+
+
+def runs_dir(desc: ClusterDescription) -> str:
+    return posixpath.join(desc.shared_mount_path, RUNS_DIR)
+
+
+def choose_launcher(opts: LaunchOptions) -> Launcher:
+    if opts.launcher:
+        return opts.launcher
+    backend = _flag_value(opts.job_args, "--backend")
+    return "torchrun" if opts.framework == "pytorch" and backend == "ddp" else "horovodrun"
+
+
+def build_spec(desc: ClusterDescription, opts: LaunchOptions, slurm: Slurm) -> JobSpec:
+    """Everything about the run that can be wrong is found here, before any connection."""
+    if opts.framework not in FRAMEWORKS:
+        raise OperatorError(f"--framework must be one of {', '.join(FRAMEWORKS)}")
+    nodes = opts.nodes or desc.node_count
+    if nodes > desc.node_count:
+        raise OperatorError(f"--nodes {nodes}: the cluster has {desc.node_count} nodes")
+    slots = opts.processes_per_node or desc.gpus_per_node or 1
+    if desc.gpus_per_node and slots > desc.gpus_per_node:
+        raise OperatorError(f"--gpus-per-node {slots} is more than the {desc.gpus_per_node} GPUs of a node")
+    launcher = choose_launcher(opts)
+    if launcher == "torchrun" and opts.framework != "pytorch":
+        raise OperatorError(f"--launcher torchrun runs PyTorch jobs only, not {opts.framework}")
+    image = None
+    if desc.runtime.kind == "docker":
+        image = opts.image or desc.image_for(opts.framework)
+        if not image:
+            raise OperatorError(f"no image for {opts.framework} in the cluster description: pass --image")
+    run_id = check_run_id(opts.run_id) if opts.run_id else new_run_id(opts.framework)
+    run_dir = posixpath.join(runs_dir(desc), run_id)
+    return JobSpec(
+        run_id=run_id,
+        run_dir=run_dir,
+        launcher=launcher,
+        nodes=nodes,
+        processes_per_node=slots,
+        gpus_per_node=slots if desc.gpus_per_node else 0,
+        partition=slurm.access.partition,
+        command=training_command(desc, opts, run_dir),
+        workdir=desc.runtime.workdir,
+        python=desc.runtime.python,
+        remote_python=desc.remote_python,
+        results=_results_target(desc),
+        image=image,
+        shared_mount=desc.shared_mount_path,
+        network_interface=desc.runtime.network_interface,
+        infiniband=desc.expect_infiniband,
+        requeue=opts.requeue,
+        time_limit_minutes=opts.time_limit_minutes,
+        env=dict(desc.nccl_env),
+    )
+
+
+def training_command(desc: ClusterDescription, opts: LaunchOptions, run_dir: str) -> list[str]:
+    python = desc.runtime.python
+    entry = opts.entrypoint or f"training.{opts.framework}"
+    command = [python, entry] if entry.endswith(".py") else [python, "-m", entry]
+    args = list(opts.job_args)
+    if _flag_value(args, "--metrics-json") is None:
+        args += ["--metrics-json", f"{run_dir}/metrics.json"]
+    # a requeued job starts again from the top: its checkpoints are what makes it resume
+    if opts.requeue and opts.entrypoint is None and _flag_value(args, "--checkpoint-dir") is None:
+        args += ["--checkpoint-dir", f"{run_dir}/checkpoints"]
+    return command + args
+
+
+def _results_target(desc: ClusterDescription) -> ResultsTarget:
+    cred = desc.results_upload
+    if cred.kind == "sas":
+        return ResultsTarget(desc.results.endpoint, desc.results.container, sas_file=SAS_FILE)
+    if cred.kind == "managed_identity":
+        return ResultsTarget(desc.results.endpoint, desc.results.container, client_id=cred.client_id)
+    raise OperatorError(f"results_upload: jobs cannot upload with a {cred.kind} credential (use sas or an identity)")
+
+
+def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH) -> Submission:
+    slurm = Slurm(desc, ssh)
+    spec = build_spec(desc, opts, slurm)
+    files = _run_files(desc, opts, spec)
+    data_dir = _flag_value(opts.job_args, "--data-dir") or ""
+    remote = (
+        f"umask 077; mkdir -p -m 0755 {q(runs_dir(desc))} || exit 1; "
+        f"mkdir {q(spec.run_dir)} 2>/dev/null || exit {_RUN_EXISTS}; "
+        f"if [ -n {q(data_dir)} ] && [ ! -d {q(data_dir)} ]; then rm -rf {q(spec.run_dir)}; exit {_NO_DATA}; fi; "
+        f"tar -xf - -C {q(spec.run_dir)} || exit 1; "
+        f"id=$(sbatch --parsable {q(spec.run_dir + '/job.sh')}) || {{ rc=$?; rm -rf {q(spec.run_dir)}; exit $rc; }}; "
+        f'echo "$id" >{q(spec.run_dir + "/job_id")}; echo "$id"'
+    )
+    out = slurm.run_unchecked(remote, input=_tar(files), timeout=120)
+    if out.returncode == _RUN_EXISTS:
+        raise OperatorError(f"run id {spec.run_id} is already used ({spec.run_dir} exists): pass another --run-id")
+    if out.returncode == _NO_DATA:
+        raise OperatorError(
+            f"--data-dir {data_dir} is not on the shared file system: stage the dataset first "
+            "(python -m scripts stage all DIR --dataset NAME)"
+        )
+    if out.returncode != 0:
+        raise OperatorError(f"sbatch refused the job: {out.stderr.strip()[-600:]}", ExitCode.FAILED)
+    return Submission(spec.run_id, parse_job_id(out.stdout), spec.run_dir, spec)
+
+
+def _run_files(desc: ClusterDescription, opts: LaunchOptions, spec: JobSpec) -> dict[str, tuple[bytes, int]]:
+    record = {
+        "run_id": spec.run_id,
+        "framework": opts.framework,
+        "cluster": desc.name,
+        "submitted_by": getpass.getuser(),
+        "submitted_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "job_args": opts.job_args,
+        "results_url": f"{desc.results.url}/{spec.run_id}/",
+        **{k: v for k, v in asdict(spec).items() if k not in ("results", "env")},
+    }
+    files = {
+        "job.sh": (render_job_script(spec).encode(), 0o700),
+        "job.json": (json.dumps(record, indent=2).encode() + b"\n", 0o600),
+    }
+    for tool in REMOTE_TOOLS:
+        files[f"remote/{tool}"] = ((REMOTE_DIR / tool).read_bytes(), 0o700)
+    cred = desc.results_upload
+    if cred.kind == "sas" and cred.secret is not None:
+        files[SAS_FILE] = (cred.secret.get_secret_value().encode(), 0o600)
+    return files
+
+
+def _tar(files: dict[str, tuple[bytes, int]]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        for name, (data, mode) in files.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), mode, int(time.time())
+            archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None

@@ -1,0 +1,97 @@
+"""The batch script (job.sh) of every launcher and runtime: valid bash (shellcheck), and the Slurm
+requests, launch lines and clean-up each case needs. Runs for real in test_launcher.py (host runtime)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import replace
+
+import pytest
+
+from scripts.batch import JobSpec, ResultsTarget, render_job_script
+
+BASE = JobSpec(
+    run_id="r-1",
+    run_dir="/shared/runs/r-1",
+    launcher="horovodrun",
+    nodes=2,
+    processes_per_node=8,
+    gpus_per_node=8,
+    partition="gpu",
+    command=["python3", "-m", "training.pytorch", "--data-dir", "/shared/data/my set", "--metrics-json", "/m.json"],
+    workdir="/workspace",
+    python="python3",
+    remote_python="python3",
+    results=ResultsTarget("https://acct.blob.core.windows.net", "results", client_id="0000-1111"),
+    image="acr.azurecr.io/hvd-pytorch:latest",
+    network_interface="eth0",
+    infiniband=True,
+    env={"NCCL_IB_HCA": "mlx5", "NCCL_SOCKET_IFNAME": "eth0"},
+)
+VARIANTS = {
+    "horovod-docker": BASE,
+    "horovod-host": replace(BASE, image=None, python="/opt/venv/bin/python", gpus_per_node=0),
+    "torchrun-docker": replace(BASE, launcher="torchrun", requeue=True, time_limit_minutes=90),
+    "torchrun-host": replace(BASE, launcher="torchrun", image=None, python="/opt/venv/bin/python"),
+    "local-sas": replace(
+        BASE, image=None, results=ResultsTarget("http://127.0.0.1:1/devstoreaccount1", "results", sas_file="r.sas")
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_every_variant_passes_shellcheck(name, tmp_path):
+    if shutil.which("shellcheck") is None:
+        pytest.fail("shellcheck is not installed: run `make setup`")
+    script = tmp_path / "job.sh"
+    script.write_text(render_job_script(VARIANTS[name]))
+    proc = subprocess.run(["shellcheck", "--severity=info", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+
+
+def test_slurm_request_follows_the_spec():
+    text = render_job_script(VARIANTS["torchrun-docker"])
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gres=gpu:8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --requeue",
+        "#SBATCH --time=90",
+        "#SBATCH --output=/shared/runs/r-1/output.log",
+        "#SBATCH --open-mode=append",
+    ):
+        assert line in text.splitlines()
+    host = render_job_script(VARIANTS["horovod-host"])
+    assert "#SBATCH --no-requeue" in host and "--gres" not in host
+
+
+def test_horovod_on_the_host_reaches_other_nodes_through_srun():
+    text = render_job_script(VARIANTS["horovod-host"])
+    assert 'ln -sf ../srun_ssh.py "$TOOLS/bin/ssh"' in text
+    assert 'PATH="$TOOLS/bin:/opt/venv/bin:$PATH" horovodrun --gloo -np 16' in text
+    assert "'/shared/data/my set'" in text  # a job argument with a space stays one word
+
+
+def test_containers_are_labelled_for_the_epilog_and_get_the_devices():
+    text = render_job_script(VARIANTS["horovod-docker"])
+    assert '--label "slurm.job=$SLURM_JOB_ID"' in text
+    assert "--gpus all" in text and "--device /dev/infiniband" in text
+    assert "-e NCCL_IB_HCA" in text and "-p 12345" in text
+    torchrun = render_job_script(VARIANTS["torchrun-docker"])
+    assert "srun --label --overlap --kill-on-bad-exit=1" in torchrun and "--rdzv-id" in torchrun
+
+
+def test_results_are_uploaded_with_the_identity_or_the_sas_file():
+    assert "--managed-identity --client-id 0000-1111" in render_job_script(BASE)
+    local = render_job_script(VARIANTS["local-sas"])
+    assert '--sas-file "$RUN_DIR"/r.sas' in local and "--managed-identity" not in local
+
+
+def test_exit_trap_writes_the_status_then_uploads():
+    text = render_job_script(BASE)
+    assert text.index("trap finish EXIT") < text.index("horovodrun --gloo")
+    body = text[text.index("finish() {") :]
+    uploading, upload = body.index('write_status "$code" uploading'), body.index("upload_results.py")
+    assert uploading < upload < body.index('write_status "$code" uploaded') < body.index('write_status "$code" failed')

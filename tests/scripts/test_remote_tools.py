@@ -1,0 +1,669 @@
+"""The job-side tools in scripts/remote/: annotate_output.py, upload_results.py, srun_ssh.py.
+
+Real components wherever they run here: horovodrun and torchrun from the training environment (their
+real output is what gets annotated; `srun --label`'s `N: ` is added the way srun adds it), Azurite for
+the uploads, horovod's own ssh command builder for srun_ssh's parsing. The IMDS token endpoint is a
+small local HTTP server (Azure's cannot be reached from here). The whole chain under a real Slurm
+(sbatch -> horovodrun -> srun_ssh.py -> srun) belongs to the local cluster's tests.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.server
+import io
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, generate_container_sas
+
+from scripts.daemons import free_port, wait_port
+from scripts.processes import stop_process_group
+from scripts.remote import annotate_output, srun_ssh, upload_results
+
+REPO = Path(__file__).resolve().parents[2]
+REMOTE = REPO / "scripts" / "remote"
+TRAIN_BIN = REPO / ".venv-train" / "bin"
+AZURITE = REPO / "node_modules" / ".bin" / "azurite-blob"
+ACCOUNT = "devstoreaccount1"
+# Azurite's well-known development key (public, documented by Microsoft; not a secret).
+ACCOUNT_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+
+def run_tool(name: str, *args: str, stdin: bytes = b"", env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a remote tool as the cluster does: `python3 FILE args`, outside any package."""
+    return subprocess.run(
+        [sys.executable, str(REMOTE / name), *args],
+        input=stdin,
+        capture_output=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
+
+
+# --- annotate_output.py ------------------------------------------------------------------------
+def annotate_text(launcher: str, text: str, hosts: list[str], slots: int, tmp_path: Path) -> tuple[list[str], dict]:
+    """Feed text through the annotator (in process); returns (output lines, verdict)."""
+    kind = annotate_output.HorovodrunOutput if launcher == "horovodrun" else annotate_output.TorchrunOutput
+    verdict = annotate_output.Verdict()
+    out = io.StringIO()
+    logs = annotate_output.RankLogs(str(tmp_path))
+    annotate_output.annotate(io.BytesIO(text.encode()), out, kind(hosts, slots, verdict), logs)
+    logs.close()
+    return out.getvalue().splitlines(), verdict.as_dict()
+
+
+def write_script(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+HOROVOD_JOB = """
+import sys, time
+import horovod.torch as hvd
+hvd.init()
+r = hvd.rank()
+print(f"hello from {r}", flush=True)
+print(f"warning from {r}", file=sys.stderr, flush=True)
+if r == 1:
+    print("error: rank 1 fails on purpose", flush=True)
+    sys.exit(5)
+time.sleep(5)
+"""
+
+
+def test_real_horovodrun_output_is_annotated_logged_per_rank_and_judged(tmp_path):
+    job = write_script(tmp_path / "job.py", HOROVOD_JOB)
+    launcher = subprocess.run(
+        [str(TRAIN_BIN / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", str(TRAIN_BIN / "python"), str(job)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=120,
+    )
+    assert launcher.returncode != 0
+    run = tmp_path / "run"
+    args = ["--launcher", "horovodrun", "--hosts", "node-0", "--slots", "2"]
+    args += ["--logs-dir", str(run / "logs"), "--verdict", str(run / "verdict.json")]
+    result = run_tool("annotate_output.py", *args, stdin=launcher.stdout)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.decode().splitlines()
+    assert len(lines) == len(launcher.stdout.decode().splitlines())  # every line kept
+    assert "[0|node-0] hello from 0" in lines and "[1|node-0] hello from 1" in lines
+    assert "[1|node-0]! warning from 1" in lines
+    assert "[horovodrun] Process 1 exit with status code 5." in lines
+    assert "[horovodrun] Process name: 1" in lines  # horovodrun's closing traceback stays in the log
+    assert all(line.startswith(("[0|node-0]", "[1|node-0]", "[horovodrun] ")) for line in lines)
+    assert json.loads((run / "verdict.json").read_text()) == {
+        "failed_rank": 1,
+        "failed_host": "node-0",
+        "exit_code_of_failed_rank": 5,
+        "job_error": "rank 1 fails on purpose",
+    }
+    rank1 = (run / "logs" / "rank-1.log").read_text().splitlines()
+    assert sorted(rank1) == ["error: rank 1 fails on purpose", "hello from 1", "warning from 1"]
+    assert "hello from 1" not in (run / "logs" / "rank-0.log").read_text()
+
+
+def test_horovodrun_ranks_map_to_hosts_by_slots_and_the_closing_block_names_the_first_failure(tmp_path):
+    text = "\n".join(
+        [
+            "Sun Nov 23 02:07:12 2026[0]<stdout>:step 1",  # --prefix-timestamp
+            "[3]<stderr>:boom",
+            "[2]<stdout>:10%\r[2]<stdout>:20%\r",  # a progress bar: one log line per piece
+            "[5]<stdout>:out of the hostfile",
+            "Process 3 exit with status code -9.",
+            "Process 2 exit with status code 1.",
+            "Process name: 2",
+            "Exit code: 1",
+        ]
+    )
+    lines, verdict = annotate_text("horovodrun", text, ["node-0", "node-1"], 2, tmp_path)
+    assert lines[:5] == [
+        "[0|node-0] step 1",
+        "[3|node-1]! boom",
+        "[2|node-1] 10%",
+        "[2|node-1] 20%",
+        "[5|?] out of the hostfile",
+    ]
+    assert lines[5:] == [
+        "[horovodrun] Process 3 exit with status code -9.",
+        "[horovodrun] Process 2 exit with status code 1.",
+        "[horovodrun] Process name: 2",
+        "[horovodrun] Exit code: 1",
+    ]
+    # horovodrun's closing block is its judgement of the first failure, not the first line it printed
+    assert verdict == {"failed_rank": 2, "failed_host": "node-1", "exit_code_of_failed_rank": 1, "job_error": None}
+    assert (tmp_path / "rank-2.log").read_text() == "10%\n20%\n"
+
+
+def test_a_killed_rank_reads_as_the_shell_reports_it_and_the_jobs_own_error_line_is_kept(tmp_path):
+    text = "[1]<stdout>:step 5/8\n[0]<stderr>:error: rank 1 on host node-1 stopped answering\n"
+    text += "Process 1 exit with status code -9.\n"
+    _, verdict = annotate_text("horovodrun", text, ["node-0", "node-1"], 1, tmp_path)
+    assert verdict == {
+        "failed_rank": 1,
+        "failed_host": "node-1",
+        "exit_code_of_failed_rank": 137,
+        "job_error": "rank 1 on host node-1 stopped answering",
+    }
+    assert [annotate_output.normalize_exit(c) for c in (None, 0, 3, -15, 256)] == [1, 0, 3, 143, 1]
+
+
+TORCH_JOB = """
+import datetime, os, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+r = dist.get_rank()
+print(f"rank {r} on node {os.environ['NODE_INDEX']}", flush=True)
+if r == 1:
+    print("error: rank 1 gives up", flush=True)
+    os._exit(4)
+time.sleep(2)  # rank 1's node reports first, as a node whose rank failed does
+dist.barrier()
+"""
+
+
+def srun_label(procs: list[subprocess.Popen]) -> str:
+    """What `srun --label` makes of its tasks' output: `N: ` in front of each line, in arrival order."""
+    lines: list[str] = []
+    lock = threading.Lock()
+
+    def read(index: int, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            with lock:
+                lines.append(f"{index}: {line}")
+
+    readers = [threading.Thread(target=read, args=(i, p)) for i, p in enumerate(procs)]
+    for reader in readers:
+        reader.start()
+    for reader, proc in zip(readers, procs, strict=True):
+        reader.join(timeout=120)
+        proc.wait(timeout=10)
+    return "".join(lines)
+
+
+def test_real_torchrun_on_two_nodes_is_attributed_by_global_rank_and_its_root_cause_judged(tmp_path):
+    job = write_script(tmp_path / "job.py", TORCH_JOB)
+    port = free_port()
+    procs = []
+    for node in range(2):  # one torchrun per node, as `srun --ntasks-per-node=1` starts them
+        argv = [str(TRAIN_BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+        argv += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job1", "--tee", "3", str(job)]
+        env = {**os.environ, "NODE_INDEX": str(node)}
+        env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = annotate_output.TORCHRUN_PREFIX_TEMPLATE
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    labeled = srun_label(procs)
+    lines, verdict = annotate_text("torchrun", labeled, ["node-0", "node-1"], 1, tmp_path)
+    # c10d numbers the nodes its own way: the rank comes from torchrun's prefix, the host from srun's label
+    for rank in (0, 1):
+        [own] = [line for line in lines if line.startswith(f"[{rank}|") and " on node " in line]
+        node = own.rsplit(" ", 1)[1]
+        assert own == f"[{rank}|node-{node}] rank {rank} on node {node}"
+    node_of_rank1 = next(line for line in lines if line.startswith("[1|")).split("|")[1].split("]")[0]
+    assert f"[torchrun@{node_of_rank1}] Root Cause (first observed failure):" in lines
+    assert verdict == {
+        "failed_rank": 1,
+        "failed_host": node_of_rank1,
+        "exit_code_of_failed_rank": 4,
+        "job_error": "rank 1 gives up",
+    }
+    assert (tmp_path / "rank-1.log").read_text().splitlines()[-1] == "error: rank 1 gives up"
+    assert len(lines) == len(labeled.splitlines())
+
+
+def test_torchrun_lines_run_together_are_split_and_interleaved_summaries_read_per_node(tmp_path):
+    text = "\n".join(
+        [
+            "00: @rank0@last words@rank1@hello",  # rank 0 ended without a newline
+            "01: @rank2@[rank2]: Traceback (most recent call last):",  # PyTorch's own prefix is text
+            "01: Root Cause (first observed failure):",
+            "00: W1123 02:07:12.486000 20417 torch/distributed/run.py:874] a warning",
+            "01: [0]:",
+            "01:   rank      : 2 (local_rank: 0)",
+            "00: Root Cause (first observed failure):",
+            "00:   rank      : 0 (local_rank: 0)",
+            "01:   exitcode  : -11 (pid: 20519)",
+            "00:   exitcode  : 1 (pid: 20518)",
+            "srun: error: node-1: task 1: Exited with exit code 1",
+        ]
+    )
+    lines, verdict = annotate_text("torchrun", text, ["node-0", "node-1"], 2, tmp_path)
+    assert lines[:4] == [
+        "[0|node-0] last words",
+        "[1|node-0] hello",
+        "[2|node-1] [rank2]: Traceback (most recent call last):",
+        "[torchrun@node-1] Root Cause (first observed failure):",
+    ]
+    assert "[torchrun] srun: error: node-1: task 1: Exited with exit code 1" in lines
+    assert verdict == {"failed_rank": 2, "failed_host": "node-1", "exit_code_of_failed_rank": 139, "job_error": None}
+
+
+def test_without_a_torchrun_summary_sruns_task_exit_names_the_host(tmp_path):
+    text = "0: @rank0@step 1\n1: @rank1@step 1\nsrun: error: node-1: task 1: Exited with exit code 9\n"
+    _, verdict = annotate_text("torchrun", text, ["node-0", "node-1"], 1, tmp_path)
+    assert verdict == {"failed_rank": None, "failed_host": "node-1", "exit_code_of_failed_rank": 9, "job_error": None}
+
+
+def test_a_clean_run_has_an_empty_verdict_and_bad_arguments_a_clear_error(tmp_path):
+    def args(verdict: Path, slots: str = "1") -> list[str]:
+        logs = str(tmp_path / "logs")
+        return [
+            "--launcher",
+            "torchrun",
+            "--hosts",
+            "node-0",
+            "--slots",
+            slots,
+            "--logs-dir",
+            logs,
+            "--verdict",
+            str(verdict),
+        ]
+
+    verdict = tmp_path / "verdict.json"
+    result = run_tool("annotate_output.py", *args(verdict), stdin=b"0: @rank0@ok\n")
+    assert result.returncode == 0 and result.stdout == b"[0|node-0] ok\n"
+    assert json.loads(verdict.read_text()) == dict.fromkeys(
+        ("failed_rank", "failed_host", "exit_code_of_failed_rank", "job_error")
+    )
+    nowhere = tmp_path / "missing" / "verdict.json"
+    result = run_tool("annotate_output.py", *args(nowhere), stdin=b"0: @rank0@ok\n")
+    assert result.returncode == 1 and result.stdout == b"[0|node-0] ok\n"  # the log first, whatever happens
+    assert result.stderr.decode() == f"annotate_output: error: {nowhere}: No such file or directory\n"
+    bad = run_tool("annotate_output.py", *args(verdict, slots="0"))
+    assert bad.returncode == 2 and b"argument --slots: expected a whole number of at least 1" in bad.stderr
+    assert b"Traceback" not in bad.stderr
+    bad = run_tool("annotate_output.py", "--launcher", "mpirun", "--hosts", "a", "--slots", "1", "--logs-dir", "x")
+    assert bad.returncode == 2 and b"invalid choice: 'mpirun'" in bad.stderr
+
+
+def test_scancels_sigterm_does_not_cut_the_log_short(tmp_path):
+    verdict = tmp_path / "verdict.json"
+    argv = [sys.executable, str(REMOTE / "annotate_output.py"), "--launcher", "horovodrun", "--hosts", "n0"]
+    argv += ["--slots", "1", "--logs-dir", str(tmp_path), "--verdict", str(verdict)]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(b"[0]<stdout>:before\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline() == b"[0|n0] before\n"  # flushed line by line
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    proc.stdin.write(b"[0]<stderr>:Terminated\nProcess 0 exit with status code 143.\n")
+    proc.stdin.close()
+    assert proc.stdout.read() == b"[0|n0]! Terminated\n[horovodrun] Process 0 exit with status code 143.\n"
+    assert proc.wait(timeout=10) == 0
+    assert json.loads(verdict.read_text())["exit_code_of_failed_rank"] == 143
+
+
+# --- upload_results.py -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BlobServiceClient]:
+    """A private Azurite on a free port, with an empty `results` container."""
+    port = free_port()
+    location = tmp_path_factory.mktemp("azurite")
+    argv = [str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(location)]
+    with open(location / "azurite.log", "wb") as log:
+        proc = subprocess.Popen([*argv, "--skipApiVersionCheck"], stdout=log, stderr=log, start_new_session=True)
+    try:
+        wait_port("127.0.0.1", port, 60, "Azurite", location / "azurite.log")
+        endpoint = f"http://127.0.0.1:{port}/{ACCOUNT}"
+        service = BlobServiceClient(endpoint, credential={"account_name": ACCOUNT, "account_key": ACCOUNT_KEY})
+        service.create_container("results")
+        yield service
+    finally:
+        stop_process_group(proc)
+
+
+def container_sas(permission: ContainerSasPermissions, container: str = "results") -> str:
+    expiry = datetime.now(UTC) + timedelta(hours=1)
+    return generate_container_sas(ACCOUNT, container, account_key=ACCOUNT_KEY, permission=permission, expiry=expiry)
+
+
+def sas_file(directory: Path, sas: str) -> Path:
+    path = directory / "results.sas"
+    path.write_text(sas + "\n")
+    path.chmod(0o600)
+    return path
+
+
+WRITE_ONLY = ContainerSasPermissions(create=True, write=True)
+
+
+def make_run_dir(root: Path) -> Path:
+    run = root / "run-1"
+    for name, data in {
+        "output.log": b"[0|node-0] hello\n",
+        "metrics.json": b'{"images_per_second": 12.5}\n',
+        "status.json": b'{"exit_code": 0}\n',
+        "logs/rank-0.log": b"hello\n",
+        "logs/rank-1.log": bytes(range(256)) * 10,
+        "results.sas": b"sv=2021&sig=secret\n",
+        "logs/other.sas": b"sig=secret\n",
+        "checkpoints/step-1.pt": b"weights",
+        "remote/upload_results.py": b"# a copy\n",
+        "data/checkpoints/kept.txt": b"only the top-level checkpoints/ is skipped\n",
+    }.items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_bytes(data)
+    (run / "logs" / "link.log").symlink_to(root / "outside.txt")
+    (root / "outside.txt").write_text("not part of the run\n")
+    return run
+
+
+def test_a_run_directory_lands_under_its_prefix_without_checkpoints_tools_or_secrets(azurite, tmp_path):
+    run = make_run_dir(tmp_path)
+    sas = container_sas(WRITE_ONLY)
+    url = azurite.url.rstrip("/")
+    args = ["--dir", str(run), "--account-url", url, "--container", "results", "--prefix", "run-1"]
+    result = run_tool("upload_results.py", *args, "--sas-file", str(sas_file(tmp_path, sas)))
+    assert result.returncode == 0, result.stderr
+    expected = {
+        "output.log",
+        "metrics.json",
+        "status.json",
+        "logs/rank-0.log",
+        "logs/rank-1.log",
+        "data/checkpoints/kept.txt",
+    }
+    size = sum((run / name).stat().st_size for name in expected)
+    assert result.stdout.decode() == f"uploaded 6 files ({size / 1e6:.1f} MB) to {url}/results/run-1/\n"
+    assert sas.split("sig=")[1] not in (result.stdout + result.stderr).decode()
+    container = azurite.get_container_client("results")
+    blobs = {b.name: b for b in container.list_blobs(name_starts_with="run-1/")}
+    assert set(blobs) == {f"run-1/{name}" for name in expected}
+    for name in expected:
+        data = (run / name).read_bytes()
+        assert container.download_blob(f"run-1/{name}").readall() == data
+        assert bytes(blobs[f"run-1/{name}"].content_settings.content_md5) == hashlib.md5(data).digest()
+    assert blobs["run-1/output.log"].content_settings.content_type == "text/plain; charset=utf-8"
+    assert blobs["run-1/metrics.json"].content_settings.content_type == "application/json"
+
+
+def test_a_read_only_sas_is_refused_with_a_clear_error_that_never_shows_the_sas(azurite, tmp_path):
+    run = make_run_dir(tmp_path)
+    sas = container_sas(ContainerSasPermissions(read=True, list=True))
+    args = ["--dir", str(run), "--account-url", azurite.url, "--container", "results", "--prefix", "ro"]
+    result = run_tool("upload_results.py", *args, "--sas-file", str(sas_file(tmp_path, sas)))
+    assert result.returncode == 3
+    error = result.stderr.decode()
+    assert error.count("\n") == 1 and "Traceback" not in error
+    assert "cannot upload ro/data/checkpoints/kept.txt" in error  # the first file, by name
+    assert "HTTP 403 AuthorizationPermissionMismatch" in error
+    assert "the SAS lacks write permission on the container results" in error
+    assert sas.split("sig=")[1] not in error
+
+
+def test_files_beyond_the_single_put_limit_go_in_blocks_with_the_whole_files_md5(azurite, tmp_path):
+    container = upload_results.Container(azurite.url, "results")
+    container.sas = container_sas(WRITE_ONLY)
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(2500))
+    assert (
+        upload_results.upload_file(container, str(big), "blocks/big.bin", single_put_limit=1000, block_size=300) == 2500
+    )
+    small = tmp_path / "small.bin"
+    small.write_bytes(os.urandom(1000))
+    assert upload_results.upload_file(container, str(small), "blocks/small.bin", single_put_limit=1000) == 1000
+    client = azurite.get_container_client("results")
+    big_blob = client.get_blob_client("blocks/big.bin")
+    assert big_blob.download_blob().readall() == big.read_bytes()
+    committed, _ = big_blob.get_block_list("committed")
+    # 1001 bytes read to see the file is big: 300+300+300+101, then the other 1499 in 300s
+    assert [b.size for b in committed] == [300, 300, 300, 101, 300, 300, 300, 300, 299]
+    md5 = big_blob.get_blob_properties().content_settings.content_md5
+    assert base64.b64encode(bytes(md5)).decode() == base64.b64encode(hashlib.md5(big.read_bytes()).digest()).decode()
+    small_blob = client.get_blob_client("blocks/small.bin")
+    assert small_blob.download_blob().readall() == small.read_bytes()
+    assert small_blob.get_block_list("committed")[0] == []  # one Put Blob, no blocks
+
+
+def upload_args(**given: str) -> list[str]:
+    """upload_results.py's arguments: --name value for each given name (underscores as dashes)."""
+    return [word for name, value in given.items() for word in (f"--{name.replace('_', '-')}", value)]
+
+
+def test_a_missing_container_and_bad_arguments_are_clear_errors(azurite, tmp_path):
+    run = make_run_dir(tmp_path)
+    sas = str(sas_file(tmp_path, container_sas(WRITE_ONLY, container="nothere")))
+    good = {"dir": str(run), "account_url": azurite.url, "container": "results", "prefix": "r", "sas_file": sas}
+    missing = run_tool("upload_results.py", *upload_args(**{**good, "container": "nothere"}))
+    assert missing.returncode == 2
+    assert b"HTTP 404 ContainerNotFound: the container nothere does not exist" in missing.stderr
+    for change, message in (
+        ({"account_url": f"{azurite.url}?sig=x"}, "--account-url must not carry a query string"),
+        ({"account_url": "ftp://example"}, "not an http(s) URL"),
+        ({"dir": str(tmp_path / "none")}, "is not a directory"),
+        ({"sas_file": str(tmp_path / "none.sas")}, "cannot read --sas-file"),
+        ({"sas_file": str(run / "output.log")}, "does not hold a SAS token"),
+        ({"prefix": "a/../b"}, "expected a blob name prefix"),
+        ({"client_id": "abc"}, "--client-id goes with --managed-identity"),
+    ):
+        result = run_tool("upload_results.py", *upload_args(**{**good, **change}))
+        assert result.returncode == 2 and message in result.stderr.decode(), (change, result.stderr)
+        assert "Traceback" not in result.stderr.decode()
+    no_sas = {k: v for k, v in good.items() if k != "sas_file"}
+    for extra, message in (
+        (["--managed-identity"], "--managed-identity needs an https --account-url"),
+        (["--sas-file", sas, "--managed-identity"], "not allowed with argument"),
+        ([], "one of the arguments --sas-file --managed-identity is required"),
+    ):
+        result = run_tool("upload_results.py", *upload_args(**no_sas), *extra)
+        assert result.returncode == 2 and message in result.stderr.decode(), (extra, result.stderr)
+
+
+def test_an_unreachable_service_is_tried_three_times_then_reported(tmp_path):
+    port = free_port()  # nobody listens there
+    sas = str(sas_file(tmp_path, "sv=1&sig=abc"))
+    given = {"account_url": f"http://127.0.0.1:{port}/{ACCOUNT}", "container": "results", "prefix": "r"}
+    started = time.monotonic()
+    result = run_tool("upload_results.py", *upload_args(dir=str(make_run_dir(tmp_path)), sas_file=sas, **given))
+    assert result.returncode == 3
+    assert f"cannot reach http://127.0.0.1:{port} (ConnectionRefusedError" in result.stderr.decode()
+    assert "3 tries" in result.stderr.decode()
+    assert time.monotonic() - started >= 3  # paused 1 s, then 2 s
+
+
+class IMDS(http.server.BaseHTTPRequestHandler):
+    """The instance metadata service's token endpoint: answers the queued (status, body) replies in
+    order and records every request's path and headers."""
+
+    replies: ClassVar[list[tuple[int, dict]]] = []
+    requests: ClassVar[list[tuple[str, dict]]] = []
+
+    def do_GET(self) -> None:
+        IMDS.requests.append((self.path, dict(self.headers)))
+        status, body = IMDS.replies.pop(0)
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def imds() -> Iterator[str]:
+    IMDS.replies, IMDS.requests = [], []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), IMDS)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/metadata/identity/oauth2/token"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_managed_identitys_token_comes_from_imds_with_its_client_id_and_a_retry(imds):
+    IMDS.replies = [(500, {"error": "busy"}), (200, {"access_token": "tok-123", "expires_in": "3599"})]
+    assert upload_results.imds_token("cid-1", token_url=imds) == "tok-123"
+    assert len(IMDS.requests) == 2
+    path, headers = IMDS.requests[1]
+    assert path == (
+        "/metadata/identity/oauth2/token?api-version=2018-02-01"
+        "&resource=https%3A%2F%2Fstorage.azure.com%2F&client_id=cid-1"
+    )
+    assert headers["Metadata"] == "true"
+    IMDS.replies = [(200, {"access_token": "tok-456"})]
+    assert upload_results.imds_token(None, token_url=imds) == "tok-456"
+    assert "client_id" not in IMDS.requests[2][0]
+
+
+def test_an_identity_imds_does_not_know_is_a_clear_error(imds, tmp_path):
+    IMDS.replies = [(400, {"error": "invalid_request", "error_description": "Identity not found"})]
+    run = make_run_dir(tmp_path)
+    args = ["--dir", str(run), "--account-url", "https://127.0.0.1:1/acct", "--container", "results"]
+    args += ["--prefix", "r", "--managed-identity", "--client-id", "cid-9"]
+    result = run_tool("upload_results.py", *args, env={"IMDS_ENDPOINT": imds})
+    assert result.returncode == 3
+    assert result.stderr.decode() == (
+        "upload_results: error: no token for the managed identity cid-9: IMDS answered HTTP 400: "
+        "Identity not found (is the identity assigned to this VM?)\n"
+    )
+    IMDS.replies = [(200, {"token_type": "Bearer"})]
+    with pytest.raises(upload_results.UploadError, match="holds no access_token"):
+        upload_results.imds_token("cid-9", token_url=imds)
+
+
+# --- srun_ssh.py -------------------------------------------------------------------------------
+def horovod_ssh_commands() -> dict[str, str]:
+    """The ssh command lines horovod 0.28.1 itself builds (its own code, in the training environment):
+    the connectivity check, a gloo worker (one quoted word), a task server (several words)."""
+    code = """
+import json, os, sys
+from shlex import quote
+from horovod.runner.util.remote import get_remote_command
+worker = quote("cd /work > /dev/null 2>&1 ; HOROVOD_RANK=1 HOROVOD_SIZE=2 python -m training.pytorch --steps 2")
+print(json.dumps({
+    "check": get_remote_command("true", "node-1", port=None, identity_file=None, timeout_s=10),
+    "check_port": get_remote_command("true", "node-1", port=2222, identity_file="/k/id", timeout_s=10),
+    "worker": get_remote_command(worker, "node-1"),
+    "worker_port": get_remote_command(worker, "node-1", port=2222),
+    "task": get_remote_command("/py -m horovod.runner.task_fn AAA= BBB= CCC=", "node-1", 2222, "/k/id"),
+}))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_")}
+    out = subprocess.run([str(TRAIN_BIN / "python"), "-c", code], capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout)
+
+
+def test_every_ssh_command_horovodrun_builds_becomes_host_and_command():
+    commands = horovod_ssh_commands()
+    worker = "cd /work > /dev/null 2>&1 ; HOROVOD_RANK=1 HOROVOD_SIZE=2 python -m training.pytorch --steps 2"
+    expected = {
+        "check": "true",
+        "check_port": "true",
+        "worker": worker,
+        "worker_port": worker,
+        "task": "/py -m horovod.runner.task_fn AAA= BBB= CCC=",
+    }
+    for name, line in commands.items():
+        argv = shlex.split(line)  # horovod runs it through a shell
+        assert argv[0] == "ssh"
+        assert srun_ssh.parse_ssh_args(argv[1:]) == ("node-1", expected[name]), line
+
+
+@pytest.mark.parametrize(
+    ("argv", "parsed"),
+    [
+        (["-p22", "-oConnectTimeout=5", "node-0", "echo", "a  b"], ("node-0", "echo a  b")),
+        (["user@node-0", "-i", "k", "--", "-x", "y"], ("node-0", "-x y")),
+        (["--", "node-0", "-p", "22"], ("node-0", "-p 22")),
+        (["node-0", "ls", "-p", "1"], ("node-0", "ls -p 1")),  # options end at the command
+    ],
+)
+def test_ssh_arguments_read_as_openssh_reads_them(argv, parsed):
+    assert srun_ssh.parse_ssh_args(argv) == parsed
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-X", "node-0", "true"], "unknown option -X"),
+        (["-L", "80:h:80", "node-0", "true"], "unknown option -L"),
+        (["-o"], "option -o needs a value"),
+        (["-p", "22"], "no host given"),
+        (["node-0"], "no command for node-0"),
+        (["node 0", "true"], "is not a node name"),
+    ],
+)
+def test_ssh_arguments_it_cannot_honour_are_refused(argv, message):
+    with pytest.raises(srun_ssh.SshUsageError, match=message):
+        srun_ssh.parse_ssh_args(argv)
+
+
+def test_a_worker_becomes_a_one_task_step_on_its_node_with_the_jobs_resources_there():
+    assert srun_ssh.srun_argv("42", "node-1", "cd /w ; python x.py") == [
+        "srun",
+        "--jobid=42",
+        "--overlap",
+        "--nodes=1",
+        "--ntasks=1",
+        "--nodelist=node-1",
+        "--mem=0",
+        "--export=ALL",
+        "bash",
+        "-c",
+        "cd /w ; python x.py",
+    ]
+    # what sbatch --nodes=2 --ntasks-per-node=8 -c 4 --mem=100G --gres=gpu:8 leaves in the batch step
+    batch = {
+        "SLURM_JOB_ID": "42",
+        "SLURM_CONF": "/etc/slurm/slurm.conf",
+        "SLURM_JOB_NODELIST": "node-[0-1]",
+        "PATH": "/run/remote/bin:/usr/bin",
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.4",
+        "SLURM_NTASKS": "16",
+        "SLURM_NPROCS": "16",
+        "SLURM_NTASKS_PER_NODE": "8",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_CPUS_PER_TASK": "4",
+        "SLURM_MEM_PER_NODE": "102400",
+        "SLURM_GPUS_PER_NODE": "8",
+        "SLURM_DISTRIBUTION": "block",
+    }
+    env = srun_ssh.step_environment(batch)
+    assert env == {
+        "SLURM_JOB_ID": "42",
+        "SLURM_CONF": "/etc/slurm/slurm.conf",
+        "SLURM_JOB_NODELIST": "node-[0-1]",
+        "PATH": "/run/remote/bin:/usr/bin",
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.4",
+        "SLURM_EXIT_ERROR": "255",  # srun's own failures look like ssh's: 255
+    }
+
+
+def test_outside_a_slurm_job_or_with_an_unknown_option_it_fails_as_ssh_does():
+    outside = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}
+    result = subprocess.run(
+        [sys.executable, str(REMOTE / "srun_ssh.py"), "-o", "A=b", "node-1", "true"],
+        capture_output=True,
+        text=True,
+        env=outside,
+        timeout=30,
+    )
+    assert result.returncode == 255
+    assert result.stderr == (
+        "ssh (srun_ssh.py): error: not inside a Slurm job (SLURM_JOB_ID is not set): run it from a batch script\n"
+    )
+    result = run_tool("srun_ssh.py", "-A", "node-1", "true", env={"SLURM_JOB_ID": "7"})
+    assert result.returncode == 255 and result.stderr.decode().startswith("ssh (srun_ssh.py): error: unknown option -A")
+    result = run_tool("srun_ssh.py", "--help")
+    assert result.returncode == 0 and b"srun --jobid=$SLURM_JOB_ID --overlap" in result.stdout
