@@ -32,7 +32,10 @@ def _print(line: str) -> None:
 
 def stream_until_done(ssh: SSH, slurm: Slurm, run: Run, echo: Callable[[str], None] = _print) -> None:
     """Print the run's log from the start, and new lines as they come, until the job leaves the queue."""
-    tail = ssh.popen(ssh.login, f"tail -n +1 -F {q(f'{run.run_dir}/output.log')} 2>/dev/null", text=True, bufsize=1)
+    # --pid: the remote tail ends with its SSH session (else it would outlive us on the login node,
+    # until the log next changed)
+    log = q(f"{run.run_dir}/output.log")
+    tail = ssh.popen(ssh.login, f'tail -n +1 -F --pid="$PPID" {log} 2>/dev/null', text=True, bufsize=1)
     reader = threading.Thread(target=_pump, args=(tail, echo), daemon=True)
     reader.start()
     try:

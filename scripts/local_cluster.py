@@ -453,6 +453,25 @@ def _azurite_storage(endpoint: str) -> Storage:
 
 
 # --- down --------------------------------------------------------------------------------------
+def _stop_processes(state: LocalState) -> list[int]:
+    """Every recorded process with what it forked, then anything inside our namespaces. slurmctld goes
+    first: until it is gone it may start a power program (which may start a node's sshd), and a
+    power program still running, or waiting for the state lock, is its child and goes with it."""
+    controller = [record for record in state.processes if record.role == "slurmctld"]
+    stopped: set[int] = set()
+    for records in (controller, [r for r in state.processes if r not in controller]):
+        pids = [pid for record in records if record.alive() for pid in (record.pid, *descendants(record.pid))]
+        stop_pids(sorted(set(pids) - stopped))
+        stopped.update(pids)
+    for _ in range(3):  # anything still inside our namespaces is ours (a node started meanwhile too)
+        pids = [pid for host in state.hosts() for pid in net.namespace_pids(str(host.namespace))]
+        if not pids:
+            break
+        stop_pids(sorted(set(pids)))
+        stopped.update(pids)
+    return sorted(stopped)
+
+
 def down(state_dir: str | Path = DEFAULT_LOCAL_STATE, quiet: bool = False) -> bool:
     """Stop every recorded process (and what it forked), delete namespaces, links and files.
 
@@ -465,13 +484,7 @@ def down(state_dir: str | Path = DEFAULT_LOCAL_STATE, quiet: bool = False) -> bo
     with state_lock(state_dir):  # no power program starts a node while it goes
         state = load_state(state_dir)
         assert state is not None  # only `down` removes it, and it holds the lock
-        pids: list[int] = []
-        for record in state.processes:
-            if record.alive():
-                pids += [record.pid, *descendants(record.pid)]
-        for host in state.hosts():  # anything still inside our namespaces is ours
-            pids += net.namespace_pids(str(host.namespace))
-        stop_pids(sorted(set(pids)))
+        pids = _stop_processes(state)
         hosts = state.hosts()
         links = [str(h.veth) for h in hosts if h.veth] + ([state.bridge] if state.bridge else [])
         net.remove([str(h.namespace) for h in hosts], links, state.etc_netns)

@@ -54,8 +54,10 @@ def job_id_of(proc: subprocess.CompletedProcess) -> str:
 
 
 def status_of(cluster: ClusterDescription, run_id: str) -> dict | None:
+    """The run's status.json once the job has ended and its results upload has too."""
     path = run_dir(cluster, run_id) / "status.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    status = json.loads(path.read_text()) if path.exists() else None
+    return status if status and status["results"] != "uploading" else None
 
 
 def squeue_state(cluster: ClusterDescription, job_id: str) -> str:
@@ -187,13 +189,19 @@ def test_cancel_stops_every_process_on_every_node(cluster, cluster_file):
 
 
 # --- the operator goes away ------------------------------------------------------------------------
-def test_job_outlives_a_killed_follower(cluster, cluster_file):
-    args = launch_args(cluster_file, "--steps", "10", "--sleep", "0.5", run_id="orphan-run", extra=("--follow",))
-    follower = start_module(CLI, *args)
+def follow_until_both_ranks_run(launch: list) -> subprocess.Popen:
+    """`launch --follow` in the background, once its output shows the second rank running."""
+    follower = start_module(CLI, *launch)
     assert follower.stdout is not None
     for line in follower.stdout:
         if "hello from rank 1" in line:
             break
+    return follower
+
+
+def test_job_outlives_a_killed_follower(cluster, cluster_file):
+    args = launch_args(cluster_file, "--steps", "10", "--sleep", "0.5", run_id="orphan-run", extra=("--follow",))
+    follower = follow_until_both_ranks_run(args)
     follower.send_signal(signal.SIGKILL)
     follower.wait(timeout=10)
     status = wait_for(lambda: status_of(cluster, "orphan-run"), 120, "the job to end on its own", interval=1)
@@ -207,11 +215,7 @@ def test_job_outlives_a_killed_follower(cluster, cluster_file):
 
 def test_ctrl_c_without_a_terminal_detaches(cluster, cluster_file):
     args = launch_args(cluster_file, "--steps", "600", "--sleep", "0.5", run_id="detach-run", extra=("--follow",))
-    follower = start_module(CLI, *args)
-    assert follower.stdout is not None
-    for line in follower.stdout:
-        if "hello from rank 1" in line:
-            break
+    follower = follow_until_both_ranks_run(args)
     follower.send_signal(signal.SIGINT)
     rest = follower.communicate(timeout=30)[0]
     assert follower.returncode == 130 and "detached" in rest
