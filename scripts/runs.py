@@ -34,8 +34,10 @@ class Run:
         return None if self.status is None else int(self.status.get("exit_code", 1))
 
 
-def list_runs(desc: ClusterDescription, slurm: Slurm, *, job: str | None = None, run: str | None = None,
-              limit: int = 20) -> list[Run]:  # fmt: skip
+def list_runs(
+    desc: ClusterDescription, slurm: Slurm, *, job: str | None = None, run: str | None = None, limit: int = 20
+) -> list[Run]:
+    """The newest runs first (at most limit), or just the run of a job id or a run id."""
     args = [runs_dir(desc), "--limit", str(limit)]
     args += ["--job", job] if job else []
     args += ["--run", run] if run else []
