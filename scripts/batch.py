@@ -16,13 +16,13 @@ What the script does, on the first node of the allocation, whoever is attached:
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from infra.contract import CONTAINER_SSH_PORT
 from scripts.remote.annotate_output import TORCHRUN_PREFIX_TEMPLATE
+from scripts.sshutil import q
 
 Launcher = Literal["horovodrun", "torchrun"]
 NODE_PROBE_S = 60  # how long a node may take to run an empty job step before it counts as failed
@@ -32,7 +32,7 @@ REMOTE_TOOLS = ("annotate_output.py", "upload_results.py", "srun_ssh.py")
 ONE_TASK_PER_NODE = '--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1'
 # torchrun prefixes each line of a rank with this (it has no flag for it): the global rank, which
 # annotate_output.py turns into [rank|host]. Quoted: torchrun, not bash, fills in ${rank}.
-TORCHRUN_PREFIX = f"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE={shlex.quote(TORCHRUN_PREFIX_TEMPLATE)}"
+TORCHRUN_PREFIX = f"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE={q(TORCHRUN_PREFIX_TEMPLATE)}"
 
 
 @dataclass(frozen=True)
@@ -70,10 +70,6 @@ class JobSpec:
     @property
     def world_size(self) -> int:
         return self.nodes * self.processes_per_node
-
-
-def q(value: object) -> str:
-    return shlex.quote(str(value))
 
 
 def render_job_script(spec: JobSpec) -> str:

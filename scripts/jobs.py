@@ -195,7 +195,7 @@ def nodes_table(nodes: Sequence[NodeInfo], health: dict[str, dict[str, str]]) ->
         verdict = "" if not report else ("[green]ok[/green]" if report.get("ok") == "1" else "[red]failed[/red]")
         table.add_row(
             node.name,
-            node.state.rstrip("~*#!%$@^-"),
+            node.base_state,
             "powered down" if node.powered_down else "on",
             "" if node.reason in ("", "none") else node.reason,
             f"{verdict} {checks}".strip(),
@@ -217,7 +217,7 @@ def _age(stamp: str | None) -> str:
 def summary(nodes: Sequence[NodeInfo], queue: Sequence[QueuedJob]) -> str:
     states: dict[str, int] = {}
     for node in nodes:
-        key = node.state.rstrip("~*#!%$@^-")
+        key = node.base_state
         states[key] = states.get(key, 0) + 1
     powered = sum(node.powered_down for node in nodes)
     running = sum(job.state == "RUNNING" for job in queue)

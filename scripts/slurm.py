@@ -53,6 +53,11 @@ class NodeInfo:
     gres: str
 
     @property
+    def base_state(self) -> str:
+        """The state without sinfo's flag suffixes (~ powered down, * not responding, # powering up...)."""
+        return self.state.rstrip("~*#!%$@^-")
+
+    @property
     def powered_down(self) -> bool:
         return self.state.endswith("~") or "POWERED_DOWN" in self.state.upper()
 

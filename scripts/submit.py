@@ -20,11 +20,11 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 
 from infra.contract import FRAMEWORKS, RUNS_DIR
-from scripts.batch import REMOTE_TOOLS, JobSpec, Launcher, ResultsTarget, q, render_job_script
+from scripts.batch import REMOTE_TOOLS, JobSpec, Launcher, ResultsTarget, render_job_script
 from scripts.cluster import REPO_ROOT, ClusterDescription
 from scripts.errors import ExitCode, OperatorError
 from scripts.slurm import Slurm, parse_job_id
-from scripts.sshutil import SSH
+from scripts.sshutil import SSH, q
 
 # A run id names a directory on the share, a Slurm job and a blob prefix: one plain path component.
 RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,100}")
