@@ -38,7 +38,7 @@ def _number(text: str, kind: type[T], least: T, description: str, most: T | None
     return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     return _number(text, int, 1, "a positive integer")
 
 
@@ -88,7 +88,7 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
     data.add_argument("--image-size", type=_image_size, default=224)
     data.add_argument(
         "--num-classes",
-        type=_positive_int,
+        type=positive_int,
         help="default: 1000 for synthetic data, the number of train/ class folders for ImageNet",
     )
     data.add_argument(
@@ -102,10 +102,10 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
 
     schedule = parser.add_argument_group("schedule")
     schedule.add_argument("--batch-size", type=_batch_size, default=64, help="per worker")
-    schedule.add_argument("--epochs", type=_positive_int, default=1)
+    schedule.add_argument("--epochs", type=positive_int, default=1)
     schedule.add_argument(
         "--steps",
-        type=_positive_int,
+        type=positive_int,
         help="optimizer steps per epoch (default: "
         f"{DEFAULT_SYNTHETIC_STEPS} for synthetic data, one pass over each rank's shard for ImageNet)",
     )
@@ -147,20 +147,38 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
     ckpt.add_argument("--checkpoint-dir", type=Path)
     ckpt.add_argument(
         "--checkpoint-every",
-        type=_positive_int,
+        type=positive_int,
         help="steps between checkpoints (default: every epoch); the last step is always saved",
     )
-    ckpt.add_argument("--keep-checkpoints", type=_positive_int, default=3)
+    ckpt.add_argument("--keep-checkpoints", type=positive_int, default=3)
     ckpt.add_argument(
         "--ignore-bad-checkpoints",
         action="store_true",
         help="when every checkpoint is damaged, rename them to *.corrupt and start from step 0 (default: refuse)",
     )
 
+    export = parser.add_argument_group("export (see python -m training.predict)")
+    export.add_argument(
+        "--export-dir",
+        type=Path,
+        help="rank 0 writes the trained model here at the end, with model.json (default: no export)",
+    )
+    export.add_argument(
+        "--export-every-epoch", action="store_true", help="also export at the end of every epoch (needs --export-dir)"
+    )
+
     report = parser.add_argument_group("reporting")
     report.add_argument("--metrics-json", type=Path, help="rank 0 writes the run's metrics here")
+    report.add_argument(
+        "--tensorboard-dir",
+        type=Path,
+        help="rank 0 writes TensorBoard event files here: loss, LR, images/s, validation top-1",
+    )
+    report.add_argument(
+        "--summary-png", type=Path, help="rank 0 plots loss and images/s over the steps into this PNG at the end"
+    )
     report.add_argument("--seed", type=_non_negative_int, default=42)
-    report.add_argument("--log-every", type=_positive_int, default=10, help="steps between rank-0 logs")
+    report.add_argument("--log-every", type=positive_int, default=10, help="steps between rank-0 logs")
     report.add_argument(
         "--timing-warmup-steps",
         type=_non_negative_int,
@@ -181,4 +199,6 @@ def parse_args(framework: str, argv: Sequence[str] | None = None) -> argparse.Na
     if args.keep_checkpoints < 2 and args.checkpoint_dir is not None:
         # With one file there is nothing to fall back to when the newest is corrupt.
         parser.error("--keep-checkpoints must be at least 2")
+    if args.export_every_epoch and args.export_dir is None:
+        parser.error("--export-every-epoch needs --export-dir")
     return args

@@ -5,6 +5,7 @@
 | 0    | success |
 | 1    | the run failed: a peer died or stopped answering, a collective timed out, training diverged |
 | 2    | bad input: a flag, a path, a data directory, a checkpoint that does not fit (fix the command or the files) |
+| 3    | not ready (training.predict only): storage unreachable, access refused, a package missing |
 | 130  | interrupted (Ctrl-C) |
 """
 
@@ -17,6 +18,7 @@ class ExitCode(IntEnum):
     OK = 0
     FAILED = 1
     BAD_INPUT = 2
+    NOT_READY = 3
     INTERRUPTED = 130
 
 

@@ -65,7 +65,7 @@ def train(args: argparse.Namespace, dist: tf_common.HorovodTF) -> dict[str, Any]
             # One Keras "epoch" of all remaining steps: Keras cannot start mid-epoch, and our
             # epochs (LR decay, evaluation, checkpoints) are counted by the callback instead.
             s.model.fit(dataset, epochs=1, steps_per_epoch=remaining, callbacks=[StepCallback(run)], verbose=0)
-        return run.finish(s.skip_counter())
+        return s.finish(run)
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -1,4 +1,4 @@
-"""The framework-neutral part of a training run: resume, LR, logs, timing, checkpoints, metrics.
+"""The framework-neutral part of a training run: resume, LR, logs, timing, checkpoints, metrics, curves.
 
 Each job owns its model and its step; it asks :class:`TrainingRun` for the LR before a step
 and reports the step's loss after it. Keeping this in one place is what makes the three jobs'
@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from training import curves
 from training.checkpoint import Checkpoint, CheckpointDir, Fingerprint
 from training.data import SkipCounter
 from training.distributed import Dist
@@ -109,6 +109,7 @@ class TrainingRun:
         fingerprint: Fingerprint,
         save_state: Callable[[int], bytes],
         evaluate: Callable[[], tuple[int, int]] | None = None,
+        on_epoch_end: Callable[[int, dict[str, Any]], None] | None = None,
     ) -> None:
         self.args = args
         self.dist = dist
@@ -122,13 +123,15 @@ class TrainingRun:
         self._fingerprint = fingerprint
         self._save_state = save_state
         self._evaluate = evaluate
+        self._on_epoch_end = on_epoch_end  # every rank, after evaluation: (epoch, progress so far)
         self._checkpoints = CheckpointDir(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
         # At least one measured step whenever a step runs, so short runs still report a rate.
         self.excluded = min(args.timing_warmup_steps, max(self.total_steps - start_step - 1, 0))
+        self._curves = self._open_curves()
         self._timer = StepTimer(self.excluded)
         self._last_loss: Callable[[], float] | None = None
         self._val_top1: float | None = None
-        self._window: tuple[int, float] | None = None
+        self._window: tuple[int, float] | None = None  # (measured steps, measured seconds) at the last log
         if dist.rank == 0:
             log.info(
                 "%s/%s: %d workers x batch %d, %d steps (%d per epoch), starting at step %d",
@@ -171,8 +174,9 @@ class TrainingRun:
             done == self.total_steps or (done % every == 0 if every else epoch_end)
         )
         eval_due = epoch_end and self._evaluate is not None
+        hook = self._on_epoch_end if epoch_end else None
         timing_edge = done - self.start_step == self.excluded or done == self.total_steps
-        if timing_edge or save_due or eval_due or log_due:
+        if timing_edge or save_due or eval_due or hook is not None or log_due:
             loss()  # wait for the device, so the clock and the pauses see finished work
         self._timer.step_done()
         if log_due:
@@ -185,18 +189,45 @@ class TrainingRun:
             self._timer.pause()
             self._run_evaluation(done // self.steps_per_epoch)
             self._timer.resume()
+        if hook is not None:
+            self._timer.pause()
+            epoch = done // self.steps_per_epoch
+            hook(epoch, {"epochs": epoch, "steps": done, "loss": loss(), "val_top1": self._val_top1})
+            self._timer.resume()
 
     def _log(self, done: int, loss: float) -> None:
-        now = time.perf_counter()
-        rate = ""
-        if self._window is not None:
-            steps, since = self._window
-            rate = f" images/s {self.global_batch_size * (done - steps) / (now - since):.1f}"
-        self._window = (done, now)
+        # The rate since the previous log step, over the timer's measured steps: checkpoint and evaluation
+        # pauses and the warmup steps are left out, as they are from the run's images_per_sec.
+        steps, elapsed = self._timer.measured_steps, self._timer.elapsed
+        rate = None
+        if self._window is not None and steps > self._window[0] and elapsed > self._window[1]:
+            rate = self.global_batch_size * (steps - self._window[0]) / (elapsed - self._window[1])
+        self._window = (steps, elapsed)
         epoch = (done - 1) // self.steps_per_epoch + 1
-        log.info(
-            "step %d/%d epoch %d loss %.4f lr %.5f%s", done, self.total_steps, epoch, loss, self.lr(done - 1), rate
-        )
+        lr = self.lr(done - 1)
+        shown = "" if rate is None else f" images/s {rate:.1f}"
+        log.info("step %d/%d epoch %d loss %.4f lr %.5f%s", done, self.total_steps, epoch, loss, lr, shown)
+        self._record(done, {curves.LOSS: loss, curves.LR: lr, curves.IMAGES_PER_SEC: rate})
+
+    def _open_curves(self) -> curves.Curves | None:
+        """Rank 0 keeps the curves when ``--tensorboard-dir`` or ``--summary-png`` asks for them."""
+        if self.dist.rank != 0 or (self.args.tensorboard_dir is None and self.args.summary_png is None):
+            return None
+        try:
+            found = curves.Curves(self.args.tensorboard_dir, self.start_step)
+        except OSError as exc:
+            raise output_error("--tensorboard-dir", self.args.tensorboard_dir, exc) from None
+        if found.events is not None:
+            log.info("TensorBoard events: %s", found.events.path)
+        return found
+
+    def _record(self, step: int, values: dict[str, float | None]) -> None:
+        if self._curves is None:
+            return
+        try:
+            self._curves.add(step, values)  # flushed: a run killed later still leaves these
+        except OSError as exc:
+            raise output_error("--tensorboard-dir", self.args.tensorboard_dir, exc) from None
 
     def _save(self, done: int) -> None:
         if self.dist.rank == 0:
@@ -216,6 +247,7 @@ class TrainingRun:
         self._val_top1 = correct / total if total else None
         if self.dist.rank == 0:
             log.info("epoch %d validation top-1 %.4f on %d images", epoch, self._val_top1 or 0.0, total)
+            self._record(epoch * self.steps_per_epoch, {curves.VAL_TOP1: self._val_top1})
 
     def finish(self, skipped: SkipCounter | None = None) -> dict[str, Any]:
         """Collect the run's metrics on all ranks; rank 0 writes ``--metrics-json``.
@@ -258,6 +290,31 @@ class TrainingRun:
                     write_metrics(self.args.metrics_json, metrics)
                 except OSError as exc:
                     raise output_error("--metrics-json", self.args.metrics_json, exc) from None
+            self._finish_curves(losses[0], images_per_sec)
         if diverged:
             raise JobError(f"training diverged: the final loss is {final_loss}", every_rank=True)
         return metrics
+
+    def _finish_curves(self, loss: float | None, images_per_sec: float | None) -> None:
+        """Rank 0 ends the curves at the last step, closes the event file and draws ``--summary-png``."""
+        if self._curves is None:
+            return
+        final: dict[str, float | None] = {curves.FINAL_IMAGES_PER_SEC: images_per_sec}
+        if self.total_steps % self.args.log_every:  # the last step was not logged: end the loss curve there
+            final[curves.LOSS] = loss
+        self._record(self.total_steps, final)
+        try:
+            self._curves.close()
+        except OSError as exc:
+            raise output_error("--tensorboard-dir", self.args.tensorboard_dir, exc) from None
+        png = self.args.summary_png
+        if png is not None:
+            title = (
+                f"{self.framework} ({self.dist.backend}) {self.args.model}: "
+                f"world size {self.dist.size}, batch {self.args.batch_size} per worker"
+            )
+            try:
+                curves.write_summary_png(png, self._curves.series, title)
+            except OSError as exc:
+                raise output_error("--summary-png", png, exc) from None
+            log.info("wrote %s", png)

@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Mapping
+from importlib.util import find_spec
 from pathlib import Path
 
 from training.errors import BadInput, OutputPathError
@@ -21,6 +22,7 @@ from training.errors import BadInput, OutputPathError
 MIN_FREE_ENV = "TRAINING_MIN_FREE_MB"
 DEFAULT_MIN_FREE_MB = 1024  # a few ResNet-50 checkpoints (about 200 MB each with momentum)
 MB = 2**20
+MODEL_JSON = "model.json"  # what marks a directory as a model export (training.export)
 
 
 def check_output_paths(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> None:
@@ -28,10 +30,33 @@ def check_output_paths(args: argparse.Namespace, env: Mapping[str, str] = os.env
     need = min_free_bytes(env)
     if args.checkpoint_dir is not None:
         check_directory(args.checkpoint_dir, "--checkpoint-dir", args.checkpoint_dir, need)
+    if args.export_dir is not None:
+        problem = export_dir_problem(args.export_dir)
+        if problem is not None:
+            raise OutputPathError(f"--export-dir {args.export_dir}: {problem}")
+        # The export is written beside the directory, then renamed over it: the parent must take files.
+        check_directory(args.export_dir.parent, "--export-dir", args.export_dir, need)
     if args.metrics_json is not None:
         if args.metrics_json.is_dir():
             raise OutputPathError(f"--metrics-json {args.metrics_json} is a directory: pass the path of a file")
         check_directory(args.metrics_json.parent, "--metrics-json", args.metrics_json, need)
+    if args.tensorboard_dir is not None:
+        require_package("tensorboard", "--tensorboard-dir")
+        check_directory(args.tensorboard_dir, "--tensorboard-dir", args.tensorboard_dir, need)
+    if args.summary_png is not None:
+        if args.summary_png.is_dir():
+            raise OutputPathError(f"--summary-png {args.summary_png} is a directory: pass the path of a file")
+        require_package("matplotlib", "--summary-png")
+        check_directory(args.summary_png.parent, "--summary-png", args.summary_png, need)
+
+
+def require_package(package: str, flag: str) -> None:
+    """An output whose writer needs an optional package is refused now, not after the training."""
+    if find_spec(package) is None:
+        raise BadInput(
+            f"{flag} needs the Python package {package}, which this environment lacks: "
+            f"install it (requirements-train.txt pins it) or leave {flag} out"
+        )
 
 
 def min_free_bytes(env: Mapping[str, str]) -> int:
@@ -71,3 +96,18 @@ def output_error(flag: str, path: Path, exc: OSError) -> OutputPathError:
         reason = (exc.strerror or str(exc)).lower()
     where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
     return OutputPathError(f"cannot write {flag} {path}: {reason}{where} ({advice})")
+
+
+def export_dir_problem(directory: Path) -> str | None:
+    """Why an export may not replace ``directory`` (None: it may). Only an earlier export or an
+    empty directory is replaced, so a mistyped --export-dir cannot delete anyone's files."""
+    if not directory.exists():
+        return None
+    if not directory.is_dir():
+        return "it is a file: pass a directory"
+    try:
+        if (directory / MODEL_JSON).is_file() or not any(directory.iterdir()):
+            return None
+    except OSError as exc:
+        return f"cannot list it ({(exc.strerror or str(exc)).lower()}): fix its permissions or choose another"
+    return f"it holds files but no {MODEL_JSON}, so it is not an earlier export: choose a new or empty directory"

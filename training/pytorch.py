@@ -8,6 +8,7 @@ the flags, the schedule, the checkpoints and the metrics JSON are the same.
 from __future__ import annotations
 
 import argparse
+import copy
 import io
 import logging
 import os
@@ -15,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from functools import partial
 from itertools import repeat
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import numpy as np
@@ -35,6 +37,7 @@ from training.data import (
 )
 from training.distributed import agree, set_failure_timeouts
 from training.errors import BadInput, JobError
+from training.export import Exporter, ExportSpec, ModelFiles
 from training.job import run_job
 from training.loop import TrainingRun, configure_logging, restore, resume
 from training.torch_models import build_model
@@ -307,6 +310,9 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
         return buffer.getvalue()
 
     precision = "fp32" if dtype is None else f"amp_{'bf16' if dtype == torch.bfloat16 else 'fp16'}"
+    exporter = Exporter(
+        args, backend, ExportSpec.of("pytorch", args, plan), partial(export_model, model, args.image_size)
+    )
     run = TrainingRun(
         args,
         backend,
@@ -318,6 +324,7 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
         fingerprint=fingerprint,
         save_state=save_state,
         evaluate=make_evaluate(args, plan, backend, model, device, autocast, skipped),
+        on_epoch_end=exporter.epoch_hook,
     )
     batches = train_batches(args, plan, backend, device, start_step, run.total_steps)
     model.train()
@@ -332,7 +339,28 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
         scaler.update()
         skipped.add(batch_skipped)
         run.step_done(step, loss.item)
-    return run.finish(skipped if plan.train is not None else None)
+    metrics = run.finish(skipped if plan.train is not None else None)
+    exporter.final(metrics)
+    return metrics
+
+
+def export_model(model: nn.Module, image_size: int, directory: Path) -> ModelFiles:
+    """``model.pt2`` (torch.export: uint8 NHWC images in, logits out, any batch size) and a plain
+    ``state_dict.pt`` (for ``training.torch_models.build_model(...).load_state_dict``).
+
+    ``model`` is the bare module (never the DDP wrapper or the compiled one). The export is taken
+    from a float32 copy on the CPU in eval mode (batch norm with its running statistics), so it
+    loads on any machine, and the model in training keeps its device, mode and layout. torch.export
+    traces every model of training.torch_models (a test exports each), so no TorchScript fallback.
+    """
+    # Contiguous weights: torch.export.save warns about channels-last ones (DDP's layout).
+    frozen = copy.deepcopy(model).cpu().float().to(memory_format=torch.contiguous_format).eval()
+    example = torch.zeros(2, image_size, image_size, 3, dtype=torch.uint8)
+    batch = torch.export.Dim("batch", min=1)
+    program = torch.export.export(frozen, (example,), dynamic_shapes=({0: batch},))
+    torch.export.save(program, directory / "model.pt2")
+    torch.save(frozen.state_dict(), directory / "state_dict.pt")
+    return ModelFiles("torch.export", "model.pt2", "logits", {"state_dict": "state_dict.pt"})
 
 
 def load_training_state(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, state: dict[str, Any]) -> None:

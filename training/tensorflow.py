@@ -55,7 +55,7 @@ def train(args: argparse.Namespace, dist: tf_common.HorovodTF) -> dict[str, Any]
             optimizer.learning_rate = run.lr(step)
             loss = train_step(images, labels)
             run.step_done(step, lambda loss=loss: float(loss))
-        return run.finish(s.skip_counter())
+        return s.finish(run)
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import horovod.tensorflow as hvd
@@ -33,6 +34,7 @@ from training.data import (
 )
 from training.distributed import agree, set_failure_timeouts
 from training.errors import JobError
+from training.export import Exporter, ExportSpec, ModelFiles
 from training.loop import TrainingRun, restore, resume
 from training.tf_models import build_model
 
@@ -168,6 +170,8 @@ class Setup:
     fingerprint: Fingerprint
     skipped: SkipCounter = field(default_factory=SkipCounter)
     pipeline_errors: PipelineErrors = field(default_factory=PipelineErrors)
+    exporter: Exporter | None = None  # made with the TrainingRun, which calls it at epoch ends
+    serving: Serving | None = None  # the float32 copy exports are taken from, made at the first export
 
     def synthetic_tensors(self) -> tuple[tf.Tensor, tf.Tensor]:
         """This rank's fixed synthetic batch, created once on the device."""
@@ -232,6 +236,7 @@ class Setup:
         return buffer.getvalue()
 
     def training_run(self, framework: str) -> TrainingRun:
+        self.exporter = Exporter(self.args, self.dist, ExportSpec.of(framework, self.args, self.plan), self.save_export)
         return TrainingRun(
             self.args,
             self.dist,
@@ -243,10 +248,55 @@ class Setup:
             fingerprint=self.fingerprint,
             save_state=self.save_state,
             evaluate=self.evaluate(),
+            on_epoch_end=self.exporter.epoch_hook,
         )
+
+    def finish(self, run: TrainingRun) -> dict[str, Any]:
+        """The run's metrics (:meth:`TrainingRun.finish`), then the export of the trained model."""
+        metrics = run.finish(self.skip_counter())
+        assert self.exporter is not None, "training_run() makes the exporter"
+        self.exporter.final(metrics)
+        return metrics
+
+    def save_export(self, directory: Path) -> ModelFiles:
+        """``saved_model/``, whose serving signature takes uint8 images [N, size, size, 3] and
+        returns ``probabilities`` [N, classes], from a float32 copy of the model in inference mode."""
+        if self.serving is None:
+            self.serving = Serving(self.args.model, self.plan.num_classes, self.args.image_size)
+        self.serving.load(self.model)
+        signature = self.serving.serve.get_concrete_function()
+        tf.saved_model.save(self.serving, str(directory / "saved_model"), signatures={"serving_default": signature})
+        return ModelFiles("saved_model", "saved_model", "probabilities")
 
     def skip_counter(self) -> SkipCounter | None:
         return None if self.plan.train is None else self.skipped
+
+
+class Serving(tf.Module):
+    """What the SavedModel holds: the weights and one function. The Keras model is built in float32
+    whatever the training precision (a bfloat16 graph is slow or unsupported on many CPUs), and
+    reached only through the function, so the export carries no optimizer and no Keras internals."""
+
+    def __init__(self, name: str, num_classes: int, image_size: int) -> None:
+        super().__init__()
+        training_policy = tf.keras.mixed_precision.global_policy()
+        tf.keras.mixed_precision.set_global_policy("float32")
+        try:
+            model = build_model(name, num_classes, image_size)
+        finally:
+            tf.keras.mixed_precision.set_global_policy(training_policy)
+        self.model_variables = list(model.variables)  # tracked, so the function's captures are saved
+
+        @tf.function(input_signature=[tf.TensorSpec([None, image_size, image_size, 3], tf.uint8, name="images")])
+        def serve(images: tf.Tensor) -> dict[str, tf.Tensor]:
+            return {"probabilities": tf.nn.softmax(model(images, training=False))}
+
+        self.serve = serve
+
+    def load(self, trained: tf.keras.Model) -> None:
+        """Take the trained model's weights (the same architecture, so the same variable order)."""
+        for variable, value in zip(self.model_variables, trained.variables, strict=True):
+            variable.assign(value)
 
 
 def decode_state(payload: bytes) -> dict[str, np.ndarray]:

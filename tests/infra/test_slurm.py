@@ -16,11 +16,10 @@ import socket
 import stat
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -47,6 +46,7 @@ from tests.infra.documents import (
     slurm_conf,
 )
 from tests.infra.sandbox import Sandbox, add_port, shell_value, with_value
+from tests.local_http import serving
 
 HEALTH_CHECK = "/usr/local/sbin/slurm-health-check"
 EPILOG = "/usr/local/sbin/slurm-epilog"
@@ -656,13 +656,9 @@ def azure() -> Iterator[FakeAzure]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    fake.endpoint = f"http://127.0.0.1:{server.server_port}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield fake
-    server.shutdown()
-    thread.join()
+    with serving(Handler) as endpoint:
+        fake.endpoint = endpoint
+        yield fake
 
 
 def run_power(sandbox: Sandbox, azure: FakeAzure, *argv: str) -> subprocess.CompletedProcess[str]:

@@ -32,6 +32,7 @@ from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, gener
 from scripts.daemons import free_port, wait_port
 from scripts.processes import stop_process_group
 from scripts.remote import annotate_output, srun_ssh, upload_results
+from tests.local_http import serving
 
 REPO = Path(__file__).resolve().parents[2]
 REMOTE = REPO / "scripts" / "remote"
@@ -500,14 +501,8 @@ class IMDS(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def imds() -> Iterator[str]:
     IMDS.replies, IMDS.requests = [], []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), IMDS)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/metadata/identity/oauth2/token"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(IMDS) as base:
+        yield f"{base}/metadata/identity/oauth2/token"
 
 
 def test_a_managed_identitys_token_comes_from_imds_with_its_client_id_and_a_retry(imds):
@@ -667,3 +662,43 @@ def test_outside_a_slurm_job_or_with_an_unknown_option_it_fails_as_ssh_does():
     assert result.returncode == 255 and result.stderr.decode().startswith("ssh (srun_ssh.py): error: unknown option -A")
     result = run_tool("srun_ssh.py", "--help")
     assert result.returncode == 0 and b"srun --jobid=$SLURM_JOB_ID --overlap" in result.stdout
+
+
+# --- record_run.py -----------------------------------------------------------------------------
+def record_run(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REMOTE / "record_run.py"), "--run-dir", str(run_dir), *args],
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_each_attempt_adds_its_node_hours_and_the_cost_uses_the_price_launch_recorded(tmp_path):
+    job = {"run_id": "r-1", "framework": "pytorch", "gpu_sku": "Standard_ND96isr_H100_v5", "region": "eastus"}
+    (tmp_path / "job.json").write_text(json.dumps({**job, "price_per_node_hour_usd": 100.0, "price_source": "t"}))
+    now = int(time.time())
+    first = record_run(tmp_path, "--nodes", "2", "--attempt", "1", "--started-at", str(now - 1800), "--exit-code", "1")
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("1.0") and "estimated $100" in first.stdout  # 2 nodes x 30 minutes
+    # a requeued attempt on 4 nodes for 15 minutes: another node-hour, and both attempts are kept
+    again = record_run(tmp_path, "--nodes", "4", "--attempt", "2", "--started-at", str(now - 900), "--exit-code", "0")
+    assert again.returncode == 0, again.stderr
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert [a["attempt"] for a in record["attempts"]] == [1, 2] and record["exit_code"] == 0
+    assert record["node_hours"] == pytest.approx(2.0, abs=0.01)
+    assert record["estimated_cost_usd"] == pytest.approx(200.0, abs=1.0)
+    assert (record["gpu_sku"], record["region"], record["price_source"]) == (job["gpu_sku"], "eastus", "t")
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]  # written atomically
+
+
+def test_without_a_price_the_record_has_node_hours_but_no_cost_and_without_a_job_it_refuses(tmp_path):
+    (tmp_path / "job.json").write_text(json.dumps({"run_id": "r-2", "price_per_node_hour_usd": None}))
+    started = str(int(time.time()) - 360)
+    proc = record_run(tmp_path, "--nodes", "1", "--attempt", "1", "--started-at", started, "--exit-code", "0")
+    assert proc.returncode == 0 and "estimated" not in proc.stdout
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["estimated_cost_usd"] is None and record["node_hours"] == pytest.approx(0.1, abs=0.01)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = record_run(empty, "--nodes", "1", "--attempt", "1", "--started-at", started, "--exit-code", "0")
+    assert proc.returncode == 2 and "no job.json" in proc.stderr

@@ -1,0 +1,23 @@
+"""A real HTTP server on loopback, for the cloud endpoints the suites cannot reach (IMDS, ARM, the
+Retail Prices API, a storage account that refuses): shared by the suites of both environments."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """Serve ``handler`` on a free loopback port in a thread; yield ``http://127.0.0.1:PORT``."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
