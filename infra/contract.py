@@ -25,6 +25,8 @@ SRUN_PORT_RANGE = (60001, 63000)
 SRUN_PORTS = "{}-{}".format(*SRUN_PORT_RANGE)  # as slurm.conf and the network rules write it
 
 SLURM_PARTITION = "gpu"
+# The container registry's tier: the stack deploys it, `python -m scripts cost` prices it.
+REGISTRY_SKU = "Standard"
 FRAMEWORKS = ("pytorch", "tensorflow", "keras")
 # Below this much free space where images and job data land, a node is not fit for a job.
 MIN_FREE_DISK_GB = 50

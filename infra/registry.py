@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import pulumi
 from pulumi_azure_native import containerregistry
 
+from infra.contract import REGISTRY_SKU
+
 
 @dataclass
 class RegistryArgs:
@@ -24,7 +26,7 @@ class Registry(pulumi.ComponentResource):
             resource_group_name=args.resource_group_name,
             location=args.location,
             # Standard carries the storage and throughput for multi-GB framework images.
-            sku=containerregistry.SkuArgs(name="Standard"),
+            sku=containerregistry.SkuArgs(name=REGISTRY_SKU),
             admin_user_enabled=False,
             anonymous_pull_enabled=False,
             tags=args.tags,
