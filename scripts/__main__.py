@@ -9,11 +9,12 @@ import os
 import sys
 from collections.abc import Sequence
 
-from scripts import build_images, cluster, demo, jobs, launch, local_cluster, stage
+from scripts import build_images, cluster, cost, demo, jobs, launch, local_cluster, results, stage
 from scripts.cli import CLIParser, add_cluster_option, run_cli
 
-# In the order a user meets them: a cluster, data and images on it, jobs, then the local cluster.
-COMMAND_MODULES = (cluster, stage, build_images, launch, jobs, local_cluster, demo)
+# In the order a user meets them: a cluster, data and images on it, jobs and what they leave, then the
+# local cluster.
+COMMAND_MODULES = (cluster, stage, build_images, launch, jobs, results, cost, local_cluster, demo)
 
 DESCRIPTION = """\
 Distributed training on a Slurm GPU cluster: the Azure stack (`pulumi up`), or the embedded local
@@ -28,6 +29,7 @@ typical session:
   python -m scripts logs JOB -f                        # JOB: a Slurm job id or a run id
   python -m scripts cancel JOB
   python -m scripts status                             # nodes, drain reasons, health, queue
+  python -m scripts results RUN                        # the run's model, curves, cost and logs, to runs/RUN
 """
 
 

@@ -10,8 +10,9 @@ What the script does, on the first node of the allocation, whoever is attached:
      removes the job's containers, which dockerd owns, not Slurm);
   3. pipes the launcher's output through remote/annotate_output.py: `[rank|host]` on every line, a log per
      rank, and the verdict (which rank failed and why);
-  4. on exit, even after scancel (SIGTERM, then SIGKILL after KillWait), writes status.json and uploads the
-     run directory (not its checkpoints or secrets) to the results container.
+  4. on exit, even after scancel (SIGTERM, then SIGKILL after KillWait), writes status.json and run.json
+     (this attempt's node-hours and estimated cost, added to earlier attempts'), and uploads the run
+     directory (the model export, curves and logs; not its checkpoints or secrets) to the results container.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from scripts.sshutil import q
 Launcher = Literal["horovodrun", "torchrun"]
 NODE_PROBE_S = 60  # how long a node may take to run an empty job step before it counts as failed
 RDZV_PORT_BASE = 29400  # torchrun's rendezvous on the first node: this plus the job id modulo 1000
-REMOTE_TOOLS = ("annotate_output.py", "upload_results.py", "srun_ssh.py")
+REMOTE_TOOLS = ("annotate_output.py", "record_run.py", "upload_results.py", "srun_ssh.py")
 # --ntasks too: the allocation's SLURM_NTASKS (nodes x processes) would otherwise win over per-node
 ONE_TASK_PER_NODE = '--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1'
 # torchrun prefixes each line of a rank with this (it has no flag for it): the global rank, which
@@ -65,6 +66,7 @@ class JobSpec:
     infiniband: bool = False
     requeue: bool = False
     time_limit_minutes: int | None = None
+    git_revision: str | None = None  # of the operator's checkout: recorded in the model export
     env: dict[str, str] = field(default_factory=dict)  # NCCL settings and the like, for every rank
 
     @property
@@ -105,7 +107,9 @@ def _prologue(spec: JobSpec) -> list[str]:
     return [
         "set -uo pipefail",
         "umask 077",
-        f"export RUN_DIR={q(spec.run_dir)}",  # exported: the containers read it too
+        "ATTEMPT_STARTED_AT=$(date -u +%s)",  # what run.json charges this attempt from
+        # exported: the containers read them too (the model export records the run and the revision)
+        f"export RUN_DIR={q(spec.run_dir)} RUN_ID={q(spec.run_id)} GIT_REVISION={q(spec.git_revision or '')}",
         f"readonly PY={q(spec.remote_python)}",
         'readonly TOOLS="$RUN_DIR/remote"',
         f"export {env}",
@@ -113,7 +117,8 @@ def _prologue(spec: JobSpec) -> list[str]:
         'rm -f "$RUN_DIR/status.json" "$RUN_DIR/verdict.json"',
         'scontrol show hostnames "$SLURM_JOB_NODELIST" >"$RUN_DIR/nodes"',
         'HOSTS=$(paste -sd, "$RUN_DIR/nodes")',
-        'echo "[job] job $SLURM_JOB_ID, attempt $((${SLURM_RESTART_COUNT:-0} + 1)), on $HOSTS"',
+        "readonly ATTEMPT=$((${SLURM_RESTART_COUNT:-0} + 1))",
+        'echo "[job] job $SLURM_JOB_ID, attempt $ATTEMPT, on $HOSTS"',
         *_finish_function(spec),
         "trap finish EXIT",
         # scancel signals the whole step: the launcher ends, and its last lines (and the verdict) reach
@@ -139,7 +144,7 @@ def _finish_function(spec: JobSpec) -> list[str]:
     status = (
         'printf \'{"job_id": "%s", "run_id": "%s", "exit_code": %d, "attempt": %d, "finished_at": "%s", '
         '"results": "%s"}\\n\' '
-        f'"$SLURM_JOB_ID" {q(spec.run_id)} "$1" "$((${{SLURM_RESTART_COUNT:-0}} + 1))" "$FINISHED_AT" "$2" '
+        f'"$SLURM_JOB_ID" {q(spec.run_id)} "$1" "$ATTEMPT" "$FINISHED_AT" "$2" '
         '>"$RUN_DIR/status.json.tmp" && mv "$RUN_DIR/status.json.tmp" "$RUN_DIR/status.json"'
     )
     return [
@@ -152,6 +157,8 @@ def _finish_function(spec: JobSpec) -> list[str]:
         "  FINISHED_AT=$(date -u +%Y-%m-%dT%H:%M:%SZ)",
         '  echo "[job] exit status $code"',
         '  write_status "$code" uploading',
+        f'  "$PY" "$TOOLS/record_run.py" --run-dir "$RUN_DIR" --nodes {spec.nodes} --attempt "$ATTEMPT" '
+        '--started-at "$ATTEMPT_STARTED_AT" --exit-code "$code" 2>&1 | sed \'s/^/[job] /\'',
         f"  if {' '.join(upload)} 2>&1 | sed 's/^/[job] /'; then",
         '    write_status "$code" uploaded',
         "  else",
@@ -235,7 +242,8 @@ def _docker_run(spec: JobSpec, detach: bool) -> list[str]:
     argv += ["--network", "host", "--ipc", "host", "--ulimit", "memlock=-1", "--ulimit", "stack=67108864"]
     argv += ["--cap-add", "IPC_LOCK", "-v", f"{q(spec.shared_mount)}:{q(spec.shared_mount)}"]
     # the launch line inside is single-quoted: the variables it names come in through the environment
-    argv += ["-e", "RUN_DIR", "-e", "RDZV", "-e", "SLURM_JOB_ID", "-e", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"]
+    argv += ["-e", "RUN_DIR", "-e", "RUN_ID", "-e", "GIT_REVISION", "-e", "RDZV", "-e", "SLURM_JOB_ID"]
+    argv += ["-e", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"]
     argv += [arg for key in ("PYTHONUNBUFFERED", *spec.env) for arg in ("-e", key)]
     if spec.gpus_per_node:
         argv += ["--gpus", "all"]

@@ -171,6 +171,7 @@ class ClusterDescription(_Model):
     node_count: int = Field(ge=1)
     gpus_per_node: int = Field(ge=0)
     gpu_sku: str | None = None
+    region: str | None = None  # with gpu_sku, what prices a run (scripts/cost.py); None locally
     expect_infiniband: bool = False
     node_ssh_port: int = 22
     # shared file system, as the nodes see it, and as the NFS server sees it
@@ -277,6 +278,7 @@ class StackOutputs(BaseModel):
     node_count: int = Field(ge=1)
     gpus_per_node: int = Field(ge=0)
     gpu_sku: str
+    location: str
     cluster_identity_client_id: str
     nccl_env: dict[str, str]
 
@@ -315,6 +317,7 @@ def from_stack_outputs(
             node_count=out.node_count,
             gpus_per_node=out.gpus_per_node,
             gpu_sku=out.gpu_sku,
+            region=out.location,
             expect_infiniband=True,  # every SKU the stack accepts is an InfiniBand SKU
             shared_mount_path=out.shared_mount_path,
             shared_is_mount=True,

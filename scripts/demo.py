@@ -4,9 +4,10 @@
 
 up a 2-node local cluster (Slurm, sshd, Azurite) -> generate a small synthetic ImageNet-layout JPEG
 dataset -> stage it to blob storage (Azurite) -> pull it onto the shared file system with the
-read-only SAS -> submit a 2-node Horovod PyTorch ResNet job to Slurm over SSH and follow it -> read
-its metrics back from the results container, where the job uploaded its run -> print a summary
-table -> tear the cluster down, always, even when a step fails (unless --keep).
+read-only SAS -> submit a 2-node Horovod PyTorch ResNet job to Slurm over SSH and follow it -> download
+what the job uploaded to the results container (its trained model, TensorBoard events, summary.png,
+run.json with node-hours and cost) to runs/<run-id>/ -> print a summary table -> tear the cluster
+down, always, even when a step fails (unless --keep).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from pathlib import Path
 
 from rich.table import Table
 
-from scripts import blobs, local_cluster, stage
+from scripts import cost, local_cluster, stage
 from scripts.cli import arg_type, int_between, non_empty
 from scripts.cluster import DEFAULT_LOCAL_STATE, ClusterDescription
 from scripts.errors import ExitCode, OperatorError
 from scripts.follow import follow
+from scripts.results import DEFAULT_DEST, Downloaded, download_run
 from scripts.runs import Run
 from scripts.slurm import Slurm
 from scripts.sshutil import SSH
@@ -41,7 +43,10 @@ class DemoResult:
     exit_code: int
     submission: Submission | None = None
     metrics: dict | None = None
+    record: dict | None = None  # run.json: node-hours and estimated cost
     results_blobs: int = 0
+    downloaded: Path | None = None  # the local copy of the run's results
+    results_url: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     error: str | None = None
 
@@ -76,6 +81,7 @@ class DemoSettings:
     subnet: str | IPv4Network = local_cluster.DEFAULT_SUBNET
     keep: bool = False
     entrypoint: str | None = None
+    download_dir: str | Path = DEFAULT_DEST  # the run's results are copied to <download_dir>/<run-id>/
 
 
 def run_demo(settings: DemoSettings | None = None) -> DemoResult:
@@ -133,8 +139,8 @@ def _steps(settings: DemoSettings, result: DemoResult) -> None:
         run = Run(submitted.run_id, submitted.job_id, submitted.run_dir)
         result.exit_code = follow(desc, ssh, Slurm(desc, ssh), run)
     phase("job")
-    console.rule("5/6 results: what the job uploaded to the results container")
-    _read_results(desc, result)
+    console.rule("5/6 results: what the job uploaded to the results container, downloaded")
+    _read_results(desc, result, settings.download_dir)
     if result.exit_code != 0:
         result.error = f"the job exited with status {result.exit_code}"
     elif not result.metrics:
@@ -156,15 +162,20 @@ def _stage(desc: ClusterDescription, settings: DemoSettings) -> None:
         stage.print_pull_summary(pulled)
 
 
-def _read_results(desc: ClusterDescription, result: DemoResult) -> None:
+def _read_results(desc: ClusterDescription, result: DemoResult, download_dir: str | Path) -> None:
+    """Download the run (Azurite goes with the cluster; the copy stays) and read its metrics and record."""
     assert result.submission is not None
-    client = blobs.container_client(desc.results)
-    names = [blob.name for blob in client.list_blobs(name_starts_with=f"{result.submission.run_id}/")]
-    result.results_blobs = len(names)
-    console.print(f"{len(names)} blobs under {desc.results.url}/{result.submission.run_id}/")
-    metrics_blob = f"{result.submission.run_id}/metrics.json"
-    if metrics_blob in names:
-        result.metrics = json.loads(client.download_blob(metrics_blob).readall())
+    run_id = result.submission.run_id
+    result.results_url = f"{desc.results.url}/{run_id}/"
+    got: Downloaded = download_run(desc, run_id, download_dir)
+    result.results_blobs, result.downloaded = len(got.files), got.directory
+    console.print(f"{len(got.files)} blobs under {result.results_url}, copied to {got.directory}")
+    result.metrics = _json_file(got.directory / "metrics.json")
+    result.record = _json_file(got.directory / "run.json")
+
+
+def _json_file(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def summary_table(result: DemoResult, keep: bool = False) -> Table:
@@ -187,8 +198,46 @@ def summary_table(result: DemoResult, keep: bool = False) -> Table:
     if submitted:
         where = f"{result.results_blobs} blobs" + ("" if keep else " (Azurite was removed with the cluster)")
         table.add_row("results container", where)
+    if result.downloaded:
+        table.add_row("trained model", _present(result, "model", f"{result.results_url}model/"))
+        table.add_row("curves", _present(result, "summary.png", "loss and images/s over steps"))
+        table.add_row("TensorBoard", _present(result, "tensorboard", "tensorboard --logdir {}"))
+    if result.record:
+        table.add_row("cost", cost_line(result.record))
     table.add_row("time", ", ".join(f"{k} {v:g}s" for k, v in result.timings.items()))
     return table
+
+
+def _present(result: DemoResult, name: str, note: str) -> str:
+    """The local copy of one of the run's outputs, and a note on it; or what is missing."""
+    assert result.downloaded is not None
+    path = result.downloaded / name
+    if not path.exists():
+        return f"[red]missing: the job wrote no {name}[/red]"
+    return f"{path} ({note.format(path)})"
+
+
+def azure_reference_price() -> tuple[str, str, float] | None:
+    """The GPU size, region and node-hour price of the repository's example stack (Pulumi.dev.yaml)."""
+    try:
+        cfg = cost.read_stack_config(cost.DEFAULT_STACK_FILE)
+        price = cost.node_hour_price(cfg.gpu_sku, cfg.location)
+    except OperatorError:
+        return None
+    return None if price is None else (cfg.gpu_sku, cfg.location, float(price.usd_per_hour))
+
+
+def cost_line(record: dict) -> str:
+    """Node-hours and the estimated cost; for the local cluster, what the same node-hours cost on Azure."""
+    hours = record.get("node_hours") or 0.0
+    cost = record.get("estimated_cost_usd")
+    line = f"{hours:.4f} node-hours, " + (f"${cost:.2f}" if cost is not None else "no price known")
+    line += f" ({record.get('price_source')})"
+    reference = azure_reference_price()
+    if record.get("gpu_sku") is None and reference is not None:
+        sku, region, price = reference
+        line += f"; on Azure ({sku}, {region}, ${price:.2f}/node-hour): ${hours * price:.2f}"
+    return line
 
 
 def configure(commands: argparse._SubParsersAction) -> None:
@@ -207,6 +256,9 @@ def configure(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--subnet", type=arg_type(local_cluster.parse_subnet), default=local_cluster.DEFAULT_SUBNET)
     parser.add_argument("--name", type=arg_type(local_cluster.check_name), default=local_cluster.DEFAULT_NAME)
     parser.add_argument("--keep", action="store_true", help="leave the cluster up at the end")
+    parser.add_argument(
+        "--download-dir", type=non_empty, default=DEFAULT_DEST, help="copy the run's results to DIR/<run-id> (runs)"
+    )
     parser.set_defaults(handler=run)
 
 
@@ -214,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
     settings = DemoSettings(
         nodes=args.nodes, steps=args.steps, batch_size=args.batch_size, image_size=args.image_size,
         model=args.model, state_dir=args.state_dir, name=args.name, subnet=args.subnet, keep=args.keep,
+        download_dir=args.download_dir,
     )  # fmt: skip
     result = run_demo(settings)
     make_console(stderr=False).print(summary_table(result, args.keep))

@@ -89,6 +89,8 @@ def outcome(desc: ClusterDescription, slurm: Slurm, run: Run) -> int:
         results = None
     where = f"; results {results}" if results else ""
     console.print(f"{done.label}: {'ok' if code == 0 else f'exit {code}'}{where}")
+    if done.cost_summary:
+        console.print(f"{done.label}: {done.cost_summary}")
     return code
 
 

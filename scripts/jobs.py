@@ -84,19 +84,26 @@ def run_jobs(args: argparse.Namespace) -> int:
 
 def jobs_table(queue: Sequence[QueuedJob], runs: Sequence[Run]) -> Table:
     table = Table(title="jobs")
-    for column in ("job", "run", "state", "nodes", "time", "exit", "note"):
+    for column in ("job", "run", "state", "nodes", "time", "exit", "node-h", "est. cost", "note"):
         table.add_column(column)
     live = {job.job_id: job for job in queue}
     for job in queue:
-        table.add_row(job.job_id, job.name, job.state, job.nodes, job.elapsed, "", job.reason)
+        table.add_row(job.job_id, job.name, job.state, job.nodes, job.elapsed, "", "", "", job.reason)
     for run in runs:
         if run.job_id in live:
             continue
         state, note = _ended_state(run)
         finished = (run.status or {}).get("finished_at", "")
         nodes = str((run.job or {}).get("nodes", ""))
-        table.add_row(run.job_id or "-", run.run_id or "-", state, nodes, finished, _exit(run), note)
+        table.add_row(run.job_id or "-", run.run_id or "-", state, nodes, finished, _exit(run), *_cost(run), note)
     return table
+
+
+def _cost(run: Run) -> tuple[str, str]:
+    """Node-hours and estimated cost from run.json (written when an attempt ends)."""
+    record = run.record or {}
+    hours, cost = record.get("node_hours"), record.get("estimated_cost_usd")
+    return ("" if hours is None else f"{hours:.3f}"), ("" if cost is None else f"${cost:.2f}")
 
 
 def _ended_state(run: Run) -> tuple[str, str]:

@@ -24,6 +24,15 @@ class Run:
     job: dict[str, Any] | None = None  # job.json
     status: dict[str, Any] | None = None  # status.json: the exit, once the job has ended
     verdict: dict[str, Any] | None = None  # verdict.json: which rank failed, and why
+    record: dict[str, Any] | None = None  # run.json: attempts, node-hours, estimated cost
+
+    @property
+    def cost_summary(self) -> str | None:
+        """'0.0123 node-hours, estimated $1.23' once the job has ended (no price: node-hours alone)."""
+        if not self.record or self.record.get("node_hours") is None:
+            return None
+        cost = self.record.get("estimated_cost_usd")
+        return f"{self.record['node_hours']:.4f} node-hours" + ("" if cost is None else f", estimated ${cost:.2f}")
 
     @property
     def label(self) -> str:
@@ -50,7 +59,10 @@ def list_runs(
             f"reading the runs on the login node failed: {(result.stderr or result.stdout).strip()[-400:]}",
             ExitCode.FAILED,
         ) from None
-    return [Run(e["run_id"], e["job_id"], e["run_dir"], e["job"], e["status"], e["verdict"]) for e in entries]
+    return [
+        Run(e["run_id"], e["job_id"], e["run_dir"], e["job"], e["status"], e["verdict"], e.get("record"))
+        for e in entries
+    ]
 
 
 def resolve(desc: ClusterDescription, slurm: Slurm, text: str) -> Run:

@@ -13,6 +13,7 @@ import json
 import posixpath
 import re
 import secrets
+import subprocess
 import tarfile
 import time
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 
 from infra.contract import FRAMEWORKS, RUNS_DIR
+from scripts import cost
 from scripts.batch import REMOTE_TOOLS, JobSpec, Launcher, ResultsTarget, render_job_script
 from scripts.cluster import REPO_ROOT, ClusterDescription
 from scripts.errors import ExitCode, OperatorError
@@ -30,6 +32,8 @@ from scripts.sshutil import SSH, q
 RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,100}")
 REMOTE_DIR = REPO_ROOT / "scripts" / "remote"
 SAS_FILE = "results.sas"
+# The training jobs' output flags that `launch` points into the run directory (flag name -> path in it).
+RUN_OUTPUTS = {"export-dir": "model", "tensorboard-dir": "tensorboard", "summary-png": "summary.png"}
 _RUN_EXISTS, _NO_DATA = 17, 18  # the remote step's own exit statuses
 
 
@@ -117,8 +121,34 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions, slurm: Slurm) -> J
         infiniband=desc.expect_infiniband,
         requeue=opts.requeue,
         time_limit_minutes=opts.time_limit_minutes,
+        git_revision=git_revision(),
         env=dict(desc.nccl_env),
     )
+
+
+def git_revision() -> str | None:
+    """The commit of the checkout that submits (with '-dirty' when it has uncommitted changes), or None
+    outside a git checkout: recorded in the model export, so a model can be traced to its code."""
+    try:
+        head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "diff", "--quiet", "HEAD"], capture_output=True)
+    except OSError:  # no git
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.returncode == 1 else "")
+
+
+def node_hour_price(desc: ClusterDescription) -> tuple[float | None, str]:
+    """What a node-hour of this cluster costs (USD), and where that figure comes from."""
+    if desc.provider == "local":
+        return 0.0, "local cluster: no charge"
+    if desc.gpu_sku is None or desc.region is None:
+        return None, "the cluster description names no GPU size or region (write it again with `cluster from-stack`)"
+    price = cost.node_hour_price(desc.gpu_sku, desc.region)
+    if price is None:
+        return None, f"no price for {desc.gpu_sku} in {desc.region} in the price table (`python -m scripts cost`)"
+    return float(price.usd_per_hour), f"{price.source}, price table of {price.as_of}"
 
 
 def training_command(desc: ClusterDescription, opts: LaunchOptions, run_dir: str) -> list[str]:
@@ -126,11 +156,16 @@ def training_command(desc: ClusterDescription, opts: LaunchOptions, run_dir: str
     entry = opts.entrypoint or f"training.{opts.framework}"
     command = [python, entry] if entry.endswith(".py") else [python, "-m", entry]
     args = list(opts.job_args)
-    if _flag_value(args, "--metrics-json") is None:
-        args += ["--metrics-json", f"{run_dir}/metrics.json"]
-    # a requeued job starts again from the top: its checkpoints are what makes it resume
-    if opts.requeue and opts.entrypoint is None and _flag_value(args, "--checkpoint-dir") is None:
-        args += ["--checkpoint-dir", f"{run_dir}/checkpoints"]
+    defaults = {"--metrics-json": f"{run_dir}/metrics.json"}
+    if opts.entrypoint is None:
+        # what a run leaves in its directory, and so in the results container: the deployable model and curves
+        defaults |= {f"--{name}": f"{run_dir}/{path}" for name, path in RUN_OUTPUTS.items()}
+        # a requeued job starts again from the top: its checkpoints are what makes it resume
+        if opts.requeue:
+            defaults["--checkpoint-dir"] = f"{run_dir}/checkpoints"
+    for flag, value in defaults.items():
+        if _flag_value(args, flag) is None:
+            args += [flag, value]
     return command + args
 
 
@@ -170,10 +205,15 @@ def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH) -> Submissio
 
 
 def _run_files(desc: ClusterDescription, opts: LaunchOptions, spec: JobSpec) -> dict[str, tuple[bytes, int]]:
+    price, price_source = node_hour_price(desc)
     record = {
         "run_id": spec.run_id,
         "framework": opts.framework,
         "cluster": desc.name,
+        "gpu_sku": desc.gpu_sku,
+        "region": desc.region,
+        "price_per_node_hour_usd": price,  # record_run.py prices the run's node-hours with it
+        "price_source": price_source,
         "submitted_by": getpass.getuser(),
         "submitted_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "job_args": opts.job_args,

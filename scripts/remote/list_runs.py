@@ -4,8 +4,8 @@
 Runs on the login node (stdlib only): `python3 - RUNS_DIR [--job ID | --run RUN] [--limit N] < list_runs.py`.
 Slurm forgets a job minutes after it ends (there is no accounting database); each run directory
 keeps what the operator needs: job.json (the request), job_id, status.json (the exit, written by the
-job), verdict.json (which rank failed). Directories the caller cannot read (other users' runs,
-mode 0700) are skipped.
+job), verdict.json (which rank failed), run.json (node-hours and estimated cost). Directories the
+caller cannot read (other users' runs, mode 0700) are skipped.
 """
 
 import argparse
@@ -42,6 +42,7 @@ def describe(runs_dir, name):
         "job": job,
         "status": _read_json(os.path.join(run_dir, "status.json")),
         "verdict": _read_json(os.path.join(run_dir, "verdict.json")),
+        "record": _read_json(os.path.join(run_dir, "run.json")),
         "modified": os.path.getmtime(run_dir),
     }
 

@@ -95,3 +95,13 @@ def test_exit_trap_writes_the_status_then_uploads():
     body = text[text.index("finish() {") :]
     uploading, upload = body.index('write_status "$code" uploading'), body.index("upload_results.py")
     assert uploading < upload < body.index('write_status "$code" uploaded') < body.index('write_status "$code" failed')
+
+
+def test_every_attempt_is_recorded_before_the_upload_and_the_job_knows_its_run_and_revision():
+    spec = replace(VARIANTS["horovod-docker"], git_revision="0123abcd")
+    text = render_job_script(spec)
+    assert "export RUN_DIR=/shared/runs/r-1 RUN_ID=r-1 GIT_REVISION=0123abcd" in text
+    # the containers see them too (the model export records both)
+    assert "-e RUN_ID -e GIT_REVISION" in text
+    record, upload = text.index("record_run.py"), text.index('upload_results.py" --dir')
+    assert record < upload and '--nodes 2 --attempt "$ATTEMPT"' in text[record - 200 : upload]

@@ -15,7 +15,6 @@ import re
 import shlex
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from scripts.daemons import free_port
 from scripts.errors import ExitCode
 from scripts.local_state import LocalState
 from scripts.remote import blob_pull
+from tests.local_http import serving
 
 from .conftest import FIXTURES, REPO, private_key_file, run_module
 
@@ -93,12 +93,8 @@ class BlobService(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def blob_service() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), BlobService)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving(BlobService) as base:
+        yield base
 
 
 def _write(path: Path, data: str | bytes, mode: int = 0o644) -> str:
@@ -455,7 +451,20 @@ def test_blob_pull(bad: Case, paths: dict[str, str]) -> None:
 
 
 # --- the one entry point ---------------------------------------------------------------------
-COMMANDS = ("cluster", "stage", "images", "launch", "jobs", "logs", "cancel", "status", "local", "demo")
+COMMANDS = (
+    "cluster",
+    "stage",
+    "images",
+    "launch",
+    "jobs",
+    "logs",
+    "cancel",
+    "status",
+    "results",
+    "local",
+    "demo",
+    "cost",
+)
 SUBCOMMANDS = {
     "cluster": ("from-stack", "show"),
     "stage": ("generate", "upload", "pull", "all"),

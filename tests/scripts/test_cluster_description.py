@@ -29,6 +29,7 @@ def test_outputs_map_to_the_description(tmp_path):
     assert (desc.storage_host.host, desc.storage_host.user) == ("10.20.2.4", "azureuser")
     assert desc.ssh_user == "azureuser" and desc.ssh_key == "/keys/id_ed25519"
     assert (desc.node_count, desc.gpus_per_node, desc.gpu_sku) == (2, 8, "Standard_ND96isr_H100_v5")
+    assert desc.region == "eastus"  # with the SKU, what prices a run
     assert desc.expect_infiniband and desc.shared_is_mount
     assert desc.shared_mount_path == "/shared"
     assert desc.data_path == "/shared/data" and desc.storage_export_path == "/export"

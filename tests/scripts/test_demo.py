@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import subprocess
@@ -21,9 +22,11 @@ def namespaces() -> list[str]:
 def test_demo_flow_end_to_end(tmp_path):
     state = tmp_path / "state"
     name = cluster_name("d")
+    downloads = tmp_path / "runs"
     proc = run_module(
-        "scripts", "demo", "--state-dir", str(state), "--name", name, "--subnet", free_subnet(), timeout=600
-    )
+        "scripts", "demo", "--state-dir", str(state), "--name", name, "--subnet", free_subnet(),
+        "--download-dir", str(downloads), timeout=600,
+    )  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     # the stages, in order
@@ -41,6 +44,15 @@ def test_demo_flow_end_to_end(tmp_path):
     assert images_per_sec > 0 and math.isfinite(final_loss)
     blobs = int(re.search(r"results container\s+│ (\d+) blobs", proc.stdout).group(1))
     assert blobs >= 5  # output.log, metrics.json, job.json, status.json, the rank logs
+    # what the run left, downloaded before Azurite went with the cluster: the model, its curves, its cost
+    run = downloads / job_id.group(2)
+    assert (run / "model" / "model.json").is_file() and (run / "summary.png").is_file()
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert re.search(rf"trained model\s+│ {re.escape(str(run / 'model'))}", proc.stdout)
+    assert re.search(rf"curves\s+│ {re.escape(str(run / 'summary.png'))}", proc.stdout)
+    cost = re.search(r"cost\s+│ ([\d.]+) node-hours, \$0\.00 \(local cluster: no charge\); on Azure", proc.stdout)
+    node_hours = json.loads((run / "run.json").read_text())["node_hours"]
+    assert cost and node_hours > 0 and float(cost.group(1)) == round(node_hours, 4)
     # and the cluster is gone
     assert not state.exists() and not [n for n in namespaces() if n.startswith(f"{name}-")]
 

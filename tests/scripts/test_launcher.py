@@ -10,17 +10,23 @@ import re
 import signal
 import subprocess
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from azure.storage.blob import ContainerSasPermissions, generate_container_sas
+from PIL import Image
 
 from scripts import local_power
 from scripts.blobs import container_client
 from scripts.cluster import ClusterDescription
+from scripts.local_cluster import AZURITE_KEY
+from scripts.local_state import AZURITE_ACCOUNT
 from tests.polling import wait_for
 
 from .conftest import (
     JOB,
+    REPO,
     SESSION_NAME,
     live_pids_mentioning,
     local_state_dir,
@@ -30,6 +36,7 @@ from .conftest import (
 )
 
 CLI = "scripts"
+TRAIN_PYTHON = REPO / ".venv-train" / "bin" / "python"
 
 
 def launch_args(cluster_file: Path, *job_args: str, run_id: str, nodes: int = 2, extra: tuple[str, ...] = ()) -> list:
@@ -110,7 +117,7 @@ def world_writable(root: Path) -> list[str]:
 
 
 # --- a whole job -------------------------------------------------------------------------------
-def test_two_node_job_prefixed_logs_exit_code_and_results(cluster, cluster_file):
+def test_two_node_job_prefixed_logs_exit_code_and_results(cluster, cluster_file, tmp_path):
     proc = cli(*launch_args(cluster_file, "--steps", "3", run_id="ok-run", extra=("--follow",)))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -128,6 +135,21 @@ def test_two_node_job_prefixed_logs_exit_code_and_results(cluster, cluster_file)
     assert json.loads(blobs["ok-run/metrics.json"])["hosts"] == ["node-0", "node-1"]
     assert json.loads(blobs["ok-run/status.json"])["exit_code"] == 0
     assert b"[1|node-1] rank 1 done" in blobs["ok-run/output.log"]
+    # what it cost: two nodes for the job's wall time, at the local cluster's price, in run.json and the summary
+    record = json.loads(blobs["ok-run/run.json"])
+    assert [a["attempt"] for a in record["attempts"]] == [1] and record["attempts"][0]["nodes"] == 2
+    assert 0 < record["node_hours"] < 1 and record["estimated_cost_usd"] == 0.0
+    assert record["price_source"] == "local cluster: no charge"
+    assert re.search(r"\(run ok-run\): [\d.]+ node-hours, estimated \$0\.00", out)
+    # `results` brings the run back; a second time it finds every file already there
+    got = cli("results", "--cluster", str(cluster_file), "ok-run", "--dest", str(tmp_path), "--no-progress")
+    assert got.returncode == 0, got.stderr
+    assert json.loads((tmp_path / "ok-run" / "run.json").read_text()) == record
+    assert (tmp_path / "ok-run" / "output.log").read_bytes() == blobs["ok-run/output.log"]
+    again = cli("results", "--cluster", str(cluster_file), "ok-run", "--dest", str(tmp_path), "--no-progress")
+    assert f"(0 downloaded, 0 bytes; {len(blobs)} already there)" in again.stderr
+    missing = cli("results", "--cluster", str(cluster_file), "no-such-run", "--dest", str(tmp_path))
+    assert missing.returncode == 2 and "no results for run no-such-run" in missing.stderr
 
 
 def test_a_failing_rank_sets_the_exit_status_and_is_named(cluster, cluster_file):
@@ -159,8 +181,8 @@ def test_second_job_waits_for_the_nodes_then_runs(cluster, cluster_file):
     started = [json.loads((run_dir(cluster, r) / "status.json").read_text()) for r in ("queue-a", "queue-b")]
     assert started[0]["finished_at"] <= started[1]["finished_at"]
     listing = cli("jobs", "--cluster", str(cluster_file))
-    assert re.search(rf"{job_a}\s.*queue-a.*COMPLETED", listing.stdout), listing.stdout
-    assert re.search(rf"{job_b}\s.*queue-b.*COMPLETED", listing.stdout), listing.stdout
+    for job_id, run_id in ((job_a, "queue-a"), (job_b, "queue-b")):  # ended: with node-hours and cost
+        assert re.search(rf"{job_id}\s.*{run_id}.*COMPLETED.*│ 0 +│ [\d.]+ +│ \$0\.00", listing.stdout), listing.stdout
 
 
 # --- cancel ----------------------------------------------------------------------------------------
@@ -312,3 +334,40 @@ def test_a_submission_resumes_power_saved_nodes(tmp_path):
         proc = cli(*args, "--run-id", "wake-up", "--follow", "--", "--steps", "2", timeout=240)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
         assert "[1|node-1] rank 1 done" in proc.stdout
+
+
+# --- what a real training run leaves ---------------------------------------------------------------
+def test_a_training_run_uploads_its_model_and_curves_and_predict_reads_the_model_through_a_read_sas(
+    cluster, cluster_file, tmp_path
+):
+    """The real PyTorch job (not the fixture), with the outputs launch points into the run directory."""
+    job_args = ("--model", "resnet_tiny", "--image-size", "32", "--batch-size", "4", "--num-classes", "3")
+    job_args += ("--steps", "4", "--warmup-epochs", "0", "--timing-warmup-steps", "1", "--log-every", "1")
+    launch = ["launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--nodes", "2"]
+    proc = cli(*launch, "--run-id", "model-run", "--follow", "--", *job_args)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    names = set(results_blobs(cluster, "model-run"))
+    assert {"model-run/model/model.json", "model-run/summary.png"} <= names, sorted(names)
+    assert [n for n in names if n.startswith("model-run/tensorboard/events.out.tfevents.")]
+    record = json.loads(container_client(cluster.results).download_blob("model-run/model/model.json").readall())
+    assert record["run_id"] == "model-run" and record["framework"] == "pytorch"
+    # predict, in the training environment, straight from the results container with a read + list SAS
+    sas = generate_container_sas(
+        AZURITE_ACCOUNT, cluster.results.container, account_key=AZURITE_KEY,
+        permission=ContainerSasPermissions(read=True, list=True), expiry=datetime.now(UTC) + timedelta(hours=1),
+    )  # fmt: skip
+    (tmp_path / "read.sas").write_text(sas)
+    image = tmp_path / "cat.jpg"
+    Image.new("RGB", (48, 40), (200, 30, 30)).save(image)
+    url = f"{cluster.results.url}/model-run/model"
+    predict = [str(TRAIN_PYTHON), "-m", "training.predict", "--model", url, str(image), "--json"]
+    scored = subprocess.run(
+        [*predict, "--sas-file", str(tmp_path / "read.sas")], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert scored.returncode == 0, scored.stderr
+    assert sas not in scored.stdout + scored.stderr  # the secret is never printed
+    top = json.loads(scored.stdout)
+    assert top, scored.stdout
+    # without the SAS, the same URL is refused clearly
+    refused = subprocess.run(predict, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert refused.returncode in (2, 3) and refused.stderr.startswith("error:"), refused.stderr

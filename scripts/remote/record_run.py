@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""record-run: add one attempt of a job to its run record, run.json, with node-hours and the estimated cost.
+
+Standard library only, Python 3.10+: the batch script (job.sh) runs it on the first node when an attempt
+ends, before the run directory is uploaded.
+
+  python3 record_run.py --run-dir RUN_DIR --nodes 2 --attempt 1 --started-at EPOCH_SECONDS --exit-code 0
+
+The price comes from the run's job.json, where `launch` wrote the cluster's price per node-hour (from the
+price table of `python -m scripts cost`), so the job needs no network and no table of its own. A
+requeued job runs the batch script again: each attempt is kept under its number, and the totals add
+every attempt's node-hours, because every attempt held its nodes. The cost is an estimate: list price
+times the allocation's wall time, without the minutes a node spends starting or being power-saved.
+
+Exit status: 0 written; 2 bad arguments or an unreadable job.json; 1 run.json could not be written.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import datetime, timezone
+
+RECORD = "run.json"
+JOB = "job.json"
+
+
+def _iso(epoch):
+    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: UP017 (3.10)
+
+
+def _read(path):
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except FileNotFoundError:
+        return None
+
+
+def attempt_entry(nodes, attempt, started_at, finished_at, exit_code):
+    seconds = max(0, finished_at - started_at)
+    return {
+        "attempt": attempt,
+        "started_at": _iso(started_at),
+        "finished_at": _iso(finished_at),
+        "seconds": seconds,
+        "nodes": nodes,
+        "node_hours": round(nodes * seconds / 3600, 6),
+        "exit_code": exit_code,
+    }
+
+
+def build_record(job, previous, entry):
+    """The run record: the request's identity, every attempt so far, and their totals."""
+    attempts = [a for a in (previous or {}).get("attempts", []) if a.get("attempt") != entry["attempt"]]
+    attempts = sorted([*attempts, entry], key=lambda a: a["attempt"])
+    node_hours = round(sum(a["node_hours"] for a in attempts), 6)
+    price = job.get("price_per_node_hour_usd")
+    return {
+        "run_id": job.get("run_id"),
+        "framework": job.get("framework"),
+        "cluster": job.get("cluster"),
+        "gpu_sku": job.get("gpu_sku"),
+        "region": job.get("region"),
+        "attempts": attempts,
+        "exit_code": entry["exit_code"],
+        "node_hours": node_hours,
+        "price_per_node_hour_usd": price,
+        "price_source": job.get("price_source"),
+        "estimated_cost_usd": None if price is None else round(node_hours * price, 4),
+    }
+
+
+def write_atomically(path, data):
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as handle:
+        json.dump(data, handle, indent=2)
+        handle.write("\n")
+    os.replace(tmp, path)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--attempt", type=int, required=True)
+    parser.add_argument("--started-at", type=int, required=True, help="the attempt's start, in seconds since 1970")
+    parser.add_argument("--exit-code", type=int, required=True)
+    args = parser.parse_args(argv)
+    try:
+        job = _read(os.path.join(args.run_dir, JOB))
+    except (OSError, ValueError) as exc:
+        print(f"record-run: cannot read {JOB}: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(job, dict):
+        print(f"record-run: no {JOB} in {args.run_dir}", file=sys.stderr)
+        return 2
+    path = os.path.join(args.run_dir, RECORD)
+    try:
+        previous = _read(path)
+    except (OSError, ValueError):
+        previous = None  # a damaged record: this attempt starts a new one rather than failing the upload
+    entry = attempt_entry(args.nodes, args.attempt, args.started_at, int(time.time()), args.exit_code)
+    record = build_record(job, previous, entry)
+    try:
+        write_atomically(path, record)
+    except OSError as exc:
+        print(f"record-run: cannot write {path}: {exc}", file=sys.stderr)
+        return 1
+    cost = record["estimated_cost_usd"]
+    print(f"{record['node_hours']:.4f} node-hours" + ("" if cost is None else f", estimated ${cost:.2f}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
