@@ -131,7 +131,7 @@ class TrainingRun:
         self._timer = StepTimer(self.excluded)
         self._last_loss: Callable[[], float] | None = None
         self._val_top1: float | None = None
-        self._window: tuple[int, float] | None = None  # (measured steps, measured seconds) at the last log
+        self._window = (0, 0.0)  # (measured steps, measured seconds) at the last log: a rate from the first one
         if dist.rank == 0:
             log.info(
                 "%s/%s: %d workers x batch %d, %d steps (%d per epoch), starting at step %d",
@@ -200,7 +200,7 @@ class TrainingRun:
         # pauses and the warmup steps are left out, as they are from the run's images_per_sec.
         steps, elapsed = self._timer.measured_steps, self._timer.elapsed
         rate = None
-        if self._window is not None and steps > self._window[0] and elapsed > self._window[1]:
+        if steps > self._window[0] and elapsed > self._window[1]:
             rate = self.global_batch_size * (steps - self._window[0]) / (elapsed - self._window[1])
         self._window = (steps, elapsed)
         epoch = (done - 1) // self.steps_per_epoch + 1

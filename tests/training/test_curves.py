@@ -139,7 +139,7 @@ def test_the_loop_records_every_tag_at_global_steps(tmp_path: Path) -> None:
     assert scalars[LOSS] == [(3, 3.5), (6, 2.75), (8, 2.25)]  # log steps, then the unlogged last step
     assert [step for step, _ in scalars[LR]] == [3, 6]
     assert scalars[LR][1][1] == pytest.approx(run.lr(5))
-    assert [step for step, _ in scalars[IMAGES_PER_SEC]] == [6]  # a rate needs a previous log step
+    assert [step for step, _ in scalars[IMAGES_PER_SEC]] == [3, 6]  # from the first log step after warmup
     assert scalars[VAL_TOP1] == [(4, 0.75), (8, 0.75)]  # every epoch's end
     assert scalars[FINAL_IMAGES_PER_SEC] == [(8, pytest.approx(metrics["images_per_sec"]))]
     check_summary_png(tmp_path / "summary.png")
@@ -187,7 +187,7 @@ def test_a_two_process_pytorch_job_writes_curves_and_summary_png(tmp_path: Path)
     scalars = read_scalars(events.parent)
     assert {LOSS, LR, IMAGES_PER_SEC, VAL_TOP1} <= scalars.keys()
     assert [step for step, _ in scalars[LOSS]] == [2, 4, 6]
-    assert [step for step, _ in scalars[IMAGES_PER_SEC]] == [4, 6]
+    assert [step for step, _ in scalars[IMAGES_PER_SEC]] == [2, 4, 6]
     assert [step for step, _ in scalars[VAL_TOP1]] == [2, 4, 6]
     metrics = read_metrics(metrics_path)
     assert scalars[VAL_TOP1][-1][1] == pytest.approx(metrics["val_top1"])
@@ -203,6 +203,7 @@ def test_a_two_process_tensorflow_job_writes_curves(tmp_path: Path) -> None:
     scalars = read_scalars(events.parent)
     assert sorted(scalars) == sorted([LOSS, LR, IMAGES_PER_SEC, FINAL_IMAGES_PER_SEC])  # synthetic: no val/
     assert [step for step, _ in scalars[LOSS]] == [3, 6]
+    assert [step for step, _ in scalars[IMAGES_PER_SEC]] == [3, 6]  # two points: a curve, not a dot
     check_summary_png(tmp_path / "summary.png")
 
 
