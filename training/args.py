@@ -42,20 +42,20 @@ def positive_int(text: str) -> int:
     return _number(text, int, 1, "a positive integer")
 
 
-def _batch_size(text: str) -> int:
+def batch_size_arg(text: str) -> int:
     # Past this a batch no longer fits any accelerator's memory; a typo, not a plan.
     return _number(text, int, 1, f"a positive integer up to {MAX_BATCH_SIZE}", MAX_BATCH_SIZE)
 
 
-def _image_size(text: str) -> int:
+def image_size_arg(text: str) -> int:
     return _number(text, int, MIN_IMAGE_SIZE, f"an integer from {MIN_IMAGE_SIZE} to {MAX_IMAGE_SIZE}", MAX_IMAGE_SIZE)
 
 
-def _non_negative_int(text: str) -> int:
+def non_negative_int_arg(text: str) -> int:
     return _number(text, int, 0, "an integer, 0 or more")
 
 
-def _non_negative_float(text: str) -> float:
+def non_negative_float_arg(text: str) -> float:
     return _number(text, float, 0.0, "a number, 0 or more")
 
 
@@ -85,7 +85,7 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
     data.add_argument(
         "--data-dir", type=Path, help="ImageNet layout: train/<class>/*.JPEG, optional val/<class>/*.JPEG"
     )
-    data.add_argument("--image-size", type=_image_size, default=224)
+    data.add_argument("--image-size", type=image_size_arg, default=224)
     data.add_argument(
         "--num-classes",
         type=positive_int,
@@ -93,7 +93,7 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
     )
     data.add_argument(
         "--data-workers",
-        type=_non_negative_int,
+        type=non_negative_int_arg,
         help="decode workers per process (default: the node's CPUs per local process minus one, 1 to 8)",
     )
 
@@ -101,7 +101,7 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
     model.add_argument("--model", choices=MODELS, default="resnet50")
 
     schedule = parser.add_argument_group("schedule")
-    schedule.add_argument("--batch-size", type=_batch_size, default=64, help="per worker")
+    schedule.add_argument("--batch-size", type=batch_size_arg, default=64, help="per worker")
     schedule.add_argument("--epochs", type=positive_int, default=1)
     schedule.add_argument(
         "--steps",
@@ -111,19 +111,19 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
     )
     schedule.add_argument(
         "--base-lr",
-        type=_non_negative_float,
+        type=non_negative_float_arg,
         default=0.025,
         help="LR for one worker's batch; the job uses base-lr x world size after warmup",
     )
-    schedule.add_argument("--warmup-epochs", type=_non_negative_float, default=5.0)
+    schedule.add_argument("--warmup-epochs", type=non_negative_float_arg, default=5.0)
     schedule.add_argument(
         "--lr-decay-epochs",
         type=_epoch_list,
         default=(30.0, 60.0, 80.0),
         help="comma-separated epochs at which the LR is multiplied by 0.1",
     )
-    schedule.add_argument("--momentum", type=_non_negative_float, default=0.9)
-    schedule.add_argument("--weight-decay", type=_non_negative_float, default=1e-4)
+    schedule.add_argument("--momentum", type=non_negative_float_arg, default=0.9)
+    schedule.add_argument("--weight-decay", type=non_negative_float_arg, default=1e-4)
 
     speed = parser.add_argument_group("speed")
     speed.add_argument(
@@ -167,26 +167,28 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
         "--export-every-epoch", action="store_true", help="also export at the end of every epoch (needs --export-dir)"
     )
 
+    add_reporting(parser, "loss, LR, images/s, validation top-1", "images/s")
+    return parser
+
+
+def add_reporting(parser: argparse.ArgumentParser, scalars: str, rate: str) -> None:
+    """The reporting flags of every job: ``scalars`` is what ``--tensorboard-dir`` records, ``rate``
+    the throughput's unit (images/s, tokens/s)."""
     report = parser.add_argument_group("reporting")
     report.add_argument("--metrics-json", type=Path, help="rank 0 writes the run's metrics here")
+    report.add_argument("--tensorboard-dir", type=Path, help=f"rank 0 writes TensorBoard event files here: {scalars}")
     report.add_argument(
-        "--tensorboard-dir",
-        type=Path,
-        help="rank 0 writes TensorBoard event files here: loss, LR, images/s, validation top-1",
+        "--summary-png", type=Path, help=f"rank 0 plots loss and {rate} over the steps into this PNG at the end"
     )
-    report.add_argument(
-        "--summary-png", type=Path, help="rank 0 plots loss and images/s over the steps into this PNG at the end"
-    )
-    report.add_argument("--seed", type=_non_negative_int, default=42)
+    report.add_argument("--seed", type=non_negative_int_arg, default=42)
     report.add_argument("--log-every", type=positive_int, default=10, help="steps between rank-0 logs")
     report.add_argument(
         "--timing-warmup-steps",
-        type=_non_negative_int,
+        type=non_negative_int_arg,
         default=10,
-        help="first steps of a run left out of images/s (compilation, autotuning, allocator warmup)",
+        help=f"first steps of a run left out of {rate} (compilation, autotuning, allocator warmup)",
     )
     report.add_argument("--debug", action="store_true", help="print the traceback of every error")
-    return parser
 
 
 def parse_args(framework: str, argv: Sequence[str] | None = None) -> argparse.Namespace:

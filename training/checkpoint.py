@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from training.errors import CheckpointRefused
+from training.outputs import fsync_path
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +98,7 @@ def write_checkpoint(directory: Path, step: int, fingerprint: Fingerprint, paylo
     except OSError:
         tmp.unlink(missing_ok=True)  # a full disk must not also keep half a checkpoint
         raise
-    # Persist the rename itself; without this a power loss can forget the new name.
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_path(directory)  # the rename itself
     return final
 
 

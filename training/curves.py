@@ -11,8 +11,10 @@ tensorboard and matplotlib are imported only when a run asks for their output.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import itertools
+import logging
 import os
 import socket
 import time
@@ -20,15 +22,22 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from training.outputs import output_error
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+
+log = logging.getLogger(__name__)
 
 LOSS = "train/loss"  # rank 0's loss at each log step
 LR = "train/lr"
 IMAGES_PER_SEC = "train/images_per_sec"  # global, over the measured step time since the previous log step
 VAL_TOP1 = "val/top1"
 FINAL_IMAGES_PER_SEC = "final/images_per_sec"  # the measured rate of the metrics JSON, at the last step
-# Model-parallel layouts add their memory per rank here, as more tags (e.g. "memory/rank<N>_gib").
+TOKENS_PER_SEC = "train/tokens_per_sec"  # the transformers' rate, as images/s is the ResNets'
+FINAL_TOKENS_PER_SEC = "final/tokens_per_sec"
+MEMORY_GIB = "memory/rank{rank}_gib"  # model-parallel runs: each rank's peak memory so far
+RATES = {"images": (IMAGES_PER_SEC, FINAL_IMAGES_PER_SEC), "tokens": (TOKENS_PER_SEC, FINAL_TOKENS_PER_SEC)}
 
 PNG_SIZE = (1200, 500)  # pixels
 _DPI = 100
@@ -93,16 +102,63 @@ class Curves:
             self.events.close()
 
 
-def write_summary_png(path: Path, series: Series, title: str) -> None:
-    """Plot loss and images/s over steps into ``path``, atomically (a reader never sees half a file)."""
+class RunCurves:
+    """Rank 0's curves of one run, kept when ``--tensorboard-dir`` or ``--summary-png`` asks for them
+    (on other ranks, and otherwise, every call does nothing). ``unit`` names the rate: images or tokens.
+    File-system errors become the flag's :class:`~training.errors.OutputPathError`."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, start_step: int, unit: str = "images") -> None:
+        self.args, self.unit = args, unit
+        self.rate_tag, self.final_rate_tag = RATES[unit]
+        self.curves: Curves | None = None
+        if rank != 0 or (args.tensorboard_dir is None and args.summary_png is None):
+            return
+        try:
+            self.curves = Curves(args.tensorboard_dir, start_step)
+        except OSError as exc:
+            raise output_error("--tensorboard-dir", args.tensorboard_dir, exc) from None
+        if self.curves.events is not None:
+            log.info("TensorBoard events: %s", self.curves.events.path)
+
+    def record(self, step: int, values: Mapping[str, float | None]) -> None:
+        if self.curves is None:
+            return
+        try:
+            self.curves.add(step, values)  # flushed: a run killed later still leaves these
+        except OSError as exc:
+            raise output_error("--tensorboard-dir", self.args.tensorboard_dir, exc) from None
+
+    def finish(self, step: int, final: Mapping[str, float | None], title: str) -> None:
+        """Record ``final`` at the last step, close the event file and draw ``--summary-png``."""
+        if self.curves is None:
+            return
+        self.record(step, final)
+        try:
+            self.curves.close()
+        except OSError as exc:
+            raise output_error("--tensorboard-dir", self.args.tensorboard_dir, exc) from None
+        png = self.args.summary_png
+        if png is None:
+            return
+        try:
+            write_summary_png(png, self.curves.series, title, self.unit)
+        except OSError as exc:
+            raise output_error("--summary-png", png, exc) from None
+        log.info("wrote %s", png)
+
+
+def write_summary_png(path: Path, series: Series, title: str, unit: str = "images") -> None:
+    """Plot loss and the rate (``unit``/s) over steps into ``path``, atomically (a reader never sees
+    half a file)."""
     from matplotlib.figure import Figure  # no pyplot: no display, no global state; Agg renders the PNG
 
     figure = Figure(figsize=(PNG_SIZE[0] / _DPI, PNG_SIZE[1] / _DPI), dpi=_DPI, layout="constrained")
     figure.suptitle(title)
     loss_axes, rate_axes = figure.subplots(1, 2)
     _panel(loss_axes, series.get(LOSS, ()), "loss (rank 0)", "C0")
-    _panel(rate_axes, series.get(IMAGES_PER_SEC, ()), "images/s (global, per log window)", "C1")
-    for step, rate in series.get(FINAL_IMAGES_PER_SEC, ())[-1:]:
+    rate_tag, final_rate_tag = RATES[unit]
+    _panel(rate_axes, series.get(rate_tag, ()), f"{unit}/s (global, per log window)", "C1")
+    for step, rate in series.get(final_rate_tag, ())[-1:]:
         rate_axes.axhline(rate, color="C2", linestyle="--")
         rate_axes.plot([step], [rate], "*", color="C2", markersize=12, label=f"measured over the run: {rate:.1f}")
         rate_axes.legend(loc="best")

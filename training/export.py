@@ -26,7 +26,7 @@ from typing import Any
 from training.data import MEAN, STD, VAL_RESIZE_RATIO, DataPlan
 from training.distributed import Dist
 from training.errors import OutputPathError
-from training.outputs import MODEL_JSON, export_dir_problem, output_error
+from training.outputs import MODEL_JSON, export_dir_problem, fsync_path, output_error
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ SCHEMA_VERSION = 1
 GIT_REVISION_ENV = "GIT_REVISION"
 RUN_ID_ENV = "RUN_ID"
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the checkout (or image directory) that holds training/
+IMAGE_CLASSIFICATION = "image-classification"  # model.json's "task" (exports before it had none are this)
 
 
 @dataclass(frozen=True)
@@ -98,18 +99,34 @@ def git_revision(env: Mapping[str, str] = os.environ, root: Path = PACKAGE_ROOT)
 def model_card(
     spec: ExportSpec, files: ModelFiles, metrics: Mapping[str, Any], env: Mapping[str, str] = os.environ
 ) -> dict[str, Any]:
-    """The content of model.json."""
+    """The content of model.json for an image classifier."""
+    task = {
+        "task": IMAGE_CLASSIFICATION,
+        "classes": spec.classes,
+        "image_size": spec.image_size,
+        "preprocessing": preprocessing(spec.image_size),
+    }
+    return model_json(spec.framework, spec.model, files, task, metrics, env)
+
+
+def model_json(
+    framework: str,
+    model: str,
+    files: ModelFiles,
+    task: Mapping[str, Any],
+    metrics: Mapping[str, Any],
+    env: Mapping[str, str] = os.environ,
+) -> dict[str, Any]:
+    """model.json: the files, what the model does and how to feed it (``task``), where it came from."""
     return {
         "schema_version": SCHEMA_VERSION,
-        "framework": spec.framework,
-        "model": spec.model,
+        "framework": framework,
+        "model": model,
         "format": files.format,
         "file": files.file,
         "outputs": files.outputs,
         "files": files.extra,
-        "classes": spec.classes,
-        "image_size": spec.image_size,
-        "preprocessing": preprocessing(spec.image_size),
+        **task,
         "metrics": dict(metrics),
         "run_id": env.get(RUN_ID_ENV) or None,
         "git_revision": git_revision(env),
@@ -145,7 +162,7 @@ def _replace(staging: Path, directory: Path) -> None:
     if directory.exists():
         directory.rename(old)
     staging.rename(directory)
-    _fsync(directory.parent)
+    fsync_path(directory.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -159,15 +176,7 @@ def _remove_leftovers(directory: Path) -> None:
 def _fsync_tree(root: Path) -> None:
     """Flush every file and directory under ``root`` to disk before the rename publishes them."""
     for path in [*root.rglob("*"), root]:
-        _fsync(path)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_path(path)
 
 
 class Exporter:
@@ -213,7 +222,10 @@ def read_model_card(directory: Path) -> dict[str, Any]:
     version = card.get("schema_version")
     if version != SCHEMA_VERSION:
         raise ValueError(f"schema_version {version!r}, this version reads {SCHEMA_VERSION}")
-    missing = [key for key in ("framework", "format", "file", "outputs", "classes", "image_size") if key not in card]
+    required = ["framework", "format", "file", "outputs"]
+    if card.get("task", IMAGE_CLASSIFICATION) == IMAGE_CLASSIFICATION:
+        required += ["classes", "image_size"]
+    missing = [key for key in required if key not in card]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}")
     return card

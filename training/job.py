@@ -50,9 +50,13 @@ def run_job(
     argv: Sequence[str] | None,
     start: Callable[[argparse.Namespace], B],
     train: Callable[[argparse.Namespace, B], object],
+    parse: Callable[[Sequence[str] | None], argparse.Namespace] | None = None,
 ) -> NoReturn:
-    """Parse the flags, check the outputs, start the backend, train, and exit with the table's status."""
-    args = parse_args(framework, argv)  # a bad flag exits 2 here, before anything starts
+    """Parse the flags, check the outputs, start the backend, train, and exit with the table's status.
+
+    ``parse``: a job with flags of its own (training.model_parallel); default: the data-parallel jobs'.
+    """
+    args = parse(argv) if parse is not None else parse_args(framework, argv)  # a bad flag exits 2 here
     configure_logging(launcher_rank())
     _exit(_run(args, start, train))
 

@@ -18,7 +18,7 @@ from training.checkpoint import Checkpoint, CheckpointDir, Fingerprint
 from training.data import SkipCounter
 from training.distributed import Dist
 from training.errors import CheckpointRefused, JobError, first_line
-from training.metrics import METRIC_KEYS, StepTimer, throughput, write_metrics
+from training.metrics import METRIC_KEYS, RateWindow, StepTimer, throughput, write_metrics
 from training.outputs import output_error
 from training.schedule import learning_rate
 
@@ -127,11 +127,11 @@ class TrainingRun:
         self._checkpoints = CheckpointDir(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
         # At least one measured step whenever a step runs, so short runs still report a rate.
         self.excluded = min(args.timing_warmup_steps, max(self.total_steps - start_step - 1, 0))
-        self._curves = self._open_curves()
+        self._curves = curves.RunCurves(args, dist.rank, start_step)
         self._timer = StepTimer(self.excluded)
         self._last_loss: Callable[[], float] | None = None
         self._val_top1: float | None = None
-        self._window = (0, 0.0)  # (measured steps, measured seconds) at the last log: a rate from the first one
+        self._window = RateWindow(self.global_batch_size)
         if dist.rank == 0:
             log.info(
                 "%s/%s: %d workers x batch %d, %d steps (%d per epoch), starting at step %d",
@@ -196,38 +196,12 @@ class TrainingRun:
             self._timer.resume()
 
     def _log(self, done: int, loss: float) -> None:
-        # The rate since the previous log step, over the timer's measured steps: checkpoint and evaluation
-        # pauses and the warmup steps are left out, as they are from the run's images_per_sec.
-        steps, elapsed = self._timer.measured_steps, self._timer.elapsed
-        rate = None
-        if steps > self._window[0] and elapsed > self._window[1]:
-            rate = self.global_batch_size * (steps - self._window[0]) / (elapsed - self._window[1])
-        self._window = (steps, elapsed)
+        rate = self._window.rate(self._timer)
         epoch = (done - 1) // self.steps_per_epoch + 1
         lr = self.lr(done - 1)
         shown = "" if rate is None else f" images/s {rate:.1f}"
         log.info("step %d/%d epoch %d loss %.4f lr %.5f%s", done, self.total_steps, epoch, loss, lr, shown)
-        self._record(done, {curves.LOSS: loss, curves.LR: lr, curves.IMAGES_PER_SEC: rate})
-
-    def _open_curves(self) -> curves.Curves | None:
-        """Rank 0 keeps the curves when ``--tensorboard-dir`` or ``--summary-png`` asks for them."""
-        if self.dist.rank != 0 or (self.args.tensorboard_dir is None and self.args.summary_png is None):
-            return None
-        try:
-            found = curves.Curves(self.args.tensorboard_dir, self.start_step)
-        except OSError as exc:
-            raise output_error("--tensorboard-dir", self.args.tensorboard_dir, exc) from None
-        if found.events is not None:
-            log.info("TensorBoard events: %s", found.events.path)
-        return found
-
-    def _record(self, step: int, values: dict[str, float | None]) -> None:
-        if self._curves is None:
-            return
-        try:
-            self._curves.add(step, values)  # flushed: a run killed later still leaves these
-        except OSError as exc:
-            raise output_error("--tensorboard-dir", self.args.tensorboard_dir, exc) from None
+        self._curves.record(done, {curves.LOSS: loss, curves.LR: lr, curves.IMAGES_PER_SEC: rate})
 
     def _save(self, done: int) -> None:
         if self.dist.rank == 0:
@@ -247,7 +221,7 @@ class TrainingRun:
         self._val_top1 = correct / total if total else None
         if self.dist.rank == 0:
             log.info("epoch %d validation top-1 %.4f on %d images", epoch, self._val_top1 or 0.0, total)
-            self._record(epoch * self.steps_per_epoch, {curves.VAL_TOP1: self._val_top1})
+            self._curves.record(epoch * self.steps_per_epoch, {curves.VAL_TOP1: self._val_top1})
 
     def finish(self, skipped: SkipCounter | None = None) -> dict[str, Any]:
         """Collect the run's metrics on all ranks; rank 0 writes ``--metrics-json``.
@@ -296,25 +270,11 @@ class TrainingRun:
         return metrics
 
     def _finish_curves(self, loss: float | None, images_per_sec: float | None) -> None:
-        """Rank 0 ends the curves at the last step, closes the event file and draws ``--summary-png``."""
-        if self._curves is None:
-            return
         final: dict[str, float | None] = {curves.FINAL_IMAGES_PER_SEC: images_per_sec}
         if self.total_steps % self.args.log_every:  # the last step was not logged: end the loss curve there
             final[curves.LOSS] = loss
-        self._record(self.total_steps, final)
-        try:
-            self._curves.close()
-        except OSError as exc:
-            raise output_error("--tensorboard-dir", self.args.tensorboard_dir, exc) from None
-        png = self.args.summary_png
-        if png is not None:
-            title = (
-                f"{self.framework} ({self.dist.backend}) {self.args.model}: "
-                f"world size {self.dist.size}, batch {self.args.batch_size} per worker"
-            )
-            try:
-                curves.write_summary_png(png, self._curves.series, title)
-            except OSError as exc:
-                raise output_error("--summary-png", png, exc) from None
-            log.info("wrote %s", png)
+        title = (
+            f"{self.framework} ({self.dist.backend}) {self.args.model}: "
+            f"world size {self.dist.size}, batch {self.args.batch_size} per worker"
+        )
+        self._curves.finish(self.total_steps, final, title)

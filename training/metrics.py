@@ -65,6 +65,23 @@ class StepTimer:
             self._paused_at = None
 
 
+class RateWindow:
+    """The rate since the previous log point, over a :class:`StepTimer`'s measured steps only: pauses
+    and warmup steps are left out, as they are from the run's rate. None until a measured step."""
+
+    def __init__(self, units_per_step: int) -> None:
+        self.units_per_step = units_per_step
+        self._last = (0, 0.0)  # (measured steps, measured seconds) at the previous call
+
+    def rate(self, timer: StepTimer) -> float | None:
+        steps, elapsed = timer.measured_steps, timer.elapsed
+        last_steps, last_elapsed = self._last
+        self._last = (steps, elapsed)
+        if steps > last_steps and elapsed > last_elapsed:
+            return self.units_per_step * (steps - last_steps) / (elapsed - last_elapsed)
+        return None
+
+
 def throughput(
     global_batch_size: int, measured_steps: int, elapsed_per_rank: list[float]
 ) -> tuple[float | None, float | None]:
@@ -81,19 +98,19 @@ def throughput(
     return images_per_sec, images_per_sec / len(elapsed_per_rank)
 
 
-def validate_metrics(metrics: dict[str, Any]) -> None:
-    """Raise ValueError unless ``metrics`` has exactly the schema's keys and finite numbers
-    (NaN and infinity are not JSON)."""
-    if tuple(metrics) != METRIC_KEYS:
-        raise ValueError(f"metrics keys {sorted(metrics)} != schema {sorted(METRIC_KEYS)}")
+def validate_metrics(metrics: dict[str, Any], keys: tuple[str, ...] = METRIC_KEYS) -> None:
+    """Raise ValueError unless ``metrics`` has exactly the schema's keys (``keys``: another job's
+    schema) and finite numbers (NaN and infinity are not JSON)."""
+    if tuple(metrics) != keys:
+        raise ValueError(f"metrics keys {sorted(metrics)} != schema {sorted(keys)}")
     for key, value in metrics.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"metric {key} is {value}")
 
 
-def write_metrics(path: Path, metrics: dict[str, Any]) -> None:
+def write_metrics(path: Path, metrics: dict[str, Any], keys: tuple[str, ...] = METRIC_KEYS) -> None:
     """Validate, then write the metrics JSON atomically (a reader never sees half a file)."""
-    validate_metrics(metrics)
+    validate_metrics(metrics, keys)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(metrics, indent=2) + "\n")

@@ -111,3 +111,13 @@ def export_dir_problem(directory: Path) -> str | None:
     except OSError as exc:
         return f"cannot list it ({(exc.strerror or str(exc)).lower()}): fix its permissions or choose another"
     return f"it holds files but no {MODEL_JSON}, so it is not an earlier export: choose a new or empty directory"
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file, or a directory's entries (the renames into it: without this a power loss can
+    forget them), to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -32,7 +32,7 @@ from PIL import Image
 from training.args import Parser, positive_int
 from training.data import IMAGE_SUFFIXES, decode_val
 from training.errors import BadInput, ExitCode, JobError, first_line
-from training.export import read_model_card
+from training.export import IMAGE_CLASSIFICATION, read_model_card
 from training.outputs import MODEL_JSON, output_error
 
 SAS_ENV = "AZURE_STORAGE_SAS_TOKEN"
@@ -231,6 +231,11 @@ def load_export(directory: Path, source: str) -> tuple[dict[str, Any], Classifie
         card = read_model_card(directory)
     except (OSError, ValueError) as exc:
         raise BadInput(f"{source}: {MODEL_JSON} is not readable as an export's ({first_line(exc)})") from None
+    task = card.get("task", IMAGE_CLASSIFICATION)
+    if task != IMAGE_CLASSIFICATION:
+        raise BadInput(
+            f"{source}: a {task} export ({card.get('model')}); training.predict scores images with image classifiers"
+        )
     loaders = {"torch.export": _torch_classifier, "saved_model": _tf_classifier}
     loader = loaders.get(card["format"])
     if loader is None:

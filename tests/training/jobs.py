@@ -58,8 +58,8 @@ def single(framework: str, *args: Any) -> list[Any]:
     return [sys.executable, "-m", f"training.{framework}", *args]
 
 
-def torchrun(nproc: int, *args: Any) -> list[Any]:
-    return [TORCHRUN, "--standalone", "--nproc_per_node", nproc, "-m", "training.pytorch", *args]
+def torchrun(nproc: int, *args: Any, module: str = "training.pytorch") -> list[Any]:
+    return [TORCHRUN, "--standalone", "--nproc_per_node", nproc, "-m", module, *args]
 
 
 def start(cmd: Sequence[Any], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
