@@ -1,0 +1,541 @@
+"""Model-parallel training: ``torchrun --nproc-per-node N -m training.model_parallel [flags]``.
+
+The world's ranks form one DeviceMesh ``(pp, dp_replicate, dp_shard, tp)`` (see
+:mod:`training.parallel.layout`): ``--tp`` tensor-parallel ranks split each transformer block,
+``--pp`` pipeline stages split the layers, ``--dp-shard`` ranks shard parameters, gradients and
+optimizer state (FSDP2), and the ranks left over replicate. ``--batch-size`` is the batch of one
+data-parallel replica (a TP group, or a whole pipeline, is one replica).
+
+Every layout trains the same model on the same data, step for step: the full model is built from
+``--seed`` in every process, then split and sharded (models too big for that are built on the meta
+device and initialized after sharding); a step's global batch depends only on ``(seed, step)``,
+and replicas take disjoint slices of it. The loss is the cross-entropy's mean over the replica's
+batch (over microbatches in a pipeline, whose schedule scales the gradients to match); FSDP
+averages gradients over the replicas. So one process and any layout see the same losses, up to
+the order of floating-point sums (tests/training/test_mp_equivalence.py).
+
+The optimizer is AdamW (betas 0.9/0.95, ``--weight-decay`` 0.1 on every parameter, GPT-3's and
+Llama's settings; no gradient clipping) at a constant ``--lr``. Errors and exit statuses are those
+of the other jobs (:mod:`training.job`); a layout that cannot work is refused before any process
+group starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from training import curves
+from training.args import (
+    Parser,
+    add_reporting,
+    batch_size_arg,
+    image_size_arg,
+    non_negative_float_arg,
+    positive_int,
+)
+from training.data import synthetic_batch
+from training.distributed import set_failure_timeouts
+from training.errors import BadInput, CheckpointRefused, JobError
+from training.job import run_job
+from training.metrics import RateWindow, StepTimer, throughput, write_metrics
+from training.outputs import output_error
+from training.parallel import memory
+from training.parallel.checkpoint import ShardedCheckpoints
+from training.parallel.export import gather_full_state_dict, write_whole_model
+from training.parallel.layout import RESNETS, Layout, build_mesh, check_model
+from training.parallel.pipeline import (
+    SCHEDULES,
+    Pipeline,
+    build_pipeline,
+    check_microbatches,
+    split_for_pipeline,
+    stages_per_rank,
+    theoretical_bubble,
+)
+from training.parallel.sharding import AC_MODES, parallelize
+from training.pytorch import DDPBackend
+from training.text_data import TokenSource, replica_slice, token_source
+from training.torch_models import build_model
+from training.transformer import GPT_CONFIGS, GPTConfig, build_gpt, flops_per_token, init_weights, parameter_count
+
+log = logging.getLogger(__name__)
+
+MODELS = (*GPT_CONFIGS, *RESNETS)
+MAX_DEFAULT_SEQ_LEN = 2048
+# Past this, the fp32 model is not built whole in every process (llama-8b would need 32 GB per
+# rank): it is created on the meta device, sharded, then initialized shard by shard.
+META_INIT_BYTES = 2 * 2**30
+METRIC_KEYS = (
+    "framework",
+    "job",
+    "model",
+    "world_size",
+    "layout",
+    "pp_schedule",
+    "microbatches",
+    "activation_checkpointing",
+    "batch_size_per_replica",
+    "global_batch_size",
+    "seq_len",
+    "steps",
+    "warmup_steps_excluded",
+    "resumed_from_step",
+    "step_losses",
+    "final_loss",
+    "parameters_total",
+    "parameters_per_rank",
+    "parameter_bytes_per_rank",
+    "peak_memory_bytes_per_rank",
+    "tokens_per_sec",
+    "images_per_sec",
+    "mfu",
+    "bubble_fraction",
+    "bubble_fraction_theory",
+    "precision",
+    "device",
+)
+
+
+def _degree(text: str) -> int:
+    if text.strip() == "-1":
+        return -1
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or -1 (every rank left), got {text!r}") from None
+
+
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="torchrun --nproc-per-node N -m training.model_parallel",
+        description="Model-parallel training (FSDP2, pipeline and tensor parallel on one DeviceMesh).",
+    )
+    model = parser.add_argument_group("model and layout")
+    model.add_argument("--model", choices=MODELS, default="gpt-125m")
+    model.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (transformers)")
+    model.add_argument("--pp", type=positive_int, default=1, help="pipeline stages")
+    model.add_argument(
+        "--dp-shard", type=_degree, default=-1, help="FSDP degree (-1: all ranks left; the rest replicate)"
+    )
+    model.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b")
+    model.add_argument(
+        "--microbatches", type=positive_int, help="per pipeline step (default: --pp, 2 x --pp for interleaved-1f1b)"
+    )
+    model.add_argument("--activation-checkpointing", choices=AC_MODES, default="none")
+    model.add_argument(
+        "--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: FSDP mixed precision (for GPUs)"
+    )
+    data = parser.add_argument_group("data")
+    data.add_argument("--data", choices=("synthetic", "text"), default="synthetic")
+    data.add_argument("--data-dir", type=Path, help="--data text: every file under it, as bytes (transformers)")
+    data.add_argument("--seq-len", type=positive_int, help=f"default: the model's, at most {MAX_DEFAULT_SEQ_LEN}")
+    data.add_argument("--image-size", type=image_size_arg, default=224, help="ResNets (synthetic images)")
+    data.add_argument("--num-classes", type=positive_int, default=1000, help="ResNets")
+    schedule = parser.add_argument_group("schedule")
+    schedule.add_argument("--batch-size", type=batch_size_arg, default=8, help="per data-parallel replica")
+    schedule.add_argument("--steps", type=positive_int, default=100)
+    schedule.add_argument("--optimizer", choices=("adamw",), default="adamw")
+    schedule.add_argument("--lr", type=non_negative_float_arg, default=3e-4)
+    schedule.add_argument("--weight-decay", type=non_negative_float_arg, default=0.1)
+    ckpt = parser.add_argument_group("checkpoints (torch.distributed.checkpoint; resume is automatic)")
+    ckpt.add_argument("--checkpoint-dir", type=Path)
+    ckpt.add_argument("--checkpoint-every", type=positive_int, help="steps between checkpoints (the last is saved)")
+    ckpt.add_argument("--keep-checkpoints", type=positive_int, default=3)
+    parser.add_argument_group("export").add_argument(
+        "--export-dir",
+        type=Path,
+        help="at the end, the whole model gathered from every shard and stage, with model.json (default: none)",
+    )
+    add_reporting(parser, "loss, LR, tokens/s (ResNets: images/s), memory per rank", "tokens/s")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cfg = GPT_CONFIGS.get(args.model)
+    if args.data == "text" and args.data_dir is None:
+        parser.error("--data text needs --data-dir")
+    if args.data_dir is not None and args.data != "text":
+        parser.error("--data-dir is only used with --data text")
+    if cfg is None and args.data == "text":
+        parser.error(f"{args.model} trains on synthetic images only: --data text is for the transformers")
+    if cfg is not None and args.seq_len is not None and args.seq_len > cfg.max_seq_len:
+        parser.error(f"--seq-len {args.seq_len} is longer than {args.model}'s context of {cfg.max_seq_len}")
+    if args.seq_len is None and cfg is not None:
+        args.seq_len = min(cfg.max_seq_len, MAX_DEFAULT_SEQ_LEN)
+    if args.microbatches is None:
+        args.microbatches = args.pp * stages_per_rank(args.pp_schedule)
+    return args
+
+
+def model_shape(args: argparse.Namespace) -> tuple[int, int | None, int | None]:
+    """(layers or residual blocks, attention heads, key/value heads) of ``--model``."""
+    cfg = GPT_CONFIGS.get(args.model)
+    if cfg is not None:
+        return cfg.n_layers, cfg.n_heads, cfg.kv_heads
+    with torch.device("meta"):
+        resnet = build_model(args.model, args.num_classes)
+    return len(resnet.layers) - 5, None, None  # [Normalize, stem, blocks..., pool, flatten, fc]
+
+
+def layout_of(args: argparse.Namespace, world_size: int) -> Layout:
+    """The layout the flags ask for; :class:`BadInput` if the world or the model cannot take it."""
+    layout = Layout.from_flags(world_size, args.tp, args.pp, args.dp_shard)
+    units, heads, kv_heads = model_shape(args)
+    check_model(layout, args.model, units, heads, kv_heads, stages_per_rank(args.pp_schedule))
+    if layout.pp > 1:
+        check_microbatches(args.microbatches, layout.pp, args.pp_schedule, args.batch_size)
+    return layout
+
+
+def start(args: argparse.Namespace) -> DDPBackend:
+    if "RANK" not in os.environ:
+        raise BadInput(
+            "training.model_parallel runs under torchrun: torchrun --nproc-per-node N -m training.model_parallel ..."
+        )
+    layout_of(args, int(os.environ["WORLD_SIZE"]))  # a bad layout is refused before any process group starts
+    return DDPBackend()
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy, mean over every token (or image) of the batch or microbatch."""
+    return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+
+
+@dataclass
+class Parts:
+    """This rank's share of the model: its chunks (one, or a pipeline's virtual stages), one
+    optimizer per chunk, and the pipeline schedule that drives them (None without ``--pp``)."""
+
+    chunks: list[nn.Module]
+    stage_ids: list[int]
+    num_stages: int
+    optimizers: list[torch.optim.Optimizer]
+    pipeline: Pipeline | None = None
+    parameters_total: int = 0
+
+    @property
+    def first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def last(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """One optimizer step; the loss on ranks that compute it (a pipeline's last stage), else None."""
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+        if self.pipeline is not None:
+            loss = self.pipeline.step(inputs if self.first else None, targets if self.last else None)
+        else:
+            loss = loss_fn(self.chunks[0](inputs), targets)
+            loss.backward()
+        for optimizer in self.optimizers:
+            optimizer.step()
+        return loss
+
+
+def build_full_model(args: argparse.Namespace) -> nn.Module:
+    """The whole model, with the same weights in every process (on the meta device when too big)."""
+    cfg = GPT_CONFIGS.get(args.model)
+    if cfg is None:
+        torch.manual_seed(args.seed)  # ResNet's init draws from the global generator
+        return build_model(args.model, args.num_classes)
+    return build_gpt(cfg, None if parameter_count(cfg) * 4 > META_INIT_BYTES else args.seed)
+
+
+def split(model: nn.Module, layout: Layout, pp_rank: int, schedule: str) -> tuple[list[nn.Module], list[int]]:
+    if layout.pp == 1:
+        return [model], [0]
+    return split_for_pipeline(model, pp_rank, layout.pp, schedule)
+
+
+def materialize(chunk: nn.Module, cfg: GPTConfig | None, seed: int, device: torch.device) -> None:
+    """Allocate and initialize a chunk built on the meta device, after sharding (each rank fills its
+    shards; the values depend on the layout, unlike a model built whole)."""
+    if not any(param.is_meta for param in chunk.parameters()):
+        return
+    assert cfg is not None, "only transformers are built on the meta device"
+    chunk.to_empty(device=device)
+    torch.manual_seed(seed)
+    init_weights(chunk, cfg.n_layers)
+
+
+def build_parts(args: argparse.Namespace, layout: Layout, mesh: DeviceMesh, rank: int, device: torch.device) -> Parts:
+    """Build, split, shard (TP, activation checkpointing, FSDP) and wrap in a pipeline: this rank's parts."""
+    model = build_full_model(args)
+    total = sum(param.numel() for param in model.parameters())
+    chunks, stage_ids = split(model, layout, layout.coordinates(rank)["pp"], args.pp_schedule)
+    del model  # the layers of other stages go with it
+    cfg = GPT_CONFIGS.get(args.model)
+    for chunk in chunks:
+        if not any(param.is_meta for param in chunk.parameters()):
+            chunk.to(device)
+        parallelize(chunk, layout, mesh, args.precision, args.activation_checkpointing)
+        materialize(chunk, cfg, args.seed, device)
+    optimizers = [
+        torch.optim.AdamW(chunk.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
+        for chunk in chunks
+    ]
+    num_stages = layout.pp * stages_per_rank(args.pp_schedule)
+    parts = Parts(chunks, stage_ids, num_stages, optimizers, parameters_total=total)
+    if layout.pp > 1:
+        for chunk, stage in zip(chunks, stage_ids, strict=True):
+            if stage < num_stages - 1:
+                chunk.register_forward_hook(contiguous_output)
+        group = mesh["pp"].get_group()
+        parts.pipeline = build_pipeline(
+            chunks, stage_ids, num_stages, group, device, args.pp_schedule, args.microbatches, loss_fn
+        )
+    return parts
+
+
+def contiguous_output(module: nn.Module, inputs: Any, output: Any) -> Any:
+    """A stage's activations travel to the next stage, and gloo and NCCL send only contiguous
+    tensors: ResNet's are channels-last (strided), so they are made contiguous first."""
+    return output.contiguous() if isinstance(output, torch.Tensor) else output
+
+
+class Batches:
+    """This replica's inputs and targets for a step, on the device."""
+
+    def __init__(self, args: argparse.Namespace, replica: int, device: torch.device) -> None:
+        self.args, self.replica, self.device = args, replica, device
+        self.tokens: TokenSource | None = None
+        self.images: tuple[torch.Tensor, torch.Tensor] | None = None
+        cfg = GPT_CONFIGS.get(args.model)
+        if cfg is not None:
+            self.tokens = token_source(args.data, args.data_dir, args.seed, cfg.vocab_size, args.seq_len)
+        else:
+            # One fixed batch of synthetic images, already on the device (as the data-parallel job).
+            images, labels = synthetic_batch(args.seed, replica, args.batch_size, args.image_size, args.num_classes)
+            self.images = torch.from_numpy(images).to(device), torch.from_numpy(labels).to(device)
+
+    def __call__(self, step: int, replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.images is not None:
+            return self.images
+        assert self.tokens is not None
+        tokens = self.tokens.batch(step, replicas * self.args.batch_size, self.args.seq_len)
+        inputs, targets = replica_slice(tokens, self.replica, self.args.batch_size)
+        return torch.from_numpy(inputs).to(self.device), torch.from_numpy(targets).to(self.device)
+
+
+def mean_loss(loss: torch.Tensor | None, device: torch.device) -> float:
+    """The global batch's loss: the mean of the replicas' losses (collective: every rank calls it).
+    Ranks without a loss (early pipeline stages) add nothing; TP ranks add equal copies."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    if loss is not None:
+        total[0], total[1] = loss.detach().double(), 1.0
+    torch.distributed.all_reduce(total)
+    return float(total[0] / total[1])
+
+
+def open_checkpoints(args: argparse.Namespace) -> ShardedCheckpoints | None:
+    return ShardedCheckpoints(args.checkpoint_dir, keep=args.keep_checkpoints) if args.checkpoint_dir else None
+
+
+def resume(args: argparse.Namespace, backend: DDPBackend, checkpoints: ShardedCheckpoints | None, parts: Parts) -> int:
+    """The step to start from: rank 0 picks the newest complete checkpoint, every rank loads its
+    share of it (resharded to this layout); 0 without one."""
+    path = checkpoints.agreed_latest() if checkpoints is not None else None
+    if checkpoints is None or path is None:
+        return 0
+    extra = checkpoints.load(path, parts.chunks, parts.optimizers, expect={"model": args.model})
+    step = int(extra["step"])
+    if step > args.steps:
+        raise CheckpointRefused(
+            f"checkpoint {path} is at step {step}, past this run's --steps {args.steps}: raise --steps to continue it",
+            every_rank=True,
+        )
+    if backend.rank == 0:
+        log.info("resumed from %s at step %d (saved by %s)", path, step, Layout(**extra["layout"]))
+    return step
+
+
+class Run:
+    """The step loop and its bookkeeping: logs, checkpoints, timing, the metrics at the end."""
+
+    def __init__(self, args: argparse.Namespace, backend: DDPBackend, layout: Layout, device: torch.device) -> None:
+        self.args, self.backend, self.layout, self.device = args, backend, layout, device
+        self.cfg = GPT_CONFIGS.get(args.model)
+        torch.manual_seed(args.seed)
+        timeout = timedelta(seconds=int(set_failure_timeouts()["DDP_TIMEOUT_SECONDS"]))
+        self.parts = build_parts(args, layout, build_mesh(layout, device.type, timeout), backend.rank, device)
+        self.checkpoints = open_checkpoints(args)
+        self.start_step = resume(args, backend, self.checkpoints, self.parts)
+        self.batches = Batches(args, layout.dp_rank(backend.rank), device)
+        # At least one measured step whenever a step runs, so short runs still report a rate.
+        self.timer = StepTimer(min(args.timing_warmup_steps, max(args.steps - self.start_step - 1, 0)))
+        self.losses: list[list[float | int | None]] = []
+        self.bubbles: list[float] = []
+        self.window = RateWindow(args.batch_size * layout.dp * (args.seq_len if self.cfg is not None else 1))
+        self.curves = curves.RunCurves(args, backend.rank, self.start_step, "tokens" if self.cfg else "images")
+        # The same on every rank: memory per rank is gathered (a collective) only for the curves.
+        self.memory_curves = args.tensorboard_dir is not None or args.summary_png is not None
+
+    def train(self) -> dict[str, Any]:
+        args = self.args
+        if self.backend.rank == 0:
+            log.info(
+                "%s on %s (world %d): batch %d per replica x %d, %d parameters, steps %d to %d",
+                args.model, self.layout, self.backend.size, args.batch_size, self.layout.dp,
+                self.parts.parameters_total, self.start_step + 1, args.steps,
+            )  # fmt: skip
+        loss = None
+        for step in range(self.start_step, args.steps):
+            loss = self.parts.step(*self.batches(step, self.layout.dp))
+            sync(self.device)
+            self.timer.step_done()
+            self.step_done(step + 1, loss)
+        final = mean_loss(loss, self.device) if args.steps > self.start_step else None
+        return self.finish(final)
+
+    def step_done(self, done: int, loss: torch.Tensor | None) -> None:
+        pipeline = self.parts.pipeline
+        if pipeline is not None and pipeline.last_bubble_fraction is not None and self.timer.measured_steps:
+            self.bubbles.append(pipeline.last_bubble_fraction)  # after the timing warmup, as tokens/s
+        if done % self.args.log_every == 0:
+            self.log(done, mean_loss(loss, self.device))  # collective: every rank logs at the same steps
+        every = self.args.checkpoint_every
+        if self.checkpoints is not None and (done == self.args.steps or (every and done % every == 0)):
+            self.timer.pause()
+            self.save(done)
+            self.timer.resume()
+
+    def log(self, done: int, loss: float) -> None:
+        self.losses.append([done, loss if math.isfinite(loss) else None])
+        rate = self.window.rate(self.timer)
+        values = {curves.LOSS: loss, curves.LR: self.args.lr, self.curves.rate_tag: rate}
+        if self.memory_curves:
+            peaks = self.backend.allgather_object(memory.peak_memory_bytes(self.device))
+            values.update({curves.MEMORY_GIB.format(rank=rank): peak / 2**30 for rank, peak in enumerate(peaks)})
+        if self.backend.rank == 0:
+            shown = "" if rate is None else f" {self.curves.unit}/s {rate:.1f}"
+            log.info("step %d/%d loss %.4f%s", done, self.args.steps, loss, shown)
+            self.curves.record(done, values)
+
+    def save(self, step: int) -> None:
+        assert self.checkpoints is not None
+        extra = {"step": step, "model": self.args.model, "layout": self.layout.as_dict(), "seed": self.args.seed}
+        path = self.checkpoints.save(step, self.parts.chunks, self.parts.optimizers, extra)
+        if self.backend.rank == 0:
+            log.info("saved checkpoint %s", path)
+
+    def finish(self, final_loss: float | None) -> dict[str, Any]:
+        """Gather every rank's numbers; rank 0 writes ``--metrics-json``. Raises :class:`JobError`
+        after writing them if the loss is not finite."""
+        count, size = memory.local_parameters(self.parts.chunks)
+        bubble = sum(self.bubbles) / len(self.bubbles) if self.bubbles else None
+        mine = (self.timer.elapsed, count, size, memory.peak_memory_bytes(self.device), bubble)
+        fields = ("elapsed", "count", "bytes", "peak", "bubble")
+        ranks = [dict(zip(fields, values, strict=True)) for values in self.backend.allgather_object(mine)]
+        diverged = final_loss is not None and not math.isfinite(final_loss)
+        metrics = self.metrics(None if diverged else final_loss, ranks)
+        if self.backend.rank == 0:
+            log.info("metrics: %s", {key: value for key, value in metrics.items() if key != "step_losses"})
+            if self.args.metrics_json is not None:
+                try:
+                    write_metrics(self.args.metrics_json, metrics, METRIC_KEYS)
+                except OSError as exc:
+                    raise output_error("--metrics-json", self.args.metrics_json, exc) from None
+        if not diverged:
+            self.export(metrics)
+        self.finish_curves(final_loss, metrics)
+        if diverged:
+            raise JobError(f"training diverged: the final loss is {final_loss}", every_rank=True)
+        return metrics
+
+    def export(self, metrics: dict[str, Any]) -> None:
+        """``--export-dir``: the whole model, gathered from every shard and stage (collective)."""
+        if self.args.export_dir is None:
+            return
+        state = gather_full_state_dict(self.parts.chunks, self.layout, self.backend.rank)
+        if state is not None:  # rank 0
+            try:
+                write_whole_model(self.args, state, metrics)
+            except OSError as exc:
+                raise output_error("--export-dir", self.args.export_dir, exc) from None
+            log.info("exported the whole model to %s", self.args.export_dir)
+        self.backend.allgather_object(None)  # the other ranks wait for it, as for a checkpoint
+
+    def finish_curves(self, final_loss: float | None, metrics: dict[str, Any]) -> None:
+        final = {self.curves.final_rate_tag: metrics["tokens_per_sec"] or metrics["images_per_sec"]}
+        if self.args.steps % self.args.log_every:  # the last step was not logged: end the loss curve there
+            final[curves.LOSS] = final_loss
+        args = self.args
+        title = f"{args.model} on {self.layout} (world size {self.backend.size}), batch {args.batch_size} per replica"
+        self.curves.finish(args.steps, final, title)
+
+    def metrics(self, final_loss: float | None, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+        args, layout, cfg = self.args, self.layout, self.cfg
+        global_batch = args.batch_size * layout.dp
+        per_step = global_batch * (args.seq_len if cfg is not None else 1)
+        rate, _ = throughput(per_step, self.timer.measured_steps, [rank["elapsed"] for rank in ranks])
+        device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        bubbles = [rank["bubble"] for rank in ranks if rank["bubble"] is not None]
+        pipelined = layout.pp > 1
+        metrics = {
+            "framework": "pytorch",
+            "job": "model_parallel",
+            "model": args.model,
+            "world_size": self.backend.size,
+            "layout": layout.as_dict(),
+            "pp_schedule": args.pp_schedule if pipelined else None,
+            "microbatches": args.microbatches if pipelined else None,
+            "activation_checkpointing": args.activation_checkpointing,
+            "batch_size_per_replica": args.batch_size,
+            "global_batch_size": global_batch,
+            "seq_len": args.seq_len if cfg is not None else None,
+            "steps": args.steps,
+            "warmup_steps_excluded": self.timer.excluded if self.timer.measured_steps else 0,
+            "resumed_from_step": self.start_step or None,
+            "step_losses": self.losses,
+            "final_loss": final_loss,
+            "parameters_total": self.parts.parameters_total,
+            "parameters_per_rank": [rank["count"] for rank in ranks],
+            "parameter_bytes_per_rank": [rank["bytes"] for rank in ranks],
+            "peak_memory_bytes_per_rank": [rank["peak"] for rank in ranks],
+            "tokens_per_sec": rate if cfg is not None else None,
+            "images_per_sec": rate if cfg is None else None,
+            "mfu": memory.mfu(rate, flops_per_token(cfg, args.seq_len), device, len(ranks)) if cfg else None,
+            "bubble_fraction": sum(bubbles) / len(bubbles) if bubbles else None,
+            "bubble_fraction_theory": (
+                theoretical_bubble(layout.pp, args.microbatches, args.pp_schedule) if pipelined else None
+            ),
+            "precision": args.precision,
+            "device": device,
+        }
+        return {key: metrics[key] for key in METRIC_KEYS}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(args: argparse.Namespace, backend: DDPBackend) -> dict[str, Any]:
+    device = torch.device("cuda", backend.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    return Run(args, backend, layout_of(args, backend.size), device).train()
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    run_job("pytorch", argv, start, train, parse=parse_args)
+
+
+if __name__ == "__main__":
+    main()
