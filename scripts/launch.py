@@ -26,8 +26,9 @@ from scripts.ui import make_console
 console = make_console()
 
 EPILOG = """\
-Everything after `--` goes to the job (python -m training.<framework> --help). Horovod jobs run with
-horovodrun on a hostfile made from the allocation; `--backend ddp` (PyTorch) runs torchrun under srun.
+Everything after `--` goes to the job (python -m training.<framework> --help, or with --model-parallel
+python -m training.model_parallel --help). Horovod jobs run with horovodrun on a hostfile made from the
+allocation; `--backend ddp` and `--model-parallel` (PyTorch) run torchrun under srun, one per node.
 With --follow (the default on a terminal) the exit status is the job's own.
 
 examples:
@@ -35,6 +36,8 @@ examples:
   python -m scripts launch --framework pytorch --nodes 2 --requeue -- --backend ddp --data imagenet \\
       --data-dir /shared/data/imagenet --epochs 90
   python -m scripts launch --framework keras --detach -- --data synthetic --epochs 1
+  python -m scripts launch --framework pytorch --nodes 2 --gpus-per-node 8 --model-parallel -- \\
+      --model gpt-1.3b --pp 2 --dp-shard -1 --precision bf16 --steps 200
 """
 
 
@@ -56,7 +59,15 @@ def configure(commands: argparse._SubParsersAction) -> None:
         "--gpus-per-node", type=int_between(1), help="processes per node (default: the GPUs of a node; 1 on CPU)"
     )
     parser.add_argument(
-        "--launcher", choices=("horovodrun", "torchrun"), help="default: torchrun for --backend ddp, else horovodrun"
+        "--launcher",
+        choices=("horovodrun", "torchrun"),
+        help="default: torchrun for --backend ddp and --model-parallel, else horovodrun",
+    )
+    parser.add_argument(
+        "--model-parallel",
+        action="store_true",
+        help="PyTorch only: run training.model_parallel (FSDP2, pipeline, tensor parallel; --tp/--pp/--dp-shard "
+        "among the job's flags) under torchrun",
     )
     parser.add_argument("--run-id", type=arg_type(check_run_id), help="default: <UTC time>-<framework>-<random>")
     parser.add_argument(
@@ -83,6 +94,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         nodes=args.nodes,
         processes_per_node=args.gpus_per_node,
         launcher=args.launcher,
+        model_parallel=args.model_parallel,
         entrypoint=args.entrypoint,
         image=args.image,
         run_id=args.run_id,

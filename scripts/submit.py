@@ -32,6 +32,7 @@ from scripts.sshutil import SSH, q
 RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,100}")
 REMOTE_DIR = REPO_ROOT / "scripts" / "remote"
 SAS_FILE = "results.sas"
+MODEL_PARALLEL_JOB = "training.model_parallel"
 # The training jobs' output flags that `launch` points into the run directory (flag name -> path in it).
 RUN_OUTPUTS = {"export-dir": "model", "tensorboard-dir": "tensorboard", "summary-png": "summary.png"}
 _RUN_EXISTS, _NO_DATA = 17, 18  # the remote step's own exit statuses
@@ -43,7 +44,8 @@ class LaunchOptions:
     job_args: list[str] = field(default_factory=list)
     nodes: int | None = None  # default: every node of the cluster
     processes_per_node: int | None = None  # default: GPUs per node (1 on CPU nodes)
-    launcher: Launcher | None = None  # default: torchrun for `--backend ddp`, else horovodrun
+    launcher: Launcher | None = None  # default: torchrun for `--backend ddp` and model parallelism, else horovodrun
+    model_parallel: bool = False  # PyTorch FSDP / pipeline / tensor parallel: training.model_parallel under torchrun
     entrypoint: str | None = None  # default: python -m training.<framework>; a .py path or a module
     image: str | None = None  # docker runtime: instead of the framework's image
     run_id: str | None = None
@@ -79,13 +81,26 @@ def choose_launcher(opts: LaunchOptions) -> Launcher:
     if opts.launcher:
         return opts.launcher
     backend = _flag_value(opts.job_args, "--backend")
-    return "torchrun" if opts.framework == "pytorch" and backend == "ddp" else "horovodrun"
+    return "torchrun" if opts.model_parallel or (opts.framework == "pytorch" and backend == "ddp") else "horovodrun"
+
+
+def check_model_parallel(opts: LaunchOptions) -> None:
+    """--model-parallel runs the PyTorch model-parallel job, which torch.distributed's launcher starts."""
+    if not opts.model_parallel:
+        return
+    if opts.framework != "pytorch":
+        raise OperatorError(f"--model-parallel is PyTorch's (FSDP, pipeline, tensor parallel), not {opts.framework}")
+    if opts.launcher == "horovodrun":
+        raise OperatorError("--model-parallel runs under torchrun: leave out --launcher horovodrun")
+    if opts.entrypoint:
+        raise OperatorError(f"--model-parallel runs {MODEL_PARALLEL_JOB}: leave out --entrypoint")
 
 
 def build_spec(desc: ClusterDescription, opts: LaunchOptions, slurm: Slurm) -> JobSpec:
     """Everything about the run that can be wrong is found here, before any connection."""
     if opts.framework not in FRAMEWORKS:
         raise OperatorError(f"--framework must be one of {', '.join(FRAMEWORKS)}")
+    check_model_parallel(opts)
     nodes = opts.nodes or desc.node_count
     if nodes > desc.node_count:
         raise OperatorError(f"--nodes {nodes}: the cluster has {desc.node_count} nodes")
@@ -153,7 +168,7 @@ def node_hour_price(desc: ClusterDescription) -> tuple[float | None, str]:
 
 def training_command(desc: ClusterDescription, opts: LaunchOptions, run_dir: str) -> list[str]:
     python = desc.runtime.python
-    entry = opts.entrypoint or f"training.{opts.framework}"
+    entry = opts.entrypoint or (MODEL_PARALLEL_JOB if opts.model_parallel else f"training.{opts.framework}")
     command = [python, entry] if entry.endswith(".py") else [python, "-m", entry]
     args = list(opts.job_args)
     defaults = {"--metrics-json": f"{run_dir}/metrics.json"}

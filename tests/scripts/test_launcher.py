@@ -254,6 +254,9 @@ def test_ctrl_c_without_a_terminal_detaches(cluster, cluster_file):
         (("--run-id", "a/b"), "invalid run id"),
         (("--nodes", "3"), "the cluster has 2 nodes"),
         (("--launcher", "torchrun", "--framework", "keras"), "torchrun runs PyTorch jobs only"),
+        (("--model-parallel", "--framework", "keras"), "--model-parallel is PyTorch's"),
+        (("--model-parallel", "--launcher", "horovodrun"), "runs under torchrun: leave out --launcher horovodrun"),
+        (("--model-parallel", "--entrypoint", "job.py"), "leave out --entrypoint"),
     ],
 )
 def test_bad_requests_are_refused_clearly(cluster_file, extra, message):
@@ -371,3 +374,28 @@ def test_a_training_run_uploads_its_model_and_curves_and_predict_reads_the_model
     # without the SAS, the same URL is refused clearly
     refused = subprocess.run(predict, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert refused.returncode in (2, 3) and refused.stderr.startswith("error:"), refused.stderr
+
+
+def test_a_model_parallel_run_shards_and_pipelines_across_two_nodes_of_two_processes(cluster, cluster_file):
+    """training.model_parallel under torchrun on 2 nodes x 2 processes: 2 pipeline stages x FSDP over 2,
+    with the same logs, metrics, gathered model and curves as the data-parallel jobs."""
+    job_args = ("--model", "gpt-tiny", "--pp", "2", "--dp-shard", "-1", "--seq-len", "32", "--batch-size", "4")
+    job_args += ("--steps", "4", "--log-every", "2", "--timing-warmup-steps", "1")
+    launch = ["launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--nodes", "2", "--model-parallel"]
+    proc = cli(*launch, "--gpus-per-node", "2", "--run-id", "mp-run", "--follow", "--", *job_args)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"^\[0\|node-0\].*gpt-tiny on pp 2 x dp_replicate 1 x dp_shard 2 x tp 1 \(world 4\)", out, re.M), (
+        out
+    )
+    blobs = results_blobs(cluster, "mp-run")
+    metrics = json.loads(blobs["mp-run/metrics.json"])
+    assert metrics["job"] == "model_parallel" and metrics["world_size"] == 4
+    assert metrics["layout"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2}
+    assert len(metrics["peak_memory_bytes_per_rank"]) == 4 and metrics["tokens_per_sec"] > 0
+    assert 0 < metrics["bubble_fraction"] < 1 and metrics["final_loss"] > 0
+    assert json.loads(blobs["mp-run/run.json"])["attempts"][0]["nodes"] == 2
+    card = json.loads(blobs["mp-run/model/model.json"])
+    assert card["task"] == "causal-lm" and card["run_id"] == "mp-run" and "mp-run/model/model.pt2" in blobs
+    assert "mp-run/summary.png" in blobs
+    assert [name for name in blobs if name.startswith("mp-run/tensorboard/events.out.tfevents.")]
