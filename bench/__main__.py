@@ -1,4 +1,4 @@
-"""``python -m bench``: every benchmark of issue 5 in one run, each beside its baseline.
+"""``python -m bench``: every benchmark of issues 5 and 10 in one run, each beside its baseline.
 
 Run it with the training environment (``.venv-train/bin/python -m bench``); the staging figure
 runs in the operator environment (``--ops-python``). Writes results.json, results.md and
@@ -24,11 +24,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench import allreduce, frameworks, jpegs, overhead, pipeline, proc, report, scaling, steps
+from bench import allreduce, frameworks, jpegs, overhead, parallel, pipeline, proc, report, scaling, steps
 from bench.plot import write_png
 from bench.results import BELOW, Figure, markdown_table, median, to_json
 
-SECTIONS = ("allreduce", "overhead", "scaling", "pipeline", "staging", "frameworks")
+SECTIONS = ("allreduce", "overhead", "scaling", "pipeline", "staging", "frameworks", "parallel")
 console = Console()
 
 
@@ -65,7 +65,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         description=__doc__.splitlines()[0],
         epilog="Sections: allreduce (gloo vs loopback bound, fp16 compression), overhead (job vs bare loop), "
         "scaling (1 vs 2 processes, Horovod and DDP), pipeline (our loader vs torchvision defaults), "
-        "staging (stage upload vs a sequential loop, Azurite), frameworks (TF and Keras vs PyTorch). "
+        "staging (stage upload vs a sequential loop, Azurite), frameworks (TF and Keras vs PyTorch), "
+        "parallel (FSDP memory per rank vs one process, pipeline bubble vs theory, FSDP vs DDP step time). "
         "See docs/performance.md for the method.",
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (a smoke test, not numbers)")
@@ -146,6 +147,7 @@ def run(args: argparse.Namespace, work: Path) -> tuple[list[Figure], dict, list[
             "TensorFlow and Keras vs PyTorch",
             lambda: frameworks.measure(plan.shape, plan.frameworks_rounds, args.threads),
         ),
+        "parallel": ("Model parallelism", lambda: parallel.measure(rounds, args.quick)),
     }
     columns = (TextColumn("[bold]bench[/bold] {task.description}"), BarColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:

@@ -70,5 +70,15 @@ def test_staging_figures_compare_each_of_ours_with_the_sequential_loop() -> None
 
 def test_cli_help_names_every_section_and_quick_mode() -> None:
     out = subprocess.run([sys.executable, "-m", "bench", "--help"], capture_output=True, text=True, check=True).stdout
-    for word in ("--quick", "--only", "allreduce", "overhead", "scaling", "pipeline", "staging", "frameworks"):
+    for word in (
+        "--quick",
+        "--only",
+        "allreduce",
+        "overhead",
+        "scaling",
+        "pipeline",
+        "staging",
+        "frameworks",
+        "parallel",
+    ):
         assert word in out
