@@ -9,12 +9,11 @@ scheduling, and a resumed run sees exactly the batches the interrupted one would
 from __future__ import annotations
 
 import argparse
-import io
 import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import numpy as np
 from PIL import Image
 
 from training.args import DEFAULT_SYNTHETIC_STEPS
+from training.decode import Box, decode_region, decoder_name
 from training.errors import BadInput
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,7 @@ def load_imagenet(data_dir: Path, image_size: int, seed: int) -> tuple[ImageFold
     train = scan_split(data_dir, "train", image_size, seed)
     if train is None:
         raise DataDirError(f"{data_dir / 'train'} does not exist (expected train/<class>/*.JPEG)")
+    log.info("decoding images with %s", decoder_name())
     return train, scan_split(data_dir, "val", image_size, seed, train.classes)
 
 
@@ -163,28 +164,9 @@ def random_resized_crop_box(
     return (width - w) // 2, (height - h) // 2, w, h
 
 
-Box = tuple[float, float, float, float]  # left, top, width, height
-
-
-def _decode_region(path: str, size: int, choose_box: Callable[[int, int], Box]) -> Image.Image:
-    """Open ``path`` once, pick a region from its size, and resize that region to size x size.
-
-    JPEG ``draft`` decodes at 1/2, 1/4 or 1/8 scale directly (much faster than full decode
-    plus resize); we ask for the smallest scale at which the box still has ``size`` pixels.
-    """
-    # One read of the whole file: PIL's own reads come in many small chunks (about 76 per image).
-    with Image.open(io.BytesIO(Path(path).read_bytes())) as img:
-        full_w, full_h = img.size
-        left, top, w, h = choose_box(full_w, full_h)
-        img.draft("RGB", (math.ceil(full_w * size / w), math.ceil(full_h * size / h)))
-        sx, sy = img.size[0] / full_w, img.size[1] / full_h
-        rgb = img if img.mode == "RGB" else img.convert("RGB")  # most JPEGs decode to RGB already
-        return rgb.resize((size, size), Image.BILINEAR, box=(left * sx, top * sy, (left + w) * sx, (top + h) * sy))
-
-
 def decode_train(path: str, size: int, rng: np.random.Generator) -> np.ndarray:
     """Random resized crop and horizontal flip (the standard ResNet train augmentation)."""
-    image = np.asarray(_decode_region(path, size, lambda w, h: random_resized_crop_box(w, h, rng)))
+    image = decode_region(path, size, lambda w, h: random_resized_crop_box(w, h, rng))
     return np.ascontiguousarray(image[:, ::-1]) if rng.random() < 0.5 else image
 
 
@@ -195,7 +177,7 @@ def center_crop_box(width: int, height: int) -> Box:
 
 
 def decode_val(path: str, size: int) -> np.ndarray:
-    return np.asarray(_decode_region(path, size, center_crop_box))
+    return decode_region(path, size, center_crop_box)
 
 
 def steps_per_epoch(train_images: int, world_size: int, batch_size: int, requested: int | None) -> int:

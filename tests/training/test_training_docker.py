@@ -25,6 +25,20 @@ def image_pins(framework: str) -> dict[str, str]:
     return found
 
 
+# simplejpeg and opencv-python-headless: the ImageNet loader's decode; tensorboard and matplotlib: a
+# run's curves; azure-storage-blob: predict from the results container.
+SHARED_PINS = (
+    "numpy",
+    "pillow",
+    "simplejpeg",
+    "opencv-python-headless",
+    "cmake",
+    "tensorboard",
+    "matplotlib",
+    "azure-storage-blob",
+)
+
+
 def train_env_pins() -> dict[str, str]:
     """Exact pins of requirements-train.txt, the set the tests run with."""
     found = {}
@@ -42,8 +56,7 @@ def train_env_pins() -> dict[str, str]:
 def test_image_pins_every_version_and_agrees_with_the_tested_set(framework: str, package: str, tested_as: str) -> None:
     image, tested = image_pins(framework), train_env_pins()
     assert image[package] == tested[tested_as]
-    # tensorboard and matplotlib: a run's curves; azure-storage-blob: predict from the results container
-    for shared in ("numpy", "pillow", "cmake", "tensorboard", "matplotlib", "azure-storage-blob"):
+    for shared in SHARED_PINS:
         assert image[shared] == tested[shared], shared
 
 
