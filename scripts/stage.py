@@ -4,7 +4,9 @@ upload: parallel, resumable (a file is sent only when no blob of that name has t
 so a rerun after an interruption sends only what is missing or different), Content-MD5 set on every
 blob and checked in transit, a progress bar with throughput and a summary table. With
 --shard-size-mb, files are packed into deterministic tar shards first (many small files are slow to
-list, transfer and store); `pull` unpacks them on the NFS server.
+list, transfer and store); `pull` unpacks them on the NFS server. With --short-side, the images are
+first transcoded once (training/transcode.py) into a local cache and that copy is uploaded instead.
+Every upload writes dataset.json at the dataset's root: how it was made (short side, quality, source).
 
 pull: runs blob-pull on the NFS server over SSH (through the jump host), the read-only SAS sent on
 its stdin, into <data_path>/<dataset> as the nodes see it, then verifies the counts.
@@ -26,6 +28,7 @@ import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 from azure.storage.blob import ContainerClient
@@ -33,6 +36,7 @@ from pydantic import SecretStr
 from rich.progress import (
     BarColumn,
     DownloadColumn,
+    MofNCompleteColumn,
     Progress,
     TextColumn,
     TimeRemainingColumn,
@@ -46,9 +50,14 @@ from scripts.cluster import BlobCredential, BlobLocation, ClusterDescription, lo
 from scripts.errors import ExitCode, OperatorError
 from scripts.sshutil import SSH, SSHFailure, explain_ssh_failure, q
 from scripts.ui import make_console
+from training.transcode import IMAGE_SUFFIXES, TranscodeError, TranscodeSummary, transcode_tree
 
 console = make_console()
 SHARD_PREFIX = "shards/"
+MANIFEST = "dataset.json"  # at the dataset's root, never in a shard: readable without unpacking anything
+SHORT_SIDE = (64, 1024)  # below 64 px nothing is left to crop; above 1024 the copy is hardly smaller
+QUALITY = (50, 100)
+DEFAULT_QUALITY = 90  # what FFCV stores its ImageNet copies at: artefacts hardly visible, files still small
 # A dataset name is a blob prefix and a directory under data_path: plain components, '/' to nest.
 DATASET_NAME = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
 
@@ -162,6 +171,7 @@ class UploadSummary:
     extra_remote: int = 0
     sharded: bool = False
     errors: list[str] = field(default_factory=list)
+    transcoded: TranscodeSummary | None = None
 
     @property
     def mb_per_s(self) -> float:
@@ -206,25 +216,36 @@ def upload(
     workers: int = 8,
     show_progress: bool = True,
     md5_cache: Path | None = None,
+    short_side: int | None = None,
+    quality: int = DEFAULT_QUALITY,
 ) -> UploadSummary:
     """Upload a local dataset directory to <container>/<dataset>/ with ``credential`` (the
-    operator's write access, not the container's read-only SAS), skipping what is already there."""
+    operator's write access, not the container's read-only SAS), skipping what is already there.
+    With ``short_side``, a transcoded copy (cached locally) is uploaded instead of the source."""
     dataset = check_dataset_name(dataset)
     source = Path(source).expanduser().resolve()
-    files = list_files(source)
+    transcoded = None
+    tree = source
+    if short_side:
+        list_files(source)  # the same errors for a missing or empty source as without transcoding
+        tree = transcoded_cache(source, short_side, quality)
+        transcoded = transcode(source, tree, short_side, quality, show_progress)
+    files = [(name, path) for name, path in list_files(tree) if name != MANIFEST]
+    manifest = write_manifest(source, tree, dataset, files, short_side, quality)
     prefix = f"{dataset}/"
     if shard_size_mb:
         cache = ensure_directory(shard_dir or _cache_dir() / "shards" / dataset, "the shard directory")
         console.print(f"packing {len(files)} files into tar shards of {shard_size_mb:g} MB in {cache}")
-        items = pack_shards(files, cache, shard_size_mb)
+        items = [*pack_shards(files, cache, shard_size_mb), (MANIFEST, manifest)]
     else:
-        items = files
+        items = [*files, (MANIFEST, manifest)]
     sas = credential.secret.get_secret_value() if credential.kind == "sas" and credential.secret else None
     client = blobs.container_client(container, credential)
-    summary = UploadSummary(container.url, prefix, len(files), len(items), sharded=bool(shard_size_mb))
+    summary = UploadSummary(
+        container.url, prefix, len(files) + 1, len(items), sharded=bool(shard_size_mb), transcoded=transcoded
+    )
     started = time.time()
-    cache_key = hashlib.sha1(str(source).encode()).hexdigest()[:16]
-    local = _hash_all(items, workers, md5_cache or _cache_dir() / "md5" / f"{cache_key}.json")
+    local = _hash_all(items, workers, md5_cache or _cache_dir() / "md5" / f"{_source_key(source)}.json")
     try:
         remote = blobs.remote_md5s(client, prefix)
     except Exception as exc:  # azure-core raises many types: one message
@@ -236,6 +257,73 @@ def upload(
     _Sender(client, summary, local, sas, show_progress).send(todo, workers)
     summary.seconds = round(time.time() - started, 3)
     return summary
+
+
+def transcoded_cache(source: Path, short_side: int, quality: int) -> Path:
+    """One cached copy per source and setting: another setting never overwrites, a rerun resumes."""
+    return _cache_dir() / "transcoded" / f"{_source_key(source)}-s{short_side}-q{quality}"
+
+
+def transcode(source: Path, dest: Path, short_side: int, quality: int, show_progress: bool) -> TranscodeSummary:
+    progress = Progress(
+        TextColumn(f"[bold]transcode[/bold] short side {short_side}, quality {quality}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not show_progress,
+    )
+    total = sum(1 for p in source.rglob("*") if p.is_file() and not p.is_symlink())
+    task = progress.add_task("", total=total)
+    console.print(f"transcoding {source} into {dest}")
+    try:
+        with progress:
+            summary = transcode_tree(source, dest, short_side, quality, progress=lambda n: progress.advance(task, n))
+    except TranscodeError as exc:
+        raise OperatorError(f"transcode: {exc}", ExitCode.BAD_INPUT) from None
+    console.print(
+        f"transcoded {summary.transcoded} images ({summary.skipped} already done, {summary.failed} unreadable) "
+        f"in {summary.seconds:.1f} s; the images: {summary.bytes_in / 1e6:.1f} MB -> {summary.bytes_out / 1e6:.1f} MB"
+    )
+    for err in summary.errors[:10]:
+        console.print(f"[red]skipped an unreadable image: {err}[/red]")
+    return summary
+
+
+def write_manifest(
+    source: Path, tree: Path, dataset: str, files: list[tuple[str, Path]], short_side: int | None, quality: int
+) -> Path:
+    """dataset.json for the upload: the source's own dataset.json (if any) extended with how this copy
+    was made. Its created_at is kept while nothing else changes, so a rerun finds the blob unchanged."""
+    own = tree / MANIFEST
+    record = _read_json(own) if own.exists() else {}
+    record.pop("created_at", None)  # the source's own date, if any, is replaced by this copy's
+    record.update(
+        short_side=short_side,
+        quality=quality if short_side else None,
+        source=str(source),
+        images=sum(1 for name, _ in files if Path(name).suffix.lower() in IMAGE_SUFFIXES),
+    )
+    path = _cache_dir() / "manifests" / dataset / MANIFEST
+    previous: dict = {}
+    with contextlib.suppress(OperatorError):  # a damaged cached copy is only written again
+        previous = _read_json(path) if path.exists() else {}
+    if {k: v for k, v in previous.items() if k != "created_at"} == record:
+        return path
+    record["created_at"] = datetime.now(UTC).isoformat(timespec="seconds")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fileio.atomic_write(path, json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise OperatorError(f"{path} is not readable JSON: {exc}", ExitCode.BAD_INPUT) from None
+    if not isinstance(value, dict):
+        raise OperatorError(f"{path} must hold a JSON object", ExitCode.BAD_INPUT)
+    return value
 
 
 class _Sender:
@@ -480,6 +568,10 @@ def check_dataset_name(dataset: str) -> str:
     return name
 
 
+def _source_key(source: Path) -> str:
+    return hashlib.sha1(str(source).encode()).hexdigest()[:16]
+
+
 def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hvd-stage"
 
@@ -499,12 +591,15 @@ STAGE_DESCRIPTION = """\
 Stage a dataset for training. A local directory in ImageNet layout (train/<class>/*.JPEG, and
 optionally val/) goes to the `data` blob container (resumable, MD5-checked), then the NFS server
 pulls it onto the shared file system with the read-only SAS, where every node finds it at
-<data_path>/<dataset> (`cluster show` prints data_path)."""
+<data_path>/<dataset> (`cluster show` prints data_path).
+--short-side PX transcodes the images once before upload: faster decoding every epoch, but --image-size
+is then limited to about PX * 0.875."""
 STAGE_EXAMPLES = """\
 examples:
   python -m scripts stage generate /tmp/imagenet-mini         # a small synthetic dataset
   python -m scripts stage all /tmp/imagenet-mini --dataset mini
   python -m scripts stage all /data/imagenet --dataset imagenet --shard-size-mb 256
+  python -m scripts stage all /data/imagenet --dataset imagenet-160 --short-side 160
 """
 SUBCOMMANDS = {
     "generate": (
@@ -523,6 +618,7 @@ SUBCOMMANDS = {
         (
             "python -m scripts stage upload /tmp/imagenet-mini --dataset mini",
             "python -m scripts stage upload /data/imagenet --dataset imagenet --shard-size-mb 256 --workers 16",
+            "python -m scripts stage upload /data/imagenet --dataset imagenet-256 --short-side 256 --quality 90",
         ),
     ),
     "pull": (
@@ -612,6 +708,19 @@ def _upload_arguments(parser: argparse.ArgumentParser) -> None:
         help="where shards are built (default: ~/.cache/hvd-stage/shards/DATASET)",
     )
     parser.add_argument(
+        "--short-side",
+        type=int_between(*SHORT_SIDE),
+        metavar="PX",
+        help="transcode the images once (cached in ~/.cache/hvd-stage/transcoded/) to this short side before "
+        "uploading: smaller, faster-to-decode JPEGs, but --image-size is then limited to about PX * 0.875",
+    )
+    parser.add_argument(
+        "--quality",
+        type=int_between(*QUALITY),
+        metavar="Q",
+        help=f"JPEG quality of the transcoded copy (default: {DEFAULT_QUALITY}; only with --short-side)",
+    )
+    parser.add_argument(
         "--workers", type=int_between(1, 256), default=8, metavar="N", help="parallel uploads (default: 8)"
     )
     parser.add_argument(
@@ -642,6 +751,8 @@ def _upload(args: argparse.Namespace, desc: ClusterDescription) -> UploadSummary
         shard_dir=args.shard_dir,
         workers=args.workers,
         show_progress=not args.no_progress,
+        short_side=args.short_side,
+        quality=args.quality or DEFAULT_QUALITY,
     )
     print_upload_summary(summary)
     print(json.dumps({"upload": asdict(summary)}))
@@ -651,6 +762,8 @@ def _upload(args: argparse.Namespace, desc: ClusterDescription) -> UploadSummary
 
 
 def _stage(args: argparse.Namespace) -> int:
+    if args.upload and args.quality is not None and args.short_side is None:
+        raise OperatorError("--quality applies to the transcoded copy: give --short-side too", ExitCode.BAD_INPUT)
     desc = load(args.cluster)
     expected = objects = None
     if args.upload:

@@ -154,6 +154,7 @@ def paths(tmp_path: Path, blob_service: str) -> dict[str, str]:
         "ro": str(tmp_path / "ro"),
         "runs": str(tmp_path / "runs"),
         "dataset": str(Path(_write(tmp_path / "dataset" / "train" / "a.txt", "x")).parents[1]),
+        "unreadable": str(Path(_write(tmp_path / "unreadable" / "train" / "c" / "a.JPEG", "not a JPEG")).parents[2]),
         "context": str(context),
         "not_utf8": _write(tmp_path / "not-utf8.json", b'{"name": "\xff"}'),
         "not_json": _write(tmp_path / "not-json.json", "{name: dev}"),
@@ -191,6 +192,10 @@ STAGE = [
     case(f"{UPLOAD} {{dataset}} --shard-size-mb 0", message="must be a number > 0, got '0'"),
     # a prefix of a flag is not taken for the flag (argparse's default would read --work as --workers)
     case(f"{UPLOAD} {{dataset}} --work 4", message="unrecognized arguments: --work 4"),
+    case(f"{UPLOAD} {{dataset}} --short-side 32", message="--short-side: must be a whole number between 64 and 1024"),
+    case(f"{UPLOAD} {{dataset}} --short-side 160 --quality 101", message="--quality: must be a whole number between"),
+    case(f"{UPLOAD} {{dataset}} --quality 80", message="--quality applies to the transcoded copy: give --short-side"),
+    case(f"{UPLOAD} {{unreadable}} --short-side 160", message="transcode: none of the 1 images under {unreadable}"),
     case(
         "generate {ro}/tiny",
         ro=True,

@@ -72,30 +72,34 @@ def test_synthetic_generator_layout_and_determinism(jpegs, tmp_path):
 
 def test_upload_sets_content_md5_and_pull_verifies_counts(cluster, jpegs):
     summary = stage.upload(cluster.data, cluster.staging_credential, jpegs, "plain", workers=4, show_progress=False)
-    assert (summary.source_files, summary.uploaded, summary.skipped, summary.failed) == (24, 24, 0, 0)
+    assert (summary.source_files, summary.uploaded, summary.skipped, summary.failed) == (25, 25, 0, 0)  # + dataset.json
     remote = remote_md5s(cluster, "plain/")
+    manifest = json.loads(admin(cluster).download_blob("plain/dataset.json").readall())
+    assert remote.pop("dataset.json") and manifest.pop("created_at")
+    assert manifest == {"short_side": None, "quality": None, "source": str(jpegs), "images": 24}
     assert remote == {p.relative_to(jpegs).as_posix(): md5_b64(p) for p in jpegs.rglob("*") if p.is_file()}
 
-    pulled = stage.pull(cluster, "plain", expected_files=24, expected_objects=24)
-    assert (pulled.listed, pulled.downloaded, pulled.failed, pulled.files_in_dest) == (24, 24, 0, 24)
+    pulled = stage.pull(cluster, "plain", expected_files=25, expected_objects=25)
+    assert (pulled.listed, pulled.downloaded, pulled.failed, pulled.files_in_dest) == (25, 25, 0, 25)
     dest = Path(cluster.data_path) / "plain"
     assert pulled.dest_on_nodes == str(dest)
     for path in jpegs.rglob("*.JPEG"):
         assert md5_b64(dest / path.relative_to(jpegs)) == md5_b64(path)
+    assert json.loads((dest / "dataset.json").read_text())["images"] == 24
     # a second pull finds everything in place (same MD5) and downloads nothing
-    again = stage.pull(cluster, "plain", expected_files=24)
-    assert (again.downloaded, again.skipped) == (0, 24)
+    again = stage.pull(cluster, "plain", expected_files=25)
+    assert (again.downloaded, again.skipped) == (0, 25)
 
 
 def test_changed_file_is_the_only_one_sent_again(cluster, jpegs, tmp_path):
     src = tmp_path / "src"
     stage.generate_synthetic_imagenet(src, classes=2, train_per_class=3, val_per_class=1, image_size=16)
     first = stage.upload(cluster.data, cluster.staging_credential, src, "changed", show_progress=False)
-    assert first.uploaded == 8
+    assert first.uploaded == 9  # 8 images and dataset.json
     victim = next(src.rglob("*.JPEG"))
     victim.write_bytes(victim.read_bytes() + b"\0")
     second = stage.upload(cluster.data, cluster.staging_credential, src, "changed", show_progress=False)
-    assert (second.uploaded, second.skipped) == (1, 7)
+    assert (second.uploaded, second.skipped) == (1, 8)
     assert remote_md5s(cluster, "changed/")[victim.relative_to(src).as_posix()] == md5_b64(victim)
 
 
@@ -108,7 +112,7 @@ def test_pull_rejects_content_that_does_not_match_its_md5(cluster, tmp_path):
     admin(cluster).get_blob_client(name).set_http_headers(
         ContentSettings(content_type="image/jpeg", content_md5=bytearray(hashlib.md5(b"other").digest()))
     )
-    with pytest.raises(OperatorError, match=r"pull verification failed: 1 of 3 blobs failed.*MD5 verification failed"):
+    with pytest.raises(OperatorError, match=r"pull verification failed: 1 of 4 blobs failed.*MD5 verification failed"):
         stage.pull(cluster, "corrupt", expected_files=3)
     dest = Path(cluster.data_path) / "corrupt" / "train" / "n01440764"
     assert not (dest / "n01440764_00001.JPEG").exists()  # never moved into place
@@ -143,11 +147,12 @@ def test_upload_resumes_after_a_kill(cluster, cluster_file, tmp_path):
     assert 0 < before < total
 
     resumed = stage.upload(cluster.data, cluster.staging_credential, src, "resume", workers=4, show_progress=False)
-    assert (resumed.skipped, resumed.uploaded, resumed.failed) == (before, total - before, 0)
+    assert (resumed.skipped, resumed.uploaded, resumed.failed) == (before, total + 1 - before, 0)  # + dataset.json
     local = {p.relative_to(src).as_posix(): md5_b64(p) for p in src.rglob("*") if p.is_file()}
-    assert remote_md5s(cluster, "resume/") == local  # nothing lost, nothing corrupted
+    remote = remote_md5s(cluster, "resume/")
+    assert remote.pop("dataset.json") and remote == local  # nothing lost, nothing corrupted
     third = stage.upload(cluster.data, cluster.staging_credential, src, "resume", show_progress=False)
-    assert (third.uploaded, third.skipped) == (0, total)
+    assert (third.uploaded, third.skipped) == (0, total + 1)
 
 
 def test_tar_shards_are_resumable_and_unpacked_on_pull(cluster, jpegs, tmp_path):
@@ -162,7 +167,8 @@ def test_tar_shards_are_resumable_and_unpacked_on_pull(cluster, jpegs, tmp_path)
         show_progress=False,
     )
     assert summary.sharded and 1 < summary.objects < summary.source_files
-    assert all(name.startswith("shards/shard-") for name in remote_md5s(cluster, "sharded/"))
+    remote = remote_md5s(cluster, "sharded/")
+    assert remote.pop("dataset.json") and all(name.startswith("shards/shard-") for name in remote)
     again = stage.upload(
         cluster.data,
         cluster.staging_credential,
@@ -173,8 +179,8 @@ def test_tar_shards_are_resumable_and_unpacked_on_pull(cluster, jpegs, tmp_path)
         show_progress=False,
     )
     assert (again.uploaded, again.skipped) == (0, summary.objects)  # byte-identical shards
-    pulled = stage.pull(cluster, "sharded", expected_files=24, expected_objects=summary.objects)
-    assert pulled.raw["unpacked_files"] == 24 and pulled.files_in_dest == 24
+    pulled = stage.pull(cluster, "sharded", expected_files=25, expected_objects=summary.objects)
+    assert pulled.raw["unpacked_files"] == 24 and pulled.files_in_dest == 25  # dataset.json is no shard member
     dest = Path(cluster.data_path) / "sharded"
     for path in jpegs.rglob("*.JPEG"):
         assert md5_b64(dest / path.relative_to(jpegs)) == md5_b64(path)
@@ -247,7 +253,7 @@ def test_blob_pull_takes_the_sas_from_stdin_never_argv(cluster, tmp_path):
         input=cluster.data.credential.secret.get_secret_value() + "\n", timeout=60, env={"BLOB_SAS": ""},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert '"listed": 24' in proc.stdout and len(list(dest.rglob("*.JPEG"))) == 24
+    assert '"listed": 25' in proc.stdout and len(list(dest.rglob("*.JPEG"))) == 24
     options = set(blob_pull.build_parser()._option_string_actions)
     assert not {"--sas", "--sas-token", "--token"} & options and "--sas-env" in options  # names a variable only
 
@@ -258,7 +264,7 @@ def test_rerun_does_not_hash_unchanged_files_again(cluster, jpegs, monkeypatch):
     real = stage.fileio.file_md5
     monkeypatch.setattr(stage.fileio, "file_md5", lambda path: calls.append(path) or real(path))
     again = stage.upload(cluster.data, cluster.staging_credential, jpegs, "hashcache", show_progress=False)
-    assert (again.skipped, calls) == (24, [])
+    assert (again.skipped, calls) == (25, [])
     victim = next(jpegs.rglob("*.JPEG"))
     os.utime(victim, ns=(victim.stat().st_atime_ns, victim.stat().st_mtime_ns + 1))
     stage.upload(cluster.data, cluster.staging_credential, jpegs, "hashcache", show_progress=False)
@@ -280,7 +286,54 @@ def test_generate_then_stage_all_through_the_cli(cluster, cluster_file, tmp_path
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [next(iter(line)) for line in lines] == ["upload", "pull"]
-    assert (lines[0]["upload"]["uploaded"], lines[1]["pull"]["files_in_dest"]) == (6, 6)
+    assert (lines[0]["upload"]["uploaded"], lines[1]["pull"]["files_in_dest"]) == (7, 7)
     dest = Path(cluster.data_path) / "cli-all"
     for path in src.rglob("*.JPEG"):
         assert md5_b64(dest / path.relative_to(src)) == md5_b64(path)
+
+
+def test_stage_all_with_short_side_sends_the_transcoded_copy(cluster, cluster_file, tmp_path):
+    src = tmp_path / "big"
+    stage.generate_synthetic_imagenet(src, classes=2, train_per_class=3, val_per_class=1, image_size=200)
+    argv = ["scripts", "stage", "all", str(src), "--dataset", "small", "--short-side", "64", "--quality", "80"]
+    proc = run_module(*argv, "--no-progress", env={"CLUSTER_DESCRIPTION": str(cluster_file)}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    up, pulled = (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))
+    transcoded = up["upload"]["transcoded"]
+    assert (transcoded["transcoded"], transcoded["failed"], up["upload"]["uploaded"]) == (8, 0, 9)
+    assert transcoded["bytes_out"] < transcoded["bytes_in"]
+    assert pulled["pull"]["files_in_dest"] == 9
+
+    copy = stage.transcoded_cache(src.resolve(), 64, 80)
+    remote = remote_md5s(cluster, "small/")
+    assert remote.pop("dataset.json")
+    assert remote == {p.relative_to(copy).as_posix(): md5_b64(p) for p in copy.rglob("*.JPEG")}
+    dest = Path(cluster.data_path) / "small"
+    for path in src.rglob("*.JPEG"):
+        with Image.open(dest / path.relative_to(src)) as img:
+            assert (img.format, img.size) == ("JPEG", (64, 64))
+    manifest = json.loads((dest / "dataset.json").read_text())
+    assert manifest.pop("created_at")
+    assert manifest == {"short_side": 64, "quality": 80, "source": str(src.resolve()), "images": 8}
+
+    again = run_module(*argv, "--no-progress", env={"CLUSTER_DESCRIPTION": str(cluster_file)}, timeout=120)
+    up = json.loads(again.stdout.splitlines()[0])["upload"]
+    assert (up["transcoded"]["skipped"], up["uploaded"], up["skipped"]) == (8, 0, 9)  # nothing done twice
+
+
+def test_a_transcoded_upload_in_shards_keeps_dataset_json_beside_them(cluster, tmp_path):
+    src = tmp_path / "src"
+    stage.generate_synthetic_imagenet(src, classes=3, train_per_class=6, val_per_class=2, image_size=32)
+    (src / "dataset.json").write_text('{"license": "synthetic"}')  # the source's own manifest is extended
+    summary = stage.upload(
+        cluster.data, cluster.staging_credential, src, "small-sharded", shard_size_mb=0.005,
+        shard_dir=tmp_path / "shards", short_side=64, show_progress=False,
+    )  # fmt: skip
+    assert summary.transcoded is not None and summary.transcoded.transcoded == 24
+    assert (summary.source_files, summary.failed) == (25, 0)
+    pulled = stage.pull(cluster, "small-sharded", expected_files=25, expected_objects=summary.objects)
+    assert pulled.raw["unpacked_files"] == 24
+    manifest = json.loads((Path(cluster.data_path) / "small-sharded" / "dataset.json").read_text())
+    assert (manifest["license"], manifest["short_side"], manifest["quality"], manifest["images"]) == (
+        "synthetic", 64, 90, 24,
+    )  # fmt: skip
