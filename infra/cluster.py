@@ -88,6 +88,8 @@ class GpuCluster(pulumi.ComponentResource):
                     expected_gpus=args.sku.gpus_per_node,
                     slurmctld_address=args.slurmctld_address,
                     munge_key=values[2],
+                    nvme_disks=args.sku.nvme_disks,
+                    nvme_mount=args.sku.nvme_mount,
                 )
             )
         )

@@ -15,6 +15,9 @@ DATA_PATH = f"{SHARED_MOUNT_PATH}/data"
 # Beneath the shared mount (SHARED_MOUNT_PATH on Azure; the local cluster's is elsewhere):
 RUNS_DIR = "runs"  # runs/<run_id>/: one job's files, made by its submitter (mode 0700)
 HEALTH_REPORT_DIR = ".health"  # .health/<node>: the node health check's last result (root's, 0644)
+# Where a GPU node mounts the RAID 0 over its local NVMe disks (emptied by every deallocation).
+# Not under /mnt, for the same reason as the shared mount.
+NVME_MOUNT_PATH = "/nvme"
 
 SSH_PORT = 22
 CONTAINER_SSH_PORT = 12345  # sshd inside the training containers (horovodrun between nodes)

@@ -11,6 +11,13 @@ vCPUs and memory: Azure's size pages (learn.microsoft.com/azure/virtual-machines
 gpu-accelerated/nd*-series). Encryption at host: ND96amsr_A100_v4 per the Resource SKUs listing
 cited in infra/data/vm_sizes.json, the others as current ND sizes (not cross-checked; that file's
 `refresh` command checks a size in a region).
+
+Local NVMe: Azure's size pages (MicrosoftDocs/azure-compute-docs, articles/virtual-machines/sizes/
+gpu-accelerated/*-series.md, "Local storage" tab). ND H100 v5 and ND H200 v5 list "Max NVMe Disks 8,
+NVMe Disk Size 28 TiB" (8 x 3.5 TiB; an ND H100 v5's lsblk shows 3,840,755,982,336-byte namespaces of
+model "Microsoft NVMe Direct Disk"). ND A100 v4 (6,000 GiB) and NDm A100 v4 (6,400 GiB) list one
+"temp disk" only, with no NVMe disk count: the count there is not confirmed, so the node takes every
+local NVMe disk it finds (nvme_disks=None).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from infra.cloud_init.nccl import check_nccl_env
+from infra.contract import NVME_MOUNT_PATH
 
 # Slurm drains a node that registers with less memory than its RealMemory. The OS sees a few
 # percent less than a size's nominal memory (firmware and kernel reservations), and the OS, docker
@@ -52,6 +60,9 @@ class GpuSku:
     memory_gib: int
     encryption_at_host: bool  # Azure's EncryptionAtHostSupported capability for the size
     nccl_env: Mapping[str, str]
+    # Local NVMe disks the size has; None: not confirmed, the node uses every one it finds.
+    nvme_disks: int | None = None
+    nvme_mount: str = NVME_MOUNT_PATH
 
     def __post_init__(self) -> None:
         # A bad table entry fails at import, not halfway through rendering a node's cloud-init.
@@ -64,8 +75,12 @@ class GpuSku:
 
 # InfiniBand-connected GPU sizes only: the training stack assumes RDMA between nodes.
 GPU_SKUS: dict[str, GpuSku] = {
-    "Standard_ND96isr_H200_v5": GpuSku(8, "H200", 96, 1850, encryption_at_host=True, nccl_env=_ND_V5_NCCL),
-    "Standard_ND96isr_H100_v5": GpuSku(8, "H100", 96, 1900, encryption_at_host=True, nccl_env=_ND_V5_NCCL),
+    "Standard_ND96isr_H200_v5": GpuSku(
+        8, "H200", 96, 1850, encryption_at_host=True, nccl_env=_ND_V5_NCCL, nvme_disks=8
+    ),
+    "Standard_ND96isr_H100_v5": GpuSku(
+        8, "H100", 96, 1900, encryption_at_host=True, nccl_env=_ND_V5_NCCL, nvme_disks=8
+    ),
     "Standard_ND96amsr_A100_v4": GpuSku(8, "A100 80GB", 96, 1900, encryption_at_host=True, nccl_env=_ND_V4_NCCL),
     "Standard_ND96asr_v4": GpuSku(8, "A100 40GB", 96, 900, encryption_at_host=True, nccl_env=_ND_V4_NCCL),
 }

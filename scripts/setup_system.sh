@@ -15,6 +15,8 @@ declare -A wanted=(
   [slurmd]=slurmd              # one per local node
   [sinfo]=slurm-client         # sinfo, srun, sbatch, squeue, scontrol from the operator's side
   [munged]=munge               # Slurm's authentication
+  [mkfs.xfs]=xfsprogs          # the GPU nodes' NVMe volume, tested on a loop device
+  [mdadm]=mdadm                # its RAID 0 (the command lines are tested with stubs)
 )
 missing=()
 for command in "${!wanted[@]}"; do

@@ -23,6 +23,9 @@ NFS_MOUNT_PATH = "/usr/local/sbin/nfs-mount"
 REMOTE_PACKAGE = "scripts.remote"
 
 _PLACEHOLDER = re.compile(r"@([A-Z][A-Z0-9_]*)@")
+# A template line `# include <name>` becomes the text of scripts/remote/<name>: functions that
+# several host scripts share, pasted in so that each installed script stays one file.
+_INCLUDE = re.compile(r"^# include ([\w.-]+)$", re.MULTILINE)
 # Paths land in fstab, /etc/exports and systemd units, which each escape differently: allow only
 # characters that none of them treats specially.
 _SAFE_PATH = re.compile(r"(/[A-Za-z0-9._-]+)+")
@@ -92,8 +95,9 @@ def remote_file(name: str) -> str:
 
 
 def render_script(name: str, values: Mapping[str, ScriptValue]) -> str:
-    """Fill the @NAME@ placeholders of scripts/remote/<name> with shell-quoted values (lists become arrays)."""
-    template = remote_file(name)
+    """Fill the @NAME@ placeholders of scripts/remote/<name> with shell-quoted values (lists become
+    arrays), after pasting in the files its `# include` lines name."""
+    template = _INCLUDE.sub(lambda match: remote_file(match[1]).rstrip("\n"), remote_file(name))
     wanted = set(_PLACEHOLDER.findall(template))
     if wanted != set(values):
         raise KeyError(f"{name}: placeholders {sorted(wanted)} but values for {sorted(values)}")

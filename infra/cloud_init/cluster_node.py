@@ -1,9 +1,10 @@
 """cloud-config for a GPU node on the Azure HPC image (microsoft-dsvm ubuntu-hpc 22.04).
 
 The image already carries the GPU, InfiniBand and NCCL drivers, docker and the NVIDIA container
-toolkit; this adds the NFS mount, the registry login, the NCCL settings, and slurmd (configless,
-from Ubuntu 22.04's Slurm packages) with its health check and the epilog that removes a job's
-containers. Slurm knows its nodes: nothing else records them.
+toolkit; this adds the NFS mount, the RAID 0 over the local NVMe disks (built again at every boot
+that finds them empty), the registry login, the NCCL settings, and slurmd (configless, from Ubuntu
+22.04's Slurm packages) with its health check and the epilog that removes a job's containers.
+Slurm knows its nodes: nothing else records them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from infra.cloud_init._common import (
     munge_key_file,
     nfs_mount_file,
     read_unit,
+    remote_file,
     render_script,
     write_file,
 )
@@ -30,6 +32,9 @@ from infra.contract import MIN_FREE_DISK_GB, SLURMCTLD_PORT
 
 ACR_LOGIN_PATH = "/usr/local/sbin/acr-login"
 NODE_SETUP_PATH = "/usr/local/sbin/node-setup"
+NVME_RAID_PATH = "/usr/local/sbin/nvme-raid"
+# For the operator's and jobs' use: copies a dataset from the shared file system to the NVMe volume.
+NVME_COPY_PATH = "/usr/local/bin/nvme-copy"
 SLURMD_SETUP_PATH = "/usr/local/sbin/slurmd-setup"
 HEALTH_CHECK_PATH = "/usr/local/sbin/slurm-health-check"
 EPILOG_PATH = "/usr/local/sbin/slurm-epilog"
@@ -37,11 +42,14 @@ EPILOG_PATH = "/usr/local/sbin/slurm-epilog"
 NCCL_CONF_SOURCE = "/usr/local/etc/nccl.conf"
 NCCL_PROFILE_PATH = "/etc/profile.d/nccl.sh"
 UNITS_DIR = "/etc/systemd/system"
-UNITS = ("acr-login.service", "acr-login.timer", "nccl-conf.service")
+UNITS = ("acr-login.service", "acr-login.timer", "nccl-conf.service", "nvme-raid.service")
 SLURMD_DROP_IN = f"{UNITS_DIR}/slurmd.service.d/configless.conf"
 # Where framework images land: the disk the health check keeps free space on.
 DOCKER_DATA_PATH = "/var/lib/docker"
-PACKAGES = ["nfs-common", "munge", "slurmd", "slurm-client"]  # slurm-client: scontrol, for the health check
+# slurm-client: scontrol, for the health check; mdadm and xfsprogs: the NVMe volume.
+PACKAGES = ["nfs-common", "munge", "slurmd", "slurm-client", "mdadm", "xfsprogs"]
+# Azure has at most 8 local NVMe disks on the sizes in infra/skus.py; 0 stands for "not stated".
+MAX_NVME_DISKS = 8
 
 
 def render_cluster_node(
@@ -55,20 +63,29 @@ def render_cluster_node(
     expected_gpus: int,
     slurmctld_address: str,
     munge_key: str,
+    nvme_disks: int | None,
+    nvme_mount: str,
 ) -> str:
     """cloud-config that mounts NFS, logs docker in to ACR with the managed identity, writes the
     NCCL settings, and starts slurmd against the controller at slurmctld_address with the
-    cluster's munge key (base64); slurm.conf names the health check and epilog installed here."""
+    cluster's munge key (base64); slurm.conf names the health check and epilog installed here.
+    nvme_disks local NVMe disks (None: as many as the node has) become a RAID 0 at nvme_mount."""
     mount = check_path("mount_path", mount_path)
     acr = check_hostname("acr_login_server", acr_login_server)
     client_id = check_client_id("identity_client_id", identity_client_id)
     env = check_nccl_env(nccl_env)
     gpus = check_int("expected_gpus", expected_gpus, 1, MAX_GPUS_PER_NODE)
     controller = f"{check_ipv4('slurmctld_address', slurmctld_address)}:{SLURMCTLD_PORT}"
+    nvme = {
+        "MOUNT_PATH": check_path("nvme_mount", nvme_mount),
+        "EXPECTED_DISKS": 0 if nvme_disks is None else check_int("nvme_disks", nvme_disks, 1, MAX_NVME_DISKS),
+    }
 
     scripts = [
         (ACR_LOGIN_PATH, render_script("acr-login.sh", {"ACR_LOGIN_SERVER": acr, "IDENTITY_CLIENT_ID": client_id})),
         (NODE_SETUP_PATH, render_script("node-setup.sh", {})),
+        (NVME_RAID_PATH, render_script("nvme-raid.sh", nvme)),
+        (NVME_COPY_PATH, remote_file("nvme_copy.py")),
         (SLURMD_SETUP_PATH, render_script("slurmd-setup.sh", {"SLURMCTLD_ADDRESS": controller})),
         (
             HEALTH_CHECK_PATH,

@@ -9,7 +9,8 @@ EXPORT_PATH=@EXPORT_PATH@
 EXPORT_LINE=@EXPORT_LINE@
 readonly MD_NAME=nfsdata
 readonly MD_DEVICE=/dev/md/nfsdata
-# udev links every assembled array here by UUID, whatever /dev/mdN name it got at boot.
+# udev links every assembled array here by UUID, whatever /dev/mdN name it got at boot; mdadm
+# makes MD_DEVICE itself for the arrays it creates or assembles.
 readonly MD_UUID_LINK_PREFIX=/dev/disk/by-id/md-uuid-
 readonly MDADM_CONF=/etc/mdadm/mdadm.conf
 readonly FSTAB=/etc/fstab
@@ -32,58 +33,16 @@ wait_for_disks() {
   done
 }
 
-# The md array UUID recorded on a member disk; empty for a blank disk.
-member_array_uuid() {
-  mdadm --examine --export "$1" 2>/dev/null | sed -n 's/^MD_UUID=//p' || true
-}
+# include md-volume.sh
 
-# Sets DEVICE: the single data disk, or the RAID 0 array over all of them.
-select_device() {
-  if ((${#DATA_DISKS[@]} == 1)); then
-    DEVICE=${DATA_DISKS[0]}
-    return
-  fi
-  local uuid members
+# The array's name in mdadm.conf, baked into the initramfs: it keeps its name across reboots.
+record_array() {
+  local uuid
   uuid=$(member_array_uuid "${DATA_DISKS[0]}")
-  if [ -z "$uuid" ]; then
-    log "creating RAID 0 over ${DATA_DISKS[*]}"
-    mdadm --create "$MD_DEVICE" --name="$MD_NAME" --level=0 \
-      --raid-devices="${#DATA_DISKS[@]}" --run "${DATA_DISKS[@]}" >&2
-    udevadm settle
-    uuid=$(member_array_uuid "${DATA_DISKS[0]}")
-  elif [ ! -e "$MD_UUID_LINK_PREFIX$uuid" ]; then
-    log "assembling the existing array $uuid"
-    mdadm --assemble "$MD_DEVICE" --uuid="$uuid" "${DATA_DISKS[@]}" >&2
-    udevadm settle
-  fi
-  DEVICE=$MD_UUID_LINK_PREFIX$uuid
-  members=$(mdadm --detail --export "$DEVICE" | sed -n 's/^MD_DEVICES=//p')
-  if [ "$members" != "${#DATA_DISKS[@]}" ]; then
-    log "array $uuid has $members members but ${#DATA_DISKS[@]} data disks are attached; refusing to guess"
-    exit 1
-  fi
   if ! grep -qs "UUID=$uuid" "$MDADM_CONF"; then
-    # Recorded, and baked into the initramfs, so that the array keeps its name across reboots.
     mdadm --detail --brief "$DEVICE" >>"$MDADM_CONF"
     update-initramfs -u
   fi
-}
-
-make_filesystem() {
-  local fs_type
-  fs_type=$(blkid -o value -s TYPE "$DEVICE" || true)
-  case "$fs_type" in
-    xfs) log "keeping the existing XFS file system on $DEVICE" ;;
-    "")
-      log "formatting $DEVICE as XFS"
-      # -K: new managed disks are already empty; discarding terabytes only delays boot.
-      mkfs.xfs -K "$DEVICE" >&2
-      ;;
-    *)
-      log "$DEVICE holds a $fs_type file system; refusing to format it"
-      exit 1
-      ;;
-  esac
 }
 
 mount_data() {
@@ -111,7 +70,10 @@ export_data() {
 }
 
 wait_for_disks
-select_device
+select_device "${DATA_DISKS[@]}"
+if ((${#DATA_DISKS[@]} > 1)); then
+  record_array
+fi
 make_filesystem
 mount_data
 export_data

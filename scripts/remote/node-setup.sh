@@ -7,6 +7,8 @@ set -euo pipefail
 systemctl daemon-reload
 /usr/local/sbin/nfs-mount
 systemctl enable --now nccl-conf.service
+# Enabled for every later boot too: a deallocated node starts again with empty NVMe disks.
+systemctl enable --now nvme-raid.service
 # The first login runs in the foreground; the timer then renews it before the token expires.
 systemctl start acr-login.service
 systemctl enable --now acr-login.timer

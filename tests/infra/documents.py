@@ -50,6 +50,8 @@ def node_doc(sku: str = "Standard_ND96isr_H100_v5", **overrides: object) -> str:
         "expected_gpus": 8,
         "slurmctld_address": HEAD_IP,
         "munge_key": MUNGE_KEY,
+        "nvme_disks": GPU_SKUS[sku].nvme_disks,
+        "nvme_mount": GPU_SKUS[sku].nvme_mount,
     }
     return render_cluster_node(**{**args, **overrides})  # type: ignore[arg-type]
 

@@ -73,7 +73,12 @@ def test_embedded_shell_script_passes_shellcheck(name: str) -> None:
 def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     files = files_of(node_doc())
     units = [path for path in files if re.fullmatch(r"/etc/systemd/system/[^/]+", path)]
-    assert sorted(Path(unit).name for unit in units) == ["acr-login.service", "acr-login.timer", "nccl-conf.service"]
+    assert sorted(Path(unit).name for unit in units) == [
+        "acr-login.service",
+        "acr-login.timer",
+        "nccl-conf.service",
+        "nvme-raid.service",
+    ]
     for unit in units:
         # verify insists that ExecStart binaries exist; the scripts they name are checked above.
         text = re.sub(r"^ExecStart=/.*$", "ExecStart=/bin/true", files[unit]["content"], flags=re.MULTILINE)
@@ -95,7 +100,9 @@ def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     # Unknown keys are only warnings: any mention of our units is a finding.
-    found = [line for line in result.stderr.splitlines() if re.search(r"acr-login|nccl-conf|configless", line)]
+    found = [
+        line for line in result.stderr.splitlines() if re.search(r"acr-login|nccl-conf|nvme-raid|configless", line)
+    ]
     assert not found, result.stderr
 
 
@@ -275,8 +282,7 @@ def test_nfs_setup_stripes_exactly_the_luns_formats_mounts_and_exports(sandbox: 
         assert creates == [
             f"mdadm --create /dev/md/nfsdata --name=nfsdata --level=0 --raid-devices={count} --run {' '.join(disks)}"
         ]
-        array = f"{sandbox.root}/by-id/md-uuid-0a1b2c3d:4e5f6a7b:8c9d0e1f:2a3b4c5d"
-        assert sandbox.calls("mkfs.xfs") == [f"mkfs.xfs -K {array}"]
+        assert sandbox.calls("mkfs.xfs") == ["mkfs.xfs -K /dev/md/nfsdata"]
         assert (sandbox.root / "mdadm.conf").read_text().count("ARRAY /dev/md/nfsdata") == 1
         assert len(sandbox.calls("update-initramfs")) == 1
     fstab = (sandbox.root / "fstab").read_text()
@@ -327,7 +333,14 @@ def test_node_mounts_the_nfs_export_of_the_right_server() -> None:
     assert shell_value(mount, "NFS_SOURCE") == f"{NFS_IP}:/export"
     assert shell_value(mount, "MOUNT_PATH") == "/mnt/shared"
     assert set(str(shell_value(mount, "MOUNT_OPTIONS")).split(",")) >= {"_netdev", "nofail", "hard"}
-    assert yaml.safe_load(node_doc())["packages"] == ["nfs-common", "munge", "slurmd", "slurm-client"]
+    assert yaml.safe_load(node_doc())["packages"] == [
+        "nfs-common",
+        "munge",
+        "slurmd",
+        "slurm-client",
+        "mdadm",
+        "xfsprogs",
+    ]
 
 
 def nfs_mount_in(sandbox: Sandbox, *, wait_seconds: int, failures: int) -> tuple[str, Path]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -289,6 +290,9 @@ def test_node_cloud_init_is_wired_to_nfs_registry_identity_and_the_head_node(dep
     for expected in ("10.40.64.4", "/export", "/shared", registry, identity, f"{HEAD_IP}:6817"):
         assert expected in document, expected
     assert "NCCL_IB_DISABLE" not in document
+    # The size's local NVMe disks (8 on ND H100 v5) become the scratch volume at /nvme.
+    assert re.search(r"^ +EXPECTED_DISKS=8$", document, re.MULTILINE)
+    assert re.search(r"^ +MOUNT_PATH=/nvme$", document, re.MULTILINE)
 
 
 def test_password_authentication_disabled_everywhere(deployment: Deployment) -> None:
