@@ -24,11 +24,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench import allreduce, frameworks, jpegs, overhead, parallel, pipeline, proc, report, scaling, steps
+from bench import allreduce, comm, frameworks, jpegs, overhead, parallel, pipeline, proc, report, steps
 from bench.plot import write_png
 from bench.results import BELOW, Figure, markdown_table, median, to_json
+from training.transcode import transcode_tree
 
-SECTIONS = ("allreduce", "overhead", "scaling", "pipeline", "staging", "frameworks", "parallel")
+SECTIONS = ("allreduce", "overhead", "comm", "pipeline", "staging", "frameworks", "parallel")
 console = Console()
 
 
@@ -44,9 +45,10 @@ class Plan:
     pipeline_batch: int
     pipeline_workers: int
     frameworks_rounds: int
+    pipeline_rounds: int  # the loader's rounds: at least 5 for the figure, its noise is the largest
 
 
-FULL = Plan(steps.Shape(), 3, allreduce.RESNET50_PARAMS, 512, 224, 32, 2, 1)
+FULL = Plan(steps.Shape(), 3, allreduce.RESNET50_PARAMS, 512, 224, 32, 2, 1, 5)
 QUICK = Plan(
     steps.Shape(model="resnet_tiny", image_size=32, batch=8, steps=4, warmup=1, num_classes=10),
     1,
@@ -56,7 +58,9 @@ QUICK = Plan(
     8,
     2,
     1,
+    1,
 )
+TRANSCODED_SHORT_SIDE = 160  # the copy of the pipeline_transcoded figure (stage --short-side 160)
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -64,7 +68,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="python -m bench",
         description=__doc__.splitlines()[0],
         epilog="Sections: allreduce (gloo vs loopback bound, fp16 compression), overhead (job vs bare loop), "
-        "scaling (1 vs 2 processes, Horovod and DDP), pipeline (our loader vs torchvision defaults), "
+        "comm (2 ranks with the allreduce vs without, Horovod and DDP), pipeline (our loader vs torchvision defaults), "
         "staging (stage upload vs a sequential loop, Azurite), frameworks (TF and Keras vs PyTorch), "
         "parallel (FSDP memory per rank vs one process, pipeline bubble vs theory, FSDP vs DDP step time). "
         "See docs/performance.md for the method.",
@@ -125,7 +129,10 @@ def run(args: argparse.Namespace, work: Path) -> tuple[list[Figure], dict, list[
 
     def do_pipeline() -> list[Figure]:
         jpegs.write_imagenet_tree(work, plan.jpegs)
-        return [pipeline.measure(work, plan.pipeline_size, plan.pipeline_batch, plan.pipeline_workers, rounds)]
+        copy = work.with_name(f"{work.name}-short-side-{TRANSCODED_SHORT_SIDE}")
+        transcode_tree(work, copy, TRANSCODED_SHORT_SIDE)  # once, as `stage --short-side` does
+        shape = (plan.pipeline_size, plan.pipeline_batch, plan.pipeline_workers, max(rounds, plan.pipeline_rounds))
+        return [pipeline.measure(work, *shape), pipeline.measure(work, *shape, ours_root=copy)]
 
     def do_staging() -> list[Figure]:
         jpegs.write_imagenet_tree(work, plan.jpegs)
@@ -137,9 +144,9 @@ def run(args: argparse.Namespace, work: Path) -> tuple[list[Figure], dict, list[
     bodies: dict[str, tuple[str, Callable[[], list[Figure]]]] = {
         "allreduce": ("Allreduce over gloo", do_allreduce),
         "overhead": ("Framework overhead", lambda: [overhead.measure(plan.shape, rounds, args.threads)]),
-        "scaling": (
-            "Scaling 1 -> 2 processes",
-            lambda: [scaling.measure(plan.shape, rounds, launcher, bus.get("fp32")) for launcher in scaling.LAUNCHERS],
+        "comm": (
+            "Communication efficiency",
+            lambda: [comm.measure(plan.shape, rounds, launcher, bus.get("fp32")) for launcher in comm.LAUNCHERS],
         ),
         "pipeline": ("Input pipeline", do_pipeline),
         "staging": ("Staging upload", do_staging),
@@ -171,23 +178,33 @@ def run(args: argparse.Namespace, work: Path) -> tuple[list[Figure], dict, list[
 
 
 def staging_figures(raw: dict) -> list[Figure]:
-    s, mb = raw["seconds"], raw["bytes"] / 1e6
-    seq = [mb / t for t in s["sequential"]]
+    """Per-file upload as requests/s and client CPU per request (a ratio against an emulator on the
+    same 2 cores is bounded by the emulator: see docs/performance.md), and the sharded upload in MB/s."""
+    s, mb, files = raw["seconds"], raw["bytes"] / 1e6, raw["files"]
     figures = []
-    for key, label in (("ours", "stage upload (8 workers)"), ("ours_sharded", "stage upload --shard-size-mb 16")):
-        fig = Figure.from_rounds(
-            f"staging_{key}",
-            f"Staging {raw['files']} files ({mb:.0f} MB) to Azurite: {label}",
-            "MB/s",
-            [mb / t for t in s[key]],
-            seq,
-            goal=5.0,
+    for key, ours, unit, amount, goal, label in (
+        ("staging_requests", "ours", "requests/s", files, None, "stage upload (8 workers)"),
+        ("staging_sharded", "ours_sharded", "MB/s", mb, 5.0, "stage upload --shard-size-mb 16"),
+    ):
+        figure = Figure.from_rounds(
+            key,
+            f"Staging {files} files ({mb:.0f} MB) to Azurite: {label}",
+            unit,
+            [amount / t for t in s[ours]],
+            [amount / t for t in s["sequential"]],
+            goal=goal,
             ours_label=label,
             baseline_label="sequential loop",
         )
-        fig.note = f"CPU cores busy, Azurite/client: ours {_busy(s, key)}, loop {_busy(s, 'sequential')}"
-        figures.append(fig)
+        figure.note = f"cores busy, Azurite/client: ours {_busy(s, ours)}, loop {_busy(s, 'sequential')}"
+        figures.append(figure)
+    per_request = f"{_per_request_ms(s, 'ours', files)} ms, loop {_per_request_ms(s, 'sequential', files)} ms"
+    figures[0].note = f"client CPU per request: ours {per_request}; {figures[0].note}"
     return figures
+
+
+def _per_request_ms(s: dict, key: str, files: int) -> str:
+    return f"{1000 * median(s[f'{key}_client_cpu']) / files:.2f}"
 
 
 def _busy(s: dict, key: str) -> str:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
+from bench.proc import exit_worker
 from training.parallel import memory
 from training.parallel.sharding import apply_fsdp, mixed_precision
 from training.transformer import GPT_CONFIGS, GPTConfig, build_gpt, init_weights
@@ -93,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "peak_memory_bytes_per_rank": [r["peak"] for r in ranks],
         }
         args.metrics_json.write_text(json.dumps(result, indent=2) + "\n")
-    dist.destroy_process_group()
+    dist.barrier()  # rank 0 has written the result before any rank leaves
+    exit_worker()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRAIN_BIN = Path(sys.executable).parent
@@ -70,6 +70,15 @@ def run_json(kind: str, np: int, module: str, args: Sequence[str], threads: int,
         if not out.is_file():
             raise BenchError(f"{' '.join(cmd)} wrote no metrics to {out}")
         return json.loads(out.read_text())
+
+
+def exit_worker() -> NoReturn:
+    """End a measured worker once its result is written, without torch's destructors: freeing a
+    gloo process group (DDP's reducer holds one) while its worker thread still releases finished
+    work deadlocks on the GIL (seen hanging in ~ProcessGroupGloo). training/job.py exits this way too."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def load_average() -> tuple[float, float, float]:

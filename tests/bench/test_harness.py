@@ -13,7 +13,7 @@ from PIL import Image
 from bench import tv_baseline
 from bench.__main__ import staging_figures
 from bench.allreduce import bus_gbps
-from bench.results import BELOW, PASS
+from bench.results import INFO, PASS
 
 
 @pytest.mark.parametrize("size", [(500, 375), (375, 500), (2000, 100)])
@@ -62,10 +62,15 @@ def test_staging_figures_compare_each_of_ours_with_the_sequential_loop() -> None
             "ours_sharded_client_cpu": [0.5, 1.0],
         },
     }
-    ours, sharded = staging_figures(raw)
-    assert (ours.ratio, ours.status) == (pytest.approx(2.25), BELOW)
+    requests, sharded = staging_figures(raw)
+    assert (requests.key, sharded.key) == ("staging_requests", "staging_sharded")
+    # 10 files: ours 2.5 and 2.0 requests/s against the loop's 1.0; information, no goal
+    assert (requests.ours, requests.baseline, requests.ratio) == (pytest.approx(2.25), 1.0, pytest.approx(2.25))
+    assert (requests.unit, requests.status) == ("requests/s", INFO)
+    # client CPU per request: median 2.25 s / 10 files, against 1 s / 10
+    assert requests.note.startswith("client CPU per request: ours 225.00 ms, loop 100.00 ms;")
+    assert requests.note.endswith("ours 1.00/0.50, loop 0.50/0.10")
     assert (sharded.ratio, sharded.status) == (pytest.approx(7.5), PASS)
-    assert ours.note.endswith("ours 1.00/0.50, loop 0.50/0.10")
 
 
 def test_cli_help_names_every_section_and_quick_mode() -> None:
@@ -75,7 +80,7 @@ def test_cli_help_names_every_section_and_quick_mode() -> None:
         "--only",
         "allreduce",
         "overhead",
-        "scaling",
+        "comm",
         "pipeline",
         "staging",
         "frameworks",
