@@ -50,6 +50,7 @@ class StackOutput(StrEnum):
     NFS_EXPORT_PATH = "nfs_export_path"
     SHARED_MOUNT_PATH = "shared_mount_path"
     DATA_PATH = "data_path"
+    LOCAL_DATA_PATH = "local_data_path"  # on each GPU node's NVMe: `launch --local-copy` copies datasets there
     STORAGE_ACCOUNT = "storage_account"
     BLOB_ENDPOINT = "blob_endpoint"
     DATA_CONTAINER = "data_container"

@@ -28,7 +28,7 @@ from scripts.sshutil import q
 Launcher = Literal["horovodrun", "torchrun"]
 NODE_PROBE_S = 60  # how long a node may take to run an empty job step before it counts as failed
 RDZV_PORT_BASE = 29400  # torchrun's rendezvous on the first node: this plus the job id modulo 1000
-REMOTE_TOOLS = ("annotate_output.py", "record_run.py", "upload_results.py", "srun_ssh.py")
+REMOTE_TOOLS = ("annotate_output.py", "record_run.py", "upload_results.py", "srun_ssh.py", "nvme_copy.py")
 # --ntasks too: the allocation's SLURM_NTASKS (nodes x processes) would otherwise win over per-node
 ONE_TASK_PER_NODE = '--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1'
 # torchrun prefixes each line of a rank with this (it has no flag for it): the global rank, which
@@ -44,6 +44,14 @@ class ResultsTarget:
     container: str
     sas_file: str | None = None  # a file in the run directory (0600), never on a command line
     client_id: str | None = None  # the cluster's user-assigned identity (Azure)
+
+
+@dataclass(frozen=True)
+class LocalCopy:
+    """launch --local-copy: every node copies the dataset from the share to its own disk before training."""
+
+    source: str  # the job's --data-dir, on the shared file system
+    dest: str  # the same path on every node, under the cluster's local_data_path
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,7 @@ class JobSpec:
     time_limit_minutes: int | None = None
     git_revision: str | None = None  # of the operator's checkout: recorded in the model export
     env: dict[str, str] = field(default_factory=dict)  # NCCL settings and the like, for every rank
+    local_copy: LocalCopy | None = None
 
     @property
     def world_size(self) -> int:
@@ -76,7 +85,8 @@ class JobSpec:
 
 def render_job_script(spec: JobSpec) -> str:
     requeue = _requeue_on_node_failure() if spec.requeue else []
-    return "\n".join([*_header(spec), *_prologue(spec), *_launch(spec), *_epilogue(requeue), ""])
+    copy = _local_copy(spec.local_copy) if spec.local_copy else []
+    return "\n".join([*_header(spec), *_prologue(spec), *copy, *_launch(spec), *_epilogue(requeue), ""])
 
 
 def _header(spec: JobSpec) -> list[str]:
@@ -170,6 +180,17 @@ def _finish_function(spec: JobSpec) -> list[str]:
     ]
 
 
+def _local_copy(copy: LocalCopy) -> list[str]:
+    """One nvme-copy per node (resumable: a requeued attempt finishes what the last one began); any failure
+    ends the job before training starts."""
+    tool = f'"$PY" "$TOOLS/nvme_copy.py" --source {q(copy.source)} --dest {q(copy.dest)}'
+    failed = f"echo {q(f'[job] the local copy of {copy.source} failed: training not started')}; exit 1"
+    return [
+        f"echo {q(f'[job] copying {copy.source} to {copy.dest} on every node (--local-copy)')}",
+        f"srun --label --overlap --kill-on-bad-exit=1 {ONE_TASK_PER_NODE} {tool} || {{ {failed}; }}",
+    ]
+
+
 def _launch(spec: JobSpec) -> list[str]:
     annotate = (
         f'"$PY" "$TOOLS/annotate_output.py" --launcher {spec.launcher} --hosts "$HOSTS" '
@@ -241,6 +262,8 @@ def _docker_run(spec: JobSpec, detach: bool) -> list[str]:
     argv = ["docker", "run", "--rm", "--name", _container(), "--label", '"slurm.job=$SLURM_JOB_ID"']
     argv += ["--network", "host", "--ipc", "host", "--ulimit", "memlock=-1", "--ulimit", "stack=67108864"]
     argv += ["--cap-add", "IPC_LOCK", "-v", f"{q(spec.shared_mount)}:{q(spec.shared_mount)}"]
+    if spec.local_copy:
+        argv += ["-v", f"{q(spec.local_copy.dest)}:{q(spec.local_copy.dest)}:ro"]
     # the launch line inside is single-quoted: the variables it names come in through the environment
     argv += ["-e", "RUN_DIR", "-e", "RUN_ID", "-e", "GIT_REVISION", "-e", "RDZV", "-e", "SLURM_JOB_ID"]
     argv += ["-e", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"]

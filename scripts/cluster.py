@@ -179,6 +179,7 @@ class ClusterDescription(_Model):
     shared_is_mount: bool = True  # nodes must have it mounted (locally it is a plain directory)
     storage_export_path: str  # the directory on storage_host that nodes mount at shared_mount_path
     data_path: str
+    local_data_path: str | None = None  # the same path on every node, each node's own copy (launch --local-copy)
     blob_pull: list[str]  # the blob-pull command on storage_host
     remote_python: str = "python3"  # a stdlib python3 on every cluster host (runs scripts/remote/)
     # blob storage
@@ -194,8 +195,8 @@ class ClusterDescription(_Model):
 
     @model_validator(mode="after")
     def _paths(self) -> ClusterDescription:
-        for name in ("shared_mount_path", "storage_export_path", "data_path"):
-            if not posixpath.isabs(getattr(self, name)):
+        for name in ("shared_mount_path", "storage_export_path", "data_path", "local_data_path"):
+            if getattr(self, name) is not None and not posixpath.isabs(getattr(self, name)):
                 raise ValueError(f"{name} must be an absolute path")
         if self.data.credential.kind != "sas":
             raise ValueError("data.credential must be the read-only SAS (kind 'sas')")
@@ -270,6 +271,7 @@ class StackOutputs(BaseModel):
     nfs_export_path: str
     shared_mount_path: str
     data_path: str
+    local_data_path: str
     blob_endpoint: str
     data_container: str
     results_container: str
@@ -323,6 +325,7 @@ def from_stack_outputs(
             shared_is_mount=True,
             storage_export_path=out.nfs_export_path,
             data_path=out.data_path,
+            local_data_path=out.local_data_path,
             # /export/data belongs to root on the NFS server: the admin user pulls with sudo (-n: never prompt)
             blob_pull=["sudo", "-n", "blob-pull"],
             data=BlobLocation(

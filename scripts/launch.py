@@ -74,6 +74,11 @@ def configure(commands: argparse._SubParsersAction) -> None:
         "--requeue", action="store_true", help="if a node fails, Slurm requeues the job and it resumes from its "
         "newest checkpoint (in the run directory)"
     )  # fmt: skip
+    parser.add_argument(
+        "--local-copy",
+        action="store_true",
+        help="copy --data-dir to each node's local disk first, and train from there",
+    )
     parser.add_argument("--time-limit", type=int_between(1), metavar="MINUTES", help="Slurm ends the job after this")
     parser.add_argument("--entrypoint", type=non_empty, help="job module or .py path instead of training.<framework>")
     parser.add_argument("--image", type=non_empty, help="docker runtime: image to run instead of the framework's")
@@ -100,6 +105,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         run_id=args.run_id,
         requeue=args.requeue,
         time_limit_minutes=args.time_limit,
+        local_copy=args.local_copy,
     )
 
 

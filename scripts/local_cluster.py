@@ -65,6 +65,7 @@ from scripts.local_network import check_subnet_free
 from scripts.local_nodes import (
     SSHD,
     keygen,
+    local_data_dir,
     node_roles,
     sshd_config,
     sshd_config_path,
@@ -380,6 +381,7 @@ def _describe(state: LocalState, python: Path, key: Path, known_hosts: Path, sto
         shared_is_mount=False,
         storage_export_path=str(shared),
         data_path=str(shared / "data"),
+        local_data_path=str(local_data_dir(state)) if state.mode == "netns" else None,
         blob_pull=[SYSTEM_PYTHON, str(REPO_ROOT / "scripts" / "remote" / "blob_pull.py")],
         remote_python=SYSTEM_PYTHON,
         data=BlobLocation(

@@ -2,9 +2,10 @@
 
 A node (netns mode) is a network namespace with, inside it, an sshd that is the first process of
 its own hostname, process table and mounts (`unshare --uts --pid --mount-proc`), and a slurmd that
-joins those namespaces. Killing the sshd (PID 1 there) ends every process of the node, as a
-machine that is switched off. Daemons run in their own session (nothing that started them waits
-for them), with their output in STATE/logs/<role>.log, and are recorded in the cluster's state.
+joins those namespaces. Its own mounts give it a node-local disk: STATE/nvme/<node>, seen at
+STATE/nvme-local. Killing the sshd (PID 1 there) ends every process of the node, as a machine that
+is switched off. Daemons run in their own session (nothing that started them waits for them), with
+their output in STATE/logs/<role>.log, and are recorded in the cluster's state.
 """
 
 from __future__ import annotations
@@ -72,6 +73,16 @@ def start_daemon(state: LocalState, role: str, argv: list[str], marker: str) -> 
     return proc.pid
 
 
+def node_nvme_dir(state: LocalState, hostname: str) -> Path:
+    """What a node sees at local_data_dir: its node-local disk, as the host sees it."""
+    return Path(state.state_dir) / "nvme" / hostname
+
+
+def local_data_dir(state: LocalState) -> Path:
+    """The description's local_data_path: one path on every node, each node's own content (netns mode)."""
+    return Path(state.state_dir) / "nvme-local"
+
+
 def start_sshd(state: LocalState, node: NodeState) -> None:
     """The node's sshd, with the configuration `up` wrote for it (STATE/sshd/<node>.conf)."""
     cfg = sshd_config_path(state, node.hostname)
@@ -79,8 +90,13 @@ def start_sshd(state: LocalState, node: NodeState) -> None:
         # own hostname (UTS) and own process table (PID + /proc): like a separate machine, `ps` on
         # a node shows only that node's processes; when its sshd stops, the kernel ends them all
         unshare = ["unshare", "--uts", "--pid", "--fork", "--kill-child", "--mount-proc"]
-        script = f'hostname {node.hostname} && exec {SSHD} -D -e -f "$0"'
-        argv = ["ip", "netns", "exec", str(node.namespace), *unshare, "sh", "-c", script, str(cfg)]
+        # its own "NVMe": the mount namespace is private, so every node sees its own directory at one path
+        nvme, local = node_nvme_dir(state, node.hostname), local_data_dir(state)
+        nvme.mkdir(parents=True, exist_ok=True)
+        local.mkdir(exist_ok=True)
+        script = f'hostname {node.hostname} && mount --bind "$1" "$2" && exec {SSHD} -D -e -f "$0"'
+        namespaces = ["ip", "netns", "exec", str(node.namespace), *unshare]
+        argv = [*namespaces, "sh", "-c", script, str(cfg), str(nvme), str(local)]
     else:
         argv = [SSHD, "-D", "-e", "-f", str(cfg)]
     start_daemon(state, node.hostname, argv, str(cfg))

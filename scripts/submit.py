@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 
 from infra.contract import FRAMEWORKS, RUNS_DIR
 from scripts import cost
-from scripts.batch import REMOTE_TOOLS, JobSpec, Launcher, ResultsTarget, render_job_script
+from scripts.batch import REMOTE_TOOLS, JobSpec, Launcher, LocalCopy, ResultsTarget, render_job_script
 from scripts.cluster import REPO_ROOT, ClusterDescription
 from scripts.errors import ExitCode, OperatorError
 from scripts.slurm import Slurm, parse_job_id
@@ -51,6 +51,7 @@ class LaunchOptions:
     run_id: str | None = None
     requeue: bool = False
     time_limit_minutes: int | None = None
+    local_copy: bool = False  # copy --data-dir to every node's local_data_path first, and train from there
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions, slurm: Slurm) -> J
         image = opts.image or desc.image_for(opts.framework)
         if not image:
             raise OperatorError(f"no image for {opts.framework} in the cluster description: pass --image")
+    local_copy = plan_local_copy(desc, opts)
     run_id = check_run_id(opts.run_id) if opts.run_id else new_run_id(opts.framework)
     run_dir = posixpath.join(runs_dir(desc), run_id)
     return JobSpec(
@@ -125,7 +127,7 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions, slurm: Slurm) -> J
         processes_per_node=slots,
         gpus_per_node=slots if desc.gpus_per_node else 0,
         partition=slurm.access.partition,
-        command=training_command(desc, opts, run_dir),
+        command=training_command(desc, opts, run_dir, local_copy),
         workdir=desc.runtime.workdir,
         python=desc.runtime.python,
         remote_python=desc.remote_python,
@@ -138,7 +140,26 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions, slurm: Slurm) -> J
         time_limit_minutes=opts.time_limit_minutes,
         git_revision=git_revision(),
         env=dict(desc.nccl_env),
+        local_copy=local_copy,
     )
+
+
+def plan_local_copy(desc: ClusterDescription, opts: LaunchOptions) -> LocalCopy | None:
+    """--local-copy: the dataset on the share (--data-dir, under data_path) and where each node keeps its copy."""
+    if not opts.local_copy:
+        return None
+    if desc.local_data_path is None:
+        raise OperatorError(f"--local-copy: cluster {desc.name} has no node-local data path (local_data_path)")
+    source = _flag_value(opts.job_args, "--data-dir")
+    if not source:
+        raise OperatorError("--local-copy copies the job's --data-dir: pass -- --data-dir DIR (under data_path)")
+    shared = posixpath.normpath(desc.data_path)
+    relative = posixpath.relpath(posixpath.normpath(source), shared) if posixpath.isabs(source) else ".."
+    if relative == "." or relative.startswith(".."):
+        raise OperatorError(
+            f"--local-copy: --data-dir {source} is not a dataset under the cluster's data_path {shared}"
+        )
+    return LocalCopy(source=posixpath.normpath(source), dest=posixpath.join(desc.local_data_path, relative))
 
 
 def git_revision() -> str | None:
@@ -166,11 +187,15 @@ def node_hour_price(desc: ClusterDescription) -> tuple[float | None, str]:
     return float(price.usd_per_hour), f"{price.source}, price table of {price.as_of}"
 
 
-def training_command(desc: ClusterDescription, opts: LaunchOptions, run_dir: str) -> list[str]:
+def training_command(
+    desc: ClusterDescription, opts: LaunchOptions, run_dir: str, local_copy: LocalCopy | None
+) -> list[str]:
     python = desc.runtime.python
     entry = opts.entrypoint or (MODEL_PARALLEL_JOB if opts.model_parallel else f"training.{opts.framework}")
     command = [python, entry] if entry.endswith(".py") else [python, "-m", entry]
     args = list(opts.job_args)
+    if local_copy:  # the ranks read each node's own copy, not the share
+        args = _with_flag_value(args, "--data-dir", local_copy.dest)
     defaults = {"--metrics-json": f"{run_dir}/metrics.json"}
     if opts.entrypoint is None:
         # what a run leaves in its directory, and so in the results container: the deployable model and curves
@@ -264,3 +289,14 @@ def _flag_value(args: Sequence[str], flag: str) -> str | None:
         if arg.startswith(flag + "="):
             return arg.split("=", 1)[1]
     return None
+
+
+def _with_flag_value(args: Sequence[str], flag: str, value: str) -> list[str]:
+    """args with every value of flag (`--flag V` or `--flag=V`) replaced by value."""
+    out = list(args)
+    for i, arg in enumerate(out):
+        if arg == flag and i + 1 < len(out):
+            out[i + 1] = value
+        elif arg.startswith(flag + "="):
+            out[i] = f"{flag}={value}"
+    return out

@@ -327,6 +327,7 @@ def test_outputs_are_known_and_complete(deployment: Deployment) -> None:
     assert outputs["nfs_private_ip"] == "10.40.64.4"
     assert outputs["nfs_export_path"] == "/export"
     assert outputs["shared_mount_path"] == "/shared" and outputs["data_path"] == "/shared/data"
+    assert outputs["local_data_path"] == "/nvme/data"
     assert "node_registry_path" not in outputs  # Slurm knows the nodes
     assert outputs["data_container"] == "data" and outputs["results_container"] == "results"
     assert outputs["acr_login_server"] == one(deployment, ":Registry").outputs["loginServer"]

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from scripts.batch import JobSpec, ResultsTarget, render_job_script
+from scripts.batch import JobSpec, LocalCopy, ResultsTarget, render_job_script
 
 BASE = JobSpec(
     run_id="r-1",
@@ -34,6 +34,7 @@ VARIANTS = {
     "horovod-host": replace(BASE, image=None, python="/opt/venv/bin/python", gpus_per_node=0),
     "torchrun-docker": replace(BASE, launcher="torchrun", requeue=True, time_limit_minutes=90),
     "torchrun-host": replace(BASE, launcher="torchrun", image=None, python="/opt/venv/bin/python"),
+    "local-copy": replace(BASE, local_copy=LocalCopy("/shared/data/my set", "/nvme/data/my set")),
     "local-sas": replace(
         BASE, image=None, results=ResultsTarget("http://127.0.0.1:1/devstoreaccount1", "results", sas_file="r.sas")
     ),
@@ -105,3 +106,17 @@ def test_every_attempt_is_recorded_before_the_upload_and_the_job_knows_its_run_a
     assert "-e RUN_ID -e GIT_REVISION" in text
     record, upload = text.index("record_run.py"), text.index('upload_results.py" --dir')
     assert record < upload and '--nodes 2 --attempt "$ATTEMPT"' in text[record - 200 : upload]
+
+
+def test_local_copy_runs_once_per_node_before_training_and_a_failure_ends_the_job():
+    script = render_job_script(VARIANTS["local-copy"])
+    lines = script.splitlines()
+    (copy,) = [i for i, line in enumerate(lines) if "nvme_copy.py" in line]
+    launch = next(i for i, line in enumerate(lines) if "horovodrun" in line and "--gloo" in line)
+    assert copy < launch
+    assert '--ntasks-per-node=1 "$PY" "$TOOLS/nvme_copy.py"' in lines[copy]
+    assert "--source '/shared/data/my set' --dest '/nvme/data/my set'" in lines[copy]
+    assert lines[copy].endswith("failed: training not started'; exit 1; }")
+    # the containers see the copy, read-only
+    assert "-v '/nvme/data/my set':'/nvme/data/my set':ro" in script
+    assert "nvme_copy.py" not in render_job_script(BASE)

@@ -33,6 +33,7 @@ def test_outputs_map_to_the_description(tmp_path):
     assert desc.expect_infiniband and desc.shared_is_mount
     assert desc.shared_mount_path == "/shared"
     assert desc.data_path == "/shared/data" and desc.storage_export_path == "/export"
+    assert desc.local_data_path == "/nvme/data"
     # the NFS server sees the nodes' /shared as /export
     assert desc.on_storage_host("/shared/runs") == "/export/runs"
     assert desc.on_storage_host("/shared/data/imagenet") == "/export/data/imagenet"

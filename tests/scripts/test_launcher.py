@@ -17,7 +17,7 @@ import pytest
 from azure.storage.blob import ContainerSasPermissions, generate_container_sas
 from PIL import Image
 
-from scripts import local_power
+from scripts import local_power, stage
 from scripts.blobs import container_client
 from scripts.cluster import ClusterDescription
 from scripts.local_cluster import AZURITE_KEY
@@ -257,6 +257,8 @@ def test_ctrl_c_without_a_terminal_detaches(cluster, cluster_file):
         (("--model-parallel", "--framework", "keras"), "--model-parallel is PyTorch's"),
         (("--model-parallel", "--launcher", "horovodrun"), "runs under torchrun: leave out --launcher horovodrun"),
         (("--model-parallel", "--entrypoint", "job.py"), "leave out --entrypoint"),
+        (("--local-copy",), "--local-copy copies the job's --data-dir"),
+        (("--local-copy", "--", "--data-dir", "/etc"), "is not a dataset under the cluster's data_path"),
     ],
 )
 def test_bad_requests_are_refused_clearly(cluster_file, extra, message):
@@ -337,6 +339,30 @@ def test_a_submission_resumes_power_saved_nodes(tmp_path):
         proc = cli(*args, "--run-id", "wake-up", "--follow", "--", "--steps", "2", timeout=240)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
         assert "[1|node-1] rank 1 done" in proc.stdout
+
+
+def test_local_copy_fills_each_nodes_own_disk_and_the_job_reads_it(cluster, cluster_file):
+    """--local-copy: every node copies the dataset from the share to its own disk (STATE/nvme/<node>, each
+    node seeing its own at local_data_path), verified, and the real PyTorch job trains from that copy."""
+    source = Path(cluster.data_path) / "local-copy-tiny"
+    stage.generate_synthetic_imagenet(source, classes=2, train_per_class=4, val_per_class=1, image_size=32)
+    job_args = ("--data", "imagenet", "--data-dir", str(source), "--model", "resnet_tiny", "--image-size", "32")
+    job_args += ("--batch-size", "4", "--steps", "2", "--num-classes", "2", "--warmup-epochs", "0")
+    launch = ["launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--nodes", "2", "--local-copy"]
+    proc = cli(*launch, "--run-id", "local-copy-run", "--follow", "--", *job_args)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    local = f"{cluster.local_data_path}/local-copy-tiny"
+    files = sorted(p.relative_to(source) for p in source.rglob("*") if p.is_file())
+    state = local_state_dir(cluster)
+    for node in ("node-0", "node-1"):
+        copy = state / "nvme" / node / "local-copy-tiny"
+        assert json.loads((copy / ".copy-complete.json").read_text())
+        assert all((copy / name).read_bytes() == (source / name).read_bytes() for name in files)
+    assert not any(Path(cluster.local_data_path).iterdir())  # the host's own view: the copies are the nodes'
+    record = json.loads((run_dir(cluster, "local-copy-run") / "job.json").read_text())
+    assert record["local_copy"] == {"source": str(source), "dest": local}
+    command = record["command"]
+    assert command[command.index("--data-dir") + 1] == local
 
 
 # --- what a real training run leaves ---------------------------------------------------------------
