@@ -23,13 +23,13 @@ from PIL import Image
 from training.args import DEFAULT_SYNTHETIC_STEPS
 from training.decode import Box, decode_region, decoder_name
 from training.errors import BadInput
+from training.transcode import IMAGE_SUFFIXES
 
 log = logging.getLogger(__name__)
 
 # ImageNet channel statistics on the 0-255 scale, applied on the device.
 MEAN = (123.675, 116.28, 103.53)
 STD = (58.395, 57.12, 57.375)
-IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")
 VAL_RESIZE_RATIO = 0.875  # resize to size / 0.875, then center-crop size (224 from 256)
 VAL_EPOCH = -1  # the "epoch" of a validation key: center crop, no randomness
 # More unreadable files than this in a row is a broken data directory, not a few bad files; it

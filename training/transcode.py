@@ -23,7 +23,7 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")  # what training/data.py reads as an image
+IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")  # what the loader (training/data.py) reads as an image
 TEMP_SUFFIX = ".transcode-tmp"  # an output being written; what a killed run leaves goes with the stale files
 
 
