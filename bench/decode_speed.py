@@ -3,8 +3,11 @@ against torchvision's defaults (RandomResizedCrop + RandomHorizontalFlip on a PI
 
 ``.venv-train/bin/python -m bench.decode_speed [--images 200] [--rounds 5] [--size 224]``
 
-The three decoders take turns within each round (so a neighbour's load hits all of them alike)
-and the median round is reported. CPU time of this process only: every decoder runs in it.
+The decoders take turns within each round (so a neighbour's load hits all of them alike) and the
+median round is reported. CPU time of this process only: every decoder runs in it. On a CUDA
+machine with torchvision (the PyTorch image), ``--decode gpu``'s path takes a turn too: the
+workers' part (read, header, draws) and the batched nvJPEG decode, crop and resize, per CPU second
+of the host and per second of wall time.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import contextlib
 import statistics
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +29,7 @@ from PIL import Image
 from bench.jpegs import write_imagenet_tree
 from bench.tv_baseline import pil_loader, rrc_params
 from training import data, decode
+from training.gpu_decode import DeviceBatcher, choose_decoder
 
 Decoder = Callable[[str, int, int], np.ndarray]  # (path, size, image index) -> uint8 HWC crop
 
@@ -69,12 +75,47 @@ def images_per_cpu_second(decoder: Decoder, paths: list[str], size: int) -> floa
     return len(paths) / (time.process_time() - start)
 
 
-def measure(paths: list[str], size: int, rounds: int) -> dict[str, float]:
-    rates: dict[str, list[float]] = {name: [] for name in DECODERS}
+GPU_ROW = "training.gpu_decode, nvJPEG, batches of 64"
+GPU_BATCH = 64
+
+
+def gpu_rates(folder: data.ImageFolder, batcher: DeviceBatcher) -> tuple[float, float]:
+    """(images per CPU second, images per wall second) of the GPU path over ``folder``'s train crops:
+    the workers' part and the batch's decode, crop and resize, run in this process."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    for start in range(0, len(folder), GPU_BATCH):
+        batcher([folder.encoded((index, 0)) for index in range(start, min(start + GPU_BATCH, len(folder)))])
+    torch.cuda.synchronize(batcher.device)
+    return len(folder) / (time.process_time() - cpu), len(folder) / (time.perf_counter() - wall)
+
+
+def measure(
+    paths: list[str], size: int, rounds: int, gpu: Callable[[], tuple[float, float]] | None
+) -> tuple[dict[str, float], float | None]:
+    """Median images per CPU second of each decoder, and the GPU path's median images per wall second."""
+    rates: dict[str, list[float]] = defaultdict(list)
+    wall: list[float] = []
     for _ in range(rounds):
         for name, decoder in DECODERS.items():
             rates[name].append(images_per_cpu_second(decoder, paths, size))
-    return {name: statistics.median(values) for name, values in rates.items()}
+        if gpu is not None:
+            cpu_rate, wall_rate = gpu()
+            rates[GPU_ROW].append(cpu_rate)
+            wall.append(wall_rate)
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    return medians, statistics.median(wall) if wall else None
+
+
+def gpu_path(root: Path, size: int) -> Callable[[], tuple[float, float]] | None:
+    """The GPU path's measurement over ``root``, or None without CUDA and torchvision."""
+    if not torch.cuda.is_available():
+        return None
+    device = torch.device("cuda")
+    decode_jpeg = choose_decoder("auto", device)
+    folder = data.scan_split(root, "train", size, seed=0)
+    if decode_jpeg is None or folder is None:
+        return None
+    return partial(gpu_rates, folder, DeviceBatcher(decode_jpeg, folder, device))
 
 
 def main() -> None:
@@ -86,10 +127,14 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         paths = [str(p) for p in write_imagenet_tree(Path(tmp), args.images)]
-        rates = measure(paths, args.size, args.rounds)
+        rates, gpu_wall = measure(paths, args.size, args.rounds, gpu_path(Path(tmp), args.size))
     baseline = rates["torchvision defaults"]
     for name, rate in rates.items():
         print(f"{name:45s} {rate:6.0f} images/CPU-s  {rate / baseline:4.2f}x torchvision")
+    if gpu_wall is None:
+        print("(no nvJPEG row: it needs a CUDA device and torchvision, as in the PyTorch image)")
+    else:
+        print(f"{GPU_ROW}: {gpu_wall:.0f} images/s of wall time on {torch.cuda.get_device_name()}")
 
 
 if __name__ == "__main__":

@@ -136,6 +136,13 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
     speed.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to fp16")
     if framework == "pytorch":
         speed.add_argument("--compile", action="store_true", help="torch.compile the model")
+        data.add_argument(
+            "--decode",
+            choices=("cpu", "gpu", "auto"),
+            default="cpu",
+            help="where JPEGs are decoded: cpu (DataLoader workers), gpu (nvJPEG on the job's GPU; "
+            "an error without one), auto (gpu where it works, else cpu)",
+        )
         parser.add_argument(
             "--backend",
             choices=("horovod", "ddp"),
@@ -198,6 +205,8 @@ def parse_args(framework: str, argv: Sequence[str] | None = None) -> argparse.Na
         parser.error("--data imagenet needs --data-dir")
     if args.data == "synthetic" and args.data_dir is not None:
         parser.error("--data-dir is only used with --data imagenet")
+    if args.data == "synthetic" and getattr(args, "decode", None) == "gpu":
+        parser.error("--decode gpu is only used with --data imagenet (synthetic batches are made on the device)")
     if args.keep_checkpoints < 2 and args.checkpoint_dir is not None:
         # With one file there is nothing to fall back to when the newest is corrupt.
         parser.error("--keep-checkpoints must be at least 2")

@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image
 
 from training.args import DEFAULT_SYNTHETIC_STEPS
-from training.decode import Box, decode_region, decoder_name
+from training.decode import Box, decode_region, decoder_name, jpeg_dims
 from training.errors import BadInput
 from training.transcode import IMAGE_SUFFIXES
 
@@ -37,6 +37,20 @@ VAL_EPOCH = -1  # the "epoch" of a validation key: center crop, no randomness
 MAX_UNREADABLE_IN_A_ROW = 50
 
 Key = tuple[int, int]  # (image index, epoch)
+
+
+@dataclass(frozen=True)
+class EncodedCrop:
+    """A JPEG left for the training process to decode on its GPU (``--decode gpu``), with the crop
+    box and flip its key draws: the draws the CPU path makes for the same key, in the same order."""
+
+    data: bytes
+    box: Box
+    flip: bool
+    key: Key
+
+
+Sample = tuple[np.ndarray | EncodedCrop, int, int]  # (image or the file to decode, label, images skipped)
 
 
 class DataDirError(BadInput):
@@ -82,6 +96,25 @@ class ImageFolder:
             f"{tries} images in a row under {self.root} could not be decoded (the last, {reason}): "
             "check the data directory (a truncated copy?)"
         )
+
+    def encoded(self, key: Key) -> Sample:
+        """``key``'s sample for a device decoder: the file's bytes with its crop and flip when it is a
+        JPEG that decodes to RGB as is; anything else (PNG, CMYK, a file that does not read) is
+        decoded here, exactly as ``self[key]`` does."""
+        index, epoch = key
+        try:
+            data = Path(self.paths[index]).read_bytes()
+        except OSError:
+            return self[key]  # skips and counts the file, as the CPU path does
+        dims = jpeg_dims(data)
+        if dims is None:
+            return self[key]
+        if epoch == VAL_EPOCH:
+            box, flip = center_crop_box(*dims), False
+        else:
+            rng = np.random.default_rng((self.seed, epoch, index))
+            box, flip = random_resized_crop_box(*dims, rng), bool(rng.random() < 0.5)
+        return EncodedCrop(data, box, flip, key), int(self.labels[index]), 0
 
 
 def scan_split(

@@ -72,6 +72,18 @@ def decode_region(path: str, size: int, choose_box: BoxChooser) -> np.ndarray:
         return _pillow_region(data, size, lambda width, height: box)
 
 
+def jpeg_dims(data: bytes) -> tuple[int, int] | None:
+    """(width, height) of a JPEG in a colour space that decodes to RGB as is (YCbCr, gray, RGB), read
+    from its header only; None for anything else (PNG, CMYK, a header that does not parse)."""
+    if FAST is not None:
+        return _fast_dims(FAST, data)
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.size if img.format == "JPEG" and img.mode in ("RGB", "L") else None
+    except (OSError, SyntaxError, Image.DecompressionBombError):
+        return None
+
+
 def _fast_dims(fast: FastModules, data: bytes) -> tuple[int, int] | None:
     """(width, height) of a JPEG the fast path handles, or None (not a JPEG, CMYK, unreadable header)."""
     try:

@@ -106,6 +106,7 @@ class TrainingRun:
         start_step: int,
         precision: str,
         device: str,
+        decoder: str | None,
         fingerprint: Fingerprint,
         save_state: Callable[[int], bytes],
         evaluate: Callable[[], tuple[int, int]] | None = None,
@@ -120,6 +121,7 @@ class TrainingRun:
         self.global_batch_size = args.batch_size * dist.size
         self.precision = precision
         self.device = device
+        self.decoder = decoder  # what decodes the images (None: synthetic data)
         self._fingerprint = fingerprint
         self._save_state = save_state
         self._evaluate = evaluate
@@ -255,6 +257,7 @@ class TrainingRun:
             resumed_from_step=self.start_step or None,
             precision=self.precision,
             device=self.device,
+            decoder=self.decoder,
             skipped_images=None if skipped_images is None else sum(skipped_per_rank),
         )
         if self.dist.rank == 0:

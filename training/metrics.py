@@ -25,6 +25,7 @@ METRIC_KEYS = (
     "resumed_from_step",
     "precision",
     "device",
+    "decoder",
     "skipped_images",
 )
 

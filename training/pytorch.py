@@ -35,9 +35,11 @@ from training.data import (
     train_keys,
     val_keys,
 )
+from training.decode import decoder_name
 from training.distributed import agree, set_failure_timeouts
 from training.errors import BadInput, JobError
 from training.export import Exporter, ExportSpec, ModelFiles
+from training.gpu_decode import NVJPEG, DeviceBatcher, EncodedFolder, JpegDecoder, choose_decoder
 from training.job import run_job
 from training.loop import TrainingRun, configure_logging, restore, resume
 from training.torch_models import build_model
@@ -182,9 +184,35 @@ def collate(samples: list[tuple[np.ndarray, int, int]]) -> Batch:
 
 
 def image_loader(
-    folder: ImageFolder, keys: Iterator[list], args: argparse.Namespace, backend: Backend, device: torch.device
+    folder: ImageFolder,
+    keys: Iterator[list],
+    args: argparse.Namespace,
+    backend: Backend,
+    device: torch.device,
+    decode: JpegDecoder | None = None,
 ) -> Iterator[Batch]:
-    """Decode batches in worker processes, pinned for asynchronous copies to the GPU."""
+    """Decode batches in worker processes, pinned for asynchronous copies to the GPU; with a device
+    ``decode``, the workers read the files and this process decodes each batch on ``device``."""
+    if decode is not None:
+        batches = image_batches(EncodedFolder(folder), keys, args, backend, pin=False, collate_fn=list)
+        return map(DeviceBatcher(decode, folder, device), batches)
+    batches = image_batches(folder, keys, args, backend, pin=device.type == "cuda", collate_fn=collate)
+    return (
+        (images.to(device, non_blocking=True), labels.to(device, non_blocking=True), skipped)
+        for images, labels, skipped in batches
+    )
+
+
+def image_batches(
+    dataset: torch.utils.data.Dataset,
+    keys: Iterator[list],
+    args: argparse.Namespace,
+    backend: Backend,
+    *,
+    pin: bool,
+    collate_fn: Callable[[list], Any],
+) -> Iterator[Any]:
+    """The DataLoader's collated batches, with a worker's error raised here as the worker raised it."""
     workers = default_workers(backend.local_size) if args.data_workers is None else args.data_workers
     extra: dict[str, Any] = {}
     if workers > 0:
@@ -195,11 +223,10 @@ def image_loader(
             "worker_init_fn": partial(_worker_logging, backend.rank),
         }
     loader = torch.utils.data.DataLoader(
-        folder, batch_sampler=keys, num_workers=workers, collate_fn=collate, pin_memory=device.type == "cuda", **extra
+        dataset, batch_sampler=keys, num_workers=workers, collate_fn=collate_fn, pin_memory=pin, **extra
     )
     try:
-        for images, labels, skipped in loader:
-            yield images.to(device, non_blocking=True), labels.to(device, non_blocking=True), skipped
+        yield from loader
     except JobError as exc:
         raise worker_error(exc) from None
 
@@ -219,7 +246,13 @@ def _worker_logging(rank: int, worker_id: int) -> None:
 
 
 def train_batches(
-    args: argparse.Namespace, plan: DataPlan, backend: Backend, device: torch.device, start: int, total: int
+    args: argparse.Namespace,
+    plan: DataPlan,
+    backend: Backend,
+    device: torch.device,
+    decode: JpegDecoder | None,
+    start: int,
+    total: int,
 ) -> Iterator[Batch]:
     if plan.train is None:
         # Synthetic: one fixed batch, already on the device, so input costs nothing.
@@ -228,7 +261,7 @@ def train_batches(
     keys = train_keys(
         len(plan.train), backend.rank, backend.size, args.batch_size, args.seed, plan.steps_per_epoch, start, total
     )
-    return image_loader(plan.train, keys, args, backend, device)
+    return image_loader(plan.train, keys, args, backend, device, decode)
 
 
 def make_evaluate(
@@ -237,6 +270,7 @@ def make_evaluate(
     backend: Backend,
     model: nn.Module,
     device: torch.device,
+    decode: JpegDecoder | None,
     autocast: Callable[[], Any],
     skipped: SkipCounter,
 ) -> Callable[[], tuple[int, int]] | None:
@@ -251,7 +285,7 @@ def make_evaluate(
         model.eval()
         correct = total = 0
         keys = val_keys(len(val), backend.rank, backend.size, args.batch_size)
-        for images, labels, batch_skipped in image_loader(val, keys, args, backend, device):
+        for images, labels, batch_skipped in image_loader(val, keys, args, backend, device, decode):
             skipped.add(batch_skipped)
             with autocast():
                 logits = model(images)
@@ -271,6 +305,9 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
     # Ranks start from different random weights on purpose: training only works if the
     # broadcast from rank 0 makes them equal, and the equivalence test checks that it does.
     torch.manual_seed(args.seed + backend.rank)
+    decode = choose_decoder(args.decode, device) if args.data == "imagenet" else None
+    if decode is not None:
+        log.info("decoding JPEGs with %s on %s; other files in the workers", NVJPEG, device)
     plan = agree(backend, lambda: plan_data(args, backend.size))
     dtype = amp_dtype(args.precision, device)
 
@@ -321,12 +358,13 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
         start_step=start_step,
         precision=precision,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        decoder=None if plan.train is None else NVJPEG if decode is not None else decoder_name(),
         fingerprint=fingerprint,
         save_state=save_state,
-        evaluate=make_evaluate(args, plan, backend, model, device, autocast, skipped),
+        evaluate=make_evaluate(args, plan, backend, model, device, decode, autocast, skipped),
         on_epoch_end=exporter.epoch_hook,
     )
-    batches = train_batches(args, plan, backend, device, start_step, run.total_steps)
+    batches = train_batches(args, plan, backend, device, decode, start_step, run.total_steps)
     model.train()
     for step, (images, labels, batch_skipped) in zip(run.steps(), batches, strict=False):
         for group in optimizer.param_groups:

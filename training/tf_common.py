@@ -32,6 +32,7 @@ from training.data import (
     train_keys,
     val_keys,
 )
+from training.decode import decoder_name
 from training.distributed import agree, set_failure_timeouts
 from training.errors import JobError
 from training.export import Exporter, ExportSpec, ModelFiles
@@ -245,6 +246,7 @@ class Setup:
             start_step=self.start_step,
             precision=self.precision,
             device=device_name(),
+            decoder=None if self.plan.train is None else decoder_name(),
             fingerprint=self.fingerprint,
             save_state=self.save_state,
             evaluate=self.evaluate(),

@@ -121,6 +121,7 @@ def training_run(args: Any, evaluate: Callable[[], tuple[int, int]] | None = Non
         start_step=0,
         precision="fp32",
         device="cpu",
+        decoder=None,
         fingerprint=Fingerprint.of("pytorch", "resnet_tiny", 2, []),
         save_state=lambda step: b"",
         evaluate=evaluate,

@@ -31,11 +31,16 @@ def test_pytorch_amp_and_fp16_allreduce_on_synthetic_data(tmp_path: Path) -> Non
     assert metrics["steps"] == 12 and metrics["epochs"] == 1
     assert metrics["warmup_steps_excluded"] == 4
     assert metrics["precision"] == "amp_bf16"  # bfloat16 autocast on CPU
-    assert metrics["val_top1"] is None and metrics["skipped_images"] is None
+    assert metrics["val_top1"] is None and metrics["skipped_images"] is None and metrics["decoder"] is None
     assert "step 10/12" in output  # rank 0 logs every --log-every steps
 
 
-IMAGENET_OPTIONS = {"pytorch": [], "tensorflow": ["--precision", "amp"], "keras": ["--fp16-allreduce"]}
+# --decode auto on a CPU-only machine: the CPU path, without a word.
+IMAGENET_OPTIONS = {
+    "pytorch": ["--decode", "auto"],
+    "tensorflow": ["--precision", "amp"],
+    "keras": ["--fp16-allreduce"],
+}
 
 
 @pytest.mark.parametrize("framework", IMAGENET_OPTIONS)
@@ -51,6 +56,7 @@ def test_imagenet_layout_with_a_corrupt_file(tmp_path: Path, framework: str) -> 
     assert metrics["precision"] == ("amp_bf16" if "amp" in options else "fp32")
     assert metrics["steps"] == 2  # one pass over each rank's 8-image shard
     assert metrics["skipped_images"] == 1
+    assert metrics["decoder"] == "simplejpeg + OpenCV"
     assert "n00000000_0.JPEG" in output  # the skip is logged with the file's path
     assert 0.0 <= metrics["val_top1"] <= 1.0
 
@@ -72,3 +78,12 @@ def test_missing_data_dir_is_named(tmp_path: Path, framework: str) -> None:
     )
     assert error_lines(output) == [f"error: data directory {missing} does not exist"]
     assert "Traceback" not in output
+
+
+def test_gpu_decode_without_a_gpu_is_refused(tmp_path: Path) -> None:
+    data = make_imagenet(tmp_path / "imagenet", classes=2, train_per_class=4, val_per_class=1, corrupt=0)
+    cmd = single("pytorch", *TINY, "--data", "imagenet", "--data-dir", data, "--decode", "gpu")
+    output = run(cmd, tmp_path / "job.log", expect_rc=2)
+    assert error_lines(output) == [
+        "error: --decode gpu needs a CUDA device and this process has none: use --decode cpu or auto"
+    ]

@@ -286,6 +286,11 @@ def test_flags_are_validated() -> None:
     with pytest.raises(SystemExit):
         parse_args("keras", ["--backend", "ddp"])  # PyTorch only
     with pytest.raises(SystemExit):
+        parse_args("tensorflow", ["--decode", "gpu"])  # PyTorch only
+    with pytest.raises(SystemExit):
+        parse_args("pytorch", ["--decode", "gpu"])  # synthetic data: nothing to decode
+    assert parse_args("pytorch", ["--decode", "auto"]).decode == "auto"
+    with pytest.raises(SystemExit):
         parse_args("tensorflow", ["--batch-size", "0"])
     with pytest.raises(SystemExit):
         parse_args("tensorflow", ["--lr-decay-epochs", "60,30"])
@@ -373,6 +378,7 @@ def run_steps(
         start_step=start,
         precision="fp32",
         device="cpu",
+        decoder=None,
         fingerprint=PRINT,
         save_state=lambda step: f"{step}".encode(),
         evaluate=evaluate,
