@@ -13,8 +13,9 @@ help:  ## list the targets
 
 setup: system $(OPS)/.installed $(TRAIN)/.installed node_modules/.installed  ## install everything (both venvs, Horovod, Azurite)
 
-system:  ## apt packages: cloud-init, shellcheck, openssh, iproute2, npm, Slurm (slurmctld, slurmd, client), munge
+system:  ## apt packages (cloud-init, shellcheck, openssh, iproute2, npm, Slurm, munge, QEMU...) and the test VM's kernel
 	@scripts/setup_system.sh
+	@scripts/fetch_vm_kernel.sh
 
 $(OPS)/.installed: requirements.txt
 	test -x $(OPS)/bin/python || $(PYTHON) -m venv $(OPS)

@@ -15,8 +15,12 @@ declare -A wanted=(
   [slurmd]=slurmd              # one per local node
   [sinfo]=slurm-client         # sinfo, srun, sbatch, squeue, scontrol from the operator's side
   [munged]=munge               # Slurm's authentication
-  [mkfs.xfs]=xfsprogs          # the GPU nodes' NVMe volume, tested on a loop device
-  [mdadm]=mdadm                # its RAID 0 (the command lines are tested with stubs)
+  [mkfs.xfs]=xfsprogs          # the GPU nodes' NVMe volume, tested on a loop device and in a VM
+  [mdadm]=mdadm                # its RAID 0
+  [qemu-system-x86_64]=qemu-system-x86  # the VM that builds it over NVMe disks (tests/infra/nvme_vm.py)
+  [busybox]=busybox-static     # that VM's initramfs
+  [udevadm]=udev               # assembles the array at the VM's boot, as on a node
+  [modprobe]=kmod              # orders the VM kernel's modules
 )
 missing=()
 for command in "${!wanted[@]}"; do
