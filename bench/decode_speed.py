@@ -85,7 +85,8 @@ def gpu_rates(folder: data.ImageFolder, batcher: DeviceBatcher) -> tuple[float, 
     cpu, wall = time.process_time(), time.perf_counter()
     for start in range(0, len(folder), GPU_BATCH):
         batcher([folder.encoded((index, 0)) for index in range(start, min(start + GPU_BATCH, len(folder)))])
-    torch.cuda.synchronize(batcher.device)
+    if batcher.device.type == "cuda":
+        torch.cuda.synchronize(batcher.device)
     return len(folder) / (time.process_time() - cpu), len(folder) / (time.perf_counter() - wall)
 
 
