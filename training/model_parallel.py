@@ -295,20 +295,11 @@ def build_parts(args: argparse.Namespace, layout: Layout, mesh: DeviceMesh, rank
     num_stages = layout.pp * stages_per_rank(args.pp_schedule)
     parts = Parts(chunks, stage_ids, num_stages, optimizers, parameters_total=total)
     if layout.pp > 1:
-        for chunk, stage in zip(chunks, stage_ids, strict=True):
-            if stage < num_stages - 1:
-                chunk.register_forward_hook(contiguous_output)
         group = mesh["pp"].get_group()
         parts.pipeline = build_pipeline(
             chunks, stage_ids, num_stages, group, device, args.pp_schedule, args.microbatches, loss_fn
         )
     return parts
-
-
-def contiguous_output(module: nn.Module, inputs: Any, output: Any) -> Any:
-    """A stage's activations travel to the next stage, and gloo and NCCL send only contiguous
-    tensors: ResNet's are channels-last (strided), so they are made contiguous first."""
-    return output.contiguous() if isinstance(output, torch.Tensor) else output
 
 
 class Batches:

@@ -427,6 +427,12 @@ class Pipeline:
         return min(1.0, max(0.0, 1.0 - total_busy / (size * longest)))
 
 
+def contiguous_output(module: nn.Module, inputs: Any, output: Any) -> Any:
+    """A stage's activations travel to the next stage, and gloo and NCCL send only contiguous
+    tensors: ResNet's are channels-last (strided), so they are made contiguous first."""
+    return output.contiguous() if isinstance(output, torch.Tensor) else output
+
+
 def build_pipeline(
     chunks: list[nn.Module],
     stage_ids: list[int],
@@ -443,6 +449,9 @@ def build_pipeline(
     if len(chunks) != len(stage_ids) or not chunks:
         raise ValueError(f"{len(chunks)} chunks for stage ids {stage_ids}")
     clock = _BusyClock(device)
+    for chunk, stage_id in zip(chunks, stage_ids, strict=True):
+        if stage_id < num_stages - 1:
+            chunk.register_forward_hook(contiguous_output)
 
     def timed_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         with clock.busy():  # the loss is the last stage's compute too (its backward is in backward_one_chunk)
