@@ -80,6 +80,24 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
         "Run one process per GPU under horovodrun"
         + (", or under torchrun with --backend ddp." if framework == "pytorch" else "."),
     )
+    _add_data_flags(parser, framework)
+    parser.add_argument_group("model").add_argument("--model", choices=MODELS, default="resnet50")
+    _add_schedule_flags(parser)
+    _add_speed_flags(parser, framework)
+    if framework == "pytorch":
+        parser.add_argument(
+            "--backend",
+            choices=("horovod", "ddp"),
+            default="horovod",
+            help="ddp: torch DistributedDataParallel under torchrun (nccl on GPU, gloo on CPU)",
+        )
+    _add_checkpoint_flags(parser)
+    _add_export_flags(parser)
+    add_reporting(parser, "loss, LR, images/s, validation top-1", "images/s")
+    return parser
+
+
+def _add_data_flags(parser: argparse.ArgumentParser, framework: str) -> None:
     data = parser.add_argument_group("data")
     data.add_argument("--data", choices=("synthetic", "imagenet"), default="synthetic")
     data.add_argument(
@@ -96,10 +114,17 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
         type=non_negative_int_arg,
         help="decode workers per process (default: the node's CPUs per local process minus one, 1 to 8)",
     )
+    if framework == "pytorch":
+        data.add_argument(
+            "--decode",
+            choices=("cpu", "gpu", "auto"),
+            default="cpu",
+            help="where JPEGs are decoded: cpu (DataLoader workers), gpu (nvJPEG on the job's GPU; "
+            "an error without one), auto (gpu where it works, else cpu)",
+        )
 
-    model = parser.add_argument_group("model")
-    model.add_argument("--model", choices=MODELS, default="resnet50")
 
+def _add_schedule_flags(parser: argparse.ArgumentParser) -> None:
     schedule = parser.add_argument_group("schedule")
     schedule.add_argument("--batch-size", type=batch_size_arg, default=64, help="per worker")
     schedule.add_argument("--epochs", type=positive_int, default=1)
@@ -125,6 +150,8 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
     schedule.add_argument("--momentum", type=non_negative_float_arg, default=0.9)
     schedule.add_argument("--weight-decay", type=non_negative_float_arg, default=1e-4)
 
+
+def _add_speed_flags(parser: argparse.ArgumentParser, framework: str) -> None:
     speed = parser.add_argument_group("speed")
     speed.add_argument(
         "--precision",
@@ -136,20 +163,9 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
     speed.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to fp16")
     if framework == "pytorch":
         speed.add_argument("--compile", action="store_true", help="torch.compile the model")
-        data.add_argument(
-            "--decode",
-            choices=("cpu", "gpu", "auto"),
-            default="cpu",
-            help="where JPEGs are decoded: cpu (DataLoader workers), gpu (nvJPEG on the job's GPU; "
-            "an error without one), auto (gpu where it works, else cpu)",
-        )
-        parser.add_argument(
-            "--backend",
-            choices=("horovod", "ddp"),
-            default="horovod",
-            help="ddp: torch DistributedDataParallel under torchrun (nccl on GPU, gloo on CPU)",
-        )
 
+
+def _add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
     ckpt = parser.add_argument_group("checkpoints (resume is automatic)")
     ckpt.add_argument("--checkpoint-dir", type=Path)
     ckpt.add_argument(
@@ -164,6 +180,8 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
         help="when every checkpoint is damaged, rename them to *.corrupt and start from step 0 (default: refuse)",
     )
 
+
+def _add_export_flags(parser: argparse.ArgumentParser) -> None:
     export = parser.add_argument_group("export (see python -m training.predict)")
     export.add_argument(
         "--export-dir",
@@ -173,9 +191,6 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
     export.add_argument(
         "--export-every-epoch", action="store_true", help="also export at the end of every epoch (needs --export-dir)"
     )
-
-    add_reporting(parser, "loss, LR, images/s, validation top-1", "images/s")
-    return parser
 
 
 def add_reporting(parser: argparse.ArgumentParser, scalars: str, rate: str) -> None:
