@@ -15,7 +15,7 @@ from typing import TypeVar
 import pytest
 
 from infra.contract import SLURM_PARTITION
-from scripts import local_cluster, local_network, local_power, local_slurm
+from scripts import local_cluster, local_network, local_nodes, local_power, local_slurm
 from scripts.errors import ExitCode, OperatorError
 from scripts.local_nodes import running_init_pid
 
@@ -163,11 +163,15 @@ def test_autostop_suspends_idle_nodes_and_a_job_resumes_them(tmp_path):
         stopped = {c["component"] for c in info["components"] if c["state"] == "stopped"}
         assert stopped == {"node-0", "node-1", "slurmd-node-0", "slurmd-node-1"} and info["up"]
 
-        # a job that needs both: the ResumeProgram starts them, and the job runs
+        # a job that needs both: the ResumeProgram starts them, and the job runs; each node, started
+        # again, sees its own "NVMe" directory at the one local path, as before it was suspended
+        for node in state.nodes:
+            (local_nodes.node_nvme_dir(state, node.hostname) / "owner").write_text(node.hostname)
+        local = local_nodes.local_data_dir(state)
         started = time.time()
-        proc = slurm(desc, "srun", "--nodes=2", "hostname", timeout=90)
+        proc = slurm(desc, "srun", "--nodes=2", "sh", "-c", f'echo "$(hostname):$(cat {local}/owner)"', timeout=90)
         assert proc.returncode == 0, proc.stderr
-        assert sorted(proc.stdout.split()) == ["node-0", "node-1"] and time.time() - started < 30
+        assert sorted(proc.stdout.split()) == ["node-0:node-0", "node-1:node-1"] and time.time() - started < 30
         state = local_cluster.load_state(state_dir)
         assert not any(node.stopped for node in state.nodes)
         log = (state_dir / "logs" / "power.log").read_text()
