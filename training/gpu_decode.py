@@ -67,6 +67,7 @@ def choose_decoder(
             raise BadInput(f"--decode gpu: {reason}; the PyTorch image pins torchvision, or use --decode cpu") from None
         log.warning("decoding on the CPU: %s", reason)
         return None
+    log.info("decoding JPEGs with %s on %s; other files in the workers", NVJPEG, device)
     return decoder
 
 

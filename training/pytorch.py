@@ -297,17 +297,37 @@ def make_evaluate(
     return evaluate
 
 
+def job_device(backend: Backend) -> torch.device:
+    """The GPU of this process's local rank, made current, or the CPU where there is none."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", backend.local_rank)
+    torch.cuda.set_device(device)
+    torch.backends.cudnn.benchmark = True
+    return device
+
+
+def training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, step: int
+) -> bytes:
+    """A checkpoint's payload: everything a resumed run needs to continue at ``step``."""
+    buffer = io.BytesIO()
+    state = {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(),
+    }
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
 def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
-    device = torch.device("cuda", backend.local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = True
+    device = job_device(backend)
     # Ranks start from different random weights on purpose: training only works if the
     # broadcast from rank 0 makes them equal, and the equivalence test checks that it does.
     torch.manual_seed(args.seed + backend.rank)
     decode = choose_decoder(args.decode, device) if args.data == "imagenet" else None
-    if decode is not None:
-        log.info("decoding JPEGs with %s on %s; other files in the workers", NVJPEG, device)
     plan = agree(backend, lambda: plan_data(args, backend.size))
     dtype = amp_dtype(args.precision, device)
 
@@ -333,19 +353,6 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
     if args.compile:
         train_model = torch.compile(train_model)
 
-    def save_state(step: int) -> bytes:
-        buffer = io.BytesIO()
-        torch.save(
-            {
-                "step": step,
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scaler": scaler.state_dict(),
-            },
-            buffer,
-        )
-        return buffer.getvalue()
-
     precision = "fp32" if dtype is None else f"amp_{'bf16' if dtype == torch.bfloat16 else 'fp16'}"
     exporter = Exporter(
         args, backend, ExportSpec.of("pytorch", args, plan), partial(export_model, model, args.image_size)
@@ -360,7 +367,7 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         decoder=None if plan.train is None else NVJPEG if decode is not None else decoder_name(),
         fingerprint=fingerprint,
-        save_state=save_state,
+        save_state=partial(training_state, model, optimizer, scaler),
         evaluate=make_evaluate(args, plan, backend, model, device, decode, autocast, skipped),
         on_epoch_end=exporter.epoch_hook,
     )
