@@ -120,17 +120,20 @@ class DeviceBatcher:
         images = torch.empty((len(samples), size, size, 3), dtype=torch.uint8, device=self.device)
         labels = [label for _, label, _ in samples]
         skipped = sum(count for _, _, count in samples)
-        encoded = [(slot, image) for slot, (image, _, _) in enumerate(samples) if isinstance(image, EncodedCrop)]
+        encoded: list[tuple[int, EncodedCrop]] = []
         for slot, (image, _, _) in enumerate(samples):
-            if not isinstance(image, EncodedCrop):
+            if isinstance(image, EncodedCrop):
+                encoded.append((slot, image))
+            else:  # decoded by the worker (PNG, CMYK)
                 images[slot] = torch.from_numpy(image).to(self.device)
-        decoded = self._decode([crop for _, crop in encoded])
-        for (slot, crop), full in zip(encoded, decoded, strict=True):
-            if full is None:  # nvJPEG failed on this file: the CPU path decodes it, or skips it as usual
-                pixels, labels[slot], extra = self.folder[crop.key]
-                images[slot], skipped = torch.from_numpy(pixels).to(self.device), skipped + extra
-            else:
+        for (slot, crop), full in zip(encoded, self._decode([crop for _, crop in encoded]), strict=True):
+            if full is not None:
                 images[slot] = crop_resize(full, crop.box, size, crop.flip)
+                continue
+            # nvJPEG failed on this file: the CPU path decodes it, or skips it as it always does
+            pixels, labels[slot], extra = self.folder[crop.key]
+            images[slot] = torch.from_numpy(pixels).to(self.device)
+            skipped += extra
         return images, torch.tensor(labels, dtype=torch.int64).to(self.device, non_blocking=True), skipped
 
     def _decode(self, crops: list[EncodedCrop]) -> list[torch.Tensor | None]:
