@@ -25,6 +25,7 @@ from PIL import Image
 from training.data import EncodedCrop, ImageFolder, Key, Sample
 from training.decode import Box
 from training.errors import BadInput
+from training.side_stream import Staged
 
 log = logging.getLogger(__name__)
 
@@ -108,45 +109,59 @@ class EncodedFolder(torch.utils.data.Dataset):
 
 
 class DeviceBatcher:
-    """Assembles a worker's samples into the batch the CPU path yields, decoding the JPEGs on ``device``."""
+    """Assembles a worker's samples into the batch the CPU path yields, decoding the JPEGs on ``device``.
+
+    Call it only through ``training.side_stream.SideStreamBatches``: nvJPEG writes its output when
+    called, not in stream order, so the stream it runs on must have nothing queued (see there)."""
 
     def __init__(self, decode: JpegDecoder, folder: ImageFolder, device: torch.device) -> None:
         self.decode = decode
         self.folder = folder
         self.device = device
 
-    def __call__(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def __call__(self, samples: list[Sample]) -> Staged:
+        """The batch's device work, queued on the current stream; ``SideStreamBatches`` makes that a
+        side stream and holds the returned inputs (the files nvJPEG reads) until the work is done."""
         size = self.folder.image_size
         images = torch.empty((len(samples), size, size, 3), dtype=torch.uint8, device=self.device)
         labels = [label for _, label, _ in samples]
         skipped = sum(count for _, _, count in samples)
-        encoded: list[tuple[int, EncodedCrop]] = []
+        encoded = [(slot, image) for slot, (image, _, _) in enumerate(samples) if isinstance(image, EncodedCrop)]
+        files = [file_tensor(crop.data) for _, crop in encoded]
+        inputs: list[torch.Tensor] = list(files)
+        # The decode first: nvJPEG writes when called, so no work of this batch that frees a block
+        # (the temporaries below) may be queued before it.
+        decoded = self._decode([crop for _, crop in encoded], files)
         for slot, (image, _, _) in enumerate(samples):
-            if isinstance(image, EncodedCrop):
-                encoded.append((slot, image))
-            else:  # decoded by the worker (PNG, CMYK)
-                images[slot] = torch.from_numpy(image).to(self.device)
-        for (slot, crop), full in zip(encoded, self._decode([crop for _, crop in encoded]), strict=True):
+            if not isinstance(image, EncodedCrop):  # decoded by the worker (PNG, CMYK)
+                images[slot] = self._upload(torch.from_numpy(image), inputs)
+        for (slot, crop), full in zip(encoded, decoded, strict=True):
             if full is not None:
                 images[slot] = crop_resize(full, crop.box, size, crop.flip)
                 continue
             # nvJPEG failed on this file: the CPU path decodes it, or skips it as it always does
             pixels, labels[slot], extra = self.folder[crop.key]
-            images[slot] = torch.from_numpy(pixels).to(self.device)
+            images[slot] = self._upload(torch.from_numpy(pixels), inputs)
             skipped += extra
-        return images, torch.tensor(labels, dtype=torch.int64).to(self.device, non_blocking=True), skipped
+        label_tensor = self._upload(torch.tensor(labels, dtype=torch.int64), inputs)
+        return Staged((images, label_tensor, skipped), inputs)
 
-    def _decode(self, crops: list[EncodedCrop]) -> list[torch.Tensor | None]:
+    def _upload(self, host: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:
+        inputs.append(host)  # referenced until the copy has run
+        return host.to(self.device, non_blocking=True)
+
+    def _decode(self, crops: list[EncodedCrop], files: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """Every file in one call; if that fails (one bad file fails the whole call), one at a time."""
         if not crops:
             return []
-        files = [file_tensor(crop.data) for crop in crops]
         try:
             return list(self.decode(files, self.device))
         except RuntimeError:
             return [self._decode_one(crop, file) for crop, file in zip(crops, files, strict=True)]
 
     def _decode_one(self, crop: EncodedCrop, file: torch.Tensor) -> torch.Tensor | None:
+        if self.device.type == "cuda":  # nothing the failed call queued may be running when this one writes
+            torch.cuda.current_stream(self.device).synchronize()
         try:
             return self.decode([file], self.device)[0]
         except RuntimeError as exc:

@@ -36,12 +36,14 @@ from training.data import (
     val_keys,
 )
 from training.decode import decoder_name
+from training.decode_choice import measure_rates, probe_batches
 from training.distributed import agree, set_failure_timeouts
 from training.errors import BadInput, JobError
 from training.export import Exporter, ExportSpec, ModelFiles
 from training.gpu_decode import NVJPEG, DeviceBatcher, EncodedFolder, JpegDecoder, choose_decoder
 from training.job import run_job
 from training.loop import TrainingRun, configure_logging, restore, resume
+from training.side_stream import SideStreamBatches, streams_for
 from training.torch_models import build_model
 
 log = logging.getLogger(__name__)
@@ -192,10 +194,11 @@ def image_loader(
     decode: JpegDecoder | None = None,
 ) -> Iterator[Batch]:
     """Decode batches in worker processes, pinned for asynchronous copies to the GPU; with a device
-    ``decode``, the workers read the files and this process decodes each batch on ``device``."""
+    ``decode``, the workers read the files and this process decodes each batch on ``device``, on a
+    side stream and one batch ahead (training/side_stream.py says why that is needed)."""
     if decode is not None:
         batches = image_batches(EncodedFolder(folder), keys, args, backend, pin=False, collate_fn=list)
-        return map(DeviceBatcher(decode, folder, device), batches)
+        return SideStreamBatches(DeviceBatcher(decode, folder, device), streams_for(device))(batches)
     batches = image_batches(folder, keys, args, backend, pin=device.type == "cuda", collate_fn=collate)
     return (
         (images.to(device, non_blocking=True), labels.to(device, non_blocking=True), skipped)
@@ -243,6 +246,30 @@ def worker_error(exc: JobError) -> JobError:
 
 def _worker_logging(rank: int, worker_id: int) -> None:
     configure_logging(rank)  # so skipped-image warnings look like the rest of the log
+
+
+def settle_auto(
+    args: argparse.Namespace, plan: DataPlan, backend: Backend, device: torch.device, decode: JpegDecoder | None
+) -> JpegDecoder | None:
+    """``--decode auto`` with a working nvJPEG: keep it only where the GPU path made this run's first
+    batches faster than the CPU loader did, on every rank (training/decode_choice.py)."""
+    if args.decode != "auto" or decode is None or plan.train is None:
+        return decode
+    train = plan.train
+    count = probe_batches(default_workers(backend.local_size) if args.data_workers is None else args.data_workers)
+
+    def loader(with_decode: JpegDecoder | None) -> Iterator[Batch]:
+        keys = train_keys(
+            len(train), backend.rank, backend.size, args.batch_size, args.seed, plan.steps_per_epoch, 0, count + 1
+        )
+        return image_loader(train, keys, args, backend, device, with_decode)
+
+    sync = partial(torch.cuda.synchronize, device) if device.type == "cuda" else lambda: None
+    rates = measure_rates(lambda: loader(None), lambda: loader(decode), count, sync)
+    pays = all(backend.allgather_object(rates.gpu_pays()))
+    if backend.rank == 0:
+        log.info("--decode auto: %s; decoding on the %s", rates, "GPU" if pays else "CPU")
+    return decode if pays else None
 
 
 def train_batches(
@@ -329,6 +356,7 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
     torch.manual_seed(args.seed + backend.rank)
     decode = choose_decoder(args.decode, device) if args.data == "imagenet" else None
     plan = agree(backend, lambda: plan_data(args, backend.size))
+    decode = settle_auto(args, plan, backend, device, decode)
     dtype = amp_dtype(args.precision, device)
 
     def autocast() -> torch.autocast:
