@@ -121,12 +121,6 @@ def streams_for(device: torch.device) -> StreamApi:
     return CudaStreams(device) if device.type == "cuda" else HostStreams()
 
 
-@dataclass
-class _InFlight:
-    staged: Staged
-    event: Event
-
-
 class SideStreamBatches:
     """``make(item)`` for each item on a side stream, handed to the training stream ``AHEAD`` early."""
 
@@ -136,41 +130,43 @@ class SideStreamBatches:
         self.streams = [api.new_stream() for _ in range(STREAMS)]
 
     def __call__(self, items: Iterable[Any]) -> Iterator[Batch]:
-        last: list[_InFlight | None] = [None] * STREAMS  # each stream's newest batch
-        ready: list[_InFlight] = []
+        held: list[tuple[Event, list[Any]] | None] = [None] * STREAMS  # each stream's newest event and inputs
+        ready: list[tuple[Batch, Event]] = []
         try:
             for index, item in enumerate(items):
                 slot = index % STREAMS
-                self._drain(last, slot)
-                last[slot] = self._issue(item, self.streams[slot])
-                ready.append(last[slot])
+                self._drain(held, slot)
+                held[slot] = self._issue(item, self.streams[slot], ready)
                 if len(ready) > AHEAD:
-                    yield self._hand_over(ready.pop(0))
+                    yield self._hand_over(*ready.pop(0))
             while ready:
-                yield self._hand_over(ready.pop(0))
+                yield self._hand_over(*ready.pop(0))
         finally:
             for slot in range(STREAMS):  # inputs stay referenced until their device work is done
-                self._drain(last, slot)
+                self._drain(held, slot)
 
-    def _drain(self, last: list[_InFlight | None], slot: int) -> None:
+    @staticmethod
+    def _drain(held: list[tuple[Event, list[Any]] | None], slot: int) -> None:
         """The host waits until ``slot``'s stream has nothing queued (2.), then lets its inputs go (5.)."""
-        flight = last[slot]
-        if flight is not None:
-            flight.event.synchronize()
-            flight.staged.inputs.clear()
-            last[slot] = None
+        if held[slot] is not None:
+            event, _inputs = held[slot]
+            event.synchronize()
+            held[slot] = None
 
-    def _issue(self, item: Any, stream: Any) -> _InFlight:
+    def _issue(self, item: Any, stream: Any, ready: list[tuple[Batch, Event]]) -> tuple[Event, list[Any]]:
+        """Queue ``item``'s batch on ``stream`` and add it to ``ready``; return what the stream holds.
+        (No local of the generator keeps a batch or its inputs: each goes when its owner is done.)"""
         with self.api.use(stream):  # closed before any yield: the consumer's stream stays current
             staged = self.make(item)
             event = self.api.new_event()
             event.record(stream)
-        return _InFlight(staged, event)
+        ready.append((staged.batch, event))
+        return event, staged.inputs
 
-    def _hand_over(self, flight: _InFlight) -> Batch:
+    def _hand_over(self, batch: Batch, event: Event) -> Batch:
         consumer = self.api.current_stream()
-        self.api.wait_event(consumer, flight.event)
-        images, labels, skipped = flight.staged.batch
+        self.api.wait_event(consumer, event)
+        images, labels, _ = batch
         for tensor in (images, labels):
             self.api.record_stream(tensor, consumer)
-        return images, labels, skipped
+        return batch
