@@ -83,16 +83,24 @@ def file_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)  # a writable copy: torch warns on bytes
 
 
-def crop_resize(image: torch.Tensor, box: Box, size: int, flip: bool) -> torch.Tensor:
-    """``box`` of a uint8 CHW image, resized to size x size and flipped as asked, as uint8 HWC (the
-    CPU path's layout). Bilinear with antialiasing, the filter of Pillow, the reference path."""
+def crop_resize(image: torch.Tensor, box: Box, size: int) -> torch.Tensor:
+    """``box`` of a uint8 CHW image resized to size x size, as float HWC, not yet rounded (the batch is
+    rounded and flipped in a few kernels, not a few per image). Bilinear with antialiasing, the
+    filter of Pillow, the reference path."""
     left, top, width, height = box
     x0, y0 = round(left), round(top)
     x1, y1 = max(round(left + width), x0 + 1), max(round(top + height), y0 + 1)
     crop = image[None, :, y0:y1, x0:x1].float()
     resized = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-    pixels = resized[0].round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0)
-    return pixels.flip(1) if flip else pixels
+    return resized[0].permute(1, 2, 0)
+
+
+def to_pixels(resized: torch.Tensor, flipped: list[int]) -> torch.Tensor:
+    """Float NHWC crops -> the uint8 NHWC batch of the CPU path, the ``flipped`` ones mirrored."""
+    images = resized.round_().clamp_(0, 255).to(torch.uint8)
+    if flipped:
+        images[flipped] = images[flipped].flip(2)
+    return images
 
 
 class EncodedFolder(torch.utils.data.Dataset):
@@ -123,7 +131,6 @@ class DeviceBatcher:
         """The batch's device work, queued on the current stream; ``SideStreamBatches`` makes that a
         side stream and holds the returned inputs (the files nvJPEG reads) until the work is done."""
         size = self.folder.image_size
-        images = torch.empty((len(samples), size, size, 3), dtype=torch.uint8, device=self.device)
         labels = [label for _, label, _ in samples]
         skipped = sum(count for _, _, count in samples)
         encoded = [(slot, image) for slot, (image, _, _) in enumerate(samples) if isinstance(image, EncodedCrop)]
@@ -132,17 +139,23 @@ class DeviceBatcher:
         # The decode first: nvJPEG writes when called, so no work of this batch that frees a block
         # (the temporaries below) may be queued before it.
         decoded = self._decode([crop for _, crop in encoded], files)
+        resized = torch.empty((len(samples), size, size, 3), dtype=torch.float32, device=self.device)
+        ready: dict[int, torch.Tensor] = {}  # uint8 images decoded on the CPU, by slot
         for slot, (image, _, _) in enumerate(samples):
             if not isinstance(image, EncodedCrop):  # decoded by the worker (PNG, CMYK)
-                images[slot] = self._upload(torch.from_numpy(image), inputs)
+                ready[slot] = torch.from_numpy(image)
         for (slot, crop), full in zip(encoded, decoded, strict=True):
             if full is not None:
-                images[slot] = crop_resize(full, crop.box, size, crop.flip)
+                resized[slot] = crop_resize(full, crop.box, size)
                 continue
             # nvJPEG failed on this file: the CPU path decodes it, or skips it as it always does
             pixels, labels[slot], extra = self.folder[crop.key]
-            images[slot] = self._upload(torch.from_numpy(pixels), inputs)
+            ready[slot] = torch.from_numpy(pixels)
             skipped += extra
+        flipped = [slot for (slot, crop), full in zip(encoded, decoded, strict=True) if full is not None and crop.flip]
+        images = to_pixels(resized, flipped)
+        for slot, pixels in ready.items():
+            images[slot] = self._upload(pixels, inputs)
         label_tensor = self._upload(torch.tensor(labels, dtype=torch.int64), inputs)
         return Staged((images, label_tensor, skipped), inputs)
 
