@@ -28,6 +28,7 @@ step N's kernels, and runs beside them.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -52,10 +53,27 @@ class Event(Protocol):
     def synchronize(self) -> None: ...
 
 
+@dataclass(eq=False)
+class SideStream:
+    """A side stream and what was last queued on it. One set per device serves every loader of the
+    process: evaluation's loader, running while training's has a batch queued, must wait for that
+    batch too (2.), and streams made per loader would each strand cached blocks in a pool of their own."""
+
+    stream: Any
+    last: tuple[Event, list[Any]] | None = None  # the newest batch's event, and the inputs its work reads
+
+    def drain(self) -> None:
+        """The host waits until nothing is queued here (2.), then lets the inputs go (5.)."""
+        if self.last is not None:
+            event, _inputs = self.last
+            event.synchronize()
+            self.last = None
+
+
 class StreamApi(Protocol):
     """The part of ``torch.cuda`` the protocol uses; tests pass a recording stand-in."""
 
-    def new_stream(self) -> Any: ...
+    def side_streams(self) -> list[SideStream]: ...
     def current_stream(self) -> Any: ...
     def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]: ...
     def new_event(self) -> Event: ...
@@ -68,9 +86,12 @@ class CudaStreams:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._side: list[SideStream] = []
 
-    def new_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.Stream(self.device)
+    def side_streams(self) -> list[SideStream]:
+        if not self._side:
+            self._side = [SideStream(torch.cuda.Stream(self.device)) for _ in range(STREAMS)]
+        return self._side
 
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
@@ -98,8 +119,8 @@ class HostStreams:
         def synchronize(self) -> None:
             pass
 
-    def new_stream(self) -> None:
-        return None
+    def side_streams(self) -> list[SideStream]:
+        return [SideStream(None) for _ in range(STREAMS)]
 
     def current_stream(self) -> None:
         return None
@@ -117,7 +138,9 @@ class HostStreams:
         pass
 
 
+@functools.cache
 def streams_for(device: torch.device) -> StreamApi:
+    """The process's one ``StreamApi`` (and so one set of side streams) for ``device``."""
     return CudaStreams(device) if device.type == "cuda" else HostStreams()
 
 
@@ -127,31 +150,22 @@ class SideStreamBatches:
     def __init__(self, make: Callable[[Any], Staged], api: StreamApi) -> None:
         self.make = make
         self.api = api
-        self.streams = [api.new_stream() for _ in range(STREAMS)]
 
     def __call__(self, items: Iterable[Any]) -> Iterator[Batch]:
-        held: list[tuple[Event, list[Any]] | None] = [None] * STREAMS  # each stream's newest event and inputs
+        sides = self.api.side_streams()
         ready: list[tuple[Batch, Event]] = []
         try:
             for index, item in enumerate(items):
-                slot = index % STREAMS
-                self._drain(held, slot)
-                held[slot] = self._issue(item, self.streams[slot], ready)
+                side = sides[index % STREAMS]
+                side.drain()
+                side.last = self._issue(item, side.stream, ready)
                 if len(ready) > AHEAD:
                     yield self._hand_over(*ready.pop(0))
             while ready:
                 yield self._hand_over(*ready.pop(0))
         finally:
-            for slot in range(STREAMS):  # inputs stay referenced until their device work is done
-                self._drain(held, slot)
-
-    @staticmethod
-    def _drain(held: list[tuple[Event, list[Any]] | None], slot: int) -> None:
-        """The host waits until ``slot``'s stream has nothing queued (2.), then lets its inputs go (5.)."""
-        if held[slot] is not None:
-            event, _inputs = held[slot]
-            event.synchronize()
-            held[slot] = None
+            for side in sides:  # inputs stay referenced until their device work is done
+                side.drain()
 
     def _issue(self, item: Any, stream: Any, ready: list[tuple[Batch, Event]]) -> tuple[Event, list[Any]]:
         """Queue ``item``'s batch on ``stream`` and add it to ``ready``; return what the stream holds.

@@ -20,7 +20,7 @@ import torch
 from tests.training.test_gpu_decode import pillow_jpeg_decoder
 from training import data
 from training.gpu_decode import DeviceBatcher
-from training.side_stream import HostStreams, SideStreamBatches, Staged
+from training.side_stream import HostStreams, SideStream, SideStreamBatches, Staged
 
 TRAINING = "training"
 
@@ -31,12 +31,11 @@ class RecordingStreams:
     def __init__(self) -> None:
         self.log: list[tuple[Any, ...]] = []
         self.current = TRAINING
-        self._streams = 0
+        self.sides = [SideStream(f"side{n}") for n in range(2)]
         self._events = 0
 
-    def new_stream(self) -> str:
-        self._streams += 1
-        return f"side{self._streams - 1}"
+    def side_streams(self) -> list[SideStream]:
+        return self.sides
 
     def current_stream(self) -> str:
         return self.current
@@ -133,6 +132,16 @@ def test_a_consumer_that_stops_early_still_waits_before_the_inputs_go() -> None:
         ("inputs released", 1),
     ]
     assert ("make", 2, "side0") not in api.log
+
+
+def test_a_second_loader_waits_for_the_batch_the_first_left_queued() -> None:
+    """Evaluation runs between training steps, while training's next batch is queued on a side stream."""
+    api = RecordingStreams()
+    training = staged_batches(api, [0, 1, 2])
+    next(training)  # batch 1 is now queued on side1
+    assert [int(images[0]) for images, _, _ in staged_batches(api, [10, 11])] == [10, 11]
+    assert api.log.index(("host waits", "event1")) < api.log.index(("make", 11, "side1"))
+    assert [int(images[0]) for images, _, _ in training] == [1, 2]
 
 
 def test_the_decoder_runs_on_the_side_stream_and_its_files_outlive_the_wait(tmp_path: Path) -> None:
