@@ -7,8 +7,9 @@ For each mode (eager, ``--compile``) the PyTorch job (DDP, one process under tor
 same model on synthetic data, the baseline, then on generated 500x375 JPEGs with each decoder. Each
 row gives the job's measured images/s, that rate as a ratio of the synthetic rate of the same mode,
 and images per host CPU-second: the run's images over the CPU time every process on the host used
-while it ran (``/proc/stat``, start-up included; the synthetic row shows that floor). About three
-minutes on one H100 with the defaults.
+while it ran (``/proc/stat``, start-up included; the synthetic row shows that floor). Sized for
+about three minutes on one H100, most of it start-up and compilation (an estimate from the rates in
+docs/performance.md: not yet timed on a GPU).
 """
 
 from __future__ import annotations
