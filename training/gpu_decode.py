@@ -5,7 +5,9 @@ With a device decoder the DataLoader workers only read each file and draw its cr
 decodes the batch's JPEGs in one ``torchvision.io.decode_jpeg`` call on its GPU, then crops,
 resizes and flips each image there. Files nvJPEG is not given (PNG, CMYK) are decoded by the
 workers as before, and a file nvJPEG fails on is decoded by the CPU path in this process, so a
-batch holds exactly the images and labels the CPU path would have produced.
+batch holds exactly the images and labels the CPU path would have produced. All of it runs on the
+side streams of training/side_stream.py, one batch ahead: decoding on the training stream trained
+to NaN (see there).
 
 torchvision is pinned in the PyTorch image only: its PyPI wheel is built against the CUDA build of
 torch and does not import beside the CPU build the tests run with. So the tests here drive the
@@ -144,15 +146,16 @@ class DeviceBatcher:
         for slot, (image, _, _) in enumerate(samples):
             if not isinstance(image, EncodedCrop):  # decoded by the worker (PNG, CMYK)
                 ready[slot] = torch.from_numpy(image)
+        flipped: list[int] = []
         for (slot, crop), full in zip(encoded, decoded, strict=True):
-            if full is not None:
-                resized[slot] = crop_resize(full, crop.box, size)
+            if full is None:  # nvJPEG failed on this file: the CPU path decodes it, or skips it as it always does
+                pixels, labels[slot], extra = self.folder[crop.key]
+                ready[slot] = torch.from_numpy(pixels)
+                skipped += extra
                 continue
-            # nvJPEG failed on this file: the CPU path decodes it, or skips it as it always does
-            pixels, labels[slot], extra = self.folder[crop.key]
-            ready[slot] = torch.from_numpy(pixels)
-            skipped += extra
-        flipped = [slot for (slot, crop), full in zip(encoded, decoded, strict=True) if full is not None and crop.flip]
+            resized[slot] = crop_resize(full, crop.box, size)
+            if crop.flip:
+                flipped.append(slot)
         images = to_pixels(resized, flipped)
         for slot, pixels in ready.items():
             images[slot] = self._upload(pixels, inputs)

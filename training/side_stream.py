@@ -21,7 +21,7 @@ still queued: NaN losses whenever the host ran ahead of the GPU. The protocol he
    the allocator keeps their blocks until the training stream's queued reads are done.
 5. The host inputs of a batch's device work stay referenced until its event is waited for.
 
-Batch N+1 is made while step N runs (``ahead``): its work is queued on the side stream before
+Batch N+1 is made while step N runs (``AHEAD``): its work is queued on the side stream before
 step N's kernels, and runs beside them.
 """
 
