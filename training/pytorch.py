@@ -91,6 +91,10 @@ class HorovodBackend:
         )
         return model, optimizer
 
+    def drop_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.synchronize()  # Horovod refuses zero_grad with its allreduces still in flight
+        optimizer.zero_grad()
+
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
         # The scaler must see averaged gradients, so that every rank agrees on skipping a step
         # with overflowed fp16 gradients: finish the allreduce first, then step without it.
@@ -152,6 +156,9 @@ class DDPBackend:
         if fp16_allreduce:
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return ddp, optimizer
+
+    def drop_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad()
 
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
         scaler.step(optimizer)
@@ -249,10 +256,15 @@ def _worker_logging(rank: int, worker_id: int) -> None:
 
 
 def settle_auto(
-    args: argparse.Namespace, plan: DataPlan, backend: Backend, device: torch.device, decode: JpegDecoder | None
+    args: argparse.Namespace,
+    plan: DataPlan,
+    backend: Backend,
+    device: torch.device,
+    decode: JpegDecoder | None,
+    model_steps: Callable[[], Iterator[None]],
 ) -> JpegDecoder | None:
-    """``--decode auto`` with a working nvJPEG: keep it only where the GPU path made this run's first
-    batches faster than the CPU loader did, on every rank (training/decode_choice.py)."""
+    """``--decode auto`` with a working nvJPEG: keep it only where, on every rank, the CPU loader was
+    slower than the model and the GPU path faster than the CPU loader (training/decode_choice.py)."""
     if args.decode != "auto" or decode is None or plan.train is None:
         return decode
     train = plan.train
@@ -265,11 +277,40 @@ def settle_auto(
         return image_loader(train, keys, args, backend, device, with_decode)
 
     sync = partial(torch.cuda.synchronize, device) if device.type == "cuda" else lambda: None
-    rates = measure_rates(lambda: loader(None), lambda: loader(decode), count, sync)
+    rates = measure_rates(lambda: loader(None), lambda: loader(decode), model_steps, count, sync)
     pays = all(backend.allgather_object(rates.gpu_pays()))
     if backend.rank == 0:
         log.info("--decode auto: %s; decoding on the %s", rates, "GPU" if pays else "CPU")
     return decode if pays else None
+
+
+def model_steps(
+    args: argparse.Namespace,
+    plan: DataPlan,
+    backend: Backend,
+    device: torch.device,
+    model: nn.Module,
+    train_model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    autocast: Callable[[], Any],
+) -> Iterator[None]:
+    """One forward and backward pass of the model as trained, on a synthetic batch, per item: the
+    model's rate for ``--decode auto``'s probe. No optimizer step; when the probe is done the
+    gradients are dropped and the batch-norm statistics put back, so training starts as it would have."""
+    images, labels = synthetic_batch(args.seed, backend.rank, args.batch_size, args.image_size, plan.num_classes)
+    images_on, labels_on = torch.from_numpy(images).to(device), torch.from_numpy(labels).to(device)
+    saved = [buffer.clone() for buffer in model.buffers()]
+    try:
+        while True:
+            with autocast():
+                loss = F.cross_entropy(train_model(images_on), labels_on)
+            loss.backward()
+            backend.drop_gradients(optimizer)
+            yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(model.buffers(), saved, strict=True):
+                buffer.copy_(value)
 
 
 def train_batches(
@@ -356,7 +397,6 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
     torch.manual_seed(args.seed + backend.rank)
     decode = choose_decoder(args.decode, device) if args.data == "imagenet" else None
     plan = agree(backend, lambda: plan_data(args, backend.size))
-    decode = settle_auto(args, plan, backend, device, decode)
     dtype = amp_dtype(args.precision, device)
 
     def autocast() -> torch.autocast:
@@ -380,6 +420,8 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
         restore(args, start_step, lambda: load_training_state(optimizer, scaler, state))
     if args.compile:
         train_model = torch.compile(train_model)
+    steps = partial(model_steps, args, plan, backend, device, model, train_model, optimizer, autocast)
+    decode = settle_auto(args, plan, backend, device, decode, steps)
 
     precision = "fp32" if dtype is None else f"amp_{'bf16' if dtype == torch.bfloat16 else 'fp16'}"
     exporter = Exporter(

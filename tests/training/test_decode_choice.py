@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from bench.jpegs import write_imagenet_tree
 from tests.training.test_gpu_decode import pillow_jpeg_decoder
 from training import data, decode_choice, pytorch
-from training.decode_choice import MARGIN, Rates, batches_per_second, measure_rates, probe_batches
+from training.decode_choice import KEEPS_UP, MARGIN, Rates, batches_per_second, measure_rates, probe_batches
+from training.torch_models import build_model
 
 
 class Clock:
@@ -59,14 +63,25 @@ def test_each_loader_is_stopped_before_the_next_starts() -> None:
 
         return start
 
-    rates = measure_rates(loader("cpu", 0.5), loader("gpu", 0.25), 4, lambda: None, clock)
-    assert log == ["cpu started", "cpu stopped", "gpu started", "gpu stopped"]
-    assert (rates.cpu, rates.gpu) == (2.0, 4.0) and rates.gpu_pays()
+    rates = measure_rates(loader("cpu", 0.5), loader("gpu", 0.25), loader("model", 0.2), 4, lambda: None, clock)
+    assert log == [f"{name} {event}" for name in ("cpu", "gpu", "model") for event in ("started", "stopped")]
+    assert (rates.cpu, rates.gpu, rates.model) == pytest.approx((2.0, 4.0, 5.0))
+    assert rates.gpu_pays()
 
 
-@pytest.mark.parametrize(("gpu", "pays"), [(1.0, False), (MARGIN * 0.99, False), (MARGIN, True)])
-def test_the_gpu_path_must_beat_the_cpu_loader_by_the_margin(gpu: float, pays: bool) -> None:
-    assert Rates(cpu=1.0, gpu=gpu).gpu_pays() is pays
+@pytest.mark.parametrize(
+    ("cpu", "gpu", "pays"),
+    [
+        (KEEPS_UP, 10.0, False),  # the CPU loader keeps up with the model: nothing to gain
+        (0.5, 0.5 * MARGIN * 0.99, False),  # the GPU path is not faster by the margin
+        (0.5, 0.5 * MARGIN, True),
+        (KEEPS_UP * 0.99, KEEPS_UP * MARGIN, True),
+    ],
+)
+def test_the_gpu_path_is_chosen_only_where_the_cpu_loader_holds_the_model_back(
+    cpu: float, gpu: float, pays: bool
+) -> None:
+    assert Rates(cpu=cpu, gpu=gpu, model=1.0).gpu_pays() is pays
 
 
 def test_the_probe_covers_two_rounds_of_workers() -> None:
@@ -82,22 +97,53 @@ def plan(tmp_path: Path) -> data.DataPlan:
 
 
 def ranks_answering(*others: bool) -> SimpleNamespace:
-    """Rank 0 of a job whose other ranks' probes answered ``others``."""
-    return SimpleNamespace(rank=0, size=1, local_size=1, allgather_object=lambda mine: [mine, *others])
+    """Rank 0 of a DDP job whose other ranks' probes answered ``others``."""
+    return SimpleNamespace(
+        rank=0,
+        size=1,
+        local_size=1,
+        allgather_object=lambda mine: [mine, *others],
+        drop_gradients=pytorch.DDPBackend.drop_gradients.__get__(object()),
+    )
 
 
-AUTO = argparse.Namespace(decode="auto", data_workers=1, batch_size=4, seed=0)
+AUTO = argparse.Namespace(
+    decode="auto", data_workers=0, batch_size=4, seed=0, image_size=16
+)  # loaders in-process: quick
+CPU = torch.device("cpu")
+
+
+def tiny_model(plan: data.DataPlan) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = build_model("resnet_tiny", plan.num_classes).train()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def tiny_steps(plan: data.DataPlan, backend: SimpleNamespace) -> Callable[[], Iterator[None]]:
+    model, optimizer = tiny_model(plan)
+    return partial(pytorch.model_steps, AUTO, plan, backend, CPU, model, model, optimizer, contextlib.nullcontext)
+
+
+def test_the_model_probe_leaves_the_model_as_it_was(plan: data.DataPlan) -> None:
+    model, optimizer = tiny_model(plan)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    steps = pytorch.model_steps(AUTO, plan, ranks_answering(), CPU, model, model, optimizer, contextlib.nullcontext)
+    next(steps)
+    next(steps)
+    assert any(not torch.equal(before[name], value) for name, value in model.state_dict().items())  # BN statistics
+    steps.close()
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+    assert all(parameter.grad is None for parameter in model.parameters())
+    assert optimizer.state_dict()["state"] == {}  # no step taken: no momentum
 
 
 @pytest.mark.parametrize(("this_rank", "other_rank", "kept"), [(True, True, True), (True, False, False)])
 def test_auto_keeps_the_gpu_only_where_every_rank_found_it_faster(
     monkeypatch: pytest.MonkeyPatch, plan: data.DataPlan, this_rank: bool, other_rank: bool, kept: bool
 ) -> None:
-    rates = Rates(cpu=1.0, gpu=2.0 if this_rank else 1.0)
+    rates = Rates(cpu=1.0, gpu=2.0 if this_rank else 1.0, model=2.0)
     monkeypatch.setattr(pytorch, "measure_rates", lambda *args: rates)
-    chosen = pytorch.settle_auto(
-        AUTO, plan, ranks_answering(other_rank), pytorch.torch.device("cpu"), pillow_jpeg_decoder
-    )  # type: ignore[arg-type]
+    backend = ranks_answering(other_rank)
+    chosen = pytorch.settle_auto(AUTO, plan, backend, CPU, pillow_jpeg_decoder, tiny_steps(plan, backend))  # type: ignore[arg-type]
     assert (chosen is pillow_jpeg_decoder) is kept
 
 
@@ -112,8 +158,9 @@ def test_the_probe_times_both_real_loaders(
 
     monkeypatch.setattr(pytorch, "measure_rates", recording)
     with caplog.at_level(logging.INFO, logger="training.pytorch"):
-        pytorch.settle_auto(AUTO, plan, ranks_answering(), pytorch.torch.device("cpu"), pillow_jpeg_decoder)  # type: ignore[arg-type]
-    assert len(measured) == 1 and measured[0].cpu > 0 and measured[0].gpu > 0
+        backend = ranks_answering()
+        pytorch.settle_auto(AUTO, plan, backend, CPU, pillow_jpeg_decoder, tiny_steps(plan, backend))  # type: ignore[arg-type]
+    assert len(measured) == 1 and min(measured[0].cpu, measured[0].gpu, measured[0].model) > 0
     assert f"--decode auto: {measured[0]}; decoding on the" in caplog.text
 
 
@@ -122,4 +169,5 @@ def test_only_auto_is_probed(monkeypatch: pytest.MonkeyPatch, plan: data.DataPla
     monkeypatch.setattr(pytorch, "measure_rates", None)  # would fail if called
     args = argparse.Namespace(**{**vars(AUTO), "decode": requested})
     decode = pillow_jpeg_decoder if requested == "gpu" else None
-    assert pytorch.settle_auto(args, plan, ranks_answering(), pytorch.torch.device("cpu"), decode) is decode  # type: ignore[arg-type]
+    backend = ranks_answering()
+    assert pytorch.settle_auto(args, plan, backend, CPU, decode, tiny_steps(plan, backend)) is decode  # type: ignore[arg-type]
