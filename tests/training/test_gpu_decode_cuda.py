@@ -42,26 +42,38 @@ def losses(output: str) -> list[float]:
     return [float(value) for value in re.findall(r"step \d+/\d+ epoch \d+ loss (\S+)", output)]
 
 
-def train(jpeg_root: Path, decode: str, log: Path) -> list[float]:
+def train(jpeg_root: Path, decode: str, log: Path, epochs: int = 3) -> str:
+    """The job's output; ResNet-50 in bf16, logging every 4 steps and otherwise never syncing."""
     args = [
         "--backend", "ddp", "--data", "imagenet", "--data-dir", jpeg_root, "--decode", decode,
-        "--model", "resnet50", "--batch-size", BATCH, "--precision", "amp", "--epochs", 3,
+        "--model", "resnet50", "--batch-size", BATCH, "--precision", "amp", "--epochs", epochs,
         "--log-every", 4, "--data-workers", 3, "--seed", 7,
     ]  # fmt: skip
     cmd = [*proc.launcher("ddp", 1), "training.pytorch", *map(str, args)]
     done = subprocess.run(cmd, cwd=proc.REPO_ROOT, env=proc.thread_env(1), capture_output=True, text=True, timeout=600)
     log.write_text(done.stdout + done.stderr)
     assert done.returncode == 0, f"{' '.join(cmd)} exited {done.returncode}:\n{log.read_text()[-3000:]}"
-    return losses(log.read_text())
+    return log.read_text()
 
 
 def test_gpu_decode_trains_like_the_cpu_path_without_a_sync_per_step(jpeg_root: Path, tmp_path: Path) -> None:
-    gpu = train(jpeg_root, "gpu", tmp_path / "gpu.log")
-    cpu = train(jpeg_root, "cpu", tmp_path / "cpu.log")
+    gpu = losses(train(jpeg_root, "gpu", tmp_path / "gpu.log"))
+    cpu = losses(train(jpeg_root, "cpu", tmp_path / "cpu.log"))
     assert len(gpu) == len(cpu) == 3 * BATCHES // 4, (gpu, cpu)
     assert all(np.isfinite(gpu)), gpu
     # The decoders differ by about 1 of 255 per pixel, which moves the losses a little, not a lot.
     np.testing.assert_allclose(gpu, cpu, rtol=0.1)
+
+
+def test_auto_probes_on_the_gpu_and_trains_with_what_it_chose(jpeg_root: Path, tmp_path: Path) -> None:
+    """The start-up probe on CUDA: both loaders, the model under DDP, the choice logged and used."""
+    output = train(jpeg_root, "auto", tmp_path / "auto.log", epochs=1)
+    choice = re.search(
+        r"--decode auto: CPU loader \S+, GPU path \S+, model \S+ batches/s; decoding on the (GPU|CPU)", output
+    )
+    assert choice is not None, output[-3000:]
+    assert ("decoder': 'nvJPEG" in output) is (choice[1] == "GPU"), output[-3000:]
+    assert all(np.isfinite(losses(output))) and losses(output)
 
 
 def busy_after(decode: JpegDecoder) -> JpegDecoder:
