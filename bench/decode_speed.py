@@ -30,6 +30,7 @@ from bench.jpegs import write_imagenet_tree
 from bench.tv_baseline import pil_loader, rrc_params
 from training import data, decode
 from training.gpu_decode import DeviceBatcher, choose_decoder
+from training.side_stream import SideStreamBatches, streams_for
 
 Decoder = Callable[[str, int, int], np.ndarray]  # (path, size, image index) -> uint8 HWC crop
 
@@ -81,10 +82,15 @@ GPU_BATCH = 64
 
 def gpu_rates(folder: data.ImageFolder, batcher: DeviceBatcher) -> tuple[float, float]:
     """(images per CPU second, images per wall second) of the GPU path over ``folder``'s train crops:
-    the workers' part and the batch's decode, crop and resize, run in this process."""
+    the workers' part and the batch's decode, crop and resize (on side streams, as in training), run
+    in this process."""
     cpu, wall = time.process_time(), time.perf_counter()
-    for start in range(0, len(folder), GPU_BATCH):
-        batcher([folder.encoded((index, 0)) for index in range(start, min(start + GPU_BATCH, len(folder)))])
+    samples = (
+        [folder.encoded((index, 0)) for index in range(start, min(start + GPU_BATCH, len(folder)))]
+        for start in range(0, len(folder), GPU_BATCH)
+    )
+    for _ in SideStreamBatches(batcher, streams_for(batcher.device))(samples):
+        pass
     if batcher.device.type == "cuda":
         torch.cuda.synchronize(batcher.device)
     return len(folder) / (time.process_time() - cpu), len(folder) / (time.perf_counter() - wall)

@@ -55,7 +55,8 @@ def launcher(kind: str, np: int) -> list[str]:
     if kind == "horovod":
         return [str(TRAIN_BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo", sys.executable, "-m"]
     if kind == "ddp":
-        return [str(TRAIN_BIN / "torchrun"), "--standalone", f"--nproc-per-node={np}", "-m"]
+        # torchrun's module: the console script may not sit beside this interpreter (a system Python)
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={np}", "-m"]
     if kind == "plain" and np == 1:
         return [sys.executable, "-m"]
     raise ValueError(f"cannot launch {np} worker(s) with {kind!r}")

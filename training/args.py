@@ -120,7 +120,8 @@ def _add_data_flags(parser: argparse.ArgumentParser, framework: str) -> None:
             choices=("cpu", "gpu", "auto"),
             default="cpu",
             help="where JPEGs are decoded: cpu (DataLoader workers), gpu (nvJPEG on the job's GPU; "
-            "an error without one), auto (gpu where it works, else cpu)",
+            "an error without one), auto (gpu where it works and a start-up probe finds, on every rank, "
+            "the CPU loader slower than the model and the GPU path 1.1x faster than the CPU loader; else cpu)",
         )
 
 

@@ -36,12 +36,14 @@ from training.data import (
     val_keys,
 )
 from training.decode import decoder_name
+from training.decode_choice import measure_rates, probe_batches
 from training.distributed import agree, set_failure_timeouts
 from training.errors import BadInput, JobError
 from training.export import Exporter, ExportSpec, ModelFiles
 from training.gpu_decode import NVJPEG, DeviceBatcher, EncodedFolder, JpegDecoder, choose_decoder
 from training.job import run_job
 from training.loop import TrainingRun, configure_logging, restore, resume
+from training.side_stream import SideStreamBatches, streams_for
 from training.torch_models import build_model
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,10 @@ class HorovodBackend:
             optimizer, named_parameters=model.named_parameters(), compression=compression
         )
         return model, optimizer
+
+    def drop_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.synchronize()  # Horovod refuses zero_grad with its allreduces still in flight
+        optimizer.zero_grad()
 
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
         # The scaler must see averaged gradients, so that every rank agrees on skipping a step
@@ -151,6 +157,9 @@ class DDPBackend:
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return ddp, optimizer
 
+    def drop_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad()
+
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
         scaler.step(optimizer)
 
@@ -192,10 +201,11 @@ def image_loader(
     decode: JpegDecoder | None = None,
 ) -> Iterator[Batch]:
     """Decode batches in worker processes, pinned for asynchronous copies to the GPU; with a device
-    ``decode``, the workers read the files and this process decodes each batch on ``device``."""
+    ``decode``, the workers read the files and this process decodes each batch on ``device``, on a
+    side stream and one batch ahead (training/side_stream.py says why that is needed)."""
     if decode is not None:
         batches = image_batches(EncodedFolder(folder), keys, args, backend, pin=False, collate_fn=list)
-        return map(DeviceBatcher(decode, folder, device), batches)
+        return SideStreamBatches(DeviceBatcher(decode, folder, device), streams_for(device))(batches)
     batches = image_batches(folder, keys, args, backend, pin=device.type == "cuda", collate_fn=collate)
     return (
         (images.to(device, non_blocking=True), labels.to(device, non_blocking=True), skipped)
@@ -243,6 +253,64 @@ def worker_error(exc: JobError) -> JobError:
 
 def _worker_logging(rank: int, worker_id: int) -> None:
     configure_logging(rank)  # so skipped-image warnings look like the rest of the log
+
+
+def settle_auto(
+    args: argparse.Namespace,
+    plan: DataPlan,
+    backend: Backend,
+    device: torch.device,
+    decode: JpegDecoder | None,
+    model_steps: Callable[[], Iterator[None]],
+) -> JpegDecoder | None:
+    """``--decode auto`` with a working nvJPEG: keep it only where, on every rank, the CPU loader was
+    slower than the model and the GPU path faster than the CPU loader (training/decode_choice.py)."""
+    if args.decode != "auto" or decode is None or plan.train is None:
+        return decode
+    train = plan.train
+    count = probe_batches(default_workers(backend.local_size) if args.data_workers is None else args.data_workers)
+
+    def loader(with_decode: JpegDecoder | None) -> Iterator[Batch]:
+        keys = train_keys(
+            len(train), backend.rank, backend.size, args.batch_size, args.seed, plan.steps_per_epoch, 0, count + 1
+        )
+        return image_loader(train, keys, args, backend, device, with_decode)
+
+    sync = partial(torch.cuda.synchronize, device) if device.type == "cuda" else lambda: None
+    rates = measure_rates(lambda: loader(None), lambda: loader(decode), model_steps, count, sync)
+    pays = all(backend.allgather_object(rates.gpu_pays()))
+    if backend.rank == 0:
+        log.info("--decode auto: %s; decoding on the %s", rates, "GPU" if pays else "CPU")
+    return decode if pays else None
+
+
+def model_steps(
+    args: argparse.Namespace,
+    plan: DataPlan,
+    backend: Backend,
+    device: torch.device,
+    model: nn.Module,
+    train_model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    autocast: Callable[[], Any],
+) -> Iterator[None]:
+    """One forward and backward pass of the model as trained, on a synthetic batch, per item: the
+    model's rate for ``--decode auto``'s probe. No optimizer step; when the probe is done the
+    gradients are dropped and the batch-norm statistics put back, so training starts as it would have."""
+    images, labels = synthetic_batch(args.seed, backend.rank, args.batch_size, args.image_size, plan.num_classes)
+    images_on, labels_on = torch.from_numpy(images).to(device), torch.from_numpy(labels).to(device)
+    saved = [buffer.clone() for buffer in model.buffers()]
+    try:
+        while True:
+            with autocast():
+                loss = F.cross_entropy(train_model(images_on), labels_on)
+            loss.backward()
+            backend.drop_gradients(optimizer)
+            yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(model.buffers(), saved, strict=True):
+                buffer.copy_(value)
 
 
 def train_batches(
@@ -352,6 +420,8 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
         restore(args, start_step, lambda: load_training_state(optimizer, scaler, state))
     if args.compile:
         train_model = torch.compile(train_model)
+    steps = partial(model_steps, args, plan, backend, device, model, train_model, optimizer, autocast)
+    decode = settle_auto(args, plan, backend, device, decode, steps)
 
     precision = "fp32" if dtype is None else f"amp_{'bf16' if dtype == torch.bfloat16 else 'fp16'}"
     exporter = Exporter(

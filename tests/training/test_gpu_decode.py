@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import io
 import logging
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -59,8 +60,12 @@ def test_gpu_decode_without_a_cuda_device_is_an_error() -> None:
         choose_decoder("gpu", CPU, never_loaded)  # type: ignore[arg-type]
 
 
-def test_auto_falls_back_to_the_cpu_where_torchvision_does_not_load(caplog: pytest.LogCaptureFixture) -> None:
-    # The real import, on a CUDA device: in this environment torchvision is not installed.
+def test_auto_falls_back_to_the_cpu_where_torchvision_does_not_load(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The real import, made to fail as it does without torchvision (the PyTorch image has it).
+    monkeypatch.setitem(sys.modules, "torchvision", None)
+    monkeypatch.setitem(sys.modules, "torchvision.io", None)
     with pytest.raises(ImportError):
         load_nvjpeg()
     with caplog.at_level(logging.WARNING, logger="training.gpu_decode"):

@@ -1,0 +1,74 @@
+"""bench.gpu_decode_e2e without a GPU: the runs it asks for, the ratios it reports, its refusal here.
+
+The figures themselves need a CUDA node (docs/performance.md); this checks everything around them
+with a stand-in for the job runs, and the job arguments against the job's own parser.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import gpu_decode_e2e as e2e
+from training.args import parse_args
+
+TINY = e2e.Plan(images=8, batch=4, epochs=3, warmup=1, model="resnet_tiny", image_size=16)
+
+
+def fake_run(calls: list[list[str]]) -> e2e.Run:
+    rates = {"synthetic": 1000.0, "cpu": 900.0, "gpu": 700.0, "auto": 890.0}
+
+    def run(args: list[str]) -> tuple[dict[str, Any], float]:
+        calls.append(args)
+        key = args[args.index("--decode") + 1] if "--decode" in args else "synthetic"
+        rate = rates[key] * (1.5 if "--compile" in args else 1.0)
+        return {"images_per_sec": rate, "decoder": None if key == "synthetic" else f"decoder of {key}"}, 2.0
+
+    return run
+
+
+def test_each_mode_runs_its_synthetic_baseline_then_every_decoder(tmp_path: Path) -> None:
+    calls: list[list[str]] = []
+    table = e2e.rows(tmp_path, TINY, fake_run(calls))
+    assert [(r["mode"], r["input"]) for r in table] == [
+        (mode, source)
+        for mode in ("eager", "compiled")
+        for source in ("synthetic", "jpeg --decode cpu", "jpeg --decode gpu", "jpeg --decode auto")
+    ]
+    assert [r["vs_synthetic"] for r in table[:4]] == [1.0, 0.9, 0.7, 0.89]
+    assert [r["vs_synthetic"] for r in table[4:]] == pytest.approx([1.0, 0.9, 0.7, 0.89])  # compiled: its own baseline
+    assert all(r["images_per_host_cpu_s"] == TINY.steps * TINY.batch / 2.0 for r in table)
+    assert len(list((tmp_path / "train").rglob("*.JPEG"))) == TINY.images
+    assert ["--compile" in args for args in calls] == [False] * 4 + [True] * 4
+
+
+@pytest.mark.parametrize("decode", [None, *e2e.DECODES])
+def test_the_job_accepts_every_run_and_takes_the_same_steps(tmp_path: Path, decode: str | None) -> None:
+    data_dir = None if decode is None else tmp_path
+    args = parse_args("pytorch", e2e.job_args(TINY, "compiled", data_dir, decode))
+    assert (args.decode, args.compile, args.batch_size, args.backend) == (decode or "cpu", True, 4, "ddp")
+    if decode is None:
+        assert (args.data, args.steps, args.epochs) == ("synthetic", TINY.steps, 1)
+    else:
+        assert (args.data, args.data_dir, args.epochs) == ("imagenet", tmp_path, TINY.epochs)
+        assert TINY.images // TINY.batch * args.epochs == TINY.steps
+
+
+def test_without_cuda_it_exits_3_with_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert e2e.main([]) == 3
+    err = capsys.readouterr().err
+    assert err.splitlines() == [err.strip()] and err.startswith("error: no CUDA device here")
+
+
+def test_host_cpu_time_counts_work() -> None:
+    before = e2e.host_cpu_seconds()
+    sum(i * i for i in range(3_000_000))
+    assert e2e.host_cpu_seconds() > before
+
+
+def test_the_table_prints_a_line_per_row(tmp_path: Path) -> None:
+    table = e2e.rows(tmp_path, TINY, fake_run([]), modes=["eager"])
+    lines = e2e.format_table(table).splitlines()
+    assert len(lines) == 5 and "jpeg --decode auto" in lines[-1] and lines[-1].endswith("decoder of auto")

@@ -1,0 +1,173 @@
+"""``--decode auto``'s start-up probe: what it times, and the rule it applies on every rank."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from bench.jpegs import write_imagenet_tree
+from tests.training.test_gpu_decode import pillow_jpeg_decoder
+from training import data, decode_choice, pytorch
+from training.decode_choice import KEEPS_UP, MARGIN, Rates, batches_per_second, measure_rates, probe_batches
+from training.torch_models import build_model
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def timed_batches(clock: Clock, first: float, each: float, log: list[str], name: str) -> Iterator[int]:
+    """Batches that take ``first`` seconds to the first (worker start-up), then ``each``."""
+    try:
+        clock.now += first
+        yield 0
+        for n in range(1, 1000):
+            clock.now += each
+            yield n
+    finally:
+        log.append(f"{name} stopped")
+
+
+def test_the_rate_leaves_out_the_first_batch_and_counts_the_device_work_of_the_last() -> None:
+    clock, syncs, log = Clock(), [], []
+
+    def sync() -> None:
+        syncs.append(clock.now)
+        clock.now += 0.5  # the device finishing the queued work
+
+    rate = batches_per_second(timed_batches(clock, 30.0, 0.25, log, "loader"), 8, sync, clock)
+    assert rate == pytest.approx(8 / (8 * 0.25 + 0.5))
+    assert syncs == [30.0, 30.5 + 8 * 0.25]
+
+
+def test_each_loader_is_stopped_before_the_next_starts() -> None:
+    clock, log = Clock(), []
+
+    def loader(name: str, each: float) -> Any:
+        def start() -> Iterator[int]:
+            log.append(f"{name} started")
+            return timed_batches(clock, 1.0, each, log, name)
+
+        return start
+
+    rates = measure_rates(loader("cpu", 0.5), loader("gpu", 0.25), loader("model", 0.2), 4, lambda: None, clock)
+    assert log == [f"{name} {event}" for name in ("cpu", "gpu", "model") for event in ("started", "stopped")]
+    assert (rates.cpu, rates.gpu, rates.model) == pytest.approx((2.0, 4.0, 5.0))
+    assert rates.gpu_pays()
+
+
+@pytest.mark.parametrize(
+    ("cpu", "gpu", "pays"),
+    [
+        (KEEPS_UP, 10.0, False),  # the CPU loader keeps up with the model: nothing to gain
+        (0.5, 0.5 * MARGIN * 0.99, False),  # the GPU path is not faster by the margin
+        (0.5, 0.5 * MARGIN, True),
+        (KEEPS_UP * 0.99, KEEPS_UP * MARGIN, True),
+    ],
+)
+def test_the_gpu_path_is_chosen_only_where_the_cpu_loader_holds_the_model_back(
+    cpu: float, gpu: float, pays: bool
+) -> None:
+    assert Rates(cpu=cpu, gpu=gpu, model=1.0).gpu_pays() is pays
+
+
+def test_the_probe_covers_two_rounds_of_workers() -> None:
+    assert [probe_batches(n) for n in (0, 1, 4, 15)] == [8, 8, 8, 30]
+
+
+@pytest.fixture
+def plan(tmp_path: Path) -> data.DataPlan:
+    write_imagenet_tree(tmp_path, images=8, classes=2)
+    folder = data.scan_split(tmp_path, "train", 16, seed=0)
+    assert folder is not None
+    return data.DataPlan(folder, None, 2, steps_per_epoch=2)
+
+
+def ranks_answering(*others: bool) -> SimpleNamespace:
+    """Rank 0 of a DDP job whose other ranks' probes answered ``others``."""
+    return SimpleNamespace(
+        rank=0,
+        size=1,
+        local_size=1,
+        allgather_object=lambda mine: [mine, *others],
+        drop_gradients=pytorch.DDPBackend.drop_gradients.__get__(object()),
+    )
+
+
+AUTO = argparse.Namespace(
+    decode="auto", data_workers=0, batch_size=4, seed=0, image_size=16
+)  # loaders in-process: quick
+CPU = torch.device("cpu")
+
+
+def tiny_model(plan: data.DataPlan) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = build_model("resnet_tiny", plan.num_classes).train()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def tiny_steps(plan: data.DataPlan, backend: SimpleNamespace) -> Callable[[], Iterator[None]]:
+    model, optimizer = tiny_model(plan)
+    return partial(pytorch.model_steps, AUTO, plan, backend, CPU, model, model, optimizer, contextlib.nullcontext)
+
+
+def test_the_model_probe_leaves_the_model_as_it_was(plan: data.DataPlan) -> None:
+    model, optimizer = tiny_model(plan)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    steps = pytorch.model_steps(AUTO, plan, ranks_answering(), CPU, model, model, optimizer, contextlib.nullcontext)
+    next(steps)
+    next(steps)
+    assert any(not torch.equal(before[name], value) for name, value in model.state_dict().items())  # BN statistics
+    steps.close()
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+    assert all(parameter.grad is None for parameter in model.parameters())
+    assert optimizer.state_dict()["state"] == {}  # no step taken: no momentum
+
+
+@pytest.mark.parametrize(("this_rank", "other_rank", "kept"), [(True, True, True), (True, False, False)])
+def test_auto_keeps_the_gpu_only_where_every_rank_found_it_faster(
+    monkeypatch: pytest.MonkeyPatch, plan: data.DataPlan, this_rank: bool, other_rank: bool, kept: bool
+) -> None:
+    rates = Rates(cpu=1.0, gpu=2.0 if this_rank else 1.0, model=2.0)
+    monkeypatch.setattr(pytorch, "measure_rates", lambda *args: rates)
+    backend = ranks_answering(other_rank)
+    chosen = pytorch.settle_auto(AUTO, plan, backend, CPU, pillow_jpeg_decoder, tiny_steps(plan, backend))  # type: ignore[arg-type]
+    assert (chosen is pillow_jpeg_decoder) is kept
+
+
+def test_the_probe_times_both_real_loaders(
+    monkeypatch: pytest.MonkeyPatch, plan: data.DataPlan, caplog: pytest.LogCaptureFixture
+) -> None:
+    measured: list[Rates] = []
+
+    def recording(*args: Any) -> Rates:
+        measured.append(decode_choice.measure_rates(*args))
+        return measured[-1]
+
+    monkeypatch.setattr(pytorch, "measure_rates", recording)
+    with caplog.at_level(logging.INFO, logger="training.pytorch"):
+        backend = ranks_answering()
+        pytorch.settle_auto(AUTO, plan, backend, CPU, pillow_jpeg_decoder, tiny_steps(plan, backend))  # type: ignore[arg-type]
+    assert len(measured) == 1 and min(measured[0].cpu, measured[0].gpu, measured[0].model) > 0
+    assert f"--decode auto: {measured[0]}; decoding on the" in caplog.text
+
+
+@pytest.mark.parametrize("requested", ["cpu", "gpu"])
+def test_only_auto_is_probed(monkeypatch: pytest.MonkeyPatch, plan: data.DataPlan, requested: str) -> None:
+    monkeypatch.setattr(pytorch, "measure_rates", None)  # would fail if called
+    args = argparse.Namespace(**{**vars(AUTO), "decode": requested})
+    decode = pillow_jpeg_decoder if requested == "gpu" else None
+    backend = ranks_answering()
+    assert pytorch.settle_auto(args, plan, backend, CPU, decode, tiny_steps(plan, backend)) is decode  # type: ignore[arg-type]
