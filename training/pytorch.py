@@ -42,6 +42,7 @@ from training.export import Exporter, ExportSpec, ModelFiles
 from training.gpu_decode import NVJPEG, DeviceBatcher, EncodedFolder, JpegDecoder, choose_decoder
 from training.job import run_job
 from training.loop import TrainingRun, configure_logging, restore, resume
+from training.sync import PeriodicSync, SyncSettings, check_layout, gather_replicas, replica_state
 from training.torch_models import build_model
 
 log = logging.getLogger(__name__)
@@ -308,7 +309,11 @@ def job_device(backend: Backend) -> torch.device:
 
 
 def training_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, step: int
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    step: int,
+    extra: dict[str, Any] | None = None,
 ) -> bytes:
     """A checkpoint's payload: everything a resumed run needs to continue at ``step``."""
     buffer = io.BytesIO()
@@ -317,13 +322,46 @@ def training_state(
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(),
+        **(extra or {}),
     }
     torch.save(state, buffer)
     return buffer.getvalue()
 
 
+def periodic_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    periodic: PeriodicSync,
+    step: int,
+) -> bytes | None:
+    """A checkpoint's payload under ``--sync local-sgd|hierarchical``, on rank 0 (None elsewhere):
+    rank 0's state as in :func:`training_state`, every replica's weights and optimizer (they differ
+    between averages) and the averaging state. A collective: every rank calls it."""
+    replicas = gather_replicas(replica_state(model, optimizer))
+    if replicas is None:
+        return None
+    return training_state(model, optimizer, scaler, step, {"sync": periodic.state_dict(step), "replicas": replicas})
+
+
+def load_replica(
+    model: nn.Module, optimizer: torch.optim.Optimizer, periodic: PeriodicSync, state: dict[str, Any], rank: int
+) -> None:
+    """This rank's own weights and optimizer from a checkpoint of the periodic modes, and the averaging state."""
+    replicas = state.get("replicas")
+    if replicas is not None:
+        if len(replicas) != torch.distributed.get_world_size():
+            raise ValueError(f"it holds {len(replicas)} replicas; resume with that many processes")
+        model.load_state_dict(replicas[rank]["model"])
+        optimizer.load_state_dict(replicas[rank]["optimizer"])
+    periodic.load_state_dict(state.get("sync"), state["step"])
+
+
 def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
     device = job_device(backend)
+    sync = SyncSettings.from_args(args)
+    if backend.rank == 0 and sync.periodic:
+        log.info("synchronisation: %s", sync.describe())
     # Ranks start from different random weights on purpose: training only works if the
     # broadcast from rank 0 makes them equal, and the equivalence test checks that it does.
     torch.manual_seed(args.seed + backend.rank)
@@ -347,9 +385,15 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
     start_step, state = resume(args, backend, fingerprint, plan.steps_per_epoch, decode_state)
     if state is not None:
         restore(args, start_step, lambda: model.load_state_dict(state["model"]))
+    check_layout(backend.allgather_object(backend.local_size), sync.mode)
     train_model, optimizer = backend.distribute(model, optimizer, args.fp16_allreduce)
+    periodic = PeriodicSync(sync, train_model, backend.local_size, start_step) if sync.periodic else None
     if state is not None:
         restore(args, start_step, lambda: load_training_state(optimizer, scaler, state))
+        if periodic is not None:
+            restore(args, start_step, lambda: load_replica(model, optimizer, periodic, state, backend.rank))
+        elif "replicas" in state:
+            restore(args, start_step, partial(_refuse_replicas, state))
     if args.compile:
         train_model = torch.compile(train_model)
 
@@ -367,7 +411,10 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         decoder=None if plan.train is None else NVJPEG if decode is not None else decoder_name(),
         fingerprint=fingerprint,
-        save_state=partial(training_state, model, optimizer, scaler),
+        save_state=partial(training_state, model, optimizer, scaler)
+        if periodic is None
+        else partial(periodic_state, model, optimizer, scaler, periodic),
+        collective_save=periodic is not None,
         evaluate=make_evaluate(args, plan, backend, model, device, decode, autocast, skipped),
         on_epoch_end=exporter.epoch_hook,
     )
@@ -382,6 +429,8 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
         scaler.scale(loss).backward()
         backend.step(optimizer, scaler)
         scaler.update()
+        if periodic is not None:
+            periodic.after_step(step)
         skipped.add(batch_skipped)
         run.step_done(step, loss.item)
     metrics = run.finish(skipped if plan.train is not None else None)
@@ -411,6 +460,12 @@ def export_model(model: nn.Module, image_size: int, directory: Path) -> ModelFil
 def load_training_state(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, state: dict[str, Any]) -> None:
     optimizer.load_state_dict(state["optimizer"])
     scaler.load_state_dict(state["scaler"])
+
+
+def _refuse_replicas(state: dict[str, Any]) -> None:
+    raise ValueError(
+        f"it was written by --sync local-sgd or hierarchical ({len(state['replicas'])} replicas that differ)"
+    )
 
 
 def decode_state(payload: bytes) -> dict[str, Any]:

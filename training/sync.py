@@ -1,0 +1,282 @@
+"""How often the PyTorch data-parallel job's replicas agree: every step, or every H steps.
+
+``--sync every-step`` is plain data parallelism: DDP allreduces the gradients in every backward.
+The periodic modes let each replica take local steps and average the *parameters* now and then,
+which is what pays off where the link between nodes is slow (Lin et al. 2020, "Don't use large
+mini-batches, use local SGD"; Douillard et al. 2023, DiLoCo):
+
+* ``local-sgd``: no gradient allreduce at all after the warm-up; every H steps the parameters are
+  averaged over every rank (``PeriodicModelAverager``);
+* ``hierarchical``: the parameters are averaged inside each node after every step, over every rank
+  when the step count is a multiple of H (``HierarchicalModelAverager``). Inside a node the link is
+  fast; across nodes only every H steps.
+
+Both run the first ``--sync-warmup-steps`` steps fully synchronous (the post-local-SGD DDP
+communication hook allreduces the gradients until then and does nothing afterwards), and both can
+replace the plain average with DiLoCo's outer step (``--outer-optimizer nesterov``): the averaged
+change since the last global average is an outer gradient for Nesterov SGD on a copy of the
+weights (the anchor) that every rank keeps identical.
+
+These are torch's own building blocks (torch.distributed.algorithms); what is ours is the wiring:
+the averagers count the steps *done*, so that averaging follows every H-th step, and the state a
+resumed run needs (each replica's weights and optimizer, the step count, the anchor) is saved.
+
+Only the DDP backend has them. Horovod's ``DistributedOptimizer`` allreduces in every step and
+Horovod 0.28 has no averager; the job refuses ``--sync`` other than every-step with Horovod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from training.errors import BadInput
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+log = logging.getLogger(__name__)
+
+EVERY_STEP, LOCAL_SGD, HIERARCHICAL = "every-step", "local-sgd", "hierarchical"
+SYNC_MODES = (EVERY_STEP, LOCAL_SGD, HIERARCHICAL)
+AVERAGE, NESTEROV = "average", "nesterov"
+OUTER_OPTIMIZERS = (AVERAGE, NESTEROV)
+DEFAULT_SYNC_EVERY = 8
+DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's
+
+
+@dataclass(frozen=True)
+class SyncSettings:
+    """The job's synchronisation settings, built once from the flags (:meth:`from_args`)."""
+
+    mode: str = EVERY_STEP
+    every: int = 1  # H: steps between two averages over every rank
+    warmup_steps: int = 0  # fully synchronous steps first
+    outer: str = AVERAGE
+    outer_lr: float = DEFAULT_OUTER_LR
+    outer_momentum: float = DEFAULT_OUTER_MOMENTUM
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SyncSettings:
+        """The settings of parsed flags (:func:`sync_refusal` has accepted them)."""
+        mode = getattr(args, "sync", EVERY_STEP)
+        if mode == EVERY_STEP:
+            return cls()
+        return cls(
+            mode=mode,
+            every=args.sync_every or DEFAULT_SYNC_EVERY,
+            warmup_steps=args.sync_warmup_steps or 0,
+            outer=args.outer_optimizer,
+            outer_lr=DEFAULT_OUTER_LR if args.outer_lr is None else args.outer_lr,
+            outer_momentum=DEFAULT_OUTER_MOMENTUM if args.outer_momentum is None else args.outer_momentum,
+        )
+
+    @property
+    def periodic(self) -> bool:
+        """Whether replicas take local steps (and differ between averages)."""
+        return self.mode != EVERY_STEP
+
+    def global_average_due(self, done: int) -> bool:
+        """Whether the parameters are averaged over every rank once ``done`` steps are done.
+
+        The averagers' own rules, with their step counter = steps done: PeriodicModelAverager from
+        the end of the warm-up on, HierarchicalModelAverager at multiples of H (after the warm-up)."""
+        if not self.periodic or done < self.warmup_steps:
+            return False
+        offset = self.warmup_steps if self.mode == LOCAL_SGD else 0
+        return (done - offset) % self.every == 0
+
+    def describe(self) -> str:
+        if not self.periodic:
+            return EVERY_STEP
+        outer = "" if self.outer == AVERAGE else f", outer Nesterov lr {self.outer_lr} momentum {self.outer_momentum}"
+        return f"{self.mode} every {self.every} steps after {self.warmup_steps} synchronous{outer}"
+
+
+def sync_refusal(args: argparse.Namespace) -> str | None:
+    """Why these flags cannot run together, or None. For the argument parser: one line, exit 2."""
+    mode = getattr(args, "sync", None)
+    if mode is None:  # a job without the flags (TensorFlow, Keras)
+        return None
+    if mode == EVERY_STEP:
+        given = [flag for flag, value in _periodic_flags(args).items() if value is not None]
+        if given:
+            return f"{', '.join(given)}: only used with --sync local-sgd or hierarchical"
+        return None
+    if args.backend != "ddp":
+        return (
+            f"--sync {mode} needs --backend ddp (torchrun): Horovod's DistributedOptimizer allreduces "
+            "every step, and Horovod has no model averager"
+        )
+    if args.fp16_allreduce:
+        return f"--fp16-allreduce compresses the per-step gradient allreduce, which --sync {mode} does not do"
+    if args.outer_optimizer != NESTEROV and (args.outer_lr is not None or args.outer_momentum is not None):
+        return "--outer-lr and --outer-momentum only apply to --outer-optimizer nesterov"
+    return None
+
+
+def _periodic_flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "--sync-every": args.sync_every,
+        "--sync-warmup-steps": args.sync_warmup_steps,
+        "--outer-optimizer": None if args.outer_optimizer == AVERAGE else args.outer_optimizer,
+        "--outer-lr": args.outer_lr,
+        "--outer-momentum": args.outer_momentum,
+    }
+
+
+class OuterNesterov:
+    """DiLoCo's outer step: anchor <- Nesterov SGD on (anchor - global average); weights <- anchor."""
+
+    def __init__(self, params: list[nn.Parameter], lr: float, momentum: float) -> None:
+        import torch
+
+        self.params = params
+        self.anchor = [p.detach().clone() for p in params]
+        self.optimizer = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+    def reset(self) -> None:
+        """The weights (equal on every rank) become the anchor: the start of local training."""
+        for anchor, param in zip(self.anchor, self.params, strict=True):
+            anchor.copy_(param.detach())
+
+    def step(self) -> None:
+        """After the parameters were averaged over every rank."""
+        for anchor, param in zip(self.anchor, self.params, strict=True):
+            anchor.grad = anchor - param.detach()
+        self.optimizer.step()
+        for anchor, param in zip(self.anchor, self.params, strict=True):
+            param.data.copy_(anchor)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"anchor": [a.cpu() for a in self.anchor], "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["anchor"]) != len(self.anchor):
+            raise ValueError(f"the anchor has {len(state['anchor'])} tensors, this model {len(self.anchor)}")
+        for anchor, saved in zip(self.anchor, state["anchor"], strict=True):
+            anchor.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class PeriodicSync:
+    """The periodic modes on a DDP model: the hook, the averager and the outer optimizer.
+
+    Every rank builds one after DDP wrapped the model (which made the replicas equal) and calls
+    :meth:`after_step` after each optimizer step."""
+
+    def __init__(self, settings: SyncSettings, ddp: nn.Module, local_size: int, start_step: int) -> None:
+        import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_local
+        from torch.distributed.algorithms.model_averaging import averagers
+        from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+            HierarchicalModelAverager,
+        )
+
+        self.settings = settings
+        self.params = list(ddp.parameters())
+        # torch's averaging makes every weight a contiguous view of one flat buffer; DDP built its
+        # buckets for the weights' layout (channels-last), which the gradients keep following.
+        self.layouts = [_memory_format(p) for p in self.params]
+        world = dist.get_world_size()
+        # Global gradient allreduce while iter < warm-up, nothing after (the averager takes over).
+        self.hook_state = post_local.PostLocalSGDState(
+            process_group=None,
+            subgroup=None,
+            start_localSGD_iter=settings.warmup_steps,
+            post_local_gradient_allreduce=False,
+        )
+        self.hook_state.iter = min(start_step, settings.warmup_steps)
+        ddp.register_comm_hook(self.hook_state, post_local.post_localSGD_hook)
+        with warnings.catch_warnings():  # H = 1 is allowed on purpose: it must equal every-step
+            warnings.filterwarnings("ignore", message=".*no need to use model averaging.*")
+            self.averager: averagers.ModelAverager
+            if settings.mode == LOCAL_SGD:
+                self.averager = averagers.PeriodicModelAverager(settings.every, settings.warmup_steps)
+            else:
+                # Ranks of a node are contiguous (torchrun's numbering), so new_subgroups(local_size) is per node.
+                levels = [(1, local_size), (settings.every, world)] if settings.every > 1 else [(1, world)]
+                self.averager = HierarchicalModelAverager(OrderedDict(levels), settings.warmup_steps)
+        self.outer = (
+            OuterNesterov(self.params, settings.outer_lr, settings.outer_momentum)
+            if settings.outer == NESTEROV
+            else None
+        )
+
+    def after_step(self, step: int) -> None:
+        """After the optimizer step of 0-based ``step``: average where due, then the outer step."""
+        done = step + 1
+        self.averager.step = done  # torch's averagers count calls; ours count steps done (resume-proof)
+        self.averager.average_parameters(self.params)
+        for param, layout in zip(self.params, self.layouts, strict=True):
+            if not param.is_contiguous(memory_format=layout):
+                param.data = param.data.contiguous(memory_format=layout)
+        if self.outer is None:
+            return
+        if done == self.settings.warmup_steps:
+            self.outer.reset()
+        elif done > self.settings.warmup_steps and self.settings.global_average_due(done):
+            self.outer.step()
+
+    def state_dict(self, done: int) -> dict[str, Any]:
+        """What every rank shares: the steps done and the outer optimizer (None without one)."""
+        return {"steps_done": done, "outer": None if self.outer is None else self.outer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any] | None, step: int) -> None:
+        """Restore at ``step``; ``state`` None: a checkpoint of an every-step run (replicas equal)."""
+        if state is None:
+            return  # the anchor is already the loaded weights
+        if state["steps_done"] != step:
+            raise ValueError(f"the averager's state is of step {state['steps_done']}, the checkpoint's of step {step}")
+        if (state["outer"] is None) != (self.outer is None):
+            raise ValueError("the checkpoint was written with another --outer-optimizer")
+        if self.outer is not None:
+            self.outer.load_state_dict(state["outer"])
+
+
+def _memory_format(tensor: torch.Tensor) -> torch.memory_format:
+    import torch
+
+    if tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def replica_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's own weights and optimizer state, on the CPU (replicas differ between averages)."""
+    import torch
+
+    def cpu(value: Any) -> Any:
+        return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+
+    optimizer_state = optimizer.state_dict()
+    optimizer_state["state"] = {
+        index: {key: cpu(value) for key, value in entry.items()} for index, entry in optimizer_state["state"].items()
+    }
+    return {"model": {name: cpu(t) for name, t in model.state_dict().items()}, "optimizer": optimizer_state}
+
+
+def gather_replicas(state: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Every rank's :func:`replica_state` on rank 0 (None elsewhere): a collective of every rank."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(state, gathered, dst=0)
+    return gathered
+
+
+def check_layout(local_sizes: list[int], mode: str) -> None:
+    """Hierarchical averaging groups ranks by node: every node must run as many processes.
+    ``local_sizes``: every rank's (the same list on every rank, so every rank refuses alike)."""
+    if mode == HIERARCHICAL and len(set(local_sizes)) > 1:
+        raise BadInput(
+            f"--sync hierarchical needs the same number of processes on every node, got {sorted(set(local_sizes))}: "
+            "use torchrun --nproc-per-node N on every node",
+            every_rank=True,
+        )
