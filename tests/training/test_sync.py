@@ -140,7 +140,7 @@ def test_settings_are_built_once_from_the_flags() -> None:
     assert SyncSettings.from_args(parse_args("pytorch", [])) == SyncSettings()
     assert [d for d in range(12) if settings.global_average_due(d)] == [0, 8]
     late = SyncSettings(HIERARCHICAL, every=4, warmup_steps=6)
-    assert [d for d in range(13) if late.global_average_due(d)] == [8, 12]
+    assert [d for d in range(13) if late.global_average_due(d)] == [6, 10]
 
 
 def test_hierarchical_refuses_nodes_of_different_sizes() -> None:
