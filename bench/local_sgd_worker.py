@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     world, local_size = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
     local_sizes: list[int] = [0] * world
     dist.all_gather_object(local_sizes, local_size)
-    check_layout(local_sizes, HIERARCHICAL)
+    check_layout(local_sizes)
     synchronous = train(args, SyncSettings(), args.steps, None)
     runs = {EVERY_STEP: synchronous}
     for variant in args.periodic:

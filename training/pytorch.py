@@ -42,7 +42,7 @@ from training.export import Exporter, ExportSpec, ModelFiles
 from training.gpu_decode import NVJPEG, DeviceBatcher, EncodedFolder, JpegDecoder, choose_decoder
 from training.job import run_job
 from training.loop import TrainingRun, configure_logging, restore, resume
-from training.sync import PeriodicSync, SyncSettings, check_layout, gather_replicas, replica_state
+from training.sync import HIERARCHICAL, PeriodicSync, SyncSettings, check_layout, refuse_replicas
 from training.torch_models import build_model
 
 log = logging.getLogger(__name__)
@@ -336,25 +336,9 @@ def periodic_state(
     step: int,
 ) -> bytes | None:
     """A checkpoint's payload under ``--sync local-sgd|hierarchical``, on rank 0 (None elsewhere):
-    rank 0's state as in :func:`training_state`, every replica's weights and optimizer (they differ
-    between averages) and the averaging state. A collective: every rank calls it."""
-    replicas = gather_replicas(replica_state(model, optimizer))
-    if replicas is None:
-        return None
-    return training_state(model, optimizer, scaler, step, {"sync": periodic.state_dict(step), "replicas": replicas})
-
-
-def load_replica(
-    model: nn.Module, optimizer: torch.optim.Optimizer, periodic: PeriodicSync, state: dict[str, Any], rank: int
-) -> None:
-    """This rank's own weights and optimizer from a checkpoint of the periodic modes, and the averaging state."""
-    replicas = state.get("replicas")
-    if replicas is not None:
-        if len(replicas) != torch.distributed.get_world_size():
-            raise ValueError(f"it holds {len(replicas)} replicas; resume with that many processes")
-        model.load_state_dict(replicas[rank]["model"])
-        optimizer.load_state_dict(replicas[rank]["optimizer"])
-    periodic.load_state_dict(state.get("sync"), state["step"])
+    :func:`training_state` with every replica added (:meth:`PeriodicSync.checkpoint`, a collective)."""
+    extra = periodic.checkpoint(model, optimizer, step)
+    return None if extra is None else training_state(model, optimizer, scaler, step, extra)
 
 
 def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
@@ -385,15 +369,16 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
     start_step, state = resume(args, backend, fingerprint, plan.steps_per_epoch, decode_state)
     if state is not None:
         restore(args, start_step, lambda: model.load_state_dict(state["model"]))
-    check_layout(backend.allgather_object(backend.local_size), sync.mode)
+    if sync.mode == HIERARCHICAL:
+        check_layout(backend.allgather_object(backend.local_size))
     train_model, optimizer = backend.distribute(model, optimizer, args.fp16_allreduce)
     periodic = PeriodicSync(sync, train_model, backend.local_size, start_step) if sync.periodic else None
     if state is not None:
         restore(args, start_step, lambda: load_training_state(optimizer, scaler, state))
         if periodic is not None:
-            restore(args, start_step, lambda: load_replica(model, optimizer, periodic, state, backend.rank))
-        elif "replicas" in state:
-            restore(args, start_step, partial(_refuse_replicas, state))
+            restore(args, start_step, lambda: periodic.restore(model, optimizer, state, backend.rank))
+        else:
+            restore(args, start_step, partial(refuse_replicas, state))
     if args.compile:
         train_model = torch.compile(train_model)
 
@@ -460,12 +445,6 @@ def export_model(model: nn.Module, image_size: int, directory: Path) -> ModelFil
 def load_training_state(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, state: dict[str, Any]) -> None:
     optimizer.load_state_dict(state["optimizer"])
     scaler.load_state_dict(state["scaler"])
-
-
-def _refuse_replicas(state: dict[str, Any]) -> None:
-    raise ValueError(
-        f"it was written by --sync local-sgd or hierarchical ({len(state['replicas'])} replicas that differ)"
-    )
 
 
 def decode_state(payload: bytes) -> dict[str, Any]:

@@ -219,20 +219,41 @@ class PeriodicSync:
         elif done > self.settings.warmup_steps and self.settings.global_average_due(done):
             self.outer.step()
 
-    def state_dict(self, done: int) -> dict[str, Any]:
-        """What every rank shares: the steps done and the outer optimizer (None without one)."""
-        return {"steps_done": done, "outer": None if self.outer is None else self.outer.state_dict()}
+    def checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer, done: int) -> dict[str, Any] | None:
+        """What a checkpoint adds, on rank 0 (None elsewhere): every replica's weights and optimizer
+        (they differ between averages) and the averaging state. A collective: every rank calls it."""
+        replicas = gather_replicas(replica_state(model, optimizer))
+        if replicas is None:
+            return None
+        outer = None if self.outer is None else self.outer.state_dict()
+        return {"sync": {"steps_done": done, "outer": outer}, "replicas": replicas}
 
-    def load_state_dict(self, state: dict[str, Any] | None, step: int) -> None:
-        """Restore at ``step``; ``state`` None: a checkpoint of an every-step run (replicas equal)."""
-        if state is None:
-            return  # the anchor is already the loaded weights
-        if state["steps_done"] != step:
-            raise ValueError(f"the averager's state is of step {state['steps_done']}, the checkpoint's of step {step}")
-        if (state["outer"] is None) != (self.outer is None):
-            raise ValueError("the checkpoint was written with another --outer-optimizer")
+    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], rank: int) -> None:
+        """This rank's own replica and the averaging state, from a checkpoint's ``state``. A checkpoint
+        of an every-step run has neither: its replicas are equal, and the anchor is its weights."""
+        import torch.distributed as dist
+
+        replicas, sync = state.get("replicas"), state.get("sync")
+        if replicas is None or sync is None:
+            return
+        if len(replicas) != dist.get_world_size():
+            raise ValueError(f"it holds {len(replicas)} replicas; resume with that many processes")
+        if sync["steps_done"] != state["step"]:
+            raise ValueError(
+                f"its averaging state is of step {sync['steps_done']}, its weights of step {state['step']}"
+            )
+        if (sync["outer"] is None) != (self.outer is None):
+            raise ValueError("it was written with another --outer-optimizer")
+        model.load_state_dict(replicas[rank]["model"])
+        optimizer.load_state_dict(replicas[rank]["optimizer"])
         if self.outer is not None:
-            self.outer.load_state_dict(state["outer"])
+            self.outer.load_state_dict(sync["outer"])
+
+
+def refuse_replicas(state: dict[str, Any]) -> None:
+    """An every-step run cannot continue a checkpoint of the periodic modes: its replicas differ."""
+    if "replicas" in state:
+        raise ValueError(f"it was written by --sync local-sgd or hierarchical ({len(state['replicas'])} replicas)")
 
 
 def _memory_format(tensor: torch.Tensor) -> torch.memory_format:
@@ -267,10 +288,10 @@ def gather_replicas(state: dict[str, Any]) -> list[dict[str, Any]] | None:
     return gathered
 
 
-def check_layout(local_sizes: list[int], mode: str) -> None:
+def check_layout(local_sizes: list[int]) -> None:
     """Hierarchical averaging groups ranks by node: every node must run as many processes.
     ``local_sizes``: every rank's (the same list on every rank, so every rank refuses alike)."""
-    if mode == HIERARCHICAL and len(set(local_sizes)) > 1:
+    if len(set(local_sizes)) > 1:
         raise BadInput(
             f"--sync hierarchical needs the same number of processes on every node, got {sorted(set(local_sizes))}: "
             "use torchrun --nproc-per-node N on every node",
