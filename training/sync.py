@@ -178,10 +178,16 @@ class PeriodicSync:
         from torch.distributed.algorithms.model_averaging import averagers
 
         self.settings = settings
+        self.world = dist.group.WORLD
         self.params = list(ddp.parameters())
         # torch's averaging makes every weight a contiguous view of one flat buffer; DDP built its
         # buckets for the weights' layout (channels-last), which the gradients keep following.
         self.layouts = [_memory_format(p) for p in self.params]
+        # DDP would broadcast rank 0's buffers (batch-norm statistics) over every rank before each
+        # forward: a wait on the slow link in every step. They are averaged with the weights instead.
+        # (A property in torch 2.13, forward_sync_buffers's old name; a plain attribute in 2.11.)
+        ddp.broadcast_buffers = False
+        self.buffers = [b for b in ddp.module.buffers() if b.is_floating_point()]
         hierarchical = settings.mode == HIERARCHICAL
         # Ranks of a node are contiguous (torchrun's numbering), so new_subgroups(local_size) is per
         # node; every rank must call it, in the same order.
@@ -212,6 +218,10 @@ class PeriodicSync:
         for param, layout in zip(self.params, self.layouts, strict=True):
             if not param.is_contiguous(memory_format=layout):
                 param.data = param.data.contiguous(memory_format=layout)
+        if self.buffers and self.settings.global_average_due(done):
+            from torch.distributed.algorithms.model_averaging.utils import average_parameters
+
+            average_parameters(iter(self.buffers), self.world)
         if self.outer is None:
             return
         if done == self.settings.warmup_steps:

@@ -68,9 +68,10 @@ def test_sync_every_1_equals_the_synchronous_job(tmp_path: Path) -> None:
 
 
 def test_local_sgd_replicas_meet_at_each_average_and_resume_exactly(tmp_path: Path) -> None:
-    # One synchronous step, then averages after steps 4 and 7 (every 3), with DiLoCo's outer step.
+    # One synchronous step, then averages after steps 4 and 7 (every 3), with DiLoCo's outer step;
+    # a model with batch norm, whose statistics are averaged with the weights.
     flags = every_step("--steps", 7, "--sync", "local-sgd", "--sync-every", 3, "--sync-warmup-steps", 1)
-    flags += ["--outer-optimizer", "nesterov"]
+    flags += ["--outer-optimizer", "nesterov", "--model", "resnet_tiny"]
     run(torchrun(2, *flags, "--checkpoint-dir", tmp_path / "whole"), tmp_path / "whole.log")
     for step in range(1, 8):
         first, second = replicas(tmp_path / "whole", step)
