@@ -36,7 +36,6 @@ Horovod 0.28 has no averager; the job refuses ``--sync`` other than every-step w
 from __future__ import annotations
 
 import argparse
-import logging
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -46,8 +45,6 @@ from training.errors import BadInput
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-log = logging.getLogger(__name__)
 
 EVERY_STEP, LOCAL_SGD, HIERARCHICAL = "every-step", "local-sgd", "hierarchical"
 SYNC_MODES = (EVERY_STEP, LOCAL_SGD, HIERARCHICAL)
@@ -176,8 +173,10 @@ class PeriodicSync:
         import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_local
         from torch.distributed.algorithms.model_averaging import averagers
+        from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
         self.settings = settings
+        self.average = average_parameters
         self.world = dist.group.WORLD
         self.params = list(ddp.parameters())
         # torch's averaging makes every weight a contiguous view of one flat buffer; DDP built its
@@ -219,9 +218,7 @@ class PeriodicSync:
             if not param.is_contiguous(memory_format=layout):
                 param.data = param.data.contiguous(memory_format=layout)
         if self.buffers and self.settings.global_average_due(done):
-            from torch.distributed.algorithms.model_averaging.utils import average_parameters
-
-            average_parameters(iter(self.buffers), self.world)
+            self.average(iter(self.buffers), self.world)
         if self.outer is None:
             return
         if done == self.settings.warmup_steps:
