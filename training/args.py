@@ -201,14 +201,11 @@ def _add_sync_flags(parser: argparse.ArgumentParser) -> None:
         help="average: the replicas' weights become their mean (default); nesterov: DiLoCo's outer step, "
         "Nesterov SGD on the averaged change since the last average",
     )
-    group.add_argument(
-        "--outer-lr", type=non_negative_float_arg, help=f"outer learning rate (default {sync.DEFAULT_OUTER_LR})"
-    )
-    group.add_argument(
-        "--outer-momentum",
-        type=non_negative_float_arg,
-        help=f"outer Nesterov momentum (default {sync.DEFAULT_OUTER_MOMENTUM})",
-    )
+    for flag, what, default in (
+        ("--outer-lr", "outer learning rate", sync.DEFAULT_OUTER_LR),
+        ("--outer-momentum", "outer Nesterov momentum", sync.DEFAULT_OUTER_MOMENTUM),
+    ):
+        group.add_argument(flag, type=non_negative_float_arg, help=f"{what}, with nesterov (default {default})")
 
 
 def _add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
