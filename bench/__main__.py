@@ -24,12 +24,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench import allreduce, comm, frameworks, jpegs, overhead, parallel, pipeline, proc, report, steps
+from bench import allreduce, comm, frameworks, jpegs, local_sgd, overhead, parallel, pipeline, proc, report, steps
 from bench.plot import write_png
 from bench.results import BELOW, Figure, markdown_table, median, to_json
 from training.transcode import transcode_tree
 
-SECTIONS = ("allreduce", "overhead", "comm", "pipeline", "staging", "frameworks", "parallel")
+SECTIONS = ("allreduce", "overhead", "comm", "pipeline", "staging", "frameworks", "parallel", "local_sgd")
 console = Console()
 
 
@@ -70,7 +70,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         epilog="Sections: allreduce (gloo vs loopback bound, fp16 compression), overhead (job vs bare loop), "
         "comm (2 ranks with the allreduce vs without, Horovod and DDP), pipeline (our loader vs torchvision defaults), "
         "staging (stage upload vs a sequential loop, Azurite), frameworks (TF and Keras vs PyTorch), "
-        "parallel (FSDP memory per rank vs one process, pipeline bubble vs theory, FSDP vs DDP step time). "
+        "parallel (FSDP memory per rank vs one process, pipeline bubble vs theory, FSDP vs DDP step time), "
+        "local_sgd (time to every-step's loss with local-sgd and hierarchical, 2 local-cluster nodes, full speed "
+        "and 100 Mbit/s; also local_sgd.json and local_sgd.png). "
         "See docs/performance.md for the method.",
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (a smoke test, not numbers)")
@@ -155,6 +157,7 @@ def run(args: argparse.Namespace, work: Path) -> tuple[list[Figure], dict, list[
             lambda: frameworks.measure(plan.shape, plan.frameworks_rounds, args.threads),
         ),
         "parallel": ("Model parallelism", lambda: parallel.measure(rounds, args.quick)),
+        "local_sgd": ("Local SGD over a slow link", lambda: local_sgd.measure(args.ops_python, args.out, args.quick)),
     }
     columns = (TextColumn("[bold]bench[/bold] {task.description}"), BarColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:

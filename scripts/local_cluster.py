@@ -2,6 +2,7 @@
 
   python -m scripts local up [--nodes 2] [--autostop-seconds 0]   # writes .local-cluster/cluster.json
   python -m scripts local status
+  python -m scripts local link-rate 100mbit   # slow the links between nodes (tc tbf); `full` undoes it
   python -m scripts local down
 
 What `up` creates (all of it recorded in STATE_DIR/state.json, all of it removed by `down`):
@@ -10,7 +11,8 @@ What `up` creates (all of it recorded in STATE_DIR/state.json, all of it removed
     machine already uses it), its own /etc/hosts (/etc/netns/<ns>/hosts) and its own sshd started
     under `unshare --uts` so that it has its own hostname (scripts/local_nodes.py). Where
     namespaces cannot be made (no root, no CAP_NET_ADMIN), each node is an sshd on its own
-    loopback address (127.0.1.x) and port, and there is no Slurm;
+    loopback address (127.0.1.x) and port, and there is no Slurm; `--link-rate` (or `local
+    link-rate` later) slows each node's eth0 with tc (scripts/local_link.py);
   * Slurm (namespaces only, see scripts/local_slurm.py): munged on the host, slurmctld in a head
     namespace (`<name>-head`), a slurmd on every node, with infra's slurm.conf; power saving
     (--autostop-seconds) stops and starts nodes (scripts/local_power.py), and the health check
@@ -45,8 +47,8 @@ from pydantic import SecretStr
 from rich.table import Table
 
 from infra.contract import HEALTH_REPORT_DIR, SLURM_PARTITION, SLURMCTLD_PORT, SLURMD_PORT
+from scripts import local_link, local_power, local_slurm
 from scripts import local_network as net
-from scripts import local_power, local_slurm
 from scripts.cli import arg_type, ensure_directory, int_between, non_empty, require_tool
 from scripts.cluster import (
     DEFAULT_LOCAL_STATE,
@@ -92,6 +94,7 @@ TRAIN_PYTHON = REPO_ROOT / ".venv-train" / "bin" / "python"
 SLURM_TOOLS = (f"{local_slurm.SBIN}/munged", f"{local_slurm.SBIN}/slurmctld", f"{local_slurm.SBIN}/slurmd", "sinfo")
 SLURM_READY_TIMEOUT_S = 60
 NO_SLURM_NOTE = "not run in localhost mode (each slurmd needs a network namespace of its own)"
+LINK_RATE_NEEDS_NETNS = "a link rate needs nodes in network namespaces (--mode netns, as root)"
 console = make_console()
 
 
@@ -115,11 +118,14 @@ def up(
     train_python: str | Path | None = None,
     autostop_seconds: int = 0,
     health_check_interval_s: int = 60,
+    link_rate: str | None = None,
 ) -> ClusterDescription:
     """Create the local cluster and write STATE_DIR/cluster.json; on any failure remove what was made.
 
     autostop_seconds: idle seconds before Slurm suspends a node (0: never); health_check_interval_s:
-    how often every node runs the health check."""
+    how often every node runs the health check; link_rate: what each node may send (`100mbit`; None
+    or `full`: full speed)."""
+    rate = local_link.parse_link_rate(link_rate) if link_rate else None
     state_dir = Path(state_dir).resolve()
     network = _check_up_request(nodes, state_dir, name, subnet)
     slurm = _check_slurm_settings(autostop_seconds, health_check_interval_s)
@@ -132,13 +138,17 @@ def up(
         )
     if mode == "localhost" and autostop_seconds:
         raise OperatorError(f"--autostop-seconds needs Slurm, which is {NO_SLURM_NOTE}", ExitCode.NOT_READY)
+    if mode == "localhost" and rate:
+        raise OperatorError(LINK_RATE_NEEDS_NETNS, ExitCode.NOT_READY)
+    if rate:
+        local_link.require_tc()
     azurite = _check_tools(mode)
 
     ensure_directory(state_dir, "--state-dir")
     try:
         # held until the cluster is complete: the power programs slurmctld may start meanwhile wait
         with state_lock(state_dir):
-            state = LocalState(name=name, mode=mode, state_dir=str(state_dir))
+            state = LocalState(name=name, mode=mode, state_dir=str(state_dir), link_rate=rate)
             state.save()
             return _up(state, nodes, network, azurite, python, slurm)
     except BaseException:
@@ -292,6 +302,27 @@ def _wire_namespaces(state: LocalState, count: int, subnet: ipaddress.IPv4Networ
         etc = net.etc_dir(str(host.namespace))
         etc.mkdir(parents=True, exist_ok=True)
         (etc / "hosts").write_text(hosts_text)
+    for node in nodes:
+        local_link.set_rate(str(node.namespace), state.link_rate)
+
+
+def set_link_rate(state_dir: str | Path, rate_text: str) -> str | None:
+    """Change the running cluster's link rate (`100mbit`, or `full`); returns the rate now set."""
+    rate = local_link.parse_link_rate(rate_text)
+    state_dir = Path(state_dir).resolve()
+    if load_state(state_dir) is None:
+        raise OperatorError(f"no local cluster recorded in {state_dir}", ExitCode.NOT_READY)
+    with state_lock(state_dir):
+        state = load_state(state_dir)
+        assert state is not None  # only `down` removes it, and it takes the lock
+        if state.mode != "netns":
+            raise OperatorError(LINK_RATE_NEEDS_NETNS, ExitCode.NOT_READY)
+        local_link.require_tc()
+        for node in state.nodes:
+            local_link.set_rate(str(node.namespace), rate)
+        state.link_rate = rate
+        state.save()
+    return rate
 
 
 def _loopback_nodes(state: LocalState, count: int) -> None:
@@ -529,6 +560,7 @@ def status(state_dir: str | Path = DEFAULT_LOCAL_STATE) -> dict:
         "addresses": _addresses(state),
         "azurite": state.azurite_endpoint,
         "slurm_conf": state.slurm_conf,
+        "link_rate": state.link_rate or local_link.FULL_SPEED,
         "description": str(state_dir / "cluster.json"),
         "components": components,
     }
@@ -564,6 +596,8 @@ def print_status(info: dict) -> None:
         table.add_row(c["component"], str(c["pid"] or "-"), address, STATE_STYLE[c["state"]])
     out.print(table)
     out.print(f"cluster description: {info['description']}")
+    if info["mode"] == "netns":
+        out.print(f"link rate between nodes: {info['link_rate']}")
     if info["slurm_conf"]:
         out.print(f"slurm: SLURM_CONF={info['slurm_conf']} sinfo (logs in {Path(info['state_dir']) / 'logs'})")
     else:
@@ -626,7 +660,16 @@ def configure(commands: argparse._SubParsersAction) -> None:
         epilog="example:\n  python -m scripts local status\n",
         formatter_class=raw,
     )
-    for sub, handler in ((p_down, _run_down), (p_status, _run_status)):
+    p_rate = actions.add_parser(
+        "link-rate",
+        help="slow the links between the nodes (tc tbf), or give them full speed again",
+        description="Limit what each node sends over its eth0 to RATE (tc tbf on the veth), on the running\n"
+        "cluster; `full` removes the limit. Traffic inside a node keeps its speed. Needs --mode netns.",
+        epilog="examples:\n  python -m scripts local link-rate 100mbit\n  python -m scripts local link-rate full\n",
+        formatter_class=raw,
+    )
+    p_rate.add_argument("rate", help="a tc rate such as 100mbit, 1gbit, 512kbit; or full")
+    for sub, handler in ((p_down, _run_down), (p_status, _run_status), (p_rate, _run_link_rate)):
         _add_state_dir(sub)
         sub.set_defaults(handler=handler)
 
@@ -679,6 +722,12 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
         default=60,
         help="seconds between two runs of the node health check, which drains a failing node (%(default)s)",
     )
+    parser.add_argument(
+        "--link-rate",
+        type=arg_type(local_link.parse_link_rate),
+        help="slow each node's link to this rate with tc (e.g. 100mbit; default: full speed); "
+        "change it later with `local link-rate`",
+    )
 
 
 def _run_up(args: argparse.Namespace) -> int:
@@ -691,6 +740,7 @@ def _run_up(args: argparse.Namespace) -> int:
         args.train_python,
         autostop_seconds=args.autostop_seconds,
         health_check_interval_s=args.health_check_interval,
+        link_rate=args.link_rate,
     )
     where = Path(args.state_dir) / "cluster.json"
     console.print(f"local cluster up: {desc.node_count} nodes; description {where}")
@@ -699,6 +749,12 @@ def _run_up(args: argparse.Namespace) -> int:
 
 def _run_down(args: argparse.Namespace) -> int:
     down(args.state_dir)
+    return 0
+
+
+def _run_link_rate(args: argparse.Namespace) -> int:
+    rate = set_link_rate(args.state_dir, args.rate)
+    console.print(f"link rate between nodes: {rate or local_link.FULL_SPEED}")
     return 0
 
 

@@ -9,6 +9,7 @@ declare -A wanted=(
   [sshd]=openssh-server        # local cluster nodes
   [ssh]=openssh-client
   [ip]=iproute2                # network namespaces as nodes
+  [tc]=iproute2                # `local up --link-rate`: slows the nodes' links (tbf)
   [systemd-analyze]=systemd    # verifies the systemd units in cloud-init documents
   [npm]=npm                    # Azurite
   [slurmctld]=slurmctld        # the local cluster's Slurm controller (Debian 12: Slurm 22.05)

@@ -91,6 +91,7 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
             default="horovod",
             help="ddp: torch DistributedDataParallel under torchrun (nccl on GPU, gloo on CPU)",
         )
+        _add_sync_flags(parser)
     _add_checkpoint_flags(parser)
     _add_export_flags(parser)
     add_reporting(parser, "loss, LR, images/s, validation top-1", "images/s")
@@ -166,6 +167,48 @@ def _add_speed_flags(parser: argparse.ArgumentParser, framework: str) -> None:
         speed.add_argument("--compile", action="store_true", help="torch.compile the model")
 
 
+def _add_sync_flags(parser: argparse.ArgumentParser) -> None:
+    from training import sync
+
+    group = parser.add_argument_group(
+        "synchronisation (PyTorch, --backend ddp; see docs/training.md, 'Local SGD')",
+        "example: torchrun --nnodes 2 --nproc-per-node 2 ... -m training.pytorch --backend ddp "
+        "--sync hierarchical --sync-every 8 --sync-warmup-steps 100",
+    )
+    group.add_argument(
+        "--sync",
+        choices=sync.SYNC_MODES,
+        default=sync.EVERY_STEP,
+        help="every-step: allreduce gradients every step (default); local-sgd: local steps, weights averaged "
+        "over every rank every H steps; hierarchical: weights averaged inside each node every step and over "
+        "every rank every H steps",
+    )
+    group.add_argument(
+        "--sync-every",
+        type=positive_int,
+        metavar="H",
+        help=f"steps between two averages over every rank (default {sync.DEFAULT_SYNC_EVERY}; 1 equals every-step)",
+    )
+    group.add_argument(
+        "--sync-warmup-steps",
+        type=non_negative_int_arg,
+        metavar="N",
+        help="fully synchronous steps before the local ones (default 0)",
+    )
+    group.add_argument(
+        "--outer-optimizer",
+        choices=sync.OUTER_OPTIMIZERS,
+        default=sync.AVERAGE,
+        help="average: the replicas' weights become their mean (default); nesterov: DiLoCo's outer step, "
+        "Nesterov SGD on the averaged change since the last average",
+    )
+    for flag, what, default in (
+        ("--outer-lr", "outer learning rate", sync.DEFAULT_OUTER_LR),
+        ("--outer-momentum", "outer Nesterov momentum", sync.DEFAULT_OUTER_MOMENTUM),
+    ):
+        group.add_argument(flag, type=non_negative_float_arg, help=f"{what}, with nesterov (default {default})")
+
+
 def _add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
     ckpt = parser.add_argument_group("checkpoints (resume is automatic)")
     ckpt.add_argument("--checkpoint-dir", type=Path)
@@ -228,4 +271,8 @@ def parse_args(framework: str, argv: Sequence[str] | None = None) -> argparse.Na
         parser.error("--keep-checkpoints must be at least 2")
     if args.export_every_epoch and args.export_dir is None:
         parser.error("--export-every-epoch needs --export-dir")
+    from training.sync import sync_refusal
+
+    if problem := sync_refusal(args):
+        parser.error(problem)
     return args

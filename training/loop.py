@@ -108,7 +108,8 @@ class TrainingRun:
         device: str,
         decoder: str | None,
         fingerprint: Fingerprint,
-        save_state: Callable[[int], bytes],
+        save_state: Callable[[int], bytes | None],
+        collective_save: bool = False,
         evaluate: Callable[[], tuple[int, int]] | None = None,
         on_epoch_end: Callable[[int, dict[str, Any]], None] | None = None,
     ) -> None:
@@ -123,7 +124,8 @@ class TrainingRun:
         self.device = device
         self.decoder = decoder  # what decodes the images (None: synthetic data)
         self._fingerprint = fingerprint
-        self._save_state = save_state
+        self._save_state = save_state  # rank 0's payload; collective_save: every rank calls it, rank 0's is written
+        self._collective_save = collective_save
         self._evaluate = evaluate
         self._on_epoch_end = on_epoch_end  # every rank, after evaluation: (epoch, progress so far)
         self._checkpoints = CheckpointDir(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
@@ -206,10 +208,11 @@ class TrainingRun:
         self._curves.record(done, {curves.LOSS: loss, curves.LR: lr, curves.IMAGES_PER_SEC: rate})
 
     def _save(self, done: int) -> None:
+        payload = self._save_state(done) if self._collective_save or self.dist.rank == 0 else None
         if self.dist.rank == 0:
-            assert self._checkpoints is not None
+            assert self._checkpoints is not None and payload is not None
             try:
-                path = self._checkpoints.save(done, self._fingerprint, self._save_state(done))
+                path = self._checkpoints.save(done, self._fingerprint, payload)
             except OSError as exc:
                 raise output_error("--checkpoint-dir", self._checkpoints.directory, exc) from None
             log.info("saved checkpoint %s", path)

@@ -44,6 +44,7 @@ from training.gpu_decode import NVJPEG, DeviceBatcher, EncodedFolder, JpegDecode
 from training.job import run_job
 from training.loop import TrainingRun, configure_logging, restore, resume
 from training.side_stream import SideStreamBatches, streams_for
+from training.sync import HIERARCHICAL, PeriodicSync, SyncSettings, check_layout, refuse_replicas
 from training.torch_models import build_model
 
 log = logging.getLogger(__name__)
@@ -376,7 +377,11 @@ def job_device(backend: Backend) -> torch.device:
 
 
 def training_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, step: int
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    step: int,
+    extra: dict[str, Any] | None = None,
 ) -> bytes:
     """A checkpoint's payload: everything a resumed run needs to continue at ``step``."""
     buffer = io.BytesIO()
@@ -385,13 +390,30 @@ def training_state(
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(),
+        **(extra or {}),
     }
     torch.save(state, buffer)
     return buffer.getvalue()
 
 
+def periodic_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    periodic: PeriodicSync,
+    step: int,
+) -> bytes | None:
+    """A checkpoint's payload under ``--sync local-sgd|hierarchical``, on rank 0 (None elsewhere):
+    :func:`training_state` with every replica added (:meth:`PeriodicSync.checkpoint`, a collective)."""
+    extra = periodic.checkpoint(model, optimizer, step)
+    return None if extra is None else training_state(model, optimizer, scaler, step, extra)
+
+
 def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
     device = job_device(backend)
+    sync = SyncSettings.from_args(args)
+    if backend.rank == 0 and sync.periodic:
+        log.info("synchronisation: %s", sync.describe())
     # Ranks start from different random weights on purpose: training only works if the
     # broadcast from rank 0 makes them equal, and the equivalence test checks that it does.
     torch.manual_seed(args.seed + backend.rank)
@@ -415,9 +437,16 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
     start_step, state = resume(args, backend, fingerprint, plan.steps_per_epoch, decode_state)
     if state is not None:
         restore(args, start_step, lambda: model.load_state_dict(state["model"]))
+    if sync.mode == HIERARCHICAL:
+        check_layout(backend.allgather_object(backend.local_size))
     train_model, optimizer = backend.distribute(model, optimizer, args.fp16_allreduce)
+    periodic = PeriodicSync(sync, train_model, backend.local_size, start_step) if sync.periodic else None
     if state is not None:
         restore(args, start_step, lambda: load_training_state(optimizer, scaler, state))
+        if periodic is not None:
+            restore(args, start_step, lambda: periodic.restore(model, optimizer, state, backend.rank))
+        else:
+            restore(args, start_step, partial(refuse_replicas, state))
     if args.compile:
         train_model = torch.compile(train_model)
     steps = partial(model_steps, args, plan, backend, device, model, train_model, optimizer, autocast)
@@ -437,7 +466,10 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         decoder=None if plan.train is None else NVJPEG if decode is not None else decoder_name(),
         fingerprint=fingerprint,
-        save_state=partial(training_state, model, optimizer, scaler),
+        save_state=partial(training_state, model, optimizer, scaler)
+        if periodic is None
+        else partial(periodic_state, model, optimizer, scaler, periodic),
+        collective_save=periodic is not None,
         evaluate=make_evaluate(args, plan, backend, model, device, decode, autocast, skipped),
         on_epoch_end=exporter.epoch_hook,
     )
@@ -452,6 +484,8 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
         scaler.scale(loss).backward()
         backend.step(optimizer, scaler)
         scaler.update()
+        if periodic is not None:
+            periodic.after_step(step)
         skipped.add(batch_skipped)
         run.step_done(step, loss.item)
     metrics = run.finish(skipped if plan.train is not None else None)

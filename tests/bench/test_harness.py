@@ -85,5 +85,6 @@ def test_cli_help_names_every_section_and_quick_mode() -> None:
         "staging",
         "frameworks",
         "parallel",
+        "local_sgd",
     ):
         assert word in out

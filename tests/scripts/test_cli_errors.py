@@ -359,6 +359,12 @@ LOCAL_CLUSTER = [
     case(f"up {STATE} --subnet 8.8.8.0/24", message="subnet 8.8.8.0/24 is not a private IPv4 range"),
     case(f"up {STATE} --train-python {{missing}}", message="--train-python {missing} is not an executable file"),
     case(f"up {STATE} --mode bogus", message="argument --mode: invalid choice: 'bogus'"),
+    case(f"up {STATE} --link-rate fast", message="argument --link-rate: invalid link rate 'fast': expected a rate"),
+    case(f"up {STATE} --link-rate 1kbit", message="link rate 1kbit is out of range: from 64kbit to 100gbit"),
+    case(f"up {STATE} --mode localhost --link-rate 100mbit", code=NOT_READY, message="a link rate needs nodes"),
+    case("link-rate 100mbit --state-dir {tmp}/none", code=NOT_READY, message="no local cluster recorded in"),
+    case("link-rate --state-dir {state_recorded} 100mbit", code=NOT_READY, message="a link rate needs nodes"),
+    case("link-rate slow --state-dir {tmp}/none", message="invalid link rate 'slow'"),
     case("status --state-dir {file}", message="--state-dir {file} is a file, not a directory"),
     case("status --state-dir {state_not_utf8}", message="local cluster state {state_not_utf8}/state.json is not UTF-8"),
     case("down --state-dir {state_wrong}", message="invalid local cluster state {state_wrong}/state.json"),
@@ -473,7 +479,7 @@ COMMANDS = (
 SUBCOMMANDS = {
     "cluster": ("from-stack", "show"),
     "stage": ("generate", "upload", "pull", "all"),
-    "local": ("up", "down", "status"),
+    "local": ("up", "down", "status", "link-rate"),
 }
 
 
