@@ -89,7 +89,8 @@ def test_slurm_conf_has_one_gpu_partition_of_the_named_cloud_nodes() -> None:
         "Default": "YES",
         "MaxTime": "INFINITE",
         "State": "UP",
-        "OverSubscribe": "EXCLUSIVE",
+        "OverSubscribe": "NO",  # jobs hold the GPUs they ask for (gres), not whole nodes
+        "DefCpuPerGPU": "12",  # with each GPU, its share of the node's cores
     }
     assert settings["GresTypes"] == "gpu"
     assert settings["ClusterName"] == "hvd"

@@ -1,0 +1,60 @@
+"""`launch --workdir DIR -- COMMAND`: the user's own code, sent to the run directory and run there as
+written on every rank, under torchrun or horovodrun, on the local cluster's real Slurm; its $OUTPUT_DIR
+reaches the results container. Each of examples/ is run here as a user would."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from .conftest import REPO
+from .test_launcher import cli, results_blobs, run_dir, status_of
+
+# example -> launch flags, the script's own arguments (which must reach it unchanged)
+EXAMPLES = {
+    "ddp": (("--nodes", "2"), ["--epochs", "2", "--steps-per-epoch", "5"]),
+    "horovod": (("--nodes", "2", "--launcher", "horovodrun"), ["--epochs", "1", "--steps-per-epoch", "5"]),
+    "fsdp": (("--gpus-per-node", "2"), ["--steps", "3", "--layers", "1"]),
+}
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_an_example_runs_as_written_and_its_outputs_reach_the_results_container(
+    example, cluster, cluster_file, tmp_path
+):
+    # a copy outside the repository, with what its .gitignore keeps at home
+    workdir = tmp_path / example
+    shutil.copytree(REPO / "examples" / example, workdir)
+    (workdir / "output").mkdir()
+    (workdir / "output" / "stale.pt").write_bytes(b"x" * 1000)
+    flags, script_args = EXAMPLES[example]
+    run_id = f"own-{example}"
+    launch = ["launch", "--cluster", str(cluster_file), "--workdir", str(workdir), "--run-id", run_id, *flags]
+    proc = cli(*launch, "--follow", "--", "python", "train.py", *script_args)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "estimated cost: $0.00/hour" in out and "time limit 1:00:00" in out
+    # the command ran as written, in the run's copy of the code, with nothing that .gitignore names
+    directory = run_dir(cluster, run_id)
+    assert sorted(p.name for p in (directory / "code").iterdir()) == [".gitignore", "train.py"]
+    assert json.loads((directory / "job.json").read_text())["command"] == ["python", "train.py", *script_args]
+    # what it wrote to $OUTPUT_DIR reached the results container; its code did not travel there
+    blobs = results_blobs(cluster, run_id)
+    metrics = json.loads(blobs[f"{run_id}/output/metrics.json"])
+    assert metrics["argv"] == script_args and metrics["world_size"] == 2
+    assert f"{run_id}/output/model.pt" in blobs and f"{run_id}/output.log" in blobs
+    assert not [name for name in blobs if "/code/" in name]
+    assert status_of(cluster, run_id)["exit_code"] == 0
+
+
+def test_dry_run_prints_the_batch_script_and_submits_nothing(cluster, cluster_file):
+    launch = ["launch", "--cluster", str(cluster_file), "--workdir", str(REPO / "examples" / "ddp")]
+    proc = cli(*launch, "--run-id", "dry", "--time", "2-00:00", "--dry-run", "--", "python", "train.py")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("#!/bin/bash\n") and "#SBATCH --time=2-00:00\n" in proc.stdout
+    assert "#SBATCH --nodes=1\n" in proc.stdout and "--exclusive" not in proc.stdout
+    assert "torchrun --nnodes 1 --nproc-per-node 1" in proc.stdout and "--no-python python train.py" in proc.stdout
+    assert "allocation: 1 node x no GPUs (CPU nodes)" in proc.stderr and "dry run: nothing submitted" in proc.stderr
+    assert not run_dir(cluster, "dry").exists()
