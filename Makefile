@@ -17,10 +17,12 @@ system:  ## apt packages (cloud-init, shellcheck, openssh, iproute2, npm, Slurm,
 	@scripts/setup_system.sh
 	@scripts/fetch_vm_kernel.sh
 
-$(OPS)/.installed: requirements.txt
+# The CLI is installed as `dtrain` (editable: the checkout is the code), runnable from any directory.
+$(OPS)/.installed: requirements.txt requirements-cli.txt pyproject.toml
 	test -x $(OPS)/bin/python || $(PYTHON) -m venv $(OPS)
 	$(OPS)/bin/pip install -q --disable-pip-version-check pip==$(PIP_VERSION)
 	$(OPS)/bin/pip install -q -r requirements.txt
+	$(OPS)/bin/pip install -q --no-deps -e .
 	touch $@
 
 # Horovod compiles against the installed torch and TensorFlow, so it comes after them; the
@@ -30,6 +32,9 @@ $(TRAIN)/.installed: requirements-train.txt scripts/build_horovod.sh
 	$(TRAIN)/bin/pip install -q --disable-pip-version-check pip==$(PIP_VERSION)
 	$(TRAIN)/bin/pip install -q -r requirements-train.txt
 	scripts/build_horovod.sh $(TRAIN)
+	# `python -m training.predict` from any directory: the checkout on the environment's path (a .pth file,
+	# not `pip install -e .`, which would add the operator CLI and its dependencies to this environment)
+	$(TRAIN)/bin/python -c 'import site, sys; open(site.getsitepackages()[0] + "/azure-horovod.pth", "w").write(sys.argv[1] + "\n")' "$(CURDIR)"
 	touch $@
 
 node_modules/.installed: package.json package-lock.json

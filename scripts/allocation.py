@@ -4,16 +4,45 @@ limit, checked against the cluster before anything is submitted, with what that 
 GPUs are allocated one by one through gres: a job that asks for fewer GPUs than a node has shares the
 node with other jobs and sees only its own devices (cgroup ConstrainDevices where the node's Slurm can
 constrain devices, CUDA_VISIBLE_DEVICES and docker's --gpus otherwise, docs/operator.md). A job holds
-whole nodes when it asks for every GPU of a node, or for --exclusive.
+whole nodes when it asks for every GPU of a node, or for --exclusive, and always on CPU nodes.
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
+from scripts.cli import arg_type, int_between
 from scripts.cluster import ClusterDescription
 from scripts.errors import OperatorError
 from scripts.slurm_time import check_time_limit, time_limit_seconds
+
+
+def add_allocation_arguments(parser: argparse.ArgumentParser) -> None:
+    """--nodes, --gpus | --gpus-per-node, --exclusive, --time: what `launch` and `alloc` ask Slurm for."""
+    parser.add_argument("--nodes", type=int_between(1), default=1, help="nodes to use (default: %(default)s)")
+    gpus = parser.add_mutually_exclusive_group()
+    gpus.add_argument(
+        "--gpus", type=int_between(1), metavar="N", help="GPUs in all, spread evenly over --nodes (one process each)"
+    )
+    gpus.add_argument(
+        "--gpus-per-node",
+        type=int_between(1),
+        metavar="N",
+        help="GPUs (processes) per node (default: every GPU of a node; 1 on CPU nodes)",
+    )
+    parser.add_argument(
+        "--exclusive", action="store_true", help="whole nodes, even when the job asks for fewer GPUs than a node has"
+    )
+    parser.add_argument(
+        "--time",
+        "--time-limit",
+        dest="time_limit",
+        type=arg_type(check_time_limit),
+        metavar="TIME",
+        help="Slurm ends the job after this, in sbatch's --time syntax: 90 (minutes), 4:00:00, 2-00:00:00 "
+        "(default: the cluster description's default_time_limit)",
+    )
 
 
 @dataclass(frozen=True)
@@ -23,10 +52,6 @@ class Allocation:
     processes_per_node: int
     exclusive: bool
     time_limit: str
-
-    @property
-    def gpus(self) -> int:
-        return self.nodes * self.gpus_per_node
 
     def describe(self, desc: ClusterDescription) -> str:
         gpus = f"{self.gpus_per_node} of {desc.gpus_per_node} GPUs" if desc.gpus_per_node else "no GPUs (CPU nodes)"
@@ -77,7 +102,8 @@ def plan_allocation(
         raise OperatorError(f"--gpus {gpus}: the nodes of cluster {desc.name} have no GPUs (use --gpus-per-node)")
     processes = per_node or desc.gpus_per_node or 1
     gres = processes if desc.gpus_per_node else 0
-    whole = exclusive or (desc.gpus_per_node > 0 and gres == desc.gpus_per_node)
+    # every GPU of a node is the whole node; so is any job on CPU nodes, which have no GPUs to share out
+    whole = exclusive or gres == desc.gpus_per_node
     limit = check_time_limit(time_limit) if time_limit else desc.default_time_limit
     return Allocation(count, gres, processes, whole, limit)
 
@@ -89,3 +115,22 @@ def cost_line(alloc: Allocation, desc: ClusterDescription, price_per_node_hour: 
     hourly = price_per_node_hour * alloc.node_share(desc)
     most = hourly * time_limit_seconds(alloc.time_limit) / 3600
     return f"estimated cost: ${hourly:,.2f}/hour, at most ${most:,.2f} within the time limit ({source})"
+
+
+def plan_from_args(desc: ClusterDescription, args: argparse.Namespace) -> Allocation:
+    return plan_allocation(
+        desc,
+        nodes=args.nodes,
+        gpus=args.gpus,
+        gpus_per_node=args.gpus_per_node,
+        exclusive=args.exclusive,
+        time_limit=args.time_limit,
+    )
+
+
+def salloc_flags(alloc: Allocation, partition: str) -> list[str]:
+    """The same request as sbatch's #SBATCH lines in job.sh (scripts/batch.py), for salloc."""
+    flags = [f"--partition={partition}", f"--nodes={alloc.nodes}", f"--ntasks-per-node={alloc.processes_per_node}"]
+    flags += ["--exclusive"] if alloc.exclusive else []
+    flags += [f"--gres=gpu:{alloc.gpus_per_node}"] if alloc.gpus_per_node else []
+    return [*flags, f"--time={alloc.time_limit}"]

@@ -15,15 +15,14 @@ import argparse
 import sys
 
 from infra.contract import FRAMEWORKS
-from scripts.allocation import cost_line
+from scripts.allocation import add_allocation_arguments, cost_line
 from scripts.batch import render_job_script
-from scripts.cli import add_cluster_option, arg_type, int_between, non_empty, positive_number
+from scripts.cli import add_cluster_option, arg_type, non_empty, positive_number
 from scripts.cluster import ClusterDescription, load
 from scripts.errors import OperatorError
 from scripts.follow import ask_cancel_or_detach, follow
 from scripts.runs import Run
 from scripts.slurm import Slurm
-from scripts.slurm_time import check_time_limit
 from scripts.sshutil import SSH
 from scripts.submit import LaunchOptions, Plan, Submission, build_spec, check_run_id, node_hour_price, submit
 from scripts.ui import make_console
@@ -96,20 +95,7 @@ def configure(commands: argparse._SubParsersAction) -> None:
         metavar="MB",
         help="refuse a --workdir larger than this after its excludes (default: %(default)s)",
     )
-    parser.add_argument("--nodes", type=int_between(1), default=1, help="nodes to use (default: %(default)s)")
-    gpus = parser.add_mutually_exclusive_group()
-    gpus.add_argument(
-        "--gpus", type=int_between(1), metavar="N", help="GPUs in all, spread evenly over --nodes (one process each)"
-    )
-    gpus.add_argument(
-        "--gpus-per-node",
-        type=int_between(1),
-        metavar="N",
-        help="GPUs (processes) per node (default: every GPU of a node; 1 on CPU nodes)",
-    )
-    parser.add_argument(
-        "--exclusive", action="store_true", help="whole nodes, even when the job asks for fewer GPUs than a node has"
-    )
+    add_allocation_arguments(parser)
     parser.add_argument(
         "--launcher",
         choices=("horovodrun", "torchrun"),
@@ -130,15 +116,6 @@ def configure(commands: argparse._SubParsersAction) -> None:
         "--local-copy",
         action="store_true",
         help="copy --data-dir to each node's local disk first, and train from there",
-    )
-    parser.add_argument(
-        "--time",
-        "--time-limit",
-        dest="time_limit",
-        type=arg_type(check_time_limit),
-        metavar="TIME",
-        help="Slurm ends the job after this, in sbatch's --time syntax: 90 (minutes), 4:00:00, 2-00:00:00 "
-        "(default: the cluster description's default_time_limit)",
     )
     parser.add_argument(
         "--entrypoint",

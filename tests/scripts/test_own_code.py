@@ -9,6 +9,8 @@ import shutil
 
 import pytest
 
+from tests.polling import wait_for
+
 from .conftest import REPO
 from .test_launcher import cli, results_blobs, run_dir, status_of
 
@@ -54,7 +56,36 @@ def test_dry_run_prints_the_batch_script_and_submits_nothing(cluster, cluster_fi
     proc = cli(*launch, "--run-id", "dry", "--time", "2-00:00", "--dry-run", "--", "python", "train.py")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("#!/bin/bash\n") and "#SBATCH --time=2-00:00\n" in proc.stdout
-    assert "#SBATCH --nodes=1\n" in proc.stdout and "--exclusive" not in proc.stdout
+    assert "#SBATCH --nodes=1\n" in proc.stdout and "#SBATCH --exclusive\n" in proc.stdout  # CPU nodes: whole
     assert "torchrun --nnodes 1 --nproc-per-node 1" in proc.stdout and "--no-python python train.py" in proc.stdout
-    assert "allocation: 1 node x no GPUs (CPU nodes)" in proc.stderr and "dry run: nothing submitted" in proc.stderr
+    assert (
+        "allocation: 1 node x no GPUs (CPU nodes) (whole nodes)" in proc.stderr
+        and "dry run: nothing submitted" in proc.stderr
+    )
     assert not run_dir(cluster, "dry").exists()
+
+
+def test_ssh_exec_and_alloc_reach_the_nodes_and_a_running_allocation(cluster, cluster_file, tmp_path):
+    (tmp_path / "wait.py").write_text("import time\ntime.sleep(60)\n")
+    launch = ["launch", "--cluster", str(cluster_file), "--workdir", str(tmp_path), "--nodes", "2", "--detach"]
+    started = cli(*launch, "--run-id", "held", "--", "python", "wait.py")
+    assert started.returncode == 0, started.stderr
+    job = started.stdout.strip()
+    try:
+        wait_for(lambda: (run_dir(cluster, "held") / "nodes").exists(), 60, "the job to start", interval=0.5)
+        on_node = cli("ssh", "--cluster", str(cluster_file), "node-1", "--", "hostname")
+        assert (on_node.returncode, on_node.stdout) == (0, "node-1\n"), on_node.stderr
+        first = cli("ssh", "--cluster", str(cluster_file), "held", "--", "hostname")  # a job: its first node
+        assert (first.returncode, first.stdout) == (0, "node-0\n"), first.stderr
+        inside = cli("exec", "--cluster", str(cluster_file), job, "--", "sh", "-c", 'echo "$SLURM_JOB_ID $(hostname)"')
+        assert inside.returncode == 0 and sorted(inside.stdout.splitlines()) == [
+            f"0: {job} node-0",
+            f"1: {job} node-1",
+        ], inside.stderr
+    finally:
+        cli("cancel", "--cluster", str(cluster_file), job)
+    ended = cli("exec", "--cluster", str(cluster_file), job, "--", "true")
+    assert ended.returncode == 2 and "is not running" in ended.stderr
+    held = cli("alloc", "--cluster", str(cluster_file), "--nodes", "2", "--time", "5", "--", "srun", "hostname")
+    assert held.returncode == 0 and sorted(held.stdout.split()) == ["node-0", "node-1"], held.stderr
+    assert "time limit 5" in held.stderr
