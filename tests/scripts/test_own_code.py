@@ -9,9 +9,13 @@ import shutil
 
 import pytest
 
+from scripts.batch import DOCKER_RUN_WITH_JOB_GPUS
+from scripts.cluster import from_stack_outputs
+from scripts.submit import node_hour_price
 from tests.polling import wait_for
 
-from .conftest import REPO
+from .conftest import REPO, private_key_file
+from .test_cluster_description import OUTPUTS
 from .test_launcher import cli, results_blobs, run_dir, status_of
 
 # example -> launch flags, the script's own arguments (which must reach it unchanged)
@@ -89,3 +93,19 @@ def test_ssh_exec_and_alloc_reach_the_nodes_and_a_running_allocation(cluster, cl
     held = cli("alloc", "--cluster", str(cluster_file), "--nodes", "2", "--time", "5", "--", "srun", "hostname")
     assert held.returncode == 0 and sorted(held.stdout.split()) == ["node-0", "node-1"], held.stderr
     assert "time limit 5" in held.stderr
+
+
+def test_an_image_of_the_users_choice_runs_the_code_with_only_the_jobs_gpus(tmp_path, cluster_file):
+    """The docker runtime (Azure's), as far as it goes without docker: the batch script and the price."""
+    desc = from_stack_outputs(OUTPUTS, "dev", private_key_file(tmp_path), known_hosts=tmp_path / "known_hosts")
+    azure = desc.save(tmp_path / "cluster-dev.json")
+    image = "nvcr.io/nvidia/pytorch:25.01-py3"
+    launch = ["launch", "--workdir", str(REPO / "examples" / "ddp"), "--image", image, "--gpus", "2", "--dry-run"]
+    proc = cli(*launch, "--cluster", str(azure), "--", "python", "train.py")
+    assert proc.returncode == 0, proc.stderr
+    assert f"{DOCKER_RUN_WITH_JOB_GPUS} --rm" in proc.stdout and f" {image} sh -c " in proc.stdout
+    assert "#SBATCH --gres=gpu:2\n" in proc.stdout and "--exclusive" not in proc.stdout
+    price = node_hour_price(desc)[0]
+    assert f"estimated cost: ${price * 2 / desc.gpus_per_node:,.2f}/hour" in proc.stderr  # 2 of the node's GPUs
+    host = cli(*launch, "--cluster", str(cluster_file), "--", "python", "train.py")  # the local cluster runs on hosts
+    assert host.returncode == 2 and "--image runs the job in a container" in host.stderr
