@@ -28,6 +28,10 @@ from scripts.ui import make_console
 console = make_console()
 
 
+def examples(*lines: str) -> str:
+    return "examples:\n" + "\n".join(f"  python -m scripts {line}" for line in lines)
+
+
 def configure(commands: argparse._SubParsersAction) -> None:
     raw = argparse.RawDescriptionHelpFormatter
     ssh = commands.add_parser(
@@ -35,7 +39,7 @@ def configure(commands: argparse._SubParsersAction) -> None:
         help="a shell (or a command) on a node, or on a running job's first node",
         description="SSH to a node through the jump host. TARGET is a node name, or a job (Slurm job id or run "
         "id): the first node of its allocation, while it runs.",
-        epilog="examples:\n  dtrain ssh node-0\n  dtrain ssh 42 -- nvidia-smi\n  dtrain ssh 20261125T101500Z-ddp-1a2b",
+        epilog=examples("ssh node-0", "ssh 42 -- nvidia-smi", "ssh 20261125T101500Z-ddp-1a2b"),
         formatter_class=raw,
     )
     ssh.add_argument("target", type=non_empty, metavar="NODE|JOB")
@@ -46,7 +50,7 @@ def configure(commands: argparse._SubParsersAction) -> None:
         description="Run a command on every node of a running job, inside its allocation (its GPUs, its "
         "cgroup), alongside the job: `srun --jobid JOB --overlap --ntasks-per-node 1`. Each line is prefixed "
         "with the task's number; the exit status is srun's.",
-        epilog="examples:\n  dtrain exec 42 -- nvidia-smi\n  dtrain exec 42 -- sh -c 'free -g; df -h /nvme'",
+        epilog=examples("exec 42 -- nvidia-smi", "exec 42 -- sh -c 'free -g; df -h /nvme'"),
         formatter_class=raw,
     )
     run_in.add_argument("job", type=non_empty, metavar="JOB", help="Slurm job id or run id")
@@ -57,7 +61,7 @@ def configure(commands: argparse._SubParsersAction) -> None:
         description="Ask Slurm for an allocation, checked and priced as `launch` does, and open a shell on the "
         "login node that holds it (`srun CMD` runs on its nodes; `exit` gives it back). After `--`, run that "
         "command once with the allocation instead, and give it back when it ends.",
-        epilog="examples:\n  dtrain alloc --gpus 1 --time 2:00:00\n  dtrain alloc --nodes 2 -- srun hostname",
+        epilog=examples("alloc --gpus 1 --time 2:00:00", "alloc --nodes 2 -- srun hostname"),
         formatter_class=raw,
     )
     add_allocation_arguments(alloc)
