@@ -11,7 +11,7 @@ TRAIN := .venv-train
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
-setup: system $(OPS)/.installed $(TRAIN)/.installed node_modules/.installed  ## install everything (both venvs, Horovod, Azurite)
+setup: system $(OPS)/.installed $(TRAIN)/.installed $(TRAIN)/.checkout-on-path node_modules/.installed  ## install everything (both venvs, Horovod, Azurite)
 
 system:  ## apt packages (cloud-init, shellcheck, openssh, iproute2, npm, Slurm, munge, QEMU...) and the test VM's kernel
 	@scripts/setup_system.sh
@@ -32,8 +32,11 @@ $(TRAIN)/.installed: requirements-train.txt scripts/build_horovod.sh
 	$(TRAIN)/bin/pip install -q --disable-pip-version-check pip==$(PIP_VERSION)
 	$(TRAIN)/bin/pip install -q -r requirements-train.txt
 	scripts/build_horovod.sh $(TRAIN)
-	# `python -m training.predict` from any directory: the checkout on the environment's path (a .pth file,
-	# not `pip install -e .`, which would add the operator CLI and its dependencies to this environment)
+	touch $@
+
+# `python -m training.predict` from any directory: the checkout on the environment's path (a .pth file,
+# not `pip install -e .`, which would add the operator CLI and its dependencies to this environment)
+$(TRAIN)/.checkout-on-path: $(TRAIN)/.installed
 	$(TRAIN)/bin/python -c 'import site, sys; open(site.getsitepackages()[0] + "/azure-horovod.pth", "w").write(sys.argv[1] + "\n")' "$(CURDIR)"
 	touch $@
 
