@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_serializer, model_validator
 
+from infra.cloud_init.slurm import DEFAULT_JOB_TIME
 from infra.contract import CONTAINER_SSH_PORT
 from scripts.cli import (
     add_cluster_option,
@@ -44,7 +45,7 @@ IMAGE_REPOSITORIES = {"pytorch": "hvd-pytorch", "tensorflow": "hvd-tensorflow", 
 # Version 2: the node registry went (Slurm knows the nodes), `results_upload` came, `storage_python`
 # became `remote_python`.
 SCHEMA_VERSION = 2
-DEFAULT_TIME_LIMIT = "24:00:00"  # a forgotten job on eight H100s costs about $2,400 a day at list price
+DEFAULT_TIME_LIMIT = DEFAULT_JOB_TIME  # the partition's DefaultTime, for jobs submitted by hand
 DOCKER_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # Docker's grammar for an image tag
 
 

@@ -39,6 +39,9 @@ SLURMD_TIMEOUT_S = 300
 # After SIGKILL, how long a step's processes may linger (a process stuck in I/O on a hard NFS
 # mount) before the node is drained as unhealthy. Slurm wants at least 5 MessageTimeouts.
 UNKILLABLE_STEP_TIMEOUT_S = 120
+# The time limit of a job that names none (an sbatch or salloc by hand; `launch` always names one):
+# a forgotten job on eight H100s costs about $2,400 a day at list price.
+DEFAULT_JOB_TIME = "24:00:00"
 
 
 @dataclass(frozen=True)
@@ -201,8 +204,8 @@ def render_slurm_conf(
         # only its own GPUs (CUDA_VISIBLE_DEVICES from gres, and docker's --gpus with the job's devices).
         # A job that asks for every GPU of a node, or --exclusive, gets the node to itself (launch does).
         # DefCpuPerGPU: a GPU comes with its share of the node's cores for its data loaders.
-        f"PartitionName={partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO"
-        + (f" DefCpuPerGPU={max(1, nodes.cpus // nodes.gpus)}" if nodes.gpus else ""),
+        f"PartitionName={partition} Nodes=ALL Default=YES DefaultTime={DEFAULT_JOB_TIME} MaxTime=INFINITE State=UP "
+        "OverSubscribe=NO" + (f" DefCpuPerGPU={max(1, nodes.cpus // nodes.gpus)}" if nodes.gpus else ""),
     ]
     return "\n".join(lines) + "\n"
 
