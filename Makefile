@@ -11,16 +11,18 @@ TRAIN := .venv-train
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
-setup: system $(OPS)/.installed $(TRAIN)/.installed node_modules/.installed  ## install everything (both venvs, Horovod, Azurite)
+setup: system $(OPS)/.installed $(TRAIN)/.installed $(TRAIN)/.checkout-on-path node_modules/.installed  ## install everything (both venvs, Horovod, Azurite)
 
 system:  ## apt packages (cloud-init, shellcheck, openssh, iproute2, npm, Slurm, munge, QEMU...) and the test VM's kernel
 	@scripts/setup_system.sh
 	@scripts/fetch_vm_kernel.sh
 
-$(OPS)/.installed: requirements.txt
+# The CLI is installed as `dtrain` (editable: the checkout is the code), runnable from any directory.
+$(OPS)/.installed: requirements.txt requirements-cli.txt pyproject.toml
 	test -x $(OPS)/bin/python || $(PYTHON) -m venv $(OPS)
 	$(OPS)/bin/pip install -q --disable-pip-version-check pip==$(PIP_VERSION)
 	$(OPS)/bin/pip install -q -r requirements.txt
+	$(OPS)/bin/pip install -q --no-deps -e .
 	touch $@
 
 # Horovod compiles against the installed torch and TensorFlow, so it comes after them; the
@@ -30,6 +32,12 @@ $(TRAIN)/.installed: requirements-train.txt scripts/build_horovod.sh
 	$(TRAIN)/bin/pip install -q --disable-pip-version-check pip==$(PIP_VERSION)
 	$(TRAIN)/bin/pip install -q -r requirements-train.txt
 	scripts/build_horovod.sh $(TRAIN)
+	touch $@
+
+# `python -m training.predict` from any directory: the checkout on the environment's path (a .pth file,
+# not `pip install -e .`, which would add the operator CLI and its dependencies to this environment)
+$(TRAIN)/.checkout-on-path: $(TRAIN)/.installed
+	$(TRAIN)/bin/python -c 'import site, sys; open(site.getsitepackages()[0] + "/azure-horovod.pth", "w").write(sys.argv[1] + "\n")' "$(CURDIR)"
 	touch $@
 
 node_modules/.installed: package.json package-lock.json

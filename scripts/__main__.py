@@ -1,6 +1,7 @@
-"""The operator's one command: `python -m scripts <command>` (`--help` lists them, `<command> --help`
-teaches each). Every command module adds its parser in `configure(commands)` and sets `handler`;
-errors take one path to the terminal (scripts.cli.run_cli)."""
+# PYTHON_ARGCOMPLETE_OK  (argcomplete: this script answers completions itself)
+"""The operator's one command: `dtrain <command>` once installed, or `python -m scripts <command>`
+(`--help` lists them, `<command> --help` teaches each). Every command module adds its parser in
+`configure(commands)` and sets `handler`; errors take one path to the terminal (scripts.cli.run_cli)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from scripts import build_images, cluster, cost, demo, jobs, launch, local_cluster, results, stage
+from scripts import build_images, cluster, cost, demo, interactive, jobs, launch, local_cluster, results, stage
 from scripts.cli import CLIParser, add_cluster_option, run_cli
 
 # In the order a user meets them: a cluster, data and images on it, jobs and what they leave, then the
 # local cluster.
-COMMAND_MODULES = (cluster, stage, build_images, launch, jobs, results, cost, local_cluster, demo)
+CONSOLE_SCRIPT = "dtrain"  # pyproject.toml's [project.scripts]
+COMMAND_MODULES = (cluster, stage, build_images, launch, jobs, interactive, results, cost, local_cluster, demo)
 
 DESCRIPTION = """\
 Distributed training on a Slurm GPU cluster: the Azure stack (`pulumi up`), or the embedded local
@@ -34,8 +37,11 @@ typical session:
 
 
 def build_parser() -> CLIParser:
+    installed = Path(sys.argv[0]).name == CONSOLE_SCRIPT
     parser = CLIParser(
-        prog="python -m scripts", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=CONSOLE_SCRIPT if installed else "python -m scripts",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_cluster_option(parser, top_level=True)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CLIParser)
@@ -45,7 +51,12 @@ def build_parser() -> CLIParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli(build_parser(), lambda args: args.handler(args), argv)
+    parser = build_parser()
+    if "_ARGCOMPLETE" in os.environ:  # the shell asks for completions (docs/operator.md): answer, and exit
+        import argcomplete
+
+        argcomplete.autocomplete(parser)
+    return run_cli(parser, lambda args: args.handler(args), argv)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,12 @@ from scripts.sshutil import q
 Launcher = Literal["horovodrun", "torchrun"]
 NODE_PROBE_S = 60  # how long a node may take to run an empty job step before it counts as failed
 RDZV_PORT_BASE = 29400  # torchrun's rendezvous on the first node: this plus the job id modulo 1000
+OUTPUT_SUBDIR = "output"  # $OUTPUT_DIR of a run: uploaded to the results container with the run's logs
 REMOTE_TOOLS = ("annotate_output.py", "record_run.py", "upload_results.py", "srun_ssh.py", "nvme_copy.py")
 # --ntasks too: the allocation's SLURM_NTASKS (nodes x processes) would otherwise win over per-node
+DOCKER_RUN_WITH_JOB_GPUS = (
+    "sh -c " + q('exec docker run --gpus "\\"device=${SLURM_STEP_GPUS:-$SLURM_JOB_GPUS}\\"" "$@"') + " docker-run"
+)
 ONE_TASK_PER_NODE = '--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1'
 # torchrun prefixes each line of a rank with this (it has no flag for it): the global rank, which
 # annotate_output.py turns into [rank|host]. Quoted: torchrun, not bash, fills in ${rank}.
@@ -73,7 +77,8 @@ class JobSpec:
     network_interface: str | None = None
     infiniband: bool = False
     requeue: bool = False
-    time_limit_minutes: int | None = None
+    time_limit: str | None = None  # Slurm's --time syntax (minutes, HH:MM:SS, D-HH:MM, ...)
+    exclusive: bool = False  # whole nodes; otherwise the job shares its nodes, holding only its GPUs (gres)
     git_revision: str | None = None  # of the operator's checkout: recorded in the model export
     env: dict[str, str] = field(default_factory=dict)  # NCCL settings and the like, for every rank
     local_copy: LocalCopy | None = None
@@ -99,16 +104,17 @@ def _header(spec: JobSpec) -> list[str]:
         f"#SBATCH --partition={spec.partition}",
         f"#SBATCH --nodes={spec.nodes}",
         f"#SBATCH --ntasks-per-node={spec.processes_per_node}",
-        "#SBATCH --exclusive",
         f"#SBATCH --chdir={spec.run_dir}",
         f"#SBATCH --output={spec.run_dir}/output.log",
         "#SBATCH --open-mode=append",  # a requeued attempt adds to the same log
         "#SBATCH --requeue" if spec.requeue else "#SBATCH --no-requeue",
     ]
+    if spec.exclusive:
+        lines.append("#SBATCH --exclusive")
     if spec.gpus_per_node:
         lines.append(f"#SBATCH --gres=gpu:{spec.gpus_per_node}")
-    if spec.time_limit_minutes:
-        lines.append(f"#SBATCH --time={spec.time_limit_minutes}")
+    if spec.time_limit:
+        lines.append(f"#SBATCH --time={spec.time_limit}")
     return lines
 
 
@@ -120,6 +126,9 @@ def _prologue(spec: JobSpec) -> list[str]:
         "ATTEMPT_STARTED_AT=$(date -u +%s)",  # what run.json charges this attempt from
         # exported: the containers read them too (the model export records the run and the revision)
         f"export RUN_DIR={q(spec.run_dir)} RUN_ID={q(spec.run_id)} GIT_REVISION={q(spec.git_revision or '')}",
+        # where any job (ours or the user's own code) leaves what should reach the results container
+        f'export OUTPUT_DIR="$RUN_DIR/{OUTPUT_SUBDIR}" CHECKPOINT_DIR="$RUN_DIR/checkpoints"',
+        'mkdir -p "$OUTPUT_DIR"',
         f"readonly PY={q(spec.remote_python)}",
         'readonly TOOLS="$RUN_DIR/remote"',
         f"export {env}",
@@ -266,14 +275,17 @@ def _docker_run(spec: JobSpec, detach: bool) -> list[str]:
         argv += ["-v", f"{q(spec.local_copy.dest)}:{q(spec.local_copy.dest)}:ro"]
     # the launch line inside is single-quoted: the variables it names come in through the environment
     argv += ["-e", "RUN_DIR", "-e", "RUN_ID", "-e", "GIT_REVISION", "-e", "RDZV", "-e", "SLURM_JOB_ID"]
+    argv += ["-e", "OUTPUT_DIR", "-e", "CHECKPOINT_DIR"]
     argv += ["-e", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"]
     argv += [arg for key in ("PYTHONUNBUFFERED", *spec.env) for arg in ("-e", key)]
-    if spec.gpus_per_node:
-        argv += ["--gpus", "all"]
     if spec.infiniband:
         argv += ["--device", "/dev/infiniband"]
     if detach:
         argv.insert(2, "-d")
+    if spec.gpus_per_node:
+        # only the GPUs Slurm gave the job on this node (gres), read on the node itself: the container
+        # sees no other job's devices
+        argv[:2] = [DOCKER_RUN_WITH_JOB_GPUS]
     return [*argv, q(spec.image)]
 
 

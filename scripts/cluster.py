@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_serializer, model_validator
 
+from infra.cloud_init.slurm import DEFAULT_JOB_TIME
 from infra.contract import CONTAINER_SSH_PORT
 from scripts.cli import (
     add_cluster_option,
@@ -34,6 +35,7 @@ from scripts.cli import (
 )
 from scripts.errors import ExitCode, OperatorError, explain_os_error
 from scripts.fileio import atomic_write
+from scripts.slurm_time import check_time_limit
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_LOCAL_STATE = REPO_ROOT / ".local-cluster"
@@ -43,6 +45,7 @@ IMAGE_REPOSITORIES = {"pytorch": "hvd-pytorch", "tensorflow": "hvd-tensorflow", 
 # Version 2: the node registry went (Slurm knows the nodes), `results_upload` came, `storage_python`
 # became `remote_python`.
 SCHEMA_VERSION = 2
+DEFAULT_TIME_LIMIT = DEFAULT_JOB_TIME  # the partition's DefaultTime, for jobs submitted by hand
 DOCKER_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # Docker's grammar for an image tag
 
 
@@ -192,6 +195,8 @@ class ClusterDescription(_Model):
     runtime: Runtime
     nccl_env: dict[str, str] = Field(default_factory=dict)
     min_free_disk_gb: float = 20.0
+    # the time limit of a job that names none (`launch --time`), in Slurm's --time syntax
+    default_time_limit: str = DEFAULT_TIME_LIMIT
 
     @model_validator(mode="after")
     def _paths(self) -> ClusterDescription:
@@ -205,6 +210,10 @@ class ClusterDescription(_Model):
             raise ValueError("results_upload must be of kind 'sas' or 'managed_identity'")
         if self.runtime.kind == "docker" and not self.runtime.ssh_port:
             raise ValueError("the docker runtime needs runtime.ssh_port (the containers' sshd)")
+        try:
+            check_time_limit(self.default_time_limit)
+        except OperatorError as exc:
+            raise ValueError(f"default_time_limit: {exc}") from None
         return self
 
     def on_storage_host(self, node_path: str) -> str:
@@ -295,6 +304,7 @@ def from_stack_outputs(
     known_hosts: str | Path | None = None,
     runtime: Literal["docker", "host"] = "docker",
     image_tag: str = "latest",
+    default_time_limit: str = DEFAULT_TIME_LIMIT,
 ) -> ClusterDescription:
     """Map `pulumi stack output --json --show-secrets` to a description; name any missing or invalid output."""
     check_image_tag(image_tag)
@@ -343,6 +353,7 @@ def from_stack_outputs(
             runtime=_stack_runtime(out, runtime, image_tag),
             nccl_env=out.nccl_env,
             min_free_disk_gb=50.0,
+            default_time_limit=default_time_limit,
         )
     except ValidationError as exc:
         raise OperatorError(
@@ -496,6 +507,13 @@ def _from_stack_arguments(parser: argparse.ArgumentParser) -> None:
         help="tag of the framework images, as `images` printed it (default: latest)",
     )
     parser.add_argument(
+        "--default-time",
+        type=arg_type(check_time_limit),
+        metavar="TIME",
+        default=DEFAULT_TIME_LIMIT,
+        help="time limit of a job that names none, in Slurm's --time syntax (default: %(default)s)",
+    )
+    parser.add_argument(
         "--known-hosts",
         type=non_empty,
         metavar="FILE",
@@ -520,7 +538,13 @@ def _from_stack(args: argparse.Namespace) -> int:
         raise OperatorError(f"--output {output} is a directory: pass a file name")
     check_directory(output.parent, "the directory of --output")
     desc = from_pulumi_stack(
-        args.stack, key, cwd=args.cwd, known_hosts=args.known_hosts, runtime=args.runtime, image_tag=args.image_tag
+        args.stack,
+        key,
+        cwd=args.cwd,
+        known_hosts=args.known_hosts,
+        runtime=args.runtime,
+        image_tag=args.image_tag,
+        default_time_limit=args.default_time,
     )
     print(f"wrote {desc.save(output)} (mode 0600: it holds the read-only data SAS)")
     return 0

@@ -9,9 +9,12 @@ health check's last report per node (`<shared>/.health/<node>`).
 from __future__ import annotations
 
 import argparse
+import json
 import posixpath
 from collections.abc import Sequence
+from dataclasses import asdict
 from datetime import UTC, datetime
+from typing import Any
 
 from rich.table import Table
 
@@ -64,6 +67,8 @@ def configure(commands: argparse._SubParsersAction) -> None:
     for parser, handler in ((jobs, run_jobs), (logs, run_logs), (cancel, run_cancel), (status, run_status)):
         add_cluster_option(parser)
         parser.set_defaults(handler=handler)
+    for parser in (jobs, status):
+        parser.add_argument("--json", action="store_true", help="print JSON on stdout instead of the tables")
 
 
 def _connect(args: argparse.Namespace) -> tuple[ClusterDescription, SSH, Slurm]:
@@ -78,32 +83,59 @@ def run_jobs(args: argparse.Namespace) -> int:
     with ssh:
         queue = slurm.queue()
         runs = list_runs(desc, slurm, limit=args.limit)
-    out.print(jobs_table(queue, runs))
+    if args.json:
+        print(json.dumps(job_rows(queue, runs), indent=2))
+    else:
+        out.print(jobs_table(queue, runs))
     return 0
+
+
+def job_rows(queue: Sequence[QueuedJob], runs: Sequence[Run]) -> list[dict[str, Any]]:
+    """One row per job: those Slurm holds, then the ended runs (newest first); what `jobs` shows."""
+    live = {job.job_id: job for job in queue}
+    rows = [
+        {"job": j.job_id, "run": j.name, "state": j.state, "nodes": j.nodes, "time": j.elapsed, "note": j.reason}
+        for j in queue
+    ]
+    for run in runs:
+        if run.job_id in live:
+            continue
+        state, note = _ended_state(run)
+        record = run.record or {}
+        rows.append(
+            {
+                "job": run.job_id,
+                "run": run.run_id,
+                "state": state,
+                "nodes": (run.job or {}).get("nodes"),
+                "time": (run.status or {}).get("finished_at"),
+                "exit_code": run.exit_code,
+                "node_hours": record.get("node_hours"),
+                "estimated_cost_usd": record.get("estimated_cost_usd"),
+                "note": note,
+            }
+        )
+    return rows
 
 
 def jobs_table(queue: Sequence[QueuedJob], runs: Sequence[Run]) -> Table:
     table = Table(title="jobs")
     for column in ("job", "run", "state", "nodes", "time", "exit", "node-h", "est. cost", "note"):
         table.add_column(column)
-    live = {job.job_id: job for job in queue}
-    for job in queue:
-        table.add_row(job.job_id, job.name, job.state, job.nodes, job.elapsed, "", "", "", job.reason)
-    for run in runs:
-        if run.job_id in live:
-            continue
-        state, note = _ended_state(run)
-        finished = (run.status or {}).get("finished_at", "")
-        nodes = str((run.job or {}).get("nodes", ""))
-        table.add_row(run.job_id or "-", run.run_id or "-", state, nodes, finished, _exit(run), *_cost(run), note)
+    for row in job_rows(queue, runs):
+        hours, cost = row.get("node_hours"), row.get("estimated_cost_usd")
+        table.add_row(
+            row["job"] or "-",
+            row["run"] or "-",
+            row["state"],
+            "" if row["nodes"] is None else str(row["nodes"]),
+            row["time"] or "",
+            "" if row.get("exit_code") is None else str(row["exit_code"]),
+            "" if hours is None else f"{hours:.3f}",
+            "" if cost is None else f"${cost:.2f}",
+            row["note"],
+        )
     return table
-
-
-def _cost(run: Run) -> tuple[str, str]:
-    """Node-hours and estimated cost from run.json (written when an attempt ends)."""
-    record = run.record or {}
-    hours, cost = record.get("node_hours"), record.get("estimated_cost_usd")
-    return ("" if hours is None else f"{hours:.3f}"), ("" if cost is None else f"${cost:.2f}")
 
 
 def _ended_state(run: Run) -> tuple[str, str]:
@@ -118,10 +150,6 @@ def _ended_state(run: Run) -> tuple[str, str]:
     if verdict.get("failed_rank") is not None:
         return "FAILED", f"rank {verdict['failed_rank']} on {verdict.get('failed_host') or '?'}"
     return "FAILED", ""
-
-
-def _exit(run: Run) -> str:
-    return "" if run.exit_code is None else str(run.exit_code)
 
 
 # --- logs ----------------------------------------------------------------------------------------
@@ -171,8 +199,16 @@ def run_status(args: argparse.Namespace) -> int:
         nodes = slurm.nodes()
         queue = slurm.queue()
         health = read_health(desc, slurm)
-    out.print(nodes_table(nodes, health))
-    out.print(summary(nodes, queue))
+    if args.json:
+        document = {
+            "nodes": [{**asdict(n), "powered_down": n.powered_down, "health": health.get(n.name)} for n in nodes],
+            "queue": [asdict(job) for job in queue],
+            "summary": summary(nodes, queue),
+        }
+        print(json.dumps(document, indent=2))
+    else:
+        out.print(nodes_table(nodes, health))
+        out.print(summary(nodes, queue))
     usable = [n for n in nodes if not any(word in n.state for word in ("drain", "down", "fail"))]
     return 0 if usable else int(ExitCode.NOT_READY)
 

@@ -1,6 +1,7 @@
 """`launch`: submit a training run to Slurm over SSH (through the jump host), then follow it or detach.
 
   python -m scripts launch --framework pytorch --nodes 2 -- --data synthetic --steps 100
+  python -m scripts launch --workdir examples/ddp --gpus 1 -- python train.py --epochs 2   # your own code
 
 The steps, each a module: submit (scripts/submit.py: checks, run directory, job.sh, sbatch), follow
 (scripts/follow.py: the log until the job ends, and its exit), results (uploaded by the job itself on
@@ -14,16 +15,21 @@ import argparse
 import sys
 
 from infra.contract import FRAMEWORKS
-from scripts.cli import add_cluster_option, arg_type, int_between, non_empty
-from scripts.cluster import load
+from scripts.allocation import add_allocation_arguments, cost_line
+from scripts.batch import render_job_script
+from scripts.cli import add_cluster_option, arg_type, non_empty, positive_number
+from scripts.cluster import ClusterDescription, load
+from scripts.errors import OperatorError
 from scripts.follow import ask_cancel_or_detach, follow
 from scripts.runs import Run
 from scripts.slurm import Slurm
 from scripts.sshutil import SSH
-from scripts.submit import LaunchOptions, Submission, check_run_id, submit
+from scripts.submit import LaunchOptions, Plan, Submission, build_spec, check_run_id, node_hour_price, submit
 from scripts.ui import make_console
+from scripts.workdir import MAX_WORKDIR_MB
 
 console = make_console()
+DEFAULT_WORKDIR_FRAMEWORK = "pytorch"  # the image a --workdir command runs in when --framework names none
 
 EPILOG = """\
 Everything after `--` goes to the job (python -m training.<framework> --help, or with --model-parallel
@@ -31,7 +37,23 @@ python -m training.model_parallel --help). Horovod jobs run with horovodrun on a
 allocation; `--backend ddp` and `--model-parallel` (PyTorch) run torchrun under srun, one per node.
 With --follow (the default on a terminal) the exit status is the job's own.
 
+Your own code: --workdir DIR sends DIR (its .gitignore honoured) to the run directory, and everything
+after `--` is the command, run there as written on every rank under torchrun (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or, with --launcher horovodrun, under horovodrun. Whatever it
+writes to $OUTPUT_DIR reaches the results container with the run's logs; $CHECKPOINT_DIR stays on the
+shared file system. Nothing is added to its arguments.
+
+A job asks for 1 node and its GPUs one by one (it shares the node, seeing only its own GPUs) unless it
+asks for every GPU of a node or --exclusive; its time limit is --time, else the cluster's default.
+The allocation and its estimated hourly cost are shown before submission; --dry-run stops there and
+prints the batch script.
+
 examples:
+  python -m scripts launch --workdir examples/ddp --gpus 1 -- python train.py --epochs 2
+  python -m scripts launch --workdir examples/horovod --launcher horovodrun --nodes 2 -- python train.py
+  python -m scripts launch --workdir examples/fsdp --nodes 2 --gpus-per-node 8 --time 4:00:00 -- \\
+      python train.py --steps 1000
+  python -m scripts launch --dry-run --framework pytorch --gpus 2 -- --data synthetic --steps 10
   python -m scripts launch --framework pytorch -- --data synthetic --steps 100
   python -m scripts launch --framework pytorch --nodes 2 --requeue -- --backend ddp --data imagenet \\
       --data-dir /shared/data/imagenet --epochs 90
@@ -53,11 +75,27 @@ def configure(commands: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_cluster_option(parser)
-    parser.add_argument("--framework", required=True, choices=FRAMEWORKS)
-    parser.add_argument("--nodes", type=int_between(1), help="nodes to use (default: every node of the cluster)")
     parser.add_argument(
-        "--gpus-per-node", type=int_between(1), help="processes per node (default: the GPUs of a node; 1 on CPU)"
+        "--framework",
+        choices=FRAMEWORKS,
+        help="our training job to run (training.<framework>); with --workdir, whose image runs the command "
+        "(default with --workdir: pytorch)",
     )
+    parser.add_argument(
+        "--workdir",
+        type=non_empty,
+        metavar="DIR",
+        help="your own code: DIR goes to the run directory (.gitignore honoured) and the command after -- runs "
+        "there on every rank, as written",
+    )
+    parser.add_argument(
+        "--workdir-max-mb",
+        type=positive_number,
+        default=MAX_WORKDIR_MB,
+        metavar="MB",
+        help="refuse a --workdir larger than this after its excludes (default: %(default)s)",
+    )
+    add_allocation_arguments(parser)
     parser.add_argument(
         "--launcher",
         choices=("horovodrun", "torchrun"),
@@ -79,9 +117,21 @@ def configure(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="copy --data-dir to each node's local disk first, and train from there",
     )
-    parser.add_argument("--time-limit", type=int_between(1), metavar="MINUTES", help="Slurm ends the job after this")
-    parser.add_argument("--entrypoint", type=non_empty, help="job module or .py path instead of training.<framework>")
-    parser.add_argument("--image", type=non_empty, help="docker runtime: image to run instead of the framework's")
+    parser.add_argument(
+        "--entrypoint",
+        type=non_empty,
+        help="job module or .py path (on the nodes or in the image) instead of training.<framework>; its "
+        "arguments are only those after --",
+    )
+    parser.add_argument(
+        "--image",
+        type=non_empty,
+        help="docker runtime: image to run instead of the framework's (public, or in the cluster's registry; "
+        "see docs/operator.md for what it must contain)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the allocation and job.sh, and submit nothing (exit 0)"
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--follow", action="store_true", default=None, help="stream the output (default on a terminal)")
     mode.add_argument("--detach", action="store_true", help="print the job id and return")
@@ -93,27 +143,40 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     job_args = list(args.job_args)
     if job_args and job_args[0] == "--":
         job_args = job_args[1:]
+    if not args.framework and not args.workdir:
+        raise OperatorError("launch needs --framework (our training jobs) or --workdir (your own code)")
     return LaunchOptions(
-        framework=args.framework,
+        framework=args.framework or DEFAULT_WORKDIR_FRAMEWORK,
         job_args=job_args,
         nodes=args.nodes,
         processes_per_node=args.gpus_per_node,
+        gpus=args.gpus,
+        exclusive=args.exclusive,
+        workdir=args.workdir,
+        workdir_max_mb=args.workdir_max_mb,
         launcher=args.launcher,
         model_parallel=args.model_parallel,
         entrypoint=args.entrypoint,
         image=args.image,
         run_id=args.run_id,
         requeue=args.requeue,
-        time_limit_minutes=args.time_limit,
+        time_limit=args.time_limit,
         local_copy=args.local_copy,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     desc = load(args.cluster)
+    opts = options_from_args(args)
+    plan = build_spec(desc, opts)
+    show_request(desc, plan)
+    if args.dry_run:
+        print(render_job_script(plan.spec), end="", flush=True)  # alone on stdout: `launch --dry-run ... >job.sh`
+        console.print("dry run: nothing submitted")
+        return 0
     follow_output = not args.detach and (args.follow or sys.stdout.isatty())
     with SSH(desc) as ssh:
-        submitted = submit(desc, options_from_args(args), ssh)
+        submitted = submit(desc, opts, ssh, plan)
         announce(submitted)
         if not follow_output:
             print(submitted.job_id, flush=True)  # alone on stdout: `job=$(python -m scripts launch --detach ...)`
@@ -124,6 +187,18 @@ def run(args: argparse.Namespace) -> int:
             return follow(desc, ssh, slurm, job)
         except KeyboardInterrupt:
             return ask_cancel_or_detach(slurm, job)
+
+
+def show_request(desc: ClusterDescription, plan: Plan) -> None:
+    """What the job will hold, for how long, and what an hour of it costs: before anything is submitted."""
+    price, source = node_hour_price(desc)
+    console.print(f"allocation: {plan.allocation.describe(desc)} on partition {plan.spec.partition}")
+    if plan.workdir:
+        console.print(
+            f"workdir: {plan.workdir.path} ({plan.workdir.files} files, {plan.workdir.size_bytes / 2**20:,.1f} MiB "
+            f"after .gitignore) -> {plan.spec.workdir}"
+        )
+    console.print(cost_line(plan.allocation, desc, price, source))
 
 
 def announce(submitted: Submission) -> None:

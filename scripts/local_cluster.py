@@ -38,7 +38,7 @@ import os
 import re
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Literal
@@ -47,7 +47,7 @@ from pydantic import SecretStr
 from rich.table import Table
 
 from infra.contract import HEALTH_REPORT_DIR, SLURM_PARTITION, SLURMCTLD_PORT, SLURMD_PORT
-from scripts import local_link, local_power, local_slurm
+from scripts import local_gpus, local_link, local_power, local_slurm
 from scripts import local_network as net
 from scripts.cli import arg_type, ensure_directory, int_between, non_empty, require_tool
 from scripts.cluster import (
@@ -84,6 +84,7 @@ from scripts.ui import make_console
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 DEFAULT_SUBNET = "10.213.0.0/24"
 DEFAULT_NAME = "hvd"
+LOCAL_DEFAULT_TIME_LIMIT = "1:00:00"  # a job that names no --time; nothing here runs for long
 CLUSTER_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]{0,7}")  # it prefixes interface names (15 characters at most)
 MAX_NODES = 32
 MAX_HEALTH_CHECK_INTERVAL_S = 86400
@@ -119,16 +120,17 @@ def up(
     autostop_seconds: int = 0,
     health_check_interval_s: int = 60,
     link_rate: str | None = None,
+    gpus_per_node: int = 0,
 ) -> ClusterDescription:
     """Create the local cluster and write STATE_DIR/cluster.json; on any failure remove what was made.
 
     autostop_seconds: idle seconds before Slurm suspends a node (0: never); health_check_interval_s:
     how often every node runs the health check; link_rate: what each node may send (`100mbit`; None
-    or `full`: full speed)."""
+    or `full`: full speed); gpus_per_node: emulated GPUs (scripts/local_gpus.py)."""
     rate = local_link.parse_link_rate(link_rate) if link_rate else None
     state_dir = Path(state_dir).resolve()
     network = _check_up_request(nodes, state_dir, name, subnet)
-    slurm = _check_slurm_settings(autostop_seconds, health_check_interval_s)
+    slurm = replace(_check_slurm_settings(autostop_seconds, health_check_interval_s), gpus_per_node=gpus_per_node)
     python = _training_python(train_python)
     if mode == "auto":
         mode = "netns" if net.netns_allowed(f"{name}-probe") else "localhost"
@@ -142,13 +144,19 @@ def up(
         raise OperatorError(LINK_RATE_NEEDS_NETNS, ExitCode.NOT_READY)
     if rate:
         local_link.require_tc()
+    if gpus_per_node:
+        if mode == "localhost":
+            raise OperatorError(f"--gpus-per-node needs Slurm, which is {NO_SLURM_NOTE}", ExitCode.NOT_READY)
+        local_gpus.check_devices_cgroup()
     azurite = _check_tools(mode)
 
     ensure_directory(state_dir, "--state-dir")
     try:
         # held until the cluster is complete: the power programs slurmctld may start meanwhile wait
         with state_lock(state_dir):
-            state = LocalState(name=name, mode=mode, state_dir=str(state_dir), link_rate=rate)
+            state = LocalState(
+                name=name, mode=mode, state_dir=str(state_dir), link_rate=rate, gpus_per_node=gpus_per_node
+            )
             state.save()
             return _up(state, nodes, network, azurite, python, slurm)
     except BaseException:
@@ -382,6 +390,8 @@ def _start_slurm(state: LocalState, settings: LocalSlurmSettings) -> None:
     files.make_dirs(names)
     shared = Path(state.state_dir) / "shared"
     local_slurm.write_config(files, state.slurm_cluster_name, head.address, names, shared, settings)
+    if settings.gpus_per_node:
+        local_gpus.configure(files, settings.gpus_per_node)
     local_power.install_programs(files, Path(state.state_dir))
     state.slurm_conf = str(files.conf)
     start_daemon(state, "munged", local_slurm.munged_argv(files), str(files.munge_socket))
@@ -406,7 +416,7 @@ def _describe(state: LocalState, python: Path, key: Path, known_hosts: Path, sto
         jump_host=jump_host,
         storage_host=SSHEndpoint(host="127.0.0.1", port=state.ports["nfs"], user=user),
         node_count=len(state.nodes),
-        gpus_per_node=0,
+        gpus_per_node=state.gpus_per_node,
         node_ssh_port=22,
         shared_mount_path=str(shared),
         shared_is_mount=False,
@@ -438,6 +448,7 @@ def _describe(state: LocalState, python: Path, key: Path, known_hosts: Path, sto
         ),
         nccl_env={},
         min_free_disk_gb=1.0,
+        default_time_limit=LOCAL_DEFAULT_TIME_LIMIT,
     )
 
 
@@ -521,7 +532,9 @@ def down(state_dir: str | Path = DEFAULT_LOCAL_STATE, quiet: bool = False) -> bo
         hosts = state.hosts()
         links = [str(h.veth) for h in hosts if h.veth] + ([state.bridge] if state.bridge else [])
         net.remove([str(h.namespace) for h in hosts], links, state.etc_netns)
-        runtime = local_slurm.SlurmFiles(state_dir).runtime
+        files = local_slurm.SlurmFiles(state_dir)
+        local_gpus.remove_cgroups(files, [node.hostname for node in state.nodes])
+        runtime = files.runtime
         shutil.rmtree(state_dir, ignore_errors=True)
         shutil.rmtree(runtime, ignore_errors=True)
         with contextlib.suppress(OSError):  # the runtime root, once no cluster uses it
@@ -717,6 +730,13 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
         "starts it again. 0: never (%(default)s)",
     )
     parser.add_argument(
+        "--gpus-per-node",
+        type=int_between(0, 8),
+        default=0,
+        help="emulated GPUs per node: Slurm gres with device files, each job isolated to its own (task/cgroup "
+        "ConstrainDevices); needs the cgroup v1 devices controller (%(default)s)",
+    )
+    parser.add_argument(
         "--health-check-interval",
         type=int_between(1, MAX_HEALTH_CHECK_INTERVAL_S),
         default=60,
@@ -741,6 +761,7 @@ def _run_up(args: argparse.Namespace) -> int:
         autostop_seconds=args.autostop_seconds,
         health_check_interval_s=args.health_check_interval,
         link_rate=args.link_rate,
+        gpus_per_node=args.gpus_per_node,
     )
     where = Path(args.state_dir) / "cluster.json"
     console.print(f"local cluster up: {desc.node_count} nodes; description {where}")

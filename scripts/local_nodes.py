@@ -13,7 +13,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from scripts import local_slurm
+from scripts import local_gpus, local_slurm
 from scripts.errors import ExitCode, OperatorError
 from scripts.local_network import sh
 from scripts.local_state import LocalState, NodeState, ProcessRecord
@@ -94,7 +94,9 @@ def start_sshd(state: LocalState, node: NodeState) -> None:
         nvme, local = node_nvme_dir(state, node.hostname), local_data_dir(state)
         nvme.mkdir(parents=True, exist_ok=True)
         local.mkdir(exist_ok=True)
-        script = f'hostname {node.hostname} && mount --bind "$1" "$2" && exec {SSHD} -D -e -f "$0"'
+        files = local_slurm.SlurmFiles(Path(state.state_dir))
+        cgroup = local_gpus.mount_script(files, node.hostname) if state.gpus_per_node else ""
+        script = f'hostname {node.hostname} && mount --bind "$1" "$2" && {cgroup}exec {SSHD} -D -e -f "$0"'
         namespaces = ["ip", "netns", "exec", str(node.namespace), *unshare]
         argv = [*namespaces, "sh", "-c", script, str(cfg), str(nvme), str(local)]
     else:

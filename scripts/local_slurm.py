@@ -57,6 +57,7 @@ class LocalSlurmSettings:
 
     autostop_s: int = 0  # idle seconds before a node is suspended (SuspendTime); 0: never
     health_check_interval_s: int = 60
+    gpus_per_node: int = 0  # emulated GPUs (scripts/local_gpus.py): gres, isolated by task/cgroup
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ def render_local_conf(
         controller_host=CONTROLLER_HOST,
         controller_address=controller_address,
         partition=SLURM_PARTITION,
-        nodes=NodeSet(names=list(nodes), cpus=NODE_CPUS, real_memory_mb=NODE_MEMORY_MB, gpus=0),
+        nodes=NodeSet(names=list(nodes), cpus=NODE_CPUS, real_memory_mb=NODE_MEMORY_MB, gpus=settings.gpus_per_node),
         state_save_dir=str(files.state_save),
         slurmd_spool_dir=str(files.spool),
         power=PowerSaving(
@@ -205,8 +206,9 @@ def render_local_conf(
             "SlurmctldPidFile": f"{run}/slurmctld.pid",
             # the nodes advertise NODE_CPUS whatever this machine has
             "SlurmdParameters": "config_overrides",
-            # binding tasks to "their" cores would pin every node's tasks to the same few cores
-            "TaskPlugin": "task/none",
+            # binding tasks to "their" cores would pin every node's tasks to the same few cores; with
+            # emulated GPUs, task/cgroup constrains each job to its own GPUs' devices (ConstrainDevices)
+            "TaskPlugin": "task/cgroup" if settings.gpus_per_node else "task/none",
             "MailProg": "/bin/true",  # Debian's default, /usr/bin/mail, is not installed
             "SlurmctldParameters": f"{controller},power_save_interval={POWER_SAVE_INTERVAL_S}",
             "HealthCheckInterval": str(settings.health_check_interval_s),

@@ -67,6 +67,7 @@ class LocalState(BaseModel):
     ports: dict[str, int] = Field(default_factory=dict)  # jumpbox, nfs: sshd ports on 127.0.0.1
     slurm_conf: str | None = None  # SLURM_CONF for Slurm's commands on this machine (netns mode)
     link_rate: str | None = None  # each node's eth0 sends at most this (tc tbf); None: full speed
+    gpus_per_node: int = 0  # emulated GPUs (scripts/local_gpus.py)
     created_at: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
 
     @property

@@ -8,6 +8,7 @@ declare -A wanted=(
   [shellcheck]=shellcheck      # lints the shell scripts embedded in them
   [sshd]=openssh-server        # local cluster nodes
   [ssh]=openssh-client
+  [rsync]=rsync                # launch --workdir sends the user's code to the shared file system
   [ip]=iproute2                # network namespaces as nodes
   [tc]=iproute2                # `local up --link-rate`: slows the nodes' links (tbf)
   [systemd-analyze]=systemd    # verifies the systemd units in cloud-init documents

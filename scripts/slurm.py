@@ -79,10 +79,14 @@ class Slurm:
         self.access = require_slurm(desc)
         self.ssh = ssh
 
+    def script(self, script: str) -> str:
+        """script as the login node must run it: with this cluster's SLURM_CONF."""
+        conf = f"export SLURM_CONF={q(self.access.conf)}; " if self.access.conf else ""
+        return conf + script
+
     def run_unchecked(self, script: str, *, timeout: float = 60, input: bytes | None = None) -> Result:
         """A shell script on the login node, with this cluster's SLURM_CONF; its status is the caller's."""
-        conf = f"export SLURM_CONF={q(self.access.conf)}; " if self.access.conf else ""
-        proc = self.ssh.run(self.ssh.login, conf + script, timeout=timeout, check=False, input=input)
+        proc = self.ssh.run(self.ssh.login, self.script(script), timeout=timeout, check=False, input=input)
         return Result(proc.returncode, _text(proc.stdout), _text(proc.stderr))
 
     def run(self, command: str, *, timeout: float = 60) -> str:
@@ -107,6 +111,16 @@ class Slurm:
 
     def cancel(self, job_id: str) -> None:
         self.run(f"scancel {q(job_id)}")
+
+    def node_addresses(self) -> dict[str, str]:
+        """node -> the address Slurm reaches it at (NodeAddr: where its slurmd registered from)."""
+        text = self.run(f"sinfo --noheader --Node --partition={q(self.access.partition)} --format=%N{_SEP}%o")
+        return dict(line.split(_SEP, 1) for line in text.splitlines() if line.count(_SEP) == 1)
+
+    def job_nodes(self, job_id: str) -> list[str]:
+        """The nodes a running job holds, in order (its first is where its batch script runs)."""
+        text = self.run(f'scontrol show hostnames "$(squeue --noheader --jobs={q(job_id)} --format=%N)"')
+        return text.split()
 
     def nodes(self) -> list[NodeInfo]:
         fields = _SEP.join(("%N", "%T", "%E", "%c", "%G"))

@@ -19,14 +19,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 
 from infra.contract import FRAMEWORKS, RUNS_DIR
 from scripts import cost
+from scripts.allocation import Allocation, plan_allocation
 from scripts.batch import REMOTE_TOOLS, JobSpec, Launcher, LocalCopy, ResultsTarget, render_job_script
 from scripts.cluster import REPO_ROOT, ClusterDescription
 from scripts.errors import ExitCode, OperatorError
-from scripts.slurm import Slurm, parse_job_id
+from scripts.slurm import Slurm, parse_job_id, require_slurm
 from scripts.sshutil import SSH, q
+from scripts.workdir import CODE_SUBDIR, MAX_WORKDIR_MB, Workdir, check_workdir, send_workdir
 
 # A run id names a directory on the share, a Slurm job and a blob prefix: one plain path component.
 RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,100}")
@@ -40,17 +43,21 @@ _RUN_EXISTS, _NO_DATA = 17, 18  # the remote step's own exit statuses
 
 @dataclass
 class LaunchOptions:
-    framework: str
-    job_args: list[str] = field(default_factory=list)
-    nodes: int | None = None  # default: every node of the cluster
+    framework: str  # with workdir: whose image the command runs in (docker runtime)
+    job_args: list[str] = field(default_factory=list)  # with workdir: the whole command, run as written
+    nodes: int | None = None  # default: 1
     processes_per_node: int | None = None  # default: GPUs per node (1 on CPU nodes)
+    gpus: int | None = None  # the job's GPUs in all (instead of processes_per_node)
+    exclusive: bool = False  # whole nodes even when the job asks for fewer GPUs than a node has
+    workdir: str | None = None  # the user's own code: sent to the run directory, the command runs there
+    workdir_max_mb: float = MAX_WORKDIR_MB
     launcher: Launcher | None = None  # default: torchrun for `--backend ddp` and model parallelism, else horovodrun
     model_parallel: bool = False  # PyTorch FSDP / pipeline / tensor parallel: training.model_parallel under torchrun
     entrypoint: str | None = None  # default: python -m training.<framework>; a .py path or a module
     image: str | None = None  # docker runtime: instead of the framework's image
     run_id: str | None = None
     requeue: bool = False
-    time_limit_minutes: int | None = None
+    time_limit: str | None = None  # Slurm's --time syntax; default: the cluster description's
     local_copy: bool = False  # copy --data-dir to every node's local_data_path first, and train from there
 
 
@@ -60,6 +67,15 @@ class Submission:
     job_id: str
     run_dir: str
     spec: JobSpec
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checked request: the batch script's spec, the allocation, and the user's code to send."""
+
+    spec: JobSpec
+    allocation: Allocation
+    workdir: Workdir | None = None
 
 
 def new_run_id(framework: str) -> str:
@@ -81,6 +97,8 @@ def runs_dir(desc: ClusterDescription) -> str:
 def choose_launcher(opts: LaunchOptions) -> Launcher:
     if opts.launcher:
         return opts.launcher
+    if opts.workdir:  # the user's own script: torch.distributed's launcher unless they ask for Horovod's
+        return "torchrun"
     backend = _flag_value(opts.job_args, "--backend")
     return "torchrun" if opts.model_parallel or (opts.framework == "pytorch" and backend == "ddp") else "horovodrun"
 
@@ -97,17 +115,39 @@ def check_model_parallel(opts: LaunchOptions) -> None:
         raise OperatorError(f"--model-parallel runs {MODEL_PARALLEL_JOB}: leave out --entrypoint")
 
 
-def build_spec(desc: ClusterDescription, opts: LaunchOptions, slurm: Slurm) -> JobSpec:
+def check_own_code(opts: LaunchOptions) -> None:
+    """--workdir runs the command after `--` as written: none of our job's options apply to it."""
+    if not opts.workdir:
+        return
+    if not opts.job_args:
+        raise OperatorError("--workdir runs the command after `--`: add it, e.g. -- python train.py --epochs 1")
+    for given, flag in ((opts.entrypoint, "--entrypoint"), (opts.model_parallel, "--model-parallel")):
+        if given:
+            raise OperatorError(f"--workdir runs the command after `--`: leave out {flag}")
+    if opts.local_copy:
+        raise OperatorError("--local-copy rewrites our jobs' --data-dir: with --workdir, copy the data in your script")
+
+
+def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
     """Everything about the run that can be wrong is found here, before any connection."""
     if opts.framework not in FRAMEWORKS:
         raise OperatorError(f"--framework must be one of {', '.join(FRAMEWORKS)}")
     check_model_parallel(opts)
-    nodes = opts.nodes or desc.node_count
-    if nodes > desc.node_count:
-        raise OperatorError(f"--nodes {nodes}: the cluster has {desc.node_count} nodes")
-    slots = opts.processes_per_node or desc.gpus_per_node or 1
-    if desc.gpus_per_node and slots > desc.gpus_per_node:
-        raise OperatorError(f"--gpus-per-node {slots} is more than the {desc.gpus_per_node} GPUs of a node")
+    check_own_code(opts)
+    workdir = check_workdir(opts.workdir, opts.workdir_max_mb) if opts.workdir else None
+    if opts.image and desc.runtime.kind != "docker":
+        raise OperatorError(
+            f"--image runs the job in a container, and cluster {desc.name} runs jobs on the hosts (runtime host)"
+        )
+    partition = require_slurm(desc).partition
+    alloc = plan_allocation(
+        desc,
+        nodes=opts.nodes,
+        gpus=opts.gpus,
+        gpus_per_node=opts.processes_per_node,
+        exclusive=opts.exclusive,
+        time_limit=opts.time_limit,
+    )
     launcher = choose_launcher(opts)
     if launcher == "torchrun" and opts.framework != "pytorch":
         raise OperatorError(f"--launcher torchrun runs PyTorch jobs only, not {opts.framework}")
@@ -117,18 +157,18 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions, slurm: Slurm) -> J
         if not image:
             raise OperatorError(f"no image for {opts.framework} in the cluster description: pass --image")
     local_copy = plan_local_copy(desc, opts)
-    run_id = check_run_id(opts.run_id) if opts.run_id else new_run_id(opts.framework)
+    run_id = check_run_id(opts.run_id) if opts.run_id else new_run_id(workdir.name if workdir else opts.framework)
     run_dir = posixpath.join(runs_dir(desc), run_id)
-    return JobSpec(
+    spec = JobSpec(
         run_id=run_id,
         run_dir=run_dir,
         launcher=launcher,
-        nodes=nodes,
-        processes_per_node=slots,
-        gpus_per_node=slots if desc.gpus_per_node else 0,
-        partition=slurm.access.partition,
+        nodes=alloc.nodes,
+        processes_per_node=alloc.processes_per_node,
+        gpus_per_node=alloc.gpus_per_node,
+        partition=partition,
         command=training_command(desc, opts, run_dir, local_copy),
-        workdir=desc.runtime.workdir,
+        workdir=posixpath.join(run_dir, CODE_SUBDIR) if workdir else desc.runtime.workdir,
         python=desc.runtime.python,
         remote_python=desc.remote_python,
         results=_results_target(desc),
@@ -137,11 +177,13 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions, slurm: Slurm) -> J
         network_interface=desc.runtime.network_interface,
         infiniband=desc.expect_infiniband,
         requeue=opts.requeue,
-        time_limit_minutes=opts.time_limit_minutes,
+        time_limit=alloc.time_limit,
+        exclusive=alloc.exclusive,
         git_revision=git_revision(),
         env=dict(desc.nccl_env),
         local_copy=local_copy,
     )
+    return Plan(spec, alloc, workdir)
 
 
 def plan_local_copy(desc: ClusterDescription, opts: LaunchOptions) -> LocalCopy | None:
@@ -190,19 +232,23 @@ def node_hour_price(desc: ClusterDescription) -> tuple[float | None, str]:
 def training_command(
     desc: ClusterDescription, opts: LaunchOptions, run_dir: str, local_copy: LocalCopy | None
 ) -> list[str]:
+    if opts.workdir:  # the user's command, exactly as they wrote it
+        return list(opts.job_args)
     python = desc.runtime.python
     entry = opts.entrypoint or (MODEL_PARALLEL_JOB if opts.model_parallel else f"training.{opts.framework}")
     command = [python, entry] if entry.endswith(".py") else [python, "-m", entry]
     args = list(opts.job_args)
     if local_copy:  # the ranks read each node's own copy, not the share
         args = _with_flag_value(args, "--data-dir", local_copy.dest)
+    if opts.entrypoint:  # someone else's program: its arguments are its own ($OUTPUT_DIR says where to write)
+        return command + args
+    # what a run of our jobs leaves in its directory, and so in the results container: metrics, the
+    # deployable model and curves
     defaults = {"--metrics-json": f"{run_dir}/metrics.json"}
-    if opts.entrypoint is None:
-        # what a run leaves in its directory, and so in the results container: the deployable model and curves
-        defaults |= {f"--{name}": f"{run_dir}/{path}" for name, path in RUN_OUTPUTS.items()}
-        # a requeued job starts again from the top: its checkpoints are what makes it resume
-        if opts.requeue:
-            defaults["--checkpoint-dir"] = f"{run_dir}/checkpoints"
+    defaults |= {f"--{name}": f"{run_dir}/{path}" for name, path in RUN_OUTPUTS.items()}
+    # a requeued job starts again from the top: its checkpoints are what makes it resume
+    if opts.requeue:
+        defaults["--checkpoint-dir"] = f"{run_dir}/checkpoints"
     for flag, value in defaults.items():
         if _flag_value(args, flag) is None:
             args += [flag, value]
@@ -218,16 +264,22 @@ def _results_target(desc: ClusterDescription) -> ResultsTarget:
     raise OperatorError(f"results_upload: jobs cannot upload with a {cred.kind} credential (use sas or an identity)")
 
 
-def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH) -> Submission:
+def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH, plan: Plan | None = None) -> Submission:
+    """Send the user's code (if any), write the run directory and sbatch (plan: build_spec's, if made already)."""
     slurm = Slurm(desc, ssh)
-    spec = build_spec(desc, opts, slurm)
+    plan = plan or build_spec(desc, opts)
+    spec = plan.spec
     files = _run_files(desc, opts, spec)
-    data_dir = _flag_value(opts.job_args, "--data-dir") or ""
+    code = ""
+    if plan.workdir:  # the last upload of this directory, copied: the job runs a snapshot, whatever changes next
+        cache = send_workdir(plan.workdir, desc, ssh, runs_dir(desc))
+        code = f"cp -a {q(cache + '/.')} {q(posixpath.join(spec.run_dir, CODE_SUBDIR))} || exit 1; "
+    data_dir = "" if opts.workdir else _flag_value(opts.job_args, "--data-dir") or ""
     remote = (
         f"umask 077; mkdir -p -m 0755 {q(runs_dir(desc))} || exit 1; "
         f"mkdir {q(spec.run_dir)} 2>/dev/null || exit {_RUN_EXISTS}; "
         f"if [ -n {q(data_dir)} ] && [ ! -d {q(data_dir)} ]; then rm -rf {q(spec.run_dir)}; exit {_NO_DATA}; fi; "
-        f"tar -xf - -C {q(spec.run_dir)} || exit 1; "
+        f"tar -xf - -C {q(spec.run_dir)} || exit 1; {code}"
         f"id=$(sbatch --parsable {q(spec.run_dir + '/job.sh')}) || {{ rc=$?; rm -rf {q(spec.run_dir)}; exit $rc; }}; "
         f'echo "$id" >{q(spec.run_dir + "/job_id")}; echo "$id"'
     )
@@ -257,6 +309,7 @@ def _run_files(desc: ClusterDescription, opts: LaunchOptions, spec: JobSpec) -> 
         "submitted_by": getpass.getuser(),
         "submitted_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "job_args": opts.job_args,
+        "workdir": opts.workdir and str(Path(opts.workdir).expanduser().resolve()),
         "results_url": f"{desc.results.url}/{spec.run_id}/",
         **{k: v for k, v in asdict(spec).items() if k not in ("results", "env")},
     }

@@ -39,6 +39,9 @@ SLURMD_TIMEOUT_S = 300
 # After SIGKILL, how long a step's processes may linger (a process stuck in I/O on a hard NFS
 # mount) before the node is drained as unhealthy. Slurm wants at least 5 MessageTimeouts.
 UNKILLABLE_STEP_TIMEOUT_S = 120
+# The time limit of a job that names none (an sbatch or salloc by hand; `launch` always names one):
+# a forgotten job on eight H100s costs about $2,400 a day at list price.
+DEFAULT_JOB_TIME = "24:00:00"
 
 
 @dataclass(frozen=True)
@@ -197,16 +200,22 @@ def render_slurm_conf(
         *_power_lines(power, partition),
         # CLOUD: power-managed nodes, taken as powered down until their slurmd registers.
         f"{node_line} State=CLOUD",
-        # Whole nodes only: without cgroups nothing keeps two jobs on one node off each other's GPUs.
-        f"PartitionName={partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=EXCLUSIVE",
+        # Jobs hold the GPUs they ask for (gres), not whole nodes: two small jobs share a node, each seeing
+        # only its own GPUs (CUDA_VISIBLE_DEVICES from gres, and docker's --gpus with the job's devices).
+        # A job that asks for every GPU of a node, or --exclusive, gets the node to itself (launch does).
+        # DefCpuPerGPU: a GPU comes with its share of the node's cores for its data loaders.
+        f"PartitionName={partition} Nodes=ALL Default=YES DefaultTime={DEFAULT_JOB_TIME} MaxTime=INFINITE State=UP "
+        "OverSubscribe=NO" + (f" DefCpuPerGPU={max(1, nodes.cpus // nodes.gpus)}" if nodes.gpus else ""),
     ]
     return "\n".join(lines) + "\n"
 
 
-def render_gres_conf(gpus: int) -> str:
-    """gres.conf naming the GPU device files: Ubuntu's and Debian's Slurm are built without NVML."""
+def render_gres_conf(gpus: int, device_dir: str = "/dev") -> str:
+    """gres.conf naming the GPU device files: Ubuntu's and Debian's Slurm are built without NVML.
+    (device_dir: the local cluster's emulated GPUs live elsewhere.)"""
     count = check_int("gpus", gpus, 1, MAX_GPUS_PER_NODE)
-    files = "/dev/nvidia0" if count == 1 else f"/dev/nvidia[0-{count - 1}]"
+    base = f"{check_path('device_dir', device_dir).rstrip('/')}/nvidia"
+    files = f"{base}0" if count == 1 else f"{base}[0-{count - 1}]"
     return f"Name=gpu File={files}\n"
 
 

@@ -10,7 +10,8 @@ node's python3, from the run's `remote/` directory, whether or not the operator 
       --container results --prefix RUN_ID --sas-file RUN_DIR/results.sas
 
 Every file under RUN_DIR goes to the block blob <prefix>/<relative path>, except the directories
-`checkpoints/` (large; they stay on the shared file system) and `remote/` (copies of these tools),
+`checkpoints/` (large; they stay on the shared file system), `remote/` (copies of these tools) and
+`code/` (the user's --workdir, which stays on the share beside the run),
 any `*.sas` file (secrets never leave) and symbolic links. Files up to 64 MiB are sent with one
 Put Blob, larger ones in blocks (Put Block, then Put Block List); every request carries the MD5 of
 its body, and the blob keeps the MD5 of the whole file.
@@ -46,7 +47,7 @@ TRIES = 3
 TIMEOUT_S = 120
 IMDS_TOKEN_URL = "http://169.254.169.254/metadata/identity/oauth2/token"
 STORAGE_RESOURCE = "https://storage.azure.com/"
-SKIPPED_DIRS = ("checkpoints", "remote")  # at the top of the run directory
+SKIPPED_DIRS = ("checkpoints", "remote", "code")  # at the top of the run directory
 SECRET_SUFFIX = ".sas"
 RETRIED_STATUSES = (408, 429)  # and every 5xx
 EXIT_FAILED = 1

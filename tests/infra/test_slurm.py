@@ -87,9 +87,11 @@ def test_slurm_conf_has_one_gpu_partition_of_the_named_cloud_nodes() -> None:
         "PartitionName": "gpu",
         "Nodes": "ALL",
         "Default": "YES",
+        "DefaultTime": "24:00:00",  # a job submitted by hand without --time ends too
         "MaxTime": "INFINITE",
         "State": "UP",
-        "OverSubscribe": "EXCLUSIVE",
+        "OverSubscribe": "NO",  # jobs hold the GPUs they ask for (gres), not whole nodes
+        "DefCpuPerGPU": "12",  # with each GPU, its share of the node's cores
     }
     assert settings["GresTypes"] == "gpu"
     assert settings["ClusterName"] == "hvd"

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from scripts.batch import JobSpec, LocalCopy, ResultsTarget, render_job_script
+from scripts.batch import DOCKER_RUN_WITH_JOB_GPUS, JobSpec, LocalCopy, ResultsTarget, render_job_script
 
 BASE = JobSpec(
     run_id="r-1",
@@ -32,7 +32,7 @@ BASE = JobSpec(
 VARIANTS = {
     "horovod-docker": BASE,
     "horovod-host": replace(BASE, image=None, python="/opt/venv/bin/python", gpus_per_node=0),
-    "torchrun-docker": replace(BASE, launcher="torchrun", requeue=True, time_limit_minutes=90),
+    "torchrun-docker": replace(BASE, launcher="torchrun", requeue=True, time_limit="90"),
     "torchrun-host": replace(BASE, launcher="torchrun", image=None, python="/opt/venv/bin/python"),
     "local-copy": replace(BASE, local_copy=LocalCopy("/shared/data/my set", "/nvme/data/my set")),
     "local-sas": replace(
@@ -78,7 +78,7 @@ def test_horovod_on_the_host_reaches_other_nodes_through_srun():
 def test_containers_are_labelled_for_the_epilog_and_get_the_devices():
     text = render_job_script(VARIANTS["horovod-docker"])
     assert '--label "slurm.job=$SLURM_JOB_ID"' in text
-    assert "--gpus all" in text and "--device /dev/infiniband" in text
+    assert DOCKER_RUN_WITH_JOB_GPUS in text and "--device /dev/infiniband" in text
     assert "-e NCCL_IB_HCA" in text and "-p 12345" in text
     torchrun = render_job_script(VARIANTS["torchrun-docker"])
     assert "srun --label --overlap --kill-on-bad-exit=1" in torchrun and "--rdzv-id" in torchrun
@@ -120,3 +120,21 @@ def test_local_copy_runs_once_per_node_before_training_and_a_failure_ends_the_jo
     # the containers see the copy, read-only
     assert "-v '/nvme/data/my set':'/nvme/data/my set':ro" in script
     assert "nvme_copy.py" not in render_job_script(BASE)
+
+
+def test_a_container_gets_only_the_gpus_slurm_gave_the_job_on_its_node(tmp_path):
+    """docker run --gpus "device=<the step's GPUs>", read on the node (a stand-in docker prints its argv)."""
+    (tmp_path / "docker").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    (tmp_path / "docker").chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "SLURM_JOB_GPUS": "0,1,2", "SLURM_STEP_GPUS": "3,5"}
+    proc = subprocess.run(
+        f"{DOCKER_RUN_WITH_JOB_GPUS} --rm image:tag", shell=True, env=env, capture_output=True, text=True
+    )
+    assert proc.stdout.splitlines() == ["run", "--gpus", '"device=3,5"', "--rm", "image:tag"], proc.stderr
+
+
+def test_a_job_shares_its_nodes_unless_it_asks_for_whole_ones():
+    shared = render_job_script(replace(BASE, gpus_per_node=2))
+    assert "#SBATCH --gres=gpu:2" in shared and "--exclusive" not in shared
+    assert "#SBATCH --exclusive" in render_job_script(replace(BASE, exclusive=True))
+    assert 'export OUTPUT_DIR="$RUN_DIR/output" CHECKPOINT_DIR="$RUN_DIR/checkpoints"' in shared

@@ -302,7 +302,8 @@ def test_requeued_job_resumes_from_its_checkpoint_after_a_node_fails(tmp_path):
             "--data", "synthetic", "--model", "simple_cnn", "--image-size", "32", "--batch-size", "8",
             "--steps", str(steps), "--checkpoint-every", "20", "--log-every", "20", "--warmup-epochs", "0",
         )  # fmt: skip
-        base = ["launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--run-id", "requeue-run"]
+        base = ["launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--nodes", "2", "--run-id"]
+        base.append("requeue-run")
         proc = cli(*base, "--requeue", "--detach", "--", *job_args)
         assert proc.returncode == 0, proc.stderr
         log = run_dir(desc, "requeue-run") / "output.log"
@@ -335,7 +336,7 @@ def test_a_submission_resumes_power_saved_nodes(tmp_path):
 
         wait_for(lambda: "2 powered down" in node_states(), 60, "both nodes powered down", interval=1)
         assert not [pid for pid in live_pids_mentioning("slurmd") if str(local_state_dir(desc)) in cmdline(pid)]
-        args = ["launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--entrypoint", JOB]
+        args = ["launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--nodes", "2", "--entrypoint", JOB]
         proc = cli(*args, "--run-id", "wake-up", "--follow", "--", "--steps", "2", timeout=240)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
         assert "[1|node-1] rank 1 done" in proc.stdout

@@ -1,0 +1,136 @@
+"""What a job asks Slurm for: nodes, GPUs per node (gres), whole nodes or a share of them, and a time
+limit, checked against the cluster before anything is submitted, with what that costs per hour.
+
+GPUs are allocated one by one through gres: a job that asks for fewer GPUs than a node has shares the
+node with other jobs and sees only its own devices (cgroup ConstrainDevices where the node's Slurm can
+constrain devices, CUDA_VISIBLE_DEVICES and docker's --gpus otherwise, docs/operator.md). A job holds
+whole nodes when it asks for every GPU of a node, or for --exclusive, and always on CPU nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from scripts.cli import arg_type, int_between
+from scripts.cluster import ClusterDescription
+from scripts.errors import OperatorError
+from scripts.slurm_time import check_time_limit, time_limit_seconds
+
+
+def add_allocation_arguments(parser: argparse.ArgumentParser) -> None:
+    """--nodes, --gpus | --gpus-per-node, --exclusive, --time: what `launch` and `alloc` ask Slurm for."""
+    parser.add_argument("--nodes", type=int_between(1), default=1, help="nodes to use (default: %(default)s)")
+    gpus = parser.add_mutually_exclusive_group()
+    gpus.add_argument(
+        "--gpus", type=int_between(1), metavar="N", help="GPUs in all, spread evenly over --nodes (one process each)"
+    )
+    gpus.add_argument(
+        "--gpus-per-node",
+        type=int_between(1),
+        metavar="N",
+        help="GPUs (processes) per node (default: every GPU of a node; 1 on CPU nodes)",
+    )
+    parser.add_argument(
+        "--exclusive", action="store_true", help="whole nodes, even when the job asks for fewer GPUs than a node has"
+    )
+    parser.add_argument(
+        "--time",
+        "--time-limit",
+        dest="time_limit",
+        type=arg_type(check_time_limit),
+        metavar="TIME",
+        help="Slurm ends the job after this, in sbatch's --time syntax: 90 (minutes), 4:00:00, 2-00:00:00 "
+        "(default: the cluster description's default_time_limit)",
+    )
+
+
+@dataclass(frozen=True)
+class Allocation:
+    nodes: int
+    gpus_per_node: int  # gres per node; 0 on CPU nodes
+    processes_per_node: int
+    exclusive: bool
+    time_limit: str
+
+    def describe(self, desc: ClusterDescription) -> str:
+        gpus = f"{self.gpus_per_node} of {desc.gpus_per_node} GPUs" if desc.gpus_per_node else "no GPUs (CPU nodes)"
+        share = "whole nodes" if self.exclusive else "shared nodes, its own GPUs only"
+        node_word = "node" if self.nodes == 1 else "nodes"
+        return (
+            f"{self.nodes} {node_word} x {gpus} ({share}), {self.processes_per_node} processes per node, "
+            f"time limit {self.time_limit}"
+        )
+
+    def node_share(self, desc: ClusterDescription) -> float:
+        """The part of its nodes the job holds: what its hour costs is that share of the node price."""
+        if self.exclusive or not desc.gpus_per_node:
+            return float(self.nodes)
+        return self.nodes * self.gpus_per_node / desc.gpus_per_node
+
+
+def plan_allocation(
+    desc: ClusterDescription,
+    *,
+    nodes: int | None,
+    gpus: int | None,
+    gpus_per_node: int | None,
+    exclusive: bool,
+    time_limit: str | None,
+) -> Allocation:
+    """The request, or an error naming what is wrong with it (before any connection)."""
+    count = nodes or 1
+    if count > desc.node_count:
+        raise OperatorError(f"--nodes {count}: the cluster has {desc.node_count} nodes")
+    per_node = gpus_per_node
+    if gpus is not None:
+        if gpus_per_node is not None:
+            raise OperatorError("--gpus and --gpus-per-node both say how many GPUs: give one of them")
+        if gpus % count:
+            raise OperatorError(f"--gpus {gpus} does not divide evenly over --nodes {count}")
+        per_node = gpus // count
+        flag = f"--gpus {gpus}" + (f" over {count} nodes" if count > 1 else "")
+    else:
+        flag = f"--gpus-per-node {per_node}"
+    if per_node is not None and desc.gpus_per_node and per_node > desc.gpus_per_node:
+        more = -(-per_node * count // desc.gpus_per_node)
+        raise OperatorError(
+            f"{flag} asks for {per_node} GPUs on a node, and a node of cluster {desc.name} has "
+            f"{desc.gpus_per_node}: ask for --nodes {more} --gpus-per-node {desc.gpus_per_node}"
+        )
+    if gpus is not None and not desc.gpus_per_node:
+        raise OperatorError(f"--gpus {gpus}: the nodes of cluster {desc.name} have no GPUs (use --gpus-per-node)")
+    processes = per_node or desc.gpus_per_node or 1
+    gres = processes if desc.gpus_per_node else 0
+    # every GPU of a node is the whole node; so is any job on CPU nodes, which have no GPUs to share out
+    whole = exclusive or gres == desc.gpus_per_node
+    limit = check_time_limit(time_limit) if time_limit else desc.default_time_limit
+    return Allocation(count, gres, processes, whole, limit)
+
+
+def cost_line(alloc: Allocation, desc: ClusterDescription, price_per_node_hour: float | None, source: str) -> str:
+    """One line for the operator before submission: the job's estimated hourly cost, and its most."""
+    if price_per_node_hour is None:
+        return f"estimated cost: unknown ({source})"
+    hourly = price_per_node_hour * alloc.node_share(desc)
+    most = hourly * time_limit_seconds(alloc.time_limit) / 3600
+    return f"estimated cost: ${hourly:,.2f}/hour, at most ${most:,.2f} within the time limit ({source})"
+
+
+def plan_from_args(desc: ClusterDescription, args: argparse.Namespace) -> Allocation:
+    return plan_allocation(
+        desc,
+        nodes=args.nodes,
+        gpus=args.gpus,
+        gpus_per_node=args.gpus_per_node,
+        exclusive=args.exclusive,
+        time_limit=args.time_limit,
+    )
+
+
+def salloc_flags(alloc: Allocation, partition: str) -> list[str]:
+    """The same request as sbatch's #SBATCH lines in job.sh (scripts/batch.py), for salloc."""
+    flags = [f"--partition={partition}", f"--nodes={alloc.nodes}", f"--ntasks-per-node={alloc.processes_per_node}"]
+    flags += ["--exclusive"] if alloc.exclusive else []
+    flags += [f"--gres=gpu:{alloc.gpus_per_node}"] if alloc.gpus_per_node else []
+    return [*flags, f"--time={alloc.time_limit}"]

@@ -1,0 +1,111 @@
+"""`launch --workdir DIR -- COMMAND`: the user's own code, sent to the run directory and run there as
+written on every rank, under torchrun or horovodrun, on the local cluster's real Slurm; its $OUTPUT_DIR
+reaches the results container. Each of examples/ is run here as a user would."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from scripts.batch import DOCKER_RUN_WITH_JOB_GPUS
+from scripts.cluster import from_stack_outputs
+from scripts.submit import node_hour_price
+from tests.polling import wait_for
+
+from .conftest import REPO, private_key_file
+from .test_cluster_description import OUTPUTS
+from .test_launcher import cli, results_blobs, run_dir, status_of
+
+# example -> launch flags, the script's own arguments (which must reach it unchanged)
+EXAMPLES = {
+    "ddp": (("--nodes", "2"), ["--epochs", "2", "--steps-per-epoch", "5"]),
+    "horovod": (("--nodes", "2", "--launcher", "horovodrun"), ["--epochs", "1", "--steps-per-epoch", "5"]),
+    "fsdp": (("--gpus-per-node", "2"), ["--steps", "3", "--layers", "1"]),
+}
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_an_example_runs_as_written_and_its_outputs_reach_the_results_container(
+    example, cluster, cluster_file, tmp_path
+):
+    # a copy outside the repository, with what its .gitignore keeps at home
+    workdir = tmp_path / example
+    shutil.copytree(REPO / "examples" / example, workdir)
+    (workdir / "output").mkdir()
+    (workdir / "output" / "stale.pt").write_bytes(b"x" * 1000)
+    flags, script_args = EXAMPLES[example]
+    run_id = f"own-{example}"
+    launch = ["launch", "--cluster", str(cluster_file), "--workdir", str(workdir), "--run-id", run_id, *flags]
+    proc = cli(*launch, "--follow", "--", "python", "train.py", *script_args)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "estimated cost: $0.00/hour" in out and "time limit 1:00:00" in out
+    # the command ran as written, in the run's copy of the code, with nothing that .gitignore names
+    directory = run_dir(cluster, run_id)
+    assert sorted(p.name for p in (directory / "code").iterdir()) == [".gitignore", "train.py"]
+    assert json.loads((directory / "job.json").read_text())["command"] == ["python", "train.py", *script_args]
+    # what it wrote to $OUTPUT_DIR reached the results container; its code did not travel there
+    blobs = results_blobs(cluster, run_id)
+    metrics = json.loads(blobs[f"{run_id}/output/metrics.json"])
+    assert metrics["argv"] == script_args and metrics["world_size"] == 2
+    assert f"{run_id}/output/model.pt" in blobs and f"{run_id}/output.log" in blobs
+    assert not [name for name in blobs if "/code/" in name]
+    assert status_of(cluster, run_id)["exit_code"] == 0
+
+
+def test_dry_run_prints_the_batch_script_and_submits_nothing(cluster, cluster_file):
+    launch = ["launch", "--cluster", str(cluster_file), "--workdir", str(REPO / "examples" / "ddp")]
+    proc = cli(*launch, "--run-id", "dry", "--time", "2-00:00", "--dry-run", "--", "python", "train.py")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("#!/bin/bash\n") and "#SBATCH --time=2-00:00\n" in proc.stdout
+    assert "#SBATCH --nodes=1\n" in proc.stdout and "#SBATCH --exclusive\n" in proc.stdout  # CPU nodes: whole
+    assert "torchrun --nnodes 1 --nproc-per-node 1" in proc.stdout and "--no-python python train.py" in proc.stdout
+    assert (
+        "allocation: 1 node x no GPUs (CPU nodes) (whole nodes)" in proc.stderr
+        and "dry run: nothing submitted" in proc.stderr
+    )
+    assert not run_dir(cluster, "dry").exists()
+
+
+def test_ssh_exec_and_alloc_reach_the_nodes_and_a_running_allocation(cluster, cluster_file, tmp_path):
+    (tmp_path / "wait.py").write_text("import time\ntime.sleep(60)\n")
+    launch = ["launch", "--cluster", str(cluster_file), "--workdir", str(tmp_path), "--nodes", "2", "--detach"]
+    started = cli(*launch, "--run-id", "held", "--", "python", "wait.py")
+    assert started.returncode == 0, started.stderr
+    job = started.stdout.strip()
+    try:
+        wait_for(lambda: (run_dir(cluster, "held") / "nodes").exists(), 60, "the job to start", interval=0.5)
+        on_node = cli("ssh", "--cluster", str(cluster_file), "node-1", "--", "hostname")
+        assert (on_node.returncode, on_node.stdout) == (0, "node-1\n"), on_node.stderr
+        first = cli("ssh", "--cluster", str(cluster_file), "held", "--", "hostname")  # a job: its first node
+        assert (first.returncode, first.stdout) == (0, "node-0\n"), first.stderr
+        inside = cli("exec", "--cluster", str(cluster_file), job, "--", "sh", "-c", 'echo "$SLURM_JOB_ID $(hostname)"')
+        assert inside.returncode == 0 and sorted(inside.stdout.splitlines()) == [
+            f"0: {job} node-0",
+            f"1: {job} node-1",
+        ], inside.stderr
+    finally:
+        cli("cancel", "--cluster", str(cluster_file), job)
+    ended = cli("exec", "--cluster", str(cluster_file), job, "--", "true")
+    assert ended.returncode == 2 and "is not running" in ended.stderr
+    held = cli("alloc", "--cluster", str(cluster_file), "--nodes", "2", "--time", "5", "--", "srun", "hostname")
+    assert held.returncode == 0 and sorted(held.stdout.split()) == ["node-0", "node-1"], held.stderr
+    assert "time limit 5" in held.stderr
+
+
+def test_an_image_of_the_users_choice_runs_the_code_with_only_the_jobs_gpus(tmp_path, cluster_file):
+    """The docker runtime (Azure's), as far as it goes without docker: the batch script and the price."""
+    desc = from_stack_outputs(OUTPUTS, "dev", private_key_file(tmp_path), known_hosts=tmp_path / "known_hosts")
+    azure = desc.save(tmp_path / "cluster-dev.json")
+    image = "nvcr.io/nvidia/pytorch:25.01-py3"
+    launch = ["launch", "--workdir", str(REPO / "examples" / "ddp"), "--image", image, "--gpus", "2", "--dry-run"]
+    proc = cli(*launch, "--cluster", str(azure), "--", "python", "train.py")
+    assert proc.returncode == 0, proc.stderr
+    assert f"{DOCKER_RUN_WITH_JOB_GPUS} --rm" in proc.stdout and f" {image} sh -c " in proc.stdout
+    assert "#SBATCH --gres=gpu:2\n" in proc.stdout and "--exclusive" not in proc.stdout
+    price = node_hour_price(desc)[0]
+    assert f"estimated cost: ${price * 2 / desc.gpus_per_node:,.2f}/hour" in proc.stderr  # 2 of the node's GPUs
+    host = cli(*launch, "--cluster", str(cluster_file), "--", "python", "train.py")  # the local cluster runs on hosts
+    assert host.returncode == 2 and "--image runs the job in a container" in host.stderr
