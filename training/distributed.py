@@ -49,6 +49,15 @@ def set_failure_timeouts(env: MutableMapping[str, str] = os.environ) -> dict[str
     return {name: env[name] for name in FAILURE_TIMEOUTS}
 
 
+def peer_timeout_seconds(backend: str, env: Mapping[str, str] = os.environ) -> float | None:
+    """How long a collective of ``backend`` waits for a silent peer before it fails (None: unknown)."""
+    name = {"horovod": "HOROVOD_GLOO_TIMEOUT_SECONDS", "ddp": "DDP_TIMEOUT_SECONDS"}.get(backend)
+    try:
+        return float(env[name]) if name else None
+    except (KeyError, ValueError):
+        return None
+
+
 def launcher_rank(env: Mapping[str, str] = os.environ) -> int:
     """This process's rank as its launcher set it (horovodrun, torchrun), before a backend starts."""
     return int(env.get("HOROVOD_RANK", env.get("RANK", "0")))

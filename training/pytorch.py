@@ -41,6 +41,7 @@ from training.errors import BadInput, JobError
 from training.export import Exporter, ExportSpec, ModelFiles
 from training.gpu_decode import NVJPEG, DeviceBatcher, EncodedFolder, JpegDecoder, choose_decoder
 from training.job import run_job
+from training.lifetime import die_with
 from training.loop import TrainingRun, configure_logging, restore, resume
 from training.torch_models import build_model
 
@@ -220,7 +221,7 @@ def image_batches(
             # Forked workers can crash on InfiniBand verbs, which are not fork-safe (Horovod's advice).
             "multiprocessing_context": "forkserver",
             "prefetch_factor": 4,
-            "worker_init_fn": partial(_worker_logging, backend.rank),
+            "worker_init_fn": partial(_init_worker, backend.rank, os.getpid()),
         }
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=keys, num_workers=workers, collate_fn=collate_fn, pin_memory=pin, **extra
@@ -241,7 +242,8 @@ def worker_error(exc: JobError) -> JobError:
     return type(exc)(last.partition(": ")[2])
 
 
-def _worker_logging(rank: int, worker_id: int) -> None:
+def _init_worker(rank: int, owner_pid: int, worker_id: int) -> None:
+    die_with(owner_pid)  # never outlive the rank (training/lifetime.py)
     configure_logging(rank)  # so skipped-image warnings look like the rest of the log
 
 

@@ -162,6 +162,19 @@ def test_a_killed_rank_reads_as_the_shell_reports_it_and_the_jobs_own_error_line
     assert [annotate_output.normalize_exit(c) for c in (None, 0, 3, -15, 256)] == [1, 0, 3, 143, 1]
 
 
+@pytest.mark.parametrize("launcher", ["horovodrun", "torchrun"])
+def test_the_rank_that_died_is_blamed_not_the_rank_that_noticed_and_exited_first(tmp_path, launcher):
+    """Rank 1 (node-1) was SIGKILLed; rank 0 noticed, named it, and was the first process to exit."""
+    error = "error: rank 1 on host node-1 has exited; rank 0 on host node-0 noticed: Connection reset by peer"
+    if launcher == "horovodrun":
+        text = f"[0]<stderr>:{error}\nProcess 0 exit with status code 1.\nProcess name: 0\nExit code: 1\n"
+    else:
+        text = f"0: @rank0@{error}\n0: Root Cause (first observed failure):\n0:   rank      : 0 (local_rank: 0)\n"
+        text += "0:   exitcode  : 1 (pid: 42)\n"
+    _, verdict = annotate_text(launcher, text, ["node-0", "node-1"], 1, tmp_path)
+    assert (verdict["failed_rank"], verdict["failed_host"], verdict["exit_code_of_failed_rank"]) == (1, "node-1", 1)
+
+
 TORCH_JOB = """
 import datetime, os, sys, time
 import torch.distributed as dist
