@@ -32,6 +32,7 @@ from typing import NoReturn, TypeVar
 import psutil
 
 from training.args import parse_args
+from training.checkpoint_writer import finish_writes
 from training.distributed import Backend, launcher_rank, peer_timeout_seconds
 from training.errors import BadInput, ExitCode, JobError, first_line
 from training.liveness import Liveness
@@ -76,6 +77,7 @@ def _run(
         liveness = Liveness(backend)
         train(args, backend)
         backend.shutdown()
+        finish_writes()  # rank 0's last checkpoint: no peer waits for it any more
         return ExitCode.OK
     except BaseException as exc:  # every way out becomes one line and one exit status
         return _report(exc, args.debug, backend, liveness)

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from training import curves
 from training.checkpoint import Checkpoint, CheckpointDir, Fingerprint
+from training.checkpoint_writer import CheckpointWriter
 from training.data import SkipCounter
 from training.distributed import Dist
 from training.errors import CheckpointRefused, JobError, first_line
@@ -127,6 +128,7 @@ class TrainingRun:
         self._evaluate = evaluate
         self._on_epoch_end = on_epoch_end  # every rank, after evaluation: (epoch, progress so far)
         self._checkpoints = CheckpointDir(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
+        self._writer: CheckpointWriter | None = None
         # At least one measured step whenever a step runs, so short runs still report a rate.
         self.excluded = min(args.timing_warmup_steps, max(self.total_steps - start_step - 1, 0))
         self._curves = curves.RunCurves(args, dist.rank, start_step)
@@ -208,12 +210,10 @@ class TrainingRun:
     def _save(self, done: int) -> None:
         if self.dist.rank == 0:
             assert self._checkpoints is not None
-            try:
-                path = self._checkpoints.save(done, self._fingerprint, self._save_state(done))
-            except OSError as exc:
-                raise output_error("--checkpoint-dir", self._checkpoints.directory, exc) from None
-            log.info("saved checkpoint %s", path)
-        # Keep ranks together here, so the save's time is not charged to the next step.
+            if self._writer is None:  # the file is written beside training (training/checkpoint_writer.py)
+                self._writer = CheckpointWriter(self._checkpoints, self._fingerprint)
+            self._writer.submit(done, self._save_state(done))
+        # Keep ranks together here, so the copy's time is not charged to the next step.
         self.dist.allgather_object(done)
 
     def _run_evaluation(self, epoch: int) -> None:
