@@ -3,11 +3,13 @@
 A save's bytes are taken at its step, in the training thread (a copy in memory). Writing them to a
 shared file system at under 1 GB/s takes minutes for a large model, far past the peer timeout that
 bounds every collective (training/distributed.py), and the other ranks would wait for it in their
-next collective and fail a healthy job. So one thread writes the files while training goes on. A
-save that comes due while an earlier one is still being written takes the place of any save still
-waiting (the newest state wins; no more than one write and one waiting copy in memory), and the job
-waits for the last write only once its backend is down, when no peer is waiting any more
-(:func:`finish_writes`, which training/job.py calls).
+next collective and fail a healthy job. So one thread writes the files. Rank 0 waits for a write
+only up to half the peer timeout (what its peers can afford to wait for it): a save that fits is done
+when training goes on, as before; a longer one goes on beside training. A save that comes due while
+an earlier one is still being written takes the place of any save still waiting (the newest state
+wins; no more than one write and one waiting copy in memory), and the job waits for the last write
+only once its backend is down, when no peer is waiting any more (:func:`finish_writes`, which
+training/job.py calls).
 """
 
 from __future__ import annotations
@@ -38,32 +40,36 @@ class CheckpointWriter:
         self._waiting: tuple[int, bytes] | None = None
         self._closing = False
         self._failure: OSError | None = None
+        self._written = -1  # the step of the last checkpoint written
         self._thread = threading.Thread(target=self._write_all, name="checkpoint-writer", daemon=True)
         self._thread.start()
         _open_writers.append(self)
 
-    def submit(self, step: int, payload: bytes) -> None:
-        """Queue step's checkpoint; raises the error of an earlier write that failed."""
+    def submit(self, step: int, payload: bytes, wait_s: float) -> None:
+        """Queue step's checkpoint and wait up to wait_s for it to be written; raises if a write failed."""
         self._raise_failure()
         with self._ready:
             if self._waiting is not None:
                 log.warning("checkpoint of step %d not written: step %d's replaces it", self._waiting[0], step)
             self._waiting = (step, payload)
-            self._ready.notify()
+            self._ready.notify_all()
+            written = self._ready.wait_for(lambda: self._written >= step or self._failure is not None, wait_s)
+        self._raise_failure()
+        if not written:
+            log.info("checkpoint of step %d is still being written; training goes on", step)
 
     def close(self) -> None:
         """Wait for the last checkpoint to be written; raises if a write failed."""
         with self._ready:
             self._closing = True
-            self._ready.notify()
+            self._ready.notify_all()
         self._thread.join()
         self._raise_failure()
 
     def _write_all(self) -> None:
         while True:
             with self._ready:
-                while self._waiting is None and not self._closing:
-                    self._ready.wait()
+                self._ready.wait_for(lambda: self._waiting is not None or self._closing)
                 if self._waiting is None:
                     return
                 step, payload = self._waiting
@@ -71,9 +77,14 @@ class CheckpointWriter:
             try:
                 path = self._checkpoints.save(step, self._fingerprint, payload)
             except OSError as exc:
-                self._failure = exc
+                with self._ready:
+                    self._failure = exc
+                    self._ready.notify_all()
                 return
             log.info("saved checkpoint %s", path)
+            with self._ready:
+                self._written = step
+                self._ready.notify_all()
 
     def _raise_failure(self) -> None:
         if self._failure is not None:
