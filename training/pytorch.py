@@ -392,8 +392,9 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
 
 
 def export_model(model: nn.Module, image_size: int, directory: Path) -> ModelFiles:
-    """``model.pt2`` (torch.export: uint8 NHWC images in, logits out, any batch size) and a plain
-    ``state_dict.pt`` (for ``training.torch_models.build_model(...).load_state_dict``).
+    """``model.pt2`` (torch.export: uint8 NHWC images in, logits out, any batch size). It is the only copy
+    of the weights: ``torch.export.load(path).state_dict`` is the model's own state_dict (same names),
+    for ``training.torch_models.build_model(...).load_state_dict``.
 
     ``model`` is the bare module (never the DDP wrapper or the compiled one). The export is taken
     from a float32 copy on the CPU in eval mode (batch norm with its running statistics), so it
@@ -406,8 +407,7 @@ def export_model(model: nn.Module, image_size: int, directory: Path) -> ModelFil
     batch = torch.export.Dim("batch", min=1)
     program = torch.export.export(frozen, (example,), dynamic_shapes=({0: batch},))
     torch.export.save(program, directory / "model.pt2")
-    torch.save(frozen.state_dict(), directory / "state_dict.pt")
-    return ModelFiles("torch.export", "model.pt2", "logits", {"state_dict": "state_dict.pt"})
+    return ModelFiles("torch.export", "model.pt2", "logits")
 
 
 def load_training_state(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, state: dict[str, Any]) -> None:
