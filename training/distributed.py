@@ -15,8 +15,8 @@ covers every way a rank can stop answering, in both backends: 60 s (``PEER_TIMEO
   ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (checked every stall-check period); with DDP the
   peers' collective times out as above.
 
-The same 60 s also bounds a pause of rank 0 alone, a checkpoint save or its share of evaluation,
-while the others wait. :mod:`training.liveness` then names the rank that stopped answering.
+The same 60 s also bounds a pause of rank 0 alone, its share of evaluation, while the others wait
+(a checkpoint's file is written beside training: training/checkpoint_writer.py). :mod:`training.liveness` then names the rank that stopped answering.
 
 :func:`set_failure_timeouts` fills in these defaults before the backend starts; values set
 by the user (environment, or horovodrun's ``--stall-check-*`` / ``--gloo-timeout-seconds``
