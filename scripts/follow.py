@@ -141,8 +141,10 @@ def ask_cancel_or_detach(slurm: Slurm, run: Run) -> int:
         except (EOFError, KeyboardInterrupt):
             answer = "d"
     if answer == "c":
-        cancel_and_wait(slurm, str(run.job_id))
-        console.print(f"{run.label} cancelled")
+        if cancel_and_wait(slurm, str(run.job_id)):
+            console.print(f"{run.label} cancelled: no process of it is left on any node")
+        else:
+            console.print(f"[red]{run.label} cancelled, but Slurm still holds it after {CANCEL_WAIT_S:.0f} s[/red]")
     else:
         console.print(f"detached: {run.label} runs on; follow it with `python -m scripts logs {run.job_id} -f`")
     return int(ExitCode.INTERRUPTED)
