@@ -13,11 +13,15 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from scripts import local_slurm, stage
+from scripts import slurm as slurm_module
+from scripts.errors import ExitCode
 from scripts.local_nodes import start_daemon
 from scripts.local_state import load_state
 from scripts.processes import descendants
-from scripts.slurm import OUTAGE_PATIENCE_S
+from scripts.slurm import OUTAGE_PATIENCE_S, Result, Slurm, SlurmUnreachable, patiently
 from tests.polling import wait_for
 
 from .conftest import local_state_dir, run_module, start_module
@@ -209,3 +213,36 @@ def test_follow_and_cancel_wait_out_outages_of_ssh_and_slurmctld(cluster, cluste
     assert left_of(job_id, 0) == []
     logs = run_module(CLI, "logs", "--cluster", str(cluster_file), "outage-run", timeout=60)
     assert logs.returncode == 0
+
+
+# --- Slurm's answers and failures, without a cluster -------------------------------------------------
+def test_a_failure_to_ask_slurm_is_never_read_as_no_such_job(monkeypatch):
+    slurm = object.__new__(Slurm)  # its commands answered here, not over SSH
+    answers = iter(
+        [
+            Result(1, "", "slurm_load_jobs error: Unable to contact slurm controller (connect failure)\n"),
+            Result(1, "", "slurm_load_jobs error: Invalid job id specified\n"),
+        ]
+    )
+    monkeypatch.setattr(slurm, "run_unchecked", lambda command, timeout=60: next(answers), raising=False)
+    with pytest.raises(SlurmUnreachable, match="Unable to contact slurm controller") as failed:
+        slurm.queue("7")
+    assert failed.value.exit_code == ExitCode.NOT_READY
+    assert slurm.queue("7") == []  # Slurm's own answer: it holds no such job
+
+    monkeypatch.setattr(slurm_module, "RETRY_INTERVAL_S", 0.01)
+    calls: list[int] = []
+
+    def down_twice() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise SlurmUnreachable("slurmctld restarting")
+        return "RUNNING"
+
+    assert patiently(down_twice, "about job 7", patience_s=5) == "RUNNING" and len(calls) == 3
+
+    def down() -> str:
+        raise SlurmUnreachable("slurmctld down")
+
+    with pytest.raises(SlurmUnreachable, match="could not ask Slurm about job 7 for 0 s: slurmctld down"):
+        patiently(down, "about job 7", patience_s=0.05)
