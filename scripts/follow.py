@@ -2,21 +2,24 @@
 has ended, then report its exit from the run's status.json and verdict.json.
 
 Following is only reading: the job does not depend on it. Killing the follower (or closing the laptop)
-leaves the job running, and its results are uploaded by the job itself.
+leaves the job running, and its results are uploaded by the job itself. An outage of SSH to the login
+host or of slurmctld is waited out (scripts/slurm.py's `patiently`): a question Slurm did not answer is
+never taken for "the job has ended".
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 
 from scripts.cluster import ClusterDescription
-from scripts.errors import ExitCode
+from scripts.errors import ExitCode, OperatorError
 from scripts.processes import stop_process_group
 from scripts.runs import Run, list_runs
-from scripts.slurm import ACTIVE_STATES, Slurm
+from scripts.slurm import ACTIVE_STATES, NodeInfo, Slurm, patiently
 from scripts.sshutil import SSH, q
 from scripts.ui import make_console
 
@@ -31,30 +34,57 @@ def _print(line: str) -> None:
 
 
 def stream_until_done(ssh: SSH, slurm: Slurm, run: Run, echo: Callable[[str], None] = _print) -> None:
-    """Print the run's log from the start, and new lines as they come, until the job leaves the queue."""
-    # --pid: the remote tail ends with its SSH session (else it would outlive us on the login node,
-    # until the log next changed)
-    log = q(f"{run.run_dir}/output.log")
-    tail = ssh.popen(ssh.login, f'tail -n +1 -F --pid="$PPID" {log} 2>/dev/null', text=True, bufsize=1)
-    reader = threading.Thread(target=_pump, args=(tail, echo), daemon=True)
-    reader.start()
+    """Print the run's log from the start, and new lines as they come, until the job leaves the queue.
+    An outage of SSH or of slurmctld is waited out (up to OUTAGE_PATIENCE_S at a time): the log is
+    read again from the first line not yet printed, and the queue asked again."""
+    tail = LogTail(ssh, f"{run.run_dir}/output.log", echo)
     try:
-        _wait_for_end(slurm, str(run.job_id))
+        _wait_for_end(slurm, str(run.job_id), tail)
         time.sleep(TAIL_SETTLE_S)
     finally:
-        stop_process_group(tail)
-        reader.join(timeout=5)
+        tail.stop()
 
 
-def _pump(tail: object, echo: Callable[[str], None]) -> None:
-    for line in tail.stdout:  # type: ignore[attr-defined]
-        echo(line.rstrip("\n"))
+class LogTail:
+    """`tail -F` of a file on the login node over SSH, started again where it left off if SSH drops."""
+
+    def __init__(self, ssh: SSH, path: str, echo: Callable[[str], None]):
+        self.ssh, self.path, self.echo = ssh, path, echo
+        self.printed = 0  # lines of the file echoed so far
+        self.tail: subprocess.Popen | None = None
+        self.reader: threading.Thread | None = None
+        self.start()
+
+    def start(self) -> None:
+        # --pid: the remote tail ends with its SSH session (else it would outlive us on the login node,
+        # until the log next changed)
+        command = f'tail -n +{self.printed + 1} -F --pid="$PPID" {q(self.path)} 2>/dev/null'
+        self.tail = self.ssh.popen(self.ssh.login, command, text=True, bufsize=1)
+        self.reader = threading.Thread(target=self._pump, args=(self.tail,), daemon=True)
+        self.reader.start()
+
+    def _pump(self, tail: subprocess.Popen) -> None:
+        for line in tail.stdout:  # type: ignore[union-attr]
+            self.echo(line.rstrip("\n"))
+            self.printed += 1
+
+    def keep_alive(self) -> None:
+        """Start the tail again if its SSH connection ended (the reader has printed all it got)."""
+        if self.tail is not None and self.tail.poll() is not None and self.reader is not None:
+            self.reader.join(timeout=5)
+            self.start()
+
+    def stop(self) -> None:
+        if self.tail is not None:
+            stop_process_group(self.tail)
+        if self.reader is not None:
+            self.reader.join(timeout=5)
 
 
-def _wait_for_end(slurm: Slurm, job_id: str) -> None:
+def _wait_for_end(slurm: Slurm, job_id: str, tail: LogTail) -> None:
     said = ""
     while True:
-        found = [job for job in slurm.queue(job_id) if job.job_id == job_id]
+        found = [job for job in patiently(lambda: slurm.queue(job_id), f"about job {job_id}") if job.job_id == job_id]
         if not found or found[0].state not in ACTIVE_STATES:
             return
         job = found[0]
@@ -62,12 +92,13 @@ def _wait_for_end(slurm: Slurm, job_id: str) -> None:
         if news != said:
             console.print(f"[dim]job {job_id}: {news}[/dim]")
             said = news
+        tail.keep_alive()
         time.sleep(POLL_S)
 
 
 def outcome(desc: ClusterDescription, slurm: Slurm, run: Run) -> int:
     """Print how the run ended and return its exit status (the job's own)."""
-    final = list_runs(desc, slurm, run=run.run_id, limit=1) if run.run_id else []
+    final = patiently(lambda: list_runs(desc, slurm, run=run.run_id, limit=1), "about the run") if run.run_id else []
     done = final[0] if final else run
     code = done.exit_code
     if code is None:
@@ -84,7 +115,9 @@ def outcome(desc: ClusterDescription, slurm: Slurm, run: Run) -> int:
         console.print(f"[red]{done.label}: {why}[/red]")
     results = (done.job or {}).get("results_url")
     if (done.status or {}).get("results") != "uploaded":
-        console.print(f"[red]{done.label}: its results did not reach {results} (see the end of its log)[/red]")
+        missing = (done.status or {}).get("not_uploaded")
+        what = f"{', '.join(missing)} of its results" if missing else "its results"
+        console.print(f"[red]{done.label}: {what} did not reach {results} (see the end of its log)[/red]")
         code = code or int(ExitCode.FAILED)
         results = None
     where = f"; results {results}" if results else ""
@@ -108,19 +141,37 @@ def ask_cancel_or_detach(slurm: Slurm, run: Run) -> int:
         except (EOFError, KeyboardInterrupt):
             answer = "d"
     if answer == "c":
-        cancel_and_wait(slurm, str(run.job_id))
-        console.print(f"{run.label} cancelled")
+        if cancel_and_wait(slurm, str(run.job_id)):
+            console.print(f"{run.label} cancelled: no process of it is left on any node")
+        else:
+            console.print(f"[red]{run.label} cancelled, but Slurm still holds it after {CANCEL_WAIT_S:.0f} s[/red]")
     else:
         console.print(f"detached: {run.label} runs on; follow it with `python -m scripts logs {run.job_id} -f`")
     return int(ExitCode.INTERRUPTED)
 
 
 def cancel_and_wait(slurm: Slurm, job_id: str, timeout: float = CANCEL_WAIT_S) -> bool:
-    """scancel, then wait until Slurm has ended every step (KillWait); False if it is still there."""
-    slurm.cancel(job_id)
+    """scancel, then wait until Slurm has ended every step (KillWait) and run the epilog on each of the
+    job's nodes (it kills what Slurm lost track of): False if Slurm still holds the job. Raises if the
+    epilog of a node failed (Slurm drained it: something of the job may be left there)."""
+    nodes = patiently(lambda: slurm.job_nodes(job_id), f"about job {job_id}")
+    patiently(lambda: slurm.cancel(job_id), f"to cancel job {job_id}")
     deadline = time.time() + timeout
-    while time.time() < deadline:
-        if slurm.job_state(job_id) is None:
-            return True
+    while patiently(lambda: slurm.job_state(job_id), f"about job {job_id}") is not None:
+        if time.time() > deadline:
+            return False
         time.sleep(0.5)
-    return False
+    failed = [n for n in patiently(slurm.nodes, "about the nodes") if n.name in nodes and _epilog_failed(n)]
+    if failed:
+        names = ", ".join(node.name for node in failed)
+        raise OperatorError(
+            f"job {job_id} was cancelled, but the epilog of {names} failed and Slurm drained it: a process of "
+            "the job may be left there (see the node's slurmd log; `scontrol update nodename=... state=resume` "
+            "once it is clear)",
+            ExitCode.FAILED,
+        )
+    return True
+
+
+def _epilog_failed(node: NodeInfo) -> bool:
+    return "epilog" in node.reason.lower() and any(word in node.state for word in ("drain", "down", "fail"))

@@ -24,7 +24,7 @@ from scripts.cluster import ClusterDescription, load
 from scripts.errors import ExitCode, OperatorError
 from scripts.follow import cancel_and_wait, follow
 from scripts.runs import Run, list_runs, resolve
-from scripts.slurm import NodeInfo, QueuedJob, Slurm
+from scripts.slurm import NodeInfo, QueuedJob, Slurm, patiently
 from scripts.sshutil import SSH, q
 from scripts.ui import make_console
 
@@ -156,7 +156,7 @@ def _ended_state(run: Run) -> tuple[str, str]:
 def run_logs(args: argparse.Namespace) -> int:
     desc, ssh, slurm = _connect(args)
     with ssh:
-        run = _with_run_dir(resolve(desc, slurm, args.job))
+        run = _with_run_dir(patiently(lambda: resolve(desc, slurm, args.job), f"about {args.job}"))
         if args.follow:
             try:
                 return follow(desc, ssh, slurm, run)
@@ -182,12 +182,19 @@ def _with_run_dir(run: Run) -> Run:
 def run_cancel(args: argparse.Namespace) -> int:
     desc, ssh, slurm = _connect(args)
     with ssh:
-        run = resolve(desc, slurm, args.job)
-        if run.job_id is None or slurm.job_state(run.job_id) is None:
+        run = patiently(lambda: resolve(desc, slurm, args.job), f"about {args.job}")
+        job_id = run.job_id
+        if job_id is None or patiently(lambda: slurm.job_state(job_id), f"about job {job_id}") is None:
             console.print(f"{run.label} has already ended" + (f" (exit {run.exit_code})" if run.status else ""))
             return 0
-        if not cancel_and_wait(slurm, run.job_id):
-            raise OperatorError(f"{run.label} was cancelled but Slurm still holds it after 30 s", ExitCode.TIMED_OUT)
+        if not cancel_and_wait(slurm, job_id):
+            raise OperatorError(
+                f"{run.label} was cancelled but Slurm still holds it after 30 s: its processes may still be "
+                "ending on its nodes",
+                ExitCode.TIMED_OUT,
+            )
+    # Slurm lets a job go only once the epilog has run on its nodes (and cancel_and_wait checked that
+    # none of them failed): the epilog kills what Slurm's process tracking lost
     console.print(f"{run.label} cancelled: no process of it is left on any node")
     return 0
 

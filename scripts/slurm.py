@@ -7,11 +7,18 @@ Slurm is the scheduler; this module only speaks its command-line protocol (`--pa
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from scripts.cluster import ClusterDescription, SlurmAccess
 from scripts.errors import ExitCode, OperatorError
-from scripts.sshutil import SSH, q
+from scripts.sshutil import SSH, SSHFailure, q
+from scripts.ui import make_console
+
+T = TypeVar("T")
+console = make_console()
 
 JOB_ID = re.compile(r"\d+")
 # squeue's states for a job that has not ended; anything else (or no line) means it has.
@@ -20,6 +27,20 @@ ACTIVE_STATES = frozenset(
      "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "SPECIAL_EXIT"}
 )  # fmt: skip
 _SEP = "\x1f"  # between squeue/sinfo fields: never in a job name, a reason or a node name
+# What squeue and scancel say of a job id slurmctld no longer holds: an answer, not a failure.
+_UNKNOWN_JOB = "Invalid job id specified"
+# How long an operator command keeps asking through an outage (SSH to the login node, or slurmctld
+# restarting) before it gives up with exit 3: one restart of either takes seconds to a minute.
+OUTAGE_PATIENCE_S = 120.0
+RETRY_INTERVAL_S = 2.0
+
+
+class SlurmUnreachable(OperatorError):
+    """Slurm could not be asked (SSH to the login node failed, slurmctld did not answer): no answer,
+    so nothing may be concluded about the job from it."""
+
+    def __init__(self, message: str):
+        super().__init__(message, ExitCode.NOT_READY)
 
 
 @dataclass(frozen=True)
@@ -89,6 +110,18 @@ class Slurm:
         proc = self.ssh.run(self.ssh.login, self.script(script), timeout=timeout, check=False, input=input)
         return Result(proc.returncode, _text(proc.stdout), _text(proc.stderr))
 
+    def _ask(self, command: str, *, timeout: float = 60) -> Result:
+        """A Slurm command whose failure to reach Slurm (SSH, or slurmctld) raises SlurmUnreachable;
+        any other status, the command's own answer, is the caller's."""
+        try:
+            result = self.run_unchecked(command, timeout=timeout)
+        except SSHFailure as exc:
+            raise SlurmUnreachable(str(exc)) from None
+        if result.returncode != 0 and _UNKNOWN_JOB not in result.stderr:
+            word = command.split()[0]
+            raise SlurmUnreachable(f"{word} on the login node failed: {result.stderr.strip()[-600:] or 'no message'}")
+        return result
+
     def run(self, command: str, *, timeout: float = 60) -> str:
         result = self.run_unchecked(command, timeout=timeout)
         if result.returncode != 0:
@@ -100,8 +133,9 @@ class Slurm:
         """Every job Slurm still holds (pending, running, completing), or just job_id's."""
         fields = _SEP.join(("%i", "%j", "%T", "%u", "%D", "%M", "%R"))
         which = f"--jobs={q(job_id)}" if job_id else f"--partition={q(self.access.partition)}"
-        # squeue exits 1 for a job id it has already forgotten: that is an answer, not a failure
-        text = self.run(f"squeue --noheader {which} --format={q(fields)} 2>/dev/null || true")
+        # squeue exits 1 for a job id it has already forgotten (an answer: no such job), and for a
+        # slurmctld it cannot reach (no answer: SlurmUnreachable)
+        text = self._ask(f"squeue --noheader {which} --format={q(fields)}").stdout
         return [QueuedJob(*line.split(_SEP)) for line in text.splitlines() if line.count(_SEP) == 6]
 
     def job_state(self, job_id: str) -> str | None:
@@ -109,8 +143,16 @@ class Slurm:
         found = [job for job in self.queue(job_id) if job.job_id == job_id]
         return found[0].state if found and found[0].state in ACTIVE_STATES else None
 
+    def job_nodes(self, job_id: str) -> list[str]:
+        """The nodes allocated to a job Slurm holds (none while it is pending, or once it has ended)."""
+        text = self._ask(f"squeue --noheader --jobs={q(job_id)} --format=%N").stdout.strip()
+        if not text:
+            return []
+        return self._ask(f"scontrol show hostnames {q(text)}").stdout.split()
+
     def cancel(self, job_id: str) -> None:
-        self.run(f"scancel {q(job_id)}")
+        """scancel; a job Slurm has already forgotten is cancelled as far as it goes."""
+        self._ask(f"scancel {q(job_id)}")
 
     def node_addresses(self) -> dict[str, str]:
         """node -> the address Slurm reaches it at (NodeAddr: where its slurmd registered from)."""
@@ -124,13 +166,31 @@ class Slurm:
 
     def nodes(self) -> list[NodeInfo]:
         fields = _SEP.join(("%N", "%T", "%E", "%c", "%G"))
-        text = self.run(f"sinfo --noheader --Node --partition={q(self.access.partition)} --format={q(fields)}")
+        text = self._ask(f"sinfo --noheader --Node --partition={q(self.access.partition)} --format={q(fields)}").stdout
         seen: dict[str, NodeInfo] = {}
         for line in text.splitlines():
             if line.count(_SEP) == 4:
                 node = NodeInfo(*(part.strip() for part in line.split(_SEP)))
                 seen.setdefault(node.name, node)
         return list(seen.values())
+
+
+def patiently(ask: Callable[[], T], what: str, patience_s: float = OUTAGE_PATIENCE_S) -> T:
+    """ask(), asked again through an outage of Slurm or of SSH to it, for up to patience_s; said once
+    on the console when it begins. Then SlurmUnreachable (exit 3): an unanswered question is never
+    taken for an answer."""
+    deadline = time.monotonic() + patience_s
+    said = False
+    while True:
+        try:
+            return ask()
+        except (SlurmUnreachable, SSHFailure) as exc:  # SSHFailure: the run directories' readers
+            if time.monotonic() + RETRY_INTERVAL_S > deadline:
+                raise SlurmUnreachable(f"could not ask Slurm {what} for {patience_s:.0f} s: {exc}") from None
+            if not said:
+                console.print(f"[dim]could not ask Slurm {what} ({exc}); asking again for {patience_s:.0f} s[/dim]")
+                said = True
+            time.sleep(RETRY_INTERVAL_S)
 
 
 def parse_job_id(sbatch_output: str) -> str:

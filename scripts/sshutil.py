@@ -6,11 +6,13 @@ itself drives OpenSSH between nodes, so one tool and one set of behaviours cover
 streaming a remote command's output line by line is a pipe; and every process we start has a pid
 we can stop. A generated ssh_config (one Host block per host: jump host, NFS server, Slurm login host,
 and each node asked for) carries the user, key, known_hosts file and timeouts, so every call is
-just `ssh -F CONFIG ALIAS CMD`.
+just `ssh -F CONFIG ALIAS CMD`. Calls to the Slurm login host share one connection (OpenSSH's
+ControlMaster, with a socket in the private directory): following a job asks Slurm every 2 s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shlex
 import subprocess
@@ -30,6 +32,7 @@ JUMP_ALIAS = "jump_host"
 STORAGE_ALIAS = "storage_host"
 LOGIN_ALIAS = "login_host"
 CONNECT_TIMEOUT_S = 10
+CONTROL_PERSIST_S = 30  # how long the login host's shared connection outlives its last use
 # RFC 1123 host names: a node's name goes into the ssh_config, so it must be nothing else
 HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 
@@ -84,7 +87,18 @@ class SSH:
         self._nodes: list[str] = []  # the nodes that have a Host block, in the order asked for
         self._write_config()
 
+    @property
+    def _control_path(self) -> Path:
+        return self.workdir / "login.mux"
+
     def close(self) -> None:
+        if self._control_path.exists():  # the login host's shared connection: end it now, not when idle
+            with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+                subprocess.run(
+                    ["ssh", "-F", str(self.config_path), "-O", "exit", LOGIN_ALIAS],
+                    capture_output=True,
+                    timeout=CONNECT_TIMEOUT_S,
+                )
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -105,7 +119,12 @@ class SSH:
         lines += _block(STORAGE_ALIAS, d.storage_host, jump)
         if d.slurm:
             # locally the login host is the jump host itself: no hop through itself
-            lines += _block(LOGIN_ALIAS, d.slurm.login, jump and d.slurm.login != d.jump_host)
+            login = _block(LOGIN_ALIAS, d.slurm.login, jump and d.slurm.login != d.jump_host)
+            # Following a job asks Slurm every 2 s: one connection (through the jump host) carries every
+            # call, instead of a new two-hop connection each time. A dropped one is made again by the next
+            # call; close() ends it.
+            lines += [*login[:-1], "    ControlMaster auto", f"    ControlPath {self._control_path}",
+                      f"    ControlPersist {CONTROL_PERSIST_S}", ""]  # fmt: skip
         for hostname in self._nodes:
             address = self.addresses.get(hostname, hostname)
             lines += _block(hostname, SSHEndpoint(host=address, user=d.ssh_user, port=d.node_ssh_port), jump)

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LOSS = "train/loss"  # rank 0's loss at each log step
+LOSS = "train/loss"  # the mean of the ranks' losses at each log step, as metrics.json reports the last
 LR = "train/lr"
 IMAGES_PER_SEC = "train/images_per_sec"  # global, over the measured step time since the previous log step
 VAL_TOP1 = "val/top1"
@@ -155,7 +155,7 @@ def write_summary_png(path: Path, series: Series, title: str, unit: str = "image
     figure = Figure(figsize=(PNG_SIZE[0] / _DPI, PNG_SIZE[1] / _DPI), dpi=_DPI, layout="constrained")
     figure.suptitle(title)
     loss_axes, rate_axes = figure.subplots(1, 2)
-    _panel(loss_axes, series.get(LOSS, ()), "loss (rank 0)", "C0")
+    _panel(loss_axes, series.get(LOSS, ()), "loss (mean over ranks)", "C0")
     rate_tag, final_rate_tag = RATES[unit]
     _panel(rate_axes, series.get(rate_tag, ()), f"{unit}/s (global, per log window)", "C1")
     for step, rate in series.get(final_rate_tag, ())[-1:]:

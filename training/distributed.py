@@ -15,8 +15,9 @@ covers every way a rank can stop answering, in both backends: 60 s (``PEER_TIMEO
   ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (checked every stall-check period); with DDP the
   peers' collective times out as above.
 
-The same 60 s also bounds a pause of rank 0 alone, a checkpoint save or its share of evaluation,
-while the others wait. :mod:`training.liveness` then names the rank that stopped answering.
+The same 60 s also bounds a pause of rank 0 alone, its share of evaluation, while the others wait
+(a checkpoint's file is written beside training: training/checkpoint_writer.py).
+:mod:`training.liveness` then names the rank that stopped answering.
 
 :func:`set_failure_timeouts` fills in these defaults before the backend starts; values set
 by the user (environment, or horovodrun's ``--stall-check-*`` / ``--gloo-timeout-seconds``
@@ -47,6 +48,15 @@ def set_failure_timeouts(env: MutableMapping[str, str] = os.environ) -> dict[str
     for name, value in FAILURE_TIMEOUTS.items():
         env.setdefault(name, value)
     return {name: env[name] for name in FAILURE_TIMEOUTS}
+
+
+def peer_timeout_seconds(backend: str, env: Mapping[str, str] = os.environ) -> float | None:
+    """How long a collective of ``backend`` waits for a silent peer before it fails (None: unknown)."""
+    name = {"horovod": "HOROVOD_GLOO_TIMEOUT_SECONDS", "ddp": "DDP_TIMEOUT_SECONDS"}.get(backend)
+    try:
+        return float(env[name]) if name else None
+    except (KeyError, ValueError):
+        return None
 
 
 def launcher_rank(env: Mapping[str, str] = os.environ) -> int:

@@ -44,7 +44,7 @@ class ModelFiles:
     format: str  # "torch.export" or "saved_model"
     file: str  # relative to the export directory
     outputs: str  # "logits" or "probabilities"
-    extra: dict[str, str] = field(default_factory=dict)  # other files by role, e.g. {"state_dict": ...}
+    extra: dict[str, str] = field(default_factory=dict)  # other files by role (none today: one copy of the weights)
 
 
 Saver = Callable[[Path], ModelFiles]

@@ -32,16 +32,18 @@ from typing import NoReturn, TypeVar
 import psutil
 
 from training.args import parse_args
-from training.distributed import Backend, launcher_rank
-from training.errors import ExitCode, JobError, first_line
+from training.checkpoint_writer import finish_writes
+from training.distributed import Backend, launcher_rank, peer_timeout_seconds
+from training.errors import BadInput, ExitCode, JobError, first_line
 from training.liveness import Liveness
 from training.loop import configure_logging
 from training.outputs import check_output_paths
 
 B = TypeVar("B", bound=Backend)
 
-# A rank other than 0 that meets an error every rank meets leaves the report to rank 0, and
-# lets rank 0 exit first: launchers stop the others at the first exit and report that one.
+# A rank other than 0 that meets an error every rank meets (or bad input, which every rank is
+# likely to meet) leaves the report to rank 0, and lets rank 0 exit first: launchers stop the
+# others at the first exit and report that one.
 QUIET_RANK_DELAY_SECONDS = 10.0
 
 
@@ -75,6 +77,7 @@ def _run(
         liveness = Liveness(backend)
         train(args, backend)
         backend.shutdown()
+        finish_writes()  # rank 0's last checkpoint: no peer waits for it any more
         return ExitCode.OK
     except BaseException as exc:  # every way out becomes one line and one exit status
         return _report(exc, args.debug, backend, liveness)
@@ -87,13 +90,17 @@ def _report(exc: BaseException, debug: bool, backend: Backend | None, liveness: 
         _print_error("interrupted")
         return ExitCode.INTERRUPTED
     if isinstance(exc, JobError):
-        if exc.every_rank and backend is not None and backend.rank != 0:
+        # Bad input (a broken data directory) is usually every rank's: rank 0 reports it, and the
+        # launcher stops the others while they wait, so that the log holds one error line.
+        quiet = backend is not None and backend.rank != 0 and (exc.every_rank or isinstance(exc, BadInput))
+        if quiet:
             time.sleep(QUIET_RANK_DELAY_SECONDS)
-        else:
+        if not (quiet and exc.every_rank):
             _print_error(str(exc))
         return exc.exit_code
     # A collective failed, or something unexpected: is a peer frozen, cut off or gone?
-    troubled = liveness.troubled_peers() if liveness is not None else {}
+    waited = peer_timeout_seconds(backend.backend) if backend is not None else None
+    troubled = liveness.troubled_peers(waited=waited) if liveness is not None else {}
     if liveness is not None and troubled:
         culprits = "; ".join(f"{peer} {problem}" for peer, problem in troubled.items())
         _print_error(f"{culprits}; {liveness.me} noticed: {first_line(exc)}")

@@ -51,13 +51,14 @@ class Liveness:
         self.peers: list[Peer] = dist.allgather_object(me)
         self.me = self.peers[dist.rank]
 
-    def troubled_peers(self, timeout: float = PROBE_TIMEOUT_SECONDS) -> dict[Peer, str]:
-        """The other ranks that do not answer within ``timeout``, each with what is wrong with it."""
+    def troubled_peers(self, timeout: float = PROBE_TIMEOUT_SECONDS, waited: float | None = None) -> dict[Peer, str]:
+        """The other ranks that do not answer within ``timeout``, each with what is wrong with it.
+        ``waited``: how long the failed collective had waited for them (the peer timeout), if known."""
         others = [peer for peer in self.peers if peer != self.me]
         if not others:
             return {}
         with ThreadPoolExecutor(max_workers=min(len(others), 64)) as pool:
-            problems = pool.map(lambda peer: _ping(peer, timeout), others)
+            problems = pool.map(lambda peer: _ping(peer, timeout, waited), others)
             return {peer: problem for peer, problem in zip(others, problems, strict=True) if problem}
 
 
@@ -74,14 +75,15 @@ def _serve() -> socket.socket:
     return server
 
 
-def _ping(peer: Peer, timeout: float) -> str | None:
+def _ping(peer: Peer, timeout: float, waited: float | None) -> str | None:
     """None if ``peer`` replies within ``timeout``, else what is wrong with it."""
     try:
         with socket.create_connection((peer.address, peer.port), timeout=timeout) as conn:
             conn.recv(16)
     except TimeoutError:
         # A stopped process still completes TCP handshakes (the kernel does), but never replies.
-        return f"stopped answering (no reply within {timeout:g} s)"
+        silent = f"no reply within the {waited:g} s peer timeout, nor to a ping within" if waited else "no reply within"
+        return f"stopped answering ({silent} {timeout:g} s)"
     except ConnectionError:
         return "has exited"
     except OSError as exc:

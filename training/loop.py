@@ -15,8 +15,9 @@ from typing import Any, TypeVar
 
 from training import curves
 from training.checkpoint import Checkpoint, CheckpointDir, Fingerprint
+from training.checkpoint_writer import CheckpointWriter
 from training.data import SkipCounter
-from training.distributed import Dist
+from training.distributed import PEER_TIMEOUT_SECONDS, Dist, peer_timeout_seconds
 from training.errors import CheckpointRefused, JobError, first_line
 from training.metrics import METRIC_KEYS, RateWindow, StepTimer, throughput, write_metrics
 from training.outputs import output_error
@@ -129,6 +130,9 @@ class TrainingRun:
         self._evaluate = evaluate
         self._on_epoch_end = on_epoch_end  # every rank, after evaluation: (epoch, progress so far)
         self._checkpoints = CheckpointDir(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
+        self._writer: CheckpointWriter | None = None
+        # how long rank 0 may hold its peers while it writes a checkpoint: half what they would wait
+        self._save_wait_s = (peer_timeout_seconds(dist.backend) or PEER_TIMEOUT_SECONDS) / 2
         # At least one measured step whenever a step runs, so short runs still report a rate.
         self.excluded = min(args.timing_warmup_steps, max(self.total_steps - start_step - 1, 0))
         self._curves = curves.RunCurves(args, dist.rank, start_step)
@@ -171,7 +175,7 @@ class TrainingRun:
         """
         done = step + 1
         self._last_loss = loss
-        log_due = done % self.args.log_every == 0 and self.dist.rank == 0
+        log_due = done % self.args.log_every == 0
         epoch_end = done % self.steps_per_epoch == 0
         every = self.args.checkpoint_every
         save_due = self._checkpoints is not None and (
@@ -184,7 +188,10 @@ class TrainingRun:
             loss()  # wait for the device, so the clock and the pauses see finished work
         self._timer.step_done()
         if log_due:
-            self._log(done, loss())
+            # the mean over ranks, as metrics.json and model.json report it (a small collective)
+            mean = sum(self.dist.allgather_object(loss())) / self.dist.size
+            if self.dist.rank == 0:
+                self._log(done, mean)
         if save_due:
             self._timer.pause()
             self._save(done)
@@ -211,12 +218,10 @@ class TrainingRun:
         payload = self._save_state(done) if self._collective_save or self.dist.rank == 0 else None
         if self.dist.rank == 0:
             assert self._checkpoints is not None and payload is not None
-            try:
-                path = self._checkpoints.save(done, self._fingerprint, payload)
-            except OSError as exc:
-                raise output_error("--checkpoint-dir", self._checkpoints.directory, exc) from None
-            log.info("saved checkpoint %s", path)
-        # Keep ranks together here, so the save's time is not charged to the next step.
+            if self._writer is None:  # the file is written beside training (training/checkpoint_writer.py)
+                self._writer = CheckpointWriter(self._checkpoints, self._fingerprint)
+            self._writer.submit(done, payload, self._save_wait_s)
+        # Keep ranks together here, so the copy's time is not charged to the next step.
         self.dist.allgather_object(done)
 
     def _run_evaluation(self, epoch: int) -> None:
@@ -270,7 +275,7 @@ class TrainingRun:
                     write_metrics(self.args.metrics_json, metrics)
                 except OSError as exc:
                     raise output_error("--metrics-json", self.args.metrics_json, exc) from None
-            self._finish_curves(losses[0], images_per_sec)
+            self._finish_curves(final_loss, images_per_sec)
         if diverged:
             raise JobError(f"training diverged: the final loss is {final_loss}", every_rank=True)
         return metrics

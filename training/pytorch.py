@@ -42,6 +42,7 @@ from training.errors import BadInput, JobError
 from training.export import Exporter, ExportSpec, ModelFiles
 from training.gpu_decode import NVJPEG, DeviceBatcher, EncodedFolder, JpegDecoder, choose_decoder
 from training.job import run_job
+from training.lifetime import die_with
 from training.loop import TrainingRun, configure_logging, restore, resume
 from training.side_stream import SideStreamBatches, streams_for
 from training.sync import HIERARCHICAL, PeriodicSync, SyncSettings, check_layout, refuse_replicas
@@ -231,7 +232,7 @@ def image_batches(
             # Forked workers can crash on InfiniBand verbs, which are not fork-safe (Horovod's advice).
             "multiprocessing_context": "forkserver",
             "prefetch_factor": 4,
-            "worker_init_fn": partial(_worker_logging, backend.rank),
+            "worker_init_fn": partial(_init_worker, backend.rank, os.getpid()),
         }
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=keys, num_workers=workers, collate_fn=collate_fn, pin_memory=pin, **extra
@@ -252,7 +253,8 @@ def worker_error(exc: JobError) -> JobError:
     return type(exc)(last.partition(": ")[2])
 
 
-def _worker_logging(rank: int, worker_id: int) -> None:
+def _init_worker(rank: int, owner_pid: int, worker_id: int) -> None:
+    die_with(owner_pid)  # never outlive the rank (training/lifetime.py)
     configure_logging(rank)  # so skipped-image warnings look like the rest of the log
 
 
@@ -494,8 +496,9 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
 
 
 def export_model(model: nn.Module, image_size: int, directory: Path) -> ModelFiles:
-    """``model.pt2`` (torch.export: uint8 NHWC images in, logits out, any batch size) and a plain
-    ``state_dict.pt`` (for ``training.torch_models.build_model(...).load_state_dict``).
+    """``model.pt2`` (torch.export: uint8 NHWC images in, logits out, any batch size). It is the only copy
+    of the weights: ``torch.export.load(path).state_dict`` is the model's own state_dict (same names),
+    for ``training.torch_models.build_model(...).load_state_dict``.
 
     ``model`` is the bare module (never the DDP wrapper or the compiled one). The export is taken
     from a float32 copy on the CPU in eval mode (batch norm with its running statistics), so it
@@ -508,8 +511,7 @@ def export_model(model: nn.Module, image_size: int, directory: Path) -> ModelFil
     batch = torch.export.Dim("batch", min=1)
     program = torch.export.export(frozen, (example,), dynamic_shapes=({0: batch},))
     torch.export.save(program, directory / "model.pt2")
-    torch.save(frozen.state_dict(), directory / "state_dict.pt")
-    return ModelFiles("torch.export", "model.pt2", "logits", {"state_dict": "state_dict.pt"})
+    return ModelFiles("torch.export", "model.pt2", "logits")
 
 
 def load_training_state(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, state: dict[str, Any]) -> None:

@@ -16,8 +16,11 @@ Every input line goes to stdout (the job's output.log), flushed line by line, no
 
 Each rank's own text is also appended to LOGS_DIR/rank-N.log. At end of input the verdict is written
 (atomically) as JSON: failed_rank, failed_host, exit_code_of_failed_rank (null when no rank failed) and
-job_error (the first rank line that starts with `error: `, which training/job.py prints: it names the
-rank that stopped answering, where a launcher names the rank that exited first).
+job_error (the first rank line that starts with `error: `, which training/job.py prints). A launcher
+names the rank that exited first, which after a peer died or froze is the healthy rank that noticed;
+when job_error names the culprit (`rank N on host H stopped answering|has exited|is unreachable`,
+training/liveness.py), failed_rank and failed_host are the culprit's, and exit_code_of_failed_rank
+stays the status the launcher reported for the failure (the job's).
 
 horovodrun (--gloo): rank lines are `[RANK]<stdout|stderr>:text`, with an optional time.asctime()
 stamp in front; it assigns ranks host by host, SLOTS per host, in hostfile order (--hosts order).
@@ -60,6 +63,8 @@ _HOROVOD_FIRST_CODE = re.compile(r"^Exit code: (-?\d+)\s*$")
 _SRUN_LABEL = re.compile(r"^(\d+): (.*)$")
 _TORCHRUN_RANK = re.compile(re.escape(TORCHRUN_PREFIX_TEMPLATE).replace(re.escape("${rank}"), r"(\d+)"))
 _TORCHRUN_FIELD = re.compile(r"^\s*(rank|exitcode)\s*:\s*(-?\d+)")
+# training/liveness.py's words for a peer that died, froze or was cut off, at the start of job_error
+_CULPRIT = re.compile(r"^rank (\d+) on host (\S+) (?:stopped answering|has exited|is unreachable)")
 _SRUN_TASK_EXIT = re.compile(r"^srun: error: (\S+): tasks? [\d,-]+: Exited with exit code (\d+)")
 
 
@@ -105,6 +110,9 @@ class Verdict:
 
     def as_dict(self):
         rank, host, code = self.first or (self.exits[0] if self.exits else (None, None, None))
+        culprit = _CULPRIT.match(self.job_error or "")
+        if culprit and code is not None:
+            rank, host = int(culprit.group(1)), culprit.group(2)
         return {
             "failed_rank": rank,
             "failed_host": host,

@@ -9,9 +9,10 @@ node's python3, from the run's `remote/` directory, whether or not the operator 
   python3 upload_results.py --dir RUN_DIR --account-url http://127.0.0.1:10000/devstoreaccount1 \\
       --container results --prefix RUN_ID --sas-file RUN_DIR/results.sas
 
-Every file under RUN_DIR goes to the block blob <prefix>/<relative path>, except the directories
-`checkpoints/` (large; they stay on the shared file system), `remote/` (copies of these tools) and
-`code/` (the user's --workdir, which stays on the share beside the run),
+Every file under RUN_DIR goes to the block blob <prefix>/<relative path> (8 at a time, smallest first,
+after a first one alone that tests the credential), except the directories `checkpoints/` (large;
+they stay on the shared file system), `remote/` (copies of these tools) and `code/` (the user's
+--workdir, which stays on the share beside the run),
 any `*.sas` file (secrets never leave) and symbolic links. Files up to 64 MiB are sent with one
 Put Blob, larger ones in blocks (Put Block, then Put Block List); every request carries the MD5 of
 its body, and the blob keeps the MD5 of the whole file.
@@ -23,19 +24,27 @@ Credentials, never on the command line (it shows in `ps`), never printed:
                            HTTPS. The environment variable IMDS_ENDPOINT replaces the IMDS token URL.
 Requests are tried 3 times, with a pause, on a server error (5xx, 408, 429) or a broken connection.
 
+--status FILE (the job's status.json, relative to RUN_DIR) goes last, once its "results" says what
+the rest came to: "uploaded", "incomplete" with the files that failed in "not_uploaded", or "failed"
+with "results_error" (then it stays on the shared file system only).
+
 The last line on stdout: `uploaded N files (X MB) to URL/CONTAINER/PREFIX/`. Exit status: 0 all
-uploaded; 1 the storage service failed; 2 bad arguments (directory, URL, names); 3 access refused
-(SAS or identity without write permission, expired) or storage / IMDS unreachable; 130 interrupted.
+uploaded; 1 the storage service failed (for some files: each is named on stderr); 2 bad arguments
+(directory, URL, names); 3 access refused (SAS or identity without write permission, expired) or
+storage / IMDS unreachable; 130 interrupted.
 """
 
 import argparse
 import base64
+import concurrent.futures
+import contextlib
 import hashlib
 import http.client
 import json
 import mimetypes
 import os
 import sys
+import threading
 import time
 import urllib.parse
 import xml.etree.ElementTree as ET
@@ -45,6 +54,7 @@ SINGLE_PUT_LIMIT = 64 * 1024 * 1024  # larger files go in blocks
 BLOCK_SIZE = 16 * 1024 * 1024
 TRIES = 3
 TIMEOUT_S = 120
+UPLOAD_THREADS = 8  # files in flight at once: a run's upload must fit in KillWait after a cancel
 IMDS_TOKEN_URL = "http://169.254.169.254/metadata/identity/oauth2/token"
 STORAGE_RESOURCE = "https://storage.azure.com/"
 SKIPPED_DIRS = ("checkpoints", "remote", "code")  # at the top of the run directory
@@ -168,6 +178,12 @@ class Container:
         self.sas = None
         self.token = None
 
+    def clone(self):
+        """The same container and credential, over a connection of its own (for another thread)."""
+        other = Container(f"{self.endpoint.scheme}://{self.endpoint.netloc}{self.endpoint.path}", self.name)
+        other.sas, other.token = self.sas, self.token
+        return other
+
     @property
     def credential(self):
         return "the SAS" if self.sas else "the managed identity"
@@ -268,13 +284,58 @@ def files_to_upload(run_dir):
     return sorted(found, key=lambda item: item[1])
 
 
-def upload_run(run_dir, container, prefix):
-    """Upload the run directory under prefix/; returns (files, bytes)."""
-    files = files_to_upload(run_dir)
-    total = 0
-    for path, relative in files:
-        total += upload_file(container, path, f"{prefix}/{relative}")
-    return len(files), total
+def upload_run(run_dir, container, prefix, exclude=(), threads=UPLOAD_THREADS):
+    """Upload the run directory under prefix/, but the relative paths in exclude; returns (files, bytes,
+    failures), failures mapping each relative path that did not make it to why.
+
+    The first file goes alone: a refused credential or a missing container fails it, and the whole
+    upload, at once. The rest go in parallel, smallest first, so that logs and metrics are up before
+    the model's weights when the time runs out (KillWait after a cancel); a file that fails after its
+    retries is reported, and the others still go."""
+    files = [item for item in files_to_upload(run_dir) if item[1] not in exclude]
+    if not files:
+        return 0, 0, {}
+    first, rest = files[0], sorted(files[1:], key=lambda item: (os.path.getsize(item[0]), item[1]))
+    total = upload_file(container, first[0], f"{prefix}/{first[1]}")
+    failures = {}
+    local = threading.local()  # a connection per thread: http.client's are not shared
+
+    def one(item):
+        path, relative = item
+        if not hasattr(local, "container"):
+            local.container = container.clone()
+        try:
+            return upload_file(local.container, path, f"{prefix}/{relative}")
+        except UploadError as exc:
+            if exc.exit_code != EXIT_FAILED:
+                raise
+            failures[relative] = str(exc)
+        except OSError as exc:
+            failures[relative] = f"cannot read {relative}: {exc.strerror or exc}"
+        return 0
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
+        total += sum(pool.map(one, rest))
+    return len(files) - len(failures), total, failures
+
+
+def finish_status(path, failures, error=None):
+    """Complete the job's status.json (written by job.sh with "results": "uploading") with the truth:
+    "uploaded", "incomplete" (with the files in not_uploaded) or "failed" (with results_error)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            status = json.load(handle)
+    except (OSError, ValueError):
+        status = {}
+    status["results"] = "failed" if error else "incomplete" if failures else "uploaded"
+    status["not_uploaded"] = sorted(failures)
+    if error:
+        status["results_error"] = error
+    temp = f"{path}.tmp-{os.getpid()}"
+    with open(temp, "w", encoding="utf-8") as handle:
+        json.dump(status, handle)
+        handle.write("\n")
+    os.replace(temp, path)
 
 
 # --- command line ------------------------------------------------------------------------------
@@ -301,6 +362,11 @@ def build_parser():
     auth.add_argument("--sas-file", help="a file whose first line is a SAS with create + write on the container")
     auth.add_argument("--managed-identity", action="store_true", help="authenticate with the VM's managed identity")
     parser.add_argument("--client-id", help="with --managed-identity: which user-assigned identity")
+    parser.add_argument(
+        "--status",
+        help="the job's status file, relative to --dir (e.g. status.json): uploaded last, after its "
+        '"results" is set to uploaded, incomplete (not_uploaded lists the files) or failed (results_error)',
+    )
     return parser
 
 
@@ -321,15 +387,31 @@ def main(argv=None):
             )
         else:
             container.token = imds_token(args.client_id)
-        count, size = upload_run(args.dir, container, args.prefix)
+        count, size, failures = upload_run(
+            args.dir, container, args.prefix, exclude=[args.status] if args.status else []
+        )
+        if args.status:  # last, and with the truth: what the other files' upload came to
+            status = os.path.join(args.dir, args.status)
+            finish_status(status, failures)
+            try:
+                size += upload_file(container, status, f"{args.prefix}/{args.status}")
+                count += 1
+            except UploadError as exc:
+                failures[args.status] = str(exc)
+                finish_status(status, failures)
     except UploadError as exc:
+        if args.status:
+            with contextlib.suppress(OSError):
+                finish_status(os.path.join(args.dir, args.status), {}, str(exc))
         print(f"upload_results: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("upload_results: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    for relative, why in sorted(failures.items()):
+        print(f"upload_results: error: {relative} not uploaded: {why}", file=sys.stderr)
     print(f"uploaded {count} files ({size / 1e6:.1f} MB) to {container.url}/{args.prefix}/")
-    return 0
+    return EXIT_FAILED if failures else 0
 
 
 if __name__ == "__main__":

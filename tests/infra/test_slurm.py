@@ -10,8 +10,10 @@ Manager on a local HTTP server).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -538,14 +540,18 @@ class Docker:
         return self.sandbox.calls("docker")
 
 
-def epilog_script(sandbox: Sandbox, socket_path: Path) -> str:
-    """The node's epilog, searching only the sandbox's stubs (and the tools it needs) for commands."""
-    for tool_name in ("timeout", "cat"):
+def epilog_script(sandbox: Sandbox, socket_path: Path, proc: Path | None = None) -> str:
+    """The node's epilog, searching only the sandbox's stubs (and the tools it needs) for commands, and
+    ``proc`` for the job's processes (default: an empty directory: this machine's are not the test's)."""
+    for tool_name in ("timeout", "cat", "tr", "grep", "seq", "sleep"):
         link = sandbox.bin / tool_name
         if not link.exists():
             link.symlink_to(shutil.which(tool_name) or tool_name)
+    if proc is None:
+        proc = sandbox.root / "proc"
+        proc.mkdir(exist_ok=True)
     script = with_value(script_of(node_doc(), EPILOG), "PATH", str(sandbox.bin))
-    return with_value(script, "DOCKER_SOCKET", str(socket_path))
+    return with_value(with_value(script, "DOCKER_SOCKET", str(socket_path)), "PROC", str(proc))
 
 
 @pytest.fixture
@@ -578,6 +584,29 @@ def test_epilog_is_quiet_without_docker_or_its_daemon(docker: Docker) -> None:
     (docker.sandbox.bin / "docker").unlink()  # no docker at all
     result = docker.sandbox.run(epilog_script(docker.sandbox, docker.socket_path), {"SLURM_JOB_ID": "42"})
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+
+
+def test_epilog_kills_the_processes_of_the_job_that_slurm_lost_and_only_them(docker: Docker) -> None:
+    """A process adopted by init (a killed rank's decode worker) with the job's SLURM_JOB_ID; another
+    job's process beside it. Real processes, in this machine's /proc, under a job id nobody else uses."""
+    job = str(900_000_000 + os.getpid())
+    stray, other = (
+        subprocess.Popen(["sleep", "300"], env={**os.environ, "SLURM_JOB_ID": job_id}, start_new_session=True)
+        for job_id in (job, f"{job}1")
+    )
+    try:
+        (docker.sandbox.bin / "docker").unlink(missing_ok=True)  # no docker: processes only
+        result = docker.sandbox.run(
+            epilog_script(docker.sandbox, docker.socket_path, Path("/proc")), {"SLURM_JOB_ID": job}
+        )
+        assert result.returncode == 0, result.stderr
+        assert stray.wait(timeout=5) == -signal.SIGKILL
+        assert other.poll() is None
+        assert f"killed 1 process(es) of job {job} that Slurm had lost track of" in result.stderr
+    finally:
+        for process in (stray, other):
+            process.kill()
+            process.wait()
 
 
 @pytest.mark.parametrize(

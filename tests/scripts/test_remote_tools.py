@@ -162,6 +162,19 @@ def test_a_killed_rank_reads_as_the_shell_reports_it_and_the_jobs_own_error_line
     assert [annotate_output.normalize_exit(c) for c in (None, 0, 3, -15, 256)] == [1, 0, 3, 143, 1]
 
 
+@pytest.mark.parametrize("launcher", ["horovodrun", "torchrun"])
+def test_the_rank_that_died_is_blamed_not_the_rank_that_noticed_and_exited_first(tmp_path, launcher):
+    """Rank 1 (node-1) was SIGKILLed; rank 0 noticed, named it, and was the first process to exit."""
+    error = "error: rank 1 on host node-1 has exited; rank 0 on host node-0 noticed: Connection reset by peer"
+    if launcher == "horovodrun":
+        text = f"[0]<stderr>:{error}\nProcess 0 exit with status code 1.\nProcess name: 0\nExit code: 1\n"
+    else:
+        text = f"0: @rank0@{error}\n0: Root Cause (first observed failure):\n0:   rank      : 0 (local_rank: 0)\n"
+        text += "0:   exitcode  : 1 (pid: 42)\n"
+    _, verdict = annotate_text(launcher, text, ["node-0", "node-1"], 1, tmp_path)
+    assert (verdict["failed_rank"], verdict["failed_host"], verdict["exit_code_of_failed_rank"]) == (1, "node-1", 1)
+
+
 TORCH_JOB = """
 import datetime, os, sys, time
 import torch.distributed as dist
@@ -391,6 +404,45 @@ def test_a_run_directory_lands_under_its_prefix_without_checkpoints_tools_or_sec
         assert bytes(blobs[f"run-1/{name}"].content_settings.content_md5) == hashlib.md5(data).digest()
     assert blobs["run-1/output.log"].content_settings.content_type == "text/plain; charset=utf-8"
     assert blobs["run-1/metrics.json"].content_settings.content_type == "application/json"
+
+
+def test_the_status_file_goes_last_and_says_what_the_upload_came_to(azurite, tmp_path):
+    run = make_run_dir(tmp_path)
+    (run / "status.json").write_text('{"exit_code": 0, "results": "uploading"}\n')
+    url = azurite.url.rstrip("/")
+    args = ["--dir", str(run), "--account-url", url, "--container", "results", "--status", "status.json"]
+    written = sas_file(tmp_path, container_sas(WRITE_ONLY))
+    result = run_tool("upload_results.py", *args, "--prefix", "st", "--sas-file", str(written))
+    assert result.returncode == 0, result.stderr
+    container = azurite.get_container_client("results")
+    uploaded = json.loads(container.download_blob("st/status.json").readall())
+    assert uploaded == {"exit_code": 0, "results": "uploaded", "not_uploaded": []}
+    assert json.loads((run / "status.json").read_text()) == uploaded  # the run directory's copy agrees
+    # a credential that cannot write: nothing uploaded, and the run directory's copy says so
+    refused = sas_file(tmp_path, container_sas(ContainerSasPermissions(read=True, list=True)))
+    result = run_tool("upload_results.py", *args, "--prefix", "st-ro", "--sas-file", str(refused))
+    assert result.returncode == 3
+    local = json.loads((run / "status.json").read_text())
+    assert local["results"] == "failed" and "lacks write permission" in local["results_error"]
+
+
+def test_files_that_fail_are_named_and_the_others_still_go(azurite, tmp_path, monkeypatch):
+    run = make_run_dir(tmp_path)
+    container = upload_results.Container(azurite.url, "results")
+    container.sas = container_sas(WRITE_ONLY)
+    real = upload_results.upload_file
+
+    def failing(target, path, blob, **kwargs):
+        if blob.endswith("rank-1.log"):
+            raise upload_results.UploadError("HTTP 503 ServerBusy (3 tries)")
+        return real(target, path, blob, **kwargs)
+
+    monkeypatch.setattr(upload_results, "upload_file", failing)
+    count, _, failures = upload_results.upload_run(str(run), container, "partial", exclude=["status.json"])
+    assert count == 4 and list(failures) == ["logs/rank-1.log"]
+    upload_results.finish_status(str(run / "status.json"), failures)
+    status = json.loads((run / "status.json").read_text())
+    assert status["results"] == "incomplete" and status["not_uploaded"] == ["logs/rank-1.log"]
 
 
 def test_a_read_only_sas_is_refused_with_a_clear_error_that_never_shows_the_sas(azurite, tmp_path):

@@ -112,10 +112,25 @@ def test_summary_png_check_fails_on_a_missing_curve(tmp_path: Path) -> None:
 # --- the step loop (one process) ------------------------------------------------------------------
 
 
-def training_run(args: Any, evaluate: Callable[[], tuple[int, int]] | None = None) -> TrainingRun:
+class RankZeroOfTwo(OneProcess):
+    """Rank 0 of two, whose peer's loss is always 1 higher (the other values it gathers are the same)."""
+
+    size = 2
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        if isinstance(obj, float):
+            return [obj, obj + 1]
+        if isinstance(obj, tuple) and len(obj) == 3 and isinstance(obj[1], float):  # finish(): the last loss
+            return [obj, (obj[0], obj[1] + 1, obj[2])]
+        return [obj, obj]
+
+
+def training_run(
+    args: Any, evaluate: Callable[[], tuple[int, int]] | None = None, dist: OneProcess | None = None
+) -> TrainingRun:
     return TrainingRun(
         args,
-        OneProcess(),
+        dist or OneProcess(),
         framework="pytorch",
         steps_per_epoch=args.steps,
         start_step=0,
@@ -144,6 +159,16 @@ def test_the_loop_records_every_tag_at_global_steps(tmp_path: Path) -> None:
     assert scalars[VAL_TOP1] == [(4, 0.75), (8, 0.75)]  # every epoch's end
     assert scalars[FINAL_IMAGES_PER_SEC] == [(8, pytest.approx(metrics["images_per_sec"]))]
     check_summary_png(tmp_path / "summary.png")
+
+
+def test_the_loss_curve_is_the_mean_over_ranks_as_in_metrics_json(tmp_path: Path) -> None:
+    flags = ["--steps", "5", "--log-every", "2", "--tensorboard-dir", str(tmp_path / "tb")]
+    run = training_run(parse_args("pytorch", flags), dist=RankZeroOfTwo())
+    for step in run.steps():
+        run.step_done(step, lambda step=step: 4.0 - step)
+    metrics = run.finish()
+    assert read_scalars(tmp_path / "tb")[LOSS] == [(2, 3.5), (4, 1.5), (5, 0.5)]  # rank 0's + 0.5
+    assert metrics["final_loss"] == 0.5
 
 
 def test_a_curve_write_that_fails_later_names_the_path(tmp_path: Path) -> None:

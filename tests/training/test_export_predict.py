@@ -151,10 +151,10 @@ def test_pytorch_exports_every_epoch_and_predicts(colours: tuple[Path, Path], tm
     exports = re.findall(r"exported the model after step (\d+) to", output)
     assert exports == ["6", "12", "18"]  # epochs 1 and 2, then the end: the last epoch is not exported twice
     assert sorted(p.name for p in model_dir.parent.iterdir()) == ["model"]  # no staging left behind
-    assert sorted(p.name for p in model_dir.iterdir()) == ["model.json", "model.pt2", "state_dict.pt"]
+    assert sorted(p.name for p in model_dir.iterdir()) == ["model.json", "model.pt2"]  # one copy of the weights
     card = json.loads((model_dir / MODEL_JSON).read_text())
     check_model_card(card, "pytorch", metrics, model_dir)
-    assert card["files"] == {"state_dict": "state_dict.pt"}
+    assert card["files"] == {}
     check_predictions("pytorch", model_dir, heldout, tmp_path)
 
     one = heldout / "red_0.jpg"
@@ -209,14 +209,15 @@ def test_every_torch_model_exports_and_predict_computes_what_the_model_does(tmp_
 
     model = write_torch_export(tmp_path / "model", name, 32)
     assert model.training  # the model in training keeps its mode: the export is taken from a copy
-    card, classify = predict.load_export(tmp_path / "model", "the export")
+    _, classify = predict.load_export(tmp_path / "model", "the export")
     images = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
     with torch.no_grad():
         expected = model.eval()(torch.from_numpy(images)).softmax(1).numpy()
     for batch in (images, images[:1]):  # the batch dimension is dynamic
         np.testing.assert_allclose(classify(batch), expected[: len(batch)], atol=1e-5)
-    state = torch.load(tmp_path / "model" / card["files"]["state_dict"], weights_only=True)
+    state = torch.export.load(tmp_path / "model" / "model.pt2").state_dict  # the weights, for fine-tuning
     assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(state[key], tensor.float()) for key, tensor in model.state_dict().items())
 
 
 def test_an_export_replaces_the_previous_one_and_leaves_nothing_half_written(tmp_path: Path) -> None:

@@ -66,8 +66,8 @@ def test_the_export_is_the_whole_model_one_process_trains(
     assert card["config"]["n_layers"] == GPT_CONFIGS["gpt-tiny"].n_layers
     assert card["metrics"]["world_size"] == nproc
 
-    expected = torch.load(one_process / "model" / "state_dict.pt")
-    gathered = torch.load(out / "model" / "state_dict.pt")
+    expected = torch.export.load(one_process / "model" / "model.pt2").state_dict
+    gathered = torch.export.load(out / "model" / "model.pt2").state_dict
     assert sorted(gathered) == sorted(expected)  # every stage's and shard's tensors, under the model's names
     initial = build_gpt(GPT_CONFIGS["gpt-tiny"], 3).state_dict()
     for key, tensor in expected.items():

@@ -4,6 +4,7 @@ with its status even when threads outlive its backend."""
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -11,7 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.training.jobs import TINY, error_lines, horovodrun, make_imagenet, run, single, truncate_images
+from tests.training.jobs import (
+    TINY,
+    error_lines,
+    horovodrun,
+    make_imagenet,
+    run,
+    single,
+    torchrun,
+    truncate_images,
+)
 from training.checkpoint import Fingerprint, checkpoint_path, write_checkpoint
 from training.outputs import MIN_FREE_ENV
 
@@ -179,13 +189,38 @@ def test_an_unreadable_data_directory_ends_the_job_in_seconds(tmp_path: Path, fr
     assert "Traceback" not in output and "UnknownError" not in output
 
 
-def test_an_unreadable_data_directory_ends_a_two_process_job(tmp_path: Path) -> None:
+TWO_PROCESS_LAUNCHES = {
+    "horovodrun-pytorch": lambda data: horovodrun(2, "pytorch", *TINY, *data),
+    "horovodrun-tensorflow": lambda data: horovodrun(2, "tensorflow", *TINY, *data),
+    "torchrun-ddp": lambda data: torchrun(2, *TINY, *data, "--backend", "ddp"),
+}
+
+
+@pytest.mark.parametrize("launch", sorted(TWO_PROCESS_LAUNCHES))
+def test_an_unreadable_data_directory_ends_a_two_process_job(tmp_path: Path, launch: str) -> None:
+    """Both ranks meet the broken files: rank 0 reports them, its exit (bad input) stops the other, and
+    nothing either started (decode workers, the forkserver) outlives the launcher, which used to wait
+    for ever on the output pipe they held."""
     root = make_imagenet(tmp_path / "imagenet", classes=2, train_per_class=8, val_per_class=2, corrupt=0)
     truncate_images(root)
-    cmd = horovodrun(2, "tensorflow", *TINY, "--data", "imagenet", "--data-dir", root)
-    output = run(cmd, tmp_path / "job.log", timeout=60, expect_rc=1)  # horovodrun's own status for any failure
-    assert "Exit code: 2" in output  # the first worker to fail: bad input
-    assert any("16 images in a row" in line for line in error_lines(output))
+    cmd = TWO_PROCESS_LAUNCHES[launch](["--data", "imagenet", "--data-dir", root])
+    output = run(cmd, tmp_path / "job.log", timeout=60, expect_rc=1)  # the launcher's own status for any failure
+    assert re.search(r"^(Exit code|\s*exitcode)\s*: 2\b", output, re.M), output[-3000:]  # the first failure: bad input
+    [line] = error_lines(output)
+    assert "16 images in a row" in line
+
+
+def test_a_model_parallel_job_on_truncated_text_ends_with_one_error(tmp_path: Path) -> None:
+    root = tmp_path / "text"
+    root.mkdir()
+    for i in range(2):
+        (root / f"part-{i}.txt").write_bytes(b"cut")  # truncated: fewer bytes than one sequence
+    job = ["--model", "gpt-tiny", "--dp-shard", "-1", "--seq-len", "32", "--batch-size", "2", "--steps", "2"]
+    cmd = torchrun(2, *job, "--data", "text", "--data-dir", root, module="training.model_parallel")
+    output = run(cmd, tmp_path / "job.log", timeout=60, expect_rc=1)
+    assert re.search(r"^\s*exitcode\s*: 2\b", output, re.M), output[-3000:]
+    [line] = error_lines(output)
+    assert f"--data-dir {root}: 2 files with 6 bytes in all, fewer than one sequence" in line
 
 
 # --- leaving: nothing that runs after the backend shut down can change the status ------------------

@@ -16,7 +16,17 @@ from pathlib import Path
 import pytest
 
 from tests.polling import wait_for
-from tests.training.jobs import TINY, error_lines, horovodrun, kill_tree, start, torchrun, wait_exit, worker_pid
+from tests.training.jobs import (
+    TINY,
+    error_lines,
+    horovodrun,
+    kill_tree,
+    run,
+    start,
+    torchrun,
+    wait_exit,
+    worker_pid,
+)
 from training.liveness import PROBE_TIMEOUT_SECONDS, Liveness, Peer
 
 PEER_TIMEOUT = 10  # seconds, for these runs (the default is 60; the environment wins)
@@ -46,9 +56,30 @@ def test_a_stopped_rank_is_named_and_the_job_ends_within_the_bound(tmp_path: Pat
     assert time.monotonic() - stopped_at > PEER_TIMEOUT  # ended by the timeout, not by something else
     host = socket.gethostname()
     [line] = [line for line in error_lines(output) if "stopped answering" in line]
-    assert f"error: rank 1 on host {host} stopped answering (no reply within" in line
+    waited = f"no reply within the {PEER_TIMEOUT} s peer timeout, nor to a ping within {PROBE_TIMEOUT_SECONDS:g} s"
+    assert f"error: rank 1 on host {host} stopped answering ({waited})" in line  # the time it did wait
     assert f"; rank 0 on host {host} noticed: " in line
     assert output.count("Traceback (most recent call last)") == 1  # the launcher's own, for a failed job
+
+
+def test_a_checkpoint_save_three_times_the_peer_timeout_does_not_end_a_healthy_job(tmp_path: Path) -> None:
+    """Rank 0's first checkpoint file takes 3x the peer timeout to write (tests/training/slow_save_job.py):
+    training goes on meanwhile, and the job ends well, with both checkpoints written."""
+    peer_timeout = 4
+    env = {
+        "HOROVOD_GLOO_TIMEOUT_SECONDS": str(peer_timeout),
+        "HOROVOD_STALL_CHECK_TIME_SECONDS": str(peer_timeout // 2),
+        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(peer_timeout),
+        "SLOW_SAVE_SECONDS": str(3 * peer_timeout),
+    }
+    ckpt = tmp_path / "ckpt"
+    args = [*TINY, "--steps", 4, "--log-every", 1, "--checkpoint-dir", ckpt, "--checkpoint-every", 2]
+    cmd = [*horovodrun(2, "pytorch", *args)]
+    cmd[cmd.index("-m") : cmd.index("training.pytorch") + 1] = [Path(__file__).with_name("slow_save_job.py")]
+    output = run(cmd, tmp_path / "job.log", timeout=120, env=env)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["ckpt-0000000002.ckpt", "ckpt-0000000004.ckpt"]
+    # the last step was taken while step 2's file was still being written
+    assert output.index("step 4/4") < output.index("saved checkpoint " + str(ckpt / "ckpt-0000000002.ckpt"))
 
 
 class OneOfTwo:

@@ -23,6 +23,7 @@ from training.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
+from training.checkpoint_writer import finish_writes
 from training.distributed import FAILURE_TIMEOUTS, agree, set_failure_timeouts
 from training.errors import BadInput, CheckpointRefused, OutputPathError
 from training.loop import TrainingRun, resume
@@ -385,7 +386,9 @@ def run_steps(
     )
     for step in run.steps():
         run.step_done(step, lambda: 0.5)
-    return run.finish(), CheckpointDir(args.checkpoint_dir, args.keep_checkpoints).steps()
+    report = run.finish()
+    finish_writes()  # as the job does, once its backend is down
+    return report, CheckpointDir(args.checkpoint_dir, args.keep_checkpoints).steps()
 
 
 def test_loop_checkpoints_every_n_steps_and_at_the_end(tmp_path: Path) -> None:

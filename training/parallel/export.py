@@ -6,8 +6,8 @@ so a GPU never holds more than the stage's shards plus one whole tensor) and kee
 global rank 0 gathers the stages' parts (disjoint keys: the split keeps the model's names), builds
 the unsharded model and writes it as the data-parallel job would:
 
-* ResNets: ``model.pt2`` (torch.export) and ``state_dict.pt``, which ``training.predict`` reads;
-* transformers: ``state_dict.pt`` for :func:`training.transformer.build_gpt` and ``model.pt2``, a
+* ResNets: ``model.pt2`` (torch.export), which ``training.predict`` reads;
+* transformers: ``model.pt2`` (its ``state_dict`` loads into :func:`training.transformer.build_gpt`), a
   torch.export program from token ids ``[batch, seq_len]`` (int64) to logits; ``model.json`` says
   ``"task": "causal-lm"`` with the configuration and the tokenizer (bytes).
 """
@@ -54,16 +54,16 @@ def gather_full_state_dict(chunks: Sequence[nn.Module], layout: Layout, rank: in
 
 
 def save_gpt(cfg: GPTConfig, state: StateDict, seq_len: int, directory: Path) -> ModelFiles:
-    """``state_dict.pt`` and a torch.export program (token ids in, logits out) of the whole model."""
+    """A torch.export program (token ids in, logits out) of the whole model: the one copy of its weights
+    (``torch.export.load(path).state_dict`` has the model's own names)."""
     with torch.device("meta"):
         model = build_gpt(cfg, None)
     model.load_state_dict(state, assign=True)  # the gathered tensors become the parameters: no copy
     model.eval()
-    torch.save(model.state_dict(), directory / "state_dict.pt")
     example = torch.zeros(2, seq_len, dtype=torch.int64)
     program = torch.export.export(model, (example,), dynamic_shapes=({0: torch.export.Dim("batch", min=1)},))
     torch.export.save(program, directory / "model.pt2")
-    return ModelFiles("torch.export", "model.pt2", "logits", {"state_dict": "state_dict.pt"})
+    return ModelFiles("torch.export", "model.pt2", "logits")
 
 
 def language_model_card(cfg: GPTConfig, seq_len: int, tokenizer: str) -> dict[str, Any]:
