@@ -144,7 +144,8 @@ class Slurm:
         return found[0].state if found and found[0].state in ACTIVE_STATES else None
 
     def job_nodes(self, job_id: str) -> list[str]:
-        """The nodes allocated to a job Slurm holds (none while it is pending, or once it has ended)."""
+        """The nodes allocated to a job Slurm holds, in order (its first runs the batch script); none while
+        it is pending, or once it has ended."""
         text = self._ask(f"squeue --noheader --jobs={q(job_id)} --format=%N").stdout.strip()
         if not text:
             return []
@@ -158,11 +159,6 @@ class Slurm:
         """node -> the address Slurm reaches it at (NodeAddr: where its slurmd registered from)."""
         text = self.run(f"sinfo --noheader --Node --partition={q(self.access.partition)} --format=%N{_SEP}%o")
         return dict(line.split(_SEP, 1) for line in text.splitlines() if line.count(_SEP) == 1)
-
-    def job_nodes(self, job_id: str) -> list[str]:
-        """The nodes a running job holds, in order (its first is where its batch script runs)."""
-        text = self.run(f'scontrol show hostnames "$(squeue --noheader --jobs={q(job_id)} --format=%N)"')
-        return text.split()
 
     def nodes(self) -> list[NodeInfo]:
         fields = _SEP.join(("%N", "%T", "%E", "%c", "%G"))
