@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from infra.contract import CONTAINER_SSH_PORT
+from infra.contract import CONTAINER_SSH_PORT, PREEMPTED_EXIT_CODE
 from scripts.remote.annotate_output import TORCHRUN_PREFIX_TEMPLATE
 from scripts.sshutil import q
 
@@ -34,6 +34,11 @@ ONE_TASK_PER_NODE = '--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NOD
 # torchrun prefixes each line of a rank with this (it has no flag for it): the global rank, which
 # annotate_output.py turns into [rank|host]. Quoted: torchrun, not bash, fills in ${rank}.
 TORCHRUN_PREFIX = f"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE={q(TORCHRUN_PREFIX_TEMPLATE)}"
+# A Spot eviction's SIGUSR1 (scripts/remote/spot_agent.py) is for the training ranks, which catch it. The
+# agent signals only the job's processes that catch it, but srun catches it too and forwards it to its
+# step's tasks: the batch shell ignores it, and so does what it starts (an ignored signal stays ignored
+# across exec); a step's tasks start afresh, so they go through this wrapper first.
+IGNORING_USR1 = 'sh -c \'trap "" USR1; exec "$@"\' ignore-usr1'
 
 
 @dataclass(frozen=True)
@@ -128,7 +133,8 @@ def _prologue(spec: JobSpec) -> list[str]:
         'scontrol show hostnames "$SLURM_JOB_NODELIST" >"$RUN_DIR/nodes"',
         'HOSTS=$(paste -sd, "$RUN_DIR/nodes")',
         "readonly ATTEMPT=$((${SLURM_RESTART_COUNT:-0} + 1))",
-        'echo "[job] job $SLURM_JOB_ID, attempt $ATTEMPT, on $HOSTS"',
+        'echo "[job] job $SLURM_JOB_ID, attempt $ATTEMPT, on $HOSTS (partition $SLURM_JOB_PARTITION)"',
+        "trap '' USR1",  # for the ranks (IGNORING_USR1)
         *_finish_function(spec),
         "trap finish EXIT",
         # scancel signals the whole step: the launcher ends, and its last lines (and the verdict) reach
@@ -168,7 +174,8 @@ def _finish_function(spec: JobSpec) -> list[str]:
         '  echo "[job] exit status $code"',
         '  write_status "$code" uploading',
         f'  "$PY" "$TOOLS/record_run.py" --run-dir "$RUN_DIR" --nodes {spec.nodes} --attempt "$ATTEMPT" '
-        '--started-at "$ATTEMPT_STARTED_AT" --exit-code "$code" 2>&1 | sed \'s/^/[job] /\'',
+        '--started-at "$ATTEMPT_STARTED_AT" --exit-code "$code" --partition "$SLURM_JOB_PARTITION" 2>&1 '
+        "| sed 's/^/[job] /'",
         f"  if {' '.join(upload)} 2>&1 | sed 's/^/[job] /'; then",
         '    write_status "$code" uploaded',
         "  else",
@@ -205,7 +212,8 @@ def _horovod_lines(spec: JobSpec) -> list[str]:
     hostfile = f'awk \'{{print $1 " slots={spec.processes_per_node}"}}\' "$RUN_DIR/nodes" >"$RUN_DIR/hostfile"'
     argv = ["horovodrun", "--gloo", "-np", str(spec.world_size), "--hostfile", f"{spec.run_dir}/hostfile"]
     argv += ["--disable-cache", "--start-timeout", "120"]
-    if spec.network_interface:
+    # one node: horovodrun looks for the interface with 127.0.0.1 among those named, and finds none
+    if spec.network_interface and spec.nodes > 1:
         argv += ["--network-interface", spec.network_interface]
     if spec.image:
         argv += ["-p", str(CONTAINER_SSH_PORT)]
@@ -229,7 +237,7 @@ def _torchrun_lines(spec: JobSpec) -> list[str]:
     if not spec.image:
         bindir = spec.python.rsplit("/", 1)[0] if "/" in spec.python else ""
         path = f'PATH="{bindir}:$PATH" ' if bindir else ""
-        return [prefix, rdzv, f"cd {q(spec.workdir)} || exit 1", f"{step} env {path}{run}"]
+        return [prefix, rdzv, f"cd {q(spec.workdir)} || exit 1", f"{step} {IGNORING_USR1} env {path}{run}"]
     docker = " ".join(_docker_run(spec, detach=False))
     return [prefix, rdzv, f"{step} {docker} sh -c {q(f'cd {q(spec.workdir)} && {run}')}"]
 
@@ -291,9 +299,9 @@ def _epilogue(requeue: list[str]) -> list[str]:
     read = "import json, sys; print(json.load(open(sys.argv[1]))['exit_code_of_failed_rank'] or '')"
     return [
         "code=$?",
-        *requeue,
         f'rank_code=$("$PY" -c {q(read)} "$RUN_DIR/verdict.json" 2>/dev/null)',
         'if [ "$code" -ne 0 ] && [ -n "$rank_code" ]; then code=$rank_code; fi',
+        *requeue,
         'exit "$code"',
     ]
 
@@ -306,7 +314,7 @@ def _requeue_on_node_failure() -> list[str]:
     step = 'srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" true </dev/null >/dev/null 2>&1'
     probe = f"timeout {NODE_PROBE_S} {step}"
     return [
-        'if [ "$code" -ne 0 ]; then',
+        f'if [ "$code" -ne 0 ] && [ "$code" -ne {PREEMPTED_EXIT_CODE} ]; then  # preempted: the Spot agent requeues',
         "  while read -r node; do",
         f"    {probe} && continue",
         '    echo "[job] node $node does not answer: requeueing the job (--requeue)"',

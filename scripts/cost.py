@@ -98,9 +98,10 @@ NOT_INCLUDED = (
     "the jumpbox's public IP, registry storage beyond the included amount, build minutes (az acr build)",
 )
 
-Section = Literal["vm_hourly", "premium_ssd_monthly", "registry_daily"]
+Section = Literal["vm_hourly", "vm_spot_hourly", "premium_ssd_monthly", "registry_daily"]
 SECTION_NAMES: dict[Section, str] = {
     "vm_hourly": "VM size",
+    "vm_spot_hourly": "Spot VM size",
     "premium_ssd_monthly": "Premium SSD tier",
     "registry_daily": "container registry SKU",
 }
@@ -139,6 +140,7 @@ class PriceTable(_Model):
     price_type: Literal["Consumption, Linux, pay-as-you-go"]
     sources: dict[str, Source]
     vm_hourly: dict[str, dict[str, Quote]]
+    vm_spot_hourly: dict[str, dict[str, Quote]] = Field(default_factory=dict)  # Spot: list price, moves daily
     premium_ssd_monthly: dict[str, dict[str, Quote]]
     registry_daily: dict[str, dict[str, Quote]]
     _origin: str = PrivateAttr(default="the price table")
@@ -218,11 +220,11 @@ class Price:
         return (self.usd_per_hour * Decimal(str(node_hours))).quantize(QUANTUM, ROUND_HALF_UP)
 
 
-def node_hour_price(sku: str, region: str, prices: Path = PRICES_FILE) -> Price | None:
-    """The price of one node-hour of `sku` in `region`, or None where the table has none.
-    A missing or broken table file raises OperatorError."""
+def node_hour_price(sku: str, region: str, prices: Path = PRICES_FILE, spot: bool = False) -> Price | None:
+    """The price of one node-hour of `sku` in `region` (on demand, or Spot), or None where the table has
+    none. A missing or broken table file raises OperatorError."""
     table = load_price_table(prices)
-    quote = table.lookup("vm_hourly", sku, region)
+    quote = table.lookup("vm_spot_hourly" if spot else "vm_hourly", sku, region)
     if quote is None:
         return None
     return Price(quote.usd, table.as_of, table.describe_source(quote.source), quote.estimate)

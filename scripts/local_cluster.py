@@ -44,9 +44,9 @@ from typing import Literal
 from pydantic import SecretStr
 from rich.table import Table
 
-from infra.contract import HEALTH_REPORT_DIR, SLURM_PARTITION, SLURMCTLD_PORT, SLURMD_PORT
+from infra.contract import HEALTH_REPORT_DIR, SLURM_PARTITION, SLURMCTLD_PORT, SLURMD_PORT, SPOT_PARTITION
+from scripts import local_metadata, local_power, local_slurm
 from scripts import local_network as net
-from scripts import local_power, local_slurm
 from scripts.cli import arg_type, ensure_directory, int_between, non_empty, require_tool
 from scripts.cluster import (
     DEFAULT_LOCAL_STATE,
@@ -64,6 +64,7 @@ from scripts.fileio import atomic_write
 from scripts.local_network import check_subnet_free
 from scripts.local_nodes import (
     SSHD,
+    SYSTEM_PYTHON,
     keygen,
     local_data_dir,
     node_roles,
@@ -71,6 +72,7 @@ from scripts.local_nodes import (
     sshd_config_path,
     start_daemon,
     start_slurmd,
+    start_spot_agent,
     start_sshd,
 )
 from scripts.local_slurm import LocalSlurmSettings
@@ -85,9 +87,6 @@ DEFAULT_NAME = "hvd"
 CLUSTER_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]{0,7}")  # it prefixes interface names (15 characters at most)
 MAX_NODES = 32
 MAX_HEALTH_CHECK_INTERVAL_S = 86400
-# The NFS server and the nodes run the remote tools with the system python (as on Azure): proves
-# they need only the stdlib.
-SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
 TRAIN_PYTHON = REPO_ROOT / ".venv-train" / "bin" / "python"
 SLURM_TOOLS = (f"{local_slurm.SBIN}/munged", f"{local_slurm.SBIN}/slurmctld", f"{local_slurm.SBIN}/slurmd", "sinfo")
 SLURM_READY_TIMEOUT_S = 60
@@ -292,6 +291,17 @@ def _wire_namespaces(state: LocalState, count: int, subnet: ipaddress.IPv4Networ
         etc = net.etc_dir(str(host.namespace))
         etc.mkdir(parents=True, exist_ok=True)
         (etc / "hosts").write_text(hosts_text)
+    for node in nodes:
+        _start_metadata_endpoint(state, node)
+
+
+def _start_metadata_endpoint(state: LocalState, node: NodeState) -> None:
+    """Azure's instance metadata (Scheduled Events) at its own address, inside the node's namespace only."""
+    namespace = str(node.namespace)
+    net.sh("ip", "netns", "exec", namespace, "ip", "addr", "add", f"{local_metadata.METADATA_ADDRESS}/32", "dev", "lo")
+    module = [sys.executable, "-m", "scripts.local_metadata", "--state-dir", state.state_dir, "serve", node.hostname]
+    argv = ["ip", "netns", "exec", namespace, "env", f"PYTHONPATH={REPO_ROOT}", *module]
+    start_daemon(state, f"metadata-{node.hostname}", argv, "scripts.local_metadata")
 
 
 def _loopback_nodes(state: LocalState, count: int) -> None:
@@ -359,6 +369,7 @@ def _start_slurm(state: LocalState, settings: LocalSlurmSettings) -> None:
     wait_port(head.address, SLURMCTLD_PORT, 30, "slurmctld", state.logs / "slurmctld.log")
     for node in state.nodes:
         start_slurmd(state, node)
+        start_spot_agent(state, node)
     local_slurm.wait_until_idle(files.conf, names, SLURM_READY_TIMEOUT_S, state.logs)
 
 
@@ -417,6 +428,7 @@ def _slurm_access(state: LocalState, login: SSHEndpoint) -> SlurmAccess | None:
     return SlurmAccess(
         cluster_name=state.slurm_cluster_name,
         partition=SLURM_PARTITION,
+        spot_partition=SPOT_PARTITION,
         controller_host=state.head.hostname,
         controller_address=state.head.address,
         login=login,

@@ -27,8 +27,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.cloud_init.slurm import HealthCheck, NodeSet, PowerSaving, render_health_check, render_slurm_conf
-from infra.contract import HEALTH_REPORT_DIR, SLURM_PARTITION
+from infra.cloud_init.slurm import (
+    HealthCheck,
+    NodeSet,
+    PowerSaving,
+    partition_line,
+    render_health_check,
+    render_slurm_conf,
+)
+from infra.contract import HEALTH_REPORT_DIR, SLURM_PARTITION, SPOT_PARTITION
 from scripts.daemons import log_tail
 from scripts.errors import ExitCode, OperatorError
 from scripts.fileio import atomic_write
@@ -194,7 +201,9 @@ def render_local_conf(
     )
     run = files.root
     controller = conf_value(azure, "SlurmctldParameters")
-    return override(
+    # Every node is in the Spot partition too: any of them may be "evicted" (scripts/local_metadata.py)
+    spot = partition_line(SPOT_PARTITION, "ALL", default=False)
+    conf = override(
         azure,
         {
             "SlurmUser": "root",  # every local daemon runs as root, which owns the state directory
@@ -213,6 +222,7 @@ def render_local_conf(
             **({"SuspendTime": str(settings.autostop_s)} if autostop else {}),
         },
     )
+    return conf + spot + "\n"
 
 
 def conf_value(conf: str, key: str) -> str:

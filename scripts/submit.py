@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from infra.contract import FRAMEWORKS, RUNS_DIR
 from scripts import cost
 from scripts.batch import REMOTE_TOOLS, JobSpec, Launcher, LocalCopy, ResultsTarget, render_job_script
-from scripts.cluster import REPO_ROOT, ClusterDescription
+from scripts.cluster import REPO_ROOT, ClusterDescription, SlurmAccess
 from scripts.errors import ExitCode, OperatorError
 from scripts.slurm import Slurm, parse_job_id
 from scripts.sshutil import SSH, q
@@ -52,6 +52,13 @@ class LaunchOptions:
     requeue: bool = False
     time_limit_minutes: int | None = None
     local_copy: bool = False  # copy --data-dir to every node's local_data_path first, and train from there
+    spot: bool = False  # the Spot partition; evictions checkpoint and requeue the job
+    spot_fallback: bool = False  # the Spot partition where Slurm can start it there, else on demand
+
+    @property
+    def requeued(self) -> bool:
+        """Whether Slurm may run the job again (a node failure, a Spot eviction): then it keeps checkpoints."""
+        return self.requeue or self.spot or self.spot_fallback
 
 
 @dataclass(frozen=True)
@@ -126,7 +133,7 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions, slurm: Slurm) -> J
         nodes=nodes,
         processes_per_node=slots,
         gpus_per_node=slots if desc.gpus_per_node else 0,
-        partition=slurm.access.partition,
+        partition=choose_partition(slurm.access, opts),
         command=training_command(desc, opts, run_dir, local_copy),
         workdir=desc.runtime.workdir,
         python=desc.runtime.python,
@@ -136,12 +143,28 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions, slurm: Slurm) -> J
         shared_mount=desc.shared_mount_path,
         network_interface=desc.runtime.network_interface,
         infiniband=desc.expect_infiniband,
-        requeue=opts.requeue,
+        requeue=opts.requeued,
         time_limit_minutes=opts.time_limit_minutes,
         git_revision=git_revision(),
         env=dict(desc.nccl_env),
         local_copy=local_copy,
     )
+
+
+def choose_partition(access: SlurmAccess, opts: LaunchOptions) -> str:
+    """--spot: the Spot partition; --spot-fallback: both, Spot first (its PriorityTier is higher), so that
+    a job Slurm cannot start on Spot nodes (Azure refused the capacity, the nodes are busy) runs on demand."""
+    if not (opts.spot or opts.spot_fallback):
+        return access.partition
+    if opts.spot and opts.spot_fallback:
+        raise OperatorError("--spot and --spot-fallback exclude each other: pass one")
+    if access.spot_partition is None:
+        flag = "--spot" if opts.spot else "--spot-fallback"
+        raise OperatorError(
+            f"{flag}: the cluster has no Spot partition (set spotNodeCount in the stack config, `pulumi up`, "
+            "then `python -m scripts cluster from-stack` again)"
+        )
+    return f"{access.spot_partition},{access.partition}" if opts.spot_fallback else access.spot_partition
 
 
 def plan_local_copy(desc: ClusterDescription, opts: LaunchOptions) -> LocalCopy | None:
@@ -175,16 +198,25 @@ def git_revision() -> str | None:
     return head.stdout.strip() + ("-dirty" if dirty.returncode == 1 else "")
 
 
-def node_hour_price(desc: ClusterDescription) -> tuple[float | None, str]:
-    """What a node-hour of this cluster costs (USD), and where that figure comes from."""
+def node_hour_price(desc: ClusterDescription, spot: bool = False) -> tuple[float | None, str]:
+    """What a node-hour of this cluster costs (USD), on demand or Spot, and where that figure comes from."""
     if desc.provider == "local":
         return 0.0, "local cluster: no charge"
     if desc.gpu_sku is None or desc.region is None:
         return None, "the cluster description names no GPU size or region (write it again with `cluster from-stack`)"
-    price = cost.node_hour_price(desc.gpu_sku, desc.region)
+    price = cost.node_hour_price(desc.gpu_sku, desc.region, spot=spot)
+    kind = "Spot price" if spot else "price"
     if price is None:
-        return None, f"no price for {desc.gpu_sku} in {desc.region} in the price table (`python -m scripts cost`)"
+        return None, f"no {kind} for {desc.gpu_sku} in {desc.region} in the price table (`python -m scripts cost`)"
     return float(price.usd_per_hour), f"{price.source}, price table of {price.as_of}"
+
+
+def partition_prices(desc: ClusterDescription, access: SlurmAccess) -> dict[str, float | None]:
+    """partition -> price per node-hour: what record_run.py charges each attempt, by where it ran."""
+    prices = {access.partition: node_hour_price(desc)[0]}
+    if access.spot_partition is not None:
+        prices[access.spot_partition] = node_hour_price(desc, spot=True)[0]
+    return prices
 
 
 def training_command(
@@ -201,7 +233,7 @@ def training_command(
         # what a run leaves in its directory, and so in the results container: the deployable model and curves
         defaults |= {f"--{name}": f"{run_dir}/{path}" for name, path in RUN_OUTPUTS.items()}
         # a requeued job starts again from the top: its checkpoints are what makes it resume
-        if opts.requeue:
+        if opts.requeued:
             defaults["--checkpoint-dir"] = f"{run_dir}/checkpoints"
     for flag, value in defaults.items():
         if _flag_value(args, flag) is None:
@@ -221,7 +253,7 @@ def _results_target(desc: ClusterDescription) -> ResultsTarget:
 def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH) -> Submission:
     slurm = Slurm(desc, ssh)
     spec = build_spec(desc, opts, slurm)
-    files = _run_files(desc, opts, spec)
+    files = _run_files(desc, opts, spec, slurm.access)
     data_dir = _flag_value(opts.job_args, "--data-dir") or ""
     remote = (
         f"umask 077; mkdir -p -m 0755 {q(runs_dir(desc))} || exit 1; "
@@ -244,7 +276,9 @@ def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH) -> Submissio
     return Submission(spec.run_id, parse_job_id(out.stdout), spec.run_dir, spec)
 
 
-def _run_files(desc: ClusterDescription, opts: LaunchOptions, spec: JobSpec) -> dict[str, tuple[bytes, int]]:
+def _run_files(
+    desc: ClusterDescription, opts: LaunchOptions, spec: JobSpec, access: SlurmAccess
+) -> dict[str, tuple[bytes, int]]:
     price, price_source = node_hour_price(desc)
     record = {
         "run_id": spec.run_id,
@@ -254,6 +288,7 @@ def _run_files(desc: ClusterDescription, opts: LaunchOptions, spec: JobSpec) -> 
         "region": desc.region,
         "price_per_node_hour_usd": price,  # record_run.py prices the run's node-hours with it
         "price_source": price_source,
+        "prices_per_node_hour_usd": partition_prices(desc, access),  # per attempt, by its partition
         "submitted_by": getpass.getuser(),
         "submitted_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "job_args": opts.job_args,

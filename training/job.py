@@ -31,6 +31,7 @@ from typing import NoReturn, TypeVar
 
 import psutil
 
+from training import preemption
 from training.args import parse_args
 from training.distributed import Backend, launcher_rank
 from training.errors import ExitCode, JobError, first_line
@@ -58,6 +59,7 @@ def run_job(
     """
     args = parse(argv) if parse is not None else parse_args(framework, argv)  # a bad flag exits 2 here
     configure_logging(launcher_rank())
+    preemption.install()  # a Spot eviction: checkpoint at the next step boundary, exit PREEMPTED
     _exit(_run(args, start, train))
 
 
