@@ -96,12 +96,13 @@ def catches(status_text, signum):
     return False
 
 
-def signal_ranks(job_id, proc="/proc"):
-    """SIGUSR1 to every process here that belongs to the job and catches it; returns their pids."""
+def signal_ranks(job_id, skip=(), proc="/proc"):
+    """SIGUSR1 to every process here that belongs to the job and catches it (but those in skip);
+    returns their pids."""
     marker = f"SLURM_JOB_ID={job_id}".encode()
     signalled = []
     for entry in os.listdir(proc):
-        if not entry.isdigit() or int(entry) == os.getpid():
+        if not entry.isdigit() or int(entry) in (os.getpid(), *skip):
             continue
         try:
             with open(os.path.join(proc, entry, "environ"), "rb") as handle:
@@ -115,6 +116,25 @@ def signal_ranks(job_id, proc="/proc"):
             continue  # gone meanwhile, or not ours to read
         signalled.append(int(entry))
     return signalled
+
+
+def signal_until_stopped(node, job_ids, deadline):
+    """Signal each job's ranks here, and ranks that appear later (a job still starting), until every job
+    has left RUNNING on the node or the deadline; returns the jobs still running."""
+    signalled = {job: set() for job in job_ids}
+    running = list(job_ids)
+    while running:
+        for job in running:
+            new = signal_ranks(job, skip=signalled[job])
+            if new:
+                signalled[job].update(new)
+                log.info("job %s: SIGUSR1 to rank(s) here, pids %s", job, ",".join(map(str, new)))
+        if time.time() >= deadline:
+            break
+        time.sleep(WAIT_STEP_S)
+        listed = set(jobs_on(node))
+        running = [job for job in running if job in listed]
+    return running
 
 
 def record_eviction(job_id, entry):
@@ -152,11 +172,9 @@ def handle_preempt(event, node, endpoint):
     slurm("scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason=spot eviction {event['EventId']}")
     jobs = jobs_on(node)
     for job in jobs:
-        ranks = signal_ranks(job)
-        log.info("job %s: SIGUSR1 to %d rank(s) here (pids %s)", job, len(ranks), ",".join(map(str, ranks)) or "-")
         entry = {"event_id": event["EventId"], "node": node, "job_id": job, "not_before": event.get("NotBefore")}
         record_eviction(job, {**entry, "signalled_at": _utcnow().strftime("%Y-%m-%dT%H:%M:%SZ")})
-    still_running = wait_for_jobs(node, jobs, deadline - REQUEUE_S)
+    still_running = signal_until_stopped(node, jobs, deadline - REQUEUE_S)
     requeued = []
     for job in jobs:
         fields = job_fields(job)
