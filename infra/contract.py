@@ -43,6 +43,7 @@ class StackOutput(StrEnum):
     """Every output of the Azure stack (`pulumi stack output --json --show-secrets`)."""
 
     RESOURCE_GROUP = "resource_group"
+    DATA_RESOURCE_GROUP = "data_resource_group"  # storage: kept by `pulumi destroy` (delete it deliberately)
     LOCATION = "location"
     JUMPBOX_PUBLIC_IP = "jumpbox_public_ip"
     ADMIN_USER = "admin_user"

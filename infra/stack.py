@@ -36,13 +36,17 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
         f"{prefix}-net",
         NetworkArgs(vnet_cidr=cfg.vnet_cidr, subnets=cfg.subnets, allowed_ssh_cidr=cfg.allowed_ssh_cidr, **common),
     )
+    # The data's own group, kept by `pulumi destroy` like everything in it (infra/storage.py)
+    data_group = resources.ResourceGroup(
+        f"{prefix}-data-rg", location=cfg.location, tags=tags, opts=pulumi.ResourceOptions(retain_on_delete=True)
+    )
     store = Storage(
         prefix,
         StorageArgs(
             allowed_subnet_ids=[net.subnet_ids["cluster"], net.subnet_ids["nfs"]],
             operator_cidr=cfg.allowed_ssh_cidr,
             sas_expiry=cfg.sas_expiry,
-            **common,
+            **{**common, "resource_group_name": data_group.name},
         ),
     )
     registry = Registry(prefix, RegistryArgs(**common))
@@ -126,6 +130,7 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
     )
     return {
         StackOutput.RESOURCE_GROUP: group.name,
+        StackOutput.DATA_RESOURCE_GROUP: data_group.name,
         StackOutput.LOCATION: cfg.location,
         StackOutput.JUMPBOX_PUBLIC_IP: jumpbox.ip_address,
         StackOutput.ADMIN_USER: cfg.admin_user,
