@@ -20,6 +20,7 @@ For a run's record, `node_hour_price(sku, region)` is the price of one GPU node-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import http.client
 import json
 import os
@@ -311,6 +312,7 @@ def estimate_cost(cfg: StackConfig, table: PriceTable, requested_nodes: int | No
     rows = (
         _row("GPU nodes, running", cfg.gpu_sku, running, gpu, Decimal(1), "h"),
         CostRow("GPU nodes, power-saved", cfg.gpu_sku, cfg.node_count - running, "$0 (deallocated)", ZERO),
+        *_spot_rows(cfg, table, gpu),
         vm("head node (slurmctld)", cfg.head_vm_size),
         vm("NFS server", cfg.nfs_vm_size),
         _row(
@@ -332,6 +334,18 @@ def estimate_cost(cfg: StackConfig, table: PriceTable, requested_nodes: int | No
         ),
     )
     return CostEstimate(region, rows, table)
+
+
+def _spot_rows(cfg: StackConfig, table: PriceTable, on_demand: Quote) -> list[CostRow]:
+    """The Spot nodes (spotNodeCount), all running, at the table's Spot price; where it has none, at the
+    on-demand price, which a Spot VM never exceeds (its max price is at most that, or -1: up to it)."""
+    if not cfg.spot_node_count:
+        return []
+    quote = table.lookup("vm_spot_hourly", cfg.gpu_sku, cfg.location)
+    if quote is None:
+        row = _row("Spot GPU nodes, running", cfg.gpu_sku, cfg.spot_node_count, on_demand, Decimal(1), "h")
+        return [dataclasses.replace(row, basis=f"at most ${on_demand.usd}/h (no Spot price in the table)")]
+    return [_row("Spot GPU nodes, running", cfg.gpu_sku, cfg.spot_node_count, quote, Decimal(1), "h")]
 
 
 def _row(item: str, size: str, count: int, quote: Quote, hours: Decimal, unit: str) -> CostRow:
