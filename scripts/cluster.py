@@ -287,7 +287,7 @@ class StackOutputs(BaseModel):
     nccl_env: dict[str, str]
 
 
-REQUIRED_OUTPUTS = tuple(StackOutputs.model_fields)
+REQUIRED_OUTPUTS = tuple(name for name, field in StackOutputs.model_fields.items() if field.is_required())
 
 
 def from_stack_outputs(

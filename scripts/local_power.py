@@ -2,8 +2,9 @@
 
 On Azure these deallocate and start scale-set instances (scripts/remote/slurm_power.py). Here a
 node is switched off by killing its sshd, the first process of the node's PID namespace, which
-ends every process in it (slurmd and job steps included); it is switched on by starting the sshd
-again, and a slurmd and the Spot agent inside it, as `up` does (scripts/local_nodes.py). The network namespace stays.
+ends every process in it (slurmd, the Spot agent and job steps included); it is switched on by
+starting the sshd again, and a slurmd and the Spot agent inside it, as `up` does
+(scripts/local_nodes.py). The network namespace stays, and so does its metadata endpoint.
 
 slurmctld runs the wrappers that `up` writes to STATE/slurm/{suspend,resume,resume-fail} as root,
 with a hostlist (`node-[0-1]`), from the head namespace; they run this module with the operator's
