@@ -149,6 +149,7 @@ def _finish_function(spec: JobSpec) -> list[str]:
         '"$PY" "$TOOLS/upload_results.py" --dir "$RUN_DIR"',
         f"--account-url {q(spec.results.account_url)} --container {q(spec.results.container)}",
         f"--prefix {q(spec.run_id)}",
+        "--with-newest-checkpoint",  # kept in blob storage: a new cluster resumes from it (launch --resume-from)
     ]
     if spec.results.sas_file:
         upload.append(f'--sas-file "$RUN_DIR"/{q(spec.results.sas_file)}')

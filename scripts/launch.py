@@ -37,6 +37,7 @@ examples:
       --data-dir /shared/data/imagenet --epochs 90
   python -m scripts launch --framework keras --detach -- --data synthetic --epochs 1
   python -m scripts launch --framework pytorch --spot -- --data synthetic --steps 5000 --checkpoint-every 100
+  python -m scripts launch --framework pytorch --resume-from RUN -- --data synthetic --steps 10000   # a new cluster
   python -m scripts launch --framework pytorch --nodes 2 --gpus-per-node 8 --model-parallel -- \\
       --model gpt-1.3b --pp 2 --dp-shard -1 --precision bf16 --steps 200
 """
@@ -89,6 +90,13 @@ def configure(commands: argparse._SubParsersAction) -> None:
         "on demand where Spot capacity is refused or busy (--partition=spot,gpu)",
     )
     parser.add_argument(
+        "--resume-from",
+        type=arg_type(check_run_id),
+        metavar="RUN",
+        help="start from the newest checkpoint RUN kept in the results container (it outlives the cluster: "
+        "resume on a new one); the job's flags must fit it (same model)",
+    )
+    parser.add_argument(
         "--local-copy",
         action="store_true",
         help="copy --data-dir to each node's local disk first, and train from there",
@@ -122,6 +130,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         local_copy=args.local_copy,
         spot=args.spot,
         spot_fallback=args.spot_fallback,
+        resume_from=args.resume_from,
     )
 
 

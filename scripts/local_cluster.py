@@ -114,11 +114,13 @@ def up(
     train_python: str | Path | None = None,
     autostop_seconds: int = 0,
     health_check_interval_s: int = 60,
+    storage_dir: str | Path | None = None,
 ) -> ClusterDescription:
     """Create the local cluster and write STATE_DIR/cluster.json; on any failure remove what was made.
 
     autostop_seconds: idle seconds before Slurm suspends a node (0: never); health_check_interval_s:
-    how often every node runs the health check."""
+    how often every node runs the health check; storage_dir: where Azurite keeps the blobs (default:
+    inside STATE_DIR, removed by `down`; elsewhere, they outlive the cluster, as Azure's storage does)."""
     state_dir = Path(state_dir).resolve()
     network = _check_up_request(nodes, state_dir, name, subnet)
     slurm = _check_slurm_settings(autostop_seconds, health_check_interval_s)
@@ -134,10 +136,15 @@ def up(
     azurite = _check_tools(mode)
 
     ensure_directory(state_dir, "--state-dir")
+    if storage_dir is not None:
+        storage_dir = Path(storage_dir).resolve()
+        ensure_directory(storage_dir, "--storage-dir")
     try:
         # held until the cluster is complete: the power programs slurmctld may start meanwhile wait
         with state_lock(state_dir):
-            state = LocalState(name=name, mode=mode, state_dir=str(state_dir))
+            state = LocalState(
+                name=name, mode=mode, state_dir=str(state_dir), storage_dir=str(storage_dir) if storage_dir else None
+            )
             state.save()
             return _up(state, nodes, network, azurite, python, slurm)
     except BaseException:
@@ -336,7 +343,7 @@ def _start_sshds(state: LocalState, authorized: Path) -> list[str]:
 
 def _start_azurite(state: LocalState, azurite: Path) -> None:
     state.azurite_port = free_port()
-    location = Path(state.state_dir) / "azurite"
+    location = Path(state.storage_dir or Path(state.state_dir) / "azurite")
     argv = [
         str(azurite),
         *("--blobHost", state.azurite_host, "--blobPort", str(state.azurite_port)),
@@ -442,6 +449,7 @@ def _known_host(address: str, port: int) -> str:
 
 def _azurite_storage(endpoint: str) -> Storage:
     """The `data` and `results` containers, a read + list SAS for the first and a write SAS for the second."""
+    from azure.core.exceptions import ResourceExistsError
     from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, generate_container_sas
 
     conn_str = (
@@ -449,7 +457,8 @@ def _azurite_storage(endpoint: str) -> Storage:
     )
     service = BlobServiceClient.from_connection_string(conn_str)
     for container in ("data", "results"):
-        service.create_container(container)
+        with contextlib.suppress(ResourceExistsError):  # kept from an earlier cluster (--storage-dir)
+            service.create_container(container)
     expiry = datetime.now(UTC) + timedelta(days=7)
 
     def sas(container: str, permission: ContainerSasPermissions) -> str:
@@ -686,6 +695,13 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
         "starts it again. 0: never (%(default)s)",
     )
     parser.add_argument(
+        "--storage-dir",
+        type=non_empty,
+        help="where Azurite keeps the blobs (datasets, results, kept checkpoints); outside the state directory "
+        "they outlive `down`, and a new cluster with the same --storage-dir finds them (default: in the state "
+        "directory)",
+    )
+    parser.add_argument(
         "--health-check-interval",
         type=int_between(1, MAX_HEALTH_CHECK_INTERVAL_S),
         default=60,
@@ -703,6 +719,7 @@ def _run_up(args: argparse.Namespace) -> int:
         args.train_python,
         autostop_seconds=args.autostop_seconds,
         health_check_interval_s=args.health_check_interval,
+        storage_dir=args.storage_dir,
     )
     where = Path(args.state_dir) / "cluster.json"
     console.print(f"local cluster up: {desc.node_count} nodes; description {where}")

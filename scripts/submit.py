@@ -25,6 +25,7 @@ from scripts import cost
 from scripts.batch import REMOTE_TOOLS, JobSpec, Launcher, LocalCopy, ResultsTarget, render_job_script
 from scripts.cluster import REPO_ROOT, ClusterDescription, SlurmAccess
 from scripts.errors import ExitCode, OperatorError
+from scripts.kept_checkpoints import newest_kept_checkpoint
 from scripts.slurm import Slurm, parse_job_id
 from scripts.sshutil import SSH, q
 
@@ -54,6 +55,7 @@ class LaunchOptions:
     local_copy: bool = False  # copy --data-dir to every node's local_data_path first, and train from there
     spot: bool = False  # the Spot partition; evictions checkpoint and requeue the job
     spot_fallback: bool = False  # the Spot partition where Slurm can start it there, else on demand
+    resume_from: str | None = None  # a run whose newest kept checkpoint (results container) this one starts from
 
     @property
     def requeued(self) -> bool:
@@ -233,7 +235,7 @@ def training_command(
         # what a run leaves in its directory, and so in the results container: the deployable model and curves
         defaults |= {f"--{name}": f"{run_dir}/{path}" for name, path in RUN_OUTPUTS.items()}
         # a requeued job starts again from the top: its checkpoints are what makes it resume
-        if opts.requeued:
+        if opts.requeued or opts.resume_from:
             defaults["--checkpoint-dir"] = f"{run_dir}/checkpoints"
     for flag, value in defaults.items():
         if _flag_value(args, flag) is None:
@@ -304,6 +306,9 @@ def _run_files(
     cred = desc.results_upload
     if cred.kind == "sas" and cred.secret is not None:
         files[SAS_FILE] = (cred.secret.get_secret_value().encode(), 0o600)
+    if opts.resume_from:
+        kept = newest_kept_checkpoint(desc, check_run_id(opts.resume_from))
+        files.update({path: (data, 0o600) for path, data in kept.items()})
     return files
 
 

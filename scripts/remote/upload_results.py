@@ -10,7 +10,9 @@ node's python3, from the run's `remote/` directory, whether or not the operator 
       --container results --prefix RUN_ID --sas-file RUN_DIR/results.sas
 
 Every file under RUN_DIR goes to the block blob <prefix>/<relative path>, except the directories
-`checkpoints/` (large; they stay on the shared file system) and `remote/` (copies of these tools),
+`checkpoints/` (large; they stay on the shared file system, but for the newest checkpoint with
+--with-newest-checkpoint, which a new cluster resumes from: `launch --resume-from`) and `remote/`
+(copies of these tools),
 any `*.sas` file (secrets never leave) and symbolic links. Files up to 64 MiB are sent with one
 Put Blob, larger ones in blocks (Put Block, then Put Block List); every request carries the MD5 of
 its body, and the blob keeps the MD5 of the whole file.
@@ -34,6 +36,7 @@ import http.client
 import json
 import mimetypes
 import os
+import re
 import sys
 import time
 import urllib.parse
@@ -267,9 +270,29 @@ def files_to_upload(run_dir):
     return sorted(found, key=lambda item: item[1])
 
 
-def upload_run(run_dir, container, prefix):
-    """Upload the run directory under prefix/; returns (files, bytes)."""
-    files = files_to_upload(run_dir)
+_CHECKPOINT = re.compile(r"^(?:ckpt-(\d{10})\.ckpt|step-(\d{10}))$")
+
+
+def newest_checkpoint(run_dir):
+    """(path, relative POSIX path) of the files of the newest checkpoint in RUN_DIR/checkpoints: a
+    data-parallel job's ckpt-<step>.ckpt, or a model-parallel job's committed step-<step>/ directory."""
+    directory = os.path.join(run_dir, "checkpoints")
+    found = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        match = _CHECKPOINT.match(name)
+        path = os.path.join(directory, name)
+        if match and (os.path.isfile(path) or os.path.isfile(os.path.join(path, "COMMITTED.json"))):
+            found.append((int(match.group(1) or match.group(2)), path))
+    if not found:
+        return []
+    _, newest = max(found)
+    paths = [newest] if os.path.isfile(newest) else [os.path.join(newest, n) for n in sorted(os.listdir(newest))]
+    return [(path, os.path.relpath(path, run_dir).replace(os.sep, "/")) for path in paths if os.path.isfile(path)]
+
+
+def upload_run(run_dir, container, prefix, with_checkpoint=False):
+    """Upload the run directory under prefix/ (with its newest checkpoint); returns (files, bytes)."""
+    files = files_to_upload(run_dir) + (newest_checkpoint(run_dir) if with_checkpoint else [])
     total = 0
     for path, relative in files:
         total += upload_file(container, path, f"{prefix}/{relative}")
@@ -300,6 +323,11 @@ def build_parser():
     auth.add_argument("--sas-file", help="a file whose first line is a SAS with create + write on the container")
     auth.add_argument("--managed-identity", action="store_true", help="authenticate with the VM's managed identity")
     parser.add_argument("--client-id", help="with --managed-identity: which user-assigned identity")
+    parser.add_argument(
+        "--with-newest-checkpoint",
+        action="store_true",
+        help="also upload the newest checkpoint in DIR/checkpoints (kept, so that a new cluster resumes the run)",
+    )
     return parser
 
 
@@ -320,7 +348,7 @@ def main(argv=None):
             )
         else:
             container.token = imds_token(args.client_id)
-        count, size = upload_run(args.dir, container, args.prefix)
+        count, size = upload_run(args.dir, container, args.prefix, args.with_newest_checkpoint)
     except UploadError as exc:
         print(f"upload_results: error: {exc}", file=sys.stderr)
         return exc.exit_code

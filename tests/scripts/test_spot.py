@@ -18,7 +18,7 @@ from scripts.cluster import ClusterDescription
 from tests.polling import wait_for
 from training.checkpoint import read_checkpoint
 
-from .conftest import local_state_dir, slurm_command
+from .conftest import local_state_dir, own_cluster, slurm_command
 from .test_launcher import cli, run_dir, status_of
 
 STEPS = 300
@@ -126,3 +126,25 @@ def test_evicted_spot_jobs_checkpoint_are_requeued_and_resume_and_a_frozen_one_f
     assert record["attempts"][1]["exit_code"] != 0
     assert {a["price_per_node_hour_usd"] for a in record["attempts"]} == {0.0}  # the local cluster's price
     assert [(e["node"], e["job_id"]) for e in record["evictions"]] == [(first, job_id), (second, job_id)]
+
+
+def test_a_run_resumes_on_a_fresh_cluster_from_the_checkpoint_it_kept_in_blob_storage(tmp_path):
+    """Every attempt keeps its newest checkpoint in the results container; the storage outlives the cluster
+    (`local up --storage-dir`, as Azure's storage outlives `pulumi destroy`), and a run on a new cluster
+    starts from it (`launch --resume-from`)."""
+    storage = tmp_path / "kept-storage"
+    runs = (("k", "kept-a", ["--requeue"], 40), ("l", "kept-b", ["--resume-from", "kept-a"], 80))
+    for letter, run_id, extra, steps in runs:
+        with own_cluster(tmp_path, letter, nodes=1, storage_dir=storage) as desc:
+            cluster_file = local_state_dir(desc) / "cluster.json"
+            args = ["launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--run-id", run_id, *extra]
+            proc = cli(*args, "--follow", "--", *with_steps(steps), timeout=300)
+            assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+            metrics = json.loads((run_dir(desc, run_id) / "metrics.json").read_text())
+    assert metrics["steps"] == 80 and metrics["resumed_from_step"] == 40, metrics
+
+
+def with_steps(steps: int) -> list[str]:
+    args = list(JOB_ARGS)
+    args[args.index("--steps") + 1] = str(steps)
+    return args
