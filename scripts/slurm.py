@@ -92,10 +92,15 @@ class Slurm:
             raise OperatorError(f"{word} on the login node failed: {result.stderr.strip()[-600:]}", ExitCode.FAILED)
         return result.stdout
 
+    @property
+    def partitions(self) -> str:
+        """The cluster's partitions as Slurm's commands take them: on demand, and Spot where there is one."""
+        return ",".join(p for p in (self.access.partition, self.access.spot_partition) if p)
+
     def queue(self, job_id: str | None = None) -> list[QueuedJob]:
         """Every job Slurm still holds (pending, running, completing), or just job_id's."""
         fields = _SEP.join(("%i", "%j", "%T", "%u", "%D", "%M", "%R"))
-        which = f"--jobs={q(job_id)}" if job_id else f"--partition={q(self.access.partition)}"
+        which = f"--jobs={q(job_id)}" if job_id else f"--partition={q(self.partitions)}"
         # squeue exits 1 for a job id it has already forgotten: that is an answer, not a failure
         text = self.run(f"squeue --noheader {which} --format={q(fields)} 2>/dev/null || true")
         return [QueuedJob(*line.split(_SEP)) for line in text.splitlines() if line.count(_SEP) == 6]
@@ -110,7 +115,7 @@ class Slurm:
 
     def nodes(self) -> list[NodeInfo]:
         fields = _SEP.join(("%N", "%T", "%E", "%c", "%G"))
-        text = self.run(f"sinfo --noheader --Node --partition={q(self.access.partition)} --format={q(fields)}")
+        text = self.run(f"sinfo --noheader --Node --partition={q(self.partitions)} --format={q(fields)}")
         seen: dict[str, NodeInfo] = {}
         for line in text.splitlines():
             if line.count(_SEP) == 4:
