@@ -38,7 +38,8 @@ TORCHRUN_PREFIX = f"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE={q(TORCHRUN_PREFIX_TEM
 # agent signals only the job's processes that catch it, but srun catches it too and forwards it to its
 # step's tasks: the batch shell ignores it, and so does what it starts (an ignored signal stays ignored
 # across exec); a step's tasks start afresh, so they go through this wrapper first.
-IGNORING_USR1 = 'sh -c \'trap "" USR1; exec "$@"\' ignore-usr1'
+IGNORE_USR1 = 'trap "" USR1;'
+IGNORING_USR1 = f"sh -c '{IGNORE_USR1} exec \"$@\"' ignore-usr1"
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def _prologue(spec: JobSpec) -> list[str]:
         'HOSTS=$(paste -sd, "$RUN_DIR/nodes")',
         "readonly ATTEMPT=$((${SLURM_RESTART_COUNT:-0} + 1))",
         'echo "[job] job $SLURM_JOB_ID, attempt $ATTEMPT, on $HOSTS (partition $SLURM_JOB_PARTITION)"',
-        "trap '' USR1",  # for the ranks (IGNORING_USR1)
+        IGNORE_USR1.rstrip(";"),  # the signal is for the ranks (see IGNORING_USR1)
         *_finish_function(spec),
         "trap finish EXIT",
         # scancel signals the whole step: the launcher ends, and its last lines (and the verdict) reach
@@ -224,7 +225,8 @@ def _horovod_lines(spec: JobSpec) -> list[str]:
         path = '"$TOOLS/bin:' + (f"{bindir}:" if bindir else "") + '$PATH"'
         shim = 'mkdir -p "$TOOLS/bin" && ln -sf ../srun_ssh.py "$TOOLS/bin/ssh"'
         return [hostfile, shim, f"cd {q(spec.workdir)} || exit 1", f"PATH={path} {run}"]
-    return [hostfile, *_containers(spec), f"docker exec {_container()} sh -c {q(f'cd {q(spec.workdir)} && {run}')}"]
+    inside = f"{IGNORE_USR1} cd {q(spec.workdir)} && {run}"
+    return [hostfile, *_containers(spec), f"docker exec {_container()} sh -c {q(inside)}"]
 
 
 def _torchrun_lines(spec: JobSpec) -> list[str]:
@@ -240,7 +242,8 @@ def _torchrun_lines(spec: JobSpec) -> list[str]:
         path = f'PATH="{bindir}:$PATH" ' if bindir else ""
         return [prefix, rdzv, f"cd {q(spec.workdir)} || exit 1", f"{step} {IGNORING_USR1} env {path}{run}"]
     docker = " ".join(_docker_run(spec, detach=False))
-    return [prefix, rdzv, f"{step} {docker} sh -c {q(f'cd {q(spec.workdir)} && {run}')}"]
+    # docker run passes the signals it gets on to the container's first process: that shell ignores USR1
+    return [prefix, rdzv, f"{step} {docker} sh -c {q(f'{IGNORE_USR1} cd {q(spec.workdir)} && {run}')}"]
 
 
 def _containers(spec: JobSpec) -> list[str]:
