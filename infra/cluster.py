@@ -18,6 +18,17 @@ BASE36_DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
 INSTANCE_ID_DIGITS = 6
 
 
+def _priority(spot: SpotPolicy | None) -> dict[str, object]:
+    """The VM profile's priority settings: none for on-demand VMs."""
+    if spot is None:
+        return {}
+    return {
+        "priority": "Spot",
+        "eviction_policy": spot.eviction_policy,
+        "billing_profile": compute.BillingProfileArgs(max_price=spot.max_price_usd),
+    }
+
+
 def scale_set_node_names(computer_name_prefix: str, count: int) -> list[str]:
     """Slurm's names for instances 0..count-1 of a Uniform scale set.
 
@@ -34,6 +45,15 @@ def scale_set_node_names(computer_name_prefix: str, count: int) -> list[str]:
             digits = BASE36_DIGITS[digit] + digits
         names.append(f"{computer_name_prefix}{digits}")
     return names
+
+
+@dataclass(frozen=True)
+class SpotPolicy:
+    """Spot VMs: Azure evicts them (at least 30 s' notice, through Scheduled Events) when it needs the
+    capacity back or the price rises above max_price_usd (-1: never for price, up to on-demand)."""
+
+    eviction_policy: str  # Deallocate (keeps the disks; Slurm can start it again) or Delete
+    max_price_usd: float
 
 
 @dataclass
@@ -56,9 +76,14 @@ class GpuClusterArgs:
     slurmctld_address: str  # the head node's private IP, from which slurmd fetches its configuration
     munge_key: pulumi.Input[str]  # base64, secret
     tags: Mapping[str, str]
+    spot: SpotPolicy | None = None  # None: regular (on-demand) VMs
 
 
 class GpuCluster(pulumi.ComponentResource):
+    """One scale set of GPU nodes, on demand or Spot: the stack makes one of each kind, from this one
+    definition, so that both have the same hardening (no public IP, SSH keys only, encryption at host,
+    one placement group)."""
+
     def __init__(self, name: str, args: GpuClusterArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("hvd:infra:GpuCluster", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
@@ -144,6 +169,7 @@ class GpuCluster(pulumi.ComponentResource):
                     ]
                 ),
                 security_profile=security_profile(args.encryption_at_host),
+                **_priority(args.spot),
             ),
             tags=args.tags,
             opts=child,

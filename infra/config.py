@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -109,6 +109,12 @@ class StackConfig(BaseModel):
     allow_open_ssh: bool = False
     gpu_sku: str = "Standard_ND96isr_H100_v5"
     node_count: int = Field(default=2, ge=1, le=MAX_NODES)
+    # A second scale set of the same size as Spot VMs, Slurm's `spot` partition (0: none). Evicted
+    # instances are deallocated (they keep their disks and can be started again) or deleted.
+    spot_node_count: int = Field(default=0, ge=0, le=MAX_NODES)
+    spot_eviction_policy: Literal["Deallocate", "Delete"] = "Deallocate"
+    # USD per hour a Spot VM may cost at most (Azure evicts it above that); -1: up to the on-demand price.
+    spot_max_price: float = -1
     image: str = DEFAULT_IMAGE
     vnet_cidr: str = "10.40.0.0/16"
     jumpbox_vm_size: str = "Standard_B2s"
@@ -187,6 +193,16 @@ class StackConfig(BaseModel):
         if not _is_private(network) or not 8 <= network.prefixlen <= 22:
             raise ValueError("must be a private (RFC 1918) range between /8 and /22, e.g. 10.40.0.0/16")
         return str(network)
+
+    @field_validator("spot_max_price")
+    @classmethod
+    def _max_price(cls, value: float) -> float:
+        # Azure takes -1 or a positive price with at most 5 decimals
+        if value != -1 and not (value > 0 and round(value, 5) == value):
+            raise ValueError(
+                "must be -1 (pay up to the on-demand price) or a positive USD price with at most 5 decimals"
+            )
+        return value
 
     @field_validator("autostop_minutes")
     @classmethod

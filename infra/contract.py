@@ -28,6 +28,10 @@ SRUN_PORT_RANGE = (60001, 63000)
 SRUN_PORTS = "{}-{}".format(*SRUN_PORT_RANGE)  # as slurm.conf and the network rules write it
 
 SLURM_PARTITION = "gpu"
+# Spot nodes' partition (`launch --spot`): their jobs are requeued, and resume, after an eviction.
+SPOT_PARTITION = "spot"
+# A job's exit status after it saved a checkpoint for an eviction (training.errors.ExitCode.PREEMPTED).
+PREEMPTED_EXIT_CODE = 75
 # The container registry's tier: the stack deploys it, `python -m scripts cost` prices it.
 REGISTRY_SKU = "Standard"
 FRAMEWORKS = ("pytorch", "tensorflow", "keras")
@@ -39,6 +43,7 @@ class StackOutput(StrEnum):
     """Every output of the Azure stack (`pulumi stack output --json --show-secrets`)."""
 
     RESOURCE_GROUP = "resource_group"
+    DATA_RESOURCE_GROUP = "data_resource_group"  # storage: kept by `pulumi destroy` (delete it deliberately)
     LOCATION = "location"
     JUMPBOX_PUBLIC_IP = "jumpbox_public_ip"
     ADMIN_USER = "admin_user"
@@ -46,6 +51,7 @@ class StackOutput(StrEnum):
     HEAD_HOSTNAME = "head_hostname"
     SLURM_CLUSTER_NAME = "slurm_cluster_name"
     SLURM_PARTITION = "slurm_partition"
+    SPOT_PARTITION = "spot_partition"  # None when the stack has no Spot nodes
     NFS_PRIVATE_IP = "nfs_private_ip"
     NFS_EXPORT_PATH = "nfs_export_path"
     SHARED_MOUNT_PATH = "shared_mount_path"

@@ -40,6 +40,17 @@ SLURMD_SPOOL_DIR = "/var/spool/slurmd"
 
 
 @dataclass
+class SpotNodes:
+    """The Spot scale set's nodes, as the head node powers them: with an identity of their own."""
+
+    names: Sequence[str]
+    prefix: str
+    scale_set_id: pulumi.Input[str]
+    identity_id: pulumi.Input[str]
+    identity_client_id: pulumi.Input[str]
+
+
+@dataclass
 class HeadNodeArgs(MachineArgs):
     private_ip: str
     cluster_name: str
@@ -53,20 +64,22 @@ class HeadNodeArgs(MachineArgs):
     munge_key: pulumi.Input[str]  # base64, secret
     nfs_server_ip: str
     nfs_export_path: str
+    spot: SpotNodes | None = None  # the `spot` partition's scale set, if the stack has one
 
 
 def slurm_conf(name: str, args: HeadNodeArgs) -> str:
+    def node_set(names: Sequence[str]) -> NodeSet:
+        return NodeSet(
+            names=names, cpus=args.sku.vcpus, real_memory_mb=args.sku.slurm_real_memory_mb, gpus=args.sku.gpus_per_node
+        )
+
     return render_slurm_conf(
         cluster_name=args.cluster_name,
         controller_host=name,
         controller_address=args.private_ip,
         partition=SLURM_PARTITION,
-        nodes=NodeSet(
-            names=args.node_names,
-            cpus=args.sku.vcpus,
-            real_memory_mb=args.sku.slurm_real_memory_mb,
-            gpus=args.sku.gpus_per_node,
-        ),
+        nodes=node_set(args.node_names),
+        spot_nodes=node_set(args.spot.names) if args.spot else None,
         state_save_dir=STATE_SAVE_DIR,
         slurmd_spool_dir=SLURMD_SPOOL_DIR,
         power=PowerSaving(
@@ -88,7 +101,11 @@ class HeadNode(pulumi.ComponentResource):
         super().__init__("hvd:infra:HeadNode", name, None, opts)
         conf = slurm_conf(name, args)
         # Secret because the munge key is in it (Output.all keeps an input's secrecy).
-        self.custom_data = pulumi.Output.all(args.scale_set_id, args.identity_client_id, args.munge_key).apply(
+        spot = args.spot
+        spot_inputs = [spot.scale_set_id, spot.identity_client_id] if spot else []
+        self.custom_data = pulumi.Output.all(
+            args.scale_set_id, args.identity_client_id, args.munge_key, *spot_inputs
+        ).apply(
             lambda values: encode_custom_data(
                 render_head_node(
                     slurm_conf=conf,
@@ -101,6 +118,11 @@ class HeadNode(pulumi.ComponentResource):
                     identity_client_id=values[1],
                     node_prefix=args.node_prefix,
                     admin_user=args.admin_user,
+                    spot_scale_set=(
+                        {"scale_set_id": values[3], "identity_client_id": values[4], "node_prefix": spot.prefix}
+                        if spot
+                        else None
+                    ),
                 )
             )
         )
@@ -110,7 +132,7 @@ class HeadNode(pulumi.ComponentResource):
                 **args.machine_fields(),
                 private_ip=args.private_ip,
                 custom_data=self.custom_data,
-                identity_ids=[args.identity_id],
+                identity_ids=[args.identity_id, *([spot.identity_id] if spot else [])],
                 # Slurm's control traffic is small, and not every size a user may pick supports it.
                 accelerated_networking=False,
                 # cloud-init applies custom data at the first boot only: a new slurm.conf (another

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pulumi
 from pulumi_azure_native import resources
 
-from infra.cluster import GpuCluster, GpuClusterArgs
+from infra.cluster import GpuCluster, GpuClusterArgs, SpotPolicy
 from infra.config import StackConfig
-from infra.contract import DATA_PATH, SHARED_MOUNT_PATH, SLURM_PARTITION, StackOutput
-from infra.head import HeadNode, HeadNodeArgs
+from infra.contract import DATA_PATH, SHARED_MOUNT_PATH, SLURM_PARTITION, SPOT_PARTITION, StackOutput
+from infra.head import HeadNode, HeadNodeArgs, SpotNodes
 from infra.identity import (
     ClusterIdentity,
     ClusterIdentityArgs,
@@ -36,13 +36,17 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
         f"{prefix}-net",
         NetworkArgs(vnet_cidr=cfg.vnet_cidr, subnets=cfg.subnets, allowed_ssh_cidr=cfg.allowed_ssh_cidr, **common),
     )
+    # The data's own group, kept by `pulumi destroy` like everything in it (infra/storage.py)
+    data_group = resources.ResourceGroup(
+        f"{prefix}-data-rg", location=cfg.location, tags=tags, opts=pulumi.ResourceOptions(retain_on_delete=True)
+    )
     store = Storage(
         prefix,
         StorageArgs(
             allowed_subnet_ids=[net.subnet_ids["cluster"], net.subnet_ids["nfs"]],
             operator_cidr=cfg.allowed_ssh_cidr,
             sas_expiry=cfg.sas_expiry,
-            **common,
+            **{**common, "resource_group_name": data_group.name},
         ),
     )
     registry = Registry(prefix, RegistryArgs(**common))
@@ -82,28 +86,26 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
     )
     slurm_cluster_name = prefix  # lower-case letters and digits, as Slurm's ClusterName wants
     munge = MungeKey(f"{prefix}-munge")
-    cluster = GpuCluster(
-        f"{prefix}-gpu",
-        GpuClusterArgs(
-            subnet_id=net.subnet_ids["cluster"],
-            sku_name=cfg.gpu_sku,
-            sku=cfg.sku,
-            node_count=cfg.node_count,
-            image=cfg.image_reference,
-            identity_id=identity.identity.id,
-            identity_client_id=identity.identity.client_id,
-            acr_login_server=registry.registry.login_server,
-            nfs_server_ip=nfs.private_ip,
-            nfs_export_path=nfs.export_path,
-            slurmctld_address=cfg.head_private_ip,
-            munge_key=munge.key_base64,
-            **machine,
-            **common,
-        ),
-    )
+    nodes = {
+        "subnet_id": net.subnet_ids["cluster"],
+        "sku_name": cfg.gpu_sku,
+        "sku": cfg.sku,
+        "image": cfg.image_reference,
+        "identity_id": identity.identity.id,
+        "identity_client_id": identity.identity.client_id,
+        "acr_login_server": registry.registry.login_server,
+        "nfs_server_ip": nfs.private_ip,
+        "nfs_export_path": nfs.export_path,
+        "slurmctld_address": cfg.head_private_ip,
+        "munge_key": munge.key_base64,
+        **machine,
+        **common,
+    }
+    cluster = GpuCluster(f"{prefix}-gpu", GpuClusterArgs(node_count=cfg.node_count, **nodes))
     power = ScaleSetPowerIdentity(
         f"{prefix}-head-power", ScaleSetPowerIdentityArgs(scale_set_id=cluster.scale_set.id, **common)
     )
+    spot = _spot_nodes(cfg, nodes) if cfg.spot_node_count else None
     head = HeadNode(
         f"{prefix}-head",
         HeadNodeArgs(
@@ -118,6 +120,7 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
             scale_set_id=cluster.scale_set.id,
             identity_id=power.identity.id,
             identity_client_id=power.identity.client_id,
+            spot=spot,
             munge_key=munge.key_base64,
             nfs_server_ip=nfs.private_ip,
             nfs_export_path=nfs.export_path,
@@ -127,6 +130,7 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
     )
     return {
         StackOutput.RESOURCE_GROUP: group.name,
+        StackOutput.DATA_RESOURCE_GROUP: data_group.name,
         StackOutput.LOCATION: cfg.location,
         StackOutput.JUMPBOX_PUBLIC_IP: jumpbox.ip_address,
         StackOutput.ADMIN_USER: cfg.admin_user,
@@ -134,6 +138,7 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
         StackOutput.HEAD_HOSTNAME: head.hostname,
         StackOutput.SLURM_CLUSTER_NAME: slurm_cluster_name,
         StackOutput.SLURM_PARTITION: SLURM_PARTITION,
+        StackOutput.SPOT_PARTITION: SPOT_PARTITION if spot else None,
         StackOutput.NFS_PRIVATE_IP: nfs.private_ip,
         StackOutput.NFS_EXPORT_PATH: nfs.export_path,
         StackOutput.SHARED_MOUNT_PATH: SHARED_MOUNT_PATH,
@@ -152,3 +157,26 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
         StackOutput.CLUSTER_IDENTITY_CLIENT_ID: identity.identity.client_id,
         StackOutput.NCCL_ENV: cluster.nccl_env,
     }
+
+
+def _spot_nodes(cfg: StackConfig, nodes: dict) -> SpotNodes:
+    """The Spot scale set (the same definition as the on-demand one) and the head node's right to power it."""
+    spot = GpuCluster(
+        f"{cfg.name_prefix}-spot",
+        GpuClusterArgs(
+            node_count=cfg.spot_node_count,
+            spot=SpotPolicy(eviction_policy=cfg.spot_eviction_policy, max_price_usd=cfg.spot_max_price),
+            **nodes,
+        ),
+    )
+    common = {key: nodes[key] for key in ("resource_group_name", "location", "tags")}
+    power = ScaleSetPowerIdentity(
+        f"{cfg.name_prefix}-spot-power", ScaleSetPowerIdentityArgs(scale_set_id=spot.scale_set.id, **common)
+    )
+    return SpotNodes(
+        names=spot.node_names,
+        prefix=spot.computer_name_prefix,
+        scale_set_id=spot.scale_set.id,
+        identity_id=power.identity.id,
+        identity_client_id=power.identity.client_id,
+    )

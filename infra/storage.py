@@ -1,4 +1,5 @@
-"""Blob storage: a locked-down account, private `data` and `results` containers, a read-only SAS."""
+"""Blob storage: a locked-down account, private `data` and `results` containers, a read-only SAS; kept
+by `pulumi destroy`, with soft delete and versioning."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ DATA_CONTAINER = "data"
 RESULTS_CONTAINER = "results"
 # The data SAS lets the NFS server and nodes list and read the dataset, nothing more.
 DATA_SAS_PERMISSIONS = "rl"
+SOFT_DELETE_DAYS = 30  # how long a deleted blob or container, or an overwritten version, can be restored
 
 
 @dataclass
 class StorageArgs:
-    resource_group_name: pulumi.Input[str]
+    resource_group_name: pulumi.Input[str]  # the data's own group (build_stack makes it, kept by destroy too)
     location: str
     allowed_subnet_ids: Sequence[pulumi.Input[str]]
     operator_cidr: str
@@ -43,9 +45,15 @@ def operator_ip_rules(cidr: str) -> list[str]:
 
 
 class Storage(pulumi.ComponentResource):
+    """The data that outlives the cluster: datasets, results (models, logs, run records). Every resource
+    here is kept by `pulumi destroy` (retain_on_delete: Pulumi forgets it, Azure keeps it), in a resource
+    group of its own that the stack makes for it; deleting them is a deliberate `az group delete` (README).
+    Blob soft delete, container soft delete and versioning let a deleted or overwritten result come back
+    for SOFT_DELETE_DAYS."""
+
     def __init__(self, name: str, args: StorageArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("hvd:infra:Storage", name, None, opts)
-        child = pulumi.ResourceOptions(parent=self)
+        child = pulumi.ResourceOptions(parent=self, retain_on_delete=True)
 
         self.account = storage.StorageAccount(
             f"{name}sa",  # auto-named with a random suffix: account names are global
@@ -83,6 +91,17 @@ class Storage(pulumi.ComponentResource):
             )
             for container in (DATA_CONTAINER, RESULTS_CONTAINER)
         }
+        retention = storage.DeleteRetentionPolicyArgs(enabled=True, days=SOFT_DELETE_DAYS)
+        self.blob_service = storage.BlobServiceProperties(
+            f"{name}-blob-service",
+            account_name=self.account.name,
+            resource_group_name=args.resource_group_name,
+            blob_services_name="default",
+            is_versioning_enabled=True,
+            delete_retention_policy=retention,
+            container_delete_retention_policy=retention,
+            opts=child,
+        )
         self.blob_endpoint = self.account.primary_endpoints.apply(lambda endpoints: endpoints.blob)
 
         sas = storage.list_storage_account_service_sas_output(

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from infra.contract import CONTAINER_SSH_PORT
+from infra.contract import CONTAINER_SSH_PORT, PREEMPTED_EXIT_CODE
 from scripts.remote.annotate_output import TORCHRUN_PREFIX_TEMPLATE
 from scripts.sshutil import q
 
@@ -39,6 +39,12 @@ ONE_TASK_PER_NODE = '--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NOD
 # torchrun prefixes each line of a rank with this (it has no flag for it): the global rank, which
 # annotate_output.py turns into [rank|host]. Quoted: torchrun, not bash, fills in ${rank}.
 TORCHRUN_PREFIX = f"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE={q(TORCHRUN_PREFIX_TEMPLATE)}"
+# A Spot eviction's SIGUSR1 (scripts/remote/spot_agent.py) is for the training ranks, which catch it. The
+# agent signals only the job's processes that catch it, but srun catches it too and forwards it to its
+# step's tasks: the batch shell ignores it, and so does what it starts (an ignored signal stays ignored
+# across exec); a step's tasks start afresh, so they go through this wrapper first.
+IGNORE_USR1 = 'trap "" USR1;'
+IGNORING_USR1 = f"sh -c '{IGNORE_USR1} exec \"$@\"' ignore-usr1"
 
 
 @dataclass(frozen=True)
@@ -138,7 +144,8 @@ def _prologue(spec: JobSpec) -> list[str]:
         'scontrol show hostnames "$SLURM_JOB_NODELIST" >"$RUN_DIR/nodes"',
         'HOSTS=$(paste -sd, "$RUN_DIR/nodes")',
         "readonly ATTEMPT=$((${SLURM_RESTART_COUNT:-0} + 1))",
-        'echo "[job] job $SLURM_JOB_ID, attempt $ATTEMPT, on $HOSTS"',
+        'echo "[job] job $SLURM_JOB_ID, attempt $ATTEMPT, on $HOSTS (partition $SLURM_JOB_PARTITION)"',
+        IGNORE_USR1.rstrip(";"),  # the signal is for the ranks (see IGNORING_USR1)
         *_finish_function(spec),
         "trap finish EXIT",
         # scancel signals the whole step: the launcher ends, and its last lines (and the verdict) reach
@@ -153,6 +160,7 @@ def _finish_function(spec: JobSpec) -> list[str]:
         '"$PY" "$TOOLS/upload_results.py" --dir "$RUN_DIR"',
         f"--account-url {q(spec.results.account_url)} --container {q(spec.results.container)}",
         f"--prefix {q(spec.run_id)} --status status.json",
+        "--with-newest-checkpoint",  # kept in blob storage: a new cluster resumes from it (launch --resume-from)
     ]
     if spec.results.sas_file:
         upload.append(f'--sas-file "$RUN_DIR"/{q(spec.results.sas_file)}')
@@ -178,7 +186,8 @@ def _finish_function(spec: JobSpec) -> list[str]:
         '  echo "[job] exit status $code"',
         '  write_status "$code" uploading',
         f'  "$PY" "$TOOLS/record_run.py" --run-dir "$RUN_DIR" --nodes {spec.nodes} --attempt "$ATTEMPT" '
-        '--started-at "$ATTEMPT_STARTED_AT" --exit-code "$code" 2>&1 | sed \'s/^/[job] /\'',
+        '--started-at "$ATTEMPT_STARTED_AT" --exit-code "$code" --partition "$SLURM_JOB_PARTITION" 2>&1 '
+        "| sed 's/^/[job] /'",
         f"  {' '.join(upload)} 2>&1 | sed 's/^/[job] /' || echo '[job] results upload incomplete: see status.json'",
         '  exit "$code"',
         "}",
@@ -210,7 +219,8 @@ def _horovod_lines(spec: JobSpec) -> list[str]:
     hostfile = f'awk \'{{print $1 " slots={spec.processes_per_node}"}}\' "$RUN_DIR/nodes" >"$RUN_DIR/hostfile"'
     argv = ["horovodrun", "--gloo", "-np", str(spec.world_size), "--hostfile", f"{spec.run_dir}/hostfile"]
     argv += ["--disable-cache", "--start-timeout", "120"]
-    if spec.network_interface:
+    # one node: horovodrun looks for the interface with 127.0.0.1 among those named, and finds none
+    if spec.network_interface and spec.nodes > 1:
         argv += ["--network-interface", spec.network_interface]
     if spec.image:
         argv += ["-p", str(CONTAINER_SSH_PORT)]
@@ -220,7 +230,8 @@ def _horovod_lines(spec: JobSpec) -> list[str]:
         path = '"$TOOLS/bin:' + (f"{bindir}:" if bindir else "") + '$PATH"'
         shim = 'mkdir -p "$TOOLS/bin" && ln -sf ../srun_ssh.py "$TOOLS/bin/ssh"'
         return [hostfile, shim, f"cd {q(spec.workdir)} || exit 1", f"PATH={path} {run}"]
-    return [hostfile, *_containers(spec), f"docker exec {_container()} sh -c {q(f'cd {q(spec.workdir)} && {run}')}"]
+    inside = f"{IGNORE_USR1} cd {q(spec.workdir)} && {run}"
+    return [hostfile, *_containers(spec), f"docker exec {_container()} sh -c {q(inside)}"]
 
 
 def _torchrun_lines(spec: JobSpec) -> list[str]:
@@ -234,9 +245,10 @@ def _torchrun_lines(spec: JobSpec) -> list[str]:
     if not spec.image:
         bindir = spec.python.rsplit("/", 1)[0] if "/" in spec.python else ""
         path = f'PATH="{bindir}:$PATH" ' if bindir else ""
-        return [prefix, rdzv, f"cd {q(spec.workdir)} || exit 1", f"{step} env {path}{run}"]
+        return [prefix, rdzv, f"cd {q(spec.workdir)} || exit 1", f"{step} {IGNORING_USR1} env {path}{run}"]
     docker = " ".join(_docker_run(spec, detach=False))
-    return [prefix, rdzv, f"{step} {docker} sh -c {q(f'cd {q(spec.workdir)} && {run}')}"]
+    # docker run passes the signals it gets on to the container's first process: that shell ignores USR1
+    return [prefix, rdzv, f"{step} {docker} sh -c {q(f'{IGNORE_USR1} cd {q(spec.workdir)} && {run}')}"]
 
 
 def _containers(spec: JobSpec) -> list[str]:
@@ -299,9 +311,9 @@ def _epilogue(requeue: list[str]) -> list[str]:
     read = "import json, sys; print(json.load(open(sys.argv[1]))['exit_code_of_failed_rank'] or '')"
     return [
         "code=$?",
-        *requeue,
         f'rank_code=$("$PY" -c {q(read)} "$RUN_DIR/verdict.json" 2>/dev/null)',
         'if [ "$code" -ne 0 ] && [ -n "$rank_code" ]; then code=$rank_code; fi',
+        *requeue,
         'exit "$code"',
     ]
 
@@ -314,7 +326,7 @@ def _requeue_on_node_failure() -> list[str]:
     step = 'srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" true </dev/null >/dev/null 2>&1'
     probe = f"timeout {NODE_PROBE_S} {step}"
     return [
-        'if [ "$code" -ne 0 ]; then',
+        f'if [ "$code" -ne 0 ] && [ "$code" -ne {PREEMPTED_EXIT_CODE} ]; then  # preempted: the Spot agent requeues',
         "  while read -r node; do",
         f"    {probe} && continue",
         '    echo "[job] node $node does not answer: requeueing the job (--requeue)"',

@@ -150,10 +150,11 @@ class Runtime(_Model):
 
 
 class SlurmAccess(_Model):
-    """The cluster's Slurm: its controller, its one partition, and where its commands are run."""
+    """The cluster's Slurm: its controller, its partitions, and where its commands are run."""
 
     cluster_name: str
     partition: str
+    spot_partition: str | None = None  # Spot nodes (`launch --spot`); None: the cluster has none
     controller_host: str
     controller_address: str  # slurmctld listens on contract.SLURMCTLD_PORT there
     login: SSHEndpoint  # where sbatch, squeue, scontrol run: the head node (Azure), this machine (local)
@@ -276,6 +277,7 @@ class StackOutputs(BaseModel):
     head_hostname: str
     slurm_cluster_name: str
     slurm_partition: str
+    spot_partition: str | None = None  # absent or None: no Spot nodes
     nfs_private_ip: str
     nfs_export_path: str
     shared_mount_path: str
@@ -294,7 +296,7 @@ class StackOutputs(BaseModel):
     nccl_env: dict[str, str]
 
 
-REQUIRED_OUTPUTS = tuple(StackOutputs.model_fields)
+REQUIRED_OUTPUTS = tuple(name for name, field in StackOutputs.model_fields.items() if field.is_required())
 
 
 def from_stack_outputs(
@@ -366,6 +368,7 @@ def _stack_slurm(out: StackOutputs) -> SlurmAccess:
     return SlurmAccess(
         cluster_name=out.slurm_cluster_name,
         partition=out.slurm_partition,
+        spot_partition=out.spot_partition,
         controller_host=out.head_hostname,
         controller_address=out.head_private_ip,
         login=SSHEndpoint(host=out.head_private_ip, user=out.admin_user),

@@ -20,6 +20,7 @@ For a run's record, `node_hour_price(sku, region)` is the price of one GPU node-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import http.client
 import json
 import os
@@ -98,9 +99,10 @@ NOT_INCLUDED = (
     "the jumpbox's public IP, registry storage beyond the included amount, build minutes (az acr build)",
 )
 
-Section = Literal["vm_hourly", "premium_ssd_monthly", "registry_daily"]
+Section = Literal["vm_hourly", "vm_spot_hourly", "premium_ssd_monthly", "registry_daily"]
 SECTION_NAMES: dict[Section, str] = {
     "vm_hourly": "VM size",
+    "vm_spot_hourly": "Spot VM size",
     "premium_ssd_monthly": "Premium SSD tier",
     "registry_daily": "container registry SKU",
 }
@@ -139,6 +141,7 @@ class PriceTable(_Model):
     price_type: Literal["Consumption, Linux, pay-as-you-go"]
     sources: dict[str, Source]
     vm_hourly: dict[str, dict[str, Quote]]
+    vm_spot_hourly: dict[str, dict[str, Quote]] = Field(default_factory=dict)  # Spot: list price, moves daily
     premium_ssd_monthly: dict[str, dict[str, Quote]]
     registry_daily: dict[str, dict[str, Quote]]
     _origin: str = PrivateAttr(default="the price table")
@@ -218,11 +221,11 @@ class Price:
         return (self.usd_per_hour * Decimal(str(node_hours))).quantize(QUANTUM, ROUND_HALF_UP)
 
 
-def node_hour_price(sku: str, region: str, prices: Path = PRICES_FILE) -> Price | None:
-    """The price of one node-hour of `sku` in `region`, or None where the table has none.
-    A missing or broken table file raises OperatorError."""
+def node_hour_price(sku: str, region: str, prices: Path = PRICES_FILE, spot: bool = False) -> Price | None:
+    """The price of one node-hour of `sku` in `region` (on demand, or Spot), or None where the table has
+    none. A missing or broken table file raises OperatorError."""
     table = load_price_table(prices)
-    quote = table.lookup("vm_hourly", sku, region)
+    quote = table.lookup("vm_spot_hourly" if spot else "vm_hourly", sku, region)
     if quote is None:
         return None
     return Price(quote.usd, table.as_of, table.describe_source(quote.source), quote.estimate)
@@ -309,6 +312,7 @@ def estimate_cost(cfg: StackConfig, table: PriceTable, requested_nodes: int | No
     rows = (
         _row("GPU nodes, running", cfg.gpu_sku, running, gpu, Decimal(1), "h"),
         CostRow("GPU nodes, power-saved", cfg.gpu_sku, cfg.node_count - running, "$0 (deallocated)", ZERO),
+        *_spot_rows(cfg, table, gpu),
         vm("head node (slurmctld)", cfg.head_vm_size),
         vm("NFS server", cfg.nfs_vm_size),
         _row(
@@ -330,6 +334,18 @@ def estimate_cost(cfg: StackConfig, table: PriceTable, requested_nodes: int | No
         ),
     )
     return CostEstimate(region, rows, table)
+
+
+def _spot_rows(cfg: StackConfig, table: PriceTable, on_demand: Quote) -> list[CostRow]:
+    """The Spot nodes (spotNodeCount), all running, at the table's Spot price; where it has none, at the
+    on-demand price, which a Spot VM never exceeds (its max price is at most that, or -1: up to it)."""
+    if not cfg.spot_node_count:
+        return []
+    quote = table.lookup("vm_spot_hourly", cfg.gpu_sku, cfg.location)
+    if quote is None:
+        row = _row("Spot GPU nodes, running", cfg.gpu_sku, cfg.spot_node_count, on_demand, Decimal(1), "h")
+        return [dataclasses.replace(row, basis=f"at most ${on_demand.usd}/h (no Spot price in the table)")]
+    return [_row("Spot GPU nodes, running", cfg.gpu_sku, cfg.spot_node_count, quote, Decimal(1), "h")]
 
 
 def _row(item: str, size: str, count: int, quote: Quote, hours: Decimal, unit: str) -> CostRow:

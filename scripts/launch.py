@@ -58,6 +58,8 @@ examples:
   python -m scripts launch --framework pytorch --nodes 2 --requeue -- --backend ddp --data imagenet \\
       --data-dir /shared/data/imagenet --epochs 90
   python -m scripts launch --framework keras --detach -- --data synthetic --epochs 1
+  python -m scripts launch --framework pytorch --spot -- --data synthetic --steps 5000 --checkpoint-every 100
+  python -m scripts launch --framework pytorch --resume-from RUN -- --data synthetic --steps 10000   # a new cluster
   python -m scripts launch --framework pytorch --nodes 2 --gpus-per-node 8 --model-parallel -- \\
       --model gpt-1.3b --pp 2 --dp-shard -1 --precision bf16 --steps 200
 """
@@ -112,6 +114,26 @@ def configure(commands: argparse._SubParsersAction) -> None:
         "--requeue", action="store_true", help="if a node fails, Slurm requeues the job and it resumes from its "
         "newest checkpoint (in the run directory)"
     )  # fmt: skip
+    spot = parser.add_mutually_exclusive_group()
+    spot.add_argument(
+        "--spot",
+        action="store_true",
+        help="run on the Spot partition: an eviction makes the job save a checkpoint and Slurm requeue it; "
+        "it resumes on the next nodes (implies --requeue)",
+    )
+    spot.add_argument(
+        "--spot-fallback",
+        action="store_true",
+        help="like --spot, but the job may also run on demand: Slurm starts it on Spot nodes where it can, "
+        "on demand where Spot capacity is refused or busy (--partition=spot,gpu)",
+    )
+    parser.add_argument(
+        "--resume-from",
+        type=arg_type(check_run_id),
+        metavar="RUN",
+        help="start from the newest checkpoint RUN kept in the results container (it outlives the cluster: "
+        "resume on a new one); the job's flags must fit it (same model)",
+    )
     parser.add_argument(
         "--local-copy",
         action="store_true",
@@ -162,6 +184,9 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         requeue=args.requeue,
         time_limit=args.time_limit,
         local_copy=args.local_copy,
+        spot=args.spot,
+        spot_fallback=args.spot_fallback,
+        resume_from=args.resume_from,
     )
 
 

@@ -46,8 +46,8 @@ from typing import Literal
 from pydantic import SecretStr
 from rich.table import Table
 
-from infra.contract import HEALTH_REPORT_DIR, SLURM_PARTITION, SLURMCTLD_PORT, SLURMD_PORT
-from scripts import local_gpus, local_link, local_power, local_slurm
+from infra.contract import HEALTH_REPORT_DIR, SLURM_PARTITION, SLURMCTLD_PORT, SLURMD_PORT, SPOT_PARTITION
+from scripts import local_gpus, local_link, local_metadata, local_power, local_slurm
 from scripts import local_network as net
 from scripts.cli import arg_type, ensure_directory, int_between, non_empty, require_tool
 from scripts.cluster import (
@@ -66,6 +66,7 @@ from scripts.fileio import atomic_write
 from scripts.local_network import check_subnet_free
 from scripts.local_nodes import (
     SSHD,
+    SYSTEM_PYTHON,
     keygen,
     local_data_dir,
     node_roles,
@@ -73,6 +74,7 @@ from scripts.local_nodes import (
     sshd_config_path,
     start_daemon,
     start_slurmd,
+    start_spot_agent,
     start_sshd,
 )
 from scripts.local_slurm import LocalSlurmSettings
@@ -88,9 +90,6 @@ LOCAL_DEFAULT_TIME_LIMIT = "1:00:00"  # a job that names no --time; nothing here
 CLUSTER_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]{0,7}")  # it prefixes interface names (15 characters at most)
 MAX_NODES = 32
 MAX_HEALTH_CHECK_INTERVAL_S = 86400
-# The NFS server and the nodes run the remote tools with the system python (as on Azure): proves
-# they need only the stdlib.
-SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
 TRAIN_PYTHON = REPO_ROOT / ".venv-train" / "bin" / "python"
 SLURM_TOOLS = (f"{local_slurm.SBIN}/munged", f"{local_slurm.SBIN}/slurmctld", f"{local_slurm.SBIN}/slurmd", "sinfo")
 SLURM_READY_TIMEOUT_S = 60
@@ -121,12 +120,15 @@ def up(
     health_check_interval_s: int = 60,
     link_rate: str | None = None,
     gpus_per_node: int = 0,
+    storage_dir: str | Path | None = None,
 ) -> ClusterDescription:
     """Create the local cluster and write STATE_DIR/cluster.json; on any failure remove what was made.
 
     autostop_seconds: idle seconds before Slurm suspends a node (0: never); health_check_interval_s:
     how often every node runs the health check; link_rate: what each node may send (`100mbit`; None
-    or `full`: full speed); gpus_per_node: emulated GPUs (scripts/local_gpus.py)."""
+    or `full`: full speed); gpus_per_node: emulated GPUs (scripts/local_gpus.py); storage_dir: where
+    Azurite keeps the blobs (default: inside STATE_DIR, removed by `down`; elsewhere, they outlive the
+    cluster, as Azure's storage does)."""
     rate = local_link.parse_link_rate(link_rate) if link_rate else None
     state_dir = Path(state_dir).resolve()
     network = _check_up_request(nodes, state_dir, name, subnet)
@@ -151,11 +153,19 @@ def up(
     azurite = _check_tools(mode)
 
     ensure_directory(state_dir, "--state-dir")
+    if storage_dir is not None:
+        storage_dir = Path(storage_dir).resolve()
+        ensure_directory(storage_dir, "--storage-dir")
     try:
         # held until the cluster is complete: the power programs slurmctld may start meanwhile wait
         with state_lock(state_dir):
             state = LocalState(
-                name=name, mode=mode, state_dir=str(state_dir), link_rate=rate, gpus_per_node=gpus_per_node
+                name=name,
+                mode=mode,
+                state_dir=str(state_dir),
+                link_rate=rate,
+                gpus_per_node=gpus_per_node,
+                storage_dir=str(storage_dir) if storage_dir else None,
             )
             state.save()
             return _up(state, nodes, network, azurite, python, slurm)
@@ -312,6 +322,7 @@ def _wire_namespaces(state: LocalState, count: int, subnet: ipaddress.IPv4Networ
         (etc / "hosts").write_text(hosts_text)
     for node in nodes:
         local_link.set_rate(str(node.namespace), state.link_rate)
+        _start_metadata_endpoint(state, node)
 
 
 def set_link_rate(state_dir: str | Path, rate_text: str) -> str | None:
@@ -331,6 +342,15 @@ def set_link_rate(state_dir: str | Path, rate_text: str) -> str | None:
         state.link_rate = rate
         state.save()
     return rate
+
+
+def _start_metadata_endpoint(state: LocalState, node: NodeState) -> None:
+    """Azure's instance metadata (Scheduled Events) at its own address, inside the node's namespace only."""
+    namespace = str(node.namespace)
+    net.sh("ip", "netns", "exec", namespace, "ip", "addr", "add", f"{local_metadata.METADATA_ADDRESS}/32", "dev", "lo")
+    module = [sys.executable, "-m", "scripts.local_metadata", "--state-dir", state.state_dir, "serve", node.hostname]
+    argv = ["ip", "netns", "exec", namespace, "env", f"PYTHONPATH={REPO_ROOT}", *module]
+    start_daemon(state, f"metadata-{node.hostname}", argv, "scripts.local_metadata")
 
 
 def _loopback_nodes(state: LocalState, count: int) -> None:
@@ -365,7 +385,7 @@ def _start_sshds(state: LocalState, authorized: Path) -> list[str]:
 
 def _start_azurite(state: LocalState, azurite: Path) -> None:
     state.azurite_port = free_port()
-    location = Path(state.state_dir) / "azurite"
+    location = Path(state.storage_dir or Path(state.state_dir) / "azurite")
     argv = [
         str(azurite),
         *("--blobHost", state.azurite_host, "--blobPort", str(state.azurite_port)),
@@ -400,6 +420,7 @@ def _start_slurm(state: LocalState, settings: LocalSlurmSettings) -> None:
     wait_port(head.address, SLURMCTLD_PORT, 30, "slurmctld", state.logs / "slurmctld.log")
     for node in state.nodes:
         start_slurmd(state, node)
+        start_spot_agent(state, node)
     local_slurm.wait_until_idle(files.conf, names, SLURM_READY_TIMEOUT_S, state.logs)
 
 
@@ -459,6 +480,7 @@ def _slurm_access(state: LocalState, login: SSHEndpoint) -> SlurmAccess | None:
     return SlurmAccess(
         cluster_name=state.slurm_cluster_name,
         partition=SLURM_PARTITION,
+        spot_partition=SPOT_PARTITION,
         controller_host=state.head.hostname,
         controller_address=state.head.address,
         login=login,
@@ -472,6 +494,7 @@ def _known_host(address: str, port: int) -> str:
 
 def _azurite_storage(endpoint: str) -> Storage:
     """The `data` and `results` containers, a read + list SAS for the first and a write SAS for the second."""
+    from azure.core.exceptions import ResourceExistsError
     from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, generate_container_sas
 
     conn_str = (
@@ -479,7 +502,8 @@ def _azurite_storage(endpoint: str) -> Storage:
     )
     service = BlobServiceClient.from_connection_string(conn_str)
     for container in ("data", "results"):
-        service.create_container(container)
+        with contextlib.suppress(ResourceExistsError):  # kept from an earlier cluster (--storage-dir)
+            service.create_container(container)
     expiry = datetime.now(UTC) + timedelta(days=7)
 
     def sas(container: str, permission: ContainerSasPermissions) -> str:
@@ -737,6 +761,13 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
         "ConstrainDevices); needs the cgroup v1 devices controller (%(default)s)",
     )
     parser.add_argument(
+        "--storage-dir",
+        type=non_empty,
+        help="where Azurite keeps the blobs (datasets, results, kept checkpoints); outside the state directory "
+        "they outlive `down`, and a new cluster with the same --storage-dir finds them (default: in the state "
+        "directory)",
+    )
+    parser.add_argument(
         "--health-check-interval",
         type=int_between(1, MAX_HEALTH_CHECK_INTERVAL_S),
         default=60,
@@ -762,6 +793,7 @@ def _run_up(args: argparse.Namespace) -> int:
         health_check_interval_s=args.health_check_interval,
         link_rate=args.link_rate,
         gpus_per_node=args.gpus_per_node,
+        storage_dir=args.storage_dir,
     )
     where = Path(args.state_dir) / "cluster.json"
     console.print(f"local cluster up: {desc.node_count} nodes; description {where}")

@@ -10,7 +10,9 @@ their output in STATE/logs/<role>.log, and are recorded in the cluster's state.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from scripts import local_gpus, local_slurm
@@ -20,6 +22,10 @@ from scripts.local_state import LocalState, NodeState, ProcessRecord
 from scripts.processes import children
 
 SSHD = "/usr/sbin/sshd"
+# The NFS server and the nodes run the remote tools with the system python (as on Azure): proves
+# they need only the stdlib.
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+SPOT_AGENT = Path(__file__).resolve().parent / "remote" / "spot_agent.py"
 SSHD_WAIT_S = 20
 
 
@@ -112,6 +118,19 @@ def start_slurmd(state: LocalState, node: NodeState) -> None:
     start_daemon(state, local_slurm.slurmd_role(node.hostname), argv, str(conf))
 
 
+def start_spot_agent(state: LocalState, node: NodeState) -> None:
+    """The node's Spot agent (scripts/remote/spot_agent.py), inside the node's namespaces like its slurmd:
+    it reaches the node's metadata endpoint, and goes when the node is switched off."""
+    assert state.slurm_conf is not None
+    enter = ["nsenter", f"--target={node_init_pid(state, node)}", "--net", "--uts", "--pid", "--mount"]
+    argv = [*enter, "env", f"SLURM_CONF={state.slurm_conf}", SYSTEM_PYTHON, str(SPOT_AGENT), "--node", node.hostname]
+    start_daemon(state, spot_agent_role(node.hostname), argv, str(SPOT_AGENT))
+
+
+def spot_agent_role(node: str) -> str:
+    return f"spot-agent-{node}"
+
+
 def node_init_pid(state: LocalState, node: NodeState) -> int:
     """The first process inside a node's namespaces (its sshd): what slurmd joins."""
     pid = running_init_pid(state, node)
@@ -128,6 +147,6 @@ def running_init_pid(state: LocalState, node: NodeState) -> int | None:
     return found[0] if len(found) == 1 else None
 
 
-def node_roles(node: str) -> tuple[str, str]:
-    """The roles of a node's daemons in the state record: its sshd, its slurmd."""
-    return node, local_slurm.slurmd_role(node)
+def node_roles(node: str) -> tuple[str, ...]:
+    """The roles of a node's daemons in the state record: its sshd, its slurmd, its Spot agent."""
+    return node, local_slurm.slurmd_role(node), spot_agent_role(node)

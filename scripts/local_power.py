@@ -2,8 +2,9 @@
 
 On Azure these deallocate and start scale-set instances (scripts/remote/slurm_power.py). Here a
 node is switched off by killing its sshd, the first process of the node's PID namespace, which
-ends every process in it (slurmd and job steps included); it is switched on by starting the sshd
-again and a slurmd inside it, as `up` does (scripts/local_nodes.py). The network namespace stays.
+ends every process in it (slurmd, the Spot agent and job steps included); it is switched on by
+starting the sshd again, and a slurmd and the Spot agent inside it, as `up` does
+(scripts/local_nodes.py). The network namespace stays, and so does its metadata endpoint.
 
 slurmctld runs the wrappers that `up` writes to STATE/slurm/{suspend,resume,resume-fail} as root,
 with a hostlist (`node-[0-1]`), from the head namespace; they run this module with the operator's
@@ -35,7 +36,15 @@ from scripts.cluster import REPO_ROOT
 from scripts.daemons import wait_port
 from scripts.errors import OperatorError
 from scripts.fileio import atomic_write
-from scripts.local_nodes import SSHD_WAIT_S, node_roles, running_init_pid, start_slurmd, start_sshd
+from scripts.local_nodes import (
+    SSHD_WAIT_S,
+    node_roles,
+    running_init_pid,
+    spot_agent_role,
+    start_slurmd,
+    start_spot_agent,
+    start_sshd,
+)
 from scripts.local_slurm import POWER_ACTIONS, SlurmFiles, client_env, slurmd_role
 from scripts.local_state import LocalState, load_state, state_lock
 from scripts.processes import descendants, stop_pids
@@ -87,6 +96,9 @@ def start_nodes(state_dir: str | Path, nodes: Sequence[str], requested_at: float
             slurmd = state.record(slurmd_role(target.hostname))
             if slurmd is None or not slurmd.alive():
                 start_slurmd(state, target)
+            agent = state.record(spot_agent_role(target.hostname))
+            if agent is None or not agent.alive():
+                start_spot_agent(state, target)
             target.stopped = False
         state.save()
 

@@ -27,8 +27,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.cloud_init.slurm import HealthCheck, NodeSet, PowerSaving, render_health_check, render_slurm_conf
-from infra.contract import HEALTH_REPORT_DIR, SLURM_PARTITION
+from infra.cloud_init.slurm import (
+    HealthCheck,
+    NodeSet,
+    PowerSaving,
+    cores_per_gpu,
+    partition_line,
+    render_health_check,
+    render_slurm_conf,
+)
+from infra.contract import HEALTH_REPORT_DIR, SLURM_PARTITION, SPOT_PARTITION
 from scripts.daemons import log_tail
 from scripts.errors import ExitCode, OperatorError
 from scripts.fileio import atomic_write
@@ -171,12 +179,13 @@ def render_local_conf(
 ) -> str:
     """Azure's slurm.conf (infra's renderer) with what one machine of namespaces needs instead."""
     autostop = settings.autostop_s > 0
+    node_set = NodeSet(names=list(nodes), cpus=NODE_CPUS, real_memory_mb=NODE_MEMORY_MB, gpus=settings.gpus_per_node)
     azure = render_slurm_conf(
         cluster_name=cluster,
         controller_host=CONTROLLER_HOST,
         controller_address=controller_address,
         partition=SLURM_PARTITION,
-        nodes=NodeSet(names=list(nodes), cpus=NODE_CPUS, real_memory_mb=NODE_MEMORY_MB, gpus=settings.gpus_per_node),
+        nodes=node_set,
         state_save_dir=str(files.state_save),
         slurmd_spool_dir=str(files.spool),
         power=PowerSaving(
@@ -195,7 +204,9 @@ def render_local_conf(
     )
     run = files.root
     controller = conf_value(azure, "SlurmctldParameters")
-    return override(
+    # Every node is in the Spot partition too: any of them may be "evicted" (scripts/local_metadata.py)
+    spot = partition_line(SPOT_PARTITION, "ALL", default=False, share=cores_per_gpu(node_set))
+    conf = override(
         azure,
         {
             "SlurmUser": "root",  # every local daemon runs as root, which owns the state directory
@@ -215,6 +226,7 @@ def render_local_conf(
             **({"SuspendTime": str(settings.autostop_s)} if autostop else {}),
         },
     )
+    return conf + spot + "\n"
 
 
 def conf_value(conf: str, key: str) -> str:

@@ -64,6 +64,7 @@ class LocalState(BaseModel):
     processes: list[ProcessRecord] = Field(default_factory=list)
     etc_netns: list[str] = Field(default_factory=list)
     azurite_port: int | None = None
+    storage_dir: str | None = None  # Azurite's blobs, when kept outside state_dir (`up --storage-dir`)
     ports: dict[str, int] = Field(default_factory=dict)  # jumpbox, nfs: sshd ports on 127.0.0.1
     slurm_conf: str | None = None  # SLURM_CONF for Slurm's commands on this machine (netns mode)
     link_rate: str | None = None  # each node's eth0 sends at most this (tc tbf); None: full speed

@@ -129,10 +129,15 @@ class Slurm:
             raise OperatorError(f"{word} on the login node failed: {result.stderr.strip()[-600:]}", ExitCode.FAILED)
         return result.stdout
 
+    @property
+    def partitions(self) -> str:
+        """The cluster's partitions as Slurm's commands take them: on demand, and Spot where there is one."""
+        return ",".join(p for p in (self.access.partition, self.access.spot_partition) if p)
+
     def queue(self, job_id: str | None = None) -> list[QueuedJob]:
         """Every job Slurm still holds (pending, running, completing), or just job_id's."""
         fields = _SEP.join(("%i", "%j", "%T", "%u", "%D", "%M", "%R"))
-        which = f"--jobs={q(job_id)}" if job_id else f"--partition={q(self.access.partition)}"
+        which = f"--jobs={q(job_id)}" if job_id else f"--partition={q(self.partitions)}"
         # squeue exits 1 for a job id it has already forgotten (an answer: no such job), and for a
         # slurmctld it cannot reach (no answer: SlurmUnreachable)
         text = self._ask(f"squeue --noheader {which} --format={q(fields)}").stdout
@@ -157,12 +162,12 @@ class Slurm:
 
     def node_addresses(self) -> dict[str, str]:
         """node -> the address Slurm reaches it at (NodeAddr: where its slurmd registered from)."""
-        text = self.run(f"sinfo --noheader --Node --partition={q(self.access.partition)} --format=%N{_SEP}%o")
+        text = self.run(f"sinfo --noheader --Node --partition={q(self.partitions)} --format=%N{_SEP}%o")
         return dict(line.split(_SEP, 1) for line in text.splitlines() if line.count(_SEP) == 1)
 
     def nodes(self) -> list[NodeInfo]:
         fields = _SEP.join(("%N", "%T", "%E", "%c", "%G"))
-        text = self._ask(f"sinfo --noheader --Node --partition={q(self.access.partition)} --format={q(fields)}").stdout
+        text = self._ask(f"sinfo --noheader --Node --partition={q(self.partitions)} --format={q(fields)}").stdout
         seen: dict[str, NodeInfo] = {}
         for line in text.splitlines():
             if line.count(_SEP) == 4:

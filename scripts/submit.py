@@ -25,8 +25,9 @@ from infra.contract import FRAMEWORKS, RUNS_DIR
 from scripts import cost
 from scripts.allocation import Allocation, plan_allocation
 from scripts.batch import REMOTE_TOOLS, JobSpec, Launcher, LocalCopy, ResultsTarget, render_job_script
-from scripts.cluster import REPO_ROOT, ClusterDescription
+from scripts.cluster import REPO_ROOT, ClusterDescription, SlurmAccess
 from scripts.errors import ExitCode, OperatorError
+from scripts.kept_checkpoints import newest_kept_checkpoint
 from scripts.slurm import Slurm, parse_job_id, require_slurm
 from scripts.sshutil import SSH, q
 from scripts.workdir import CODE_SUBDIR, MAX_WORKDIR_MB, Workdir, check_workdir, send_workdir
@@ -59,6 +60,14 @@ class LaunchOptions:
     requeue: bool = False
     time_limit: str | None = None  # Slurm's --time syntax; default: the cluster description's
     local_copy: bool = False  # copy --data-dir to every node's local_data_path first, and train from there
+    spot: bool = False  # the Spot partition; evictions checkpoint and requeue the job
+    spot_fallback: bool = False  # the Spot partition where Slurm can start it there, else on demand
+    resume_from: str | None = None  # a run whose newest kept checkpoint (results container) this one starts from
+
+    @property
+    def requeued(self) -> bool:
+        """Whether Slurm may run the job again (a node failure, a Spot eviction): then it keeps checkpoints."""
+        return self.requeue or self.spot or self.spot_fallback
 
 
 @dataclass(frozen=True)
@@ -139,7 +148,6 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
         raise OperatorError(
             f"--image runs the job in a container, and cluster {desc.name} runs jobs on the hosts (runtime host)"
         )
-    partition = require_slurm(desc).partition
     alloc = plan_allocation(
         desc,
         nodes=opts.nodes,
@@ -166,7 +174,7 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
         nodes=alloc.nodes,
         processes_per_node=alloc.processes_per_node,
         gpus_per_node=alloc.gpus_per_node,
-        partition=partition,
+        partition=choose_partition(require_slurm(desc), opts),
         command=training_command(desc, opts, run_dir, local_copy),
         workdir=posixpath.join(run_dir, CODE_SUBDIR) if workdir else desc.runtime.workdir,
         python=desc.runtime.python,
@@ -176,7 +184,7 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
         shared_mount=desc.shared_mount_path,
         network_interface=desc.runtime.network_interface,
         infiniband=desc.expect_infiniband,
-        requeue=opts.requeue,
+        requeue=opts.requeued,
         time_limit=alloc.time_limit,
         exclusive=alloc.exclusive,
         git_revision=git_revision(),
@@ -184,6 +192,22 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
         local_copy=local_copy,
     )
     return Plan(spec, alloc, workdir)
+
+
+def choose_partition(access: SlurmAccess, opts: LaunchOptions) -> str:
+    """--spot: the Spot partition; --spot-fallback: both, Spot first (its PriorityTier is higher), so that
+    a job Slurm cannot start on Spot nodes (Azure refused the capacity, the nodes are busy) runs on demand."""
+    if not (opts.spot or opts.spot_fallback):
+        return access.partition
+    if opts.spot and opts.spot_fallback:
+        raise OperatorError("--spot and --spot-fallback exclude each other: pass one")
+    if access.spot_partition is None:
+        flag = "--spot" if opts.spot else "--spot-fallback"
+        raise OperatorError(
+            f"{flag}: the cluster has no Spot partition (set spotNodeCount in the stack config, `pulumi up`, "
+            "then `python -m scripts cluster from-stack` again)"
+        )
+    return f"{access.spot_partition},{access.partition}" if opts.spot_fallback else access.spot_partition
 
 
 def plan_local_copy(desc: ClusterDescription, opts: LaunchOptions) -> LocalCopy | None:
@@ -217,16 +241,25 @@ def git_revision() -> str | None:
     return head.stdout.strip() + ("-dirty" if dirty.returncode == 1 else "")
 
 
-def node_hour_price(desc: ClusterDescription) -> tuple[float | None, str]:
-    """What a node-hour of this cluster costs (USD), and where that figure comes from."""
+def node_hour_price(desc: ClusterDescription, spot: bool = False) -> tuple[float | None, str]:
+    """What a node-hour of this cluster costs (USD), on demand or Spot, and where that figure comes from."""
     if desc.provider == "local":
         return 0.0, "local cluster: no charge"
     if desc.gpu_sku is None or desc.region is None:
         return None, "the cluster description names no GPU size or region (write it again with `cluster from-stack`)"
-    price = cost.node_hour_price(desc.gpu_sku, desc.region)
+    price = cost.node_hour_price(desc.gpu_sku, desc.region, spot=spot)
+    kind = "Spot price" if spot else "price"
     if price is None:
-        return None, f"no price for {desc.gpu_sku} in {desc.region} in the price table (`python -m scripts cost`)"
+        return None, f"no {kind} for {desc.gpu_sku} in {desc.region} in the price table (`python -m scripts cost`)"
     return float(price.usd_per_hour), f"{price.source}, price table of {price.as_of}"
+
+
+def partition_prices(desc: ClusterDescription, access: SlurmAccess) -> dict[str, float | None]:
+    """partition -> price per node-hour: what record_run.py charges each attempt, by where it ran."""
+    prices = {access.partition: node_hour_price(desc)[0]}
+    if access.spot_partition is not None:
+        prices[access.spot_partition] = node_hour_price(desc, spot=True)[0]
+    return prices
 
 
 def training_command(
@@ -247,7 +280,7 @@ def training_command(
     defaults = {"--metrics-json": f"{run_dir}/metrics.json"}
     defaults |= {f"--{name}": f"{run_dir}/{path}" for name, path in RUN_OUTPUTS.items()}
     # a requeued job starts again from the top: its checkpoints are what makes it resume
-    if opts.requeue:
+    if opts.requeued or opts.resume_from:
         defaults["--checkpoint-dir"] = f"{run_dir}/checkpoints"
     for flag, value in defaults.items():
         if _flag_value(args, flag) is None:
@@ -269,7 +302,7 @@ def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH, plan: Plan |
     slurm = Slurm(desc, ssh)
     plan = plan or build_spec(desc, opts)
     spec = plan.spec
-    files = _run_files(desc, opts, spec)
+    files = _run_files(desc, opts, spec, slurm.access)
     code = ""
     if plan.workdir:  # the last upload of this directory, copied: the job runs a snapshot, whatever changes next
         cache = send_workdir(plan.workdir, desc, ssh, runs_dir(desc))
@@ -296,7 +329,9 @@ def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH, plan: Plan |
     return Submission(spec.run_id, parse_job_id(out.stdout), spec.run_dir, spec)
 
 
-def _run_files(desc: ClusterDescription, opts: LaunchOptions, spec: JobSpec) -> dict[str, tuple[bytes, int]]:
+def _run_files(
+    desc: ClusterDescription, opts: LaunchOptions, spec: JobSpec, access: SlurmAccess
+) -> dict[str, tuple[bytes, int]]:
     price, price_source = node_hour_price(desc)
     record = {
         "run_id": spec.run_id,
@@ -306,6 +341,7 @@ def _run_files(desc: ClusterDescription, opts: LaunchOptions, spec: JobSpec) -> 
         "region": desc.region,
         "price_per_node_hour_usd": price,  # record_run.py prices the run's node-hours with it
         "price_source": price_source,
+        "prices_per_node_hour_usd": partition_prices(desc, access),  # per attempt, by its partition
         "submitted_by": getpass.getuser(),
         "submitted_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "job_args": opts.job_args,
@@ -322,6 +358,9 @@ def _run_files(desc: ClusterDescription, opts: LaunchOptions, spec: JobSpec) -> 
     cred = desc.results_upload
     if cred.kind == "sas" and cred.secret is not None:
         files[SAS_FILE] = (cred.secret.get_secret_value().encode(), 0o600)
+    if opts.resume_from:
+        kept = newest_kept_checkpoint(desc, check_run_id(opts.resume_from))
+        files.update({path: (data, 0o600) for path, data in kept.items()})
     return files
 
 

@@ -89,6 +89,11 @@ class Dist(Protocol):
         """
         ...
 
+    def start_vote(self, flag: bool) -> Callable[[], bool]:
+        """Start "is any rank's ``flag`` True?" without waiting (one integer, on a CPU channel that
+        never waits for the device); the returned function waits for the answer (see training.preemption)."""
+        ...
+
 
 class Backend(Dist, Protocol):
     """A job's backend: the collectives, how it stops, and the errors that mean a collective failed."""

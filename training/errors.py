@@ -6,6 +6,7 @@
 | 1    | the run failed: a peer died or stopped answering, a collective timed out, training diverged |
 | 2    | bad input: a flag, a path, a data directory, a checkpoint that does not fit (fix the command or the files) |
 | 3    | not ready (training.predict only): storage unreachable, access refused, a package missing |
+| 75   | preempted: a Spot eviction was announced (SIGUSR1); the checkpoint is saved, requeue the job |
 | 130  | interrupted (Ctrl-C) |
 """
 
@@ -19,6 +20,7 @@ class ExitCode(IntEnum):
     FAILED = 1
     BAD_INPUT = 2
     NOT_READY = 3
+    PREEMPTED = 75  # sysexits' EX_TEMPFAIL: try again later (the node agent requeues the job)
     INTERRUPTED = 130
 
 
@@ -44,6 +46,12 @@ class BadInput(JobError):
 
 class OutputPathError(BadInput):
     """An output path (checkpoint directory, metrics JSON) cannot be written, or its disk is full."""
+
+
+class Preempted(JobError):
+    """Every rank agreed to stop for an eviction, after saving a checkpoint where the job keeps them."""
+
+    exit_code = ExitCode.PREEMPTED
 
 
 class CheckpointRefused(BadInput):

@@ -31,6 +31,7 @@ from typing import NoReturn, TypeVar
 
 import psutil
 
+from training import preemption
 from training.args import parse_args
 from training.checkpoint_writer import finish_writes
 from training.distributed import Backend, launcher_rank, peer_timeout_seconds
@@ -60,6 +61,7 @@ def run_job(
     """
     args = parse(argv) if parse is not None else parse_args(framework, argv)  # a bad flag exits 2 here
     configure_logging(launcher_rank())
+    preemption.install()  # a Spot eviction: checkpoint at the next step boundary, exit PREEMPTED
     _exit(_run(args, start, train))
 
 

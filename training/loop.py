@@ -21,6 +21,7 @@ from training.distributed import PEER_TIMEOUT_SECONDS, Dist, peer_timeout_second
 from training.errors import CheckpointRefused, JobError, first_line
 from training.metrics import METRIC_KEYS, RateWindow, StepTimer, throughput, write_metrics
 from training.outputs import output_error
+from training.preemption import PreemptionWatch, stop
 from training.schedule import learning_rate
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,7 @@ class TrainingRun:
         self._last_loss: Callable[[], float] | None = None
         self._val_top1: float | None = None
         self._window = RateWindow(self.global_batch_size)
+        self._preemption = PreemptionWatch(dist)
         if dist.rank == 0:
             log.info(
                 "%s/%s: %d workers x batch %d, %d steps (%d per epoch), starting at step %d",
@@ -205,6 +207,10 @@ class TrainingRun:
             epoch = done // self.steps_per_epoch
             hook(epoch, {"epochs": epoch, "steps": done, "loss": loss(), "val_top1": self._val_top1})
             self._timer.resume()
+        if self._preemption.agreed():
+            if self._checkpoints is not None and not save_due:
+                self._save(done)
+            raise stop(done, saved=self._checkpoints is not None)
 
     def _log(self, done: int, loss: float) -> None:
         rate = self._window.rate(self._timer)
@@ -239,6 +245,7 @@ class TrainingRun:
         ``skipped`` counts this rank's unreadable images (None for synthetic data); the report
         sums all ranks. Raises :class:`JobError` after writing the metrics if the loss is not finite.
         """
+        self._preemption.close()
         if self._evaluate is not None and self._val_top1 is None:
             self._run_evaluation(self.total_steps // self.steps_per_epoch)
         loss = self._last_loss() if self._last_loss is not None else None

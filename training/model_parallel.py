@@ -66,6 +66,7 @@ from training.parallel.pipeline import (
     theoretical_bubble,
 )
 from training.parallel.sharding import AC_MODES, parallelize
+from training.preemption import PreemptionWatch, stop
 from training.pytorch import DDPBackend
 from training.text_data import TokenSource, replica_slice, token_source
 from training.torch_models import build_model
@@ -369,6 +370,7 @@ class Run:
         self.parts = build_parts(args, layout, build_mesh(layout, device.type, timeout), backend.rank, device)
         self.checkpoints = open_checkpoints(args)
         self.start_step = resume(args, backend, self.checkpoints, self.parts)
+        self.preemption = PreemptionWatch(backend)
         self.batches = Batches(args, layout.dp_rank(backend.rank), device)
         # At least one measured step whenever a step runs, so short runs still report a rate.
         self.timer = StepTimer(min(args.timing_warmup_steps, max(args.steps - self.start_step - 1, 0)))
@@ -394,6 +396,7 @@ class Run:
             self.timer.step_done()
             self.step_done(step + 1, loss)
         final = mean_loss(loss, self.device) if args.steps > self.start_step else None
+        self.preemption.close()
         return self.finish(final)
 
     def step_done(self, done: int, loss: torch.Tensor | None) -> None:
@@ -403,10 +406,15 @@ class Run:
         if done % self.args.log_every == 0:
             self.log(done, mean_loss(loss, self.device))  # collective: every rank logs at the same steps
         every = self.args.checkpoint_every
-        if self.checkpoints is not None and (done == self.args.steps or (every and done % every == 0)):
+        save_due = self.checkpoints is not None and (done == self.args.steps or bool(every and done % every == 0))
+        if save_due:
             self.timer.pause()
             self.save(done)
             self.timer.resume()
+        if self.preemption.agreed():
+            if self.checkpoints is not None and not save_due:
+                self.save(done)
+            raise stop(done, saved=self.checkpoints is not None)
 
     def log(self, done: int, loss: float) -> None:
         self.losses.append([done, loss if math.isfinite(loss) else None])

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from training import preemption
 from training.checkpoint import Fingerprint
 from training.data import (
     DataPlan,
@@ -81,6 +82,11 @@ class HorovodBackend:
         self.hvd.broadcast_(buffer, root_rank=0, name="training.broadcast_bytes")
         return buffer.numpy().tobytes()
 
+    def start_vote(self, flag: bool) -> Callable[[], bool]:
+        # a CPU tensor: Horovod reduces it over gloo in its background thread, off the GPU's stream
+        handle = self.hvd.allreduce_async(torch.tensor([int(flag)]), op=self.hvd.Sum, name="training.vote")
+        return lambda: int(self.hvd.synchronize(handle)) > 0
+
     def distribute(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, fp16_allreduce: bool
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -122,10 +128,10 @@ class DDPBackend:
         self.local_size = int(os.environ["LOCAL_WORLD_SIZE"])
         if torch.cuda.is_available():
             torch.cuda.set_device(self.local_rank)  # NCCL object collectives use the current device
-        torch.distributed.init_process_group(
-            "nccl" if torch.cuda.is_available() else "gloo",
-            timeout=timedelta(seconds=int(timeouts["DDP_TIMEOUT_SECONDS"])),
-        )
+        timeout = timedelta(seconds=int(timeouts["DDP_TIMEOUT_SECONDS"]))
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
+        # the step-boundary votes: a gloo group of their own, so that they never wait for the GPU
+        self._votes = torch.distributed.new_group(backend="gloo", timeout=timeout)
 
     def broadcast_object(self, obj: T) -> T:
         box = [obj]
@@ -144,6 +150,16 @@ class DDPBackend:
         buffer = _byte_tensor(data, size, device)
         torch.distributed.broadcast(buffer, src=0)
         return buffer.cpu().numpy().tobytes()
+
+    def start_vote(self, flag: bool) -> Callable[[], bool]:
+        box = torch.tensor([int(flag)])
+        work = torch.distributed.all_reduce(box, group=self._votes, async_op=True)
+
+        def answer() -> bool:
+            work.wait()
+            return int(box) > 0
+
+        return answer
 
     def distribute(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, fp16_allreduce: bool
@@ -256,6 +272,7 @@ def worker_error(exc: JobError) -> JobError:
 def _init_worker(rank: int, owner_pid: int, worker_id: int) -> None:
     die_with(owner_pid)  # never outlive the rank (training/lifetime.py)
     configure_logging(rank)  # so skipped-image warnings look like the rest of the log
+    preemption.ignore()  # an eviction's SIGUSR1 reaches every process of the job: it is the rank's
 
 
 def settle_auto(

@@ -74,6 +74,11 @@ class HorovodTF:
         buffer = np.frombuffer(data, dtype=np.uint8) if data is not None else np.empty(size, dtype=np.uint8)
         return hvd.broadcast(tf.constant(buffer), root_rank=0, name="training.broadcast_bytes").numpy().tobytes()
 
+    def start_vote(self, flag: bool) -> Callable[[], bool]:
+        # eager Horovod ops run at once: this one is answered before it returns
+        total = int(hvd.allreduce(tf.constant([int(flag)]), op=hvd.Sum, name="training.vote")[0])
+        return lambda: total > 0
+
     def shutdown(self) -> None:
         hvd.shutdown()
 

@@ -3,7 +3,8 @@
 The image already carries the GPU, InfiniBand and NCCL drivers, docker and the NVIDIA container
 toolkit; this adds the NFS mount, the RAID 0 over the local NVMe disks (built again at every boot
 that finds them empty), the registry login, the NCCL settings, and slurmd (configless, from Ubuntu
-22.04's Slurm packages) with its health check and the epilog that removes a job's containers.
+22.04's Slurm packages) with its health check and the epilog that removes a job's containers, and
+the Spot agent that turns an eviction notice into a checkpoint and a requeue.
 Slurm knows its nodes: nothing else records them.
 """
 
@@ -38,11 +39,12 @@ NVME_COPY_PATH = "/usr/local/bin/nvme-copy"
 SLURMD_SETUP_PATH = "/usr/local/sbin/slurmd-setup"
 HEALTH_CHECK_PATH = "/usr/local/sbin/slurm-health-check"
 EPILOG_PATH = "/usr/local/sbin/slurm-epilog"
+SPOT_AGENT_PATH = "/usr/local/sbin/spot-agent"  # spot-agent.service runs it (scripts/remote/spot_agent.py)
 # The master copy; nccl-conf.service installs it as /etc/nccl.conf after the image's own rewrite.
 NCCL_CONF_SOURCE = "/usr/local/etc/nccl.conf"
 NCCL_PROFILE_PATH = "/etc/profile.d/nccl.sh"
 UNITS_DIR = "/etc/systemd/system"
-UNITS = ("acr-login.service", "acr-login.timer", "nccl-conf.service", "nvme-raid.service")
+UNITS = ("acr-login.service", "acr-login.timer", "nccl-conf.service", "nvme-raid.service", "spot-agent.service")
 SLURMD_DROP_IN = f"{UNITS_DIR}/slurmd.service.d/configless.conf"
 # Where framework images land: the disk the health check keeps free space on.
 DOCKER_DATA_PATH = "/var/lib/docker"
@@ -98,6 +100,7 @@ def render_cluster_node(
             ),
         ),
         (EPILOG_PATH, render_script("slurm-epilog.sh", {})),
+        (SPOT_AGENT_PATH, remote_file("spot_agent.py")),
     ]
     nccl_conf = "".join(f"{key}={value}\n" for key, value in env.items())
     nccl_profile = "# NCCL/UCX settings of this cluster, as in /etc/nccl.conf; written by cloud-init.\n" + "".join(

@@ -42,6 +42,13 @@ def _power_wrapper(action: str) -> str:
     return f'#!/bin/sh\n# Run by slurmctld as SlurmUser.\nexec {POWER_PROGRAM_PATH} {action} "$@"\n'
 
 
+def _check_scale_set(scale_set_id: str, node_prefix: str) -> None:
+    if not _SCALE_SET_ID.fullmatch(scale_set_id or ""):
+        raise ValueError(f"scale_set_id: {scale_set_id!r} is not an Azure resource id")
+    if not _NODE_PREFIX.fullmatch(node_prefix or ""):
+        raise ValueError(f"node_prefix: {node_prefix!r} is not a lower-case computer name prefix (1-15 characters)")
+
+
 def render_head_node(
     *,
     slurm_conf: str,
@@ -54,26 +61,29 @@ def render_head_node(
     identity_client_id: str,
     node_prefix: str,
     admin_user: str,
+    spot_scale_set: dict[str, str] | None = None,
 ) -> str:
     """cloud-config that installs slurmctld with slurm_conf and gres_conf, the cluster's munge key
     (base64), the power programs acting on scale_set_id through the identity identity_client_id,
     mounts the NFS export at mount_path, and gives the runs directory there to admin_user (who
-    submits the jobs)."""
-    if not _SCALE_SET_ID.fullmatch(scale_set_id or ""):
-        raise ValueError(f"scale_set_id: {scale_set_id!r} is not an Azure resource id")
-    if not _NODE_PREFIX.fullmatch(node_prefix or ""):
-        raise ValueError(f"node_prefix: {node_prefix!r} is not a lower-case computer name prefix (1-15 characters)")
+    submits the jobs). spot_scale_set: the Spot nodes' scale set (scale_set_id, node_prefix and the
+    identity_client_id that powers it), powered the same way."""
+    _check_scale_set(scale_set_id, node_prefix)
     if not _USER.fullmatch(admin_user or ""):
         raise ValueError(f"admin_user: {admin_user!r} is not a Linux user name")
     for key, text in (("slurm_conf", slurm_conf), ("gres_conf", gres_conf)):
         if not isinstance(text, str) or not text.endswith("\n"):
             raise ValueError(f"{key}: must be the file's text, ending in a newline")
-    power_config = {
+    power_config: dict[str, object] = {
         "scale_set_id": scale_set_id,
         "identity_client_id": check_client_id("identity_client_id", identity_client_id),
         "node_prefix": node_prefix,
         "log_file": POWER_LOG_PATH,
     }
+    if spot_scale_set is not None:
+        _check_scale_set(spot_scale_set["scale_set_id"], spot_scale_set["node_prefix"])
+        check_client_id("spot identity_client_id", spot_scale_set["identity_client_id"])
+        power_config["spot"] = dict(spot_scale_set)
     setup = render_script(
         "head-setup.sh",
         {

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from infra.cloud_init._common import check_int, check_ipv4, check_path, render_script
-from infra.contract import HEALTH_REPORT_DIR, SLURMCTLD_PORT, SLURMD_PORT, SRUN_PORTS
+from infra.contract import HEALTH_REPORT_DIR, SLURMCTLD_PORT, SLURMD_PORT, SPOT_PARTITION, SRUN_PORTS
 
 SLURM_USER = "slurm"  # the account Debian's and Ubuntu's packages create
 # Slurm compares names case-sensitively while DNS does not: lower case keeps the two agreeing.
@@ -87,7 +87,7 @@ def _check_nodes(nodes: NodeSet) -> None:
     check_int("nodes.gpus", nodes.gpus, 0, MAX_GPUS_PER_NODE)
 
 
-def _power_lines(power: PowerSaving, partition: str) -> list[str]:
+def _power_lines(power: PowerSaving, partitions: Sequence[str]) -> list[str]:
     for key in ("suspend_program", "resume_program", "resume_fail_program"):
         check_path(f"power.{key}", getattr(power, key))
     suspend_timeout = check_int("power.suspend_timeout_s", power.suspend_timeout_s, 1, MAX_TIMEOUT_S)
@@ -96,7 +96,7 @@ def _power_lines(power: PowerSaving, partition: str) -> list[str]:
         # SuspendTime=INFINITE would switch the whole power-save module off, and with it the
         # resuming of nodes that are powered down (deallocated earlier): keep the module on (any
         # other SuspendTime; this sum is Slurm's advised minimum) and exclude the partition instead.
-        idle = [f"SuspendExcParts={partition}", f"SuspendTime={suspend_timeout + resume_timeout}"]
+        idle = [f"SuspendExcParts={','.join(partitions)}", f"SuspendTime={suspend_timeout + resume_timeout}"]
     else:
         idle = [f"SuspendTime={check_int('power.suspend_time_s', power.suspend_time_s, 60, 2**31 - 1)}"]
     return [
@@ -141,19 +141,24 @@ def render_slurm_conf(
     kill_wait_s: int = KILL_WAIT_S,
     slurmd_timeout_s: int = SLURMD_TIMEOUT_S,
     unkillable_step_timeout_s: int = UNKILLABLE_STEP_TIMEOUT_S,
+    spot_nodes: NodeSet | None = None,
 ) -> str:
-    """slurm.conf for one controller and one partition of identical, power-managed nodes.
+    """slurm.conf for one controller and a partition of identical, power-managed nodes, and with
+    spot_nodes a second one of Spot nodes (contract.SPOT_PARTITION), powered the same way.
 
     epilog: the program slurmd runs after each job (None: none). The timeouts are in seconds:
     kill_wait_s from SIGTERM to SIGKILL (at least 1), slurmd_timeout_s before a silent node is
     DOWN (at least MessageTimeout, 10), unkillable_step_timeout_s after SIGKILL before a node with
     processes left is drained (at least 50); each at most 65533.
     """
-    _check_nodes(nodes)
+    node_sets = [nodes, *([spot_nodes] if spot_nodes else [])]
+    for node_set in node_sets:
+        _check_nodes(node_set)
+    names = [name for node_set in node_sets for name in node_set.names]
+    if len(set(names)) != len(names):
+        raise ValueError("spot_nodes: their names must differ from the on-demand nodes' names")
     check_name("partition", partition)
-    node_line = f"NodeName={','.join(nodes.names)} CPUs={nodes.cpus} RealMemory={nodes.real_memory_mb}"
-    if nodes.gpus:
-        node_line += f" Gres=gpu:{nodes.gpus}"
+    partitions = [partition, *([SPOT_PARTITION] if spot_nodes else [])]
     lines = [
         "# Rendered by infra/cloud_init/slurm.py; valid for Slurm 21.08 and 22.05.",
         f"ClusterName={check_name('cluster_name', cluster_name)}",
@@ -193,21 +198,48 @@ def render_slurm_conf(
             unkillable_step_timeout_s=unkillable_step_timeout_s,
             epilog=epilog,
         ),
-        *(["GresTypes=gpu"] if nodes.gpus else []),
+        *(["GresTypes=gpu"] if any(node_set.gpus for node_set in node_sets) else []),
         f"HealthCheckProgram={check_path('health_check.program', health_check.program)}",
         f"HealthCheckInterval={check_int('health_check.interval_s', health_check.interval_s, 60, 86400)}",
         "HealthCheckNodeState=ANY",
-        *_power_lines(power, partition),
+        *_power_lines(power, partitions),
         # CLOUD: power-managed nodes, taken as powered down until their slurmd registers.
-        f"{node_line} State=CLOUD",
-        # Jobs hold the GPUs they ask for (gres), not whole nodes: two small jobs share a node, each seeing
-        # only its own GPUs (CUDA_VISIBLE_DEVICES from gres, and docker's --gpus with the job's devices).
-        # A job that asks for every GPU of a node, or --exclusive, gets the node to itself (launch does).
-        # DefCpuPerGPU: a GPU comes with its share of the node's cores for its data loaders.
-        f"PartitionName={partition} Nodes=ALL Default=YES DefaultTime={DEFAULT_JOB_TIME} MaxTime=INFINITE State=UP "
-        "OverSubscribe=NO" + (f" DefCpuPerGPU={max(1, nodes.cpus // nodes.gpus)}" if nodes.gpus else ""),
+        *(_node_line(node_set) for node_set in node_sets),
+        partition_line(
+            partition, ",".join(nodes.names) if spot_nodes else "ALL", default=True, share=cores_per_gpu(nodes)
+        ),
+        *(
+            [partition_line(SPOT_PARTITION, ",".join(spot_nodes.names), default=False, share=cores_per_gpu(spot_nodes))]
+            if spot_nodes
+            else []
+        ),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _node_line(nodes: NodeSet) -> str:
+    line = f"NodeName={','.join(nodes.names)} CPUs={nodes.cpus} RealMemory={nodes.real_memory_mb}"
+    return line + (f" Gres=gpu:{nodes.gpus}" if nodes.gpus else "") + " State=CLOUD"
+
+
+def cores_per_gpu(nodes: NodeSet) -> int | None:
+    """The cores that come with each GPU (DefCpuPerGPU): its share of the node, for its data loaders."""
+    return max(1, nodes.cpus // nodes.gpus) if nodes.gpus else None
+
+
+def partition_line(name: str, nodes: str, *, default: bool, share: int | None = None) -> str:
+    """A partition whose jobs hold the GPUs they ask for (gres), not whole nodes: two small jobs share
+    a node, each seeing only its own GPUs (CUDA_VISIBLE_DEVICES from gres, and docker's --gpus with the
+    job's devices). A job that asks for every GPU of a node, or --exclusive, gets the node to itself
+    (launch does). share: DefCpuPerGPU. The Spot partition has a higher PriorityTier than the default
+    (1), so that a job submitted to both (`launch --spot-fallback`: --partition=spot,gpu) takes Spot
+    nodes when Slurm can start it there."""
+    tier = " PriorityTier=2" if name == SPOT_PARTITION else ""
+    cores = f" DefCpuPerGPU={share}" if share else ""
+    return (
+        f"PartitionName={check_name('partition', name)} Nodes={nodes} Default={'YES' if default else 'NO'}{tier} "
+        f"DefaultTime={DEFAULT_JOB_TIME} MaxTime=INFINITE State=UP OverSubscribe=NO{cores}"
+    )
 
 
 def render_gres_conf(gpus: int, device_dir: str = "/dev") -> str:

@@ -13,3 +13,5 @@ systemctl enable --now nvme-raid.service
 systemctl start acr-login.service
 systemctl enable --now acr-login.timer
 /usr/local/sbin/slurmd-setup
+# Turns a Spot eviction notice (Scheduled Events) into a checkpoint and a requeue; idle on on-demand nodes.
+systemctl enable --now spot-agent.service

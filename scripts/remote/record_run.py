@@ -4,13 +4,18 @@
 Standard library only, Python 3.10+: the batch script (job.sh) runs it on the first node when an attempt
 ends, before the run directory is uploaded.
 
-  python3 record_run.py --run-dir RUN_DIR --nodes 2 --attempt 1 --started-at EPOCH_SECONDS --exit-code 0
+  python3 record_run.py --run-dir RUN_DIR --nodes 2 --attempt 1 --started-at EPOCH_SECONDS --exit-code 0 \
+      --partition gpu
 
-The price comes from the run's job.json, where `launch` wrote the cluster's price per node-hour (from the
-price table of `python -m scripts cost`), so the job needs no network and no table of its own. A
-requeued job runs the batch script again: each attempt is kept under its number, and the totals add
-every attempt's node-hours, because every attempt held its nodes. The cost is an estimate: list price
-times the allocation's wall time, without the minutes a node spends starting or being power-saved.
+The price comes from the run's job.json, where `launch` wrote the price per node-hour of each partition
+the job may run in (on-demand, Spot; from the price table of `python -m scripts cost`), so the job needs
+no network and no table of its own: each attempt is priced at its own partition's price. A requeued job
+runs the batch script again: each attempt is kept under its number, and the totals add every attempt's
+node-hours and cost, because every attempt held its nodes. An attempt that ended with status 75 was
+preempted (a Spot eviction: it saved a checkpoint and the node agent requeued it); the evictions the
+agent noted in the run directory (evictions.json) are listed too. The cost is an estimate: list price
+times the allocation's wall time, without the minutes a node spends starting or being power-saved
+(a Spot VM's actual price moves under its max price; the table's is the list price when it was read).
 
 Exit status: 0 written; 2 bad arguments or an unreadable job.json; 1 run.json could not be written.
 """
@@ -24,6 +29,8 @@ from datetime import datetime, timezone
 
 RECORD = "run.json"
 JOB = "job.json"
+EVICTIONS = "evictions.json"  # written by the Spot agent (spot_agent.py)
+PREEMPTED_EXIT_CODE = 75
 
 
 def _iso(epoch):
@@ -38,21 +45,40 @@ def _read(path):
         return None
 
 
-def attempt_entry(nodes, attempt, started_at, finished_at, exit_code):
+def partition_price(job, partition):
+    """The price per node-hour of the partition the attempt ran in (job.json), else the cluster's."""
+    prices = job.get("prices_per_node_hour_usd") or {}
+    return prices.get(partition, job.get("price_per_node_hour_usd"))
+
+
+def attempt_entry(nodes, attempt, started_at, finished_at, exit_code, partition=None, price=None):
     seconds = max(0, finished_at - started_at)
+    node_hours = round(nodes * seconds / 3600, 6)
     return {
         "attempt": attempt,
         "started_at": _iso(started_at),
         "finished_at": _iso(finished_at),
         "seconds": seconds,
         "nodes": nodes,
-        "node_hours": round(nodes * seconds / 3600, 6),
+        "node_hours": node_hours,
         "exit_code": exit_code,
+        "preempted": exit_code == PREEMPTED_EXIT_CODE,
+        "partition": partition,
+        "price_per_node_hour_usd": price,
+        "estimated_cost_usd": None if price is None else round(node_hours * price, 4),
     }
 
 
-def build_record(job, previous, entry):
-    """The run record: the request's identity, every attempt so far, and their totals."""
+def _total_cost(attempts, fallback_price, node_hours):
+    """The sum of the attempts' costs; records of older jobs, without a price per attempt, use the run's."""
+    costs = [a.get("estimated_cost_usd") for a in attempts]
+    if all(cost is not None for cost in costs):
+        return round(sum(costs), 4)
+    return None if fallback_price is None else round(node_hours * fallback_price, 4)
+
+
+def build_record(job, previous, entry, evictions=()):
+    """The run record: the request's identity, every attempt so far, its evictions, and their totals."""
     attempts = [a for a in (previous or {}).get("attempts", []) if a.get("attempt") != entry["attempt"]]
     attempts = sorted([*attempts, entry], key=lambda a: a["attempt"])
     node_hours = round(sum(a["node_hours"] for a in attempts), 6)
@@ -68,7 +94,8 @@ def build_record(job, previous, entry):
         "node_hours": node_hours,
         "price_per_node_hour_usd": price,
         "price_source": job.get("price_source"),
-        "estimated_cost_usd": None if price is None else round(node_hours * price, 4),
+        "estimated_cost_usd": _total_cost(attempts, price, node_hours),
+        "evictions": list(evictions),
     }
 
 
@@ -87,6 +114,7 @@ def main(argv=None):
     parser.add_argument("--attempt", type=int, required=True)
     parser.add_argument("--started-at", type=int, required=True, help="the attempt's start, in seconds since 1970")
     parser.add_argument("--exit-code", type=int, required=True)
+    parser.add_argument("--partition", help="the Slurm partition the attempt ran in (prices it)")
     args = parser.parse_args(argv)
     try:
         job = _read(os.path.join(args.run_dir, JOB))
@@ -101,8 +129,14 @@ def main(argv=None):
         previous = _read(path)
     except (OSError, ValueError):
         previous = None  # a damaged record: this attempt starts a new one rather than failing the upload
-    entry = attempt_entry(args.nodes, args.attempt, args.started_at, int(time.time()), args.exit_code)
-    record = build_record(job, previous, entry)
+    price = partition_price(job, args.partition)
+    finished_at = int(time.time())
+    entry = attempt_entry(args.nodes, args.attempt, args.started_at, finished_at, args.exit_code, args.partition, price)
+    try:
+        evictions = _read(os.path.join(args.run_dir, EVICTIONS)) or []
+    except (OSError, ValueError):
+        evictions = []  # the agent's note is a bonus: a damaged one does not lose the record
+    record = build_record(job, previous, entry, evictions)
     try:
         write_atomically(path, record)
     except OSError as exc:

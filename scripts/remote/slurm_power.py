@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Slurm power saving for an Azure VM scale set: deallocate idle nodes, start them for jobs.
+"""Slurm power saving for Azure VM scale sets: deallocate idle nodes, start them for jobs.
 
 Installed on the head node as /usr/local/sbin/slurm-power; slurmctld runs it, as SlurmUser, through
 the wrappers slurm-suspend, slurm-resume and slurm-resume-fail, with the nodes as a hostlist:
@@ -12,7 +12,9 @@ A scale set's node is named computerNamePrefix + its instance id in base 36 (six
 the instance ids come from the names without asking Azure. The token never reaches argv or a log.
 
 Python 3.10 standard library only (Ubuntu 22.04's python3); settings come from a JSON file written
-by cloud-init (SLURM_POWER_CONFIG names another).
+by cloud-init (SLURM_POWER_CONFIG names another). Its optional "spot" entry names a second scale set
+(the Spot nodes: scale_set_id, node_prefix, identity_client_id); each node goes to the set whose
+prefix it carries.
 """
 
 from __future__ import annotations
@@ -135,26 +137,48 @@ def mark_down(nodes: str, reason: str) -> None:
     subprocess.run(["scontrol", "update", f"nodename={nodes}", "state=down", f"reason={reason}"], check=True)
 
 
-def suspend(scale_set: ScaleSet, hostlist: str) -> None:
-    nodes = expand(hostlist)
-    scale_set.deallocate([scale_set.instance_id(node) for node in nodes])
-    log.info("deallocating %s", ",".join(nodes))
+def scale_sets(config: dict[str, Any]) -> list[ScaleSet]:
+    """The on-demand scale set, and the Spot one where the config has it (its own id, prefix, identity)."""
+    return [ScaleSet(config), *([ScaleSet({**config, **config["spot"]})] if config.get("spot") else [])]
 
 
-def resume(scale_set: ScaleSet, hostlist: str) -> None:
-    nodes = expand(hostlist)
-    try:
-        scale_set.start([scale_set.instance_id(node) for node in nodes])
-    except PowerError as error:
-        # Fail the nodes now rather than let their jobs wait out ResumeTimeout.
-        mark_down(hostlist, f"resume failed: {error}"[:200])
-        raise
-    log.info("starting %s", ",".join(nodes))
+def by_scale_set(sets: list[ScaleSet], hostlist: str) -> list[tuple[ScaleSet, list[str]]]:
+    """The hostlist's nodes grouped by the scale set whose prefix they carry (Slurm mixes both kinds)."""
+    groups: dict[int, list[str]] = {}
+    for node in expand(hostlist):
+        # the longest prefix that fits; a node of neither is refused by the first set's instance_id
+        index = max(
+            range(len(sets)), key=lambda i: len(sets[i].node_prefix) if node.startswith(sets[i].node_prefix) else -1
+        )
+        groups.setdefault(index, []).append(node)
+    return [(sets[index], nodes) for index, nodes in groups.items()]
 
 
-def resume_failed(scale_set: ScaleSet, hostlist: str) -> None:
+def suspend(sets: list[ScaleSet], hostlist: str) -> None:
+    for scale_set, nodes in by_scale_set(sets, hostlist):
+        scale_set.deallocate([scale_set.instance_id(node) for node in nodes])
+        log.info("deallocating %s", ",".join(nodes))
+
+
+def resume(sets: list[ScaleSet], hostlist: str) -> None:
+    for scale_set, nodes in by_scale_set(sets, hostlist):
+        try:
+            scale_set.start([scale_set.instance_id(node) for node in nodes])
+        except PowerError as error:
+            # Fail the nodes now rather than let their jobs wait out ResumeTimeout (a Spot set refused
+            # for want of capacity too: a job submitted with --spot-fallback then runs on demand).
+            mark_down(",".join(nodes), f"resume failed: {error}"[:200])
+            raise
+        log.info("starting %s", ",".join(nodes))
+
+
+def resume_failed(sets: list[ScaleSet], hostlist: str) -> None:
+    for scale_set, nodes in by_scale_set(sets, hostlist):
+        _give_up_on(scale_set, nodes)
+
+
+def _give_up_on(scale_set: ScaleSet, nodes: list[str]) -> None:
     """Nodes that did not register within ResumeTimeout: say why in their reason, stop paying for them."""
-    nodes = expand(hostlist)
     ids = {node: scale_set.instance_id(node) for node in nodes}
     for node, instance_id in ids.items():
         try:
@@ -192,7 +216,7 @@ def main(argv: list[str]) -> int:
     )
     action, hostlist = argv[1:]
     try:
-        ACTIONS[action](ScaleSet(config), hostlist)
+        ACTIONS[action](scale_sets(config), hostlist)
     except (PowerError, subprocess.CalledProcessError) as error:
         log.error("%s %s failed: %s", action, hostlist, error)
         return 1

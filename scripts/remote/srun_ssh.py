@@ -10,7 +10,8 @@ puts first on PATH before it runs horovodrun, so that horovodrun's
 (its connectivity check runs COMMAND `true`; its workers and task servers run the real commands)
 becomes
 
-  srun --jobid=$SLURM_JOB_ID --overlap --nodes=1 --ntasks=1 --nodelist=HOST --mem=0 --export=ALL bash -c COMMAND
+  srun --jobid=$SLURM_JOB_ID --overlap --nodes=1 --ntasks=1 --nodelist=HOST --mem=0 --export=ALL \
+      bash -c "trap '' USR1; COMMAND"
 
 Slurm then tracks every worker and kills it with the job (scancel, time limit, a failed node), and no
 SSH server or key is needed between the nodes. As with ssh: options may come before or after HOST,
@@ -31,6 +32,9 @@ import re
 import sys
 
 EXIT_SSH = 255  # what ssh exits with when it cannot run the command
+# An eviction's SIGUSR1 (spot_agent.py) is for the training ranks, which catch it; srun forwards it to its
+# step's tasks: the step's shell and horovod's helpers ignore it (and pass that on to the ranks, which catch it).
+IGNORE_EVICTION_SIGNAL = "trap '' USR1; "
 OPTIONS_WITH_VALUE = ("-o", "-p", "-i")  # every option horovod 0.28.1's ssh command lines carry
 HOSTNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # srun reads these as options; in the batch step they describe the whole job (sbatch sets them), and a
@@ -115,7 +119,7 @@ def srun_argv(job_id, host, command):
         "--export=ALL",
         "bash",
         "-c",
-        command,
+        IGNORE_EVICTION_SIGNAL + command,
     ]
 
 

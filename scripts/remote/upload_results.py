@@ -11,8 +11,9 @@ node's python3, from the run's `remote/` directory, whether or not the operator 
 
 Every file under RUN_DIR goes to the block blob <prefix>/<relative path> (8 at a time, smallest first,
 after a first one alone that tests the credential), except the directories `checkpoints/` (large;
-they stay on the shared file system), `remote/` (copies of these tools) and `code/` (the user's
---workdir, which stays on the share beside the run),
+they stay on the shared file system, but for the newest checkpoint with --with-newest-checkpoint,
+which a new cluster resumes from: `launch --resume-from`), `remote/` (copies of these tools) and
+`code/` (the user's --workdir, which stays on the share beside the run),
 any `*.sas` file (secrets never leave) and symbolic links. Files up to 64 MiB are sent with one
 Put Blob, larger ones in blocks (Put Block, then Put Block List); every request carries the MD5 of
 its body, and the blob keeps the MD5 of the whole file.
@@ -43,6 +44,7 @@ import http.client
 import json
 import mimetypes
 import os
+import re
 import sys
 import threading
 import time
@@ -284,15 +286,37 @@ def files_to_upload(run_dir):
     return sorted(found, key=lambda item: item[1])
 
 
-def upload_run(run_dir, container, prefix, exclude=(), threads=UPLOAD_THREADS):
-    """Upload the run directory under prefix/, but the relative paths in exclude; returns (files, bytes,
-    failures), failures mapping each relative path that did not make it to why.
+_CHECKPOINT = re.compile(r"^(?:ckpt-(\d{10})\.ckpt|step-(\d{10}))$")
+
+
+def newest_checkpoint(run_dir):
+    """(path, relative POSIX path) of the files of the newest checkpoint in RUN_DIR/checkpoints: a
+    data-parallel job's ckpt-<step>.ckpt, or a model-parallel job's committed step-<step>/ directory."""
+    directory = os.path.join(run_dir, "checkpoints")
+    found = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        match = _CHECKPOINT.match(name)
+        path = os.path.join(directory, name)
+        if match and (os.path.isfile(path) or os.path.isfile(os.path.join(path, "COMMITTED.json"))):
+            found.append((int(match.group(1) or match.group(2)), path))
+    if not found:
+        return []
+    _, newest = max(found)
+    paths = [newest] if os.path.isfile(newest) else [os.path.join(newest, n) for n in sorted(os.listdir(newest))]
+    return [(path, os.path.relpath(path, run_dir).replace(os.sep, "/")) for path in paths if os.path.isfile(path)]
+
+
+def upload_run(run_dir, container, prefix, exclude=(), threads=UPLOAD_THREADS, with_checkpoint=False):
+    """Upload the run directory under prefix/ (with its newest checkpoint), but the relative paths in
+    exclude; returns (files, bytes, failures), failures mapping each relative path that did not make it
+    to why.
 
     The first file goes alone: a refused credential or a missing container fails it, and the whole
     upload, at once. The rest go in parallel, smallest first, so that logs and metrics are up before
     the model's weights when the time runs out (KillWait after a cancel); a file that fails after its
     retries is reported, and the others still go."""
-    files = [item for item in files_to_upload(run_dir) if item[1] not in exclude]
+    found = files_to_upload(run_dir) + (newest_checkpoint(run_dir) if with_checkpoint else [])
+    files = [item for item in found if item[1] not in exclude]
     if not files:
         return 0, 0, {}
     first, rest = files[0], sorted(files[1:], key=lambda item: (os.path.getsize(item[0]), item[1]))
@@ -367,6 +391,11 @@ def build_parser():
         help="the job's status file, relative to --dir (e.g. status.json): uploaded last, after its "
         '"results" is set to uploaded, incomplete (not_uploaded lists the files) or failed (results_error)',
     )
+    parser.add_argument(
+        "--with-newest-checkpoint",
+        action="store_true",
+        help="also upload the newest checkpoint in DIR/checkpoints (kept, so that a new cluster resumes the run)",
+    )
     return parser
 
 
@@ -388,7 +417,11 @@ def main(argv=None):
         else:
             container.token = imds_token(args.client_id)
         count, size, failures = upload_run(
-            args.dir, container, args.prefix, exclude=[args.status] if args.status else []
+            args.dir,
+            container,
+            args.prefix,
+            exclude=[args.status] if args.status else [],
+            with_checkpoint=args.with_newest_checkpoint,
         )
         if args.status:  # last, and with the truth: what the other files' upload came to
             status = os.path.join(args.dir, args.status)

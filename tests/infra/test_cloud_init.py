@@ -78,6 +78,7 @@ def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
         "acr-login.timer",
         "nccl-conf.service",
         "nvme-raid.service",
+        "spot-agent.service",
     ]
     for unit in units:
         # verify insists that ExecStart binaries exist; the scripts they name are checked above.

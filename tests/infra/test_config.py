@@ -145,6 +145,13 @@ NEW_BAD_VALUES = [
     ("autostopMinutes", "1441"),
     ("autostopMinutes", "thirty"),
     ("autostopMinutes", "1.5"),
+    ("spotNodeCount", "-1"),
+    ("spotNodeCount", "101"),  # one placement group
+    ("spotEvictionPolicy", "Stop"),
+    ("spotEvictionPolicy", "deallocate"),
+    ("spotMaxPrice", "0"),
+    ("spotMaxPrice", "-2"),
+    ("spotMaxPrice", "18.123456"),  # Azure takes 5 decimals
 ]
 
 
@@ -193,6 +200,8 @@ def test_rules_across_keys_name_the_key_and_value(overrides: dict[str, str], key
         {"image": "microsoft-dsvm:ubuntu-hpc:2204:22.04.2024102301"},
         {"location": "swedencentral", "nfsVmSize": "Standard_L8s_v3", "nfsDiskCount": "16"},
         {"jumpboxVmSize": "Standard_B2s_v2", "owner": "  ml-platform@example.com  "},
+        {"spotNodeCount": "100", "spotEvictionPolicy": "Delete", "spotMaxPrice": "18.16954"},
+        {"spotNodeCount": "0", "spotMaxPrice": "-1"},
     ],
 )
 def test_valid_edges_are_accepted(accepted: dict[str, object]) -> None:

@@ -30,7 +30,7 @@ from tests.infra.azure_mocks import (
 from tests.infra.conftest import PROJECT, SSH_KEY, STACK, VALID_CONFIG, Deployment, deploy
 
 # Azure resource types that take no tags (sub-resources and extension resources).
-UNTAGGABLE = (":Subnet", ":BlobContainer", ":RoleAssignment", ":RoleDefinition")
+UNTAGGABLE = (":Subnet", ":BlobContainer", ":BlobServiceProperties", ":RoleAssignment", ":RoleDefinition")
 HEAD_IP = "10.40.63.254"  # the last usable address of the cluster subnet 10.40.0.0/18
 NODE_NAMES = ["hvd-gpu-000000", "hvd-gpu-000001", "hvd-gpu-000002", "hvd-gpu-000003"]
 
@@ -49,7 +49,7 @@ def by_name(deployment: Deployment, suffix: str, fragment: str) -> Registered:
 
 def test_declares_the_whole_deployment(deployment: Deployment) -> None:
     counts = Counter(r.type.split(":")[-1] for r in deployment.mocks.of_type(""))
-    assert counts["ResourceGroup"] == 1
+    assert counts["ResourceGroup"] == 2  # the cluster's, and the data's (kept by destroy)
     assert counts["VirtualNetwork"] == 1
     assert counts["Subnet"] >= 3
     assert counts["NetworkSecurityGroup"] >= 2
@@ -69,14 +69,18 @@ def test_components_parent_their_children(deployment: Deployment) -> None:
     }  # fmt: skip
 
 
-def test_every_resource_in_the_one_group(deployment: Deployment) -> None:
-    group = one(deployment, ":ResourceGroup")
+def test_every_resource_in_the_cluster_group_but_the_data_in_its_own(deployment: Deployment) -> None:
+    group, data = by_name(deployment, ":ResourceGroup", "hvd-rg"), by_name(deployment, ":ResourceGroup", "-data-rg")
     others = [
-        r for r in deployment.mocks.of_type("") if r is not group and not r.type.endswith(("Assignment", "Definition"))
+        r
+        for r in deployment.mocks.of_type("")
+        if r not in (group, data) and not r.type.endswith(("Assignment", "Definition"))
     ]
     assert others
+    kept = (":StorageAccount", ":BlobContainer", ":BlobServiceProperties")
     for resource in others:
-        assert resource.inputs.get("resourceGroupName") == group.outputs["name"], resource.name
+        expected = data if resource.type.endswith(kept) else group
+        assert resource.inputs.get("resourceGroupName") == expected.outputs["name"], resource.name
 
 
 def test_tags_on_every_taggable_resource(deployment: Deployment) -> None:

@@ -57,6 +57,7 @@ def test_outputs_map_to_the_description(tmp_path):
     assert desc.slurm.model_dump() == {
         "cluster_name": "hvd-dev",
         "partition": "gpu",
+        "spot_partition": None,  # the stack has no Spot nodes
         "controller_host": "hvd-dev-head",
         "controller_address": "10.20.1.4",
         "login": {"host": "10.20.1.4", "user": "azureuser", "port": 22},

@@ -365,3 +365,16 @@ def test_every_quote_in_the_shipped_table_is_a_known_size_region_and_source():
     for section in ("vm_hourly", "premium_ssd_monthly", "registry_daily"):
         for regions in getattr(table, section).values():
             assert set(regions) <= set(cost.COMMON_REGIONS)
+
+
+def test_spot_nodes_are_priced_at_the_spot_price_or_at_most_on_demand() -> None:
+    cfg = dev_config().model_copy(update={"spot_node_count": 3})
+    rows = {row.item: row for row in cost.estimate_cost(cfg, cost.load_price_table()).rows}
+    spot, on_demand = TABLE["vm_spot_hourly"][cfg.gpu_sku][cfg.location]["usd"], TABLE["vm_hourly"][cfg.gpu_sku]
+    assert rows["Spot GPU nodes, running"].usd_per_hour == per_hour(3 * spot)
+    assert rows["GPU nodes, running"].basis == f"${on_demand[cfg.location]['usd']}/h"  # both prices side by side
+    elsewhere = cfg.model_copy(update={"location": "eastus2"})  # no Spot price there in the table
+    row = next(r for r in cost.estimate_cost(elsewhere, cost.load_price_table()).rows if r.item.startswith("Spot"))
+    assert row.usd_per_hour == per_hour(3 * on_demand["eastus2"]["usd"])
+    assert row.basis.endswith("(no Spot price in the table)")
+    assert "Spot" not in {r.item.split()[0] for r in cost.estimate_cost(dev_config(), cost.load_price_table()).rows}

@@ -667,7 +667,7 @@ def test_a_worker_becomes_a_one_task_step_on_its_node_with_the_jobs_resources_th
         "--export=ALL",
         "bash",
         "-c",
-        "cd /w ; python x.py",
+        "trap '' USR1; cd /w ; python x.py",  # an eviction's SIGUSR1 is for the ranks
     ]
     # what sbatch --nodes=2 --ntasks-per-node=8 -c 4 --mem=100G --gres=gpu:8 leaves in the batch step
     batch = {

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,7 @@ import pytest
 from PIL import Image
 
 from tests.training.jobs import make_imagenet
-from training import data, metrics, outputs
+from training import data, metrics, outputs, preemption
 from training.args import MODELS, parse_args
 from training.checkpoint import (
     Checkpoint,
@@ -25,7 +27,7 @@ from training.checkpoint import (
 )
 from training.checkpoint_writer import finish_writes
 from training.distributed import FAILURE_TIMEOUTS, agree, set_failure_timeouts
-from training.errors import BadInput, CheckpointRefused, OutputPathError
+from training.errors import BadInput, CheckpointRefused, OutputPathError, Preempted
 from training.loop import TrainingRun, resume
 from training.schedule import learning_rate
 
@@ -347,6 +349,9 @@ class OneProcess:
         assert data is not None
         return data
 
+    def start_vote(self, flag: bool) -> Callable[[], bool]:
+        return lambda: flag
+
 
 def test_agree_raises_the_first_refusal_on_every_rank() -> None:
     class SecondOfTwo(OneProcess):
@@ -440,3 +445,23 @@ def test_decode_gives_rgb_crops_of_the_requested_size(tmp_path: Path, mode: str)
     for image in (train, val):
         assert image.shape == (64, 64, 3) and image.dtype == np.uint8
         assert image.min() > 240  # white stays white through draft, crop and resize
+
+
+def test_an_eviction_signal_stops_the_loop_at_the_next_agreed_boundary_with_a_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The vote is read one boundary after it was cast: signalled during step 3, every rank learns it
+    at the end of step 4, saves there (between the periodic checkpoints) and stops."""
+    monkeypatch.setattr(preemption, "_signalled", [])
+    args = parse_args("pytorch", ["--checkpoint-dir", str(tmp_path), "--steps", "10", "--checkpoint-every", "100"])
+    run = TrainingRun(
+        args, OneProcess(), framework="pytorch", steps_per_epoch=10, start_step=0, precision="fp32", device="cpu",
+        decoder=None, fingerprint=PRINT, save_state=lambda step: f"{step}".encode(),
+    )  # fmt: skip
+    with pytest.raises(Preempted, match=r"after step 4: saved the checkpoint of step 4") as stopped:
+        for step in run.steps():
+            if step == 2:
+                preemption._record(signal.SIGUSR1, None)
+            run.step_done(step, lambda: 0.5)
+    assert stopped.value.exit_code == 75 and stopped.value.every_rank
+    assert CheckpointDir(tmp_path, args.keep_checkpoints).steps() == [4]

@@ -1,0 +1,98 @@
+"""The Spot scale set under Pulumi mocks (resources built after set_mocks, preview=False, outputs known):
+the same definition as the on-demand set, with Spot priority, and the head node powering both."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.infra.azure_mocks import Registered
+from tests.infra.conftest import VALID_CONFIG, Deployment, deploy
+from tests.infra.test_stack import by_name, head_file, slurm_settings
+
+SPOT_CONFIG = {**VALID_CONFIG, "spotNodeCount": "3", "spotEvictionPolicy": "Delete", "spotMaxPrice": "25.5"}
+# What may differ between the on-demand and the Spot scale set: their names, their nodes' names, what
+# makes them Spot, how many there are.
+SPOT_ONLY = ("priority", "evictionPolicy", "billingProfile")
+
+
+@pytest.fixture(scope="module")
+def spot_deployment() -> Deployment:
+    return deploy(SPOT_CONFIG)
+
+
+def scale_sets(deployment: Deployment) -> tuple[Registered, Registered]:
+    return by_name(deployment, ":VirtualMachineScaleSet", "-gpu-"), by_name(
+        deployment, ":VirtualMachineScaleSet", "-spot-"
+    )
+
+
+def comparable(vmss: Registered) -> dict[str, Any]:
+    """The scale set's inputs less its count, names and Spot settings; the custom data as its document."""
+    inputs = json.loads(json.dumps(vmss.inputs))
+    inputs["sku"].pop("capacity")
+    profile = inputs["virtualMachineProfile"]
+    for key in SPOT_ONLY:
+        profile.pop(key, None)
+    profile["osProfile"].pop("computerNamePrefix")
+    profile["osProfile"]["customData"] = yaml.safe_load(base64.b64decode(profile["osProfile"]["customData"]))
+    inputs.pop("proximityPlacementGroup")  # one per scale set (one placement group each), checked below
+    return inputs
+
+
+def test_the_spot_scale_set_is_spot_with_the_configured_eviction_and_price(spot_deployment: Deployment) -> None:
+    on_demand, spot = scale_sets(spot_deployment)
+    profile = spot.inputs["virtualMachineProfile"]
+    assert profile["priority"] == "Spot"
+    assert profile["evictionPolicy"] == "Delete"
+    assert profile["billingProfile"] == {"maxPrice": 25.5}
+    assert spot.inputs["sku"]["capacity"] == 3
+    assert not set(SPOT_ONLY) & set(on_demand.inputs["virtualMachineProfile"])  # on demand stays on demand
+
+
+def test_the_spot_scale_set_has_the_on_demand_sets_hardening(spot_deployment: Deployment) -> None:
+    on_demand, spot = scale_sets(spot_deployment)
+    assert comparable(spot) == comparable(on_demand)  # identity, image, disks, network, security, cloud-init
+    for vmss in (on_demand, spot):
+        nics = vmss.inputs["virtualMachineProfile"]["networkProfile"]["networkInterfaceConfigurations"]
+        assert all("publicIPAddressConfiguration" not in c for nic in nics for c in nic["ipConfigurations"])
+        assert vmss.inputs["virtualMachineProfile"]["osProfile"]["linuxConfiguration"]["disablePasswordAuthentication"]
+        assert vmss.inputs["virtualMachineProfile"]["securityProfile"]["encryptionAtHost"] is True
+    placement = {vmss.inputs["proximityPlacementGroup"]["id"] for vmss in (on_demand, spot)}
+    assert len(placement) == 2  # each set its own fabric
+
+
+def test_the_head_node_makes_a_spot_partition_and_powers_the_spot_nodes(spot_deployment: Deployment) -> None:
+    _, spot = scale_sets(spot_deployment)
+    lines = head_file(spot_deployment, "/etc/slurm/slurm.conf").splitlines()
+    partitions = {line.split()[0]: line for line in lines if line.startswith("PartitionName=")}
+    spot_nodes = "hvd-spot-000000,hvd-spot-000001,hvd-spot-000002"
+    assert f"Nodes={spot_nodes} Default=NO PriorityTier=2" in partitions["PartitionName=spot"]
+    assert (
+        "Nodes=hvd-gpu-000000," in partitions["PartitionName=gpu"] and "Default=YES" in partitions["PartitionName=gpu"]
+    )
+    assert any(line.startswith(f"NodeName={spot_nodes} ") and "Gres=gpu:8" in line for line in lines)
+    assert "SuspendTime" in slurm_settings(spot_deployment)  # power saving for both kinds
+    power = json.loads(head_file(spot_deployment, "/etc/slurm/azure-power.json"))
+    spot_identity = by_name(spot_deployment, ":UserAssignedIdentity", "-spot-power")
+    assert power["spot"] == {
+        "scale_set_id": spot.id,
+        "identity_client_id": spot_identity.outputs["clientId"],
+        "node_prefix": "hvd-spot-",
+    }
+    # the identity holds its power role on the Spot scale set alone, and only the head node holds it
+    assignment = by_name(spot_deployment, ":RoleAssignment", "-spot-power-assignment")
+    assert assignment.inputs["scope"] == spot.id
+    head = by_name(spot_deployment, ":VirtualMachine", "head")
+    assert spot_identity.id in head.inputs["identity"]["userAssignedIdentities"]
+    assert spot_deployment.outputs["spot_partition"].value == "spot"
+
+
+def test_without_spot_nodes_there_is_no_spot_scale_set_nor_partition(deployment: Deployment) -> None:
+    assert [r.name for r in deployment.mocks.of_type(":VirtualMachineScaleSet")] == ["hvd-gpu-vmss"]
+    assert deployment.outputs["spot_partition"].value is None
+    assert "PartitionName=spot" not in head_file(deployment, "/etc/slurm/slurm.conf")

@@ -1,0 +1,150 @@
+"""Spot evictions on the local cluster, for real: each node's metadata endpoint (Azure's Scheduled Events
+JSON on 169.254.169.254 inside its namespace) announces a Preempt, the node's Spot agent signals the job's
+ranks, the job saves a checkpoint and exits 75, the agent has Slurm requeue it, the "platform" switches
+the node off, and the job resumes on the other node from that checkpoint. Nothing on the job's side is
+mocked: a real PyTorch job under horovodrun or torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+from scripts import local_metadata
+from scripts.cluster import ClusterDescription
+from tests.polling import wait_for
+from training.checkpoint import read_checkpoint
+
+from .conftest import local_state_dir, own_cluster, slurm_command
+from .test_launcher import cli, run_dir, status_of
+
+STEPS = 300
+JOB_ARGS = (
+    "--data", "synthetic", "--model", "simple_cnn", "--image-size", "32", "--batch-size", "8",
+    "--steps", str(STEPS), "--checkpoint-every", "20", "--log-every", "20", "--warmup-epochs", "0",
+    "--keep-checkpoints", "100",
+)  # fmt: skip
+PREEMPTED = re.compile(r"error: preempted \(SIGUSR1: a Spot eviction\) after step (\d+): saved the checkpoint")
+
+
+def launch_spot(cluster_file: Path, run_id: str, *extra: str) -> str:
+    base = ["launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--nodes", "1", "--spot"]
+    proc = cli(*base, "--run-id", run_id, "--detach", "--", *JOB_ARGS, *extra)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def node_of(desc: ClusterDescription, job_id: str) -> str:
+    def running_on() -> str | None:
+        out = slurm_command(desc, "squeue", "--noheader", f"--jobs={job_id}", "--format=%T %N").stdout.split()
+        return out[1] if out and out[0] == "RUNNING" and len(out) > 1 else None
+
+    return wait_for(running_on, 60, f"job {job_id} to run", interval=0.5)
+
+
+def wait_for_step(log: Path, step: int) -> None:
+    wait_for(lambda: log.exists() and f"step {step}/" in log.read_text(), 120, f"step {step}", interval=0.3)
+
+
+def rank_pid(run: Path) -> int:
+    """The training process (not the launcher's shell around it), found through its checkpoint directory."""
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].endswith(b"python") and b"training.pytorch" in argv and str(run).encode() in b" ".join(argv):
+            return int(entry.name)
+    raise AssertionError(f"no training process of {run}")
+
+
+def attempt_ended(desc: ClusterDescription, run_id: str, attempt: int) -> dict:
+    """The run's status once that attempt has ended; else the agents' logs say what happened."""
+    try:
+        return wait_for(
+            lambda: (s := status_of(desc, run_id)) and s["attempt"] == attempt and s, 120, f"attempt {attempt}", 0.5
+        )
+    except AssertionError as exc:
+        logs = sorted((local_state_dir(desc) / "logs").glob("spot-agent-*.log"))
+        raise AssertionError(f"{exc}\n" + "\n".join(f"{p.name}:\n{p.read_text()[-2000:]}" for p in logs)) from None
+
+
+def test_evicted_spot_jobs_checkpoint_are_requeued_and_resume_and_a_frozen_one_from_the_checkpoint_before(
+    cluster, cluster_file
+):
+    """One run, three attempts (a job's start-up is most of the time): attempt 1 is evicted, saves a
+    checkpoint within the notice and resumes on the other node; there its rank is frozen (SIGSTOP) before
+    the next notice, so it cannot save: the agent gives up waiting and requeues it (which ends the frozen
+    attempt), and attempt 3 resumes from the newest whole checkpoint, with every checkpoint file whole."""
+    run_id = "spot-evicted"
+    job_id = launch_spot(cluster_file, run_id)
+    first = node_of(cluster, job_id)
+    run, state_dir = run_dir(cluster, run_id), local_state_dir(cluster)
+    wait_for_step(run / "output.log", 60)
+    announced = time.time()
+    local_metadata.announce_preempt(state_dir, first)
+
+    # attempt 1: saved at the notice, requeued, resumed on the other node
+    status = attempt_ended(cluster, run_id, 1)
+    assert status["exit_code"] == 75
+    log = (run / "output.log").read_text()
+    saved = int(PREEMPTED.search(log).group(1))  # type: ignore[union-attr]
+    checkpoint = run / "checkpoints" / f"ckpt-{saved:010d}.ckpt"
+    assert read_checkpoint(checkpoint).step == saved
+    assert checkpoint.stat().st_mtime - announced < local_metadata.PREEMPT_NOTICE_S
+    second = node_of(cluster, job_id)
+    assert second != first
+    wait_for(lambda: f"resuming from {run / 'checkpoints'} at step {saved}" in (run / "output.log").read_text(), 60,
+             "attempt 2 to resume")  # fmt: skip
+
+    # attempt 2: frozen, cannot save by the deadline; the requeue ends it and attempt 3 resumes from the newest
+    # whole checkpoint (Slurm continues the stopped rank as it ends the attempt: it may save once more then)
+    wait_for_step(run / "output.log", (saved // 20 + 2) * 20)  # a logged step, a checkpoint or more after
+    os.kill(rank_pid(run), signal.SIGSTOP)
+    frozen_at = max(int(p.name[5:15]) for p in (run / "checkpoints").glob("ckpt-*.ckpt"))
+    local_metadata.announce_preempt(state_dir, second, notice_s=20)
+    status = attempt_ended(cluster, run_id, 3)
+    log = (run / "output.log").read_text()
+    assert status["exit_code"] == 0, log[-3000:]
+    assert "CANCELLED AT" in log and "DUE TO JOB REQUEUE" in log  # the agent stopped waiting for it
+    resumed = int(re.findall(r"resuming from \S+ at step (\d+)", log)[-1])
+    assert resumed >= frozen_at
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["steps"] == STEPS and metrics["resumed_from_step"] == resumed, metrics
+    for path in (run / "checkpoints").iterdir():  # every file whole: no temporary, none damaged
+        assert read_checkpoint(path).step == int(path.name[5:15])
+
+    record = json.loads((run / "run.json").read_text())
+    assert [(a["exit_code"], a["preempted"], a["partition"]) for a in record["attempts"]] == [
+        (75, True, "spot"),
+        (record["attempts"][1]["exit_code"], False, "spot"),
+        (0, False, "spot"),
+    ]
+    assert record["attempts"][1]["exit_code"] != 0
+    assert {a["price_per_node_hour_usd"] for a in record["attempts"]} == {0.0}  # the local cluster's price
+    assert [(e["node"], e["job_id"]) for e in record["evictions"]] == [(first, job_id), (second, job_id)]
+
+
+def test_a_run_resumes_on_a_fresh_cluster_from_the_checkpoint_it_kept_in_blob_storage(tmp_path):
+    """Every attempt keeps its newest checkpoint in the results container; the storage outlives the cluster
+    (`local up --storage-dir`, as Azure's storage outlives `pulumi destroy`), and a run on a new cluster
+    starts from it (`launch --resume-from`)."""
+    storage = tmp_path / "kept-storage"
+    runs = (("k", "kept-a", ["--requeue"], 40), ("l", "kept-b", ["--resume-from", "kept-a"], 80))
+    for letter, run_id, extra, steps in runs:
+        with own_cluster(tmp_path, letter, nodes=1, storage_dir=storage) as desc:
+            cluster_file = local_state_dir(desc) / "cluster.json"
+            args = ["launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--run-id", run_id, *extra]
+            proc = cli(*args, "--follow", "--", *with_steps(steps), timeout=300)
+            assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+            metrics = json.loads((run_dir(desc, run_id) / "metrics.json").read_text())
+    assert metrics["steps"] == 80 and metrics["resumed_from_step"] == 40, metrics
+
+
+def with_steps(steps: int) -> list[str]:
+    args = list(JOB_ARGS)
+    args[args.index("--steps") + 1] = str(steps)
+    return args

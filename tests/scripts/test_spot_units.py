@@ -1,0 +1,108 @@
+"""The Spot pieces that need no cluster: the emulated metadata endpoint's protocol and platform, the price of
+each attempt by its partition, and how `launch --spot` / `--spot-fallback` pick the partition."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from scripts import local_metadata
+from scripts.cluster import SlurmAccess, SSHEndpoint
+from scripts.errors import OperatorError
+from scripts.submit import LaunchOptions, choose_partition
+
+from .test_remote_tools import record_run
+
+EVENTS = "/metadata/scheduledevents?api-version=2020-07-01"
+
+
+@pytest.fixture
+def endpoint(tmp_path: Path) -> Iterator[str]:
+    """The node-0 endpoint of a cluster whose state is tmp_path, on a loopback port (not 169.254.169.254)."""
+    server = local_metadata.MetadataServer(tmp_path, "node-0", address="127.0.0.1", port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def ask(url: str, body: bytes | None = None, metadata: bool = True) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, data=body, headers={"Metadata": "true"} if metadata else {})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_the_endpoint_speaks_scheduled_events_and_the_platform_evicts_once_acknowledged(tmp_path, endpoint):
+    assert ask(endpoint + EVENTS, metadata=False)[0] == 400  # Azure's answer without the header
+    assert ask(endpoint + "/metadata/scheduledevents")[0] == 400  # nor without an api-version
+    assert ask(endpoint + "/metadata/instance/compute/name?api-version=2021-02-01&format=text") == (200, b"node-0")
+    event_id = local_metadata.announce_preempt(tmp_path, "node-0")
+    status, body = ask(endpoint + EVENTS)
+    document = json.loads(body)
+    [event] = document["Events"]
+    assert status == 200 and document["DocumentIncarnation"] == 1
+    assert (event["EventId"], event["EventType"], event["Resources"], event["EventStatus"]) == (
+        event_id, "Preempt", ["node-0"], "Scheduled",
+    )  # fmt: skip
+    powered_off: list[str] = []
+    local_metadata.evict_when_due(tmp_path, "node-0", lambda _, node: powered_off.append(node))
+    assert powered_off == []  # neither acknowledged nor due: 30 s away
+    assert ask(endpoint + EVENTS, json.dumps({"StartRequests": [{"EventId": event_id}]}).encode())[0] == 200
+    assert json.loads(ask(endpoint + EVENTS)[1])["Events"][0]["EventStatus"] == "Started"
+    local_metadata.evict_when_due(tmp_path, "node-1", lambda _, node: powered_off.append(node))
+    assert powered_off == []  # another node's platform leaves it alone
+    local_metadata.evict_when_due(tmp_path, "node-0", lambda _, node: powered_off.append(node))
+    assert powered_off == ["node-0"] and json.loads(ask(endpoint + EVENTS)[1])["Events"] == []
+    assert ask(endpoint + EVENTS, b"{}")[0] == 400  # an acknowledgement without StartRequests
+
+
+def test_an_unacknowledged_preempt_evicts_at_its_not_before(tmp_path):
+    local_metadata.announce_preempt(tmp_path, "node-1", notice_s=1)
+    powered_off: list[str] = []
+    time.sleep(1.1)
+    local_metadata.evict_when_due(tmp_path, "node-1", lambda _, node: powered_off.append(node))
+    assert powered_off == ["node-1"]
+
+
+def test_each_attempt_is_priced_by_the_partition_it_ran_in(tmp_path):
+    prices = {"gpu": 98.32, "spot": 18.0}
+    job = {"run_id": "r", "price_per_node_hour_usd": 98.32, "prices_per_node_hour_usd": prices}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    (tmp_path / "evictions.json").write_text(json.dumps([{"event_id": "E", "node": "hvd-spot-000001"}]))
+    now = int(time.time())
+    for attempt, partition, code in ((1, "spot", 75), (2, "gpu", 0)):
+        args = ["--nodes", "2", "--attempt", str(attempt), "--started-at", str(now - 1800), "--exit-code", str(code)]
+        assert record_run(tmp_path, *args, "--partition", partition).returncode == 0
+    record = json.loads((tmp_path / "run.json").read_text())
+    first, second = record["attempts"]
+    assert (first["partition"], first["preempted"], first["price_per_node_hour_usd"]) == ("spot", True, 18.0)
+    assert (second["partition"], second["preempted"], second["price_per_node_hour_usd"]) == ("gpu", False, 98.32)
+    assert first["estimated_cost_usd"] == pytest.approx(18.0, abs=0.2)  # 2 nodes x 30 minutes
+    assert record["estimated_cost_usd"] == pytest.approx(18.0 + 98.32, abs=1.0)
+    assert record["evictions"] == [{"event_id": "E", "node": "hvd-spot-000001"}]
+
+
+ACCESS = SlurmAccess(
+    cluster_name="hvd", partition="gpu", spot_partition="spot", controller_host="head",
+    controller_address="10.0.0.2", login=SSHEndpoint(host="10.0.0.2", user="u"),
+)  # fmt: skip
+
+
+def test_spot_flags_pick_the_partitions() -> None:
+    assert choose_partition(ACCESS, LaunchOptions("pytorch")) == "gpu"
+    assert choose_partition(ACCESS, LaunchOptions("pytorch", spot=True)) == "spot"
+    assert choose_partition(ACCESS, LaunchOptions("pytorch", spot_fallback=True)) == "spot,gpu"
+    assert LaunchOptions("pytorch", spot=True).requeued  # an eviction requeues it
+    no_spot = ACCESS.model_copy(update={"spot_partition": None})
+    with pytest.raises(OperatorError, match=r"--spot: the cluster has no Spot partition \(set spotNodeCount"):
+        choose_partition(no_spot, LaunchOptions("pytorch", spot=True))
