@@ -7,8 +7,9 @@
 # Slurm tracks a job's processes through /proc's parent links (proctrack/linuxproc: Slurm 21.08
 # cannot use cgroup v2), and loses a process whose parent died before it: it is adopted by init,
 # and survives the job (a killed rank's decode workers). Each still carries the job's SLURM_JOB_ID
-# in its environment, and a job's node runs no other job (OverSubscribe=EXCLUSIVE), so this kills
-# every process that does.
+# in its environment (with SLURM_CLUSTER_NAME: job ids are per cluster, and the local cluster's
+# nodes share one process table with any other local cluster on the machine), so this kills every
+# process that carries both. Jobs that share the node have other ids, and are left alone.
 #
 # A job's training containers are started by its steps through dockerd, so they are dockerd's
 # children, not the job's: Slurm's own kill never reaches them. The job script labels each one
@@ -39,6 +40,7 @@ if [[ ! $job =~ ^[0-9]+$ ]]; then
   log "SLURM_JOB_ID is '$job', not a job id; run by slurmd as the Epilog only"
   exit 1
 fi
+cluster=${SLURM_CLUSTER_NAME:-}
 # Our own children must not carry it: only this shell's own environment still does.
 unset SLURM_JOB_ID
 
@@ -53,11 +55,13 @@ read -r _ _ own_group _ <<<"$(stat_fields "$PROC/$$")"
 
 # Prints the pids of the live processes of the job (not zombies: they hold nothing), one per line.
 job_processes() {
-  local entry state group
+  local entry state group environ
   for entry in "$PROC"/[0-9]*; do
     read -r state _ group _ <<<"$(stat_fields "$entry")" || continue
     [[ $state == [ZX] || $group == "$own_group" ]] && continue
-    if tr '\0' '\n' 2>/dev/null <"$entry/environ" | grep -qxF "SLURM_JOB_ID=$job"; then
+    environ=$(tr '\0' '\n' 2>/dev/null <"$entry/environ") || continue
+    grep -qxF "SLURM_JOB_ID=$job" <<<"$environ" || continue
+    if [ -z "$cluster" ] || grep -qxF "SLURM_CLUSTER_NAME=$cluster" <<<"$environ"; then
       echo "${entry##*/}"
     fi
   done

@@ -588,23 +588,30 @@ def test_epilog_is_quiet_without_docker_or_its_daemon(docker: Docker) -> None:
 
 def test_epilog_kills_the_processes_of_the_job_that_slurm_lost_and_only_them(docker: Docker) -> None:
     """A process adopted by init (a killed rank's decode worker) with the job's SLURM_JOB_ID; another
-    job's process beside it. Real processes, in this machine's /proc, under a job id nobody else uses."""
+    job's process beside it, and one of another cluster's job of the same id (local clusters share the
+    machine's process table). Real processes, in this machine's /proc, under a job id nobody else uses."""
     job = str(900_000_000 + os.getpid())
-    stray, other = (
-        subprocess.Popen(["sleep", "300"], env={**os.environ, "SLURM_JOB_ID": job_id}, start_new_session=True)
-        for job_id in (job, f"{job}1")
+    stray, other, other_cluster = (
+        subprocess.Popen(
+            ["sleep", "300"],
+            env={**os.environ, "SLURM_JOB_ID": job_id, "SLURM_CLUSTER_NAME": cluster},
+            start_new_session=True,
+        )
+        for job_id, cluster in ((job, "ours"), (f"{job}1", "ours"), (job, "theirs"))
     )
     try:
         (docker.sandbox.bin / "docker").unlink(missing_ok=True)  # no docker: processes only
         result = docker.sandbox.run(
-            epilog_script(docker.sandbox, docker.socket_path, Path("/proc")), {"SLURM_JOB_ID": job}
+            epilog_script(docker.sandbox, docker.socket_path, Path("/proc")),
+            {"SLURM_JOB_ID": job, "SLURM_CLUSTER_NAME": "ours"},
         )
         assert result.returncode == 0, result.stderr
         assert stray.wait(timeout=5) == -signal.SIGKILL
         assert other.poll() is None
+        assert other_cluster.poll() is None
         assert f"killed 1 process(es) of job {job} that Slurm had lost track of" in result.stderr
     finally:
-        for process in (stray, other):
+        for process in (stray, other, other_cluster):
             process.kill()
             process.wait()
 
