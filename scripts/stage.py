@@ -633,7 +633,7 @@ SUBCOMMANDS = {
         "counts against the uploaded ones.",
         (
             "python -m scripts stage all /tmp/imagenet-mini --dataset mini",
-            "python -m scripts --cluster ~/.config/azure-horovod/cluster-dev.json stage all /data/imagenet --dataset imagenet",
+            "python -m scripts --cluster cluster-dev.json stage all /data/imagenet --dataset imagenet",
         ),
     ),
 }

@@ -134,9 +134,10 @@ def test_cli_from_stack_writes_outside_the_repository_by_default(tmp_path):
     inside = cl.REPO_ROOT / "cluster-dev.json"
     refused = run_module("scripts", "cluster", "from-stack", "--stack", "dev", "--ssh-key", str(key), "-o", str(inside))
     assert refused.returncode == 2 and not inside.exists()
-    assert refused.stderr.startswith(f"error: --output {inside} is inside the repository") and len(
-        refused.stderr.splitlines()
-    ) == 1
+    assert (
+        refused.stderr.startswith(f"error: --output {inside} is inside the repository")
+        and len(refused.stderr.splitlines()) == 1
+    )
 
 
 @pytest.mark.parametrize(
