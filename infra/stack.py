@@ -18,6 +18,7 @@ from infra.identity import (
     ScaleSetPowerIdentityArgs,
 )
 from infra.jumpbox import Jumpbox, JumpboxArgs
+from infra.key_vault import SlurmKeyVault, SlurmKeyVaultArgs
 from infra.munge import MungeKey
 from infra.network import Network, NetworkArgs
 from infra.nfs import NfsServer, NfsServerArgs
@@ -82,6 +83,10 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
     )
     slurm_cluster_name = prefix  # lower-case letters and digits, as Slurm's ClusterName wants
     munge = MungeKey(f"{prefix}-munge")
+    vault = SlurmKeyVault(
+        prefix, SlurmKeyVaultArgs(cluster_subnet_id=net.subnet_ids["cluster"], munge_key=munge.key_base64, **common)
+    )
+    vault.grant_read("nodes", identity.identity.principal_id)
     cluster = GpuCluster(
         f"{prefix}-gpu",
         GpuClusterArgs(
@@ -96,7 +101,7 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
             nfs_server_ip=nfs.private_ip,
             nfs_export_path=nfs.export_path,
             slurmctld_address=cfg.head_private_ip,
-            munge_key=munge.key_base64,
+            key_vault_uri=vault.vault_uri,
             **machine,
             **common,
         ),
@@ -104,6 +109,7 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
     power = ScaleSetPowerIdentity(
         f"{prefix}-head-power", ScaleSetPowerIdentityArgs(scale_set_id=cluster.scale_set.id, **common)
     )
+    vault.grant_read("head", power.identity.principal_id)
     head = HeadNode(
         f"{prefix}-head",
         HeadNodeArgs(
@@ -118,7 +124,7 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
             scale_set_id=cluster.scale_set.id,
             identity_id=power.identity.id,
             identity_client_id=power.identity.client_id,
-            munge_key=munge.key_base64,
+            key_vault_uri=vault.vault_uri,
             nfs_server_ip=nfs.private_ip,
             nfs_export_path=nfs.export_path,
             **machine,

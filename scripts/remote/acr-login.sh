@@ -16,16 +16,7 @@ readonly RETRY_SECONDS=20
 
 log() { echo "acr-login: $*" >&2; }
 
-# Prints one field of the JSON object on stdin; on failure names the field, never the document.
-json_field() {
-  python3 -c '
-import json, sys
-value = json.load(sys.stdin).get(sys.argv[1])
-if not value:
-    sys.exit("response has no " + sys.argv[1])
-print(value)
-' "$1"
-}
+# include json-field.sh
 
 # Runs in an `if`, where set -e is off: every step checks its own status.
 login_once() {

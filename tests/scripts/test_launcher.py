@@ -116,6 +116,17 @@ def world_writable(root: Path) -> list[str]:
     return [str(p) for p in [root, *root.rglob("*")] if not p.is_symlink() and p.lstat().st_mode & 0o002]
 
 
+def others_can_read(path: Path, root: Path) -> bool:
+    """Another user can read path: it is open to others, and so is every directory from root down to it."""
+    folders = [d for d in path.parents if d.is_relative_to(root)]
+    return all(p.stat().st_mode & bit for p, bit in [(path, 0o004), *((d, 0o001) for d in folders)])
+
+
+def readable_by_others_holding(root: Path, text: bytes) -> list[str]:
+    files = [p for p in root.rglob("*") if p.is_file() and not p.is_symlink() and others_can_read(p, root)]
+    return [str(p) for p in files if text in p.read_bytes()]
+
+
 # --- a whole job -------------------------------------------------------------------------------
 def test_two_node_job_prefixed_logs_exit_code_and_results(cluster, cluster_file, tmp_path):
     proc = cli(*launch_args(cluster_file, "--steps", "3", run_id="ok-run", extra=("--follow",)))
@@ -128,6 +139,9 @@ def test_two_node_job_prefixed_logs_exit_code_and_results(cluster, cluster_file,
     directory = run_dir(cluster, "ok-run")
     assert directory.stat().st_mode & 0o777 == 0o700
     assert world_writable(Path(cluster.shared_mount_path)) == []
+    # the SAS the job uploaded with (and staging's) is in no file another user can read: Azurite's log included
+    assert readable_by_others_holding(local_state_dir(cluster), b"sig=") == []
+    assert (local_state_dir(cluster) / "logs").stat().st_mode & 0o777 == 0o700
     # the job itself uploaded its run: logs, metrics, the request, its exit; never the SAS or checkpoints
     blobs = results_blobs(cluster, "ok-run")
     assert {"ok-run/output.log", "ok-run/metrics.json", "ok-run/job.json", "ok-run/status.json"} <= set(blobs)

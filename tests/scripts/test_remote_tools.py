@@ -317,7 +317,9 @@ def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BlobServiceCli
     location = tmp_path_factory.mktemp("azurite")
     argv = [str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(location)]
     with open(location / "azurite.log", "wb") as log:
-        proc = subprocess.Popen([*argv, "--skipApiVersionCheck"], stdout=log, stderr=log, start_new_session=True)
+        proc = subprocess.Popen(
+            [*argv, "--skipApiVersionCheck", "--silent"], stdout=log, stderr=log, start_new_session=True
+        )
     try:
         wait_port("127.0.0.1", port, 60, "Azurite", location / "azurite.log")
         endpoint = f"http://127.0.0.1:{port}/{ACCOUNT}"
