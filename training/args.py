@@ -127,12 +127,18 @@ def _add_data_flags(parser: argparse.ArgumentParser, framework: str) -> None:
 def _add_schedule_flags(parser: argparse.ArgumentParser) -> None:
     schedule = parser.add_argument_group("schedule")
     schedule.add_argument("--batch-size", type=batch_size_arg, default=64, help="per worker")
-    schedule.add_argument("--epochs", type=positive_int, default=1)
-    schedule.add_argument(
+    length = schedule.add_mutually_exclusive_group()
+    length.add_argument(
+        "--epochs",
+        type=positive_int,
+        default=1,
+        help=f"passes over the training data (default: 1; synthetic data: {DEFAULT_SYNTHETIC_STEPS} steps each)",
+    )
+    length.add_argument(
         "--steps",
         type=positive_int,
-        help="optimizer steps per epoch (default: "
-        f"{DEFAULT_SYNTHETIC_STEPS} for synthetic data, one pass over each rank's shard for ImageNet)",
+        help="optimizer steps of the whole run, instead of --epochs: as many epochs as that takes, "
+        "the last one partial (e.g. --steps 20 on data of 4 steps per epoch: 5 epochs)",
     )
     schedule.add_argument(
         "--base-lr",

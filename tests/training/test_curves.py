@@ -112,12 +112,13 @@ def test_summary_png_check_fails_on_a_missing_curve(tmp_path: Path) -> None:
 # --- the step loop (one process) ------------------------------------------------------------------
 
 
-def training_run(args: Any, evaluate: Callable[[], tuple[int, int]] | None = None) -> TrainingRun:
+def training_run(args: Any, evaluate: Callable[[], tuple[int, int]] | None = None, per_epoch: int = 4) -> TrainingRun:
     return TrainingRun(
         args,
         OneProcess(),
         framework="pytorch",
-        steps_per_epoch=args.steps,
+        steps_per_epoch=per_epoch,
+        total_steps=args.steps,
         start_step=0,
         precision="fp32",
         device="cpu",
@@ -129,7 +130,7 @@ def training_run(args: Any, evaluate: Callable[[], tuple[int, int]] | None = Non
 
 
 def test_the_loop_records_every_tag_at_global_steps(tmp_path: Path) -> None:
-    flags = ["--steps", "4", "--epochs", "2", "--log-every", "3", "--timing-warmup-steps", "1"]
+    flags = ["--steps", "8", "--log-every", "3", "--timing-warmup-steps", "1"]
     outputs_flags = ["--tensorboard-dir", str(tmp_path / "tb"), "--summary-png", str(tmp_path / "summary.png")]
     run = training_run(parse_args("pytorch", [*flags, *outputs_flags]), evaluate=lambda: (3, 4))
     for step in run.steps():

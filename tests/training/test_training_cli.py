@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.training.jobs import TINY, error_lines, horovodrun, make_imagenet, run, single, truncate_images
+from tests.training.jobs import (
+    TINY,
+    error_lines,
+    horovodrun,
+    make_imagenet,
+    read_metrics,
+    run,
+    single,
+    truncate_images,
+)
 from training.checkpoint import Fingerprint, checkpoint_path, write_checkpoint
 from training.outputs import MIN_FREE_ENV
 
@@ -89,6 +98,17 @@ def data_dir_is_a_file(tmp_path: Path) -> Case:
     return ["--data", "imagenet", "--data-dir", tmp_path / "file"], f"data directory {tmp_path / 'file'} is a file", {}
 
 
+def one_class_data_dir(tmp_path: Path) -> Case:
+    root = make_imagenet(tmp_path / "imagenet", classes=1, train_per_class=8, val_per_class=1, corrupt=0)
+    message = f"{root / 'train'} has one class (n00000000): a classifier needs at least two class folders"
+    return ["--data", "imagenet", "--data-dir", root], message, {}
+
+
+def epochs_and_steps(tmp_path: Path) -> Case:
+    # --steps is the whole run's length: with --epochs too, one of them would be ignored
+    return ["--epochs", "3"], "argument --epochs: not allowed with argument --steps", {}
+
+
 def ddp_outside_torchrun(tmp_path: Path) -> Case:
     return ["--backend", "ddp"], "--backend ddp runs under torchrun: torchrun --nproc_per_node N", {}
 
@@ -109,6 +129,8 @@ def ddp_outside_torchrun(tmp_path: Path) -> Case:
         abbreviated_flag,
         huge_batch_size,
         data_dir_is_a_file,
+        one_class_data_dir,
+        epochs_and_steps,
     ],
 )
 def test_bad_input_is_one_error_line_and_exit_2_before_training(tmp_path: Path, case: Callable[[Path], Case]) -> None:
@@ -118,6 +140,17 @@ def test_bad_input_is_one_error_line_and_exit_2_before_training(tmp_path: Path, 
     assert line.startswith(f"error: {message}"), output
     assert "Traceback" not in output
     assert "starting at step" not in output  # refused before the first step
+
+
+@pytest.mark.parametrize("framework", ["pytorch", "tensorflow", "keras"])
+def test_steps_is_the_whole_runs_length_across_epochs(tmp_path: Path, framework: str) -> None:
+    """16 images in batches of 4 are 4 steps per epoch: --steps 10 trains 10 steps, in 3 epochs."""
+    root = make_imagenet(tmp_path / "imagenet", classes=2, train_per_class=8, val_per_class=1, corrupt=0)
+    metrics = tmp_path / "metrics.json"
+    flags = ["--data", "imagenet", "--data-dir", root, "--steps", 10, "--metrics-json", metrics]
+    run(single(framework, *TINY, *flags), tmp_path / "job.log")
+    report = read_metrics(metrics)
+    assert (report["steps"], report["epochs"]) == (10, 3)
 
 
 def test_a_refusal_every_rank_meets_is_reported_once_by_rank_0(tmp_path: Path) -> None:
