@@ -25,6 +25,8 @@ from scripts import cost
 from scripts.batch import REMOTE_TOOLS, JobSpec, Launcher, LocalCopy, ResultsTarget, render_job_script
 from scripts.cluster import REPO_ROOT, ClusterDescription
 from scripts.errors import ExitCode, OperatorError
+from scripts.preflight import dataset_under_data_path, plan_preflight
+from scripts.preflight import flag_value as _flag_value
 from scripts.slurm import Slurm, parse_job_id
 from scripts.sshutil import SSH, q
 
@@ -35,7 +37,7 @@ SAS_FILE = "results.sas"
 MODEL_PARALLEL_JOB = "training.model_parallel"
 # The training jobs' output flags that `launch` points into the run directory (flag name -> path in it).
 RUN_OUTPUTS = {"export-dir": "model", "tensorboard-dir": "tensorboard", "summary-png": "summary.png"}
-_RUN_EXISTS, _NO_DATA = 17, 18  # the remote step's own exit statuses
+_RUN_EXISTS = 17  # the remote step's own exit status (scripts/preflight.py has those of its checks)
 
 
 @dataclass
@@ -153,12 +155,7 @@ def plan_local_copy(desc: ClusterDescription, opts: LaunchOptions) -> LocalCopy 
     source = _flag_value(opts.job_args, "--data-dir")
     if not source:
         raise OperatorError("--local-copy copies the job's --data-dir: pass -- --data-dir DIR (under data_path)")
-    shared = posixpath.normpath(desc.data_path)
-    relative = posixpath.relpath(posixpath.normpath(source), shared) if posixpath.isabs(source) else ".."
-    if relative == "." or relative.startswith(".."):
-        raise OperatorError(
-            f"--local-copy: --data-dir {source} is not a dataset under the cluster's data_path {shared}"
-        )
+    relative = dataset_under_data_path(desc, source, "--local-copy: --data-dir")
     return LocalCopy(source=posixpath.normpath(source), dest=posixpath.join(desc.local_data_path, relative))
 
 
@@ -221,12 +218,11 @@ def _results_target(desc: ClusterDescription) -> ResultsTarget:
 def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH) -> Submission:
     slurm = Slurm(desc, ssh)
     spec = build_spec(desc, opts, slurm)
+    checks = plan_preflight(desc, opts.job_args, entrypoint=opts.entrypoint, model_parallel=opts.model_parallel)
     files = _run_files(desc, opts, spec)
-    data_dir = _flag_value(opts.job_args, "--data-dir") or ""
     remote = (
-        f"umask 077; mkdir -p -m 0755 {q(runs_dir(desc))} || exit 1; "
+        f"umask 077; {checks.script}mkdir -p -m 0755 {q(runs_dir(desc))} || exit 1; "
         f"mkdir {q(spec.run_dir)} 2>/dev/null || exit {_RUN_EXISTS}; "
-        f"if [ -n {q(data_dir)} ] && [ ! -d {q(data_dir)} ]; then rm -rf {q(spec.run_dir)}; exit {_NO_DATA}; fi; "
         f"tar -xf - -C {q(spec.run_dir)} || exit 1; "
         f"id=$(sbatch --parsable {q(spec.run_dir + '/job.sh')}) || {{ rc=$?; rm -rf {q(spec.run_dir)}; exit $rc; }}; "
         f'echo "$id" >{q(spec.run_dir + "/job_id")}; echo "$id"'
@@ -234,11 +230,9 @@ def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH) -> Submissio
     out = slurm.run_unchecked(remote, input=_tar(files), timeout=120)
     if out.returncode == _RUN_EXISTS:
         raise OperatorError(f"run id {spec.run_id} is already used ({spec.run_dir} exists): pass another --run-id")
-    if out.returncode == _NO_DATA:
-        raise OperatorError(
-            f"--data-dir {data_dir} is not on the shared file system: stage the dataset first "
-            "(python -m scripts stage all DIR --dataset NAME)"
-        )
+    refusal = checks.refusal(out.returncode)
+    if refusal is not None:
+        raise refusal
     if out.returncode != 0:
         raise OperatorError(f"sbatch refused the job: {out.stderr.strip()[-600:]}", ExitCode.FAILED)
     return Submission(spec.run_id, parse_job_id(out.stdout), spec.run_dir, spec)
@@ -280,15 +274,6 @@ def _tar(files: dict[str, tuple[bytes, int]]) -> bytes:
             info.size, info.mode, info.mtime = len(data), mode, int(time.time())
             archive.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
-
-
-def _flag_value(args: Sequence[str], flag: str) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
 
 
 def _with_flag_value(args: Sequence[str], flag: str, value: str) -> list[str]:

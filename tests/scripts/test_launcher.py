@@ -272,19 +272,30 @@ def test_ctrl_c_without_a_terminal_detaches(cluster, cluster_file):
         (("--model-parallel", "--launcher", "horovodrun"), "runs under torchrun: leave out --launcher horovodrun"),
         (("--model-parallel", "--entrypoint", "job.py"), "leave out --entrypoint"),
         (("--local-copy",), "--local-copy copies the job's --data-dir"),
-        (("--local-copy", "--", "--data-dir", "/etc"), "is not a dataset under the cluster's data_path"),
+        (("--local-copy", "--", "--data-dir", "/etc"), "--local-copy: --data-dir /etc is not a dataset under"),
+        (("--", "--data-dir", "/etc"), "--data-dir /etc is not a dataset under the cluster's data path"),
+        (("--entrypoint", "/nonexistent/x.py"), "--entrypoint /nonexistent/x.py: /nonexistent/x.py does not exist"),
     ],
 )
 def test_bad_requests_are_refused_clearly(cluster_file, extra, message):
     base = ["launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--detach"]
     proc = cli(*base, *extra, "--", "--steps", "1")
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if "error:" in line]) == 1, proc.stderr
 
 
-def test_missing_dataset_and_reused_run_id_are_refused(cluster, cluster_file):
-    proc = cli(*launch_args(cluster_file, "--data-dir", "/nonexistent/data", run_id="no-data", extra=("--detach",)))
-    assert proc.returncode == 2 and "not on the shared file system" in proc.stderr
+def test_missing_or_one_class_dataset_and_reused_run_id_are_refused(cluster, cluster_file):
+    missing = f"{cluster.data_path}/no-such-dataset"
+    proc = cli(*launch_args(cluster_file, "--data-dir", missing, run_id="no-data", extra=("--detach",)))
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: --data-dir {missing} is not on the shared file")
     assert not run_dir(cluster, "no-data").exists()
+    one_class = Path(cluster.data_path) / "one-class"
+    (one_class / "train" / "n01440764").mkdir(parents=True)
+    args = ("--data", "imagenet", "--data-dir", str(one_class))
+    proc = cli("launch", "--cluster", str(cluster_file), "--framework", "keras", "--run-id", "one-class", "--", *args)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert f"--data-dir {one_class} has one class folder under train/: a classifier needs at least two" in proc.stderr
+    assert not run_dir(cluster, "one-class").exists()
     (run_dir(cluster, "taken")).mkdir(parents=True, mode=0o700)
     proc = cli(*launch_args(cluster_file, run_id="taken", extra=("--detach",)))
     assert proc.returncode == 2 and "already used" in proc.stderr
