@@ -87,7 +87,8 @@ def _report(exc: BaseException, debug: bool, backend: Backend | None, liveness: 
         _print_error("interrupted")
         return ExitCode.INTERRUPTED
     if isinstance(exc, JobError):
-        if exc.every_rank and backend is not None and backend.rank != 0:
+        rank = backend.rank if backend is not None else launcher_rank()  # met before the backend started
+        if exc.every_rank and rank != 0:
             time.sleep(QUIET_RANK_DELAY_SECONDS)
         else:
             _print_error(str(exc))

@@ -22,6 +22,7 @@ from tests.training.jobs import (
     truncate_images,
 )
 from training.checkpoint import Fingerprint, checkpoint_path, write_checkpoint
+from training.launcher_exit import horovod_first_failure, report
 from training.outputs import MIN_FREE_ENV
 
 Case = tuple[list[object], str, dict[str, str]]  # job flags, the error message expected, extra environment
@@ -153,6 +154,27 @@ def test_steps_is_the_whole_runs_length_across_epochs(tmp_path: Path, framework:
     assert (report["steps"], report["epochs"]) == (10, 3)
 
 
+@pytest.mark.parametrize("launcher", ["torchrun", "horovodrun"])
+def test_the_wrapped_launchers_exit_2_on_bad_input_with_one_line_and_no_traceback(
+    tmp_path: Path, launcher: str
+) -> None:
+    """The plain launchers raise after a worker fails: a 25-line traceback, exit 1. Wrapped, the
+    worker's own status and line: a layout the world cannot take (the README's torchrun command),
+    a data directory that is not there (horovodrun)."""
+    if launcher == "torchrun":
+        job = ["-m", "training.model_parallel", "--model", "gpt-tiny", "--pp", 3, "--seq-len", 64, "--steps", 2]
+        cmd = [sys.executable, "-m", "training.torchrun", "--standalone", "--nproc-per-node", 2, *job]
+        message = "--tp 1 x --pp 3 = 3 does not divide the world size 2"
+    else:
+        job = [sys.executable, "-m", "training.pytorch", *TINY, "--data", "imagenet", "--data-dir", tmp_path / "no"]
+        cmd = [sys.executable, "-m", "training.horovodrun", "-np", 2, "-H", "localhost:2", "--gloo", *job]
+        message = f"data directory {tmp_path / 'no'} does not exist"
+    output = run(cmd, tmp_path / "job.log", expect_rc=2)
+    [line] = error_lines(output)
+    assert line.endswith(f"error: {message}") or message in line, output
+    assert "Traceback" not in output and "ChildFailedError" not in output and "RuntimeError" not in output
+
+
 def test_a_refusal_every_rank_meets_is_reported_once_by_rank_0(tmp_path: Path) -> None:
     flags, message, _ = corrupt_only_checkpoint(tmp_path)
     output = run(horovodrun(2, "pytorch", *TINY, "--steps", 2, *flags), tmp_path / "job.log", expect_rc=1)
@@ -266,3 +288,14 @@ def test_a_job_exits_with_its_status_though_a_thread_outlives_its_backend(
     assert "trained" in output  # the log was flushed before the process left
     assert error_lines(output) == ([message] if message else [])
     assert ("Traceback" in output) == (outcome == "bug")  # only a bug gets its traceback
+
+
+def test_a_worker_ended_by_a_signal_is_named_and_exits_as_a_shell_would(capsys: pytest.CaptureFixture[str]) -> None:
+    # horovod 0.28.1's message for the first failed process
+    message = "Horovod detected that one or more processes exited with non-zero status, thus causing the job "
+    message += "to be terminated. The first process to do so was:\nProcess name: 1\nExit code: -9\n"
+    assert horovod_first_failure(RuntimeError(message)) == ("process 1", -9)
+    assert horovod_first_failure(RuntimeError("something else")) is None
+    assert report("process 1", -9) == 137
+    assert capsys.readouterr().err == "error: process 1 was killed by SIGKILL\n"
+    assert report("rank 0", 2) == 2 and capsys.readouterr().err == ""
