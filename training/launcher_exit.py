@@ -15,7 +15,6 @@ or usage error and goes out as it would.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import signal
 import sys
@@ -43,8 +42,6 @@ def debugging(argv: Sequence[str]) -> bool:
 
 
 def run_horovodrun(argv: Sequence[str]) -> int:
-    # horovodrun imports TensorFlow, whose C++ INFO lines are noise here (as the jobs set it)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from horovod.runner.launch import run_commandline
 
     return _run(["horovodrun", *argv], run_commandline, horovod_first_failure, debugging(argv))
