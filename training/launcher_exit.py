@@ -7,9 +7,10 @@ worker's `error:` line and exits 1, whatever the worker's status was: bad input 
 failed job (1). `python -m training.horovodrun` and `python -m training.torchrun` take exactly the
 launchers' arguments; a worker's failure becomes the exit status of the first worker to fail (a
 signal N as 128 + N, as a shell reports it), with no traceback: the worker has said what was
-wrong, or, if a signal ended it, one `error:` line here says which. `--debug` among the worker's
-flags keeps the launchers' tracebacks and logs. Anything else the launcher raises is its own bug
-or usage error and goes out as it would.
+wrong, or, if a signal ended it, one `error:` line here says which. A launcher that refuses its own
+arguments (a ValueError or an assertion, e.g. `--nproc-per-node 0`) is one `error:` line and exit 2.
+`--debug` among the worker's flags keeps the launchers' tracebacks and logs. Anything else the
+launcher raises is its own bug and goes out as it would.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
+
+from training.errors import ExitCode, first_line
 
 # horovod 0.28.1 (the last release), horovod/runner/gloo_run.py: launch_gloo's message.
 _HOROVOD_FIRST_FAILURE = re.compile(r"Process name: (\S+)\s+Exit code: (-?\d+)")
@@ -83,8 +86,14 @@ def _run(
     try:
         launch()
     except Exception as exc:
-        failed = worker_failure(exc)
-        if failed is None or debug:
+        if debug:
             raise
-        return report(*failed)
-    return 0
+        failed = worker_failure(exc)
+        if failed is not None:
+            return report(*failed)
+        if isinstance(exc, ValueError | AssertionError):  # the launcher refused its own arguments
+            why = first_line(exc) if str(exc).strip() else "its arguments do not fit together (--debug shows where)"
+            print(f"error: {argv0[0]}: {why}", file=sys.stderr, flush=True)
+            return ExitCode.BAD_INPUT
+        raise
+    return ExitCode.OK

@@ -22,7 +22,7 @@ from tests.training.jobs import (
     truncate_images,
 )
 from training.checkpoint import Fingerprint, checkpoint_path, write_checkpoint
-from training.launcher_exit import horovod_first_failure, report
+from training.launcher_exit import horovod_first_failure, report, run_torchrun
 from training.outputs import MIN_FREE_ENV
 
 Case = tuple[list[object], str, dict[str, str]]  # job flags, the error message expected, extra environment
@@ -299,3 +299,13 @@ def test_a_worker_ended_by_a_signal_is_named_and_exits_as_a_shell_would(capsys: 
     assert report("process 1", -9) == 137
     assert capsys.readouterr().err == "error: process 1 was killed by SIGKILL\n"
     assert report("rank 0", 2) == 2 and capsys.readouterr().err == ""
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # pytest's captured stderr has no fileno
+def test_a_launcher_refusing_its_own_arguments_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = sys.argv
+    try:
+        assert run_torchrun(["--nproc-per-node", "x", "-m", "training.pytorch"]) == 2
+    finally:
+        sys.argv = argv
+    assert capsys.readouterr().err == "error: torchrun: Unsupported nproc_per_node value: x\n"
