@@ -16,9 +16,10 @@ readonly RETRY_SECONDS=20
 
 log() { echo "acr-login: $*" >&2; }
 
-# include json-field.sh
+# include azure-common.sh
 
 # Runs in an `if`, where set -e is off: every step checks its own status.
+# shellcheck disable=SC2317  # run through retry, which shellcheck cannot follow
 login_once() {
   local aad_token refresh_token
   aad_token=$(curl -fsS --max-time 30 -H Metadata:true "$IMDS_TOKEN_URL" | json_field access_token) || return 1
@@ -30,15 +31,9 @@ login_once() {
       --username "$ACR_TOKEN_USER" --password-stdin >&2
 }
 
-for ((attempt = 1; attempt <= ATTEMPTS; attempt++)); do
-  if login_once; then
-    log "logged in to $ACR_LOGIN_SERVER"
-    exit 0
-  fi
-  if ((attempt < ATTEMPTS)); then
-    log "attempt $attempt/$ATTEMPTS failed; retrying in ${RETRY_SECONDS}s"
-    sleep "$RETRY_SECONDS"
-  fi
-done
+if retry login_once; then
+  log "logged in to $ACR_LOGIN_SERVER"
+  exit 0
+fi
 log "could not log in to $ACR_LOGIN_SERVER after $ATTEMPTS attempts"
 exit 1

@@ -19,9 +19,10 @@ readonly RETRY_SECONDS=${MUNGE_KEY_RETRY_SECONDS:-20}
 
 log() { echo "munge-key: $*" >&2; }
 
-# include json-field.sh
+# include azure-common.sh
 
 # Runs in an `if`, where set -e is off: every step checks its own status.
+# shellcheck disable=SC2317  # run through retry, which shellcheck cannot follow
 fetch_once() {
   local token tmp
   token=$(curl -fsS --max-time 30 -H Metadata:true "$IMDS_TOKEN_URL" | json_field access_token) || return 1
@@ -38,15 +39,9 @@ fetch_once() {
 }
 
 umask 077
-for ((attempt = 1; attempt <= ATTEMPTS; attempt++)); do
-  if fetch_once; then
-    log "the munge key is in $KEY_PATH"
-    exit 0
-  fi
-  if ((attempt < ATTEMPTS)); then
-    log "attempt $attempt/$ATTEMPTS failed; retrying in ${RETRY_SECONDS}s"
-    sleep "$RETRY_SECONDS"
-  fi
-done
+if retry fetch_once; then
+  log "the munge key is in $KEY_PATH"
+  exit 0
+fi
 log "could not read secret $SECRET_NAME from $VAULT_URI after $ATTEMPTS attempts"
 exit 1

@@ -48,7 +48,7 @@ from tests.infra.documents import (
     slurm_conf,
 )
 from tests.infra.sandbox import Sandbox, add_port, shell_value, with_value
-from tests.local_http import serving
+from tests.local_http import reply_json, serving
 
 HEALTH_CHECK = "/usr/local/sbin/slurm-health-check"
 EPILOG = "/usr/local/sbin/slurm-epilog"
@@ -825,12 +825,7 @@ class KeyVault(BaseHTTPRequestHandler):
             self._reply(401, {"error": {"code": "Unauthorized"}})
 
     def _reply(self, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        reply_json(self, status, body)
 
     def log_message(self, *args: object) -> None:
         pass

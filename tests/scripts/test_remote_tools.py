@@ -32,7 +32,7 @@ from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, gener
 from scripts.daemons import free_port, wait_port
 from scripts.processes import stop_process_group
 from scripts.remote import annotate_output, srun_ssh, upload_results
-from tests.local_http import serving
+from tests.local_http import reply_json, serving
 
 REPO = Path(__file__).resolve().parents[2]
 REMOTE = REPO / "scripts" / "remote"
@@ -489,12 +489,7 @@ class IMDS(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         IMDS.requests.append((self.path, dict(self.headers)))
         status, body = IMDS.replies.pop(0)
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        reply_json(self, status, body)
 
     def log_message(self, *args: object) -> None:
         pass
