@@ -14,9 +14,10 @@ import argparse
 import sys
 
 from infra.contract import FRAMEWORKS
-from scripts.cli import add_cluster_option, arg_type, int_between, non_empty
+from scripts.cli import add_cluster_option, arg_type, debugging, int_between, non_empty
 from scripts.cluster import load
 from scripts.follow import ask_cancel_or_detach, follow
+from scripts.launcher_noise import without_launcher_tracebacks
 from scripts.runs import Run
 from scripts.slurm import Slurm
 from scripts.sshutil import SSH
@@ -120,10 +121,15 @@ def run(args: argparse.Namespace) -> int:
             return 0
         slurm = Slurm(desc, ssh)
         job = Run(submitted.run_id, submitted.job_id, submitted.run_dir)
+        echo = show_line if debugging(args) else without_launcher_tracebacks(show_line)
         try:
-            return follow(desc, ssh, slurm, job)
+            return follow(desc, ssh, slurm, job, echo=echo)
         except KeyboardInterrupt:
             return ask_cancel_or_detach(slurm, job)
+
+
+def show_line(line: str) -> None:
+    print(line, flush=True)
 
 
 def announce(submitted: Submission) -> None:

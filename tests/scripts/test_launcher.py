@@ -173,6 +173,9 @@ def test_a_failing_rank_sets_the_exit_status_and_is_named(cluster, cluster_file)
     assert proc.returncode == 3, out[-4000:]
     assert "rank 1 on node-1 failed" in out
     assert status_of(cluster, "fail-run")["exit_code"] == 3
+    # horovodrun's traceback stays in the run's log, off the console
+    assert "Traceback" not in out and "[horovodrun] Process 1 exit with status code 3." in out
+    assert "Traceback (most recent call last):" in (run_dir(cluster, "fail-run") / "output.log").read_text()
 
 
 # --- the queue -------------------------------------------------------------------------------------
