@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
+
+from training.distributed import QUIET_RANK_DELAY_SECONDS, launcher_rank
 
 T = TypeVar("T", int, float)
 
@@ -25,6 +28,9 @@ class Parser(argparse.ArgumentParser):
         super().__init__(allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> NoReturn:
+        if launcher_rank() != 0:  # every rank parses the same flags: rank 0 alone says what is wrong
+            time.sleep(QUIET_RANK_DELAY_SECONDS)
+            self.exit(2)
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 

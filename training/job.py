@@ -32,17 +32,13 @@ from typing import NoReturn, TypeVar
 import psutil
 
 from training.args import parse_args
-from training.distributed import Backend, launcher_rank
+from training.distributed import QUIET_RANK_DELAY_SECONDS, Backend, launcher_rank
 from training.errors import ExitCode, JobError, first_line
 from training.liveness import Liveness
 from training.loop import configure_logging
 from training.outputs import check_output_paths
 
 B = TypeVar("B", bound=Backend)
-
-# A rank other than 0 that meets an error every rank meets leaves the report to rank 0, and
-# lets rank 0 exit first: launchers stop the others at the first exit and report that one.
-QUIET_RANK_DELAY_SECONDS = 10.0
 
 
 def run_job(

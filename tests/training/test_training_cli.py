@@ -160,15 +160,16 @@ def test_the_wrapped_launchers_exit_2_on_bad_input_with_one_line_and_no_tracebac
 ) -> None:
     """The plain launchers raise after a worker fails: a 25-line traceback, exit 1. Wrapped, the
     worker's own status and line: a layout the world cannot take (the README's torchrun command),
-    a data directory that is not there (horovodrun)."""
+    a flag every rank refuses (horovodrun)."""
     if launcher == "torchrun":
         job = ["-m", "training.model_parallel", "--model", "gpt-tiny", "--pp", 3, "--seq-len", 64, "--steps", 2]
         cmd = [sys.executable, "-m", "training.torchrun", "--standalone", "--nproc-per-node", 2, *job]
         message = "--tp 1 x --pp 3 = 3 does not divide the world size 2"
     else:
-        job = [sys.executable, "-m", "training.pytorch", *TINY, "--data", "imagenet", "--data-dir", tmp_path / "no"]
+        # a flag every rank refuses as it parses: rank 0 alone says so
+        job = [sys.executable, "-m", "training.pytorch", *TINY, "--steps", 0]
         cmd = [sys.executable, "-m", "training.horovodrun", "-np", 2, "-H", "localhost:2", "--gloo", *job]
-        message = f"data directory {tmp_path / 'no'} does not exist"
+        message = "argument --steps: must be a positive integer, got 0"
     output = run(cmd, tmp_path / "job.log", expect_rc=2)
     [line] = error_lines(output)
     assert line.endswith(f"error: {message}") or message in line, output
