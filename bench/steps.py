@@ -42,7 +42,7 @@ def job_rate(
     extra: tuple[str, ...] = (),
 ) -> float:
     """Aggregate images/s of ``python -m training.<framework>`` on synthetic data."""
-    args = ["--data", "synthetic", "--epochs", "1", "--log-every", str(shape.steps), *shape.args(), *extra]
+    args = ["--data", "synthetic", "--log-every", str(shape.steps), *shape.args(), *extra]
     if launcher == "ddp":
         args += ["--backend", "ddp"]
     metrics = proc.run_json(launcher, workers, f"training.{framework}", args, threads)

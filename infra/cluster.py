@@ -74,7 +74,7 @@ class GpuClusterArgs:
     nfs_server_ip: str
     nfs_export_path: str
     slurmctld_address: str  # the head node's private IP, from which slurmd fetches its configuration
-    munge_key: pulumi.Input[str]  # base64, secret
+    key_vault_uri: pulumi.Input[str]  # where the nodes fetch the munge key with the identity
     tags: Mapping[str, str]
     spot: SpotPolicy | None = None  # None: regular (on-demand) VMs
 
@@ -100,8 +100,8 @@ class GpuCluster(pulumi.ComponentResource):
             tags=args.tags,
             opts=child,
         )
-        # Secret because the munge key is in it (Output.all keeps an input's secrecy).
-        self.custom_data = pulumi.Output.all(args.acr_login_server, args.identity_client_id, args.munge_key).apply(
+        # No secret in it: the munge key is fetched from Key Vault at boot (infra/key_vault.py).
+        self.custom_data = pulumi.Output.all(args.acr_login_server, args.identity_client_id, args.key_vault_uri).apply(
             lambda values: encode_custom_data(
                 render_cluster_node(
                     nfs_server_ip=args.nfs_server_ip,
@@ -112,7 +112,7 @@ class GpuCluster(pulumi.ComponentResource):
                     nccl_env=self.nccl_env,
                     expected_gpus=args.sku.gpus_per_node,
                     slurmctld_address=args.slurmctld_address,
-                    munge_key=values[2],
+                    key_vault_uri=values[2],
                     nvme_disks=args.sku.nvme_disks,
                     nvme_mount=args.sku.nvme_mount,
                 )

@@ -61,7 +61,7 @@ class HeadNodeArgs(MachineArgs):
     scale_set_id: pulumi.Input[str]
     identity_id: pulumi.Input[str]  # the holder of the scale set's power role, on this VM alone
     identity_client_id: pulumi.Input[str]
-    munge_key: pulumi.Input[str]  # base64, secret
+    key_vault_uri: pulumi.Input[str]  # where the node fetches the munge key with its identity
     nfs_server_ip: str
     nfs_export_path: str
     spot: SpotNodes | None = None  # the `spot` partition's scale set, if the stack has one
@@ -100,17 +100,17 @@ class HeadNode(pulumi.ComponentResource):
     def __init__(self, name: str, args: HeadNodeArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("hvd:infra:HeadNode", name, None, opts)
         conf = slurm_conf(name, args)
-        # Secret because the munge key is in it (Output.all keeps an input's secrecy).
+        # No secret in it: the munge key is fetched from Key Vault at boot (infra/key_vault.py).
         spot = args.spot
         spot_inputs = [spot.scale_set_id, spot.identity_client_id] if spot else []
         self.custom_data = pulumi.Output.all(
-            args.scale_set_id, args.identity_client_id, args.munge_key, *spot_inputs
+            args.scale_set_id, args.identity_client_id, args.key_vault_uri, *spot_inputs
         ).apply(
             lambda values: encode_custom_data(
                 render_head_node(
                     slurm_conf=conf,
                     gres_conf=render_gres_conf(args.sku.gpus_per_node),
-                    munge_key=values[2],
+                    key_vault_uri=values[2],
                     nfs_server_ip=args.nfs_server_ip,
                     nfs_export_path=args.nfs_export_path,
                     mount_path=SHARED_MOUNT_PATH,

@@ -13,6 +13,9 @@ from infra.contract import CONTAINER_SSH_PORT, SLURMCTLD_PORT, SLURMD_PORT, SRUN
 # Azure's default rules allow all traffic from inside the VNet at priority 65000; a deny at
 # the lowest user priority overrides them, so only the rules above it admit anything.
 DENY_ALL_PRIORITY = 4096
+# Azure services a subnet reaches over the backbone, whose firewalls admit that subnet: nodes and the
+# NFS server read blob storage; the head node and the nodes fetch the munge key from Key Vault.
+SERVICE_ENDPOINTS = {"cluster": ("Microsoft.Storage", "Microsoft.KeyVault"), "nfs": ("Microsoft.Storage",)}
 
 
 @dataclass
@@ -116,10 +119,11 @@ class Network(pulumi.ComponentResource):
                 virtual_network_name=self.vnet.name,
                 address_prefix=args.subnets[role],
                 network_security_group=network.NetworkSecurityGroupArgs(id=nsg.id),
-                # Nodes and the NFS server reach blob storage over the Azure backbone.
-                service_endpoints=[network.ServiceEndpointPropertiesFormatArgs(service="Microsoft.Storage")]
-                if role in ("cluster", "nfs")
-                else None,
+                service_endpoints=[
+                    network.ServiceEndpointPropertiesFormatArgs(service=service)
+                    for service in SERVICE_ENDPOINTS.get(role, ())
+                ]
+                or None,
                 # Outbound only (apt, registry pulls); nothing here has an inbound public IP.
                 # A NAT gateway is the managed alternative where policy requires explicit egress.
                 default_outbound_access=True,

@@ -18,6 +18,7 @@ from infra.identity import (
     ScaleSetPowerIdentityArgs,
 )
 from infra.jumpbox import Jumpbox, JumpboxArgs
+from infra.key_vault import SlurmKeyVault, SlurmKeyVaultArgs
 from infra.munge import MungeKey
 from infra.network import Network, NetworkArgs
 from infra.nfs import NfsServer, NfsServerArgs
@@ -86,6 +87,10 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
     )
     slurm_cluster_name = prefix  # lower-case letters and digits, as Slurm's ClusterName wants
     munge = MungeKey(f"{prefix}-munge")
+    vault = SlurmKeyVault(
+        prefix, SlurmKeyVaultArgs(cluster_subnet_id=net.subnet_ids["cluster"], munge_key=munge.key_base64, **common)
+    )
+    vault.grant_read("nodes", identity.identity.principal_id)  # the on-demand and the Spot nodes' identity
     nodes = {
         "subnet_id": net.subnet_ids["cluster"],
         "sku_name": cfg.gpu_sku,
@@ -97,7 +102,7 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
         "nfs_server_ip": nfs.private_ip,
         "nfs_export_path": nfs.export_path,
         "slurmctld_address": cfg.head_private_ip,
-        "munge_key": munge.key_base64,
+        "key_vault_uri": vault.vault_uri,
         **machine,
         **common,
     }
@@ -105,6 +110,7 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
     power = ScaleSetPowerIdentity(
         f"{prefix}-head-power", ScaleSetPowerIdentityArgs(scale_set_id=cluster.scale_set.id, **common)
     )
+    vault.grant_read("head", power.identity.principal_id)
     spot = _spot_nodes(cfg, nodes) if cfg.spot_node_count else None
     head = HeadNode(
         f"{prefix}-head",
@@ -121,7 +127,7 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
             identity_id=power.identity.id,
             identity_client_id=power.identity.client_id,
             spot=spot,
-            munge_key=munge.key_base64,
+            key_vault_uri=vault.vault_uri,
             nfs_server_ip=nfs.private_ip,
             nfs_export_path=nfs.export_path,
             **machine,

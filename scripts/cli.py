@@ -62,14 +62,19 @@ def add_cluster_option(parser: argparse.ArgumentParser, top_level: bool = False)
     )
 
 
+def debugging(args: argparse.Namespace | None) -> bool:
+    """--debug was given (args), or SCRIPTS_DEBUG is set: show tracebacks."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0") or bool(getattr(args, "debug", False))
+
+
 def run_cli(
     parser: argparse.ArgumentParser, body: Callable[[argparse.Namespace], int], argv: Sequence[str] | None = None
 ) -> int:
     """Parse argv and run body; every failure becomes `error: ...` on stderr and its exit status."""
-    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    debug = debugging(None)
     try:
         args = parser.parse_args(argv)
-        debug = debug or getattr(args, "debug", False)
+        debug = debugging(args)
         return int(body(args))
     except OperatorError as exc:
         return _report(str(exc), exc.exit_code, debug)

@@ -40,6 +40,9 @@ from scripts.slurm_time import check_time_limit
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_LOCAL_STATE = REPO_ROOT / ".local-cluster"
 DEFAULT_DESCRIPTION = DEFAULT_LOCAL_STATE / "cluster.json"
+# Where `cluster from-stack` writes an Azure description by default: outside the repository, so that
+# neither git nor `images` (az acr build .) can carry its SAS anywhere.
+CONFIG_DIR_NAME = "azure-horovod"
 # Image repository per framework in the registry; the Keras job runs in the TensorFlow image.
 IMAGE_REPOSITORIES = {"pytorch": "hvd-pytorch", "tensorflow": "hvd-tensorflow", "keras": "hvd-tensorflow"}
 # Version 2: the node registry went (Slurm knows the nodes), `results_upload` came, `storage_python`
@@ -55,6 +58,22 @@ def check_image_tag(tag: str) -> str:
             f"invalid image tag {tag!r}: up to 128 letters, digits, '_', '.' and '-', not starting with '.' or '-'"
         )
     return tag
+
+
+def user_config_dir() -> Path:
+    """$XDG_CONFIG_HOME/azure-horovod, else ~/.config/azure-horovod (the operator's own, not the repository)."""
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base).expanduser() / CONFIG_DIR_NAME
+
+
+def check_outside_repository(path: Path, what: str) -> None:
+    """Refuse a secret-holding file inside this repository: git could commit it and `images` uploads it."""
+    resolved = path.expanduser().resolve()
+    if resolved.is_relative_to(REPO_ROOT):
+        raise OperatorError(
+            f"{what} {path} is inside the repository {REPO_ROOT}, and the file holds the data SAS "
+            f"(git or `images` could carry it away): write it outside, e.g. {user_config_dir()}/"
+        )
 
 
 def check_private_key(path: str | Path) -> Path:
@@ -438,22 +457,24 @@ shared file system, blob storage, Slurm and the job runtime. `local up` writes o
 cluster; `cluster from-stack` writes one from an Azure stack's outputs."""
 FROM_STACK_TEXT = """\
 Read `pulumi stack output --json --show-secrets` of a stack and write the cluster description
-(mode 0600: it holds the read-only data SAS). Needs the Pulumi CLI, logged in to the stack's backend."""
+(mode 0600 in a 0700 directory: it holds the read-only data SAS). It goes to your config directory,
+never into this repository (refused there: git or `images` could carry the SAS away). Needs the
+Pulumi CLI, logged in to the stack's backend."""
 FROM_STACK_EXAMPLES = """\
 examples:
-  python -m scripts cluster from-stack --stack dev -o cluster-dev.json
+  python -m scripts cluster from-stack --stack dev      # -> ~/.config/azure-horovod/cluster-dev.json
   python -m scripts cluster from-stack --stack dev --runtime host --ssh-key ~/.ssh/azure_key
-  export CLUSTER_DESCRIPTION=$PWD/cluster-dev.json      # every command reads it from then on
+  export CLUSTER_DESCRIPTION=~/.config/azure-horovod/cluster-dev.json   # every command reads it from then on
 """
 CLUSTER_EXAMPLES = """\
 examples:
-  python -m scripts cluster from-stack --stack dev -o cluster-dev.json
-  python -m scripts cluster show --cluster cluster-dev.json
+  python -m scripts cluster from-stack --stack dev
+  python -m scripts cluster show --cluster ~/.config/azure-horovod/cluster-dev.json
 """
 SHOW_EXAMPLES = """\
 examples:
   python -m scripts cluster show                        # $CLUSTER_DESCRIPTION, else the local cluster's
-  python -m scripts cluster show --cluster cluster-dev.json
+  python -m scripts cluster show --cluster ~/.config/azure-horovod/cluster-dev.json
 """
 
 
@@ -523,7 +544,11 @@ def _from_stack_arguments(parser: argparse.ArgumentParser) -> None:
         help="known_hosts file for this cluster (default: ~/.ssh/known_hosts.STACK)",
     )
     parser.add_argument(
-        "-o", "--output", type=non_empty, metavar="FILE", help="file to write (default: cluster-STACK.json)"
+        "-o",
+        "--output",
+        type=non_empty,
+        metavar="FILE",
+        help=f"file to write, outside this repository (default: {user_config_dir()}/cluster-STACK.json)",
     )
     parser.add_argument(
         "--cwd",
@@ -536,10 +561,15 @@ def _from_stack_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _from_stack(args: argparse.Namespace) -> int:
     key = check_private_key(args.ssh_key)
-    output = Path(args.output or f"cluster-{args.stack}.json").expanduser()
-    if output.is_dir():
-        raise OperatorError(f"--output {output} is a directory: pass a file name")
-    check_directory(output.parent, "the directory of --output")
+    if args.output:
+        output = Path(args.output).expanduser()
+        if output.is_dir():
+            raise OperatorError(f"--output {output} is a directory: pass a file name")
+        check_outside_repository(output, "--output")
+        check_directory(output.parent, "the directory of --output")
+    else:
+        output = user_config_dir() / f"cluster-{args.stack}.json"
+        make_private_directory(output.parent)
     desc = from_pulumi_stack(
         args.stack,
         key,
@@ -550,7 +580,16 @@ def _from_stack(args: argparse.Namespace) -> int:
         default_time_limit=args.default_time,
     )
     print(f"wrote {desc.save(output)} (mode 0600: it holds the read-only data SAS)")
+    print(f"use it with: export CLUSTER_DESCRIPTION={output}")
     return 0
+
+
+def make_private_directory(path: Path) -> None:
+    """Create the config directory only its owner can enter (an existing one keeps its mode)."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise explain_os_error(exc, "create the config directory") from None
 
 
 def _show(args: argparse.Namespace) -> int:

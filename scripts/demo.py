@@ -58,7 +58,6 @@ def job_flags(desc: ClusterDescription, steps: int, batch_size: int, image_size:
         "--image-size", str(image_size),
         "--model", model,
         "--batch-size", str(batch_size),
-        "--epochs", "1",
         "--steps", str(steps),
         "--warmup-epochs", "0",
         "--timing-warmup-steps", "2",

@@ -17,10 +17,11 @@ import sys
 from infra.contract import FRAMEWORKS
 from scripts.allocation import add_allocation_arguments, cost_line
 from scripts.batch import render_job_script
-from scripts.cli import add_cluster_option, arg_type, non_empty, positive_number
+from scripts.cli import add_cluster_option, arg_type, debugging, non_empty, positive_number
 from scripts.cluster import ClusterDescription, load
 from scripts.errors import OperatorError
 from scripts.follow import ask_cancel_or_detach, follow
+from scripts.launcher_noise import without_launcher_tracebacks
 from scripts.runs import Run
 from scripts.slurm import Slurm
 from scripts.sshutil import SSH
@@ -208,8 +209,9 @@ def run(args: argparse.Namespace) -> int:
             return 0
         slurm = Slurm(desc, ssh)
         job = Run(submitted.run_id, submitted.job_id, submitted.run_dir)
+        echo = show_line if debugging(args) else without_launcher_tracebacks(show_line)
         try:
-            return follow(desc, ssh, slurm, job)
+            return follow(desc, ssh, slurm, job, echo=echo)
         except KeyboardInterrupt:
             return ask_cancel_or_detach(slurm, job)
 
@@ -224,6 +226,10 @@ def show_request(desc: ClusterDescription, plan: Plan) -> None:
             f"after .gitignore) -> {plan.spec.workdir}"
         )
     console.print(cost_line(plan.allocation, desc, price, source))
+
+
+def show_line(line: str) -> None:
+    print(line, flush=True)
 
 
 def announce(submitted: Submission) -> None:

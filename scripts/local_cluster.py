@@ -262,6 +262,8 @@ def _up(
     root = Path(state.state_dir)
     for sub in ("ssh", "hostkeys", "sshd", "logs", "shared/data", "shared/runs", "azurite"):
         (root / sub).mkdir(parents=True, exist_ok=True)
+    # the daemons' logs are root's alone: a request URL, a key path or a job's environment may show there
+    (root / "logs").chmod(0o700)
     # the nodes' health reports: root's, readable by every user (as cloud-init makes it on Azure)
     (root / "shared" / HEALTH_REPORT_DIR).mkdir(mode=0o755, exist_ok=True)
     key = root / "ssh" / "id_ed25519"
@@ -389,7 +391,8 @@ def _start_azurite(state: LocalState, azurite: Path) -> None:
     argv = [
         str(azurite),
         *("--blobHost", state.azurite_host, "--blobPort", str(state.azurite_port)),
-        *("--location", str(location), "--skipApiVersionCheck"),
+        # --silent: no access log, whose every line would hold the request's full URL, SAS signature included
+        *("--location", str(location), "--skipApiVersionCheck", "--silent"),
     ]
     start_daemon(state, "azurite", argv, str(location))
 

@@ -10,6 +10,7 @@ their output in STATE/logs/<role>.log, and are recorded in the cluster's state.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -69,8 +70,8 @@ def sshd_config_path(state: LocalState, role: str) -> Path:
 
 
 def start_daemon(state: LocalState, role: str, argv: list[str], marker: str) -> int:
-    """Start a daemon in its own session, output to STATE/logs/<role>.log, and record its pid."""
-    with open(state.logs / f"{role}.log", "ab") as out:
+    """Start a daemon in its own session, output to STATE/logs/<role>.log (0600), and record its pid."""
+    with open(os.open(state.logs / f"{role}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )

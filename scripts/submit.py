@@ -28,6 +28,8 @@ from scripts.batch import REMOTE_TOOLS, JobSpec, Launcher, LocalCopy, ResultsTar
 from scripts.cluster import REPO_ROOT, ClusterDescription, SlurmAccess
 from scripts.errors import ExitCode, OperatorError
 from scripts.kept_checkpoints import newest_kept_checkpoint
+from scripts.preflight import dataset_under_data_path, plan_preflight
+from scripts.preflight import flag_value as _flag_value
 from scripts.slurm import Slurm, parse_job_id, require_slurm
 from scripts.sshutil import SSH, q
 from scripts.workdir import CODE_SUBDIR, MAX_WORKDIR_MB, Workdir, check_workdir, send_workdir
@@ -39,7 +41,7 @@ SAS_FILE = "results.sas"
 MODEL_PARALLEL_JOB = "training.model_parallel"
 # The training jobs' output flags that `launch` points into the run directory (flag name -> path in it).
 RUN_OUTPUTS = {"export-dir": "model", "tensorboard-dir": "tensorboard", "summary-png": "summary.png"}
-_RUN_EXISTS, _NO_DATA = 17, 18  # the remote step's own exit statuses
+_RUN_EXISTS = 17  # the remote step's own exit status (scripts/preflight.py has those of its checks)
 
 
 @dataclass
@@ -219,12 +221,7 @@ def plan_local_copy(desc: ClusterDescription, opts: LaunchOptions) -> LocalCopy 
     source = _flag_value(opts.job_args, "--data-dir")
     if not source:
         raise OperatorError("--local-copy copies the job's --data-dir: pass -- --data-dir DIR (under data_path)")
-    shared = posixpath.normpath(desc.data_path)
-    relative = posixpath.relpath(posixpath.normpath(source), shared) if posixpath.isabs(source) else ".."
-    if relative == "." or relative.startswith(".."):
-        raise OperatorError(
-            f"--local-copy: --data-dir {source} is not a dataset under the cluster's data_path {shared}"
-        )
+    relative = dataset_under_data_path(desc, source, "--local-copy: --data-dir")
     return LocalCopy(source=posixpath.normpath(source), dest=posixpath.join(desc.local_data_path, relative))
 
 
@@ -302,16 +299,17 @@ def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH, plan: Plan |
     slurm = Slurm(desc, ssh)
     plan = plan or build_spec(desc, opts)
     spec = plan.spec
+    # the user's own command (--workdir) has no flags of ours to check
+    job_args = [] if opts.workdir else opts.job_args
+    checks = plan_preflight(desc, job_args, entrypoint=opts.entrypoint, model_parallel=opts.model_parallel)
     files = _run_files(desc, opts, spec, slurm.access)
     code = ""
     if plan.workdir:  # the last upload of this directory, copied: the job runs a snapshot, whatever changes next
         cache = send_workdir(plan.workdir, desc, ssh, runs_dir(desc))
         code = f"cp -a {q(cache + '/.')} {q(posixpath.join(spec.run_dir, CODE_SUBDIR))} || exit 1; "
-    data_dir = "" if opts.workdir else _flag_value(opts.job_args, "--data-dir") or ""
     remote = (
-        f"umask 077; mkdir -p -m 0755 {q(runs_dir(desc))} || exit 1; "
+        f"umask 077; {checks.script}mkdir -p -m 0755 {q(runs_dir(desc))} || exit 1; "
         f"mkdir {q(spec.run_dir)} 2>/dev/null || exit {_RUN_EXISTS}; "
-        f"if [ -n {q(data_dir)} ] && [ ! -d {q(data_dir)} ]; then rm -rf {q(spec.run_dir)}; exit {_NO_DATA}; fi; "
         f"tar -xf - -C {q(spec.run_dir)} || exit 1; {code}"
         f"id=$(sbatch --parsable {q(spec.run_dir + '/job.sh')}) || {{ rc=$?; rm -rf {q(spec.run_dir)}; exit $rc; }}; "
         f'echo "$id" >{q(spec.run_dir + "/job_id")}; echo "$id"'
@@ -319,11 +317,9 @@ def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH, plan: Plan |
     out = slurm.run_unchecked(remote, input=_tar(files), timeout=120)
     if out.returncode == _RUN_EXISTS:
         raise OperatorError(f"run id {spec.run_id} is already used ({spec.run_dir} exists): pass another --run-id")
-    if out.returncode == _NO_DATA:
-        raise OperatorError(
-            f"--data-dir {data_dir} is not on the shared file system: stage the dataset first "
-            "(python -m scripts stage all DIR --dataset NAME)"
-        )
+    refusal = checks.refusal(out.returncode)
+    if refusal is not None:
+        raise refusal
     if out.returncode != 0:
         raise OperatorError(f"sbatch refused the job: {out.stderr.strip()[-600:]}", ExitCode.FAILED)
     return Submission(spec.run_id, parse_job_id(out.stdout), spec.run_dir, spec)
@@ -372,15 +368,6 @@ def _tar(files: dict[str, tuple[bytes, int]]) -> bytes:
             info.size, info.mode, info.mtime = len(data), mode, int(time.time())
             archive.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
-
-
-def _flag_value(args: Sequence[str], flag: str) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
 
 
 def _with_flag_value(args: Sequence[str], flag: str, value: str) -> list[str]:

@@ -4,6 +4,7 @@ Retail Prices API, a storage account that refuses): shared by the suites of both
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,3 +22,13 @@ def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+def reply_json(handler: http.server.BaseHTTPRequestHandler, status: int, body: object) -> None:
+    """Answer the handler's request with status and body as JSON, as Azure's endpoints do."""
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)

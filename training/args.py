@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
+
+from training.distributed import QUIET_RANK_DELAY_SECONDS, launcher_rank
 
 T = TypeVar("T", int, float)
 
@@ -25,6 +28,9 @@ class Parser(argparse.ArgumentParser):
         super().__init__(allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> NoReturn:
+        if launcher_rank() != 0:  # every rank parses the same flags: rank 0 alone says what is wrong
+            time.sleep(QUIET_RANK_DELAY_SECONDS)
+            self.exit(2)
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
@@ -129,12 +135,18 @@ def _add_data_flags(parser: argparse.ArgumentParser, framework: str) -> None:
 def _add_schedule_flags(parser: argparse.ArgumentParser) -> None:
     schedule = parser.add_argument_group("schedule")
     schedule.add_argument("--batch-size", type=batch_size_arg, default=64, help="per worker")
-    schedule.add_argument("--epochs", type=positive_int, default=1)
-    schedule.add_argument(
+    length = schedule.add_mutually_exclusive_group()
+    length.add_argument(
+        "--epochs",
+        type=positive_int,
+        default=1,
+        help=f"passes over the training data (default: 1; synthetic data: {DEFAULT_SYNTHETIC_STEPS} steps each)",
+    )
+    length.add_argument(
         "--steps",
         type=positive_int,
-        help="optimizer steps per epoch (default: "
-        f"{DEFAULT_SYNTHETIC_STEPS} for synthetic data, one pass over each rank's shard for ImageNet)",
+        help="optimizer steps of the whole run, instead of --epochs: as many epochs as that takes, "
+        "the last one partial (e.g. --steps 20 on data of 4 steps per epoch: 5 epochs)",
     )
     schedule.add_argument(
         "--base-lr",

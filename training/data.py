@@ -213,15 +213,15 @@ def decode_val(path: str, size: int) -> np.ndarray:
     return decode_region(path, size, center_crop_box)
 
 
-def steps_per_epoch(train_images: int, world_size: int, batch_size: int, requested: int | None) -> int:
-    """Steps in one pass over a rank's shard (every rank gets the same count), capped by --steps."""
+def steps_per_epoch(train_images: int, world_size: int, batch_size: int) -> int:
+    """Steps in one pass over a rank's shard (every rank gets the same count)."""
     full = train_images // world_size // batch_size
     if full == 0:
         raise DataDirError(
             f"{train_images} training images are fewer than one batch per rank "
             f"({world_size} ranks x batch {batch_size})"
         )
-    return full if requested is None else min(requested, full)
+    return full
 
 
 def train_keys(
@@ -293,20 +293,27 @@ class DataPlan:
     val: ImageFolder | None
     num_classes: int
     steps_per_epoch: int
+    total_steps: int  # --steps, else --epochs x steps_per_epoch; the last epoch may be partial
 
 
 def plan_data(args: argparse.Namespace, world_size: int) -> DataPlan:
-    """Index ImageNet (or not, for synthetic data) and fix classes and steps per epoch."""
+    """Index ImageNet (or not, for synthetic data) and fix classes, the epoch and the run's length."""
     if args.data == "synthetic":
-        steps = args.steps or DEFAULT_SYNTHETIC_STEPS
-        return DataPlan(None, None, args.num_classes or 1000, steps)
+        # no data to pass over: an "epoch" (LR schedule, checkpoints) is --steps, or a fixed count
+        per_epoch = args.steps or DEFAULT_SYNTHETIC_STEPS
+        return DataPlan(None, None, args.num_classes or 1000, per_epoch, args.steps or args.epochs * per_epoch)
     train, val = load_imagenet(args.data_dir, args.image_size, args.seed)
     num_classes = len(train.classes)
+    if num_classes < 2:
+        raise DataDirError(
+            f"{train.root} has one class ({train.classes[0]}): a classifier needs at least two class folders"
+        )
     if args.num_classes is not None:
         if args.num_classes < num_classes:
             raise DataDirError(f"{train.root} has {num_classes} classes, more than --num-classes {args.num_classes}")
         num_classes = args.num_classes
-    return DataPlan(train, val, num_classes, steps_per_epoch(len(train), world_size, args.batch_size, args.steps))
+    per_epoch = steps_per_epoch(len(train), world_size, args.batch_size)
+    return DataPlan(train, val, num_classes, per_epoch, args.steps or args.epochs * per_epoch)
 
 
 def default_workers(local_size: int) -> int:

@@ -8,7 +8,6 @@ mode, and when either module is not installed.
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 from collections.abc import Callable
@@ -18,6 +17,8 @@ from typing import NamedTuple
 
 import numpy as np
 from PIL import Image
+
+from training.images import open_image
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def jpeg_dims(data: bytes) -> tuple[int, int] | None:
     if FAST is not None:
         return _fast_dims(FAST, data)
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with open_image(data) as img:
             return img.size if img.format == "JPEG" and img.mode in ("RGB", "L") else None
     except (OSError, SyntaxError, Image.DecompressionBombError):
         return None
@@ -119,7 +120,7 @@ def _fast_region(fast: FastModules, data: bytes, dims: tuple[int, int], size: in
 def _pillow_region(data: bytes, size: int, choose_box: BoxChooser) -> np.ndarray:
     """The reference path. JPEG ``draft`` decodes at 1/2, 1/4 or 1/8 scale directly (much faster than
     a full decode plus resize); we ask for the smallest scale at which the box still has ``size`` pixels."""
-    with Image.open(io.BytesIO(data)) as img:
+    with open_image(data) as img:
         full_w, full_h = img.size
         left, top, w, h = choose_box(full_w, full_h)
         img.draft("RGB", (math.ceil(full_w * size / w), math.ceil(full_h * size / h)))

@@ -59,6 +59,11 @@ def peer_timeout_seconds(backend: str, env: Mapping[str, str] = os.environ) -> f
         return None
 
 
+# A rank other than 0 that meets an error every rank meets leaves the report to rank 0, and
+# lets rank 0 exit first: launchers stop the others at the first exit and report that one.
+QUIET_RANK_DELAY_SECONDS = 10.0
+
+
 def launcher_rank(env: Mapping[str, str] = os.environ) -> int:
     """This process's rank as its launcher set it (horovodrun, torchrun), before a backend starts."""
     return int(env.get("HOROVOD_RANK", env.get("RANK", "0")))

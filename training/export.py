@@ -194,8 +194,7 @@ class Exporter:
         return self._epoch_end if self.args.export_every_epoch else None
 
     def _epoch_end(self, epoch: int, progress: dict[str, Any]) -> None:
-        if epoch < self.args.epochs:  # the last epoch's export is the final one, with all the metrics
-            self._export(progress)
+        self._export(progress)  # not called at the run's end: the final export carries all the metrics
 
     def final(self, metrics: Mapping[str, Any]) -> None:
         """The export of the finished run, with the metrics :meth:`TrainingRun.finish` returned."""

@@ -34,18 +34,13 @@ import psutil
 from training import preemption
 from training.args import parse_args
 from training.checkpoint_writer import finish_writes
-from training.distributed import Backend, launcher_rank, peer_timeout_seconds
+from training.distributed import QUIET_RANK_DELAY_SECONDS, Backend, launcher_rank, peer_timeout_seconds
 from training.errors import BadInput, ExitCode, JobError, first_line
 from training.liveness import Liveness
 from training.loop import configure_logging
 from training.outputs import check_output_paths
 
 B = TypeVar("B", bound=Backend)
-
-# A rank other than 0 that meets an error every rank meets (or bad input, which every rank is
-# likely to meet) leaves the report to rank 0, and lets rank 0 exit first: launchers stop the
-# others at the first exit and report that one.
-QUIET_RANK_DELAY_SECONDS = 10.0
 
 
 def run_job(
@@ -94,7 +89,8 @@ def _report(exc: BaseException, debug: bool, backend: Backend | None, liveness: 
     if isinstance(exc, JobError):
         # Bad input (a broken data directory) is usually every rank's: rank 0 reports it, and the
         # launcher stops the others while they wait, so that the log holds one error line.
-        quiet = backend is not None and backend.rank != 0 and (exc.every_rank or isinstance(exc, BadInput))
+        rank = backend.rank if backend is not None else launcher_rank()  # met before the backend started
+        quiet = rank != 0 and (exc.every_rank or isinstance(exc, BadInput))
         if quiet:
             time.sleep(QUIET_RANK_DELAY_SECONDS)
         if not (quiet and exc.every_rank):

@@ -40,7 +40,7 @@ def resume(
     args: argparse.Namespace,
     dist: Dist,
     fingerprint: Fingerprint,
-    steps_per_epoch: int,
+    total_steps: int,
     decode: Callable[[bytes], T],
 ) -> tuple[int, T | None]:
     """Rank 0 finds the newest valid checkpoint; every rank gets its ``(step, state)``.
@@ -54,7 +54,7 @@ def resume(
     refusal: str | None = None
     if dist.rank == 0 and args.checkpoint_dir is not None:
         try:
-            found = _find_checkpoint(args, fingerprint, args.epochs * steps_per_epoch, decode)
+            found = _find_checkpoint(args, fingerprint, total_steps, decode)
         except CheckpointRefused as exc:
             refusal = str(exc)
     step, refusal = dist.broadcast_object((found.step if found else 0, refusal))
@@ -75,9 +75,8 @@ def _find_checkpoint(
     found = checkpoints.load_latest(fingerprint, decode, args.ignore_bad_checkpoints)
     if found is not None and found.step > total_steps:
         raise CheckpointRefused(
-            f"checkpoint {found.path} is at step {found.step}, past this run's {total_steps} steps "
-            f"({args.epochs} epochs x {total_steps // args.epochs}): raise --epochs or --steps to continue it, "
-            "or use another --checkpoint-dir"
+            f"checkpoint {found.path} is at step {found.step}, past this run's {total_steps} steps: "
+            "raise --steps or --epochs to continue it, or use another --checkpoint-dir"
         )
     return found
 
@@ -105,6 +104,7 @@ class TrainingRun:
         *,
         framework: str,
         steps_per_epoch: int,
+        total_steps: int,
         start_step: int,
         precision: str,
         device: str,
@@ -119,7 +119,8 @@ class TrainingRun:
         self.dist = dist
         self.framework = framework
         self.steps_per_epoch = steps_per_epoch
-        self.total_steps = args.epochs * steps_per_epoch
+        self.total_steps = total_steps
+        self.epochs = math.ceil(total_steps / steps_per_epoch)  # the last one may be partial
         self.start_step = start_step
         self.global_batch_size = args.batch_size * dist.size
         self.precision = precision
@@ -129,7 +130,7 @@ class TrainingRun:
         self._save_state = save_state  # rank 0's payload; collective_save: every rank calls it, rank 0's is written
         self._collective_save = collective_save
         self._evaluate = evaluate
-        self._on_epoch_end = on_epoch_end  # every rank, after evaluation: (epoch, progress so far)
+        self._on_epoch_end = on_epoch_end  # every rank, after evaluation, each epoch but the last: (epoch, progress)
         self._checkpoints = CheckpointDir(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
         self._writer: CheckpointWriter | None = None
         # how long rank 0 may hold its peers while it writes a checkpoint: half what they would wait
@@ -184,7 +185,8 @@ class TrainingRun:
             done == self.total_steps or (done % every == 0 if every else epoch_end)
         )
         eval_due = epoch_end and self._evaluate is not None
-        hook = self._on_epoch_end if epoch_end else None
+        # the end of the last epoch is the run's end, which finish() reports
+        hook = self._on_epoch_end if epoch_end and done < self.total_steps else None
         timing_edge = done - self.start_step == self.excluded or done == self.total_steps
         if timing_edge or save_due or eval_due or hook is not None or log_due:
             loss()  # wait for the device, so the clock and the pauses see finished work
@@ -263,7 +265,7 @@ class TrainingRun:
             batch_size_per_worker=self.args.batch_size,
             global_batch_size=self.global_batch_size,
             steps=self.total_steps,
-            epochs=self.args.epochs,
+            epochs=self.epochs,
             warmup_steps_excluded=self.excluded if self._timer.measured_steps else 0,
             images_per_sec=images_per_sec,
             images_per_sec_per_worker=per_worker,

@@ -208,7 +208,10 @@ def start(args: argparse.Namespace) -> DDPBackend:
         raise BadInput(
             "training.model_parallel runs under torchrun: torchrun --nproc-per-node N -m training.model_parallel ..."
         )
-    layout_of(args, int(os.environ["WORLD_SIZE"]))  # a bad layout is refused before any process group starts
+    try:  # a bad layout is refused before any process group starts
+        layout_of(args, int(os.environ["WORLD_SIZE"]))
+    except BadInput as exc:  # every rank finds it: rank 0 alone says so
+        raise BadInput(str(exc), every_rank=True) from None
     return DDPBackend()
 
 

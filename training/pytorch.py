@@ -453,7 +453,7 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
     skipped = SkipCounter()
     shapes = ((name, tuple(tensor.shape)) for name, tensor in model.state_dict().items())
     fingerprint = Fingerprint.of("pytorch", args.model, plan.num_classes, shapes)
-    start_step, state = resume(args, backend, fingerprint, plan.steps_per_epoch, decode_state)
+    start_step, state = resume(args, backend, fingerprint, plan.total_steps, decode_state)
     if state is not None:
         restore(args, start_step, lambda: model.load_state_dict(state["model"]))
     if sync.mode == HIERARCHICAL:
@@ -480,6 +480,7 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
         backend,
         framework="pytorch",
         steps_per_epoch=plan.steps_per_epoch,
+        total_steps=plan.total_steps,
         start_step=start_step,
         precision=precision,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

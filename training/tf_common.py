@@ -248,6 +248,7 @@ class Setup:
             self.dist,
             framework=framework,
             steps_per_epoch=self.plan.steps_per_epoch,
+            total_steps=self.plan.total_steps,
             start_step=self.start_step,
             precision=self.precision,
             device=device_name(),
@@ -345,7 +346,7 @@ def setup(
     # Keras' variable names depend on how many models the process built before: shapes only.
     shapes = (tuple(v.shape) for v in model.variables)
     fingerprint = Fingerprint.of("tensorflow", args.model, plan.num_classes, shapes)
-    start_step, state = resume(args, dist, fingerprint, plan.steps_per_epoch, decode_state)
+    start_step, state = resume(args, dist, fingerprint, plan.total_steps, decode_state)
     if state is not None:
         restore(args, start_step, lambda: _assign("model", model.variables, state))
         restore(args, start_step, lambda: _assign("optimizer", optimizer.variables, state))

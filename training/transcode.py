@@ -23,6 +23,8 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
+from training.images import open_image
+
 IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")  # what the loader (training/data.py) reads as an image
 TEMP_SUFFIX = ".transcode-tmp"  # an output being written; what a killed run leaves goes with the stale files
 
@@ -51,7 +53,7 @@ class TranscodeSummary:
 def transcode_jpeg(data: bytes, short_side: int, quality: int = 90) -> bytes:
     """Decode an image (any format Pillow reads), resize its short side to `short_side` (never up),
     and encode it as an RGB baseline JPEG without metadata."""
-    with Image.open(io.BytesIO(data)) as img:
+    with open_image(data) as img:
         width, height = img.size
         scale = min(1.0, short_side / min(width, height))
         size = (max(1, round(width * scale)), max(1, round(height * scale)))

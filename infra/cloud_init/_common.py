@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
 import ipaddress
 import re
 import shlex
@@ -16,7 +14,8 @@ import yaml
 # Azure rejects customData larger than 65535 bytes (before base64).
 MAX_CUSTOM_DATA_BYTES = 65535
 MUNGE_KEY_PATH = "/etc/munge/munge.key"
-MIN_MUNGE_KEY_BYTES = 32  # munged refuses shorter keys
+MUNGE_KEY_FETCH_PATH = "/usr/local/sbin/munge-key"  # head-setup and slurmd-setup run it before munged
+MUNGE_KEY_SECRET = "slurm-munge-key"  # its name in the stack's Key Vault
 NFS_MOUNT_PATH = "/usr/local/sbin/nfs-mount"
 # What runs on the hosts lives with the operator's tools (the local cluster runs it in place);
 # a package of docstring-only __init__ files, so reading it imports nothing of the CLI.
@@ -31,6 +30,8 @@ _INCLUDE = re.compile(r"^# include ([\w.-]+)$", re.MULTILINE)
 _SAFE_PATH = re.compile(r"(/[A-Za-z0-9._-]+)+")
 _HOSTNAME = re.compile(r"(?=.{1,253}$)[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)+")
 _CLIENT_ID = re.compile(r"[A-Za-z0-9-]+")
+# Key Vault names: 3-24 letters, digits and '-'; the public cloud's DNS suffix.
+_VAULT_URI = re.compile(r"https://[A-Za-z][A-Za-z0-9-]{1,22}[A-Za-z0-9]\.vault\.azure\.net/?")
 
 ScriptValue = str | int | Sequence[str]
 
@@ -117,23 +118,18 @@ def write_file(path: str, content: str, permissions: str, *, defer: bool = False
     return entry
 
 
-def munge_key_file(key_base64: str) -> dict[str, Any]:
-    """The cluster's munge key, readable by the munge user alone. The user exists only once the
-    munge package is installed, so the file is deferred until then."""
-    try:
-        key = base64.b64decode(key_base64, validate=True)
-    except (binascii.Error, TypeError, ValueError):
-        raise ValueError("munge_key: not valid base64") from None
-    if len(key) < MIN_MUNGE_KEY_BYTES:
-        raise ValueError(f"munge_key: {len(key)} bytes; munge needs at least {MIN_MUNGE_KEY_BYTES}")
-    return {
-        "path": MUNGE_KEY_PATH,
-        "owner": "munge:munge",
-        "permissions": "0400",
-        "encoding": "b64",
-        "content": key_base64,
-        "defer": True,
+def munge_key_fetch_file(*, vault_uri: str, identity_client_id: str) -> dict[str, Any]:
+    """The program that fetches the cluster's munge key from Key Vault at boot with the machine's
+    identity (infra/key_vault.py): the key itself is never in custom data."""
+    if not isinstance(vault_uri, str) or not _VAULT_URI.fullmatch(vault_uri):
+        raise ValueError(f"key_vault_uri: {vault_uri!r} is not a Key Vault URI (https://NAME.vault.azure.net/)")
+    values = {
+        "VAULT_URI": vault_uri,
+        "SECRET_NAME": MUNGE_KEY_SECRET,
+        "IDENTITY_CLIENT_ID": check_client_id("identity_client_id", identity_client_id),
+        "KEY_PATH": MUNGE_KEY_PATH,
     }
+    return write_file(MUNGE_KEY_FETCH_PATH, render_script("munge-key.sh", values), "0755")
 
 
 def nfs_mount_file(*, server_ip: str, export_path: str, mount_path: str) -> dict[str, Any]:

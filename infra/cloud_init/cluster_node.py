@@ -20,7 +20,7 @@ from infra.cloud_init._common import (
     check_ipv4,
     check_path,
     cloud_config,
-    munge_key_file,
+    munge_key_fetch_file,
     nfs_mount_file,
     read_unit,
     remote_file,
@@ -64,13 +64,14 @@ def render_cluster_node(
     nccl_env: Mapping[str, str],
     expected_gpus: int,
     slurmctld_address: str,
-    munge_key: str,
+    key_vault_uri: str,
     nvme_disks: int | None,
     nvme_mount: str,
 ) -> str:
     """cloud-config that mounts NFS, logs docker in to ACR with the managed identity, writes the
     NCCL settings, and starts slurmd against the controller at slurmctld_address with the
-    cluster's munge key (base64); slurm.conf names the health check and epilog installed here.
+    cluster's munge key, fetched from the Key Vault at key_vault_uri with the identity; slurm.conf
+    names the health check and epilog installed here.
     nvme_disks local NVMe disks (None: as many as the node has) become a RAID 0 at nvme_mount."""
     mount = check_path("mount_path", mount_path)
     acr = check_hostname("acr_login_server", acr_login_server)
@@ -119,7 +120,7 @@ def render_cluster_node(
                 write_file(SLURMD_DROP_IN, read_unit("slurmd-configless.conf"), "0644"),
                 write_file(NCCL_CONF_SOURCE, nccl_conf, "0644"),
                 write_file(NCCL_PROFILE_PATH, nccl_profile, "0644"),
-                munge_key_file(munge_key),
+                munge_key_fetch_file(vault_uri=key_vault_uri, identity_client_id=identity_client_id),
             ],
             "runcmd": [[NODE_SETUP_PATH]],
         }

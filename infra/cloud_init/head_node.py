@@ -10,7 +10,7 @@ from infra.cloud_init._common import (
     check_client_id,
     check_path,
     cloud_config,
-    munge_key_file,
+    munge_key_fetch_file,
     nfs_mount_file,
     render_script,
     write_file,
@@ -53,7 +53,7 @@ def render_head_node(
     *,
     slurm_conf: str,
     gres_conf: str,
-    munge_key: str,
+    key_vault_uri: str,
     nfs_server_ip: str,
     nfs_export_path: str,
     mount_path: str,
@@ -63,8 +63,9 @@ def render_head_node(
     admin_user: str,
     spot_scale_set: dict[str, str] | None = None,
 ) -> str:
-    """cloud-config that installs slurmctld with slurm_conf and gres_conf, the cluster's munge key
-    (base64), the power programs acting on scale_set_id through the identity identity_client_id,
+    """cloud-config that installs slurmctld with slurm_conf and gres_conf, the program that fetches
+    the cluster's munge key from the Key Vault at key_vault_uri, the power programs acting on
+    scale_set_id (both through the identity identity_client_id),
     mounts the NFS export at mount_path, and gives the runs directory there to admin_user (who
     submits the jobs). spot_scale_set: the Spot nodes' scale set (scale_set_id, node_prefix and the
     identity_client_id that powers it), powered the same way."""
@@ -107,7 +108,7 @@ def render_head_node(
                 write_file(SLURM_CONF_PATH, slurm_conf, "0644", defer=True),
                 write_file(GRES_CONF_PATH, gres_conf, "0644", defer=True),
                 write_file(POWER_CONFIG_PATH, json.dumps(power_config, indent=2) + "\n", "0644", defer=True),
-                munge_key_file(munge_key),
+                munge_key_fetch_file(vault_uri=key_vault_uri, identity_client_id=identity_client_id),
             ],
             "runcmd": [[HEAD_SETUP_PATH]],
         }

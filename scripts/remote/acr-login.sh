@@ -16,18 +16,10 @@ readonly RETRY_SECONDS=20
 
 log() { echo "acr-login: $*" >&2; }
 
-# Prints one field of the JSON object on stdin; on failure names the field, never the document.
-json_field() {
-  python3 -c '
-import json, sys
-value = json.load(sys.stdin).get(sys.argv[1])
-if not value:
-    sys.exit("response has no " + sys.argv[1])
-print(value)
-' "$1"
-}
+# include azure-common.sh
 
 # Runs in an `if`, where set -e is off: every step checks its own status.
+# shellcheck disable=SC2317  # run through retry, which shellcheck cannot follow
 login_once() {
   local aad_token refresh_token
   aad_token=$(curl -fsS --max-time 30 -H Metadata:true "$IMDS_TOKEN_URL" | json_field access_token) || return 1
@@ -39,15 +31,9 @@ login_once() {
       --username "$ACR_TOKEN_USER" --password-stdin >&2
 }
 
-for ((attempt = 1; attempt <= ATTEMPTS; attempt++)); do
-  if login_once; then
-    log "logged in to $ACR_LOGIN_SERVER"
-    exit 0
-  fi
-  if ((attempt < ATTEMPTS)); then
-    log "attempt $attempt/$ATTEMPTS failed; retrying in ${RETRY_SECONDS}s"
-    sleep "$RETRY_SECONDS"
-  fi
-done
+if retry login_once; then
+  log "logged in to $ACR_LOGIN_SERVER"
+  exit 0
+fi
 log "could not log in to $ACR_LOGIN_SERVER after $ATTEMPTS attempts"
 exit 1

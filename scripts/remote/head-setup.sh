@@ -9,9 +9,11 @@ SLURM_DIRS=@SLURM_DIRS@
 RUNS_DIR=@RUNS_DIR@
 RUNS_OWNER=@RUNS_OWNER@
 readonly NFS_MOUNT=/usr/local/sbin/nfs-mount
+readonly MUNGE_KEY=/usr/local/sbin/munge-key
 
 install -d -o "$SLURM_USER" -g "$SLURM_USER" -m 0750 "${SLURM_DIRS[@]}"
-# The munge package started munged with a key of its own; cloud-init put the cluster's in place after.
+# The munge package started munged with a key of its own: the cluster's comes from Key Vault.
+"$MUNGE_KEY"
 systemctl restart munge
 systemctl enable slurmctld
 systemctl restart slurmctld

@@ -78,6 +78,8 @@ def _computed(typ: str, name: str, inputs: dict[str, Any]) -> dict[str, Any]:
         return {"loginServer": f"{name}.azurecr.io"}
     if typ.endswith("network:PublicIPAddress"):
         return {"ipAddress": JUMPBOX_IP}
+    if typ.endswith("keyvault:Vault"):
+        return {"properties": {**inputs["properties"], "vaultUri": f"https://{name}.vault.azure.net/"}}
     if typ.endswith("storage:StorageAccount"):
         return {"primaryEndpoints": {"blob": f"https://{name}.blob.core.windows.net/"}}
     if typ.endswith(("compute:VirtualMachine", "compute:VirtualMachineScaleSet")) and "identity" in inputs:

@@ -15,13 +15,13 @@ from infra.cloud_init import (
 )
 from infra.cloud_init.slurm import HealthCheck, NodeSet, PowerSaving
 from infra.skus import GPU_SKUS
-from tests.infra.azure_mocks import MUNGE_KEY
 
 SKUS = sorted(GPU_SKUS)
 BLOB_PULL = '#!/usr/bin/env python3\n"""Stand-in for scripts/remote/blob_pull.py."""\nprint("pulled")\n'
 ACR = "trainacr.azurecr.io"
 CLIENT_ID = "0f0e0d0c-0b0a-0908-0706-050403020100"
 HEAD_CLIENT_ID = "1f1e1d1c-1b1a-1918-1716-151413121110"
+KEY_VAULT_URI = "https://hvdkv1a2b3c4d.vault.azure.net/"
 NFS_IP = "10.0.1.4"
 HEAD_IP = "10.0.0.254"
 CLUSTER_CIDR = "10.0.0.0/24"
@@ -49,7 +49,7 @@ def node_doc(sku: str = "Standard_ND96isr_H100_v5", **overrides: object) -> str:
         "nccl_env": dict(GPU_SKUS[sku].nccl_env),
         "expected_gpus": 8,
         "slurmctld_address": HEAD_IP,
-        "munge_key": MUNGE_KEY,
+        "key_vault_uri": KEY_VAULT_URI,
         "nvme_disks": GPU_SKUS[sku].nvme_disks,
         "nvme_mount": GPU_SKUS[sku].nvme_mount,
     }
@@ -87,7 +87,7 @@ def head_doc(**overrides: object) -> str:
     args: dict[str, object] = {
         "slurm_conf": slurm_conf(),
         "gres_conf": render_gres_conf(8),
-        "munge_key": MUNGE_KEY,
+        "key_vault_uri": KEY_VAULT_URI,
         "nfs_server_ip": NFS_IP,
         "nfs_export_path": "/export",
         "mount_path": "/mnt/shared",

@@ -123,12 +123,17 @@ def test_slurmd_drop_in_runs_configless_under_the_node_name_that_setup_writes() 
 def test_slurmd_setup_names_the_node_in_lower_case_and_restarts_munge_first(sandbox: Sandbox) -> None:
     env_file = sandbox.root / "slurmd-configless"
     script = with_value(script_of(node_doc(), "/usr/local/sbin/slurmd-setup"), "ENV_FILE", str(env_file))
+    script = with_value(script, "MUNGE_KEY", str(sandbox.bin / "munge-key"))
     sandbox.stub("hostname", 'echo "hvd-gpu-00000A"')
     sandbox.stub("systemctl")
+    sandbox.stub("munge-key")
     result = sandbox.run(script)
     assert result.returncode == 0, result.stderr
     assert env_file.read_text() == f"SLURMD_NODENAME=hvd-gpu-00000a\nSLURMCTLD_ADDRESS={HEAD_IP}:6817\n"
-    assert sandbox.calls("systemctl") == [
+    assert shell_value(script_of(node_doc(), "/usr/local/sbin/slurmd-setup"), "MUNGE_KEY") in files_of(node_doc())
+    # the cluster's key is fetched from Key Vault before munged restarts with it
+    assert [line for line in sandbox.log.read_text().splitlines() if line.split()[0] != "hostname"] == [
+        "munge-key ",
         "systemctl restart munge",
         "systemctl daemon-reload",
         "systemctl enable slurmd",
@@ -515,8 +520,8 @@ def test_node_refuses_nccl_settings_that_leave_infiniband_or_break_the_files(
         ),
         ({"expected_gpus": 0}, "expected_gpus"),
         ({"slurmctld_address": "hvd-head"}, "slurmctld_address"),
-        ({"munge_key": "not base64!"}, "munge_key"),
-        ({"munge_key": "c2hvcnQ="}, "munge_key"),  # 5 bytes; munged wants 32 or more
+        ({"key_vault_uri": "https://evil.example.com/"}, "key_vault_uri"),
+        ({"key_vault_uri": "https://kv.vault.azure.net/secrets/x"}, "key_vault_uri"),
     ],
 )
 def test_node_rejects_bad_input(overrides: dict[str, object], key: str) -> None:

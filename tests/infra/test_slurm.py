@@ -9,6 +9,7 @@ Manager on a local HTTP server).
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -30,14 +31,15 @@ import pytest
 import yaml
 
 from infra.cloud_init import render_gres_conf, render_health_check
-from infra.cloud_init._common import MUNGE_KEY_PATH, NFS_MOUNT_PATH
+from infra.cloud_init._common import MUNGE_KEY_FETCH_PATH, MUNGE_KEY_PATH, NFS_MOUNT_PATH
 from infra.cloud_init.head_node import POWER_ACTIONS, POWER_CONFIG_PATH, POWER_LOG_PATH, POWER_PROGRAM_PATH
 from infra.cloud_init.slurm import NodeSet
 from infra.contract import HEALTH_REPORT_DIR, SRUN_PORTS
-from tests.infra.azure_mocks import MUNGE_KEY
 from tests.infra.documents import (
+    CLIENT_ID,
     HEAD_CLIENT_ID,
     HEAD_IP,
+    KEY_VAULT_URI,
     NODE_NAMES,
     SCALE_SET_ID,
     files_of,
@@ -48,7 +50,7 @@ from tests.infra.documents import (
     slurm_conf,
 )
 from tests.infra.sandbox import Sandbox, add_port, shell_value, with_value
-from tests.local_http import serving
+from tests.local_http import reply_json, serving
 
 HEALTH_CHECK = "/usr/local/sbin/slurm-health-check"
 EPILOG = "/usr/local/sbin/slurm-epilog"
@@ -828,20 +830,67 @@ def test_head_node_installs_the_controller_and_its_files_after_the_packages() ->
     assert parsed["runcmd"] == [["/usr/local/sbin/head-setup"]]
 
 
-def test_munge_key_is_readable_by_munge_alone_and_written_once_munge_exists() -> None:
-    for document in (head_doc(), node_doc()):
-        entry = files_of(document)[MUNGE_KEY_PATH]
-        assert entry == {
-            "path": "/etc/munge/munge.key",
-            "owner": "munge:munge",
-            "permissions": "0400",
-            "encoding": "b64",
-            "content": MUNGE_KEY,
-            "defer": True,
-        }
-        # Nowhere else in the document: not in a script, a unit, a config file or runcmd.
-        others = {path: entry for path, entry in files_of(document).items() if path != MUNGE_KEY_PATH}
-        assert MUNGE_KEY not in json.dumps(others) + json.dumps(yaml.safe_load(document)["runcmd"])
+def test_no_munge_key_in_either_document_only_the_program_that_fetches_it() -> None:
+    for document, client_id in ((head_doc(), HEAD_CLIENT_ID), (node_doc(), CLIENT_ID)):
+        assert MUNGE_KEY_PATH not in files_of(document)
+        fetch = files_of(document)[MUNGE_KEY_FETCH_PATH]
+        assert (fetch["owner"], fetch["permissions"]) == ("root:root", "0755")
+        script = fetch["content"]
+        assert shell_value(script, "VAULT_URI") == KEY_VAULT_URI and shell_value(script, "KEY_PATH") == MUNGE_KEY_PATH
+        assert shell_value(script, "SECRET_NAME") == "slurm-munge-key"
+        assert shell_value(script, "IDENTITY_CLIENT_ID") == client_id  # each machine's own identity
+
+
+class KeyVault(BaseHTTPRequestHandler):
+    """IMDS and the Key Vault data plane in one: tokens for vault.azure.net, the secret for that token."""
+
+    secret = base64.b64encode(b"K" * 1024).decode()
+    refuse = 0  # answer this many secret reads 403, as before a new role assignment propagates
+
+    def do_GET(self) -> None:
+        url = urlsplit(self.path)
+        query = parse_qs(url.query)
+        if url.path == "/metadata/identity/oauth2/token":
+            ok = query["resource"] == ["https://vault.azure.net"] and query["client_id"] == [CLIENT_ID]
+            self._reply(200 if ok else 400, {"access_token": TOKEN} if ok else {"error": "invalid_request"})
+        elif url.path == "/secrets/slurm-munge-key" and self.headers.get("Authorization") == f"Bearer {TOKEN}":
+            if KeyVault.refuse > 0:
+                KeyVault.refuse -= 1
+                self._reply(403, {"error": {"code": "Forbidden"}})
+            else:
+                self._reply(200, {"value": KeyVault.secret})
+        else:
+            self._reply(401, {"error": {"code": "Unauthorized"}})
+
+    def _reply(self, status: int, body: dict[str, Any]) -> None:
+        reply_json(self, status, body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("refused", "written"), [(0, True), (1, True), (3, False)])
+def test_munge_key_comes_from_key_vault_with_the_nodes_identity(sandbox: Sandbox, refused: int, written: bool) -> None:
+    """Retries while the role assignment propagates; writes the key 0400 for munge; the token never
+    reaches argv (curl reads the header from stdin) and neither does the key."""
+    KeyVault.refuse = refused
+    key_path = sandbox.root / "munge.key"
+    sandbox.stub("chown")
+    sandbox.stub("curl", 'echo "curl-argv $*" >>"$STUB_STATE/argv"; exec /usr/bin/curl "$@"')
+    with serving(KeyVault) as endpoint:
+        script = with_value(script_of(node_doc(), MUNGE_KEY_FETCH_PATH), "VAULT_URI", endpoint)
+        script = with_value(script, "KEY_PATH", str(key_path))
+        env = {"IMDS_ENDPOINT": f"{endpoint}/metadata/identity/oauth2/token", "MUNGE_KEY_ATTEMPTS": "3"}
+        result = sandbox.run(script, {**env, "MUNGE_KEY_RETRY_SECONDS": "0"})
+    assert (result.returncode == 0) is written, result.stderr
+    assert TOKEN not in (sandbox.state / "argv").read_text() + result.stdout + result.stderr
+    assert KeyVault.secret not in result.stdout + result.stderr
+    if written:
+        assert key_path.read_bytes() == b"K" * 1024 and stat.S_IMODE(key_path.stat().st_mode) == 0o400
+        assert sandbox.calls("chown")[-1].startswith("chown munge:munge ")
+    else:
+        assert not key_path.exists() and not list(sandbox.root.glob("munge.key.*"))
+        assert "could not read secret slurm-munge-key" in result.stderr
 
 
 def test_power_programs_are_wrappers_of_the_one_program() -> None:
@@ -864,12 +913,14 @@ def test_head_setup_starts_the_controller_before_waiting_for_nfs(sandbox: Sandbo
     setup = script_of(head_doc(), "/usr/local/sbin/head-setup")
     assert shell_value(setup, "NFS_MOUNT") == NFS_MOUNT_PATH and NFS_MOUNT_PATH in files_of(head_doc())
     setup = with_value(setup, "NFS_MOUNT", str(sandbox.bin / "nfs-mount"))
-    for command in ("install", "systemctl", "nfs-mount"):
+    setup = with_value(setup, "MUNGE_KEY", str(sandbox.bin / "munge-key"))
+    for command in ("install", "systemctl", "nfs-mount", "munge-key"):
         sandbox.stub(command)
     assert sandbox.run(setup).returncode == 0
     calls = sandbox.log.read_text().splitlines()
     assert calls == [
         "install -d -o slurm -g slurm -m 0750 /var/spool/slurmctld /var/log/slurm",
+        "munge-key ",  # the cluster's key, from Key Vault, before munged restarts with it
         "systemctl restart munge",
         "systemctl enable slurmctld",
         "systemctl restart slurmctld",
@@ -887,7 +938,7 @@ def test_head_setup_starts_the_controller_before_waiting_for_nfs(sandbox: Sandbo
         ({"node_prefix": "HVD-GPU-"}, "node_prefix"),
         ({"identity_client_id": "/subscriptions/x"}, "identity_client_id"),
         ({"slurm_conf": "ClusterName=hvd"}, "slurm_conf"),
-        ({"munge_key": "c2hvcnQ="}, "munge_key"),
+        ({"key_vault_uri": "http://kv.vault.azure.net/"}, "key_vault_uri"),
         ({"nfs_server_ip": "nfs"}, "nfs_server_ip"),
         ({"admin_user": "Admin"}, "admin_user"),
         ({"admin_user": "hpc admin"}, "admin_user"),

@@ -17,6 +17,7 @@ import yaml
 from infra.config import MAX_NODES, parse_config
 from infra.contract import SLURMCTLD_PORT, SLURMD_PORT, SRUN_PORT_RANGE, StackOutput
 from infra.identity import ACR_PULL, SCALE_SET_POWER_ACTIONS, STORAGE_BLOB_DATA_CONTRIBUTOR
+from infra.key_vault import KEY_VAULT_SECRETS_USER
 from infra.network import DENY_ALL_PRIORITY
 from infra.skus import GPU_SKUS
 from tests.infra.azure_mocks import (
@@ -180,7 +181,11 @@ def test_subnets_are_standalone_with_nsgs_and_storage_endpoints(deployment: Depl
     nsg_ids = {r.id for r in deployment.mocks.of_type(":NetworkSecurityGroup")}
     assert {s["networkSecurityGroup"]["id"] for s in subnets.values()} == nsg_ids
     endpoints = {role: [e["service"] for e in s.get("serviceEndpoints", [])] for role, s in subnets.items()}
-    assert endpoints == {"cluster": ["Microsoft.Storage"], "nfs": ["Microsoft.Storage"], "jumpbox": []}
+    assert endpoints == {
+        "cluster": ["Microsoft.Storage", "Microsoft.KeyVault"],
+        "nfs": ["Microsoft.Storage"],
+        "jumpbox": [],
+    }
 
 
 def test_storage_account_is_locked_down(deployment: Deployment) -> None:
@@ -248,6 +253,9 @@ def test_role_assignment_scopes(deployment: Deployment) -> None:
         (OPERATOR_OBJECT_ID, STORAGE_BLOB_DATA_CONTRIBUTOR, containers["data"]),
         (OPERATOR_OBJECT_ID, STORAGE_BLOB_DATA_CONTRIBUTOR, containers["results"]),
         (head.outputs["principalId"], power_role, scale_set.id),
+        # the munge key: the head node's and the nodes' identities read that one secret, nobody else
+        (principal, KEY_VAULT_SECRETS_USER, one(deployment, ":Secret").id),
+        (head.outputs["principalId"], KEY_VAULT_SECRETS_USER, one(deployment, ":Secret").id),
     }
     # Nothing at account, group or subscription scope.
     assert not any(scope.endswith(("StorageAccount/hvdsa", "ResourceGroup/hvd-rg")) for *_, scope in grants)
@@ -255,7 +263,7 @@ def test_role_assignment_scopes(deployment: Deployment) -> None:
 
 def test_role_definitions_are_subscription_qualified(deployment: Deployment) -> None:
     client_config_calls = [token for token, _ in deployment.mocks.calls if token.endswith(":getClientConfig")]
-    assert len(client_config_calls) == 3  # once per identity component, not once per grant
+    assert len(client_config_calls) == 4  # once per component that grants roles, not once per grant
     for assignment in deployment.mocks.of_type(":RoleAssignment"):
         assert assignment.inputs["roleDefinitionId"].startswith(
             "/subscriptions/00000000-0000-0000-0000-0000000000aa/providers/Microsoft.Authorization/roleDefinitions/"
@@ -496,21 +504,43 @@ def test_autostop_minutes_set_slurms_suspend_time(minutes: str, suspend_time: st
     assert settings["ResumeProgram"] == "/usr/local/sbin/slurm-resume"
 
 
-def test_munge_key_is_a_secret_sent_only_inside_the_custom_data(deployment: Deployment) -> None:
+def test_munge_key_goes_to_key_vault_and_never_into_custom_data(deployment: Deployment) -> None:
     (key,) = [r for r in deployment.mocks.resources if r.type == "random:index/randomBytes:RandomBytes"]
     assert key.inputs["length"] == 1024
-    # The custom data holding it goes to Azure as a secret (and so is encrypted in the stack's state).
-    assert "osProfile" in by_name(deployment, ":VirtualMachine", "head").secret_inputs
-    assert "virtualMachineProfile" in one(deployment, ":VirtualMachineScaleSet").secret_inputs
-    for document in (head_document(deployment), node_document(deployment)):
-        (entry,) = [e for e in yaml.safe_load(document)["write_files"] if e["path"] == "/etc/munge/munge.key"]
-        assert (entry["content"], entry["owner"], entry["permissions"]) == (MUNGE_KEY, "munge:munge", "0400")
-    # Nowhere else: no other input in the clear, no secret input but those two, no stack output.
-    sent = json.dumps([r.inputs for r in deployment.mocks.resources if r is not key], default=str)
-    assert MUNGE_KEY not in sent
+    secret = one(deployment, ":Secret")
+    assert secret.inputs["secretName"] == "slurm-munge-key" and secret.inputs["properties"]["value"] == MUNGE_KEY
+    # The secret itself is the one input sent as a secret; no custom data carries the key.
     secrets = {(r.name, name) for r in deployment.mocks.resources for name in r.secret_inputs}
-    assert secrets == {("hvd-head-vm", "osProfile"), ("hvd-gpu-vmss", "virtualMachineProfile")}
+    assert secrets == {(secret.name, "properties")}
+    custom_data = [head_document(deployment), node_document(deployment)]
+    custom_data += [
+        base64.b64decode(vm.inputs["osProfile"]["customData"]).decode() for vm in _vms_with_custom_data(deployment)
+    ]
+    for document in custom_data:
+        assert MUNGE_KEY not in document and MUNGE_KEY[:40] not in document
+        assert "/etc/munge/munge.key" not in {e["path"] for e in yaml.safe_load(document).get("write_files", [])}
+    sent = json.dumps([r.inputs for r in deployment.mocks.resources if r not in (key, secret)], default=str)
+    assert MUNGE_KEY not in sent
     assert MUNGE_KEY not in json.dumps({key: out.value for key, out in deployment.outputs.items()}, default=str)
+    vault = one(deployment, ":Vault")
+    for document in (head_document(deployment), node_document(deployment)):
+        fetch = {e["path"]: e["content"] for e in yaml.safe_load(document)["write_files"]}["/usr/local/sbin/munge-key"]
+        assert f"VAULT_URI={vault.outputs['properties']['vaultUri']}" in fetch.splitlines()
+
+
+def _vms_with_custom_data(deployment: Deployment) -> list[Registered]:
+    return [
+        vm for vm in deployment.mocks.of_type(":VirtualMachine") if vm.inputs.get("osProfile", {}).get("customData")
+    ]
+
+
+def test_key_vault_is_rbac_only_closed_to_all_but_the_cluster_subnet(deployment: Deployment) -> None:
+    properties = one(deployment, ":Vault").inputs["properties"]
+    assert properties["enableRbacAuthorization"] is True and "accessPolicies" not in properties
+    acls = properties["networkAcls"]
+    assert (acls["defaultAction"], acls["bypass"]) == ("Deny", "None")
+    assert acls["virtualNetworkRules"] == [{"id": by_name(deployment, ":Subnet", "-cluster").id}]
+    assert not acls.get("ipRules")
 
 
 def _covers(port_ranges: list[str], port: int) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 
 import pytest
 
@@ -35,6 +36,31 @@ def test_commands_tag_with_the_revision_and_latest(context):
         "hvd-pytorch:latest", "--file", "training/docker/Dockerfile.pytorch", "--platform", "linux/amd64", ".",
     ]  # fmt: skip
     assert "training/docker/Dockerfile.tensorflow" in commands[1][1]
+
+
+@pytest.fixture(scope="module")
+def dockerignore_matcher(tmp_path_factory):
+    """A bare git repository whose only ignore file is our .dockerignore: git's matcher means what
+    Docker's does for the patterns we use (anchored at the top, or under **/)."""
+    root = tmp_path_factory.mktemp("context")
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    (root / ".gitignore").write_text((REPO / ".dockerignore").read_text())
+    return lambda path: subprocess.run(["git", "check-ignore", "--no-index", "-q", path], cwd=root).returncode == 0
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["cluster-dev.json", "deploy/cluster-prod.json", ".local-cluster/logs/azurite.log", "runs/r1/out.log",
+     "id_ed25519", "keys/id_rsa.pub", "certs/op.pem", "Pulumi.dev.yaml", ".env", ".venv-train/bin/python"],
+)  # fmt: skip
+def test_no_secret_or_local_state_in_the_build_context(dockerignore_matcher, path):
+    """`az acr build .` uploads what .dockerignore keeps."""
+    assert dockerignore_matcher(path), f"{path} would be uploaded by `images`"
+    assert not dockerignore_matcher("training/docker/Dockerfile.pytorch")
+
+
+def test_cluster_descriptions_are_not_committed():
+    assert subprocess.run(["git", "check-ignore", "--no-index", "-q", "cluster-dev.json"], cwd=REPO).returncode == 0
 
 
 def test_missing_dockerfile_and_bad_registry(tmp_path, context):

@@ -121,6 +121,26 @@ def test_cli_from_stack_writes_the_description(tmp_path):
     assert shown.returncode == 0 and OUTPUTS["data_sas"] not in shown.stdout and "20.51.100.7" in shown.stdout
 
 
+def test_cli_from_stack_writes_outside_the_repository_by_default(tmp_path):
+    """The description holds the data SAS: by default it goes to the user's config directory (0700,
+    file 0600), and an -o inside the repository is refused before pulumi is even asked."""
+    key = private_key_file(tmp_path)
+    env = {"PATH": FAKE_PULUMI_PATH, "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    proc = run_module("scripts", "cluster", "from-stack", "--stack", "dev", "--ssh-key", str(key), env=env)
+    assert proc.returncode == 0, proc.stderr
+    written = tmp_path / "config" / "azure-horovod" / "cluster-dev.json"
+    assert stat.S_IMODE(written.stat().st_mode) == 0o600 and stat.S_IMODE(written.parent.stat().st_mode) == 0o700
+    assert f"export CLUSTER_DESCRIPTION={written}" in proc.stdout
+    assert not list(cl.REPO_ROOT.glob("cluster-*.json"))
+    inside = cl.REPO_ROOT / "cluster-dev.json"
+    refused = run_module("scripts", "cluster", "from-stack", "--stack", "dev", "--ssh-key", str(key), "-o", str(inside))
+    assert refused.returncode == 2 and not inside.exists()
+    assert (
+        refused.stderr.startswith(f"error: --output {inside} is inside the repository")
+        and len(refused.stderr.splitlines()) == 1
+    )
+
+
 @pytest.mark.parametrize(
     ("stack", "expected"),
     [

@@ -116,6 +116,17 @@ def world_writable(root: Path) -> list[str]:
     return [str(p) for p in [root, *root.rglob("*")] if not p.is_symlink() and p.lstat().st_mode & 0o002]
 
 
+def others_can_read(path: Path, root: Path) -> bool:
+    """Another user can read path: it is open to others, and so is every directory from root down to it."""
+    folders = [d for d in path.parents if d.is_relative_to(root)]
+    return all(p.stat().st_mode & bit for p, bit in [(path, 0o004), *((d, 0o001) for d in folders)])
+
+
+def readable_by_others_holding(root: Path, text: bytes) -> list[str]:
+    files = [p for p in root.rglob("*") if p.is_file() and not p.is_symlink() and others_can_read(p, root)]
+    return [str(p) for p in files if text in p.read_bytes()]
+
+
 # --- a whole job -------------------------------------------------------------------------------
 def test_two_node_job_prefixed_logs_exit_code_and_results(cluster, cluster_file, tmp_path):
     proc = cli(*launch_args(cluster_file, "--steps", "3", run_id="ok-run", extra=("--follow",)))
@@ -128,6 +139,9 @@ def test_two_node_job_prefixed_logs_exit_code_and_results(cluster, cluster_file,
     directory = run_dir(cluster, "ok-run")
     assert directory.stat().st_mode & 0o777 == 0o700
     assert world_writable(Path(cluster.shared_mount_path)) == []
+    # the SAS the job uploaded with (and staging's) is in no file another user can read: Azurite's log included
+    assert readable_by_others_holding(local_state_dir(cluster), b"sig=") == []
+    assert (local_state_dir(cluster) / "logs").stat().st_mode & 0o777 == 0o700
     # the job itself uploaded its run: logs, metrics, the request, its exit; never the SAS or checkpoints
     blobs = results_blobs(cluster, "ok-run")
     assert {"ok-run/output.log", "ok-run/metrics.json", "ok-run/job.json", "ok-run/status.json"} <= set(blobs)
@@ -159,6 +173,9 @@ def test_a_failing_rank_sets_the_exit_status_and_is_named(cluster, cluster_file)
     assert proc.returncode == 3, out[-4000:]
     assert "rank 1 on node-1 failed" in out
     assert status_of(cluster, "fail-run")["exit_code"] == 3
+    # horovodrun's traceback stays in the run's log, off the console
+    assert "Traceback" not in out and "[horovodrun] Process 1 exit with status code 3." in out
+    assert "Traceback (most recent call last):" in (run_dir(cluster, "fail-run") / "output.log").read_text()
 
 
 # --- the queue -------------------------------------------------------------------------------------
@@ -258,19 +275,30 @@ def test_ctrl_c_without_a_terminal_detaches(cluster, cluster_file):
         (("--model-parallel", "--launcher", "horovodrun"), "runs under torchrun: leave out --launcher horovodrun"),
         (("--model-parallel", "--entrypoint", "job.py"), "leave out --entrypoint"),
         (("--local-copy",), "--local-copy copies the job's --data-dir"),
-        (("--local-copy", "--", "--data-dir", "/etc"), "is not a dataset under the cluster's data_path"),
+        (("--local-copy", "--", "--data-dir", "/etc"), "--local-copy: --data-dir /etc is not a dataset under"),
+        (("--", "--data-dir", "/etc"), "--data-dir /etc is not a dataset under the cluster's data path"),
+        (("--entrypoint", "/nonexistent/x.py"), "--entrypoint /nonexistent/x.py: /nonexistent/x.py does not exist"),
     ],
 )
 def test_bad_requests_are_refused_clearly(cluster_file, extra, message):
     base = ["launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--detach"]
     proc = cli(*base, *extra, "--", "--steps", "1")
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if "error:" in line]) == 1, proc.stderr
 
 
-def test_missing_dataset_and_reused_run_id_are_refused(cluster, cluster_file):
-    proc = cli(*launch_args(cluster_file, "--data-dir", "/nonexistent/data", run_id="no-data", extra=("--detach",)))
-    assert proc.returncode == 2 and "not on the shared file system" in proc.stderr
+def test_missing_or_one_class_dataset_and_reused_run_id_are_refused(cluster, cluster_file):
+    missing = f"{cluster.data_path}/no-such-dataset"
+    proc = cli(*launch_args(cluster_file, "--data-dir", missing, run_id="no-data", extra=("--detach",)))
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: --data-dir {missing} is not on the shared file")
     assert not run_dir(cluster, "no-data").exists()
+    one_class = Path(cluster.data_path) / "one-class"
+    (one_class / "train" / "n01440764").mkdir(parents=True)
+    args = ("--data", "imagenet", "--data-dir", str(one_class))
+    proc = cli("launch", "--cluster", str(cluster_file), "--framework", "keras", "--run-id", "one-class", "--", *args)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert f"--data-dir {one_class} has one class folder under train/: a classifier needs at least two" in proc.stderr
+    assert not run_dir(cluster, "one-class").exists()
     (run_dir(cluster, "taken")).mkdir(parents=True, mode=0o700)
     proc = cli(*launch_args(cluster_file, run_id="taken", extra=("--detach",)))
     assert proc.returncode == 2 and "already used" in proc.stderr

@@ -32,7 +32,7 @@ from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, gener
 from scripts.daemons import free_port, wait_port
 from scripts.processes import stop_process_group
 from scripts.remote import annotate_output, srun_ssh, upload_results
-from tests.local_http import serving
+from tests.local_http import reply_json, serving
 
 REPO = Path(__file__).resolve().parents[2]
 REMOTE = REPO / "scripts" / "remote"
@@ -330,7 +330,9 @@ def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BlobServiceCli
     location = tmp_path_factory.mktemp("azurite")
     argv = [str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(location)]
     with open(location / "azurite.log", "wb") as log:
-        proc = subprocess.Popen([*argv, "--skipApiVersionCheck"], stdout=log, stderr=log, start_new_session=True)
+        proc = subprocess.Popen(
+            [*argv, "--skipApiVersionCheck", "--silent"], stdout=log, stderr=log, start_new_session=True
+        )
     try:
         wait_port("127.0.0.1", port, 60, "Azurite", location / "azurite.log")
         endpoint = f"http://127.0.0.1:{port}/{ACCOUNT}"
@@ -539,12 +541,7 @@ class IMDS(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         IMDS.requests.append((self.path, dict(self.headers)))
         status, body = IMDS.replies.pop(0)
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        reply_json(self, status, body)
 
     def log_message(self, *args: object) -> None:
         pass

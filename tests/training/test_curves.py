@@ -126,13 +126,17 @@ class RankZeroOfTwo(OneProcess):
 
 
 def training_run(
-    args: Any, evaluate: Callable[[], tuple[int, int]] | None = None, dist: OneProcess | None = None
+    args: Any,
+    evaluate: Callable[[], tuple[int, int]] | None = None,
+    per_epoch: int = 4,
+    dist: OneProcess | None = None,
 ) -> TrainingRun:
     return TrainingRun(
         args,
         dist or OneProcess(),
         framework="pytorch",
-        steps_per_epoch=args.steps,
+        steps_per_epoch=per_epoch,
+        total_steps=args.steps,
         start_step=0,
         precision="fp32",
         device="cpu",
@@ -144,7 +148,7 @@ def training_run(
 
 
 def test_the_loop_records_every_tag_at_global_steps(tmp_path: Path) -> None:
-    flags = ["--steps", "4", "--epochs", "2", "--log-every", "3", "--timing-warmup-steps", "1"]
+    flags = ["--steps", "8", "--log-every", "3", "--timing-warmup-steps", "1"]
     outputs_flags = ["--tensorboard-dir", str(tmp_path / "tb"), "--summary-png", str(tmp_path / "summary.png")]
     run = training_run(parse_args("pytorch", [*flags, *outputs_flags]), evaluate=lambda: (3, 4))
     for step in run.steps():

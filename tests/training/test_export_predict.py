@@ -31,6 +31,7 @@ from training import export, predict
 from training.args import parse_args
 from training.data import MEAN, STD, DataPlan, decode_val
 from training.errors import OutputPathError
+from training.images import NOT_AN_IMAGE
 from training.outputs import MODEL_JSON, check_output_paths
 
 COLOURS = {"blue": (40, 60, 200), "green": (40, 170, 60), "red": (210, 40, 40)}  # sorted: label order
@@ -310,7 +311,7 @@ def test_export_every_epoch_needs_an_export_dir(capsys: pytest.CaptureFixture[st
 
 def test_model_card_names_every_class_and_where_the_model_came_from(tmp_path: Path) -> None:
     args = parse_args("pytorch", ["--model", "resnet_tiny", "--image-size", "64", "--num-classes", "3"])
-    spec = export.ExportSpec.of("pytorch", args, DataPlan(None, None, 3, 1))
+    spec = export.ExportSpec.of("pytorch", args, DataPlan(None, None, 3, 1, 1))
     assert spec.classes == ["class_0", "class_1", "class_2"]  # synthetic data has no names
     files = export.ModelFiles("torch.export", "model.pt2", "logits")
     card = export.model_card(spec, files, {"val_top1": 0.5}, {"RUN_ID": "r1", "GIT_REVISION": "abc123"})
@@ -354,6 +355,7 @@ def test_predict_refuses_bad_input_in_one_line(
     image = tmp_path / "ok.jpg"
     Image.new("RGB", (20, 20), "red").save(image)
     (tmp_path / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a JPEG")
+    (tmp_path / "notes.jpg").write_text("not an image at all\n")
     (tmp_path / "empty").mkdir()
     (tmp_path / "not-an-export").mkdir()
     damaged = tmp_path / "damaged"
@@ -372,10 +374,12 @@ def test_predict_refuses_bad_input_in_one_line(
         (tiny_export, tmp_path / "missing.jpg"): f"error: {tmp_path / 'missing.jpg'} does not exist",
         (tiny_export, tmp_path / "empty"): f"error: {tmp_path / 'empty'} holds no images (.jpeg, .jpg, .png)",
         (tiny_export, tmp_path / "broken.jpg"): f"error: cannot read image {tmp_path / 'broken.jpg'}: ",
+        # the whole line: Pillow's own names its buffer (<_io.BytesIO object at 0x...>), not the file
+        (tiny_export, tmp_path / "notes.jpg"): f"error: cannot read image {tmp_path / 'notes.jpg'}: {NOT_AN_IMAGE}",
     }
     for (model, target), expected in cases.items():
         code, line = refusal(capsys, "--model", model, target)
-        assert (code, line[: len(expected)]) == (2, expected)
+        assert (code, line[: len(expected)]) == (2, expected), line
     code, line = refusal(capsys, "--model", tiny_export, "--sas-file", image, image)
     assert (code, line) == (2, "error: --sas-file is only used when --model is a blob URL")
     code, line = refusal(capsys, "--model", tiny_export, "--csv", tmp_path / "ok.jpg" / "out.csv", image)

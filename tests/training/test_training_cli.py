@@ -17,12 +17,14 @@ from tests.training.jobs import (
     error_lines,
     horovodrun,
     make_imagenet,
+    read_metrics,
     run,
     single,
     torchrun,
     truncate_images,
 )
 from training.checkpoint import Fingerprint, checkpoint_path, write_checkpoint
+from training.launcher_exit import horovod_first_failure, report, run_torchrun
 from training.outputs import MIN_FREE_ENV
 
 Case = tuple[list[object], str, dict[str, str]]  # job flags, the error message expected, extra environment
@@ -99,6 +101,17 @@ def data_dir_is_a_file(tmp_path: Path) -> Case:
     return ["--data", "imagenet", "--data-dir", tmp_path / "file"], f"data directory {tmp_path / 'file'} is a file", {}
 
 
+def one_class_data_dir(tmp_path: Path) -> Case:
+    root = make_imagenet(tmp_path / "imagenet", classes=1, train_per_class=8, val_per_class=1, corrupt=0)
+    message = f"{root / 'train'} has one class (n00000000): a classifier needs at least two class folders"
+    return ["--data", "imagenet", "--data-dir", root], message, {}
+
+
+def epochs_and_steps(tmp_path: Path) -> Case:
+    # --steps is the whole run's length: with --epochs too, one of them would be ignored
+    return ["--epochs", "3"], "argument --epochs: not allowed with argument --steps", {}
+
+
 def ddp_outside_torchrun(tmp_path: Path) -> Case:
     return ["--backend", "ddp"], "--backend ddp runs under torchrun: torchrun --nproc_per_node N", {}
 
@@ -119,6 +132,8 @@ def ddp_outside_torchrun(tmp_path: Path) -> Case:
         abbreviated_flag,
         huge_batch_size,
         data_dir_is_a_file,
+        one_class_data_dir,
+        epochs_and_steps,
     ],
 )
 def test_bad_input_is_one_error_line_and_exit_2_before_training(tmp_path: Path, case: Callable[[Path], Case]) -> None:
@@ -128,6 +143,39 @@ def test_bad_input_is_one_error_line_and_exit_2_before_training(tmp_path: Path, 
     assert line.startswith(f"error: {message}"), output
     assert "Traceback" not in output
     assert "starting at step" not in output  # refused before the first step
+
+
+@pytest.mark.parametrize("framework", ["pytorch", "tensorflow", "keras"])
+def test_steps_is_the_whole_runs_length_across_epochs(tmp_path: Path, framework: str) -> None:
+    """16 images in batches of 4 are 4 steps per epoch: --steps 10 trains 10 steps, in 3 epochs."""
+    root = make_imagenet(tmp_path / "imagenet", classes=2, train_per_class=8, val_per_class=1, corrupt=0)
+    metrics = tmp_path / "metrics.json"
+    flags = ["--data", "imagenet", "--data-dir", root, "--steps", 10, "--metrics-json", metrics]
+    run(single(framework, *TINY, *flags), tmp_path / "job.log")
+    report = read_metrics(metrics)
+    assert (report["steps"], report["epochs"]) == (10, 3)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "horovodrun"])
+def test_the_wrapped_launchers_exit_2_on_bad_input_with_one_line_and_no_traceback(
+    tmp_path: Path, launcher: str
+) -> None:
+    """The plain launchers raise after a worker fails: a 25-line traceback, exit 1. Wrapped, the
+    worker's own status and line: a layout the world cannot take (the README's torchrun command),
+    a flag every rank refuses (horovodrun)."""
+    if launcher == "torchrun":
+        job = ["-m", "training.model_parallel", "--model", "gpt-tiny", "--pp", 3, "--seq-len", 64, "--steps", 2]
+        cmd = [sys.executable, "-m", "training.torchrun", "--standalone", "--nproc-per-node", 2, *job]
+        message = "--tp 1 x --pp 3 = 3 does not divide the world size 2"
+    else:
+        # a flag every rank refuses as it parses: rank 0 alone says so
+        job = [sys.executable, "-m", "training.pytorch", *TINY, "--steps", 0]
+        cmd = [sys.executable, "-m", "training.horovodrun", "-np", 2, "-H", "localhost:2", "--gloo", *job]
+        message = "argument --steps: must be a positive integer, got 0"
+    output = run(cmd, tmp_path / "job.log", expect_rc=2)
+    [line] = error_lines(output)
+    assert line.endswith(f"error: {message}") or message in line, output
+    assert "Traceback" not in output and "ChildFailedError" not in output and "RuntimeError" not in output
 
 
 def test_a_refusal_every_rank_meets_is_reported_once_by_rank_0(tmp_path: Path) -> None:
@@ -268,3 +316,24 @@ def test_a_job_exits_with_its_status_though_a_thread_outlives_its_backend(
     assert "trained" in output  # the log was flushed before the process left
     assert error_lines(output) == ([message] if message else [])
     assert ("Traceback" in output) == (outcome == "bug")  # only a bug gets its traceback
+
+
+def test_a_worker_ended_by_a_signal_is_named_and_exits_as_a_shell_would(capsys: pytest.CaptureFixture[str]) -> None:
+    # horovod 0.28.1's message for the first failed process
+    message = "Horovod detected that one or more processes exited with non-zero status, thus causing the job "
+    message += "to be terminated. The first process to do so was:\nProcess name: 1\nExit code: -9\n"
+    assert horovod_first_failure(RuntimeError(message)) == ("process 1", -9)
+    assert horovod_first_failure(RuntimeError("something else")) is None
+    assert report("process 1", -9) == 137
+    assert capsys.readouterr().err == "error: process 1 was killed by SIGKILL\n"
+    assert report("rank 0", 2) == 2 and capsys.readouterr().err == ""
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # pytest's captured stderr has no fileno
+def test_a_launcher_refusing_its_own_arguments_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = sys.argv
+    try:
+        assert run_torchrun(["--nproc-per-node", "x", "-m", "training.pytorch"]) == 2
+    finally:
+        sys.argv = argv
+    assert capsys.readouterr().err == "error: torchrun: Unsupported nproc_per_node value: x\n"

@@ -229,11 +229,10 @@ def test_val_keys_cover_every_image_once() -> None:
     assert sorted(keys) == list(range(10))
 
 
-def test_steps_per_epoch_is_equal_for_all_ranks_and_capped() -> None:
-    assert data.steps_per_epoch(1000, 3, 10, None) == 33
-    assert data.steps_per_epoch(1000, 3, 10, 5) == 5
+def test_steps_per_epoch_is_equal_for_all_ranks() -> None:
+    assert data.steps_per_epoch(1000, 3, 10) == 33
     with pytest.raises(data.DataDirError, match="fewer than one batch"):
-        data.steps_per_epoch(5, 2, 4, None)
+        data.steps_per_epoch(5, 2, 4)
 
 
 def test_synthetic_batches_of_two_ranks_equal_one_double_batch() -> None:
@@ -370,8 +369,9 @@ def test_agree_raises_the_first_refusal_on_every_rank() -> None:
 
 
 def run_steps(
-    tmp_path: Path, flags: list[str], evaluate: Any = None, checkpoint_dir: Path | None = None
+    tmp_path: Path, flags: list[str], evaluate: Any = None, checkpoint_dir: Path | None = None, per_epoch: int = 4
 ) -> tuple[dict[str, Any], list[int]]:
+    """A run of --steps steps (flags), in epochs of per_epoch steps."""
     args = parse_args("pytorch", ["--checkpoint-dir", str(checkpoint_dir or tmp_path / "ckpt"), *flags])
     dist = OneProcess()
     start, state = resume(args, dist, PRINT, args.steps, bytes.decode)
@@ -380,7 +380,8 @@ def run_steps(
         args,
         dist,
         framework="pytorch",
-        steps_per_epoch=args.steps,
+        steps_per_epoch=per_epoch,
+        total_steps=args.steps,
         start_step=start,
         precision="fp32",
         device="cpu",
@@ -397,8 +398,8 @@ def run_steps(
 
 
 def test_loop_checkpoints_every_n_steps_and_at_the_end(tmp_path: Path) -> None:
-    flags = ["--steps", "7", "--epochs", "2", "--checkpoint-every", "3", "--keep-checkpoints", "10"]
-    report, saved = run_steps(tmp_path, [*flags, "--metrics-json", str(tmp_path / "m.json")])
+    flags = ["--steps", "14", "--checkpoint-every", "3", "--keep-checkpoints", "10"]
+    report, saved = run_steps(tmp_path, [*flags, "--metrics-json", str(tmp_path / "m.json")], per_epoch=7)
     assert saved == [3, 6, 9, 12, 14]
     assert report == json.loads((tmp_path / "m.json").read_text())
     assert (report["steps"], report["final_loss"], report["resumed_from_step"]) == (14, 0.5, None)
@@ -412,13 +413,13 @@ def test_loop_default_checkpoints_once_per_epoch_and_resumes(tmp_path: Path) -> 
         calls.append(1)
         return 3, 4
 
-    _, saved = run_steps(tmp_path, ["--steps", "4", "--epochs", "2"], evaluate)
+    _, saved = run_steps(tmp_path, ["--steps", "8"], evaluate)
     assert saved == [4, 8] and len(calls) == 2
-    report, saved = run_steps(tmp_path, ["--steps", "4", "--epochs", "3"], evaluate)
+    report, saved = run_steps(tmp_path, ["--steps", "12"], evaluate)
     assert saved == [4, 8, 12] and report["resumed_from_step"] == 8
-    assert report["val_top1"] == 0.75
+    assert report["val_top1"] == 0.75 and report["epochs"] == 3
     with pytest.raises(CheckpointRefused, match="is at step 12, past this run's 4 steps") as refused:
-        run_steps(tmp_path, ["--steps", "4", "--epochs", "1"])
+        run_steps(tmp_path, ["--steps", "4"])
     assert refused.value.every_rank  # the verdict is broadcast: rank 0 alone reports it
 
 

@@ -1,0 +1,114 @@
+"""What `launch` checks about the job's inputs before anything is submitted.
+
+Two kinds of check. Before any connection: the job's `--data-dir` must be a dataset under the
+cluster's data path (the only place `stage` puts data, and the only one every node sees). On the
+login node, in the same SSH round trip that submits (it sees the shared file system as the nodes
+do): the dataset exists, an ImageNet one has at least two class folders, and a `.py` entrypoint on
+a file system the login node shares with the nodes exists. Each failed check is one exit status of
+that round trip (`Preflight.codes`), turned into one `error:` line with exit 2, before the run
+directory is made; a job that would fail at its first step is never queued.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from scripts.cluster import ClusterDescription
+from scripts.errors import OperatorError
+from scripts.sshutil import q
+
+# The round trip's own exit statuses (sbatch and the shell use 0-2 and 126-127).
+NO_DATA, ONE_CLASS, NO_ENTRYPOINT = 18, 19, 20
+STAGE_HINT = "python -m scripts stage all DIR --dataset NAME"
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of `--flag V` or `--flag=V` in args (the last one wins, as with argparse)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def dataset_under_data_path(desc: ClusterDescription, data_dir: str, what: str = "--data-dir") -> str:
+    """data_dir's path relative to the cluster's data path; refused when it is not a dataset there."""
+    shared = posixpath.normpath(desc.data_path)
+    relative = posixpath.relpath(posixpath.normpath(data_dir), shared) if posixpath.isabs(data_dir) else ".."
+    if relative == "." or relative.startswith(".."):
+        raise OperatorError(
+            f"{what} {data_dir} is not a dataset under the cluster's data path {shared}, the one the nodes "
+            f"see: stage it there ({STAGE_HINT}) and pass {shared}/NAME"
+        )
+    return relative
+
+
+@dataclass
+class Preflight:
+    """Shell for the login node (each check exits with its own status) and the message of each status."""
+
+    script: str = ""
+    codes: dict[int, str] = field(default_factory=dict)
+
+    def add(self, condition: str, code: int, message: str) -> None:
+        """Fail with code unless condition (a shell test) holds."""
+        self.script += f"{condition} || exit {code}; "
+        self.codes[code] = message
+
+    def refusal(self, returncode: int) -> OperatorError | None:
+        message = self.codes.get(returncode)
+        return OperatorError(message) if message is not None else None
+
+
+def plan_preflight(
+    desc: ClusterDescription,
+    job_args: Sequence[str],
+    *,
+    entrypoint: str | None,
+    model_parallel: bool,
+) -> Preflight:
+    """Refuse what can be refused here; return the checks the login node makes."""
+    checks = Preflight()
+    data_dir = flag_value(job_args, "--data-dir")
+    if data_dir is not None:
+        dataset_under_data_path(desc, data_dir)
+        checks.add(
+            f"[ -d {q(data_dir)} ]",
+            NO_DATA,
+            f"--data-dir {data_dir} is not on the shared file system: stage the dataset first ({STAGE_HINT})",
+        )
+        if flag_value(job_args, "--data") == "imagenet" and not model_parallel and entrypoint is None:
+            train = posixpath.join(data_dir, "train")
+            # a one-class "classifier" trains and exports, and is useless: the job refuses it too
+            checks.add(
+                f'{{ [ ! -d {q(train)} ] || {{ set -- {q(train)}/*/; [ "$#" -ge 2 ] || [ ! -d "$1" ]; }}; }}',
+                ONE_CLASS,
+                f"--data-dir {data_dir} has one class folder under train/: a classifier needs at least two",
+            )
+    script = entrypoint_seen_by_login_node(desc, entrypoint)
+    if script is not None:
+        checks.add(
+            f"[ -f {q(script)} ]",
+            NO_ENTRYPOINT,
+            f"--entrypoint {entrypoint}: {script} does not exist on the cluster's file system",
+        )
+    return checks
+
+
+def entrypoint_seen_by_login_node(desc: ClusterDescription, entrypoint: str | None) -> str | None:
+    """The path of a `.py` entrypoint, where the login node sees what the nodes see: on the shared
+    file system, or anywhere with the host runtime on a local cluster (its nodes share this machine's
+    files). None where it cannot be checked before the job runs: a module name, or a file in the image."""
+    if entrypoint is None or not entrypoint.endswith(".py"):
+        return None
+    path = posixpath.normpath(posixpath.join(desc.runtime.workdir, entrypoint))
+    shared = posixpath.normpath(desc.shared_mount_path)
+    if path == shared or path.startswith(shared + "/"):
+        return path
+    if desc.runtime.kind == "host" and desc.provider == "local":
+        return path
+    return None

@@ -1,0 +1,47 @@
+#!/bin/bash
+# Puts the cluster's munge key in place from Key Vault, with this machine's user-assigned managed
+# identity: IMDS token for Key Vault -> the secret -> /etc/munge/munge.key (munge's alone, 0400).
+# The key never travels in custom data; the token and the key never reach argv, stdout or a log.
+# Safe to re-run. IMDS_ENDPOINT replaces the IMDS token URL (tests).
+set -euo pipefail
+
+VAULT_URI=@VAULT_URI@
+SECRET_NAME=@SECRET_NAME@
+IDENTITY_CLIENT_ID=@IDENTITY_CLIENT_ID@
+KEY_PATH=@KEY_PATH@
+readonly KEY_OWNER=munge:munge
+readonly MIN_KEY_BYTES=32 # munged refuses shorter keys
+readonly IMDS_TOKEN_URL="${IMDS_ENDPOINT:-http://169.254.169.254/metadata/identity/oauth2/token}?api-version=2018-02-01&resource=https%3A%2F%2Fvault.azure.net&client_id=$IDENTITY_CLIENT_ID"
+readonly SECRET_URL="${VAULT_URI%/}/secrets/$SECRET_NAME?api-version=7.4"
+# A new role assignment can take minutes to propagate; so can the identity on a new VM.
+readonly ATTEMPTS=${MUNGE_KEY_ATTEMPTS:-30}
+readonly RETRY_SECONDS=${MUNGE_KEY_RETRY_SECONDS:-20}
+
+log() { echo "munge-key: $*" >&2; }
+
+# include azure-common.sh
+
+# Runs in an `if`, where set -e is off: every step checks its own status.
+# shellcheck disable=SC2317  # run through retry, which shellcheck cannot follow
+fetch_once() {
+  local token tmp
+  token=$(curl -fsS --max-time 30 -H Metadata:true "$IMDS_TOKEN_URL" | json_field access_token) || return 1
+  tmp=$(mktemp "$KEY_PATH.XXXXXX") || return 1
+  # the token travels as a header read from stdin (-H @-), never in curl's argv
+  if printf 'Authorization: Bearer %s\n' "$token" |
+    curl -fsS --max-time 30 -H @- "$SECRET_URL" | json_field value | base64 -d >"$tmp" &&
+    (($(stat -c %s "$tmp") >= MIN_KEY_BYTES)) &&
+    chown "$KEY_OWNER" "$tmp" && chmod 0400 "$tmp" && mv -f "$tmp" "$KEY_PATH"; then
+    return 0
+  fi
+  rm -f "$tmp"
+  return 1
+}
+
+umask 077
+if retry fetch_once; then
+  log "the munge key is in $KEY_PATH"
+  exit 0
+fi
+log "could not read secret $SECRET_NAME from $VAULT_URI after $ATTEMPTS attempts"
+exit 1
