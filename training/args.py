@@ -162,7 +162,12 @@ def _add_speed_flags(parser: argparse.ArgumentParser, framework: str) -> None:
     )
     speed.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to fp16")
     if framework == "pytorch":
-        speed.add_argument("--compile", action="store_true", help="torch.compile the model")
+        speed.add_argument(
+            "--compile",
+            action=argparse.BooleanOptionalAction,
+            help="torch.compile the model (default: on with CUDA, off on CPU; compiling takes about "
+            "a minute before the first step)",
+        )
 
 
 def _add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:

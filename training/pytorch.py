@@ -145,6 +145,10 @@ class DDPBackend:
 
         # Channels-last weights match the layout of their gradients, so DDP's buckets need no copies.
         model.to(memory_format=torch.channels_last)
+        if self.size == 1:
+            # Nothing to average: the wrapper would only copy gradients into buckets, all-reduce
+            # them with itself and, compiled, split the graph at bucket boundaries.
+            return model, optimizer
         device_ids = [self.local_rank] if torch.cuda.is_available() else None
         ddp = DistributedDataParallel(model, device_ids=device_ids)  # broadcasts rank 0's weights
         if fp16_allreduce:
@@ -350,7 +354,11 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
     train_model, optimizer = backend.distribute(model, optimizer, args.fp16_allreduce)
     if state is not None:
         restore(args, start_step, lambda: load_training_state(optimizer, scaler, state))
+    if args.compile is None:
+        args.compile = device.type == "cuda"  # on the CPU, compiling takes longer than most runs
     if args.compile:
+        # The DDP wrapper itself, so that its graph is split at the gradient buckets and their
+        # all-reduces overlap backward (torch._dynamo's DDPOptimizer).
         train_model = torch.compile(train_model)
 
     precision = "fp32" if dtype is None else f"amp_{'bf16' if dtype == torch.bfloat16 else 'fp16'}"

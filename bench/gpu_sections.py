@@ -1,0 +1,162 @@
+"""The sections of ``python -m bench.gpu`` that set our training jobs beside plain-PyTorch loops.
+
+Each figure runs two processes on the same GPU, the baseline first: our job exactly as
+docs/performance.md tells a user to run it (``torchrun``, one process, default flags but for the
+size and the timing warmup), and the loop of :mod:`bench.gpu_baselines` doing the same work. Each
+reads the other's result only through its metrics JSON, and the wall time of each process
+(start-up and compilation included) is kept beside its rate.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import proc
+from bench.gpu_report import GiB, Row
+
+TIMEOUT_S = 420  # one process: gpt-1.3b compiles in about a minute on an H100 node
+THREADS = 8  # CPU threads per process: the GPU does the work, the host only queues it
+
+
+@dataclass(frozen=True)
+class ResNetCase:
+    model: str = "resnet50"
+    image_size: int = 224
+    batch_size: int = 256
+    steps: int = 80
+    warmup: int = 20  # compilation, cuDNN autotuning, the allocator
+
+
+@dataclass(frozen=True)
+class GPTCase:
+    model: str
+    seq_len: int
+    batch_size: int
+    steps: int
+    warmup: int
+
+
+RESNET = ResNetCase()
+GPTS = (GPTCase("gpt-125m", 1024, 16, 50, 10), GPTCase("gpt-1.3b", 2048, 4, 30, 5))
+
+
+def torchrun(module: str, args: list[str]) -> list[str]:
+    """One local process of ``module`` under torchrun (the module form: no script on PATH needed)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", module, *args]
+
+
+def compile_flag(compiled: bool) -> str:
+    return "--compile" if compiled else "--no-compile"
+
+
+def our_resnet(case: ResNetCase, compiled: bool) -> list[str]:
+    return torchrun(
+        "training.pytorch",
+        [
+            "--backend", "ddp", "--data", "synthetic", "--model", case.model, "--image-size", str(case.image_size),
+            "--batch-size", str(case.batch_size), "--precision", "amp", "--steps", str(case.steps),
+            "--timing-warmup-steps", str(case.warmup), compile_flag(compiled),
+        ],
+    )  # fmt: skip
+
+
+def baseline_resnet(case: ResNetCase, compiled: bool) -> list[str]:
+    return [
+        sys.executable, "-m", "bench.gpu_baselines", "resnet", "--model", case.model,
+        "--image-size", str(case.image_size), "--batch-size", str(case.batch_size), "--steps", str(case.steps),
+        "--timing-warmup-steps", str(case.warmup), compile_flag(compiled),
+    ]  # fmt: skip
+
+
+def our_gpt(case: GPTCase) -> list[str]:
+    return torchrun(
+        "training.model_parallel",
+        [
+            "--precision", "bf16", "--model", case.model, "--seq-len", str(case.seq_len),
+            "--batch-size", str(case.batch_size), "--steps", str(case.steps),
+            "--timing-warmup-steps", str(case.warmup),
+        ],
+    )  # fmt: skip
+
+
+def baseline_gpt(case: GPTCase) -> list[str]:
+    return [
+        sys.executable, "-m", "bench.gpu_baselines", "gpt", "--model", case.model, "--seq-len", str(case.seq_len),
+        "--batch-size", str(case.batch_size), "--steps", str(case.steps), "--timing-warmup-steps", str(case.warmup),
+    ]  # fmt: skip
+
+
+def measure(cmd: list[str], metrics: Path) -> tuple[dict[str, Any], float]:
+    """Run ``cmd --metrics-json metrics``: (its metrics, its wall seconds)."""
+    started = time.monotonic()
+    proc.run([*cmd, "--metrics-json", str(metrics)], proc.thread_env(THREADS), timeout=TIMEOUT_S)
+    wall = time.monotonic() - started
+    if not metrics.is_file():
+        raise proc.BenchError(f"{shlex.join(cmd)} wrote no metrics to {metrics}")
+    return json.loads(metrics.read_text()), wall
+
+
+def _gib(value: float | None) -> float | None:
+    return None if value is None else value / GiB
+
+
+def resnet_rows(work: Path) -> list[Row]:
+    """Our ResNet-50 job (DDP backend, bf16 autocast) eager and compiled, each beside torchvision's recipe."""
+    rows = []
+    for compiled in (False, True):
+        mode = "compiled" if compiled else "eager"
+        ours_cmd, base_cmd = our_resnet(RESNET, compiled), baseline_resnet(RESNET, compiled)
+        base, base_wall = measure(base_cmd, work / f"resnet-{mode}-baseline.json")
+        ours, ours_wall = measure(ours_cmd, work / f"resnet-{mode}-ours.json")
+        rows.append(
+            Row(
+                "resnet50",
+                f"ResNet-50 {RESNET.image_size} px, batch {RESNET.batch_size}, bf16, {mode}",
+                "img/s",
+                ours["images_per_sec"],
+                base["images_per_sec"],
+                f"{base['model']}, channels-last, SGD, {mode}, no wrapper (as ours at world size 1)",
+                ours_peak_gib=None,
+                baseline_peak_gib=_gib(base.get("peak_memory_bytes")),
+                ours_wall_s=ours_wall,
+                baseline_wall_s=base_wall,
+                command=shlex.join(ours_cmd),
+                baseline_command=shlex.join(base_cmd),
+            )
+        )
+    return rows
+
+
+def transformer_rows(work: Path) -> list[Row]:
+    """Our model-parallel job at its defaults (one GPU, bf16) beside a bare compiled loop of the same model."""
+    rows = []
+    for case in GPTS:
+        ours_cmd, base_cmd = our_gpt(case), baseline_gpt(case)
+        base, base_wall = measure(base_cmd, work / f"{case.model}-baseline.json")
+        ours, ours_wall = measure(ours_cmd, work / f"{case.model}-ours.json")
+        rows.append(
+            Row(
+                "transformer",
+                f"{case.model}, seq {case.seq_len}, batch {case.batch_size}, bf16",
+                "tok/s",
+                ours["tokens_per_sec"],
+                base["tokens_per_sec"],
+                "bare loop: same model, fused AdamW, bf16 autocast, torch.compile, no AC",
+                ours_mfu=ours["mfu"],
+                baseline_mfu=base["mfu"],
+                ours_peak_gib=_gib(ours["peak_memory_bytes_per_rank"][0]),
+                baseline_peak_gib=_gib(base["peak_memory_bytes"]),
+                ours_wall_s=ours_wall,
+                baseline_wall_s=base_wall,
+                command=shlex.join(ours_cmd),
+                baseline_command=shlex.join(base_cmd),
+                note=f"ours: activation checkpointing {ours['activation_checkpointing']}, compiled {ours['compiled']}",
+            )
+        )
+    return rows
