@@ -58,7 +58,7 @@ demo: setup  ## the whole operator workflow on a 2-node local cluster (as root; 
 bench: setup  ## benchmarks beside their baselines -> bench/results.{json,md,png} (under 15 minutes)
 	$(TRAIN)/bin/python -m bench
 
-bench-gpu:  ## our GPU jobs beside plain PyTorch on one CUDA GPU -> bench/results-gpu.{json,md} (about 6 minutes on an H100)
+bench-gpu:  ## our GPU jobs beside plain PyTorch on one CUDA GPU -> bench/results-gpu.{json,md} (budget: 8 minutes on an H100)
 	$(GPU_PYTHON) -m bench.gpu
 
 test-gpu:  ## the tests marked gpu (compiled vs eager, layouts on the GPU); skipped with the reason printed without CUDA

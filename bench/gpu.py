@@ -3,7 +3,7 @@
 Needs one CUDA device; without one it exits 3 with one ``error:`` line before running anything.
 Runs every section of :data:`SECTIONS` in one process tree (each figure is a pair of child
 processes), then writes ``results-gpu.json`` and ``results-gpu.md`` into ``--out`` with the device
-name and the software versions. About 6 minutes on one H100. Works without Horovod (the PyTorch
+name and the software versions (budget: 8 minutes on one H100). Works without Horovod (the PyTorch
 job runs its DDP backend) and on torch 2.11 as on the pinned 2.13.
 """
 

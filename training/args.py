@@ -165,8 +165,8 @@ def _add_speed_flags(parser: argparse.ArgumentParser, framework: str) -> None:
         speed.add_argument(
             "--compile",
             action=argparse.BooleanOptionalAction,
-            help="torch.compile the model (default: on with CUDA, off on CPU; compiling takes about "
-            "a minute before the first step)",
+            help="torch.compile the model (default: on with CUDA, off on CPU; compilation runs before "
+            "the first step: docs/performance.md)",
         )
 
 

@@ -155,7 +155,7 @@ def build_parser() -> Parser:
         "--compile",
         action=argparse.BooleanOptionalAction,
         help="torch.compile each block and the loss (default: on with CUDA, off on CPU; "
-        "costs about a minute of compilation before the first step)",
+        "compilation runs before the first step: docs/performance.md)",
     )
     model.add_argument(
         "--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: FSDP mixed precision (for GPUs)"
