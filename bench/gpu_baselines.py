@@ -40,6 +40,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     resnet.add_argument("--model", default="resnet50", help="a torchvision.models name (default resnet50)")
     resnet.add_argument("--image-size", type=int, default=224)
     resnet.add_argument("--batch-size", type=int, default=256)
+    resnet.add_argument("--num-classes", type=int, default=1000)
     gpt = loops.add_parser("gpt", help="a bare loop of training.transformer")
     gpt.add_argument("--model", choices=sorted(GPT_CONFIGS), default="gpt-125m")
     gpt.add_argument("--seq-len", type=int, default=1024)
@@ -56,17 +57,17 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def torchvision_resnet(name: str) -> tuple[nn.Module, str]:
+def torchvision_resnet(name: str, num_classes: int) -> tuple[nn.Module, str]:
     """torchvision's model, or ours of the same name where torchvision does not import (the CPU
     build of torch beside torchvision's wheel, see bench/tv_baseline.py)."""
     try:
         import torchvision
 
-        return torchvision.models.get_model(name), f"torchvision.models.{name}"
+        return torchvision.models.get_model(name, num_classes=num_classes), f"torchvision.models.{name}"
     except (ImportError, RuntimeError):
         from training.torch_models import build_model
 
-        return build_model(name, 1000), TORCHVISION_FALLBACK
+        return build_model(name, num_classes), TORCHVISION_FALLBACK
 
 
 def timed_loop(
@@ -87,7 +88,7 @@ def timed_loop(
 
 def resnet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     torch.backends.cudnn.benchmark = True
-    model, source = torchvision_resnet(args.model)
+    model, source = torchvision_resnet(args.model, args.num_classes)
     model = model.to(device, memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     forward = torch.compile(model) if args.compile else model
@@ -96,7 +97,7 @@ def resnet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     if source == TORCHVISION_FALLBACK:  # ours takes uint8 NHWC images and normalizes them itself
         images = torch.randint(0, 256, (args.batch_size, args.image_size, args.image_size, 3), device=device)
         images = images.to(torch.uint8)
-    labels = torch.randint(0, 1000, (args.batch_size,), device=device)
+    labels = torch.randint(0, args.num_classes, (args.batch_size,), device=device)
     model.train()
 
     def step() -> torch.Tensor:

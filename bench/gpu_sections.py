@@ -19,18 +19,10 @@ from typing import Any
 
 from bench import proc
 from bench.gpu_report import GiB, Row
+from bench.steps import Shape
 
 TIMEOUT_S = 420  # one process, compilation included: most of the whole run's 8-minute budget
 THREADS = 8  # CPU threads per process: the GPU does the work, the host only queues it
-
-
-@dataclass(frozen=True)
-class ResNetCase:
-    model: str = "resnet50"
-    image_size: int = 224
-    batch_size: int = 256
-    steps: int = 80
-    warmup: int = 20  # compilation, cuDNN autotuning, the allocator
 
 
 @dataclass(frozen=True)
@@ -42,7 +34,8 @@ class GPTCase:
     warmup: int
 
 
-RESNET = ResNetCase()
+# 20 warmup steps: compilation, cuDNN autotuning, the allocator.
+RESNET = Shape(model="resnet50", image_size=224, batch=256, steps=80, warmup=20)
 GPTS = (GPTCase("gpt-125m", 1024, 16, 50, 10), GPTCase("gpt-1.3b", 2048, 4, 30, 5))
 
 
@@ -55,23 +48,13 @@ def compile_flag(compiled: bool) -> str:
     return "--compile" if compiled else "--no-compile"
 
 
-def our_resnet(case: ResNetCase, compiled: bool) -> list[str]:
-    return torchrun(
-        "training.pytorch",
-        [
-            "--backend", "ddp", "--data", "synthetic", "--model", case.model, "--image-size", str(case.image_size),
-            "--batch-size", str(case.batch_size), "--precision", "amp", "--steps", str(case.steps),
-            "--timing-warmup-steps", str(case.warmup), compile_flag(compiled),
-        ],
-    )  # fmt: skip
+def our_resnet(shape: Shape, compiled: bool) -> list[str]:
+    args = ["--backend", "ddp", "--data", "synthetic", *shape.args(), "--precision", "amp", compile_flag(compiled)]
+    return torchrun("training.pytorch", args)
 
 
-def baseline_resnet(case: ResNetCase, compiled: bool) -> list[str]:
-    return [
-        sys.executable, "-m", "bench.gpu_baselines", "resnet", "--model", case.model,
-        "--image-size", str(case.image_size), "--batch-size", str(case.batch_size), "--steps", str(case.steps),
-        "--timing-warmup-steps", str(case.warmup), compile_flag(compiled),
-    ]  # fmt: skip
+def baseline_resnet(shape: Shape, compiled: bool) -> list[str]:
+    return [sys.executable, "-m", "bench.gpu_baselines", "resnet", *shape.args(), compile_flag(compiled)]
 
 
 def our_gpt(case: GPTCase) -> list[str]:
@@ -102,6 +85,21 @@ def measure(cmd: list[str], metrics: Path) -> tuple[dict[str, Any], float]:
     return json.loads(metrics.read_text()), wall
 
 
+def measure_pair(
+    ours_cmd: list[str], base_cmd: list[str], work: Path, stem: str
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The baseline, then ours: (our metrics, the baseline's, the Row fields both share)."""
+    base, base_wall = measure(base_cmd, work / f"{stem}-baseline.json")
+    ours, ours_wall = measure(ours_cmd, work / f"{stem}-ours.json")
+    shared = {
+        "ours_wall_s": ours_wall,
+        "baseline_wall_s": base_wall,
+        "command": shlex.join(ours_cmd),
+        "baseline_command": shlex.join(base_cmd),
+    }
+    return ours, base, shared
+
+
 def _gib(value: float | None) -> float | None:
     return None if value is None else value / GiB
 
@@ -111,23 +109,18 @@ def resnet_rows(work: Path) -> list[Row]:
     rows = []
     for compiled in (False, True):
         mode = "compiled" if compiled else "eager"
-        ours_cmd, base_cmd = our_resnet(RESNET, compiled), baseline_resnet(RESNET, compiled)
-        base, base_wall = measure(base_cmd, work / f"resnet-{mode}-baseline.json")
-        ours, ours_wall = measure(ours_cmd, work / f"resnet-{mode}-ours.json")
+        cmds = our_resnet(RESNET, compiled), baseline_resnet(RESNET, compiled)
+        ours, base, shared = measure_pair(*cmds, work, f"resnet-{mode}")
         rows.append(
             Row(
                 "resnet50",
-                f"ResNet-50 {RESNET.image_size} px, batch {RESNET.batch_size}, bf16, {mode}",
+                f"ResNet-50 {RESNET.image_size} px, batch {RESNET.batch}, bf16, {mode}",
                 "img/s",
                 ours["images_per_sec"],
                 base["images_per_sec"],
                 f"{base['model']}, channels-last, SGD, {mode}, no wrapper (as ours at world size 1)",
-                ours_peak_gib=None,
                 baseline_peak_gib=_gib(base.get("peak_memory_bytes")),
-                ours_wall_s=ours_wall,
-                baseline_wall_s=base_wall,
-                command=shlex.join(ours_cmd),
-                baseline_command=shlex.join(base_cmd),
+                **shared,
             )
         )
     return rows
@@ -137,9 +130,7 @@ def transformer_rows(work: Path) -> list[Row]:
     """Our model-parallel job at its defaults (one GPU, bf16) beside a bare compiled loop of the same model."""
     rows = []
     for case in GPTS:
-        ours_cmd, base_cmd = our_gpt(case), baseline_gpt(case)
-        base, base_wall = measure(base_cmd, work / f"{case.model}-baseline.json")
-        ours, ours_wall = measure(ours_cmd, work / f"{case.model}-ours.json")
+        ours, base, shared = measure_pair(our_gpt(case), baseline_gpt(case), work, case.model)
         rows.append(
             Row(
                 "transformer",
@@ -152,10 +143,7 @@ def transformer_rows(work: Path) -> list[Row]:
                 baseline_mfu=base["mfu"],
                 ours_peak_gib=_gib(ours["peak_memory_bytes_per_rank"][0]),
                 baseline_peak_gib=_gib(base["peak_memory_bytes"]),
-                ours_wall_s=ours_wall,
-                baseline_wall_s=base_wall,
-                command=shlex.join(ours_cmd),
-                baseline_command=shlex.join(base_cmd),
+                **shared,
                 note=f"ours: activation checkpointing {ours['activation_checkpointing']}, compiled {ours['compiled']}",
             )
         )

@@ -94,6 +94,7 @@ def test_resnet_commands_are_what_the_programs_accept(compiled: bool) -> None:
     base_cmd = gpu_sections.baseline_resnet(gpu_sections.RESNET, compiled)
     base = gpu_baselines.parse([*base_cmd[3:], "--metrics-json", "x"])
     assert (base.loop, base.model, base.batch_size, base.compile) == ("resnet", "resnet50", 256, compiled)
+    assert base.image_size == 224 and base.num_classes == ours.num_classes == 1000
     assert (base.steps, base.timing_warmup_steps) == (ours.steps, ours.timing_warmup_steps)
 
 

@@ -53,7 +53,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from training.parallel.layout import Layout
 from training.torch_models import BasicBlock, Bottleneck
@@ -108,7 +108,9 @@ def _keep_expensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointP
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any], *args: Any) -> Any:
+def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any] | None, *args: Any) -> Any:
+    if context_fn is None:  # full: dynamo traces checkpoint without a context_fn, not with the no-op one
+        return checkpoint(forward, *args, use_reentrant=False)
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn)
 
 
@@ -117,7 +119,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         raise ValueError(f"activation checkpointing {mode!r} is not one of {AC_MODES}")
     if mode == "none":
         return
-    context = partial(create_selective_checkpoint_contexts, _keep_expensive) if mode == "selective" else noop_context_fn
+    context = partial(create_selective_checkpoint_contexts, _keep_expensive) if mode == "selective" else None
     for block in blocks(model):
         # An instance attribute: nn.Module.__call__ (and its compiled version) calls it in place of
         # the class's forward, and the module tree, hence every parameter name, stays as it was.
