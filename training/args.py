@@ -168,6 +168,7 @@ def _add_speed_flags(parser: argparse.ArgumentParser, framework: str) -> None:
             help="torch.compile the model (default: on with CUDA, off on CPU; compilation runs before "
             "the first step: docs/performance.md)",
         )
+        add_profile_flag(speed)
 
 
 def _add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
@@ -195,6 +196,16 @@ def _add_export_flags(parser: argparse.ArgumentParser) -> None:
     )
     export.add_argument(
         "--export-every-epoch", action="store_true", help="also export at the end of every epoch (needs --export-dir)"
+    )
+
+
+def add_profile_flag(group: argparse._ArgumentGroup) -> None:
+    """``--profile-dir`` of the PyTorch jobs (training.profiling)."""
+    group.add_argument(
+        "--profile-dir",
+        type=Path,
+        help="torch.profiler over 5 steps after the timing warmup: a Chrome trace per rank here, the top "
+        "operators in rank 0's log (those steps' rates are not figures; default: off)",
     )
 
 

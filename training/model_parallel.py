@@ -48,6 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from training import curves
 from training.args import (
     Parser,
+    add_profile_flag,
     add_reporting,
     batch_size_arg,
     image_size_arg,
@@ -75,6 +76,7 @@ from training.parallel.pipeline import (
     theoretical_bubble,
 )
 from training.parallel.sharding import AC_MODES, autocasts, parallelize
+from training.profiling import StepProfiler
 from training.pytorch import DDPBackend
 from training.text_data import TokenSource, replica_slice, token_source
 from training.torch_models import build_model
@@ -157,6 +159,7 @@ def build_parser() -> Parser:
         help="torch.compile each block and the loss (default: on with CUDA, off on CPU; "
         "compilation runs before the first step: docs/performance.md)",
     )
+    add_profile_flag(model)
     model.add_argument(
         "--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: FSDP mixed precision (for GPUs)"
     )
@@ -432,12 +435,15 @@ class Run:
                 self.parts.parameters_total, self.start_step + 1, args.steps,
             )  # fmt: skip
         loss = None
+        profiler = StepProfiler(args.profile_dir, self.backend.rank, self.timer.excluded)
         for step in range(self.start_step, args.steps):
             loss = self.parts.step(*self.batches(step, self.layout.dp))
             if self.reads_numbers(step + 1):
                 sync(self.device)  # the clock, the loss and the checkpoint must see finished work
             self.timer.step_done()
             self.step_done(step + 1, loss)
+            profiler.step()
+        profiler.stop()
         final = mean_loss(loss, self.device) if args.steps > self.start_step else None
         return self.finish(final)
 

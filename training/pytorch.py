@@ -42,6 +42,7 @@ from training.export import Exporter, ExportSpec, ModelFiles
 from training.gpu_decode import NVJPEG, DeviceBatcher, EncodedFolder, JpegDecoder, choose_decoder
 from training.job import run_job
 from training.loop import TrainingRun, configure_logging, restore, resume
+from training.profiling import StepProfiler
 from training.torch_models import build_model
 
 log = logging.getLogger(__name__)
@@ -380,6 +381,7 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
         on_epoch_end=exporter.epoch_hook,
     )
     batches = train_batches(args, plan, backend, device, decode, start_step, run.total_steps)
+    profiler = StepProfiler(args.profile_dir, backend.rank, run.excluded)
     model.train()
     for step, (images, labels, batch_skipped) in zip(run.steps(), batches, strict=False):
         for group in optimizer.param_groups:
@@ -392,6 +394,8 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
         scaler.update()
         skipped.add(batch_skipped)
         run.step_done(step, loss.item)
+        profiler.step()
+    profiler.stop()
     metrics = run.finish(skipped if plan.train is not None else None)
     exporter.final(metrics)
     return metrics

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from training.parallel.sharding import AC_MODES, apply_activation_checkpointing, blocks
+from training.profiling import PROFILED_STEPS, StepProfiler
 from training.pytorch import DDPBackend
 from training.torch_models import build_model
 from training.transformer import GPT_CONFIGS, build_gpt
@@ -40,3 +44,15 @@ def test_activation_checkpointing_compiles_as_whole_graphs(mode: str) -> None:
         grads.append([param.grad for param in model.parameters()])
     for eager, compiled in zip(*grads, strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-7)
+
+
+def test_profile_dir_writes_a_trace_of_the_steps_after_the_warmup(tmp_path: Path) -> None:
+    model = torch.nn.Linear(8, 8)
+    profiler = StepProfiler(tmp_path / "profile", rank=0, warmup_steps=2)
+    for _ in range(2 + PROFILED_STEPS + 2):
+        model(torch.randn(4, 8)).sum().backward()
+        profiler.step()
+    profiler.stop()
+    trace = json.loads((tmp_path / "profile" / "rank0.json").read_text())
+    steps = {event["name"] for event in trace["traceEvents"] if event.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {f"ProfilerStep#{step}" for step in range(2, 2 + PROFILED_STEPS)}  # 0-based: after 2 warmup steps
