@@ -161,7 +161,10 @@ def build_parser() -> Parser:
     )
     add_profile_flag(model)
     model.add_argument(
-        "--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: FSDP mixed precision (for GPUs)"
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: FSDP mixed precision, or autocast in one process (for GPUs)",
     )
     data = parser.add_argument_group("data")
     data.add_argument("--data", choices=("synthetic", "text"), default="synthetic")

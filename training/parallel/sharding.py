@@ -131,7 +131,7 @@ def apply_compile(model: nn.Module) -> None:
     per step would be a bug, not a fallback)."""
     units = blocks(model)
     # ResNet's blocks come in up to 8 shapes (stride, width); each is a specialization of one
-    # code object, and dynamo's default limit of 8 per code object must not turn the last dynamic.
+    # code object, and dynamo's default limit of 8 recompilations must not leave the last ones eager.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(units))
     for unit in units:
         unit.compile(fullgraph=True, dynamic=False)
