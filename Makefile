@@ -5,8 +5,11 @@ PYTHON ?= python3
 PIP_VERSION := 25.2
 OPS := .venv
 TRAIN := .venv-train
+# The GPU targets run on a GPU machine's own torch when the training venv is not there
+# (`make bench-gpu GPU_PYTHON=python3`); they need neither Horovod nor `make setup`.
+GPU_PYTHON ?= $(if $(wildcard $(TRAIN)/bin/python),$(TRAIN)/bin/python,python3)
 
-.PHONY: help setup system test test-infra test-training test-scripts lint format demo bench clean
+.PHONY: help setup system test test-infra test-training test-scripts test-gpu lint format demo bench bench-gpu clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -62,6 +65,12 @@ demo: setup  ## the whole operator workflow on a 2-node local cluster (as root; 
 
 bench: setup  ## benchmarks beside their baselines -> bench/results.{json,md,png} (under 15 minutes)
 	$(TRAIN)/bin/python -m bench
+
+bench-gpu:  ## our GPU jobs beside plain PyTorch on one CUDA GPU -> bench/results-gpu.{json,md} (budget: 8 minutes on an H100)
+	$(GPU_PYTHON) -m bench.gpu
+
+test-gpu:  ## the tests marked gpu (compiled vs eager, layouts on the GPU); skipped with the reason printed without CUDA
+	$(GPU_PYTHON) -m pytest -m gpu -rs tests/training
 
 lint: $(OPS)/.installed  ## ruff
 	$(OPS)/bin/ruff check .

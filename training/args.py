@@ -176,7 +176,13 @@ def _add_speed_flags(parser: argparse.ArgumentParser, framework: str) -> None:
     )
     speed.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to fp16")
     if framework == "pytorch":
-        speed.add_argument("--compile", action="store_true", help="torch.compile the model")
+        speed.add_argument(
+            "--compile",
+            action=argparse.BooleanOptionalAction,
+            help="torch.compile the model (default: on with CUDA, off on CPU; compilation runs before "
+            "the first step: docs/performance.md)",
+        )
+        add_profile_flag(speed)
 
 
 def _add_sync_flags(parser: argparse.ArgumentParser) -> None:
@@ -246,6 +252,16 @@ def _add_export_flags(parser: argparse.ArgumentParser) -> None:
     )
     export.add_argument(
         "--export-every-epoch", action="store_true", help="also export at the end of every epoch (needs --export-dir)"
+    )
+
+
+def add_profile_flag(group: argparse._ArgumentGroup) -> None:
+    """``--profile-dir`` of the PyTorch jobs (training.profiling)."""
+    group.add_argument(
+        "--profile-dir",
+        type=Path,
+        help="torch.profiler over 5 steps after the timing warmup: a Chrome trace per rank here, the top "
+        "operators in rank 0's log (those steps' rates are not figures; default: off)",
     )
 
 

@@ -15,7 +15,14 @@ averages gradients over the replicas. So one process and any layout see the same
 the order of floating-point sums (tests/training/test_mp_equivalence.py).
 
 The optimizer is AdamW (betas 0.9/0.95, ``--weight-decay`` 0.1 on every parameter, GPT-3's and
-Llama's settings; no gradient clipping) at a constant ``--lr``. Errors and exit statuses are those
+Llama's settings; no gradient clipping) at a constant ``--lr``, fused (one kernel for the whole
+step) where every parameter is on a GPU.
+
+Speed on a GPU (docs/performance.md): each block is compiled (``--compile``, the default with
+CUDA), activation checkpointing is on only when the memory estimate says the model would not
+fit (``--activation-checkpointing auto``), one process trains the plain model under autocast
+(no FSDP), and the host waits for the device only where a number is read: timing edges, log
+steps, checkpoints and the end. Errors and exit statuses are those
 of the other jobs (:mod:`training.job`); a layout that cannot work is refused before any process
 group starts.
 """
@@ -32,6 +39,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,6 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from training import curves
 from training.args import (
     Parser,
+    add_profile_flag,
     add_reporting,
     batch_size_arg,
     image_size_arg,
@@ -58,6 +67,7 @@ from training.parallel.export import gather_full_state_dict, write_whole_model
 from training.parallel.layout import RESNETS, Layout, build_mesh, check_model
 from training.parallel.pipeline import (
     SCHEDULES,
+    LossFn,
     Pipeline,
     build_pipeline,
     check_microbatches,
@@ -65,8 +75,9 @@ from training.parallel.pipeline import (
     stages_per_rank,
     theoretical_bubble,
 )
-from training.parallel.sharding import AC_MODES, parallelize
+from training.parallel.sharding import AC_MODES, autocasts, parallelize
 from training.preemption import PreemptionWatch, stop
+from training.profiling import StepProfiler
 from training.pytorch import DDPBackend
 from training.text_data import TokenSource, replica_slice, token_source
 from training.torch_models import build_model
@@ -88,6 +99,7 @@ METRIC_KEYS = (
     "pp_schedule",
     "microbatches",
     "activation_checkpointing",
+    "compiled",
     "batch_size_per_replica",
     "global_batch_size",
     "seq_len",
@@ -135,9 +147,25 @@ def build_parser() -> Parser:
     model.add_argument(
         "--microbatches", type=positive_int, help="per pipeline step (default: --pp, 2 x --pp for interleaved-1f1b)"
     )
-    model.add_argument("--activation-checkpointing", choices=AC_MODES, default="none")
     model.add_argument(
-        "--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: FSDP mixed precision (for GPUs)"
+        "--activation-checkpointing",
+        choices=("auto", *AC_MODES),
+        default="auto",
+        help="auto: none, unless the memory estimate says the model would not fit the GPU "
+        "(then selective, or full); selective recomputes element-wise work, full whole blocks",
+    )
+    model.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        help="torch.compile each block and the loss (default: on with CUDA, off on CPU; "
+        "compilation runs before the first step: docs/performance.md)",
+    )
+    add_profile_flag(model)
+    model.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: FSDP mixed precision, or autocast in one process (for GPUs)",
     )
     data = parser.add_argument_group("data")
     data.add_argument("--data", choices=("synthetic", "text"), default="synthetic")
@@ -231,6 +259,8 @@ class Parts:
     optimizers: list[torch.optim.Optimizer]
     pipeline: Pipeline | None = None
     parameters_total: int = 0
+    loss: LossFn = loss_fn
+    autocast_device: str | None = None  # bf16 autocast on this device type (one process), else None
 
     @property
     def first(self) -> bool:
@@ -247,7 +277,9 @@ class Parts:
         if self.pipeline is not None:
             loss = self.pipeline.step(inputs if self.first else None, targets if self.last else None)
         else:
-            loss = loss_fn(self.chunks[0](inputs), targets)
+            device_type = self.autocast_device or "cpu"
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.autocast_device is not None):
+                loss = self.loss(self.chunks[0](inputs), targets)
             loss.backward()
         for optimizer in self.optimizers:
             optimizer.step()
@@ -280,8 +312,17 @@ def materialize(chunk: nn.Module, cfg: GPTConfig | None, seed: int, device: torc
     init_weights(chunk, cfg.n_layers)
 
 
+def adamw(chunk: nn.Module, args: argparse.Namespace) -> torch.optim.AdamW:
+    """AdamW over ``chunk``, fused where every parameter is on a GPU (foreach elsewhere)."""
+    params = list(chunk.parameters())
+    fused = bool(params) and all(param.device.type == "cuda" for param in params)
+    return torch.optim.AdamW(
+        params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay, fused=fused or None
+    )
+
+
 def build_parts(args: argparse.Namespace, layout: Layout, mesh: DeviceMesh, rank: int, device: torch.device) -> Parts:
-    """Build, split, shard (TP, activation checkpointing, FSDP) and wrap in a pipeline: this rank's parts."""
+    """Build, split, shard (TP, activation checkpointing, compile, FSDP) and wrap in a pipeline: this rank's parts."""
     model = build_full_model(args)
     total = sum(param.numel() for param in model.parameters())
     chunks, stage_ids = split(model, layout, layout.coordinates(rank)["pp"], args.pp_schedule)
@@ -290,18 +331,18 @@ def build_parts(args: argparse.Namespace, layout: Layout, mesh: DeviceMesh, rank
     for chunk in chunks:
         if not any(param.is_meta for param in chunk.parameters()):
             chunk.to(device)
-        parallelize(chunk, layout, mesh, args.precision, args.activation_checkpointing)
+        parallelize(chunk, layout, mesh, args.precision, args.activation_checkpointing, args.compile)
         materialize(chunk, cfg, args.seed, device)
-    optimizers = [
-        torch.optim.AdamW(chunk.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
-        for chunk in chunks
-    ]
+    optimizers = [adamw(chunk, args) for chunk in chunks]
     num_stages = layout.pp * stages_per_rank(args.pp_schedule)
-    parts = Parts(chunks, stage_ids, num_stages, optimizers, parameters_total=total)
+    # Compiled, the cross-entropy never materializes the fp32 copy of the logits (as torchtitan does).
+    loss = torch.compile(loss_fn, fullgraph=True, dynamic=False) if args.compile else loss_fn
+    amp = device.type if autocasts(layout, args.precision) else None
+    parts = Parts(chunks, stage_ids, num_stages, optimizers, parameters_total=total, loss=loss, autocast_device=amp)
     if layout.pp > 1:
         group = mesh["pp"].get_group()
         parts.pipeline = build_pipeline(
-            chunks, stage_ids, num_stages, group, device, args.pp_schedule, args.microbatches, loss_fn
+            chunks, stage_ids, num_stages, group, device, args.pp_schedule, args.microbatches, loss
         )
     return parts
 
@@ -327,7 +368,15 @@ class Batches:
         assert self.tokens is not None
         tokens = self.tokens.batch(step, replicas * self.args.batch_size, self.args.seq_len)
         inputs, targets = replica_slice(tokens, self.replica, self.args.batch_size)
-        return torch.from_numpy(inputs).to(self.device), torch.from_numpy(targets).to(self.device)
+        return self.to_device(inputs), self.to_device(targets)
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A blocking copy from pageable memory waits for every kernel queued before it: from pinned
+        memory, non-blocking, the host goes on queueing the next step."""
+        tensor = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
 
 def mean_loss(loss: torch.Tensor | None, device: torch.device) -> float:
@@ -368,6 +417,7 @@ class Run:
     def __init__(self, args: argparse.Namespace, backend: DDPBackend, layout: Layout, device: torch.device) -> None:
         self.args, self.backend, self.layout, self.device = args, backend, layout, device
         self.cfg = GPT_CONFIGS.get(args.model)
+        resolve_speed_flags(args, self.cfg, layout, device)
         torch.manual_seed(args.seed)
         timeout = timedelta(seconds=int(set_failure_timeouts()["DDP_TIMEOUT_SECONDS"]))
         self.parts = build_parts(args, layout, build_mesh(layout, device.type, timeout), backend.rank, device)
@@ -393,14 +443,29 @@ class Run:
                 self.parts.parameters_total, self.start_step + 1, args.steps,
             )  # fmt: skip
         loss = None
+        profiler = StepProfiler(args.profile_dir, self.backend.rank, self.timer.excluded)
         for step in range(self.start_step, args.steps):
             loss = self.parts.step(*self.batches(step, self.layout.dp))
-            sync(self.device)
+            if self.reads_numbers(step + 1):
+                sync(self.device)  # the clock, the loss and the checkpoint must see finished work
             self.timer.step_done()
             self.step_done(step + 1, loss)
+            profiler.step()
+        profiler.stop()
         final = mean_loss(loss, self.device) if args.steps > self.start_step else None
         self.preemption.close()
         return self.finish(final)
+
+    def reads_numbers(self, done: int) -> bool:
+        """Whether step ``done`` ends where the host reads the device: the end of the timing warmup,
+        a log step, a checkpoint, the last step. Between them the host runs ahead."""
+        every = self.args.checkpoint_every
+        return (
+            done - self.start_step == self.timer.excluded
+            or done == self.args.steps
+            or done % self.args.log_every == 0
+            or (self.checkpoints is not None and bool(every) and done % every == 0)
+        )
 
     def step_done(self, done: int, loss: torch.Tensor | None) -> None:
         pipeline = self.parts.pipeline
@@ -500,6 +565,7 @@ class Run:
             "pp_schedule": args.pp_schedule if pipelined else None,
             "microbatches": args.microbatches if pipelined else None,
             "activation_checkpointing": args.activation_checkpointing,
+            "compiled": args.compile,
             "batch_size_per_replica": args.batch_size,
             "global_batch_size": global_batch,
             "seq_len": args.seq_len if cfg is not None else None,
@@ -523,6 +589,18 @@ class Run:
             "device": device,
         }
         return {key: metrics[key] for key in METRIC_KEYS}
+
+
+def resolve_speed_flags(args: argparse.Namespace, cfg: GPTConfig | None, layout: Layout, device: torch.device) -> None:
+    """``--compile`` and ``--activation-checkpointing auto`` become what this device gets."""
+    if args.compile is None:
+        args.compile = device.type == "cuda"
+    requested = args.activation_checkpointing
+    args.activation_checkpointing = memory.choose_activation_checkpointing(
+        requested, cfg, layout, args.batch_size, args.seq_len, args.precision, memory.device_memory_bytes(device)
+    )
+    if requested == "auto" and int(os.environ.get("RANK", "0")) == 0:
+        log.info("activation checkpointing: %s (auto, from the memory estimate)", args.activation_checkpointing)
 
 
 def sync(device: torch.device) -> None:

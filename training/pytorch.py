@@ -45,6 +45,7 @@ from training.gpu_decode import NVJPEG, DeviceBatcher, EncodedFolder, JpegDecode
 from training.job import run_job
 from training.lifetime import die_with
 from training.loop import TrainingRun, configure_logging, restore, resume
+from training.profiling import StepProfiler
 from training.side_stream import SideStreamBatches, streams_for
 from training.sync import HIERARCHICAL, PeriodicSync, SyncSettings, check_layout, refuse_replicas
 from training.torch_models import build_model
@@ -169,6 +170,10 @@ class DDPBackend:
 
         # Channels-last weights match the layout of their gradients, so DDP's buckets need no copies.
         model.to(memory_format=torch.channels_last)
+        if self.size == 1:
+            # Nothing to average: the wrapper would only copy gradients into buckets, all-reduce
+            # them with itself and, compiled, split the graph at bucket boundaries.
+            return model, optimizer
         device_ids = [self.local_rank] if torch.cuda.is_available() else None
         ddp = DistributedDataParallel(model, device_ids=device_ids)  # broadcasts rank 0's weights
         if fp16_allreduce:
@@ -459,14 +464,21 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
     if sync.mode == HIERARCHICAL:
         check_layout(backend.allgather_object(backend.local_size))
     train_model, optimizer = backend.distribute(model, optimizer, args.fp16_allreduce)
-    periodic = PeriodicSync(sync, train_model, backend.local_size, start_step) if sync.periodic else None
+    # One process has no replicas to average (and no DDP wrapper to hook): every step is then the same.
+    periodic = (
+        PeriodicSync(sync, train_model, backend.local_size, start_step) if sync.periodic and backend.size > 1 else None
+    )
     if state is not None:
         restore(args, start_step, lambda: load_training_state(optimizer, scaler, state))
         if periodic is not None:
             restore(args, start_step, lambda: periodic.restore(model, optimizer, state, backend.rank))
         else:
             restore(args, start_step, partial(refuse_replicas, state))
+    if args.compile is None:
+        args.compile = device.type == "cuda"  # on the CPU, compiling takes longer than most runs
     if args.compile:
+        # The DDP wrapper itself, so that its graph is split at the gradient buckets and their
+        # all-reduces overlap backward (torch._dynamo's DDPOptimizer).
         train_model = torch.compile(train_model)
     steps = partial(model_steps, args, plan, backend, device, model, train_model, optimizer, autocast)
     decode = settle_auto(args, plan, backend, device, decode, steps)
@@ -494,6 +506,7 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
         on_epoch_end=exporter.epoch_hook,
     )
     batches = train_batches(args, plan, backend, device, decode, start_step, run.total_steps)
+    profiler = StepProfiler(args.profile_dir, backend.rank, run.excluded)
     model.train()
     for step, (images, labels, batch_skipped) in zip(run.steps(), batches, strict=False):
         for group in optimizer.param_groups:
@@ -508,6 +521,8 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
             periodic.after_step(step)
         skipped.add(batch_skipped)
         run.step_done(step, loss.item)
+        profiler.step()
+    profiler.stop()
     metrics = run.finish(skipped if plan.train is not None else None)
     exporter.final(metrics)
     return metrics

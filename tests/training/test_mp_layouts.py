@@ -354,6 +354,33 @@ def test_mfu_and_local_parameters() -> None:
     assert memory.local_parameters([shared, shared]) == (15, 60)  # counted once
 
 
+GB = 10**9
+
+
+@pytest.mark.parametrize(
+    ("device_bytes", "layout", "expected"),
+    [
+        (80 * GB, Layout(), "none"),  # one H100: gpt-1.3b at seq 2048 x 4 needs no recomputation
+        (40 * GB, Layout(), "selective"),
+        (32 * GB, Layout(), "full"),
+        (16 * GB, Layout(), "full"),  # fits nothing: the least memory, and a warning
+        (32 * GB, Layout(dp_shard=8), "none"),  # sharded 8 ways, the state is small
+        (None, Layout(), "none"),  # a CPU
+    ],
+)
+def test_auto_activation_checkpointing_follows_the_memory_estimate(
+    device_bytes: int | None, layout: Layout, expected: str
+) -> None:
+    cfg = GPT_CONFIGS["gpt-1.3b"]
+    estimates = [memory.estimate_bytes(cfg, Layout(), 4, 2048, "bf16", mode) for mode in ("none", "selective", "full")]
+    assert estimates == sorted(estimates, reverse=True)  # more recomputation, less memory
+    # The H100 run of issue 19 peaked at 32.8 GiB (the job) and 37 GiB (a bare loop) without AC.
+    assert 37 * 2**30 <= estimates[0] <= 45 * 2**30
+    assert memory.choose_activation_checkpointing("auto", cfg, layout, 4, 2048, "bf16", device_bytes) == expected
+    assert memory.choose_activation_checkpointing("selective", cfg, layout, 4, 2048, "bf16", 80 * GB) == "selective"
+    assert memory.choose_activation_checkpointing("auto", None, layout, 4, None, "bf16", 80 * GB) == "none"  # ResNets
+
+
 def test_every_flag_and_metric_is_documented() -> None:
     from training.model_parallel import METRIC_KEYS, build_parser
 

@@ -1,8 +1,10 @@
-"""Tensor parallel, activation checkpointing and FSDP2 for one model (or one pipeline chunk).
+"""Tensor parallel, activation checkpointing, torch.compile and FSDP2 for one model (or one pipeline chunk).
 
 Applied in torchtitan's order: tensor parallel first (it turns the block's weights into DTensors
-on the ``tp`` mesh), activation checkpointing next (hooks around each block), FSDP last (it shards
-whatever it finds, DTensors included, over the data-parallel mesh).
+on the ``tp`` mesh), activation checkpointing next (each block's forward runs under
+``torch.utils.checkpoint``), then ``torch.compile`` of each block, FSDP last (it shards whatever
+it finds, DTensors included, over the data-parallel mesh, and its hooks stay outside the compiled
+blocks).
 
 * **Tensor parallel** (Megatron-LM's split, through DTensor): ``wq``/``wk``/``wv`` and the MLP's
   ``w1``/``w3`` are column-sharded, so each rank runs whole heads and a slice of the MLP on the
@@ -17,31 +19,41 @@ whatever it finds, DTensors included, over the data-parallel mesh).
   on the 2-D ``(dp_replicate, dp_shard)`` mesh, gradients reduce-scattered within the shard group
   and all-reduced across replicas. Pure replication (``--dp-shard 1``) is the same code with a
   shard group of one, which is DDP's arithmetic (whole parameters, all-reduced gradients) and
-  works on gloo and NCCL alike. FSDP also wraps a model that only uses TP (a shard group of one),
+  works on gloo and NCCL alike. One process (world size 1) has nothing to shard or reduce: it
+  trains the plain model, under ``torch.autocast`` for bf16 (no FSDP hooks, copies or casts per
+  block). FSDP also wraps a model that only uses TP (a shard group of one),
   so that every parameter is a DTensor: AdamW's foreach implementation (the default on GPU)
   refuses a mix of DTensors and plain tensors.
   With a pipeline, parameters stay unsharded from forward to backward (``reshard_after_forward=False``):
   otherwise every microbatch would all-gather them again.
 * **Mixed precision** (``--precision bf16``, GPU only): parameters all-gathered and computed in
-  bf16, gradients reduced and the optimizer step taken in fp32 (``MixedPrecisionPolicy``).
-* **Activation checkpointing**, per block, without changing parameter names (the composable
-  ``checkpoint``): ``full`` keeps only each block's input and recomputes the block in backward;
-  ``selective`` keeps the outputs of matmuls, convolutions, attention and collectives and
-  recomputes the cheap element-wise work (norms, activations, rotary embeddings).
+  bf16, gradients reduced and the optimizer step taken in fp32 (``MixedPrecisionPolicy``); in one
+  process, bf16 autocast over fp32 parameters (the plain PyTorch recipe).
+* **Activation checkpointing**, per block, without changing parameter names: the block's
+  ``forward`` is replaced by one that runs it under non-reentrant ``torch.utils.checkpoint``
+  (torchtitan wraps the block in a module instead, which renames every parameter; the composable
+  ``checkpoint`` keeps names but its hooks cannot be compiled). ``full`` keeps only each block's
+  input and recomputes the block in backward; ``selective`` keeps the outputs of matmuls,
+  convolutions, attention and collectives and recomputes the cheap element-wise work (norms,
+  activations, rotary embeddings). ``auto`` is resolved before this module is called
+  (:func:`training.parallel.memory.choose_activation_checkpointing`).
+* **torch.compile**, per block (``nn.Module.compile``: in place, parameter names unchanged), as
+  torchtitan does: the blocks are identical, so one compilation serves them all, and FSDP's
+  all-gathers and reduce-scatters stay eager between blocks, where they overlap compute.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from training.parallel.layout import Layout
 from training.torch_models import BasicBlock, Bottleneck
@@ -96,6 +108,12 @@ def _keep_expensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointP
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any] | None, *args: Any) -> Any:
+    if context_fn is None:  # full: dynamo traces checkpoint without a context_fn, not with the no-op one
+        return checkpoint(forward, *args, use_reentrant=False)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn)
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     if mode not in AC_MODES:
         raise ValueError(f"activation checkpointing {mode!r} is not one of {AC_MODES}")
@@ -103,7 +121,20 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         return
     context = partial(create_selective_checkpoint_contexts, _keep_expensive) if mode == "selective" else None
     for block in blocks(model):
-        checkpoint(block, context_fn=context)
+        # An instance attribute: nn.Module.__call__ (and its compiled version) calls it in place of
+        # the class's forward, and the module tree, hence every parameter name, stays as it was.
+        block.forward = partial(_checkpointed, block.forward, context)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """``torch.compile`` each block in place (whole graphs, static shapes: a break or a recompile
+    per step would be a bug, not a fallback)."""
+    units = blocks(model)
+    # ResNet's blocks come in up to 8 shapes (stride, width); each is a specialization of one
+    # code object, and dynamo's default limit of 8 recompilations must not leave the last ones eager.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(units))
+    for unit in units:
+        unit.compile(fullgraph=True, dynamic=False)
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
@@ -118,8 +149,15 @@ def data_parallel_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
 
 
 def uses_fsdp(layout: Layout, precision: str) -> bool:
-    """A single process in fp32 trains the plain model (the reference the equivalence tests use)."""
-    return layout.dp > 1 or layout.tp > 1 or precision == "bf16"
+    """A single process trains the plain model: nothing to shard or reduce, so FSDP would only add
+    its per-block hooks, copies and casts (bf16 there is autocast: :func:`autocasts`). The fp32 run
+    is the reference the equivalence tests use. A bf16 pipeline takes FSDP's mixed precision."""
+    return layout.dp > 1 or layout.tp > 1 or (precision == "bf16" and layout.pp > 1)
+
+
+def autocasts(layout: Layout, precision: str) -> bool:
+    """Whether the step runs under bf16 ``torch.autocast``: bf16 without FSDP's mixed precision."""
+    return precision == "bf16" and not uses_fsdp(layout, precision)
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, policy: MixedPrecisionPolicy, pipelined: bool) -> None:
@@ -140,11 +178,18 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, policy: MixedPrecisionPoli
 
 
 def parallelize(
-    model: nn.Module, layout: Layout, mesh: DeviceMesh, precision: str, activation_checkpointing: str
+    model: nn.Module,
+    layout: Layout,
+    mesh: DeviceMesh,
+    precision: str,
+    activation_checkpointing: str,
+    compile_blocks: bool = False,
 ) -> None:
-    """TP, activation checkpointing, then FSDP on ``model`` (a whole model or a pipeline chunk), in place."""
+    """TP, activation checkpointing, compile, then FSDP on ``model`` (a whole model or a pipeline chunk), in place."""
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
     apply_activation_checkpointing(model, activation_checkpointing)
+    if compile_blocks:
+        apply_compile(model)
     if uses_fsdp(layout, precision):
         apply_fsdp(model, data_parallel_mesh(mesh, layout), mixed_precision(precision), pipelined=layout.pp > 1)

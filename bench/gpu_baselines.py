@@ -1,0 +1,160 @@
+"""The plain-PyTorch loops that ``python -m bench.gpu`` sets our jobs beside, on the same GPU.
+
+``resnet``: torchvision's recipe (``references/classification/train.py`` with ``--channels-last``
+and bf16 autocast): ``torchvision.models.resnet50``, channels-last weights and input, SGD with
+momentum, a fixed synthetic batch already on the GPU, cuDNN autotuning, ``torch.compile`` of the
+model when asked. Under the same wrapper as our job: at world size 1 neither has one.
+
+``gpt``: a bare loop of the same ``training.transformer`` model as the model-parallel job: fused
+AdamW (same settings), bf16 autocast, ``torch.compile`` of the whole model, the loss in fp32, a
+fixed batch of random tokens on the GPU.
+
+Both time what the jobs' ``StepTimer`` times: the first ``--timing-warmup-steps`` are left out,
+then wall time to the end of the last step, synchronizing only at those two points. Run:
+``python -m bench.gpu_baselines {resnet,gpt} --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from training.parallel.memory import mfu, peak_memory_bytes
+from training.transformer import GPT_CONFIGS, build_gpt, flops_per_token
+
+TORCHVISION_FALLBACK = "our training.torch_models module (torchvision does not import here)"
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_baselines", description=__doc__.splitlines()[0])
+    loops = parser.add_subparsers(dest="loop", required=True)
+    resnet = loops.add_parser("resnet", help="torchvision's ResNet recipe")
+    resnet.add_argument("--model", default="resnet50", help="a torchvision.models name (default resnet50)")
+    resnet.add_argument("--image-size", type=int, default=224)
+    resnet.add_argument("--batch-size", type=int, default=256)
+    resnet.add_argument("--num-classes", type=int, default=1000)
+    gpt = loops.add_parser("gpt", help="a bare loop of training.transformer")
+    gpt.add_argument("--model", choices=sorted(GPT_CONFIGS), default="gpt-125m")
+    gpt.add_argument("--seq-len", type=int, default=1024)
+    gpt.add_argument("--batch-size", type=int, default=16)
+    for loop in (resnet, gpt):
+        loop.add_argument("--steps", type=int, default=60, help="steps including the warmup steps")
+        loop.add_argument("--timing-warmup-steps", type=int, default=10)
+        loop.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+        loop.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test")
+        loop.add_argument("--metrics-json", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.steps <= args.timing_warmup_steps:
+        parser.error("--steps must exceed --timing-warmup-steps")
+    return args
+
+
+def torchvision_resnet(name: str, num_classes: int) -> tuple[nn.Module, str]:
+    """torchvision's model, or ours of the same name where torchvision does not import (the CPU
+    build of torch beside torchvision's wheel, see bench/tv_baseline.py)."""
+    try:
+        import torchvision
+
+        return torchvision.models.get_model(name, num_classes=num_classes), f"torchvision.models.{name}"
+    except (ImportError, RuntimeError):
+        from training.torch_models import build_model
+
+        return build_model(name, num_classes), TORCHVISION_FALLBACK
+
+
+def timed_loop(
+    step: Callable[[], torch.Tensor], steps: int, warmup: int, device: torch.device
+) -> tuple[float, torch.Tensor]:
+    """Seconds of steps ``warmup + 1`` to ``steps``, and the last loss."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    start = time.perf_counter()
+    loss = torch.zeros(())
+    for index in range(steps):
+        if index == warmup:
+            sync()
+            start = time.perf_counter()
+        loss = step()
+    sync()
+    return time.perf_counter() - start, loss
+
+
+def resnet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    torch.backends.cudnn.benchmark = True
+    model, source = torchvision_resnet(args.model, args.num_classes)
+    model = model.to(device, memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    forward = torch.compile(model) if args.compile else model
+    shape = (args.batch_size, 3, args.image_size, args.image_size)
+    images = torch.randn(shape, device=device).contiguous(memory_format=torch.channels_last)
+    if source == TORCHVISION_FALLBACK:  # ours takes uint8 NHWC images and normalizes them itself
+        images = torch.randint(0, 256, (args.batch_size, args.image_size, args.image_size, 3), device=device)
+        images = images.to(torch.uint8)
+    labels = torch.randint(0, args.num_classes, (args.batch_size,), device=device)
+    model.train()
+
+    def step() -> torch.Tensor:
+        optimizer.zero_grad()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = F.cross_entropy(forward(images), labels)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    elapsed, loss = timed_loop(step, args.steps, args.timing_warmup_steps, device)
+    rate = args.batch_size * (args.steps - args.timing_warmup_steps) / elapsed
+    return {"images_per_sec": rate, "model": source, "loss": float(loss)}
+
+
+def gpt(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    cfg = GPT_CONFIGS[args.model]
+    model = build_gpt(cfg, 0, device=device)
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=fused or None
+    )
+    forward = torch.compile(model) if args.compile else model
+    generator = torch.Generator(device=device).manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device, generator=generator)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def step() -> torch.Tensor:
+        optimizer.zero_grad()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = forward(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    elapsed, loss = timed_loop(step, args.steps, args.timing_warmup_steps, device)
+    rate = args.batch_size * args.seq_len * (args.steps - args.timing_warmup_steps) / elapsed
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {
+        "tokens_per_sec": rate,
+        "mfu": mfu(rate, flops_per_token(cfg, args.seq_len), name, 1),
+        "peak_memory_bytes": peak_memory_bytes(device),
+        "loss": float(loss),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    result = resnet(args, device) if args.loop == "resnet" else gpt(args, device)
+    if device.type == "cuda":
+        result.setdefault("peak_memory_bytes", peak_memory_bytes(device))
+    args.metrics_json.write_text(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""``python -m bench.gpu`` without a GPU: its refusal, its report, its commands and its baseline loops.
+
+The figures themselves need a CUDA device (``make bench-gpu``); what is checked here is everything
+around them, cheaply: the exit status and single error line on a CPU-only machine, the JSON and
+Markdown written from given rows, a failing section reported beside the others, every command a
+section runs accepted by the program it runs, and the baseline loops' arithmetic on a tiny CPU run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import gpu, gpu_baselines, gpu_sections
+from bench.gpu_report import Row, Section, write
+from tests.training.jobs import REPO
+from training import model_parallel
+from training.args import parse_args as parse_data_parallel
+
+
+def test_without_cuda_it_exits_3_with_one_error_line(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 3
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: python -m bench.gpu needs a CUDA device"), proc.stderr
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def fake_rows() -> list[Row]:
+    return [
+        Row("resnet50", "ResNet-50 eager", "img/s", 3900.0, 3978.0, "torchvision", ours_wall_s=20.0),
+        Row(
+            "transformer", "gpt-1.3b", "tok/s", 50000.0, 49780.0, "bare loop",
+            ours_mfu=0.459, baseline_mfu=0.457, ours_peak_gib=33.0, baseline_peak_gib=37.0,
+            command="torchrun -m training.model_parallel", baseline_command="python -m bench.gpu_baselines gpt",
+        ),
+    ]  # fmt: skip
+
+
+def test_report_has_rows_ratios_device_and_versions(tmp_path: Path) -> None:
+    context = {
+        "command": "python -m bench.gpu",
+        "date": "2026-11-25T00:00:00+00:00",
+        "device": "NVIDIA H100 80GB HBM3",
+        "versions": {"torch": "2.11.0+cu130", "horovod": "absent"},
+        "elapsed_s": 360.0,
+        "failed_sections": [],
+    }
+    json_path, md_path = write(fake_rows(), context, tmp_path)
+    document = json.loads(json_path.read_text())
+    assert document["context"]["device"] == "NVIDIA H100 80GB HBM3"
+    assert [row["ratio"] for row in document["rows"]] == [pytest.approx(3900 / 3978), pytest.approx(50000 / 49780)]
+    assert document["rows"][1]["ours_mfu"] == 0.459 and document["rows"][1]["baseline_peak_gib"] == 37.0
+    text = md_path.read_text()
+    assert "NVIDIA H100 80GB HBM3" in text and "torch 2.11.0+cu130, horovod absent" in text
+    assert "| gpt-1.3b | tok/s | 50,000 | 49,780 | 1.004 | 45.9% / 45.7% | 33.0 / 37.0 |" in text
+    assert "| ResNet-50 eager | img/s | 3,900 | 3,978 | 0.980 | - / - | - / - | 20 / - |" in text
+
+
+def test_a_failing_section_is_reported_and_the_others_still_run(tmp_path: Path) -> None:
+    def broken(work: Path) -> list[Row]:
+        raise RuntimeError("CUDA out of memory\ntraceback...")
+
+    sections = [Section("broken", "Broken", broken), Section("fine", "Fine", lambda work: fake_rows()[:1])]
+    rows, failed = gpu.run_sections(sections, tmp_path)
+    assert failed == ["broken"]
+    assert rows[0].note == "failed: CUDA out of memory" and rows[0].ratio is None
+    assert rows[1].name == "ResNet-50 eager"
+
+
+def job_args(cmd: list[str]) -> list[str]:
+    """The job's own arguments in a ``torchrun ... -m module args`` command."""
+    assert cmd[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    return cmd[cmd.index("-m", 4) + 2 :]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_resnet_commands_are_what_the_programs_accept(compiled: bool) -> None:
+    ours = parse_data_parallel("pytorch", job_args(gpu_sections.our_resnet(gpu_sections.RESNET, compiled)))
+    assert (ours.backend, ours.model, ours.batch_size, ours.precision) == ("ddp", "resnet50", 256, "amp")
+    assert ours.compile is compiled and ours.image_size == 224
+    base_cmd = gpu_sections.baseline_resnet(gpu_sections.RESNET, compiled)
+    base = gpu_baselines.parse([*base_cmd[3:], "--metrics-json", "x"])
+    assert (base.loop, base.model, base.batch_size, base.compile) == ("resnet", "resnet50", 256, compiled)
+    assert base.image_size == 224 and base.num_classes == ours.num_classes == 1000
+    assert (base.steps, base.timing_warmup_steps) == (ours.steps, ours.timing_warmup_steps)
+
+
+@pytest.mark.parametrize("case", gpu_sections.GPTS, ids=lambda case: case.model)
+def test_transformer_commands_are_the_defaults_at_the_issue_sizes(case: gpu_sections.GPTCase) -> None:
+    ours = model_parallel.parse_args(job_args(gpu_sections.our_gpt(case)))
+    shape = (case.model, case.seq_len, case.batch_size)
+    assert (ours.model, ours.seq_len, ours.batch_size, ours.precision) == (*shape, "bf16")
+    assert ours.activation_checkpointing == "auto" and ours.compile is None  # the defaults a user gets
+    base = gpu_baselines.parse([*gpu_sections.baseline_gpt(case)[3:], "--metrics-json", "x"])
+    assert (base.model, base.seq_len, base.batch_size, base.compile) == (*shape, True)
+
+
+def test_baseline_loops_run_and_report_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "gpt.json"
+    tiny = ["--steps", "3", "--timing-warmup-steps", "1", "--no-compile", "--device", "cpu", "--metrics-json", str(out)]
+    gpu_baselines.main(["gpt", "--model", "gpt-tiny", "--seq-len", "16", "--batch-size", "2", *tiny])
+    result = json.loads(out.read_text())
+    assert result["tokens_per_sec"] > 0 and result["mfu"] is None and result["loss"] > 0
+    gpu_baselines.main(["resnet", "--model", "resnet50", "--image-size", "32", "--batch-size", "2", *tiny])
+    result = json.loads(out.read_text())
+    assert result["images_per_sec"] > 0 and result["loss"] > 0 and result["model"]
