@@ -21,13 +21,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import gpu_sections
+from bench import gpu_decode_e2e, gpu_sections
 from bench.gpu_report import Row, Section, failed_row, markdown, write
 
 # Adding a section is one line: Section(name, title, function(scratch directory) -> list[Row]).
 SECTIONS: list[Section] = [
     Section("resnet50", "ResNet-50, data parallel (DDP backend)", gpu_sections.resnet_rows),
     Section("transformer", "GPT, model-parallel job on one GPU", gpu_sections.transformer_rows),
+    Section("decode", "JPEG input: --decode cpu, gpu and auto against synthetic data", gpu_decode_e2e.section_rows),
 ]
 EXIT_NO_CUDA = 3  # environment not ready (the project's exit statuses)
 

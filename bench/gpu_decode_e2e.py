@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import proc
+from bench.gpu_report import Row
 from bench.jpegs import write_imagenet_tree
 
-MODES = {"eager": [], "compiled": ["--compile"]}
+MODES = {"eager": ["--no-compile"], "compiled": ["--compile"]}  # on CUDA the job compiles by default
 DECODES = ("cpu", "gpu", "auto")
 
 
@@ -102,6 +103,25 @@ def rows(data_dir: Path, plan: Plan = DEFAULT, run: Run = run_job, modes: Sequen
             metrics, cpu_s = run(job_args(plan, mode, data_dir, decode))
             table.append(row(plan, mode, f"jpeg --decode {decode}", metrics, cpu_s, synthetic))
     return table
+
+
+def section_rows(work: Path, plan: Plan = DEFAULT, run: Run = run_job) -> list[Row]:
+    """The JPEG rows as a section of ``python -m bench.gpu``: each decoder's rate beside the synthetic
+    rate of the same mode (the input path's ceiling), with what the host's CPUs paid for it."""
+    table = rows(work / "jpegs", plan, run)
+    return [
+        Row(
+            "decode",
+            f"ResNet-50 on JPEGs, {r['input']}, {r['mode']}",
+            "img/s",
+            r["images_per_sec"],
+            r["images_per_sec"] / r["vs_synthetic"],
+            f"synthetic data, {r['mode']}",
+            note=f"decoder {r['decoder'] or '-'}; {r['images_per_host_cpu_s']:.0f} img per host CPU-s",
+        )
+        for r in table
+        if r["input"] != "synthetic"
+    ]
 
 
 def format_table(table: list[dict]) -> str:

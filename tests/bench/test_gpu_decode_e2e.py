@@ -44,6 +44,17 @@ def test_each_mode_runs_its_synthetic_baseline_then_every_decoder(tmp_path: Path
     assert ["--compile" in args for args in calls] == [False] * 4 + [True] * 4
 
 
+def test_as_a_bench_gpu_section_each_decoder_stands_beside_its_modes_synthetic_rate(tmp_path: Path) -> None:
+    section = e2e.section_rows(tmp_path, TINY, fake_run([]))
+    assert [(row.name, row.ratio) for row in section] == [
+        (f"ResNet-50 on JPEGs, jpeg --decode {decode}, {mode}", pytest.approx(ratio))
+        for mode in ("eager", "compiled")
+        for decode, ratio in (("cpu", 0.9), ("gpu", 0.7), ("auto", 0.89))
+    ]
+    assert section[0].baseline_label == "synthetic data, eager"
+    assert "decoder decoder of cpu" in section[0].note
+
+
 @pytest.mark.parametrize("decode", [None, *e2e.DECODES])
 def test_the_job_accepts_every_run_and_takes_the_same_steps(tmp_path: Path, decode: str | None) -> None:
     data_dir = None if decode is None else tmp_path
