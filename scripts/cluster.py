@@ -38,11 +38,17 @@ from scripts.fileio import atomic_write
 from scripts.slurm_time import check_time_limit
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_LOCAL_STATE = REPO_ROOT / ".local-cluster"
-DEFAULT_DESCRIPTION = DEFAULT_LOCAL_STATE / "cluster.json"
 # Where `cluster from-stack` writes an Azure description by default: outside the repository, so that
 # neither git nor `images` (az acr build .) can carry its SAS anywhere.
 CONFIG_DIR_NAME = "azure-horovod"
+# The local cluster's state (its description, which holds an Azurite SAS, its SSH keys, its logs) is
+# the user's state, kept outside the repository for the same reason: $XDG_STATE_HOME, else ~/.local/state.
+DEFAULT_LOCAL_STATE = (
+    Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state").expanduser()
+    / CONFIG_DIR_NAME
+    / "local-cluster"
+)
+DEFAULT_DESCRIPTION = DEFAULT_LOCAL_STATE / "cluster.json"
 # Image repository per framework in the registry; the Keras job runs in the TensorFlow image.
 IMAGE_REPOSITORIES = {"pytorch": "hvd-pytorch", "tensorflow": "hvd-tensorflow", "keras": "hvd-tensorflow"}
 # Version 2: the node registry went (Slurm knows the nodes), `results_upload` came, `storage_python`

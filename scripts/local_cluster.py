@@ -1,6 +1,6 @@
 """The embedded local cluster: the Azure topology emulated on one machine, for demos and tests.
 
-  python -m scripts local up [--nodes 2] [--autostop-seconds 0]   # writes .local-cluster/cluster.json
+  python -m scripts local up [--nodes 2] [--autostop-seconds 0]   # writes STATE/cluster.json (~/.local/state/...)
   python -m scripts local status
   python -m scripts local link-rate 100mbit   # slow the links between nodes (tc tbf); `full` undoes it
   python -m scripts local down

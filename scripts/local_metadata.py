@@ -40,6 +40,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from scripts import local_power
 from scripts.cli import CLIParser, int_between, non_empty, run_cli
+from scripts.cluster import DEFAULT_LOCAL_STATE
 
 METADATA_ADDRESS = "169.254.169.254"  # Azure's, link-local: it exists only inside the node namespaces
 EVENTS_PATH = "/metadata/scheduledevents"
@@ -208,9 +209,14 @@ def build_parser() -> CLIParser:
         prog="python -m scripts.local_metadata",
         description="The local cluster's instance metadata (Azure Scheduled Events): serve it, or announce "
         "a Spot eviction (Preempt) of a node.",
-        epilog="example: python -m scripts.local_metadata --state-dir .local-cluster preempt node-0",
+        epilog="example: python -m scripts.local_metadata preempt node-0",
     )
-    parser.add_argument("--state-dir", type=non_empty, required=True, help="the local cluster's state directory")
+    parser.add_argument(
+        "--state-dir",
+        type=non_empty,
+        default=str(DEFAULT_LOCAL_STATE),
+        help="the local cluster's state directory (default %(default)s)",
+    )
     parser.add_argument("action", choices=("serve", "preempt"), help="serve a node's endpoint; announce a Preempt")
     parser.add_argument("node", help="the node (its hostname)")
     parser.add_argument(

@@ -183,7 +183,7 @@ def build_parser() -> CLIParser:
     parser = CLIParser(
         prog="python -m scripts.local_power",
         description="Suspend or resume nodes of the local cluster (slurmctld's SuspendProgram and ResumeProgram).",
-        epilog="example: python -m scripts.local_power --state-dir .local-cluster resume node-[0-1]",
+        epilog="example: python -m scripts.local_power --state-dir STATE resume node-[0-1]",
     )
     parser.add_argument("--state-dir", type=non_empty, required=True, help="the local cluster's state directory")
     parser.add_argument("action", choices=POWER_ACTIONS, help="what to do with the nodes")
