@@ -84,7 +84,8 @@ def node_namespaces() -> list[str]:
 
 
 def job_processes_on_nodes(marker: str) -> dict[str, list[int]]:
-    """namespace -> pids of processes in that node namespace whose command line mentions marker."""
+    """namespace -> pids of processes in that node namespace whose command line mentions marker, or whose
+    environment is the run's (RUN_ID=marker: a rank's command line is only what the job was given)."""
     found = {}
     for namespace in node_namespaces():
         pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
@@ -92,9 +93,10 @@ def job_processes_on_nodes(marker: str) -> dict[str, list[int]]:
         for pid in pids:
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if marker.encode() in cmdline:
+            if marker.encode() in cmdline or f"RUN_ID={marker}".encode() in environ:
                 hits.append(int(pid))
         found[namespace] = hits
     return found
@@ -284,19 +286,27 @@ def test_bad_requests_are_refused_clearly(cluster_file, extra, message):
     base = ["launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--detach"]
     proc = cli(*base, *extra, "--", "--steps", "1")
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    assert len([line for line in proc.stderr.splitlines() if "error:" in line]) == 1, proc.stderr
+    assert len(error_lines(proc.stderr)) == 1, proc.stderr
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "error:" in line]
 
 
 def test_missing_or_one_class_dataset_and_reused_run_id_are_refused(cluster, cluster_file):
     missing = f"{cluster.data_path}/no-such-dataset"
     proc = cli(*launch_args(cluster_file, "--data-dir", missing, run_id="no-data", extra=("--detach",)))
-    assert proc.returncode == 2 and proc.stderr.startswith(f"error: --data-dir {missing} is not on the shared file")
+    # the allocation and its cost come first (stderr: stdout is job.sh's under --dry-run), then one error line
+    assert proc.returncode == 2 and error_lines(proc.stderr) == [
+        f"error: --data-dir {missing} is not on the shared file system: stage the dataset first "
+        "(python -m scripts stage all DIR --dataset NAME)"
+    ]
     assert not run_dir(cluster, "no-data").exists()
     one_class = Path(cluster.data_path) / "one-class"
     (one_class / "train" / "n01440764").mkdir(parents=True)
     args = ("--data", "imagenet", "--data-dir", str(one_class))
     proc = cli("launch", "--cluster", str(cluster_file), "--framework", "keras", "--run-id", "one-class", "--", *args)
-    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.returncode == 2 and len(error_lines(proc.stderr)) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert f"--data-dir {one_class} has one class folder under train/: a classifier needs at least two" in proc.stderr
     assert not run_dir(cluster, "one-class").exists()
     (run_dir(cluster, "taken")).mkdir(parents=True, mode=0o700)

@@ -48,7 +48,8 @@ def test_up_status_down_leaves_nothing(tmp_path):
         assert status.returncode == 0 and "azurite" in status.stdout and status.stdout.count("running") == 16
         assert f"slurm: SLURM_CONF={state.resolve()}/slurm/slurm.conf sinfo" in status.stdout
         roles = {p.role for p in recorded.processes}
-        assert {"munged", "slurmctld", "slurmd-node-0", "slurmd-node-1", "spot-agent-node-0", "metadata-node-1"} <= roles
+        expected = {"munged", "slurmctld", "slurmd-node-0", "slurmd-node-1", "spot-agent-node-0", "metadata-node-1"}
+        assert expected <= roles
         assert all(p.alive() for p in recorded.processes)
     finally:
         down = run_module("scripts", "local", "down", "--state-dir", str(state))

@@ -14,10 +14,11 @@ from typing import TypeVar
 
 import pytest
 
-from infra.contract import SLURM_PARTITION
+from infra.contract import SLURM_PARTITION, SPOT_PARTITION
 from scripts import local_cluster, local_network, local_nodes, local_power, local_slurm
 from scripts.errors import ExitCode, OperatorError
 from scripts.local_nodes import running_init_pid
+from scripts.local_state import LocalState, NodeState
 
 from .conftest import (
     SESSION_SUBNET,
@@ -66,7 +67,10 @@ def test_description_names_the_controller_and_partition(cluster):
     ping = slurm(cluster, "scontrol", "ping")
     assert ping.returncode == 0 and "Slurmctld(primary) at head is UP" in ping.stdout
     nodes = slurm(cluster, "sinfo", "--noheader", "--Node", "--format=%N %P %T %c")
-    assert nodes.stdout.split("\n")[:2] == [f"node-0 {SLURM_PARTITION}* idle 2", f"node-1 {SLURM_PARTITION}* idle 2"]
+    # every node is in the default partition and, locally, in the Spot one too (scripts/local_metadata.py)
+    assert sorted(nodes.stdout.splitlines()) == [
+        f"node-{i} {partition} idle 2" for i in (0, 1) for partition in (f"{SLURM_PARTITION}*", SPOT_PARTITION)
+    ]
 
 
 def test_srun_reaches_both_nodes(cluster):
@@ -150,6 +154,13 @@ def test_override_replaces_in_place_and_appends_the_rest():
     )
 
 
+def node_pids(state: LocalState, node: NodeState) -> list[int]:
+    """What runs in a node's namespace but its metadata endpoint: the emulated platform's, which stays
+    when the node is switched off (scripts/local_metadata.py)."""
+    endpoint = state.record(f"metadata-{node.hostname}")
+    return [pid for pid in local_network.namespace_pids(str(node.namespace)) if endpoint is None or pid != endpoint.pid]
+
+
 def test_autostop_suspends_idle_nodes_and_a_job_resumes_them(tmp_path):
     with own_cluster(tmp_path, "a", autostop_seconds=3) as desc:
         state_dir = local_state_dir(desc)
@@ -158,7 +169,7 @@ def test_autostop_suspends_idle_nodes_and_a_job_resumes_them(tmp_path):
         state = local_cluster.load_state(state_dir)
         assert all(node.stopped for node in state.nodes)
         for node in state.nodes:  # switched off: no slurmd, no sshd, nothing in the node
-            assert local_network.namespace_pids(str(node.namespace)) == [], node.hostname
+            assert node_pids(state, node) == [], node.hostname
         info = local_cluster.status(state_dir)
         stopped = {c["component"] for c in info["components"] if c["state"] == "stopped"}
         assert stopped == {"node-0", "node-1", "slurmd-node-0", "slurmd-node-1"} and info["up"]
@@ -192,7 +203,7 @@ def test_a_node_switched_off_goes_down_and_returns_when_started(tmp_path):
         state_dir = local_state_dir(desc)
         local_power.stop_node(state_dir, "node-1")
         node = local_cluster.load_state(state_dir).node("node-1")
-        assert node.stopped and local_network.namespace_pids(str(node.namespace)) == []
+        assert node.stopped and node_pids(local_cluster.load_state(state_dir), node) == []
         # SlurmdTimeout (10 s) after its last answer, slurmctld gives the node up
         wait_for(lambda: node_states(desc)["node-1"].startswith("down*"), 40, "node-1 down")
         assert node_states(desc)["node-0"] == "idle"

@@ -22,8 +22,10 @@ from .conftest import local_state_dir, own_cluster, slurm_command
 from .test_launcher import cli, run_dir, status_of
 
 STEPS = 300
+# About 20 steps/s on an idle 2-core machine: an eviction announced at step 60 lands well before the end
+# (at 32 px and batch 8 the job ran its 300 steps before the agent's next poll).
 JOB_ARGS = (
-    "--data", "synthetic", "--model", "simple_cnn", "--image-size", "32", "--batch-size", "8",
+    "--data", "synthetic", "--model", "simple_cnn", "--image-size", "96", "--batch-size", "128",
     "--steps", str(STEPS), "--checkpoint-every", "20", "--log-every", "20", "--warmup-epochs", "0",
     "--keep-checkpoints", "100",
 )  # fmt: skip
