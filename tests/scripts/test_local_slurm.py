@@ -172,7 +172,9 @@ def test_autostop_suspends_idle_nodes_and_a_job_resumes_them(tmp_path):
             assert node_pids(state, node) == [], node.hostname
         info = local_cluster.status(state_dir)
         stopped = {c["component"] for c in info["components"] if c["state"] == "stopped"}
-        assert stopped == {"node-0", "node-1", "slurmd-node-0", "slurmd-node-1"} and info["up"]
+        nodes = ("node-0", "node-1")
+        assert stopped == {*nodes, *(f"{role}-{node}" for node in nodes for role in ("slurmd", "spot-agent"))}
+        assert info["up"]
 
         # a job that needs both: the ResumeProgram starts them, and the job runs; each node, started
         # again, sees its own "NVMe" directory at the one local path, as before it was suspended
