@@ -93,7 +93,7 @@ def plan(tmp_path: Path) -> data.DataPlan:
     write_imagenet_tree(tmp_path, images=8, classes=2)
     folder = data.scan_split(tmp_path, "train", 16, seed=0)
     assert folder is not None
-    return data.DataPlan(folder, None, 2, steps_per_epoch=2)
+    return data.DataPlan(folder, None, 2, steps_per_epoch=2, total_steps=2)
 
 
 def ranks_answering(*others: bool) -> SimpleNamespace:
