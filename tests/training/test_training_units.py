@@ -456,8 +456,8 @@ def test_an_eviction_signal_stops_the_loop_at_the_next_agreed_boundary_with_a_ch
     monkeypatch.setattr(preemption, "_signalled", [])
     args = parse_args("pytorch", ["--checkpoint-dir", str(tmp_path), "--steps", "10", "--checkpoint-every", "100"])
     run = TrainingRun(
-        args, OneProcess(), framework="pytorch", steps_per_epoch=10, start_step=0, precision="fp32", device="cpu",
-        decoder=None, fingerprint=PRINT, save_state=lambda step: f"{step}".encode(),
+        args, OneProcess(), framework="pytorch", steps_per_epoch=10, total_steps=10, start_step=0, precision="fp32",
+        device="cpu", decoder=None, fingerprint=PRINT, save_state=lambda step: f"{step}".encode(),
     )  # fmt: skip
     with pytest.raises(Preempted, match=r"after step 4: saved the checkpoint of step 4") as stopped:
         for step in run.steps():
