@@ -46,13 +46,12 @@ from training.job import run_job
 from training.lifetime import die_with
 from training.loop import TrainingRun, configure_logging, restore, resume
 from training.profiling import StepProfiler
-from training.side_stream import SideStreamBatches, streams_for
+from training.side_stream import Batch, SideStreamBatches, streams_for
 from training.sync import HIERARCHICAL, PeriodicSync, SyncSettings, check_layout, refuse_replicas
 from training.torch_models import build_model
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-Batch = tuple[torch.Tensor, torch.Tensor, int]  # images (uint8 NHWC), labels, images skipped
 
 
 class HorovodBackend:
