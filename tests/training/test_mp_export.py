@@ -96,7 +96,10 @@ def test_curves_show_loss_tokens_per_second_and_memory_of_every_rank(tmp_path: P
     assert [step for step, _ in scalars[TOKENS_PER_SEC]] == [2, 4]  # from the first log step after warmup
     assert scalars[FINAL_TOKENS_PER_SEC] == [(STEPS, pytest.approx(metrics["tokens_per_sec"]))]
     for rank, tag in enumerate(memory):
-        assert scalars[tag][-1][1] == pytest.approx(metrics["peak_memory_bytes_per_rank"][rank] / 2**30)
+        # the curve is the peak so far at each logged step; on CPU that is RSS, which may still grow a
+        # little between the last logged step and the final figure
+        final_peak_gib = metrics["peak_memory_bytes_per_rank"][rank] / 2**30
+        assert final_peak_gib * 0.95 <= scalars[tag][-1][1] <= final_peak_gib
     check_summary_png(out / "summary.png")
 
 
