@@ -8,11 +8,13 @@ the flags, the schedule, the checkpoints and the metrics JSON are the same.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import io
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from itertools import repeat
@@ -308,32 +310,26 @@ def settle_auto(
     return decode if pays else None
 
 
-def model_steps(
-    args: argparse.Namespace,
-    plan: DataPlan,
-    backend: Backend,
-    device: torch.device,
-    model: nn.Module,
-    train_model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    autocast: Callable[[], Any],
-) -> Iterator[None]:
+def model_steps(args: argparse.Namespace, plan: DataPlan, backend: Backend, model: TrainedModel) -> Iterator[None]:
     """One forward and backward pass of the model as trained, on a synthetic batch, per item: the
-    model's rate for ``--decode auto``'s probe. No optimizer step; when the probe is done the
-    gradients are dropped and the batch-norm statistics put back, so training starts as it would have."""
+    model's rate for ``--decode auto``'s probe. No optimizer step, and no count towards the end of
+    the periodic sync's warm-up; when the probe is done the gradients are dropped and the batch-norm
+    statistics put back, so training starts as it would have."""
     images, labels = synthetic_batch(args.seed, backend.rank, args.batch_size, args.image_size, plan.num_classes)
-    images_on, labels_on = torch.from_numpy(images).to(device), torch.from_numpy(labels).to(device)
-    saved = [buffer.clone() for buffer in model.buffers()]
+    images_on, labels_on = torch.from_numpy(images).to(model.device), torch.from_numpy(labels).to(model.device)
+    saved = [buffer.clone() for buffer in model.module.buffers()]
+    uncounted = contextlib.nullcontext if model.periodic is None else model.periodic.uncounted
     try:
         while True:
-            with autocast():
-                loss = F.cross_entropy(train_model(images_on), labels_on)
-            loss.backward()
-            backend.drop_gradients(optimizer)
+            with model.autocast():
+                loss = F.cross_entropy(model.wrapped(images_on), labels_on)
+            with uncounted():
+                loss.backward()
+            backend.drop_gradients(model.optimizer)
             yield
     finally:
         with torch.no_grad():
-            for buffer, value in zip(model.buffers(), saved, strict=True):
+            for buffer, value in zip(model.module.buffers(), saved, strict=True):
                 buffer.copy_(value)
 
 
@@ -432,7 +428,95 @@ def periodic_state(
     return None if extra is None else training_state(model, optimizer, scaler, step, extra)
 
 
+@dataclass(frozen=True)
+class TrainedModel:
+    """The model as this rank trains it: built once (:func:`build_trained_model`), used by the steps,
+    the ``--decode auto`` probe, checkpoints, evaluation and exports."""
+
+    device: torch.device
+    dtype: torch.dtype | None  # autocast's; None: fp32
+    module: nn.Module  # the bare model: its state_dict, evaluation, exports
+    wrapped: nn.Module  # what the steps call: ``module`` under DDP and/or torch.compile
+    optimizer: torch.optim.Optimizer  # Horovod's DistributedOptimizer under Horovod
+    scaler: torch.amp.GradScaler  # enabled with float16 only
+    periodic: PeriodicSync | None  # --sync local-sgd|hierarchical with more than one process
+
+    def autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None)
+
+    @property
+    def precision(self) -> str:
+        """As the metrics JSON names it."""
+        return "fp32" if self.dtype is None else f"amp_{'bf16' if self.dtype == torch.bfloat16 else 'fp16'}"
+
+    def checkpoint_payload(self, step: int) -> bytes | None:
+        """What a checkpoint of ``step`` holds (:func:`training_state`); under the periodic modes every
+        replica too (:func:`periodic_state`: a collective, None on ranks other than 0)."""
+        if self.periodic is None:
+            return training_state(self.module, self.optimizer, self.scaler, step)
+        return periodic_state(self.module, self.optimizer, self.scaler, self.periodic, step)
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything this rank builds before its first step (:func:`build_job`), for :func:`run_steps`."""
+
+    backend: Backend
+    model: TrainedModel
+    run: TrainingRun
+    batches: Iterator[Batch]
+    skipped: SkipCounter | None  # images the loaders skipped; None with synthetic data (nothing to skip)
+    exporter: Exporter
+    profile_dir: Path | None
+
+
 def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
+    return run_steps(build_job(args, backend))
+
+
+def build_trained_model(
+    args: argparse.Namespace, backend: Backend, plan: DataPlan, sync: SyncSettings, device: torch.device
+) -> tuple[TrainedModel, int, Fingerprint]:
+    """The model, its optimizer and loss scaler, resumed from the newest checkpoint, distributed and
+    compiled; with the step it starts at and its fingerprint."""
+    dtype = amp_dtype(args.precision, device)
+    # The input is channels-last, which is enough for cuDNN/oneDNN to pick NHWC kernels; the
+    # weights stay contiguous for Horovod, which allreduces only contiguous tensors.
+    model = build_model(args.model, plan.num_classes).to(device)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=args.base_lr, momentum=args.momentum, weight_decay=args.weight_decay
+    )
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    shapes = ((name, tuple(tensor.shape)) for name, tensor in model.state_dict().items())
+    fingerprint = Fingerprint.of("pytorch", args.model, plan.num_classes, shapes)
+    start_step, state = resume(args, backend, fingerprint, plan.total_steps, decode_state)
+    if state is not None:
+        restore(args, start_step, lambda: model.load_state_dict(state["model"]))
+    if sync.mode == HIERARCHICAL:
+        check_layout(backend.allgather_object(backend.local_size))
+    wrapped, optimizer = backend.distribute(model, optimizer, args.fp16_allreduce)
+    # One process has no replicas to average (and no DDP wrapper to hook): every step is then the same.
+    periodic = (
+        PeriodicSync(sync, wrapped, backend.local_size, start_step) if sync.periodic and backend.size > 1 else None
+    )
+    if state is not None:
+        restore(args, start_step, lambda: load_training_state(optimizer, scaler, state))
+        if periodic is not None:
+            restore(args, start_step, lambda: periodic.restore(model, optimizer, state, backend.rank))
+        else:
+            restore(args, start_step, partial(refuse_replicas, state))
+    # --compile's default: on with CUDA; on the CPU, compiling takes longer than most runs
+    compiled = device.type == "cuda" if args.compile is None else args.compile
+    if compiled:
+        # The DDP wrapper itself, so that its graph is split at the gradient buckets and their
+        # all-reduces overlap backward (torch._dynamo's DDPOptimizer).
+        wrapped = torch.compile(wrapped)
+    return TrainedModel(device, dtype, model, wrapped, optimizer, scaler, periodic), start_step, fingerprint
+
+
+def build_job(args: argparse.Namespace, backend: Backend) -> Job:
+    """This rank's parts, in torchtitan's order: device, data plan, model, the decoder (``--decode auto``
+    probes the model as trained), the run's bookkeeping and its batches."""
     device = job_device(backend)
     sync = SyncSettings.from_args(args)
     if backend.rank == 0 and sync.periodic:
@@ -442,49 +526,11 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
     torch.manual_seed(args.seed + backend.rank)
     decode = choose_decoder(args.decode, device) if args.data == "imagenet" else None
     plan = agree(backend, lambda: plan_data(args, backend.size))
-    dtype = amp_dtype(args.precision, device)
-
-    def autocast() -> torch.autocast:
-        return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
-
-    # The input is channels-last, which is enough for cuDNN/oneDNN to pick NHWC kernels; the
-    # weights stay contiguous for Horovod, which allreduces only contiguous tensors.
-    model = build_model(args.model, plan.num_classes).to(device)
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=args.base_lr, momentum=args.momentum, weight_decay=args.weight_decay
-    )
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    model, start_step, fingerprint = build_trained_model(args, backend, plan, sync, device)
+    decode = settle_auto(args, plan, backend, device, decode, partial(model_steps, args, plan, backend, model))
     skipped = SkipCounter()
-    shapes = ((name, tuple(tensor.shape)) for name, tensor in model.state_dict().items())
-    fingerprint = Fingerprint.of("pytorch", args.model, plan.num_classes, shapes)
-    start_step, state = resume(args, backend, fingerprint, plan.total_steps, decode_state)
-    if state is not None:
-        restore(args, start_step, lambda: model.load_state_dict(state["model"]))
-    if sync.mode == HIERARCHICAL:
-        check_layout(backend.allgather_object(backend.local_size))
-    train_model, optimizer = backend.distribute(model, optimizer, args.fp16_allreduce)
-    # One process has no replicas to average (and no DDP wrapper to hook): every step is then the same.
-    periodic = (
-        PeriodicSync(sync, train_model, backend.local_size, start_step) if sync.periodic and backend.size > 1 else None
-    )
-    if state is not None:
-        restore(args, start_step, lambda: load_training_state(optimizer, scaler, state))
-        if periodic is not None:
-            restore(args, start_step, lambda: periodic.restore(model, optimizer, state, backend.rank))
-        else:
-            restore(args, start_step, partial(refuse_replicas, state))
-    if args.compile is None:
-        args.compile = device.type == "cuda"  # on the CPU, compiling takes longer than most runs
-    if args.compile:
-        # The DDP wrapper itself, so that its graph is split at the gradient buckets and their
-        # all-reduces overlap backward (torch._dynamo's DDPOptimizer).
-        train_model = torch.compile(train_model)
-    steps = partial(model_steps, args, plan, backend, device, model, train_model, optimizer, autocast)
-    decode = settle_auto(args, plan, backend, device, decode, steps)
-
-    precision = "fp32" if dtype is None else f"amp_{'bf16' if dtype == torch.bfloat16 else 'fp16'}"
     exporter = Exporter(
-        args, backend, ExportSpec.of("pytorch", args, plan), partial(export_model, model, args.image_size)
+        args, backend, ExportSpec.of("pytorch", args, plan), partial(export_model, model.module, args.image_size)
     )
     run = TrainingRun(
         args,
@@ -493,37 +539,43 @@ def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
         steps_per_epoch=plan.steps_per_epoch,
         total_steps=plan.total_steps,
         start_step=start_step,
-        precision=precision,
+        precision=model.precision,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         decoder=None if plan.train is None else NVJPEG if decode is not None else decoder_name(),
         fingerprint=fingerprint,
-        save_state=partial(training_state, model, optimizer, scaler)
-        if periodic is None
-        else partial(periodic_state, model, optimizer, scaler, periodic),
-        collective_save=periodic is not None,
-        evaluate=make_evaluate(args, plan, backend, model, device, decode, autocast, skipped),
+        save_state=model.checkpoint_payload,
+        collective_save=model.periodic is not None,
+        evaluate=make_evaluate(args, plan, backend, model.module, device, decode, model.autocast, skipped),
         on_epoch_end=exporter.epoch_hook,
     )
     batches = train_batches(args, plan, backend, device, decode, start_step, run.total_steps)
-    profiler = StepProfiler(args.profile_dir, backend.rank, run.excluded)
-    model.train()
-    for step, (images, labels, batch_skipped) in zip(run.steps(), batches, strict=False):
-        for group in optimizer.param_groups:
+    reported = skipped if plan.train is not None else None
+    return Job(backend, model, run, batches, reported, exporter, args.profile_dir)
+
+
+def run_steps(job: Job) -> dict[str, Any]:
+    """The training loop: a step per batch while the run has steps; then the run's metrics."""
+    model, run = job.model, job.run
+    profiler = StepProfiler(job.profile_dir, job.backend.rank, run.excluded)
+    model.module.train()
+    for step, (images, labels, batch_skipped) in zip(run.steps(), job.batches, strict=False):
+        for group in model.optimizer.param_groups:
             group["lr"] = run.lr(step)
-        optimizer.zero_grad()  # sets grads to None (the default); Horovod takes no argument
-        with autocast():
-            loss = F.cross_entropy(train_model(images), labels)
-        scaler.scale(loss).backward()
-        backend.step(optimizer, scaler)
-        scaler.update()
-        if periodic is not None:
-            periodic.after_step(step)
-        skipped.add(batch_skipped)
+        model.optimizer.zero_grad()  # sets grads to None (the default); Horovod takes no argument
+        with model.autocast():
+            loss = F.cross_entropy(model.wrapped(images), labels)
+        model.scaler.scale(loss).backward()
+        job.backend.step(model.optimizer, model.scaler)
+        model.scaler.update()
+        if model.periodic is not None:
+            model.periodic.after_step(step)
+        if job.skipped is not None:
+            job.skipped.add(batch_skipped)
         run.step_done(step, loss.item)
         profiler.step()
     profiler.stop()
-    metrics = run.finish(skipped if plan.train is not None else None)
-    exporter.final(metrics)
+    metrics = run.finish(job.skipped)
+    job.exporter.final(metrics)
     return metrics
 
 

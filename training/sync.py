@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import argparse
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -208,6 +210,18 @@ class PeriodicSync:
             if settings.outer == NESTEROV
             else None
         )
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Backward passes that are no training step (``--decode auto``'s probe of the model). The hook
+        counts every backward towards the end of the warm-up (``PostLocalSGDState.iter``), so its count
+        is put back after them: each communicates as the next training step will, and the switch to
+        local steps still comes after ``--sync-warmup-steps`` training steps."""
+        count = self.hook_state.iter
+        try:
+            yield
+        finally:
+            self.hook_state.iter = count
 
     def after_step(self, step: int) -> None:
         """After the optimizer step of 0-based ``step``: average where due, then the outer step."""

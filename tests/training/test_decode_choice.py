@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -13,11 +12,13 @@ from typing import Any
 
 import pytest
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from bench.jpegs import write_imagenet_tree
 from tests.training.test_gpu_decode import pillow_jpeg_decoder
 from training import data, decode_choice, pytorch
 from training.decode_choice import KEEPS_UP, MARGIN, Rates, batches_per_second, measure_rates, probe_batches
+from training.sync import HIERARCHICAL, LOCAL_SGD, PeriodicSync, SyncSettings
 from training.torch_models import build_model
 
 
@@ -113,27 +114,72 @@ AUTO = argparse.Namespace(
 CPU = torch.device("cpu")
 
 
-def tiny_model(plan: data.DataPlan) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = build_model("resnet_tiny", plan.num_classes).train()
-    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+def tiny_model(
+    plan: data.DataPlan,
+    wrap: Callable[[torch.nn.Module], torch.nn.Module] = lambda module: module,
+    periodic: Callable[[torch.nn.Module], PeriodicSync] | None = None,
+) -> pytorch.TrainedModel:
+    """resnet_tiny as the job trains it in fp32 on the CPU: ``wrap``ped (by DDP), with ``periodic`` sync
+    built on the wrapper."""
+    module = build_model("resnet_tiny", plan.num_classes).train()
+    wrapped = wrap(module)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    return pytorch.TrainedModel(
+        CPU, None, module, wrapped, optimizer, scaler, None if periodic is None else periodic(wrapped)
+    )
 
 
 def tiny_steps(plan: data.DataPlan, backend: SimpleNamespace) -> Callable[[], Iterator[None]]:
-    model, optimizer = tiny_model(plan)
-    return partial(pytorch.model_steps, AUTO, plan, backend, CPU, model, model, optimizer, contextlib.nullcontext)
+    return partial(pytorch.model_steps, AUTO, plan, backend, tiny_model(plan))
 
 
 def test_the_model_probe_leaves_the_model_as_it_was(plan: data.DataPlan) -> None:
-    model, optimizer = tiny_model(plan)
-    before = {name: value.clone() for name, value in model.state_dict().items()}
-    steps = pytorch.model_steps(AUTO, plan, ranks_answering(), CPU, model, model, optimizer, contextlib.nullcontext)
+    model = tiny_model(plan)
+    before = {name: value.clone() for name, value in model.module.state_dict().items()}
+    steps = pytorch.model_steps(AUTO, plan, ranks_answering(), model)
     next(steps)
     next(steps)
-    assert any(not torch.equal(before[name], value) for name, value in model.state_dict().items())  # BN statistics
+    assert any(not torch.equal(before[name], value) for name, value in model.module.state_dict().items())  # BN
     steps.close()
-    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
-    assert all(parameter.grad is None for parameter in model.parameters())
-    assert optimizer.state_dict()["state"] == {}  # no step taken: no momentum
+    assert all(torch.equal(before[name], value) for name, value in model.module.state_dict().items())
+    assert all(parameter.grad is None for parameter in model.module.parameters())
+    assert model.optimizer.state_dict()["state"] == {}  # no step taken: no momentum
+
+
+@pytest.fixture
+def gloo_world(tmp_path: Path) -> Iterator[None]:
+    """This process as the one rank of a gloo job, enough for DDP and torch's post-local-SGD hook."""
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.usefixtures("gloo_world")
+@pytest.mark.parametrize("mode", [LOCAL_SGD, HIERARCHICAL])
+def test_the_model_probe_leaves_the_sync_warm_up_to_the_training_steps(plan: data.DataPlan, mode: str) -> None:
+    # Resumed after 1 of 3 synchronous steps: the hook's count of backward passes says when local steps start.
+    settings = SyncSettings(mode=mode, every=2, warmup_steps=3)
+    model = tiny_model(
+        plan,
+        wrap=lambda module: DistributedDataParallel(module.to(memory_format=torch.channels_last)),  # as the job
+        periodic=lambda ddp: PeriodicSync(settings, ddp, local_size=1, start_step=1),
+    )
+    assert model.periodic is not None
+    hook = model.periodic.hook_state
+    steps = pytorch.model_steps(AUTO, plan, ranks_answering(), model)
+    for _ in range(4):  # more passes than the warm-up has steps left
+        next(steps)
+        assert hook.iter == 1  # each pass allreduced over every rank, as the next training step will
+    steps.close()
+    assert hook.iter == 1
+    assert all(parameter.grad is None for parameter in model.module.parameters())
+    images, labels = data.synthetic_batch(0, 0, 4, 16, plan.num_classes)
+    torch.nn.functional.cross_entropy(model.wrapped(torch.from_numpy(images)), torch.from_numpy(labels)).backward()
+    assert hook.iter == 2  # a training step's backward still counts
 
 
 @pytest.mark.parametrize(("this_rank", "other_rank", "kept"), [(True, True, True), (True, False, False)])
