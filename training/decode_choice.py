@@ -3,13 +3,14 @@
 At start, with nvJPEG working, the job times three things over the run's own first batches, one
 after the other: the DataLoader workers decoding on the CPU; the workers reading files while this
 process decodes on the GPU (on its side streams, as in training); and the model's forward and
-backward passes on a synthetic batch (no optimizer step; the gradients and batch-norm statistics are
-put back). The GPU path is kept only if, on every rank, the CPU loader was slower than ``KEEPS_UP``
-times the model's rate (so it would hold the step back) and the GPU path at least ``MARGIN`` times as
-fast as the CPU loader. Each rate is measured alone: the GPU path's decode, crops and resizes share
-the GPU with the step in training, which ``bench.gpu_decode_e2e`` measures end to end. On the one H100
-on record (4 host cores, docs/performance.md), nvJPEG's decode, crop and resize alone ran at 2,782
-images/s and the CPU loader fed training at 3,795 images/s: there ``auto`` would decode on the CPU.
+backward passes on a synthetic batch (no optimizer step; the gradients, batch-norm statistics and the
+periodic sync's warm-up count are put back). The GPU path is kept only if, on every rank, the CPU
+loader was slower than ``KEEPS_UP`` times the model's rate (so it would hold the step back) and the
+GPU path at least ``MARGIN`` times as fast as the CPU loader. Each rate is measured alone: the GPU
+path's decode, crops and resizes share the GPU with the step in training, which
+``bench.gpu_decode_e2e`` measures end to end. On the one H100 on record (4 host cores,
+docs/performance.md), nvJPEG's decode, crop and resize alone ran at 2,782 images/s and the CPU
+loader fed training at 3,795 images/s: there ``auto`` would decode on the CPU.
 """
 
 from __future__ import annotations
