@@ -22,6 +22,7 @@ from pydantic import (
     StringConstraints,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -54,6 +55,12 @@ MAX_SAS_LIFETIME = timedelta(days=365)  # a leaked read token should not outlive
 # would stop a staging run midway.
 MIN_SAS_LIFETIME = timedelta(days=1)
 CLOCK_ALLOWANCE = timedelta(minutes=1)  # "P1D" is turned into a time a moment before it is checked
+
+# The job time limits: how each is checked, and what else it may be.
+JOB_TIME_RULES: dict[str | None, tuple[Callable[[str], str], str]] = {
+    "default_job_time": (check_time_limit, "; not INFINITE: a job that names no limit ends too"),
+    "max_job_time": (check_max_time, f", or {UNLIMITED} (or UNLIMITED) for no cap"),
+}
 
 # Tags: the stack sets RESERVED_TAGS on every resource; Azure allows 50 tags per resource, values
 # up to 256 characters, compares names case-insensitively and reserves the prefixes below.
@@ -217,21 +224,14 @@ class StackConfig(BaseModel):
             )
         return value
 
-    @field_validator("default_job_time")
+    @field_validator("default_job_time", "max_job_time")
     @classmethod
-    def _job_time(cls, value: str) -> str:
+    def _job_time(cls, value: str, info: ValidationInfo) -> str:
+        check, allowed = JOB_TIME_RULES[info.field_name]
         try:
-            return check_time_limit(value)
+            return check(value)
         except ValueError:
-            raise ValueError(f"must be in {TIME_SYNTAX}; not INFINITE: a job that names no limit ends too") from None
-
-    @field_validator("max_job_time")
-    @classmethod
-    def _max_job_time(cls, value: str) -> str:
-        try:
-            return check_max_time(value)
-        except ValueError:
-            raise ValueError(f"must be in {TIME_SYNTAX}, or {UNLIMITED} (or UNLIMITED) for no cap") from None
+            raise ValueError(f"must be in {TIME_SYNTAX}{allowed}") from None
 
     @field_validator("jumpbox_vm_size", "head_vm_size", "nfs_vm_size")
     @classmethod

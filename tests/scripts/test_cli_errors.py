@@ -251,16 +251,18 @@ CLUSTER = [
         env=PULUMI,
         message="the Pulumi project directory {missing} does not exist (--cwd)",
     ),
-    case(
-        f"{FROM_STACK} {{key}}",
-        env={**PULUMI, "FAKE_PULUMI_OUTPUTS": "{bad_outputs}"},
-        message="stack 'dev' has invalid outputs: node_count: Input should be a valid integer",
-    ),
-    case(
-        f"{FROM_STACK} {{key}}",
-        env={**PULUMI, "FAKE_PULUMI_OUTPUTS": "{list_outputs}"},
-        message="stack 'dev' has invalid outputs: nccl_env: Input should be a valid dictionary",
-    ),
+    *[
+        case(
+            f"{FROM_STACK} {{key}}",
+            env={**PULUMI, "FAKE_PULUMI_OUTPUTS": outputs},
+            message=f"stack 'dev' has invalid outputs: {problem}",
+        )
+        for outputs, problem in (
+            ("{bad_outputs}", "node_count: Input should be a valid integer"),
+            ("{list_outputs}", "nccl_env: Input should be a valid dictionary"),
+            ("{bad_time_outputs}", "max_job_time: use Slurm's --time syntax"),
+        )
+    ],
     case(
         f"{FROM_STACK} {{key}}",
         env={**PULUMI, "FAKE_PULUMI_OUTPUTS": "{not_json}"},
@@ -272,11 +274,6 @@ CLUSTER = [
         f"{FROM_STACK} {{key}} --default-time 8-00:00:00",
         env=PULUMI,
         message="--default-time 8-00:00:00 is longer than the maxJobTime of stack 'dev', 7-00:00:00",
-    ),
-    case(
-        f"{FROM_STACK} {{key}}",
-        env={**PULUMI, "FAKE_PULUMI_OUTPUTS": "{bad_time_outputs}"},
-        message="stack 'dev' has invalid outputs: max_job_time: use Slurm's --time syntax",
     ),
     case("from-stack --stack dev --ssh-key {key} -o {empty}", message="--output {empty} is a directory"),
     case(
