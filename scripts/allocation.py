@@ -42,7 +42,7 @@ def add_allocation_arguments(parser: argparse.ArgumentParser) -> None:
         type=arg_type(check_time_limit),
         metavar="TIME",
         help="Slurm ends the job after this, in sbatch's --time syntax: 90 (minutes), 4:00:00, 2-00:00:00 "
-        "(default: the cluster description's default_time_limit)",
+        "(default: the cluster description's default_time_limit; at most its max_time_limit, the stack's maxJobTime)",
     )
 
 

@@ -507,6 +507,7 @@ FROM_STACK_EXAMPLES = """\
 examples:
   python -m scripts cluster from-stack --stack dev      # -> ~/.config/azure-horovod/cluster-dev.json
   python -m scripts cluster from-stack --stack dev --runtime host --ssh-key ~/.ssh/azure_key
+  python -m scripts cluster from-stack --stack dev --default-time 4:00:00   # jobs without --time: 4 hours
   export CLUSTER_DESCRIPTION=~/.config/azure-horovod/cluster-dev.json   # every command reads it from then on
 """
 CLUSTER_EXAMPLES = """\
