@@ -374,7 +374,7 @@ def from_stack_outputs(
     except ValidationError as exc:
         raise OperatorError(f"stack {stack!r} has invalid outputs: {describe_validation_error(exc)}") from None
     user = out.admin_user
-    if default_time_limit and exceeds(default_time_limit, out.max_job_time):
+    if default_time_limit and exceeds(check_time_limit(default_time_limit), out.max_job_time):
         raise OperatorError(
             f"--default-time {default_time_limit} is longer than the maxJobTime of stack {stack!r}, "
             f"{out.max_job_time}, the longest a job may run there: give a shorter one"
