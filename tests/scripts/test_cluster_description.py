@@ -100,11 +100,11 @@ def test_description_without_time_limits_loads_and_one_above_its_max_is_refused(
         cl.load(tmp_path / "bad.json")
 
 
-@pytest.mark.parametrize(("command", "flags"), [("launch", ("--framework", "pytorch", "--dry-run")), ("alloc", ())])
-def test_a_time_above_the_clusters_max_is_refused_before_submission(tmp_path, command, flags):
-    """The description alone decides: no connection is tried (its jump host is not reachable)."""
+def test_alloc_refuses_a_time_above_the_clusters_max_as_launch_does(tmp_path):
+    """The description alone decides: no connection is tried (its jump host is not reachable). Launch's
+    refusal is among test_cli_errors' cases."""
     path = cl.from_stack_outputs(OUTPUTS, "dev", ssh_key=private_key_file(tmp_path)).save(tmp_path / "c.json")
-    proc = run_module("scripts", command, "--cluster", str(path), *flags, "--time", "10081", timeout=60)
+    proc = run_module("scripts", "alloc", "--cluster", str(path), "--time", "10081", timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == (
         "error: --time 10081 is longer than cluster dev allows, 7-00:00:00 (maxJobTime in its stack's config, "
