@@ -22,6 +22,7 @@ from pydantic import (
     StringConstraints,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -30,6 +31,7 @@ from pydantic_core import ErrorDetails
 
 from infra.azure_limits import AZURE_REGIONS, RESERVED_ADMIN_USERS, VM_SIZES
 from infra.skus import GPU_SKUS, GpuSku
+from infra.slurm_time import DEFAULT_JOB_TIME, TIME_SYNTAX, UNLIMITED, check_max_time, check_time_limit, exceeds
 from infra.ssh_key import check_public_key
 
 OPEN_CIDRS = frozenset({"*", "0.0.0.0/0", "any", "internet"})
@@ -53,6 +55,12 @@ MAX_SAS_LIFETIME = timedelta(days=365)  # a leaked read token should not outlive
 # would stop a staging run midway.
 MIN_SAS_LIFETIME = timedelta(days=1)
 CLOCK_ALLOWANCE = timedelta(minutes=1)  # "P1D" is turned into a time a moment before it is checked
+
+# The job time limits: how each is checked, and what else it may be.
+JOB_TIME_RULES: dict[str | None, tuple[Callable[[str], str], str]] = {
+    "default_job_time": (check_time_limit, "; not INFINITE: a job that names no limit ends too"),
+    "max_job_time": (check_max_time, f", or {UNLIMITED} (or UNLIMITED) for no cap"),
+}
 
 # Tags: the stack sets RESERVED_TAGS on every resource; Azure allows 50 tags per resource, values
 # up to 256 characters, compares names case-insensitively and reserves the prefixes below.
@@ -126,6 +134,9 @@ class StackConfig(BaseModel):
     # managed disks leaves out. Needs the subscription's Microsoft.Compute/EncryptionAtHost feature.
     encryption_at_host: bool = True
     autostop_minutes: int = 30
+    # Every partition's DefaultTime and MaxTime, in Slurm's time syntax (maxJobTime: INFINITE for no cap).
+    default_job_time: str = DEFAULT_JOB_TIME
+    max_job_time: str = UNLIMITED
     sas_expiry: datetime
     tags: dict[str, str] = Field(default_factory=dict)
 
@@ -213,6 +224,15 @@ class StackConfig(BaseModel):
             )
         return value
 
+    @field_validator("default_job_time", "max_job_time")
+    @classmethod
+    def _job_time(cls, value: str, info: ValidationInfo) -> str:
+        check, allowed = JOB_TIME_RULES[info.field_name]
+        try:
+            return check(value)
+        except ValueError:
+            raise ValueError(f"must be in {TIME_SYNTAX}{allowed}") from None
+
     @field_validator("jumpbox_vm_size", "head_vm_size", "nfs_vm_size")
     @classmethod
     def _known_size(cls, value: str) -> str:
@@ -256,7 +276,13 @@ class StackConfig(BaseModel):
 
     @model_validator(mode="after")
     def _across_keys(self) -> StackConfig:
-        if faults := [*self._ssh_range_faults(), *self._nfs_disk_faults(), *self._encryption_faults()]:
+        faults = [
+            *self._ssh_range_faults(),
+            *self._nfs_disk_faults(),
+            *self._encryption_faults(),
+            *self._job_time_faults(),
+        ]
+        if faults:
             raise CrossFieldError(faults)
         return self
 
@@ -295,6 +321,15 @@ class StackConfig(BaseModel):
         }
         reason = "does not support encryption at host; choose a size that does, or set encryptionAtHost false"
         return [(key, size, reason) for key, (size, ok) in supported.items() if not ok]
+
+    def _job_time_faults(self) -> list[Fault]:
+        if not exceeds(self.default_job_time, self.max_job_time):
+            return []
+        reason = (
+            f"is longer than maxJobTime {self.max_job_time}, the longest a job may run; "
+            "lower defaultJobTime or raise maxJobTime"
+        )
+        return [("defaultJobTime", self.default_job_time, reason)]
 
     # Derived values: pure functions of the validated fields, so never stored twice.
 

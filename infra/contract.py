@@ -52,6 +52,8 @@ class StackOutput(StrEnum):
     SLURM_CLUSTER_NAME = "slurm_cluster_name"
     SLURM_PARTITION = "slurm_partition"
     SPOT_PARTITION = "spot_partition"  # None when the stack has no Spot nodes
+    DEFAULT_JOB_TIME = "default_job_time"  # every partition's DefaultTime (defaultJobTime)
+    MAX_JOB_TIME = "max_job_time"  # every partition's MaxTime (maxJobTime): INFINITE, or a time limit
     NFS_PRIVATE_IP = "nfs_private_ip"
     NFS_EXPORT_PATH = "nfs_export_path"
     SHARED_MOUNT_PATH = "shared_mount_path"

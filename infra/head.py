@@ -22,7 +22,7 @@ from infra.cloud_init.head_node import (
     STATE_SAVE_DIR,
     SUSPEND_PROGRAM,
 )
-from infra.cloud_init.slurm import HealthCheck, NodeSet, PowerSaving
+from infra.cloud_init.slurm import HealthCheck, JobTimeLimits, NodeSet, PowerSaving
 from infra.contract import SHARED_MOUNT_PATH, SLURM_PARTITION
 from infra.skus import GpuSku
 from infra.vm import LinuxVm, LinuxVmArgs, MachineArgs, encode_custom_data
@@ -58,6 +58,7 @@ class HeadNodeArgs(MachineArgs):
     node_prefix: str
     sku: GpuSku
     autostop_minutes: int  # 0: never
+    job_time: JobTimeLimits  # every partition's DefaultTime and MaxTime
     scale_set_id: pulumi.Input[str]
     identity_id: pulumi.Input[str]  # the holder of the scale set's power role, on this VM alone
     identity_client_id: pulumi.Input[str]
@@ -93,6 +94,7 @@ def slurm_conf(name: str, args: HeadNodeArgs) -> str:
         health_check=HealthCheck(program=HEALTH_CHECK_PATH, interval_s=HEALTH_CHECK_INTERVAL_S),
         # Removes the job's containers, which dockerd keeps out of Slurm's reach.
         epilog=EPILOG_PATH,
+        job_time=args.job_time,
     )
 
 

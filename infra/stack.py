@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import pulumi
 from pulumi_azure_native import resources
 
+from infra.cloud_init.slurm import JobTimeLimits
 from infra.cluster import GpuCluster, GpuClusterArgs, SpotPolicy
 from infra.config import StackConfig
 from infra.contract import DATA_PATH, SHARED_MOUNT_PATH, SLURM_PARTITION, SPOT_PARTITION, StackOutput
@@ -26,25 +30,71 @@ from infra.registry import Registry, RegistryArgs
 from infra.storage import DATA_CONTAINER, RESULTS_CONTAINER, Storage, StorageArgs
 
 
+@dataclass(frozen=True)
+class _Base:
+    """What every part of the deployment is declared with."""
+
+    cfg: StackConfig
+    net: Network
+    common: dict[str, Any]  # resource group, location and tags
+    machine: dict[str, Any]  # admin user, SSH key, encryption at host: every VM's
+
+
+@dataclass(frozen=True)
+class _DataSide:
+    data_group: resources.ResourceGroup
+    store: Storage
+    registry: Registry
+    identity: ClusterIdentity  # the nodes': pulls images, writes results, reads the munge key
+
+
+@dataclass(frozen=True)
+class _SlurmSide:
+    cluster_name: str
+    cluster: GpuCluster
+    spot: SpotNodes | None
+    head: HeadNode
+
+
 def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput, pulumi.Input]:
     """Declare every resource of the deployment; return the stack outputs by name."""
     tags = cfg.resource_tags(project, stack)
-    prefix = cfg.name_prefix
-    group = resources.ResourceGroup(f"{prefix}-rg", location=cfg.location, tags=tags)
+    group = resources.ResourceGroup(f"{cfg.name_prefix}-rg", location=cfg.location, tags=tags)
     common = {"resource_group_name": group.name, "location": cfg.location, "tags": tags}
-
     net = Network(
-        f"{prefix}-net",
+        f"{cfg.name_prefix}-net",
         NetworkArgs(vnet_cidr=cfg.vnet_cidr, subnets=cfg.subnets, allowed_ssh_cidr=cfg.allowed_ssh_cidr, **common),
     )
+    machine = {
+        "admin_user": cfg.admin_user,
+        "ssh_public_key": cfg.ssh_public_key,
+        "encryption_at_host": cfg.encryption_at_host,
+    }
+    base = _Base(cfg, net, common, machine)
+    data = _data_side(base)
+    jumpbox = Jumpbox(
+        f"{cfg.name_prefix}-jumpbox",
+        JumpboxArgs(subnet_id=net.subnet_ids["jumpbox"], vm_size=cfg.jumpbox_vm_size, **machine, **common),
+    )
+    nfs = _nfs_server(base)
+    slurm = _slurm_side(base, data, nfs)
+    return _outputs(cfg, group, data, jumpbox, nfs, slurm)
+
+
+def _data_side(base: _Base) -> _DataSide:
+    """Storage (in a group of its own), the registry, and the identities that reach them."""
+    cfg, prefix, common = base.cfg, base.cfg.name_prefix, base.common
     # The data's own group, kept by `pulumi destroy` like everything in it (infra/storage.py)
     data_group = resources.ResourceGroup(
-        f"{prefix}-data-rg", location=cfg.location, tags=tags, opts=pulumi.ResourceOptions(retain_on_delete=True)
+        f"{prefix}-data-rg",
+        location=cfg.location,
+        tags=common["tags"],
+        opts=pulumi.ResourceOptions(retain_on_delete=True),
     )
     store = Storage(
         prefix,
         StorageArgs(
-            allowed_subnet_ids=[net.subnet_ids["cluster"], net.subnet_ids["nfs"]],
+            allowed_subnet_ids=[base.net.subnet_ids["cluster"], base.net.subnet_ids["nfs"]],
             operator_cidr=cfg.allowed_ssh_cidr,
             sas_expiry=cfg.sas_expiry,
             **{**common, "resource_group_name": data_group.name},
@@ -63,47 +113,47 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
         f"{prefix}-operator",
         OperatorAccessArgs(container_ids={name: c.id for name, c in store.containers.items()}),
     )
-    machine = {
-        "admin_user": cfg.admin_user,
-        "ssh_public_key": cfg.ssh_public_key,
-        "encryption_at_host": cfg.encryption_at_host,
-    }
-    jumpbox = Jumpbox(
-        f"{prefix}-jumpbox",
-        JumpboxArgs(subnet_id=net.subnet_ids["jumpbox"], vm_size=cfg.jumpbox_vm_size, **machine, **common),
-    )
-    nfs = NfsServer(
-        f"{prefix}-nfs",
+    return _DataSide(data_group, store, registry, identity)
+
+
+def _nfs_server(base: _Base) -> NfsServer:
+    cfg = base.cfg
+    return NfsServer(
+        f"{cfg.name_prefix}-nfs",
         NfsServerArgs(
-            subnet_id=net.subnet_ids["nfs"],
+            subnet_id=base.net.subnet_ids["nfs"],
             private_ip=cfg.nfs_private_ip,
             cluster_cidr=cfg.subnets["cluster"],
             vm_size=cfg.nfs_vm_size,
             disk_count=cfg.nfs_disk_count,
             disk_size_gb=cfg.nfs_disk_size_gb,
-            **machine,
-            **common,
+            **base.machine,
+            **base.common,
         ),
     )
+
+
+def _slurm_side(base: _Base, data: _DataSide, nfs: NfsServer) -> _SlurmSide:
+    """The GPU nodes (and Spot ones), the munge key in Key Vault, and the head node that runs slurmctld."""
+    cfg, prefix, common, subnet_id = base.cfg, base.cfg.name_prefix, base.common, base.net.subnet_ids["cluster"]
     slurm_cluster_name = prefix  # lower-case letters and digits, as Slurm's ClusterName wants
     munge = MungeKey(f"{prefix}-munge")
-    vault = SlurmKeyVault(
-        prefix, SlurmKeyVaultArgs(cluster_subnet_id=net.subnet_ids["cluster"], munge_key=munge.key_base64, **common)
-    )
-    vault.grant_read("nodes", identity.identity.principal_id)  # the on-demand and the Spot nodes' identity
+    vault = SlurmKeyVault(prefix, SlurmKeyVaultArgs(cluster_subnet_id=subnet_id, munge_key=munge.key_base64, **common))
+    identity = data.identity.identity
+    vault.grant_read("nodes", identity.principal_id)  # the on-demand and the Spot nodes' identity
     nodes = {
-        "subnet_id": net.subnet_ids["cluster"],
+        "subnet_id": subnet_id,
         "sku_name": cfg.gpu_sku,
         "sku": cfg.sku,
         "image": cfg.image_reference,
-        "identity_id": identity.identity.id,
-        "identity_client_id": identity.identity.client_id,
-        "acr_login_server": registry.registry.login_server,
+        "identity_id": identity.id,
+        "identity_client_id": identity.client_id,
+        "acr_login_server": data.registry.registry.login_server,
         "nfs_server_ip": nfs.private_ip,
         "nfs_export_path": nfs.export_path,
         "slurmctld_address": cfg.head_private_ip,
         "key_vault_uri": vault.vault_uri,
-        **machine,
+        **base.machine,
         **common,
     }
     cluster = GpuCluster(f"{prefix}-gpu", GpuClusterArgs(node_count=cfg.node_count, **nodes))
@@ -115,7 +165,7 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
     head = HeadNode(
         f"{prefix}-head",
         HeadNodeArgs(
-            subnet_id=net.subnet_ids["cluster"],
+            subnet_id=subnet_id,
             vm_size=cfg.head_vm_size,
             private_ip=cfg.head_private_ip,
             cluster_name=slurm_cluster_name,
@@ -123,6 +173,7 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
             node_prefix=cluster.computer_name_prefix,
             sku=cfg.sku,
             autostop_minutes=cfg.autostop_minutes,
+            job_time=JobTimeLimits(default=cfg.default_job_time, maximum=cfg.max_job_time),
             scale_set_id=cluster.scale_set.id,
             identity_id=power.identity.id,
             identity_client_id=power.identity.client_id,
@@ -130,21 +181,35 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
             key_vault_uri=vault.vault_uri,
             nfs_server_ip=nfs.private_ip,
             nfs_export_path=nfs.export_path,
-            **machine,
+            **base.machine,
             **common,
         ),
     )
+    return _SlurmSide(slurm_cluster_name, cluster, spot, head)
+
+
+def _outputs(
+    cfg: StackConfig,
+    group: resources.ResourceGroup,
+    data: _DataSide,
+    jumpbox: Jumpbox,
+    nfs: NfsServer,
+    slurm: _SlurmSide,
+) -> dict[StackOutput, pulumi.Input]:
+    store = data.store
     return {
         StackOutput.RESOURCE_GROUP: group.name,
-        StackOutput.DATA_RESOURCE_GROUP: data_group.name,
+        StackOutput.DATA_RESOURCE_GROUP: data.data_group.name,
         StackOutput.LOCATION: cfg.location,
         StackOutput.JUMPBOX_PUBLIC_IP: jumpbox.ip_address,
         StackOutput.ADMIN_USER: cfg.admin_user,
-        StackOutput.HEAD_PRIVATE_IP: head.private_ip,
-        StackOutput.HEAD_HOSTNAME: head.hostname,
-        StackOutput.SLURM_CLUSTER_NAME: slurm_cluster_name,
+        StackOutput.HEAD_PRIVATE_IP: slurm.head.private_ip,
+        StackOutput.HEAD_HOSTNAME: slurm.head.hostname,
+        StackOutput.SLURM_CLUSTER_NAME: slurm.cluster_name,
         StackOutput.SLURM_PARTITION: SLURM_PARTITION,
-        StackOutput.SPOT_PARTITION: SPOT_PARTITION if spot else None,
+        StackOutput.SPOT_PARTITION: SPOT_PARTITION if slurm.spot else None,
+        StackOutput.DEFAULT_JOB_TIME: cfg.default_job_time,
+        StackOutput.MAX_JOB_TIME: cfg.max_job_time,
         StackOutput.NFS_PRIVATE_IP: nfs.private_ip,
         StackOutput.NFS_EXPORT_PATH: nfs.export_path,
         StackOutput.SHARED_MOUNT_PATH: SHARED_MOUNT_PATH,
@@ -155,13 +220,13 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
         StackOutput.DATA_CONTAINER: DATA_CONTAINER,
         StackOutput.RESULTS_CONTAINER: RESULTS_CONTAINER,
         StackOutput.DATA_SAS: store.data_sas,
-        StackOutput.ACR_LOGIN_SERVER: registry.registry.login_server,
-        StackOutput.SCALE_SET_NAME: cluster.scale_set.name,
+        StackOutput.ACR_LOGIN_SERVER: data.registry.registry.login_server,
+        StackOutput.SCALE_SET_NAME: slurm.cluster.scale_set.name,
         StackOutput.NODE_COUNT: cfg.node_count,
         StackOutput.GPUS_PER_NODE: cfg.sku.gpus_per_node,
         StackOutput.GPU_SKU: cfg.gpu_sku,
-        StackOutput.CLUSTER_IDENTITY_CLIENT_ID: identity.identity.client_id,
-        StackOutput.NCCL_ENV: cluster.nccl_env,
+        StackOutput.CLUSTER_IDENTITY_CLIENT_ID: data.identity.identity.client_id,
+        StackOutput.NCCL_ENV: slurm.cluster.nccl_env,
     }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from infra.slurm_time import exceeds, is_unlimited
 from scripts.cli import arg_type, int_between
 from scripts.cluster import ClusterDescription
 from scripts.errors import OperatorError
@@ -41,7 +42,7 @@ def add_allocation_arguments(parser: argparse.ArgumentParser) -> None:
         type=arg_type(check_time_limit),
         metavar="TIME",
         help="Slurm ends the job after this, in sbatch's --time syntax: 90 (minutes), 4:00:00, 2-00:00:00 "
-        "(default: the cluster description's default_time_limit)",
+        "(default: the cluster description's default_time_limit; at most its max_time_limit, the stack's maxJobTime)",
     )
 
 
@@ -57,9 +58,10 @@ class Allocation:
         gpus = f"{self.gpus_per_node} of {desc.gpus_per_node} GPUs" if desc.gpus_per_node else "no GPUs (CPU nodes)"
         share = "whole nodes" if self.exclusive else "shared nodes, its own GPUs only"
         node_word = "node" if self.nodes == 1 else "nodes"
+        cap = "" if is_unlimited(desc.max_time_limit) else f" (at most {desc.max_time_limit} on this cluster)"
         return (
             f"{self.nodes} {node_word} x {gpus} ({share}), {self.processes_per_node} processes per node, "
-            f"time limit {self.time_limit}"
+            f"time limit {self.time_limit}{cap}"
         )
 
     def node_share(self, desc: ClusterDescription) -> float:
@@ -104,8 +106,20 @@ def plan_allocation(
     gres = processes if desc.gpus_per_node else 0
     # every GPU of a node is the whole node; so is any job on CPU nodes, which have no GPUs to share out
     whole = exclusive or gres == desc.gpus_per_node
-    limit = check_time_limit(time_limit) if time_limit else desc.default_time_limit
-    return Allocation(count, gres, processes, whole, limit)
+    return Allocation(count, gres, processes, whole, _time_limit(desc, time_limit))
+
+
+def _time_limit(desc: ClusterDescription, asked: str | None) -> str:
+    """--time, or the cluster's default; one above the partition's MaxTime would wait in the queue forever."""
+    if not asked:
+        return desc.default_time_limit
+    limit = check_time_limit(asked)
+    if exceeds(limit, desc.max_time_limit):
+        raise OperatorError(
+            f"--time {limit} is longer than cluster {desc.name} allows, {desc.max_time_limit} (maxJobTime in its "
+            "stack's config, the partitions' MaxTime): ask for less"
+        )
+    return limit
 
 
 def cost_line(alloc: Allocation, desc: ClusterDescription, price_per_node_hour: float | None, source: str) -> str:

@@ -182,7 +182,8 @@ def describe_validation_error(exc: ValidationError, limit: int = 5) -> str:
     def where(error: Any) -> str:
         return ".".join(str(part) for part in error["loc"]) or "the document"
 
-    problems = [f"{where(e)}: {e['msg']}" for e in exc.errors() if e["type"] != "missing"]
+    # a check of ours raises ValueError, which pydantic reports as "Value error, <our text>"
+    problems = [f"{where(e)}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors() if e["type"] != "missing"]
     missing = [where(e) for e in exc.errors() if e["type"] == "missing"]
     parts = problems[:limit] + ([f"and {len(problems) - limit} more"] if len(problems) > limit else [])
     return "; ".join(parts + ([f"missing: {', '.join(missing)}"] if missing else []))

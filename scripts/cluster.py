@@ -20,10 +20,20 @@ import subprocess
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
-from infra.cloud_init.slurm import DEFAULT_JOB_TIME
+from infra import slurm_time
 from infra.contract import CONTAINER_SSH_PORT
+from infra.slurm_time import DEFAULT_JOB_TIME, UNLIMITED, exceeds
 from scripts.cli import (
     add_cluster_option,
     arg_type,
@@ -35,7 +45,7 @@ from scripts.cli import (
 )
 from scripts.errors import ExitCode, OperatorError, explain_os_error
 from scripts.fileio import atomic_write
-from scripts.slurm_time import check_time_limit
+from scripts.slurm_time import check_max_time, check_time_limit
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Where `cluster from-stack` writes an Azure description by default: outside the repository, so that
@@ -54,7 +64,6 @@ IMAGE_REPOSITORIES = {"pytorch": "hvd-pytorch", "tensorflow": "hvd-tensorflow", 
 # Version 2: the node registry went (Slurm knows the nodes), `results_upload` came, `storage_python`
 # became `remote_python`.
 SCHEMA_VERSION = 2
-DEFAULT_TIME_LIMIT = DEFAULT_JOB_TIME  # the partition's DefaultTime, for jobs submitted by hand
 DOCKER_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # Docker's grammar for an image tag
 
 
@@ -221,8 +230,11 @@ class ClusterDescription(_Model):
     runtime: Runtime
     nccl_env: dict[str, str] = Field(default_factory=dict)
     min_free_disk_gb: float = 20.0
-    # the time limit of a job that names none (`launch --time`), in Slurm's --time syntax
-    default_time_limit: str = DEFAULT_TIME_LIMIT
+    # the time limit of a job that names none (`launch --time`), in Slurm's --time syntax, and the
+    # longest a job may ask for (the partitions' MaxTime; INFINITE: no cap). A description written
+    # before these came from the stack has the stack's defaults, which its slurm.conf has too.
+    default_time_limit: str = DEFAULT_JOB_TIME
+    max_time_limit: str = UNLIMITED
 
     @model_validator(mode="after")
     def _paths(self) -> ClusterDescription:
@@ -236,11 +248,23 @@ class ClusterDescription(_Model):
             raise ValueError("results_upload must be of kind 'sas' or 'managed_identity'")
         if self.runtime.kind == "docker" and not self.runtime.ssh_port:
             raise ValueError("the docker runtime needs runtime.ssh_port (the containers' sshd)")
+        self._check_time_limits()
+        return self
+
+    def _check_time_limits(self) -> None:
         try:
             check_time_limit(self.default_time_limit)
         except OperatorError as exc:
             raise ValueError(f"default_time_limit: {exc}") from None
-        return self
+        try:
+            self.max_time_limit = check_max_time(self.max_time_limit)
+        except OperatorError as exc:
+            raise ValueError(f"max_time_limit: {exc}") from None
+        if exceeds(self.default_time_limit, self.max_time_limit):
+            raise ValueError(
+                f"default_time_limit {self.default_time_limit} is longer than max_time_limit {self.max_time_limit}, "
+                "the longest a job may run on the cluster"
+            )
 
     def on_storage_host(self, node_path: str) -> str:
         """The storage host's path for a path under the nodes' shared mount (/mnt/shared/x -> /export/x)."""
@@ -303,6 +327,9 @@ class StackOutputs(BaseModel):
     slurm_cluster_name: str
     slurm_partition: str
     spot_partition: str | None = None  # absent or None: no Spot nodes
+    # absent in a stack deployed before they were outputs: its slurm.conf has these defaults
+    default_job_time: str = DEFAULT_JOB_TIME
+    max_job_time: str = UNLIMITED
     nfs_private_ip: str
     nfs_export_path: str
     shared_mount_path: str
@@ -320,6 +347,9 @@ class StackOutputs(BaseModel):
     cluster_identity_client_id: str
     nccl_env: dict[str, str]
 
+    _job_time = field_validator("default_job_time")(slurm_time.check_time_limit)
+    _max_job_time = field_validator("max_job_time")(slurm_time.check_max_time)
+
 
 REQUIRED_OUTPUTS = tuple(name for name, field in StackOutputs.model_fields.items() if field.is_required())
 
@@ -331,9 +361,10 @@ def from_stack_outputs(
     known_hosts: str | Path | None = None,
     runtime: Literal["docker", "host"] = "docker",
     image_tag: str = "latest",
-    default_time_limit: str = DEFAULT_TIME_LIMIT,
+    default_time_limit: str | None = None,
 ) -> ClusterDescription:
-    """Map `pulumi stack output --json --show-secrets` to a description; name any missing or invalid output."""
+    """Map `pulumi stack output --json --show-secrets` to a description; name any missing or invalid output.
+    default_time_limit: a job's time limit when it names none (None: the stack's defaultJobTime)."""
     check_image_tag(image_tag)
     missing = [key for key in REQUIRED_OUTPUTS if outputs.get(key) in (None, "")]
     if missing:
@@ -343,6 +374,11 @@ def from_stack_outputs(
     except ValidationError as exc:
         raise OperatorError(f"stack {stack!r} has invalid outputs: {describe_validation_error(exc)}") from None
     user = out.admin_user
+    if default_time_limit and exceeds(check_time_limit(default_time_limit), out.max_job_time):
+        raise OperatorError(
+            f"--default-time {default_time_limit} is longer than the maxJobTime of stack {stack!r}, "
+            f"{out.max_job_time}, the longest a job may run there: give a shorter one"
+        )
     known = Path(known_hosts) if known_hosts else Path.home() / ".ssh" / f"known_hosts.{stack}"
     try:
         return ClusterDescription(
@@ -380,7 +416,8 @@ def from_stack_outputs(
             runtime=_stack_runtime(out, runtime, image_tag),
             nccl_env=out.nccl_env,
             min_free_disk_gb=50.0,
-            default_time_limit=default_time_limit,
+            default_time_limit=default_time_limit or out.default_job_time,
+            max_time_limit=out.max_job_time,
         )
     except ValidationError as exc:
         raise OperatorError(
@@ -470,6 +507,7 @@ FROM_STACK_EXAMPLES = """\
 examples:
   python -m scripts cluster from-stack --stack dev      # -> ~/.config/azure-horovod/cluster-dev.json
   python -m scripts cluster from-stack --stack dev --runtime host --ssh-key ~/.ssh/azure_key
+  python -m scripts cluster from-stack --stack dev --default-time 4:00:00   # jobs without --time: 4 hours
   export CLUSTER_DESCRIPTION=~/.config/azure-horovod/cluster-dev.json   # every command reads it from then on
 """
 CLUSTER_EXAMPLES = """\
@@ -540,8 +578,8 @@ def _from_stack_arguments(parser: argparse.ArgumentParser) -> None:
         "--default-time",
         type=arg_type(check_time_limit),
         metavar="TIME",
-        default=DEFAULT_TIME_LIMIT,
-        help="time limit of a job that names none, in Slurm's --time syntax (default: %(default)s)",
+        help="time limit of a job that names none, in Slurm's --time syntax, at most the stack's maxJobTime "
+        f"(default: the stack's defaultJobTime, {DEFAULT_JOB_TIME} unless configured)",
     )
     parser.add_argument(
         "--known-hosts",

@@ -86,7 +86,6 @@ from scripts.ui import make_console
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 DEFAULT_SUBNET = "10.213.0.0/24"
 DEFAULT_NAME = "hvd"
-LOCAL_DEFAULT_TIME_LIMIT = "1:00:00"  # a job that names no --time; nothing here runs for long
 CLUSTER_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]{0,7}")  # it prefixes interface names (15 characters at most)
 MAX_NODES = 32
 MAX_HEALTH_CHECK_INTERVAL_S = 86400
@@ -472,7 +471,8 @@ def _describe(state: LocalState, python: Path, key: Path, known_hosts: Path, sto
         ),
         nccl_env={},
         min_free_disk_gb=1.0,
-        default_time_limit=LOCAL_DEFAULT_TIME_LIMIT,
+        default_time_limit=local_slurm.JOB_TIME.default,  # as its slurm.conf says
+        max_time_limit=local_slurm.JOB_TIME.maximum,
     )
 
 

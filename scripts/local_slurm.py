@@ -29,6 +29,7 @@ from pathlib import Path
 
 from infra.cloud_init.slurm import (
     HealthCheck,
+    JobTimeLimits,
     NodeSet,
     PowerSaving,
     cores_per_gpu,
@@ -57,6 +58,8 @@ POWER_SAVE_INTERVAL_S = 2  # how often slurmctld looks for nodes to suspend (Slu
 SLURMD_TIMEOUT_S = 10  # a node whose slurmd stops answering is DOWN after this long
 KILL_WAIT_S = 5  # SIGTERM to SIGKILL, on cancel and at the time limit
 RENDERER_MIN_S = 60  # the shortest SuspendTime and HealthCheckInterval infra's renderer accepts
+# A job that names no --time ends after an hour (nothing here runs for long); none is capped.
+JOB_TIME = JobTimeLimits(default="1:00:00")
 
 
 @dataclass(frozen=True)
@@ -201,11 +204,12 @@ def render_local_conf(
         epilog=str(EPILOG),
         kill_wait_s=KILL_WAIT_S,
         slurmd_timeout_s=SLURMD_TIMEOUT_S,
+        job_time=JOB_TIME,
     )
     run = files.root
     controller = conf_value(azure, "SlurmctldParameters")
     # Every node is in the Spot partition too: any of them may be "evicted" (scripts/local_metadata.py)
-    spot = partition_line(SPOT_PARTITION, "ALL", default=False, share=cores_per_gpu(node_set))
+    spot = partition_line(SPOT_PARTITION, "ALL", default=False, share=cores_per_gpu(node_set), job_time=JOB_TIME)
     conf = override(
         azure,
         {

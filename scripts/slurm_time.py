@@ -1,39 +1,29 @@
-"""Slurm's --time syntax, read the way sbatch reads it: the job time limits of launch, alloc and the
-cluster description's default."""
+"""Slurm's --time syntax for the CLI: the job time limits of launch, alloc and the cluster description,
+read by infra/slurm_time.py's rules (the stack's defaultJobTime and maxJobTime use the same), refused
+as an operator's error."""
 
 from __future__ import annotations
 
-import re
-
+from infra import slurm_time
 from scripts.errors import OperatorError
-
-# Slurm's --time: MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS, DAYS-HOURS:MINUTES,
-# DAYS-HOURS:MINUTES:SECONDS (sbatch(1)); "UNLIMITED" and 0 are refused: every job ends.
-_TIME_FORMS = (
-    (re.compile(r"(\d+)"), ("m",)),
-    (re.compile(r"(\d+):(\d+)"), ("m", "s")),
-    (re.compile(r"(\d+):(\d+):(\d+)"), ("h", "m", "s")),
-    (re.compile(r"(\d+)-(\d+)"), ("d", "h")),
-    (re.compile(r"(\d+)-(\d+):(\d+)"), ("d", "h", "m")),
-    (re.compile(r"(\d+)-(\d+):(\d+):(\d+)"), ("d", "h", "m", "s")),
-)
-_SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 
 
 def time_limit_seconds(text: str) -> int:
     """Seconds in a Slurm --time value; anything Slurm would not read, or zero, is refused."""
-    for pattern, units in _TIME_FORMS:
-        match = pattern.fullmatch(text.strip())
-        if match:
-            seconds = sum(int(value) * _SECONDS[unit] for value, unit in zip(match.groups(), units, strict=True))
-            if seconds <= 0:
-                break
-            return seconds
-    raise OperatorError(
-        f"invalid time limit {text!r}: use Slurm's --time syntax, e.g. 90 (minutes), 4:00:00, 2-00:00:00 (and not 0)"
-    )
+    try:
+        return slurm_time.time_limit_seconds(text)
+    except ValueError as exc:
+        raise OperatorError(f"invalid time limit {text!r}: {exc}") from None
 
 
 def check_time_limit(text: str) -> str:
     time_limit_seconds(text)
     return text.strip()
+
+
+def check_max_time(text: str) -> str:
+    """The longest a job may run on a cluster: a time limit, or INFINITE."""
+    try:
+        return slurm_time.check_max_time(text)
+    except ValueError as exc:
+        raise OperatorError(f"invalid time limit {text!r}: {exc}") from None

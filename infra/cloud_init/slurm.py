@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from infra.cloud_init._common import check_int, check_ipv4, check_path, render_script
 from infra.contract import HEALTH_REPORT_DIR, SLURMCTLD_PORT, SLURMD_PORT, SPOT_PARTITION, SRUN_PORTS
+from infra.slurm_time import DEFAULT_JOB_TIME, UNLIMITED, check_max_time, check_time_limit, exceeds
 
 SLURM_USER = "slurm"  # the account Debian's and Ubuntu's packages create
 # Slurm compares names case-sensitively while DNS does not: lower case keeps the two agreeing.
@@ -39,9 +40,6 @@ SLURMD_TIMEOUT_S = 300
 # After SIGKILL, how long a step's processes may linger (a process stuck in I/O on a hard NFS
 # mount) before the node is drained as unhealthy. Slurm wants at least 5 MessageTimeouts.
 UNKILLABLE_STEP_TIMEOUT_S = 120
-# The time limit of a job that names none (an sbatch or salloc by hand; `launch` always names one):
-# a forgotten job on eight H100s costs about $2,400 a day at list price.
-DEFAULT_JOB_TIME = "24:00:00"
 
 
 @dataclass(frozen=True)
@@ -64,6 +62,28 @@ class PowerSaving:
     suspend_time_s: int | None  # idle seconds before a node is suspended; None: never
     suspend_timeout_s: int  # how long a suspend may take before the node can be resumed again
     resume_timeout_s: int  # how long a node may take to boot and register before it is marked DOWN
+
+
+@dataclass(frozen=True)
+class JobTimeLimits:
+    """Every partition's DefaultTime (a job that names no --time: an sbatch or salloc by hand; `launch`
+    always names one) and MaxTime (the longest a job may ask for; INFINITE: no cap), in Slurm's time
+    syntax. Checked when made: a finite default, no longer than the maximum."""
+
+    default: str = DEFAULT_JOB_TIME
+    maximum: str = UNLIMITED
+
+    def __post_init__(self) -> None:
+        for key, check in (("default", check_time_limit), ("maximum", check_max_time)):
+            value = getattr(self, key)
+            try:
+                if not isinstance(value, str):
+                    raise ValueError("a time limit is text")
+                object.__setattr__(self, key, check(value))  # as slurm.conf writes it: INFINITE for UNLIMITED
+            except ValueError as exc:
+                raise ValueError(f"job_time.{key}: {value!r}: {exc}") from None
+        if exceeds(self.default, self.maximum):
+            raise ValueError(f"job_time.default: {self.default} is longer than job_time.maximum {self.maximum}")
 
 
 @dataclass(frozen=True)
@@ -142,6 +162,7 @@ def render_slurm_conf(
     slurmd_timeout_s: int = SLURMD_TIMEOUT_S,
     unkillable_step_timeout_s: int = UNKILLABLE_STEP_TIMEOUT_S,
     spot_nodes: NodeSet | None = None,
+    job_time: JobTimeLimits,
 ) -> str:
     """slurm.conf for one controller and a partition of identical, power-managed nodes, and with
     spot_nodes a second one of Spot nodes (contract.SPOT_PARTITION), powered the same way.
@@ -149,18 +170,54 @@ def render_slurm_conf(
     epilog: the program slurmd runs after each job (None: none). The timeouts are in seconds:
     kill_wait_s from SIGTERM to SIGKILL (at least 1), slurmd_timeout_s before a silent node is
     DOWN (at least MessageTimeout, 10), unkillable_step_timeout_s after SIGKILL before a node with
-    processes left is drained (at least 50); each at most 65533.
+    processes left is drained (at least 50); each at most 65533. job_time: every partition's
+    DefaultTime and MaxTime.
     """
     node_sets = [nodes, *([spot_nodes] if spot_nodes else [])]
+    _check_node_sets(node_sets)
+    check_name("partition", partition)
+    partitions = [partition, *([SPOT_PARTITION] if spot_nodes else [])]
+    lines = [
+        "# Rendered by infra/cloud_init/slurm.py; valid for Slurm 21.08 and 22.05.",
+        *_controller_lines(
+            cluster_name=cluster_name,
+            controller_host=controller_host,
+            controller_address=controller_address,
+            state_save_dir=state_save_dir,
+            slurmd_spool_dir=slurmd_spool_dir,
+        ),
+        *_scheduling_lines(),
+        *_job_lines(
+            kill_wait_s=kill_wait_s,
+            slurmd_timeout_s=slurmd_timeout_s,
+            unkillable_step_timeout_s=unkillable_step_timeout_s,
+            epilog=epilog,
+        ),
+        *(["GresTypes=gpu"] if any(node_set.gpus for node_set in node_sets) else []),
+        f"HealthCheckProgram={check_path('health_check.program', health_check.program)}",
+        f"HealthCheckInterval={check_int('health_check.interval_s', health_check.interval_s, 60, 86400)}",
+        "HealthCheckNodeState=ANY",
+        *_power_lines(power, partitions),
+        # CLOUD: power-managed nodes, taken as powered down until their slurmd registers.
+        *(_node_line(node_set) for node_set in node_sets),
+        *_partition_lines(partition, nodes, spot_nodes, job_time),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _check_node_sets(node_sets: Sequence[NodeSet]) -> None:
     for node_set in node_sets:
         _check_nodes(node_set)
     names = [name for node_set in node_sets for name in node_set.names]
     if len(set(names)) != len(names):
         raise ValueError("spot_nodes: their names must differ from the on-demand nodes' names")
-    check_name("partition", partition)
-    partitions = [partition, *([SPOT_PARTITION] if spot_nodes else [])]
-    lines = [
-        "# Rendered by infra/cloud_init/slurm.py; valid for Slurm 21.08 and 22.05.",
+
+
+def _controller_lines(
+    *, cluster_name: str, controller_host: str, controller_address: str, state_save_dir: str, slurmd_spool_dir: str
+) -> list[str]:
+    """Who the controller is, how daemons reach and trust each other, and where they keep state."""
+    return [
         f"ClusterName={check_name('cluster_name', cluster_name)}",
         f"SlurmctldHost={check_name('controller_host', controller_host)}"
         f"({check_ipv4('controller_address', controller_address)})",
@@ -183,6 +240,12 @@ def render_slurm_conf(
         "PrivateData=cloud",
         # A node marked DOWN (by a resume that timed out, say) rejoins once its slurmd registers.
         "ReturnToService=2",
+    ]
+
+
+def _scheduling_lines() -> list[str]:
+    """How processes are tracked and resources handed out: the same on every cluster."""
+    return [
         # Slurm 21.08 has no cgroup v2 support and Ubuntu 22.04 mounts only cgroup v2: track jobs
         # through /proc, and bind nothing by default (launchers pin their own ranks).
         "ProctrackType=proctrack/linuxproc",
@@ -192,29 +255,23 @@ def render_slurm_conf(
         "SelectTypeParameters=CR_Core",
         "MpiDefault=none",
         # No PrologFlags=Contain: it needs proctrack/cgroup, which Slurm 21.08 cannot use on cgroup v2.
-        *_job_lines(
-            kill_wait_s=kill_wait_s,
-            slurmd_timeout_s=slurmd_timeout_s,
-            unkillable_step_timeout_s=unkillable_step_timeout_s,
-            epilog=epilog,
-        ),
-        *(["GresTypes=gpu"] if any(node_set.gpus for node_set in node_sets) else []),
-        f"HealthCheckProgram={check_path('health_check.program', health_check.program)}",
-        f"HealthCheckInterval={check_int('health_check.interval_s', health_check.interval_s, 60, 86400)}",
-        "HealthCheckNodeState=ANY",
-        *_power_lines(power, partitions),
-        # CLOUD: power-managed nodes, taken as powered down until their slurmd registers.
-        *(_node_line(node_set) for node_set in node_sets),
+    ]
+
+
+def _partition_lines(partition: str, nodes: NodeSet, spot_nodes: NodeSet | None, job_time: JobTimeLimits) -> list[str]:
+    """The default partition (every node, or the on-demand ones beside Spot's) and the Spot partition."""
+    if spot_nodes is None:
+        return [partition_line(partition, "ALL", default=True, share=cores_per_gpu(nodes), job_time=job_time)]
+    return [
+        partition_line(partition, ",".join(nodes.names), default=True, share=cores_per_gpu(nodes), job_time=job_time),
         partition_line(
-            partition, ",".join(nodes.names) if spot_nodes else "ALL", default=True, share=cores_per_gpu(nodes)
-        ),
-        *(
-            [partition_line(SPOT_PARTITION, ",".join(spot_nodes.names), default=False, share=cores_per_gpu(spot_nodes))]
-            if spot_nodes
-            else []
+            SPOT_PARTITION,
+            ",".join(spot_nodes.names),
+            default=False,
+            share=cores_per_gpu(spot_nodes),
+            job_time=job_time,
         ),
     ]
-    return "\n".join(lines) + "\n"
 
 
 def _node_line(nodes: NodeSet) -> str:
@@ -227,18 +284,18 @@ def cores_per_gpu(nodes: NodeSet) -> int | None:
     return max(1, nodes.cpus // nodes.gpus) if nodes.gpus else None
 
 
-def partition_line(name: str, nodes: str, *, default: bool, share: int | None = None) -> str:
+def partition_line(name: str, nodes: str, *, default: bool, job_time: JobTimeLimits, share: int | None = None) -> str:
     """A partition whose jobs hold the GPUs they ask for (gres), not whole nodes: two small jobs share
     a node, each seeing only its own GPUs (CUDA_VISIBLE_DEVICES from gres, and docker's --gpus with the
     job's devices). A job that asks for every GPU of a node, or --exclusive, gets the node to itself
     (launch does). share: DefCpuPerGPU. The Spot partition has a higher PriorityTier than the default
     (1), so that a job submitted to both (`launch --spot-fallback`: --partition=spot,gpu) takes Spot
-    nodes when Slurm can start it there."""
+    nodes when Slurm can start it there. job_time: its DefaultTime and MaxTime."""
     tier = " PriorityTier=2" if name == SPOT_PARTITION else ""
     cores = f" DefCpuPerGPU={share}" if share else ""
     return (
         f"PartitionName={check_name('partition', name)} Nodes={nodes} Default={'YES' if default else 'NO'}{tier} "
-        f"DefaultTime={DEFAULT_JOB_TIME} MaxTime=INFINITE State=UP OverSubscribe=NO{cores}"
+        f"DefaultTime={job_time.default} MaxTime={job_time.maximum} State=UP OverSubscribe=NO{cores}"
     )
 
 

@@ -13,7 +13,7 @@ from infra.cloud_init import (
     render_nfs_server,
     render_slurm_conf,
 )
-from infra.cloud_init.slurm import HealthCheck, NodeSet, PowerSaving
+from infra.cloud_init.slurm import HealthCheck, JobTimeLimits, NodeSet, PowerSaving
 from infra.skus import GPU_SKUS
 
 SKUS = sorted(GPU_SKUS)
@@ -79,6 +79,7 @@ def slurm_conf(**overrides: object) -> str:
         "power": power(),
         "health_check": HealthCheck(program="/usr/local/sbin/slurm-health-check", interval_s=300),
         "epilog": "/usr/local/sbin/slurm-epilog",
+        "job_time": JobTimeLimits(),
     }
     return render_slurm_conf(**{**args, **overrides})  # type: ignore[arg-type]
 

@@ -152,6 +152,15 @@ NEW_BAD_VALUES = [
     ("spotMaxPrice", "0"),
     ("spotMaxPrice", "-2"),
     ("spotMaxPrice", "18.123456"),  # Azure takes 5 decimals
+    ("defaultJobTime", "0"),  # Slurm's "no limit" for --time: every job ends
+    ("defaultJobTime", "INFINITE"),
+    ("defaultJobTime", "UNLIMITED"),
+    ("defaultJobTime", "24h"),
+    ("defaultJobTime", "1:2:3:4"),
+    ("defaultJobTime", "-1"),
+    ("maxJobTime", "forever"),
+    ("maxJobTime", "0"),
+    ("maxJobTime", "7 days"),
 ]
 
 
@@ -176,6 +185,12 @@ BAD_COMBINATIONS = [
     ({"nfsVmSize": "Standard_L8s_v3", "nfsDiskCount": "17"}, "nfsDiskCount", "holds at most 16 data disks"),
     ({"vnetCidr": "192.168.0.0/16", "allowedSshCidr": "192.168.7.0/24"}, "allowedSshCidr", "overlaps vnetCidr"),
     ({"allowedSshCidr": "0.0.0.0/1", "allowOpenSsh": "false"}, "allowedSshCidr", "2,147,483,648 public addresses"),
+    (
+        {"defaultJobTime": "24:00:00", "maxJobTime": "4:00:00"},  # the default's default above a lowered max
+        "defaultJobTime",
+        "is longer than maxJobTime 4:00:00, the longest a job may run; lower defaultJobTime or raise maxJobTime",
+    ),
+    ({"defaultJobTime": "2-00:00:01", "maxJobTime": "2-00:00:00"}, "defaultJobTime", "longer than maxJobTime"),
 ]
 
 
@@ -202,6 +217,8 @@ def test_rules_across_keys_name_the_key_and_value(overrides: dict[str, str], key
         {"jumpboxVmSize": "Standard_B2s_v2", "owner": "  ml-platform@example.com  "},
         {"spotNodeCount": "100", "spotEvictionPolicy": "Delete", "spotMaxPrice": "18.16954"},
         {"spotNodeCount": "0", "spotMaxPrice": "-1"},
+        {"defaultJobTime": "2-00:00:00", "maxJobTime": "2-00:00:00"},  # the default may be the max
+        {"defaultJobTime": "90", "maxJobTime": "1-12"},
     ],
 )
 def test_valid_edges_are_accepted(accepted: dict[str, object]) -> None:
@@ -372,6 +389,7 @@ def test_dev_stack_file_passes_validation() -> None:
     assert all(key.startswith(f"{PROJECT}:") for key in stack_file["config"])
     cfg = parse_config(raw, PROJECT)
     assert cfg.gpu_sku in GPU_SKUS and cfg.allowed_ssh_cidr != "0.0.0.0/0"
+    assert (cfg.default_job_time, cfg.max_job_time) == ("24:00:00", "7-00:00:00")  # quoted: not YAML's base 60
 
 
 def test_every_allowed_sku_has_nccl_settings_and_what_slurm_needs() -> None:
@@ -392,3 +410,26 @@ def test_autostop_error_says_what_is_allowed() -> None:
         ConfigError, match=r"autostopMinutes: got '5'; must be 0 \(never stop idle nodes\) or 10 to 1440"
     ):
         parse_config({**VALID_CONFIG, "autostopMinutes": "5"}, PROJECT)
+
+
+def test_job_times_default_to_a_day_and_no_cap() -> None:
+    cfg = parse_config(VALID_CONFIG)
+    assert (cfg.default_job_time, cfg.max_job_time) == ("24:00:00", "INFINITE")
+
+
+@pytest.mark.parametrize(
+    ("given", "kept"), [("UNLIMITED", "INFINITE"), ("unlimited", "INFINITE"), (" 7-00:00:00 ", "7-00:00:00")]
+)
+def test_max_job_time_is_kept_as_slurm_conf_writes_it(given: str, kept: str) -> None:
+    cfg = parse_config({**VALID_CONFIG, "defaultJobTime": " 4:00:00", "maxJobTime": given})
+    assert (cfg.default_job_time, cfg.max_job_time) == ("4:00:00", kept)
+
+
+def test_job_time_errors_say_what_is_allowed() -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_config({**VALID_CONFIG, "defaultJobTime": "INFINITE", "maxJobTime": "forever"}, PROJECT)
+    text = str(raised.value)
+    assert f"{PROJECT}:defaultJobTime: got 'INFINITE'; must be in Slurm's --time syntax, e.g. 90 (minutes)" in text
+    assert "a job that names no limit ends too" in text
+    assert f"{PROJECT}:maxJobTime: got 'forever'; must be in Slurm's --time syntax" in text
+    assert "or INFINITE (or UNLIMITED) for no cap" in text

@@ -33,7 +33,7 @@ import yaml
 from infra.cloud_init import render_gres_conf, render_health_check
 from infra.cloud_init._common import MUNGE_KEY_FETCH_PATH, MUNGE_KEY_PATH, NFS_MOUNT_PATH
 from infra.cloud_init.head_node import POWER_ACTIONS, POWER_CONFIG_PATH, POWER_LOG_PATH, POWER_PROGRAM_PATH
-from infra.cloud_init.slurm import NodeSet
+from infra.cloud_init.slurm import JobTimeLimits, NodeSet
 from infra.contract import HEALTH_REPORT_DIR, SRUN_PORTS
 from tests.infra.documents import (
     CLIENT_ID,
@@ -178,6 +178,34 @@ def test_slurm_conf_for_cpu_nodes_has_no_gres() -> None:
     assert "GresTypes" not in settings
     assert "Gres" not in lines["NodeName"]
     assert lines["NodeName"]["NodeName"] == "node-0,node-1"
+
+
+def test_every_partition_takes_the_clusters_job_time_limits() -> None:
+    spot = NodeSet(names=["hvd-spot-000000"], cpus=96, real_memory_mb=1_751_040, gpus=8)
+    conf = slurm_conf(spot_nodes=spot, job_time=JobTimeLimits(default="4:00:00", maximum="3-00:00:00"))
+    partitions = [line for line in conf.splitlines() if line.startswith("PartitionName=")]
+    assert [line.split()[0] for line in partitions] == ["PartitionName=gpu", "PartitionName=spot"]
+    assert all(" DefaultTime=4:00:00 MaxTime=3-00:00:00 " in line for line in partitions)
+    # UNLIMITED is slurm.conf's INFINITE
+    (unlimited,) = [
+        line for line in slurm_conf(job_time=JobTimeLimits(maximum="unlimited")).splitlines() if "Partition" in line
+    ]
+    assert " DefaultTime=24:00:00 MaxTime=INFINITE " in unlimited
+
+
+@pytest.mark.parametrize(
+    ("limits", "reason"),
+    [
+        ({"default": "0"}, "job_time.default: '0': use Slurm's --time syntax"),
+        ({"default": "INFINITE"}, "job_time.default"),  # a job that names no limit ends too
+        ({"default": 60}, "job_time.default: 60: a time limit is text"),
+        ({"maximum": "forever"}, "job_time.maximum: 'forever': use Slurm's --time syntax, e.g. 90 (minutes)"),
+        ({"maximum": "4:00:00"}, "job_time.default: 24:00:00 is longer than job_time.maximum 4:00:00"),
+    ],
+)
+def test_job_time_limits_are_checked_when_made(limits: dict[str, object], reason: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        JobTimeLimits(**limits)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,14 @@ from tests.infra.azure_mocks import Registered
 from tests.infra.conftest import VALID_CONFIG, Deployment, deploy
 from tests.infra.test_stack import by_name, head_file, slurm_settings
 
-SPOT_CONFIG = {**VALID_CONFIG, "spotNodeCount": "3", "spotEvictionPolicy": "Delete", "spotMaxPrice": "25.5"}
+SPOT_CONFIG = {
+    **VALID_CONFIG,
+    "spotNodeCount": "3",
+    "spotEvictionPolicy": "Delete",
+    "spotMaxPrice": "25.5",
+    "defaultJobTime": "12:00:00",
+    "maxJobTime": "3-00:00:00",
+}
 # What may differ between the on-demand and the Spot scale set: their names, their nodes' names, what
 # makes them Spot, how many there are.
 SPOT_ONLY = ("priority", "evictionPolicy", "billingProfile")
@@ -76,6 +83,10 @@ def test_the_head_node_makes_a_spot_partition_and_powers_the_spot_nodes(spot_dep
         "Nodes=hvd-gpu-000000," in partitions["PartitionName=gpu"] and "Default=YES" in partitions["PartitionName=gpu"]
     )
     assert any(line.startswith(f"NodeName={spot_nodes} ") and "Gres=gpu:8" in line for line in lines)
+    # the stack's job time limits on both partitions, and in its outputs for `cluster from-stack`
+    assert all(" DefaultTime=12:00:00 MaxTime=3-00:00:00 " in line for line in partitions.values())
+    times = [spot_deployment.outputs[key] for key in ("default_job_time", "max_job_time")]
+    assert [(out.known, out.value) for out in times] == [(True, "12:00:00"), (True, "3-00:00:00")]
     assert "SuspendTime" in slurm_settings(spot_deployment)  # power saving for both kinds
     power = json.loads(head_file(spot_deployment, "/etc/slurm/azure-power.json"))
     spot_identity = by_name(spot_deployment, ":UserAssignedIdentity", "-spot-power")

@@ -352,6 +352,8 @@ def test_outputs_are_known_and_complete(deployment: Deployment) -> None:
     assert "NCCL_IB_DISABLE" not in outputs["nccl_env"]
     assert outputs["head_private_ip"] == HEAD_IP and outputs["head_hostname"] == "hvd-head"
     assert outputs["slurm_partition"] == "gpu" and outputs["slurm_cluster_name"] == "hvd"
+    # the partitions' DefaultTime and MaxTime when the config names none: a day, no cap
+    assert (outputs["default_job_time"], outputs["max_job_time"]) == ("24:00:00", "INFINITE")
 
 
 def test_outputs_are_the_contracts(deployment: Deployment) -> None:
@@ -457,6 +459,7 @@ def test_slurm_conf_has_the_partition_gres_power_saving_and_health_check(deploym
         f"{','.join(NODE_NAMES)} CPUs={sku.vcpus} RealMemory={sku.slurm_real_memory_mb} Gres=gpu:8 State=CLOUD"
     )
     assert settings["PartitionName"].startswith("gpu Nodes=ALL Default=YES")
+    assert " DefaultTime=24:00:00 MaxTime=INFINITE " in settings["PartitionName"]
     assert settings["SlurmctldHost"] == f"hvd-head({HEAD_IP})"
     assert settings["SuspendTime"] == "1800"  # autostopMinutes' default, 30
     assert settings["ResumeTimeout"] == "1800"

@@ -161,6 +161,7 @@ def paths(tmp_path: Path, blob_service: str) -> dict[str, str]:
         "wrong_schema": _write(tmp_path / "wrong.json", json.dumps({"name": "dev", "node_count": "two"})),
         "bad_outputs": _write(tmp_path / "outputs-two.json", json.dumps({**OUTPUTS, "node_count": "two"})),
         "list_outputs": _write(tmp_path / "outputs-list.json", json.dumps({**OUTPUTS, "nccl_env": ["A=1"]})),
+        "bad_time_outputs": _write(tmp_path / "outputs-time.json", json.dumps({**OUTPUTS, "max_job_time": "forever"})),
         "fake_pulumi": str(FIXTURES / "bin"),
         "failing_az": str(Path(_write(tmp_path / "azbin" / "az", "#!/bin/sh\necho no >&2\nexit 1\n", 0o755)).parent),
         "server": blob_service,
@@ -250,16 +251,18 @@ CLUSTER = [
         env=PULUMI,
         message="the Pulumi project directory {missing} does not exist (--cwd)",
     ),
-    case(
-        f"{FROM_STACK} {{key}}",
-        env={**PULUMI, "FAKE_PULUMI_OUTPUTS": "{bad_outputs}"},
-        message="stack 'dev' has invalid outputs: node_count: Input should be a valid integer",
-    ),
-    case(
-        f"{FROM_STACK} {{key}}",
-        env={**PULUMI, "FAKE_PULUMI_OUTPUTS": "{list_outputs}"},
-        message="stack 'dev' has invalid outputs: nccl_env: Input should be a valid dictionary",
-    ),
+    *[
+        case(
+            f"{FROM_STACK} {{key}}",
+            env={**PULUMI, "FAKE_PULUMI_OUTPUTS": outputs},
+            message=f"stack 'dev' has invalid outputs: {problem}",
+        )
+        for outputs, problem in (
+            ("{bad_outputs}", "node_count: Input should be a valid integer"),
+            ("{list_outputs}", "nccl_env: Input should be a valid dictionary"),
+            ("{bad_time_outputs}", "max_job_time: use Slurm's --time syntax"),
+        )
+    ],
     case(
         f"{FROM_STACK} {{key}}",
         env={**PULUMI, "FAKE_PULUMI_OUTPUTS": "{not_json}"},
@@ -267,6 +270,11 @@ CLUSTER = [
         message="pulumi returned no JSON for stack 'dev'",
     ),
     case(f"{FROM_STACK} {{key}} --image-tag 'bad tag'", message="argument --image-tag: invalid image tag 'bad tag'"),
+    case(
+        f"{FROM_STACK} {{key}} --default-time 8-00:00:00",
+        env=PULUMI,
+        message="--default-time 8-00:00:00 is longer than the maxJobTime of stack 'dev', 7-00:00:00",
+    ),
     case("from-stack --stack dev --ssh-key {key} -o {empty}", message="--output {empty} is a directory"),
     case(
         f"{FROM_STACK} {{key}}",
@@ -336,6 +344,11 @@ LAUNCH = [
     case(f"{RUN} --gpus 1 --gpus-per-node 1", message="argument --gpus-per-node: not allowed with argument --gpus"),
     case(f"{RUN} --time-limit 0", message="argument --time/--time-limit: invalid time limit '0'"),
     case(f"{RUN} --time 1:2:3:4", message="argument --time/--time-limit: invalid time limit '1:2:3:4'"),
+    # the recorded stack caps jobs at 7 days (maxJobTime): Slurm would leave a longer one pending for ever
+    case(
+        f"{RUN} --time 7-00:00:01 --dry-run",
+        message="error: --time 7-00:00:01 is longer than cluster dev allows, 7-00:00:00 (maxJobTime in its stack's",
+    ),
     case("--cluster {desc}", message="launch needs --framework (our training jobs) or --workdir (your own code)"),
     case("--cluster {desc} --workdir {tmp}", message="--workdir runs the command after `--`: add it"),
     case("--cluster {desc} --workdir {tmp}/nope -- python x.py", message="--workdir {tmp}/nope: no such directory"),

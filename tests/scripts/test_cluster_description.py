@@ -47,6 +47,8 @@ def test_outputs_map_to_the_description(tmp_path):
         kind="managed_identity", client_id=OUTPUTS["cluster_identity_client_id"]
     )
     assert desc.remote_python == "python3" and desc.schema_version == 2
+    # the stack's defaultJobTime and maxJobTime
+    assert (desc.default_time_limit, desc.max_time_limit) == ("24:00:00", "7-00:00:00")
     assert desc.nccl_env == OUTPUTS["nccl_env"]
     assert "NCCL_IB_DISABLE" not in desc.nccl_env
     assert desc.runtime.kind == "docker" and desc.runtime.ssh_port == cl.CONTAINER_SSH_PORT
@@ -70,6 +72,58 @@ def test_image_tag_and_host_runtime():
     assert desc.runtime.images["tensorflow"].endswith("/hvd-tensorflow:0123456789ab")
     host = cl.from_stack_outputs(OUTPUTS, "dev", ssh_key="k", runtime="host")
     assert host.runtime.kind == "host" and host.runtime.ssh_port is None
+
+
+def test_job_time_limits_come_from_the_stack_and_default_time_overrides_within_the_max():
+    configured = cl.from_stack_outputs({**OUTPUTS, "default_job_time": "4:00:00"}, "dev", ssh_key="k")
+    assert (configured.default_time_limit, configured.max_time_limit) == ("4:00:00", "7-00:00:00")
+    chosen = cl.from_stack_outputs(OUTPUTS, "dev", ssh_key="k", default_time_limit="7-00:00:00")
+    assert (chosen.default_time_limit, chosen.max_time_limit) == ("7-00:00:00", "7-00:00:00")
+    with pytest.raises(OperatorError, match=r"--default-time 7-00:00:01 is longer than the maxJobTime of stack 'dev'"):
+        cl.from_stack_outputs(OUTPUTS, "dev", ssh_key="k", default_time_limit="7-00:00:01")
+    # a stack deployed before the limits were outputs: its slurm.conf has the defaults, a day and no cap
+    older = {key: value for key, value in OUTPUTS.items() if key not in ("default_job_time", "max_job_time")}
+    desc = cl.from_stack_outputs(older, "dev", ssh_key="k", default_time_limit="30-00:00:00")
+    assert (desc.default_time_limit, desc.max_time_limit) == ("30-00:00:00", "INFINITE")
+
+
+def test_description_without_time_limits_loads_and_one_above_its_max_is_refused(tmp_path):
+    saved = cl.from_stack_outputs(OUTPUTS, "dev", ssh_key="k").model_dump(mode="json", context={"reveal_secrets": True})
+    older = {key: value for key, value in saved.items() if key not in ("default_time_limit", "max_time_limit")}
+    (tmp_path / "old.json").write_text(json.dumps(older))
+    desc = cl.load(tmp_path / "old.json")
+    assert (desc.default_time_limit, desc.max_time_limit) == ("24:00:00", "INFINITE")
+    (tmp_path / "unlimited.json").write_text(json.dumps({**saved, "max_time_limit": "unlimited"}))
+    assert cl.load(tmp_path / "unlimited.json").max_time_limit == "INFINITE"
+    (tmp_path / "bad.json").write_text(json.dumps({**saved, "default_time_limit": "8-00:00:00"}))
+    with pytest.raises(OperatorError, match=r"default_time_limit 8-00:00:00 is longer than max_time_limit 7-00:00:00"):
+        cl.load(tmp_path / "bad.json")
+
+
+def test_alloc_refuses_a_time_above_the_clusters_max_as_launch_does(tmp_path):
+    """The description alone decides: no connection is tried (its jump host is not reachable). Launch's
+    refusal is among test_cli_errors' cases."""
+    path = cl.from_stack_outputs(OUTPUTS, "dev", ssh_key=private_key_file(tmp_path)).save(tmp_path / "c.json")
+    proc = run_module("scripts", "alloc", "--cluster", str(path), "--time", "10081", timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (
+        "error: --time 10081 is longer than cluster dev allows, 7-00:00:00 (maxJobTime in its stack's config, "
+        "the partitions' MaxTime): ask for less"
+    )
+
+
+def test_dry_run_shows_the_time_limit_in_effect_and_the_clusters_max(tmp_path):
+    path = cl.from_stack_outputs(OUTPUTS, "dev", ssh_key=private_key_file(tmp_path)).save(tmp_path / "c.json")
+    launch = ["launch", "--cluster", str(path), "--framework", "pytorch", "--gpus", "2", "--dry-run"]
+    default = run_module("scripts", *launch, timeout=60)
+    asked = run_module("scripts", *launch, "--time", "7-00:00:00", timeout=60)
+    assert default.returncode == asked.returncode == 0, default.stderr + asked.stderr
+    assert "time limit 24:00:00 (at most 7-00:00:00 on this cluster)" in default.stderr
+    assert "#SBATCH --time=24:00:00\n" in default.stdout
+    assert "time limit 7-00:00:00 (at most 7-00:00:00 on this cluster)" in asked.stderr
+    assert "#SBATCH --time=7-00:00:00\n" in asked.stdout
+    # the most it may cost is the hourly price over the limit: 2 of 8 GPUs of a $98.32 node for 7 days
+    assert "estimated cost: $24.58/hour, at most $4,129.44 within the time limit" in asked.stderr
 
 
 def test_missing_outputs_are_named():

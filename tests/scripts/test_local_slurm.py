@@ -73,6 +73,16 @@ def test_description_names_the_controller_and_partition(cluster):
     ]
 
 
+def test_partitions_have_the_descriptions_time_limits_as_slurm_reads_them(cluster):
+    """The renderer's DefaultTime and MaxTime, read back from the running slurmctld."""
+    assert (cluster.default_time_limit, cluster.max_time_limit) == ("1:00:00", "INFINITE")
+    limits = slurm(cluster, "sinfo", "--noheader", "--format=%P %L %l")  # partition, default, max
+    assert sorted(limits.stdout.split("\n")[:-1]) == [
+        f"{SLURM_PARTITION}* 1:00:00 infinite",
+        f"{SPOT_PARTITION} 1:00:00 infinite",
+    ], limits.stderr
+
+
 def test_srun_reaches_both_nodes(cluster):
     proc = slurm(cluster, "srun", "--nodes=2", "hostname")
     assert proc.returncode == 0, proc.stderr
