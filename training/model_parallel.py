@@ -18,6 +18,10 @@ The optimizer is AdamW (betas 0.9/0.95, ``--weight-decay`` 0.1 on every paramete
 Llama's settings; no gradient clipping) at a constant ``--lr``, fused (one kernel for the whole
 step) where every parameter is on a GPU.
 
+The flags become one frozen :class:`~training.parallel.settings.ModelParallelSettings` right after
+parsing (:func:`parse_settings`); every function here takes it, and the run trains with its copy
+resolved for the device (:meth:`~training.parallel.settings.ModelParallelSettings.for_device`).
+
 Speed on a GPU (docs/performance.md): each block is compiled (``--compile``, the default with
 CUDA), activation checkpointing is on only when the memory estimate says the model would not
 fit (``--activation-checkpointing auto``), one process trains the plain model under autocast
