@@ -11,7 +11,6 @@ tensorboard and matplotlib are imported only when a run asks for their output.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import logging
@@ -107,16 +106,18 @@ class RunCurves:
     (on other ranks, and otherwise, every call does nothing). ``unit`` names the rate: images or tokens.
     File-system errors become the flag's :class:`~training.errors.OutputPathError`."""
 
-    def __init__(self, args: argparse.Namespace, rank: int, start_step: int, unit: str = "images") -> None:
-        self.args, self.unit = args, unit
+    def __init__(
+        self, tensorboard_dir: Path | None, summary_png: Path | None, rank: int, start_step: int, unit: str = "images"
+    ) -> None:
+        self.tensorboard_dir, self.summary_png, self.unit = tensorboard_dir, summary_png, unit
         self.rate_tag, self.final_rate_tag = RATES[unit]
         self.curves: Curves | None = None
-        if rank != 0 or (args.tensorboard_dir is None and args.summary_png is None):
+        if rank != 0 or (tensorboard_dir is None and summary_png is None):
             return
         try:
-            self.curves = Curves(args.tensorboard_dir, start_step)
+            self.curves = Curves(tensorboard_dir, start_step)
         except OSError as exc:
-            raise output_error("--tensorboard-dir", args.tensorboard_dir, exc) from None
+            raise output_error("--tensorboard-dir", tensorboard_dir, exc) from None
         if self.curves.events is not None:
             log.info("TensorBoard events: %s", self.curves.events.path)
 
@@ -126,7 +127,7 @@ class RunCurves:
         try:
             self.curves.add(step, values)  # flushed: a run killed later still leaves these
         except OSError as exc:
-            raise output_error("--tensorboard-dir", self.args.tensorboard_dir, exc) from None
+            raise output_error("--tensorboard-dir", self.tensorboard_dir, exc) from None
 
     def finish(self, step: int, final: Mapping[str, float | None], title: str) -> None:
         """Record ``final`` at the last step, close the event file and draw ``--summary-png``."""
@@ -136,8 +137,8 @@ class RunCurves:
         try:
             self.curves.close()
         except OSError as exc:
-            raise output_error("--tensorboard-dir", self.args.tensorboard_dir, exc) from None
-        png = self.args.summary_png
+            raise output_error("--tensorboard-dir", self.tensorboard_dir, exc) from None
+        png = self.summary_png
         if png is None:
             return
         try:

@@ -18,7 +18,6 @@ leaves (:func:`_stop_descendants`).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import logging
@@ -41,18 +40,22 @@ from training.loop import configure_logging
 from training.outputs import check_output_paths
 
 B = TypeVar("B", bound=Backend)
+# The parsed flags: the data-parallel jobs' Namespace, or a job's settings built from its flags
+# (training.model_parallel's); either has the output flags and ``debug``.
+Flags = TypeVar("Flags")
 
 
 def run_job(
     framework: str,
     argv: Sequence[str] | None,
-    start: Callable[[argparse.Namespace], B],
-    train: Callable[[argparse.Namespace, B], object],
-    parse: Callable[[Sequence[str] | None], argparse.Namespace] | None = None,
+    start: Callable[[Flags], B],
+    train: Callable[[Flags, B], object],
+    parse: Callable[[Sequence[str] | None], Flags] | None = None,
 ) -> NoReturn:
     """Parse the flags, check the outputs, start the backend, train, and exit with the table's status.
 
-    ``parse``: a job with flags of its own (training.model_parallel); default: the data-parallel jobs'.
+    ``parse``: a job with flags of its own (training.model_parallel's settings); default: the
+    data-parallel jobs' Namespace.
     """
     args = parse(argv) if parse is not None else parse_args(framework, argv)  # a bad flag exits 2 here
     configure_logging(launcher_rank())
@@ -60,11 +63,7 @@ def run_job(
     _exit(_run(args, start, train))
 
 
-def _run(
-    args: argparse.Namespace,
-    start: Callable[[argparse.Namespace], B],
-    train: Callable[[argparse.Namespace, B], object],
-) -> int:
+def _run(args: Flags, start: Callable[[Flags], B], train: Callable[[Flags, B], object]) -> int:
     backend: B | None = None
     liveness: Liveness | None = None
     try:

@@ -137,7 +137,7 @@ class TrainingRun:
         self._save_wait_s = (peer_timeout_seconds(dist.backend) or PEER_TIMEOUT_SECONDS) / 2
         # At least one measured step whenever a step runs, so short runs still report a rate.
         self.excluded = min(args.timing_warmup_steps, max(self.total_steps - start_step - 1, 0))
-        self._curves = curves.RunCurves(args, dist.rank, start_step)
+        self._curves = curves.RunCurves(args.tensorboard_dir, args.summary_png, dist.rank, start_step)
         self._timer = StepTimer(self.excluded)
         self._last_loss: Callable[[], float] | None = None
         self._val_top1: float | None = None

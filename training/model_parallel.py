@@ -18,6 +18,10 @@ The optimizer is AdamW (betas 0.9/0.95, ``--weight-decay`` 0.1 on every paramete
 Llama's settings; no gradient clipping) at a constant ``--lr``, fused (one kernel for the whole
 step) where every parameter is on a GPU.
 
+The flags become one frozen :class:`~training.parallel.settings.ModelParallelSettings` right after
+parsing (:func:`parse_settings`); every function here takes it, and the run trains with its copy
+resolved for the device (:meth:`~training.parallel.settings.ModelParallelSettings.for_device`).
+
 Speed on a GPU (docs/performance.md): each block is compiled (``--compile``, the default with
 CUDA), activation checkpointing is on only when the memory estimate says the model would not
 fit (``--activation-checkpointing auto``), one process trains the plain model under autocast
@@ -75,6 +79,7 @@ from training.parallel.pipeline import (
     stages_per_rank,
     theoretical_bubble,
 )
+from training.parallel.settings import ModelParallelSettings
 from training.parallel.sharding import AC_MODES, autocasts, parallelize
 from training.preemption import PreemptionWatch, stop
 from training.profiling import StepProfiler
@@ -211,33 +216,38 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def model_shape(args: argparse.Namespace) -> tuple[int, int | None, int | None]:
+def parse_settings(argv: Sequence[str] | None = None) -> ModelParallelSettings:
+    """The job's settings, built once from the flags (exit 2 on a bad flag)."""
+    return ModelParallelSettings.from_args(parse_args(argv))
+
+
+def model_shape(settings: ModelParallelSettings) -> tuple[int, int | None, int | None]:
     """(layers or residual blocks, attention heads, key/value heads) of ``--model``."""
-    cfg = GPT_CONFIGS.get(args.model)
+    cfg = settings.gpt
     if cfg is not None:
         return cfg.n_layers, cfg.n_heads, cfg.kv_heads
     with torch.device("meta"):
-        resnet = build_model(args.model, args.num_classes)
+        resnet = build_model(settings.model, settings.num_classes)
     return len(resnet.layers) - 5, None, None  # [Normalize, stem, blocks..., pool, flatten, fc]
 
 
-def layout_of(args: argparse.Namespace, world_size: int) -> Layout:
+def layout_of(settings: ModelParallelSettings, world_size: int) -> Layout:
     """The layout the flags ask for; :class:`BadInput` if the world or the model cannot take it."""
-    layout = Layout.from_flags(world_size, args.tp, args.pp, args.dp_shard)
-    units, heads, kv_heads = model_shape(args)
-    check_model(layout, args.model, units, heads, kv_heads, stages_per_rank(args.pp_schedule))
+    layout = Layout.from_flags(world_size, settings.tp, settings.pp, settings.dp_shard)
+    units, heads, kv_heads = model_shape(settings)
+    check_model(layout, settings.model, units, heads, kv_heads, stages_per_rank(settings.pp_schedule))
     if layout.pp > 1:
-        check_microbatches(args.microbatches, layout.pp, args.pp_schedule, args.batch_size)
+        check_microbatches(settings.microbatches, layout.pp, settings.pp_schedule, settings.batch_size)
     return layout
 
 
-def start(args: argparse.Namespace) -> DDPBackend:
+def start(settings: ModelParallelSettings) -> DDPBackend:
     if "RANK" not in os.environ:
         raise BadInput(
             "training.model_parallel runs under torchrun: torchrun --nproc-per-node N -m training.model_parallel ..."
         )
     try:  # a bad layout is refused before any process group starts
-        layout_of(args, int(os.environ["WORLD_SIZE"]))
+        layout_of(settings, int(os.environ["WORLD_SIZE"]))
     except BadInput as exc:  # every rank finds it: rank 0 alone says so
         raise BadInput(str(exc), every_rank=True) from None
     return DDPBackend()
@@ -286,13 +296,13 @@ class Parts:
         return loss
 
 
-def build_full_model(args: argparse.Namespace) -> nn.Module:
+def build_full_model(settings: ModelParallelSettings) -> nn.Module:
     """The whole model, with the same weights in every process (on the meta device when too big)."""
-    cfg = GPT_CONFIGS.get(args.model)
+    cfg = settings.gpt
     if cfg is None:
-        torch.manual_seed(args.seed)  # ResNet's init draws from the global generator
-        return build_model(args.model, args.num_classes)
-    return build_gpt(cfg, None if parameter_count(cfg) * 4 > META_INIT_BYTES else args.seed)
+        torch.manual_seed(settings.seed)  # ResNet's init draws from the global generator
+        return build_model(settings.model, settings.num_classes)
+    return build_gpt(cfg, None if parameter_count(cfg) * 4 > META_INIT_BYTES else settings.seed)
 
 
 def split(model: nn.Module, layout: Layout, pp_rank: int, schedule: str) -> tuple[list[nn.Module], list[int]]:
@@ -312,37 +322,39 @@ def materialize(chunk: nn.Module, cfg: GPTConfig | None, seed: int, device: torc
     init_weights(chunk, cfg.n_layers)
 
 
-def adamw(chunk: nn.Module, args: argparse.Namespace) -> torch.optim.AdamW:
+def adamw(chunk: nn.Module, settings: ModelParallelSettings) -> torch.optim.AdamW:
     """AdamW over ``chunk``, fused where every parameter is on a GPU (foreach elsewhere)."""
     params = list(chunk.parameters())
     fused = bool(params) and all(param.device.type == "cuda" for param in params)
     return torch.optim.AdamW(
-        params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay, fused=fused or None
+        params, lr=settings.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=settings.weight_decay, fused=fused or None
     )
 
 
-def build_parts(args: argparse.Namespace, layout: Layout, mesh: DeviceMesh, rank: int, device: torch.device) -> Parts:
+def build_parts(
+    settings: ModelParallelSettings, layout: Layout, mesh: DeviceMesh, rank: int, device: torch.device
+) -> Parts:
     """Build, split, shard (TP, activation checkpointing, compile, FSDP) and wrap in a pipeline: this rank's parts."""
-    model = build_full_model(args)
+    model = build_full_model(settings)
     total = sum(param.numel() for param in model.parameters())
-    chunks, stage_ids = split(model, layout, layout.coordinates(rank)["pp"], args.pp_schedule)
+    chunks, stage_ids = split(model, layout, layout.coordinates(rank)["pp"], settings.pp_schedule)
     del model  # the layers of other stages go with it
-    cfg = GPT_CONFIGS.get(args.model)
+    cfg = settings.gpt
     for chunk in chunks:
         if not any(param.is_meta for param in chunk.parameters()):
             chunk.to(device)
-        parallelize(chunk, layout, mesh, args.precision, args.activation_checkpointing, args.compile)
-        materialize(chunk, cfg, args.seed, device)
-    optimizers = [adamw(chunk, args) for chunk in chunks]
-    num_stages = layout.pp * stages_per_rank(args.pp_schedule)
+        parallelize(chunk, layout, mesh, settings.precision, settings.activation_checkpointing, settings.compile)
+        materialize(chunk, cfg, settings.seed, device)
+    optimizers = [adamw(chunk, settings) for chunk in chunks]
+    num_stages = layout.pp * stages_per_rank(settings.pp_schedule)
     # Compiled, the cross-entropy never materializes the fp32 copy of the logits (as torchtitan does).
-    loss = torch.compile(loss_fn, fullgraph=True, dynamic=False) if args.compile else loss_fn
-    amp = device.type if autocasts(layout, args.precision) else None
+    loss = torch.compile(loss_fn, fullgraph=True, dynamic=False) if settings.compile else loss_fn
+    amp = device.type if autocasts(layout, settings.precision) else None
     parts = Parts(chunks, stage_ids, num_stages, optimizers, parameters_total=total, loss=loss, autocast_device=amp)
     if layout.pp > 1:
         group = mesh["pp"].get_group()
         parts.pipeline = build_pipeline(
-            chunks, stage_ids, num_stages, group, device, args.pp_schedule, args.microbatches, loss
+            chunks, stage_ids, num_stages, group, device, settings.pp_schedule, settings.microbatches, loss
         )
     return parts
 
@@ -350,24 +362,28 @@ def build_parts(args: argparse.Namespace, layout: Layout, mesh: DeviceMesh, rank
 class Batches:
     """This replica's inputs and targets for a step, on the device."""
 
-    def __init__(self, args: argparse.Namespace, replica: int, device: torch.device) -> None:
-        self.args, self.replica, self.device = args, replica, device
+    def __init__(self, settings: ModelParallelSettings, replica: int, device: torch.device) -> None:
+        self.settings, self.replica, self.device = settings, replica, device
         self.tokens: TokenSource | None = None
         self.images: tuple[torch.Tensor, torch.Tensor] | None = None
-        cfg = GPT_CONFIGS.get(args.model)
+        cfg = settings.gpt
         if cfg is not None:
-            self.tokens = token_source(args.data, args.data_dir, args.seed, cfg.vocab_size, args.seq_len)
+            self.tokens = token_source(
+                settings.data, settings.data_dir, settings.seed, cfg.vocab_size, settings.seq_len
+            )
         else:
             # One fixed batch of synthetic images, already on the device (as the data-parallel job).
-            images, labels = synthetic_batch(args.seed, replica, args.batch_size, args.image_size, args.num_classes)
+            images, labels = synthetic_batch(
+                settings.seed, replica, settings.batch_size, settings.image_size, settings.num_classes
+            )
             self.images = torch.from_numpy(images).to(device), torch.from_numpy(labels).to(device)
 
     def __call__(self, step: int, replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.images is not None:
             return self.images
         assert self.tokens is not None
-        tokens = self.tokens.batch(step, replicas * self.args.batch_size, self.args.seq_len)
-        inputs, targets = replica_slice(tokens, self.replica, self.args.batch_size)
+        tokens = self.tokens.batch(step, replicas * self.settings.batch_size, self.settings.seq_len)
+        inputs, targets = replica_slice(tokens, self.replica, self.settings.batch_size)
         return self.to_device(inputs), self.to_device(targets)
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -389,21 +405,26 @@ def mean_loss(loss: torch.Tensor | None, device: torch.device) -> float:
     return float(total[0] / total[1])
 
 
-def open_checkpoints(args: argparse.Namespace) -> ShardedCheckpoints | None:
-    return ShardedCheckpoints(args.checkpoint_dir, keep=args.keep_checkpoints) if args.checkpoint_dir else None
+def open_checkpoints(settings: ModelParallelSettings) -> ShardedCheckpoints | None:
+    return (
+        ShardedCheckpoints(settings.checkpoint_dir, keep=settings.keep_checkpoints) if settings.checkpoint_dir else None
+    )
 
 
-def resume(args: argparse.Namespace, backend: DDPBackend, checkpoints: ShardedCheckpoints | None, parts: Parts) -> int:
+def resume(
+    settings: ModelParallelSettings, backend: DDPBackend, checkpoints: ShardedCheckpoints | None, parts: Parts
+) -> int:
     """The step to start from: rank 0 picks the newest complete checkpoint, every rank loads its
     share of it (resharded to this layout); 0 without one."""
     path = checkpoints.agreed_latest() if checkpoints is not None else None
     if checkpoints is None or path is None:
         return 0
-    extra = checkpoints.load(path, parts.chunks, parts.optimizers, expect={"model": args.model})
+    extra = checkpoints.load(path, parts.chunks, parts.optimizers, expect={"model": settings.model})
     step = int(extra["step"])
-    if step > args.steps:
+    steps = settings.steps
+    if step > steps:
         raise CheckpointRefused(
-            f"checkpoint {path} is at step {step}, past this run's --steps {args.steps}: raise --steps to continue it",
+            f"checkpoint {path} is at step {step}, past this run's --steps {steps}: raise --steps to continue it",
             every_rank=True,
         )
     if backend.rank == 0:
@@ -414,37 +435,45 @@ def resume(args: argparse.Namespace, backend: DDPBackend, checkpoints: ShardedCh
 class Run:
     """The step loop and its bookkeeping: logs, checkpoints, timing, the metrics at the end."""
 
-    def __init__(self, args: argparse.Namespace, backend: DDPBackend, layout: Layout, device: torch.device) -> None:
-        self.args, self.backend, self.layout, self.device = args, backend, layout, device
-        self.cfg = GPT_CONFIGS.get(args.model)
-        resolve_speed_flags(args, self.cfg, layout, device)
-        torch.manual_seed(args.seed)
+    def __init__(
+        self, settings: ModelParallelSettings, backend: DDPBackend, layout: Layout, device: torch.device
+    ) -> None:
+        self.settings, self.backend, self.layout, self.device = settings, backend, layout, device
+        assert settings.resolved, "the run trains with settings.for_device(...)"
+        self.cfg = settings.gpt
+        torch.manual_seed(settings.seed)
         timeout = timedelta(seconds=int(set_failure_timeouts()["DDP_TIMEOUT_SECONDS"]))
-        self.parts = build_parts(args, layout, build_mesh(layout, device.type, timeout), backend.rank, device)
-        self.checkpoints = open_checkpoints(args)
-        self.start_step = resume(args, backend, self.checkpoints, self.parts)
+        self.parts = build_parts(settings, layout, build_mesh(layout, device.type, timeout), backend.rank, device)
+        self.checkpoints = open_checkpoints(settings)
+        self.start_step = resume(settings, backend, self.checkpoints, self.parts)
         self.preemption = PreemptionWatch(backend)
-        self.batches = Batches(args, layout.dp_rank(backend.rank), device)
+        self.batches = Batches(settings, layout.dp_rank(backend.rank), device)
         # At least one measured step whenever a step runs, so short runs still report a rate.
-        self.timer = StepTimer(min(args.timing_warmup_steps, max(args.steps - self.start_step - 1, 0)))
+        self.timer = StepTimer(min(settings.timing_warmup_steps, max(settings.steps - self.start_step - 1, 0)))
         self.losses: list[list[float | int | None]] = []
         self.bubbles: list[float] = []
-        self.window = RateWindow(args.batch_size * layout.dp * (args.seq_len if self.cfg is not None else 1))
-        self.curves = curves.RunCurves(args, backend.rank, self.start_step, "tokens" if self.cfg else "images")
+        self.window = RateWindow(settings.batch_size * layout.dp * (settings.seq_len if self.cfg is not None else 1))
+        self.curves = curves.RunCurves(
+            settings.tensorboard_dir,
+            settings.summary_png,
+            backend.rank,
+            self.start_step,
+            "tokens" if self.cfg else "images",
+        )
         # The same on every rank: memory per rank is gathered (a collective) only for the curves.
-        self.memory_curves = args.tensorboard_dir is not None or args.summary_png is not None
+        self.memory_curves = settings.tensorboard_dir is not None or settings.summary_png is not None
 
     def train(self) -> dict[str, Any]:
-        args = self.args
+        settings = self.settings
         if self.backend.rank == 0:
             log.info(
                 "%s on %s (world %d): batch %d per replica x %d, %d parameters, steps %d to %d",
-                args.model, self.layout, self.backend.size, args.batch_size, self.layout.dp,
-                self.parts.parameters_total, self.start_step + 1, args.steps,
+                settings.model, self.layout, self.backend.size, settings.batch_size, self.layout.dp,
+                self.parts.parameters_total, self.start_step + 1, settings.steps,
             )  # fmt: skip
         loss = None
-        profiler = StepProfiler(args.profile_dir, self.backend.rank, self.timer.excluded)
-        for step in range(self.start_step, args.steps):
+        profiler = StepProfiler(settings.profile_dir, self.backend.rank, self.timer.excluded)
+        for step in range(self.start_step, settings.steps):
             loss = self.parts.step(*self.batches(step, self.layout.dp))
             if self.reads_numbers(step + 1):
                 sync(self.device)  # the clock, the loss and the checkpoint must see finished work
@@ -452,18 +481,18 @@ class Run:
             self.step_done(step + 1, loss)
             profiler.step()
         profiler.stop()
-        final = mean_loss(loss, self.device) if args.steps > self.start_step else None
+        final = mean_loss(loss, self.device) if settings.steps > self.start_step else None
         self.preemption.close()
         return self.finish(final)
 
     def reads_numbers(self, done: int) -> bool:
         """Whether step ``done`` ends where the host reads the device: the end of the timing warmup,
         a log step, a checkpoint, the last step. Between them the host runs ahead."""
-        every = self.args.checkpoint_every
+        every = self.settings.checkpoint_every
         return (
             done - self.start_step == self.timer.excluded
-            or done == self.args.steps
-            or done % self.args.log_every == 0
+            or done == self.settings.steps
+            or done % self.settings.log_every == 0
             or (self.checkpoints is not None and bool(every) and done % every == 0)
         )
 
@@ -471,10 +500,10 @@ class Run:
         pipeline = self.parts.pipeline
         if pipeline is not None and pipeline.last_bubble_fraction is not None and self.timer.measured_steps:
             self.bubbles.append(pipeline.last_bubble_fraction)  # after the timing warmup, as tokens/s
-        if done % self.args.log_every == 0:
+        if done % self.settings.log_every == 0:
             self.log(done, mean_loss(loss, self.device))  # collective: every rank logs at the same steps
-        every = self.args.checkpoint_every
-        save_due = self.checkpoints is not None and (done == self.args.steps or bool(every and done % every == 0))
+        every = self.settings.checkpoint_every
+        save_due = self.checkpoints is not None and (done == self.settings.steps or bool(every and done % every == 0))
         if save_due:
             self.timer.pause()
             self.save(done)
@@ -487,18 +516,23 @@ class Run:
     def log(self, done: int, loss: float) -> None:
         self.losses.append([done, loss if math.isfinite(loss) else None])
         rate = self.window.rate(self.timer)
-        values = {curves.LOSS: loss, curves.LR: self.args.lr, self.curves.rate_tag: rate}
+        values = {curves.LOSS: loss, curves.LR: self.settings.lr, self.curves.rate_tag: rate}
         if self.memory_curves:
             peaks = self.backend.allgather_object(memory.peak_memory_bytes(self.device))
             values.update({curves.MEMORY_GIB.format(rank=rank): peak / 2**30 for rank, peak in enumerate(peaks)})
         if self.backend.rank == 0:
             shown = "" if rate is None else f" {self.curves.unit}/s {rate:.1f}"
-            log.info("step %d/%d loss %.4f%s", done, self.args.steps, loss, shown)
+            log.info("step %d/%d loss %.4f%s", done, self.settings.steps, loss, shown)
             self.curves.record(done, values)
 
     def save(self, step: int) -> None:
         assert self.checkpoints is not None
-        extra = {"step": step, "model": self.args.model, "layout": self.layout.as_dict(), "seed": self.args.seed}
+        extra = {
+            "step": step,
+            "model": self.settings.model,
+            "layout": self.layout.as_dict(),
+            "seed": self.settings.seed,
+        }
         path = self.checkpoints.save(step, self.parts.chunks, self.parts.optimizers, extra)
         if self.backend.rank == 0:
             log.info("saved checkpoint %s", path)
@@ -515,11 +549,11 @@ class Run:
         metrics = self.metrics(None if diverged else final_loss, ranks)
         if self.backend.rank == 0:
             log.info("metrics: %s", {key: value for key, value in metrics.items() if key != "step_losses"})
-            if self.args.metrics_json is not None:
+            if self.settings.metrics_json is not None:
                 try:
-                    write_metrics(self.args.metrics_json, metrics, METRIC_KEYS)
+                    write_metrics(self.settings.metrics_json, metrics, METRIC_KEYS)
                 except OSError as exc:
-                    raise output_error("--metrics-json", self.args.metrics_json, exc) from None
+                    raise output_error("--metrics-json", self.settings.metrics_json, exc) from None
         if not diverged:
             self.export(metrics)
         self.finish_curves(final_loss, metrics)
@@ -529,29 +563,29 @@ class Run:
 
     def export(self, metrics: dict[str, Any]) -> None:
         """``--export-dir``: the whole model, gathered from every shard and stage (collective)."""
-        if self.args.export_dir is None:
+        if self.settings.export_dir is None:
             return
         state = gather_full_state_dict(self.parts.chunks, self.layout, self.backend.rank)
         if state is not None:  # rank 0
             try:
-                write_whole_model(self.args, state, metrics)
+                write_whole_model(self.settings, state, metrics)
             except OSError as exc:
-                raise output_error("--export-dir", self.args.export_dir, exc) from None
-            log.info("exported the whole model to %s", self.args.export_dir)
+                raise output_error("--export-dir", self.settings.export_dir, exc) from None
+            log.info("exported the whole model to %s", self.settings.export_dir)
         self.backend.allgather_object(None)  # the other ranks wait for it, as for a checkpoint
 
     def finish_curves(self, final_loss: float | None, metrics: dict[str, Any]) -> None:
         final = {self.curves.final_rate_tag: metrics["tokens_per_sec"] or metrics["images_per_sec"]}
-        if self.args.steps % self.args.log_every:  # the last step was not logged: end the loss curve there
+        if self.settings.steps % self.settings.log_every:  # the last step was not logged: end the loss curve there
             final[curves.LOSS] = final_loss
-        args = self.args
-        title = f"{args.model} on {self.layout} (world size {self.backend.size}), batch {args.batch_size} per replica"
-        self.curves.finish(args.steps, final, title)
+        model, batch = self.settings.model, self.settings.batch_size
+        title = f"{model} on {self.layout} (world size {self.backend.size}), batch {batch} per replica"
+        self.curves.finish(self.settings.steps, final, title)
 
     def metrics(self, final_loss: float | None, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-        args, layout, cfg = self.args, self.layout, self.cfg
-        global_batch = args.batch_size * layout.dp
-        per_step = global_batch * (args.seq_len if cfg is not None else 1)
+        settings, layout, cfg = self.settings, self.layout, self.cfg
+        global_batch = settings.batch_size * layout.dp
+        per_step = global_batch * (settings.seq_len if cfg is not None else 1)
         rate, _ = throughput(per_step, self.timer.measured_steps, [rank["elapsed"] for rank in ranks])
         device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         bubbles = [rank["bubble"] for rank in ranks if rank["bubble"] is not None]
@@ -559,17 +593,17 @@ class Run:
         metrics = {
             "framework": "pytorch",
             "job": "model_parallel",
-            "model": args.model,
+            "model": settings.model,
             "world_size": self.backend.size,
             "layout": layout.as_dict(),
-            "pp_schedule": args.pp_schedule if pipelined else None,
-            "microbatches": args.microbatches if pipelined else None,
-            "activation_checkpointing": args.activation_checkpointing,
-            "compiled": args.compile,
-            "batch_size_per_replica": args.batch_size,
+            "pp_schedule": settings.pp_schedule if pipelined else None,
+            "microbatches": settings.microbatches if pipelined else None,
+            "activation_checkpointing": settings.activation_checkpointing,
+            "compiled": settings.compile,
+            "batch_size_per_replica": settings.batch_size,
             "global_batch_size": global_batch,
-            "seq_len": args.seq_len if cfg is not None else None,
-            "steps": args.steps,
+            "seq_len": settings.seq_len if cfg is not None else None,
+            "steps": settings.steps,
             "warmup_steps_excluded": self.timer.excluded if self.timer.measured_steps else 0,
             "resumed_from_step": self.start_step or None,
             "step_losses": self.losses,
@@ -580,27 +614,15 @@ class Run:
             "peak_memory_bytes_per_rank": [rank["peak"] for rank in ranks],
             "tokens_per_sec": rate if cfg is not None else None,
             "images_per_sec": rate if cfg is None else None,
-            "mfu": memory.mfu(rate, flops_per_token(cfg, args.seq_len), device, len(ranks)) if cfg else None,
+            "mfu": memory.mfu(rate, flops_per_token(cfg, settings.seq_len), device, len(ranks)) if cfg else None,
             "bubble_fraction": sum(bubbles) / len(bubbles) if bubbles else None,
             "bubble_fraction_theory": (
-                theoretical_bubble(layout.pp, args.microbatches, args.pp_schedule) if pipelined else None
+                theoretical_bubble(layout.pp, settings.microbatches, settings.pp_schedule) if pipelined else None
             ),
-            "precision": args.precision,
+            "precision": settings.precision,
             "device": device,
         }
         return {key: metrics[key] for key in METRIC_KEYS}
-
-
-def resolve_speed_flags(args: argparse.Namespace, cfg: GPTConfig | None, layout: Layout, device: torch.device) -> None:
-    """``--compile`` and ``--activation-checkpointing auto`` become what this device gets."""
-    if args.compile is None:
-        args.compile = device.type == "cuda"
-    requested = args.activation_checkpointing
-    args.activation_checkpointing = memory.choose_activation_checkpointing(
-        requested, cfg, layout, args.batch_size, args.seq_len, args.precision, memory.device_memory_bytes(device)
-    )
-    if requested == "auto" and int(os.environ.get("RANK", "0")) == 0:
-        log.info("activation checkpointing: %s (auto, from the memory estimate)", args.activation_checkpointing)
 
 
 def sync(device: torch.device) -> None:
@@ -608,13 +630,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train(args: argparse.Namespace, backend: DDPBackend) -> dict[str, Any]:
+def train(settings: ModelParallelSettings, backend: DDPBackend) -> dict[str, Any]:
     device = torch.device("cuda", backend.local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    return Run(args, backend, layout_of(args, backend.size), device).train()
+    layout = layout_of(settings, backend.size)
+    resolved = settings.for_device(layout, device)
+    if settings.activation_checkpointing == "auto" and backend.rank == 0:
+        log.info("activation checkpointing: %s (auto, from the memory estimate)", resolved.activation_checkpointing)
+    return Run(resolved, backend, layout, device).train()
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
-    run_job("pytorch", argv, start, train, parse=parse_args)
+    run_job("pytorch", argv, start, train, parse=parse_settings)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Mapping
 from importlib.util import find_spec
 from pathlib import Path
+from typing import Protocol
 
 from training.errors import BadInput, OutputPathError
 
@@ -25,7 +26,22 @@ MB = 2**20
 MODEL_JSON = "model.json"  # what marks a directory as a model export (training.export)
 
 
-def check_output_paths(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> None:
+class OutputFlags(Protocol):
+    """The output flags every job has: its parsed Namespace, or settings built from it."""
+
+    @property
+    def checkpoint_dir(self) -> Path | None: ...
+    @property
+    def export_dir(self) -> Path | None: ...
+    @property
+    def metrics_json(self) -> Path | None: ...
+    @property
+    def tensorboard_dir(self) -> Path | None: ...
+    @property
+    def summary_png(self) -> Path | None: ...
+
+
+def check_output_paths(args: argparse.Namespace | OutputFlags, env: Mapping[str, str] = os.environ) -> None:
     """Raise :class:`OutputPathError` unless every output can be written and has room."""
     need = min_free_bytes(env)
     if args.checkpoint_dir is not None:

@@ -14,7 +14,6 @@ the unsharded model and writes it as the data-parallel job would:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Mapping, Sequence
 from functools import partial
@@ -28,9 +27,10 @@ from torch.distributed.tensor import DTensor
 
 from training.export import ExportSpec, ModelFiles, model_card, model_json, write_export
 from training.parallel.layout import Layout
+from training.parallel.settings import ModelParallelSettings
 from training.pytorch import export_model
 from training.torch_models import build_model
-from training.transformer import GPT_CONFIGS, GPTConfig, build_gpt
+from training.transformer import GPTConfig, build_gpt
 
 StateDict = dict[str, torch.Tensor]
 
@@ -77,24 +77,24 @@ def language_model_card(cfg: GPTConfig, seq_len: int, tokenizer: str) -> dict[st
     }
 
 
-def write_whole_model(args: argparse.Namespace, state: StateDict, metrics: Mapping[str, Any]) -> None:
+def write_whole_model(settings: ModelParallelSettings, state: StateDict, metrics: Mapping[str, Any]) -> None:
     """Rank 0: the export of ``--model`` with the gathered ``state`` into ``--export-dir``."""
-    cfg = GPT_CONFIGS.get(args.model)
+    cfg = settings.gpt
     if cfg is None:
-        model = build_model(args.model, args.num_classes)
+        model = build_model(settings.model, settings.num_classes)
         model.load_state_dict(state)
-        classes = [f"class_{i}" for i in range(args.num_classes)]  # synthetic images have no class names
-        spec = ExportSpec("pytorch", args.model, classes, args.image_size)
+        classes = [f"class_{i}" for i in range(settings.num_classes)]  # synthetic images have no class names
+        spec = ExportSpec("pytorch", settings.model, classes, settings.image_size)
         write_export(
-            args.export_dir,
-            partial(export_model, model, args.image_size),
+            settings.export_dir,
+            partial(export_model, model, settings.image_size),
             lambda files: model_card(spec, files, metrics),
         )
         return
-    tokenizer = "bytes" if args.data == "text" else f"synthetic token ids 0..{cfg.vocab_size - 1}"
-    task = language_model_card(cfg, args.seq_len, tokenizer)
+    tokenizer = "bytes" if settings.data == "text" else f"synthetic token ids 0..{cfg.vocab_size - 1}"
+    task = language_model_card(cfg, settings.seq_len, tokenizer)
     write_export(
-        args.export_dir,
-        partial(save_gpt, cfg, state, args.seq_len),
-        lambda files: model_json("pytorch", args.model, files, task, metrics),
+        settings.export_dir,
+        partial(save_gpt, cfg, state, settings.seq_len),
+        lambda files: model_json("pytorch", settings.model, files, task, metrics),
     )

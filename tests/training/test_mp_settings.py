@@ -1,0 +1,93 @@
+"""training.model_parallel's settings: built once from the flags, frozen, and the compile and
+activation-checkpointing values resolved for the device are the ones the run trains with and reports."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from scripts.daemons import free_port
+from training import job, model_parallel
+from training.distributed import FAILURE_TIMEOUTS
+from training.errors import ExitCode
+from training.parallel.layout import Layout
+from training.parallel.settings import ModelParallelSettings
+
+CPU = torch.device("cpu")
+ONE = Layout(1, 1, 1, 1)
+
+
+def test_settings_are_typed_frozen_and_filled_in(tmp_path: Path) -> None:
+    settings = model_parallel.parse_settings(
+        ["--model", "gpt-tiny", "--pp", "2", "--pp-schedule", "interleaved-1f1b", "--checkpoint-dir", str(tmp_path)]
+    )
+    assert settings.checkpoint_dir == tmp_path and isinstance(settings.checkpoint_dir, Path)
+    assert (settings.microbatches, settings.seq_len) == (4, 256)  # 2 x --pp interleaved; gpt-tiny's context
+    assert (settings.compile, settings.activation_checkpointing, settings.resolved) == (None, "auto", False)
+    assert settings.gpt is not None and settings.gpt.n_layers > 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.compile = True  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ([], (False, "none")),  # the defaults on a CPU: no compile, and auto is none without a GPU
+        (["--compile", "--activation-checkpointing", "full"], (True, "full")),
+        (["--no-compile", "--activation-checkpointing", "selective"], (False, "selective")),
+    ],
+)
+def test_for_device_resolves_a_copy(flags: list[str], expected: tuple[bool, str]) -> None:
+    settings = model_parallel.parse_settings(["--model", "gpt-tiny", *flags])
+    resolved = settings.for_device(ONE, CPU)
+    assert (resolved.compile, resolved.activation_checkpointing) == expected and resolved.resolved
+    unresolved = {"compile": settings.compile, "activation_checkpointing": settings.activation_checkpointing}
+    assert dataclasses.replace(resolved, **unresolved) == settings  # nothing else changed
+
+
+def test_the_job_builds_its_settings_once_and_reports_the_resolved_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One process, in this one (world size 1): the settings parsed are the only ones built from
+    flags, the run gets their resolved copy, and the metrics report its compile and AC values."""
+    metrics_json = tmp_path / "metrics.json"
+    argv = ["--model", "gpt-tiny", "--seq-len", "16", "--batch-size", "2", "--steps", "2", "--log-every", "1"]
+    settings = model_parallel.parse_settings([*argv, "--timing-warmup-steps", "0", "--metrics-json", str(metrics_json)])
+    built: list[ModelParallelSettings] = []
+    from_args = ModelParallelSettings.from_args
+
+    def counted(args: argparse.Namespace) -> ModelParallelSettings:
+        built.append(from_args(args))
+        return built[-1]
+
+    monkeypatch.setattr(ModelParallelSettings, "from_args", counted)
+    runs: list[ModelParallelSettings] = []
+    run_init = model_parallel.Run.__init__
+
+    def spy(run: model_parallel.Run, resolved: ModelParallelSettings, *rest: object) -> None:
+        runs.append(resolved)
+        run_init(run, resolved, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(model_parallel.Run, "__init__", spy)
+    for name, value in {**FAILURE_TIMEOUTS, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("TRAINING_MIN_FREE_MB", "0")
+    try:
+        assert job._run(settings, model_parallel.start, model_parallel.train) == ExitCode.OK
+    finally:
+        if torch.distributed.is_initialized():  # a failed run left its group: later tests must not meet it
+            torch.distributed.destroy_process_group()
+    assert built == []  # nothing after the parser builds settings from flags again
+    assert runs == [dataclasses.replace(settings, compile=False, activation_checkpointing="none")]
+    assert (settings.compile, settings.activation_checkpointing) == (None, "auto")  # the parsed ones, untouched
+    metrics = json.loads(metrics_json.read_text())
+    assert (metrics["compiled"], metrics["activation_checkpointing"]) == (False, "none")
+    assert metrics["steps"] == 2 and metrics["seq_len"] == 16 and len(metrics["step_losses"]) == 2
