@@ -63,15 +63,35 @@ def rank_pid(run: Path) -> int:
     raise AssertionError(f"no training process of {run}")
 
 
-def attempt_ended(desc: ClusterDescription, run_id: str, attempt: int) -> dict:
-    """The run's status once that attempt has ended; else the agents' logs say what happened."""
+def agents_said(desc: ClusterDescription) -> str:
+    """The Spot agents' logs: what happened, when an attempt did not end as it should."""
+    logs = sorted((local_state_dir(desc) / "logs").glob("spot-agent-*.log"))
+    return "\n".join(f"{p.name}:\n{p.read_text()[-2000:]}" for p in logs)
+
+
+def attempt_recorded(desc: ClusterDescription, run_id: str, attempt: int) -> dict:
+    """That attempt's entry in run.json, once its batch script has recorded it. (Not status.json, which the
+    next attempt removes as it starts: a requeued attempt may start within a poll of the last one's end.)"""
+
+    def entry() -> dict | None:
+        path = run_dir(desc, run_id) / "run.json"
+        record = json.loads(path.read_text()) if path.exists() else {}
+        return next((a for a in record.get("attempts", []) if a["attempt"] == attempt), None)
+
+    try:
+        return wait_for(entry, 120, f"attempt {attempt} in run.json", 0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{agents_said(desc)}") from None
+
+
+def run_ended(desc: ClusterDescription, run_id: str, attempt: int) -> dict:
+    """The run's status once its last attempt has ended and uploaded its results."""
     try:
         return wait_for(
             lambda: (s := status_of(desc, run_id)) and s["attempt"] == attempt and s, 120, f"attempt {attempt}", 0.5
         )
     except AssertionError as exc:
-        logs = sorted((local_state_dir(desc) / "logs").glob("spot-agent-*.log"))
-        raise AssertionError(f"{exc}\n" + "\n".join(f"{p.name}:\n{p.read_text()[-2000:]}" for p in logs)) from None
+        raise AssertionError(f"{exc}\n{agents_said(desc)}") from None
 
 
 def test_evicted_spot_jobs_checkpoint_are_requeued_and_resume_and_a_frozen_one_from_the_checkpoint_before(
@@ -90,8 +110,7 @@ def test_evicted_spot_jobs_checkpoint_are_requeued_and_resume_and_a_frozen_one_f
     local_metadata.announce_preempt(state_dir, first)
 
     # attempt 1: saved at the notice, requeued, resumed on the other node
-    status = attempt_ended(cluster, run_id, 1)
-    assert status["exit_code"] == 75
+    assert attempt_recorded(cluster, run_id, 1)["exit_code"] == 75
     log = (run / "output.log").read_text()
     saved = int(PREEMPTED.search(log).group(1))  # type: ignore[union-attr]
     checkpoint = run / "checkpoints" / f"ckpt-{saved:010d}.ckpt"
@@ -108,7 +127,7 @@ def test_evicted_spot_jobs_checkpoint_are_requeued_and_resume_and_a_frozen_one_f
     os.kill(rank_pid(run), signal.SIGSTOP)
     frozen_at = max(int(p.name[5:15]) for p in (run / "checkpoints").glob("ckpt-*.ckpt"))
     local_metadata.announce_preempt(state_dir, second, notice_s=20)
-    status = attempt_ended(cluster, run_id, 3)
+    status = run_ended(cluster, run_id, 3)
     log = (run / "output.log").read_text()
     assert status["exit_code"] == 0, log[-3000:]
     assert "CANCELLED AT" in log and "DUE TO JOB REQUEUE" in log  # the agent stopped waiting for it
