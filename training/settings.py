@@ -24,8 +24,21 @@ _PYTORCH_ONLY = {"decode": None, "compile": None, "profile_dir": None, "backend"
 
 
 @dataclass(frozen=True)
-class TrainingSettings:
-    """Every flag of a data-parallel job, typed; see its ``--help`` for what each does."""
+class ReportingSettings:
+    """The reporting flags every job has (:func:`training.args.add_reporting`)."""
+
+    metrics_json: Path | None
+    tensorboard_dir: Path | None
+    summary_png: Path | None
+    seed: int
+    log_every: int
+    timing_warmup_steps: int
+    debug: bool
+
+
+@dataclass(frozen=True)
+class TrainingSettings(ReportingSettings):
+    """Every flag of a data-parallel job, typed (the reporting ones inherited); see its ``--help``."""
 
     framework: str  # pytorch, tensorflow or keras
     # data
@@ -59,14 +72,6 @@ class TrainingSettings:
     ignore_bad_checkpoints: bool
     export_dir: Path | None
     export_every_epoch: bool
-    # reporting
-    metrics_json: Path | None
-    tensorboard_dir: Path | None
-    summary_png: Path | None
-    seed: int
-    log_every: int
-    timing_warmup_steps: int
-    debug: bool
 
     @classmethod
     def from_args(cls, framework: str, args: argparse.Namespace) -> TrainingSettings:

@@ -9,12 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from scripts.daemons import free_port
-from training import job, pytorch
+from tests.training.jobs import run_in_this_process
+from training import pytorch
 from training.args import FRAMEWORKS, build_parser
-from training.distributed import FAILURE_TIMEOUTS
 from training.errors import ExitCode
 from training.loop import TrainingRun
 from training.settings import TrainingSettings, parse_settings
@@ -85,17 +83,7 @@ def test_the_job_builds_its_settings_once_and_every_part_reads_them(
         run_init(run, given, *rest, **named)  # type: ignore[arg-type]
 
     monkeypatch.setattr(TrainingRun, "__init__", spy)
-    for name, value in {**FAILURE_TIMEOUTS, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    monkeypatch.setenv("TRAINING_MIN_FREE_MB", "0")
-    try:
-        assert job._run(settings, pytorch.start_backend, pytorch.train) == ExitCode.OK
-    finally:
-        if torch.distributed.is_initialized():  # a failed run left its group: later tests must not meet it
-            torch.distributed.destroy_process_group()
+    assert run_in_this_process(monkeypatch, settings, pytorch.start_backend, pytorch.train) == ExitCode.OK
     assert built == []  # nothing after the parser builds settings from flags again
     assert len(runs) == 1 and runs[0] is settings
     metrics = json.loads(metrics_json.read_text())
