@@ -13,7 +13,6 @@ CPU time counts only ours. Wall-clock images/s are kept beside it.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import time
 from collections.abc import Iterable
@@ -28,6 +27,7 @@ from bench import tv_baseline
 from bench.results import Figure
 from training.data import load_imagenet, train_keys
 from training.pytorch import image_loader
+from training.settings import parse_settings
 
 SEED = 0
 
@@ -75,8 +75,9 @@ def ours_rate(root: Path, size: int, batch_size: int, workers: int) -> Rate:
     steps = len(folder) // batch_size
     keys = train_keys(len(folder), 0, 1, batch_size, SEED, steps, 0, steps)
     # The job's loader as the job builds it for rank 0 of 1 with --data-workers ``workers``.
-    job_args, rank0 = argparse.Namespace(data_workers=workers), SimpleNamespace(rank=0, local_size=1)
-    batches = image_loader(folder, keys, job_args, rank0, torch.device("cpu"))  # type: ignore[arg-type]
+    settings = parse_settings("pytorch", ["--data-workers", str(workers)])
+    rank0 = SimpleNamespace(rank=0, local_size=1)
+    batches = image_loader(folder, keys, settings, rank0, torch.device("cpu"))  # type: ignore[arg-type]
     return _rate(batches, steps, batch_size, workers)
 
 

@@ -8,7 +8,6 @@ scheduling, and a resumed run sees exactly the batches the interrupted one would
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import os
@@ -23,6 +22,7 @@ from PIL import Image
 from training.args import DEFAULT_SYNTHETIC_STEPS
 from training.decode import Box, decode_region, decoder_name, jpeg_dims
 from training.errors import BadInput
+from training.settings import TrainingSettings
 from training.transcode import IMAGE_SUFFIXES
 
 log = logging.getLogger(__name__)
@@ -296,24 +296,28 @@ class DataPlan:
     total_steps: int  # --steps, else --epochs x steps_per_epoch; the last epoch may be partial
 
 
-def plan_data(args: argparse.Namespace, world_size: int) -> DataPlan:
+def plan_data(settings: TrainingSettings, world_size: int) -> DataPlan:
     """Index ImageNet (or not, for synthetic data) and fix classes, the epoch and the run's length."""
-    if args.data == "synthetic":
+    if settings.data == "synthetic":
         # no data to pass over: an "epoch" (LR schedule, checkpoints) is --steps, or a fixed count
-        per_epoch = args.steps or DEFAULT_SYNTHETIC_STEPS
-        return DataPlan(None, None, args.num_classes or 1000, per_epoch, args.steps or args.epochs * per_epoch)
-    train, val = load_imagenet(args.data_dir, args.image_size, args.seed)
+        per_epoch = settings.steps or DEFAULT_SYNTHETIC_STEPS
+        return DataPlan(
+            None, None, settings.num_classes or 1000, per_epoch, settings.steps or settings.epochs * per_epoch
+        )
+    train, val = load_imagenet(settings.data_dir, settings.image_size, settings.seed)
     num_classes = len(train.classes)
     if num_classes < 2:
         raise DataDirError(
             f"{train.root} has one class ({train.classes[0]}): a classifier needs at least two class folders"
         )
-    if args.num_classes is not None:
-        if args.num_classes < num_classes:
-            raise DataDirError(f"{train.root} has {num_classes} classes, more than --num-classes {args.num_classes}")
-        num_classes = args.num_classes
-    per_epoch = steps_per_epoch(len(train), world_size, args.batch_size)
-    return DataPlan(train, val, num_classes, per_epoch, args.steps or args.epochs * per_epoch)
+    if settings.num_classes is not None:
+        if settings.num_classes < num_classes:
+            raise DataDirError(
+                f"{train.root} has {num_classes} classes, more than --num-classes {settings.num_classes}"
+            )
+        num_classes = settings.num_classes
+    per_epoch = steps_per_epoch(len(train), world_size, settings.batch_size)
+    return DataPlan(train, val, num_classes, per_epoch, settings.steps or settings.epochs * per_epoch)
 
 
 def default_workers(local_size: int) -> int:

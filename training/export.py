@@ -11,7 +11,6 @@ imports no framework.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ from training.data import MEAN, STD, VAL_RESIZE_RATIO, DataPlan
 from training.distributed import Dist
 from training.errors import OutputPathError
 from training.outputs import MODEL_JSON, export_dir_problem, fsync_path, output_error
+from training.settings import TrainingSettings
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +60,11 @@ class ExportSpec:
     image_size: int
 
     @classmethod
-    def of(cls, framework: str, args: argparse.Namespace, plan: DataPlan) -> ExportSpec:
+    def of(cls, settings: TrainingSettings, plan: DataPlan) -> ExportSpec:
         found = plan.train.classes if plan.train is not None else []
         # Synthetic data has no class names, and --num-classes may be wider than train/.
         classes = list(found) + [f"class_{i}" for i in range(len(found), plan.num_classes)]
-        return cls(framework, args.model, classes, args.image_size)
+        return cls(settings.framework, settings.model, classes, settings.image_size)
 
 
 def preprocessing(image_size: int) -> dict[str, Any]:
@@ -182,8 +182,8 @@ def _fsync_tree(root: Path) -> None:
 class Exporter:
     """Every rank calls it at the same points; rank 0 writes, the others wait until it is done."""
 
-    def __init__(self, args: argparse.Namespace, dist: Dist, spec: ExportSpec, save: Saver) -> None:
-        self.args = args
+    def __init__(self, settings: TrainingSettings, dist: Dist, spec: ExportSpec, save: Saver) -> None:
+        self.settings = settings
         self.dist = dist
         self.spec = spec
         self.save = save
@@ -191,18 +191,18 @@ class Exporter:
     @property
     def epoch_hook(self) -> Callable[[int, dict[str, Any]], None] | None:
         """For :class:`training.loop.TrainingRun`'s ``on_epoch_end``: None unless asked for."""
-        return self._epoch_end if self.args.export_every_epoch else None
+        return self._epoch_end if self.settings.export_every_epoch else None
 
     def _epoch_end(self, epoch: int, progress: dict[str, Any]) -> None:
         self._export(progress)  # not called at the run's end: the final export carries all the metrics
 
     def final(self, metrics: Mapping[str, Any]) -> None:
         """The export of the finished run, with the metrics :meth:`TrainingRun.finish` returned."""
-        if self.args.export_dir is not None:
+        if self.settings.export_dir is not None:
             self._export(metrics)
 
     def _export(self, metrics: Mapping[str, Any]) -> None:
-        directory: Path = self.args.export_dir
+        directory: Path = self.settings.export_dir
         if self.dist.rank == 0:
             try:
                 write_export(directory, self.save, lambda files: model_card(self.spec, files, metrics))

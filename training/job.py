@@ -31,17 +31,17 @@ from typing import NoReturn, TypeVar
 import psutil
 
 from training import preemption
-from training.args import parse_args
 from training.checkpoint_writer import finish_writes
 from training.distributed import QUIET_RANK_DELAY_SECONDS, Backend, launcher_rank, peer_timeout_seconds
 from training.errors import BadInput, ExitCode, JobError, first_line
 from training.liveness import Liveness
 from training.loop import configure_logging
 from training.outputs import check_output_paths
+from training.settings import parse_settings
 
 B = TypeVar("B", bound=Backend)
-# The parsed flags: the data-parallel jobs' Namespace, or a job's settings built from its flags
-# (training.model_parallel's); either has the output flags and ``debug``.
+# A job's settings, built once from its flags: the data-parallel jobs' TrainingSettings or
+# training.model_parallel's; either has the output flags and ``debug``.
 Flags = TypeVar("Flags")
 
 
@@ -55,28 +55,28 @@ def run_job(
     """Parse the flags, check the outputs, start the backend, train, and exit with the table's status.
 
     ``parse``: a job with flags of its own (training.model_parallel's settings); default: the
-    data-parallel jobs' Namespace.
+    data-parallel jobs' :class:`training.settings.TrainingSettings`.
     """
-    args = parse(argv) if parse is not None else parse_args(framework, argv)  # a bad flag exits 2 here
+    settings = parse(argv) if parse is not None else parse_settings(framework, argv)  # a bad flag exits 2 here
     configure_logging(launcher_rank())
     preemption.install()  # a Spot eviction: checkpoint at the next step boundary, exit PREEMPTED
-    _exit(_run(args, start, train))
+    _exit(_run(settings, start, train))
 
 
-def _run(args: Flags, start: Callable[[Flags], B], train: Callable[[Flags, B], object]) -> int:
+def _run(settings: Flags, start: Callable[[Flags], B], train: Callable[[Flags, B], object]) -> int:
     backend: B | None = None
     liveness: Liveness | None = None
     try:
         if launcher_rank() == 0:
-            check_output_paths(args)
-        backend = start(args)
+            check_output_paths(settings)
+        backend = start(settings)
         liveness = Liveness(backend)
-        train(args, backend)
+        train(settings, backend)
         backend.shutdown()
         finish_writes()  # rank 0's last checkpoint: no peer waits for it any more
         return ExitCode.OK
     except BaseException as exc:  # every way out becomes one line and one exit status
-        return _report(exc, args.debug, backend, liveness)
+        return _report(exc, settings.debug, backend, liveness)
 
 
 def _report(exc: BaseException, debug: bool, backend: Backend | None, liveness: Liveness | None) -> int:

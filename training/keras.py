@@ -9,7 +9,6 @@ shared per-step bookkeeping (LR schedule, logs, checkpoints, timing).
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -19,11 +18,12 @@ import tensorflow as tf
 from training import tf_common
 from training.job import run_job
 from training.loop import TrainingRun
+from training.settings import TrainingSettings
 
 
-def _distributed(optimizer: tf.keras.optimizers.Optimizer, args: argparse.Namespace) -> tf.keras.optimizers.Optimizer:
+def _distributed(optimizer: tf.keras.optimizers.Optimizer, settings: TrainingSettings) -> tf.keras.optimizers.Optimizer:
     # compile() adds loss scaling itself under the mixed_float16 policy.
-    return hvd_keras.DistributedOptimizer(optimizer, compression=tf_common.compression(args))
+    return hvd_keras.DistributedOptimizer(optimizer, compression=tf_common.compression(settings))
 
 
 class StepCallback(tf.keras.callbacks.Callback):
@@ -46,13 +46,13 @@ class StepCallback(tf.keras.callbacks.Callback):
         self.step += 1
 
 
-def train(args: argparse.Namespace, dist: tf_common.HorovodTF) -> dict[str, Any]:
-    s = tf_common.setup(args, dist, _distributed)
+def train(settings: TrainingSettings, dist: tf_common.HorovodTF) -> dict[str, Any]:
+    s = tf_common.setup(settings, dist, _distributed)
     s.model.compile(
         optimizer=s.optimizer,
         loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    run = s.training_run("keras")
+    run = s.training_run()
     remaining = run.total_steps - run.start_step
     with s.pipeline_errors.unwrapped():
         if remaining:

@@ -7,7 +7,6 @@ schedules, checkpoints and numbers comparable.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from training.metrics import METRIC_KEYS, RateWindow, StepTimer, throughput, wri
 from training.outputs import output_error
 from training.preemption import PreemptionWatch, stop
 from training.schedule import learning_rate
+from training.settings import TrainingSettings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,7 +37,7 @@ def configure_logging(rank: int) -> None:
 
 
 def resume(
-    args: argparse.Namespace,
+    settings: TrainingSettings,
     dist: Dist,
     fingerprint: Fingerprint,
     total_steps: int,
@@ -52,9 +52,9 @@ def resume(
     """
     found: Checkpoint | None = None
     refusal: str | None = None
-    if dist.rank == 0 and args.checkpoint_dir is not None:
+    if dist.rank == 0 and settings.checkpoint_dir is not None:
         try:
-            found = _find_checkpoint(args, fingerprint, total_steps, decode)
+            found = _find_checkpoint(settings, fingerprint, total_steps, decode)
         except CheckpointRefused as exc:
             refusal = str(exc)
     step, refusal = dist.broadcast_object((found.step if found else 0, refusal))
@@ -63,16 +63,16 @@ def resume(
     if step == 0:
         return 0, None
     if dist.rank == 0:
-        log.info("resuming from %s at step %d", args.checkpoint_dir, step)
+        log.info("resuming from %s at step %d", settings.checkpoint_dir, step)
     return step, decode(dist.broadcast_bytes(found.payload if found else None))
 
 
 def _find_checkpoint(
-    args: argparse.Namespace, fingerprint: Fingerprint, total_steps: int, decode: Callable[[bytes], object]
+    settings: TrainingSettings, fingerprint: Fingerprint, total_steps: int, decode: Callable[[bytes], object]
 ) -> Checkpoint | None:
-    checkpoints = CheckpointDir(args.checkpoint_dir, args.keep_checkpoints)
+    checkpoints = CheckpointDir(settings.checkpoint_dir, settings.keep_checkpoints)
     checkpoints.remove_stale_temporaries()
-    found = checkpoints.load_latest(fingerprint, decode, args.ignore_bad_checkpoints)
+    found = checkpoints.load_latest(fingerprint, decode, settings.ignore_bad_checkpoints)
     if found is not None and found.step > total_steps:
         raise CheckpointRefused(
             f"checkpoint {found.path} is at step {found.step}, past this run's {total_steps} steps: "
@@ -81,14 +81,14 @@ def _find_checkpoint(
     return found
 
 
-def restore(args: argparse.Namespace, step: int, apply: Callable[[], object]) -> None:
+def restore(settings: TrainingSettings, step: int, apply: Callable[[], object]) -> None:
     """Load a resumed state into the job's objects: a state that does not fit them (another
     optimizer or precision) is a refusal on every rank, which all decode the same bytes."""
     try:
         apply()
     except (KeyError, ValueError, RuntimeError) as exc:
         raise CheckpointRefused(
-            f"the checkpoint of step {step} in {args.checkpoint_dir} does not fit this run ({first_line(exc)}): "
+            f"the checkpoint of step {step} in {settings.checkpoint_dir} does not fit this run ({first_line(exc)}): "
             "resume with the flags that wrote it, or use another --checkpoint-dir",
             every_rank=True,
         ) from exc
@@ -99,10 +99,9 @@ class TrainingRun:
 
     def __init__(
         self,
-        args: argparse.Namespace,
+        settings: TrainingSettings,
         dist: Dist,
         *,
-        framework: str,
         steps_per_epoch: int,
         total_steps: int,
         start_step: int,
@@ -115,14 +114,13 @@ class TrainingRun:
         evaluate: Callable[[], tuple[int, int]] | None = None,
         on_epoch_end: Callable[[int, dict[str, Any]], None] | None = None,
     ) -> None:
-        self.args = args
+        self.settings = settings
         self.dist = dist
-        self.framework = framework
         self.steps_per_epoch = steps_per_epoch
         self.total_steps = total_steps
         self.epochs = math.ceil(total_steps / steps_per_epoch)  # the last one may be partial
         self.start_step = start_step
-        self.global_batch_size = args.batch_size * dist.size
+        self.global_batch_size = settings.batch_size * dist.size
         self.precision = precision
         self.device = device
         self.decoder = decoder  # what decodes the images (None: synthetic data)
@@ -131,13 +129,15 @@ class TrainingRun:
         self._collective_save = collective_save
         self._evaluate = evaluate
         self._on_epoch_end = on_epoch_end  # every rank, after evaluation, each epoch but the last: (epoch, progress)
-        self._checkpoints = CheckpointDir(args.checkpoint_dir, args.keep_checkpoints) if args.checkpoint_dir else None
+        self._checkpoints = (
+            CheckpointDir(settings.checkpoint_dir, settings.keep_checkpoints) if settings.checkpoint_dir else None
+        )
         self._writer: CheckpointWriter | None = None
         # how long rank 0 may hold its peers while it writes a checkpoint: half what they would wait
         self._save_wait_s = (peer_timeout_seconds(dist.backend) or PEER_TIMEOUT_SECONDS) / 2
         # At least one measured step whenever a step runs, so short runs still report a rate.
-        self.excluded = min(args.timing_warmup_steps, max(self.total_steps - start_step - 1, 0))
-        self._curves = curves.RunCurves(args.tensorboard_dir, args.summary_png, dist.rank, start_step)
+        self.excluded = min(settings.timing_warmup_steps, max(self.total_steps - start_step - 1, 0))
+        self._curves = curves.RunCurves(settings.tensorboard_dir, settings.summary_png, dist.rank, start_step)
         self._timer = StepTimer(self.excluded)
         self._last_loss: Callable[[], float] | None = None
         self._val_top1: float | None = None
@@ -146,10 +146,10 @@ class TrainingRun:
         if dist.rank == 0:
             log.info(
                 "%s/%s: %d workers x batch %d, %d steps (%d per epoch), starting at step %d",
-                framework,
+                settings.framework,
                 dist.backend,
                 dist.size,
-                args.batch_size,
+                settings.batch_size,
                 self.total_steps,
                 steps_per_epoch,
                 start_step,
@@ -160,10 +160,10 @@ class TrainingRun:
         return learning_rate(
             step,
             self.steps_per_epoch,
-            self.args.base_lr,
+            self.settings.base_lr,
             self.dist.size,
-            self.args.warmup_epochs,
-            self.args.lr_decay_epochs,
+            self.settings.warmup_epochs,
+            self.settings.lr_decay_epochs,
         )
 
     def steps(self) -> range:
@@ -178,9 +178,9 @@ class TrainingRun:
         """
         done = step + 1
         self._last_loss = loss
-        log_due = done % self.args.log_every == 0
+        log_due = done % self.settings.log_every == 0
         epoch_end = done % self.steps_per_epoch == 0
-        every = self.args.checkpoint_every
+        every = self.settings.checkpoint_every
         save_due = self._checkpoints is not None and (
             done == self.total_steps or (done % every == 0 if every else epoch_end)
         )
@@ -259,10 +259,10 @@ class TrainingRun:
         diverged = final_loss is not None and not math.isfinite(final_loss)
         metrics = dict.fromkeys(METRIC_KEYS)
         metrics.update(
-            framework=self.framework,
+            framework=self.settings.framework,
             backend=self.dist.backend,
             world_size=self.dist.size,
-            batch_size_per_worker=self.args.batch_size,
+            batch_size_per_worker=self.settings.batch_size,
             global_batch_size=self.global_batch_size,
             steps=self.total_steps,
             epochs=self.epochs,
@@ -279,11 +279,11 @@ class TrainingRun:
         )
         if self.dist.rank == 0:
             log.info("metrics: %s", metrics)
-            if self.args.metrics_json is not None:
+            if self.settings.metrics_json is not None:
                 try:
-                    write_metrics(self.args.metrics_json, metrics)
+                    write_metrics(self.settings.metrics_json, metrics)
                 except OSError as exc:
-                    raise output_error("--metrics-json", self.args.metrics_json, exc) from None
+                    raise output_error("--metrics-json", self.settings.metrics_json, exc) from None
             self._finish_curves(final_loss, images_per_sec)
         if diverged:
             raise JobError(f"training diverged: the final loss is {final_loss}", every_rank=True)
@@ -291,10 +291,10 @@ class TrainingRun:
 
     def _finish_curves(self, loss: float | None, images_per_sec: float | None) -> None:
         final: dict[str, float | None] = {curves.FINAL_IMAGES_PER_SEC: images_per_sec}
-        if self.total_steps % self.args.log_every:  # the last step was not logged: end the loss curve there
+        if self.total_steps % self.settings.log_every:  # the last step was not logged: end the loss curve there
             final[curves.LOSS] = loss
         title = (
-            f"{self.framework} ({self.dist.backend}) {self.args.model}: "
-            f"world size {self.dist.size}, batch {self.args.batch_size} per worker"
+            f"{self.settings.framework} ({self.dist.backend}) {self.settings.model}: "
+            f"world size {self.dist.size}, batch {self.settings.batch_size} per worker"
         )
         self._curves.finish(self.total_steps, final, title)

@@ -8,7 +8,6 @@ same way, with the path and what to do.
 
 from __future__ import annotations
 
-import argparse
 import errno
 import os
 import shutil
@@ -27,7 +26,7 @@ MODEL_JSON = "model.json"  # what marks a directory as a model export (training.
 
 
 class OutputFlags(Protocol):
-    """The output flags every job has: its parsed Namespace, or settings built from it."""
+    """The output flags every job has (its settings, built from the flags)."""
 
     @property
     def checkpoint_dir(self) -> Path | None: ...
@@ -41,29 +40,29 @@ class OutputFlags(Protocol):
     def summary_png(self) -> Path | None: ...
 
 
-def check_output_paths(args: argparse.Namespace | OutputFlags, env: Mapping[str, str] = os.environ) -> None:
+def check_output_paths(settings: OutputFlags, env: Mapping[str, str] = os.environ) -> None:
     """Raise :class:`OutputPathError` unless every output can be written and has room."""
     need = min_free_bytes(env)
-    if args.checkpoint_dir is not None:
-        check_directory(args.checkpoint_dir, "--checkpoint-dir", args.checkpoint_dir, need)
-    if args.export_dir is not None:
-        problem = export_dir_problem(args.export_dir)
+    if settings.checkpoint_dir is not None:
+        check_directory(settings.checkpoint_dir, "--checkpoint-dir", settings.checkpoint_dir, need)
+    if settings.export_dir is not None:
+        problem = export_dir_problem(settings.export_dir)
         if problem is not None:
-            raise OutputPathError(f"--export-dir {args.export_dir}: {problem}")
+            raise OutputPathError(f"--export-dir {settings.export_dir}: {problem}")
         # The export is written beside the directory, then renamed over it: the parent must take files.
-        check_directory(args.export_dir.parent, "--export-dir", args.export_dir, need)
-    if args.metrics_json is not None:
-        if args.metrics_json.is_dir():
-            raise OutputPathError(f"--metrics-json {args.metrics_json} is a directory: pass the path of a file")
-        check_directory(args.metrics_json.parent, "--metrics-json", args.metrics_json, need)
-    if args.tensorboard_dir is not None:
+        check_directory(settings.export_dir.parent, "--export-dir", settings.export_dir, need)
+    if settings.metrics_json is not None:
+        if settings.metrics_json.is_dir():
+            raise OutputPathError(f"--metrics-json {settings.metrics_json} is a directory: pass the path of a file")
+        check_directory(settings.metrics_json.parent, "--metrics-json", settings.metrics_json, need)
+    if settings.tensorboard_dir is not None:
         require_package("tensorboard", "--tensorboard-dir")
-        check_directory(args.tensorboard_dir, "--tensorboard-dir", args.tensorboard_dir, need)
-    if args.summary_png is not None:
-        if args.summary_png.is_dir():
-            raise OutputPathError(f"--summary-png {args.summary_png} is a directory: pass the path of a file")
+        check_directory(settings.tensorboard_dir, "--tensorboard-dir", settings.tensorboard_dir, need)
+    if settings.summary_png is not None:
+        if settings.summary_png.is_dir():
+            raise OutputPathError(f"--summary-png {settings.summary_png} is a directory: pass the path of a file")
         require_package("matplotlib", "--summary-png")
-        check_directory(args.summary_png.parent, "--summary-png", args.summary_png, need)
+        check_directory(settings.summary_png.parent, "--summary-png", settings.summary_png, need)
 
 
 def require_package(package: str, flag: str) -> None:

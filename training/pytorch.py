@@ -7,7 +7,6 @@ the flags, the schedule, the checkpoints and the metrics JSON are the same.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import io
@@ -48,8 +47,9 @@ from training.job import run_job
 from training.lifetime import die_with
 from training.loop import TrainingRun, configure_logging, restore, resume
 from training.profiling import StepProfiler
+from training.settings import TrainingSettings
 from training.side_stream import Batch, SideStreamBatches, streams_for
-from training.sync import HIERARCHICAL, PeriodicSync, SyncSettings, check_layout, refuse_replicas
+from training.sync import HIERARCHICAL, PeriodicSync, check_layout, refuse_replicas
 from training.torch_models import build_model
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ def collate(samples: list[tuple[np.ndarray, int, int]]) -> Batch:
 def image_loader(
     folder: ImageFolder,
     keys: Iterator[list],
-    args: argparse.Namespace,
+    settings: TrainingSettings,
     backend: Backend,
     device: torch.device,
     decode: JpegDecoder | None = None,
@@ -228,9 +228,9 @@ def image_loader(
     ``decode``, the workers read the files and this process decodes each batch on ``device``, on a
     side stream and one batch ahead (training/side_stream.py says why that is needed)."""
     if decode is not None:
-        batches = image_batches(EncodedFolder(folder), keys, args, backend, pin=False, collate_fn=list)
+        batches = image_batches(EncodedFolder(folder), keys, settings, backend, pin=False, collate_fn=list)
         return SideStreamBatches(DeviceBatcher(decode, folder, device), streams_for(device))(batches)
-    batches = image_batches(folder, keys, args, backend, pin=device.type == "cuda", collate_fn=collate)
+    batches = image_batches(folder, keys, settings, backend, pin=device.type == "cuda", collate_fn=collate)
     return (
         (images.to(device, non_blocking=True), labels.to(device, non_blocking=True), skipped)
         for images, labels, skipped in batches
@@ -240,14 +240,14 @@ def image_loader(
 def image_batches(
     dataset: torch.utils.data.Dataset,
     keys: Iterator[list],
-    args: argparse.Namespace,
+    settings: TrainingSettings,
     backend: Backend,
     *,
     pin: bool,
     collate_fn: Callable[[list], Any],
 ) -> Iterator[Any]:
     """The DataLoader's collated batches, with a worker's error raised here as the worker raised it."""
-    workers = default_workers(backend.local_size) if args.data_workers is None else args.data_workers
+    workers = default_workers(backend.local_size) if settings.data_workers is None else settings.data_workers
     extra: dict[str, Any] = {}
     if workers > 0:
         extra = {
@@ -282,7 +282,7 @@ def _init_worker(rank: int, owner_pid: int, worker_id: int) -> None:
 
 
 def settle_auto(
-    args: argparse.Namespace,
+    settings: TrainingSettings,
     plan: DataPlan,
     backend: Backend,
     device: torch.device,
@@ -291,16 +291,25 @@ def settle_auto(
 ) -> JpegDecoder | None:
     """``--decode auto`` with a working nvJPEG: keep it only where, on every rank, the CPU loader was
     slower than the model and the GPU path faster than the CPU loader (training/decode_choice.py)."""
-    if args.decode != "auto" or decode is None or plan.train is None:
+    if settings.decode != "auto" or decode is None or plan.train is None:
         return decode
     train = plan.train
-    count = probe_batches(default_workers(backend.local_size) if args.data_workers is None else args.data_workers)
+    count = probe_batches(
+        default_workers(backend.local_size) if settings.data_workers is None else settings.data_workers
+    )
 
     def loader(with_decode: JpegDecoder | None) -> Iterator[Batch]:
         keys = train_keys(
-            len(train), backend.rank, backend.size, args.batch_size, args.seed, plan.steps_per_epoch, 0, count + 1
+            len(train),
+            backend.rank,
+            backend.size,
+            settings.batch_size,
+            settings.seed,
+            plan.steps_per_epoch,
+            0,
+            count + 1,
         )
-        return image_loader(train, keys, args, backend, device, with_decode)
+        return image_loader(train, keys, settings, backend, device, with_decode)
 
     sync = partial(torch.cuda.synchronize, device) if device.type == "cuda" else lambda: None
     rates = measure_rates(lambda: loader(None), lambda: loader(decode), model_steps, count, sync)
@@ -310,12 +319,14 @@ def settle_auto(
     return decode if pays else None
 
 
-def model_steps(args: argparse.Namespace, plan: DataPlan, backend: Backend, model: TrainedModel) -> Iterator[None]:
+def model_steps(settings: TrainingSettings, plan: DataPlan, backend: Backend, model: TrainedModel) -> Iterator[None]:
     """One forward and backward pass of the model as trained, on a synthetic batch, per item: the
     model's rate for ``--decode auto``'s probe. No optimizer step, and no count towards the end of
     the periodic sync's warm-up; when the probe is done the gradients are dropped and the batch-norm
     statistics put back, so training starts as it would have."""
-    images, labels = synthetic_batch(args.seed, backend.rank, args.batch_size, args.image_size, plan.num_classes)
+    images, labels = synthetic_batch(
+        settings.seed, backend.rank, settings.batch_size, settings.image_size, plan.num_classes
+    )
     images_on, labels_on = torch.from_numpy(images).to(model.device), torch.from_numpy(labels).to(model.device)
     saved = [buffer.clone() for buffer in model.module.buffers()]
     uncounted = contextlib.nullcontext if model.periodic is None else model.periodic.uncounted
@@ -334,7 +345,7 @@ def model_steps(args: argparse.Namespace, plan: DataPlan, backend: Backend, mode
 
 
 def train_batches(
-    args: argparse.Namespace,
+    settings: TrainingSettings,
     plan: DataPlan,
     backend: Backend,
     device: torch.device,
@@ -344,16 +355,25 @@ def train_batches(
 ) -> Iterator[Batch]:
     if plan.train is None:
         # Synthetic: one fixed batch, already on the device, so input costs nothing.
-        images, labels = synthetic_batch(args.seed, backend.rank, args.batch_size, args.image_size, plan.num_classes)
+        images, labels = synthetic_batch(
+            settings.seed, backend.rank, settings.batch_size, settings.image_size, plan.num_classes
+        )
         return repeat((torch.from_numpy(images).to(device), torch.from_numpy(labels).to(device), 0))
     keys = train_keys(
-        len(plan.train), backend.rank, backend.size, args.batch_size, args.seed, plan.steps_per_epoch, start, total
+        len(plan.train),
+        backend.rank,
+        backend.size,
+        settings.batch_size,
+        settings.seed,
+        plan.steps_per_epoch,
+        start,
+        total,
     )
-    return image_loader(plan.train, keys, args, backend, device, decode)
+    return image_loader(plan.train, keys, settings, backend, device, decode)
 
 
 def make_evaluate(
-    args: argparse.Namespace,
+    settings: TrainingSettings,
     plan: DataPlan,
     backend: Backend,
     model: nn.Module,
@@ -372,8 +392,8 @@ def make_evaluate(
         # batches, and DDP's forward would issue a buffer broadcast per batch.
         model.eval()
         correct = total = 0
-        keys = val_keys(len(val), backend.rank, backend.size, args.batch_size)
-        for images, labels, batch_skipped in image_loader(val, keys, args, backend, device, decode):
+        keys = val_keys(len(val), backend.rank, backend.size, settings.batch_size)
+        for images, labels, batch_skipped in image_loader(val, keys, settings, backend, device, decode):
             skipped.add(batch_skipped)
             with autocast():
                 logits = model(images)
@@ -470,43 +490,44 @@ class Job:
     profile_dir: Path | None
 
 
-def train(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
-    return run_steps(build_job(args, backend))
+def train(settings: TrainingSettings, backend: Backend) -> dict[str, Any]:
+    return run_steps(build_job(settings, backend))
 
 
 def build_trained_model(
-    args: argparse.Namespace, backend: Backend, plan: DataPlan, sync: SyncSettings, device: torch.device
+    settings: TrainingSettings, backend: Backend, plan: DataPlan, device: torch.device
 ) -> tuple[TrainedModel, int, Fingerprint]:
     """The model, its optimizer and loss scaler, resumed from the newest checkpoint, distributed and
     compiled; with the step it starts at and its fingerprint."""
-    dtype = amp_dtype(args.precision, device)
+    dtype = amp_dtype(settings.precision, device)
     # The input is channels-last, which is enough for cuDNN/oneDNN to pick NHWC kernels; the
     # weights stay contiguous for Horovod, which allreduces only contiguous tensors.
-    model = build_model(args.model, plan.num_classes).to(device)
+    model = build_model(settings.model, plan.num_classes).to(device)
     optimizer = torch.optim.SGD(
-        model.parameters(), lr=args.base_lr, momentum=args.momentum, weight_decay=args.weight_decay
+        model.parameters(), lr=settings.base_lr, momentum=settings.momentum, weight_decay=settings.weight_decay
     )
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     shapes = ((name, tuple(tensor.shape)) for name, tensor in model.state_dict().items())
-    fingerprint = Fingerprint.of("pytorch", args.model, plan.num_classes, shapes)
-    start_step, state = resume(args, backend, fingerprint, plan.total_steps, decode_state)
+    fingerprint = Fingerprint.of("pytorch", settings.model, plan.num_classes, shapes)
+    start_step, state = resume(settings, backend, fingerprint, plan.total_steps, decode_state)
     if state is not None:
-        restore(args, start_step, lambda: model.load_state_dict(state["model"]))
+        restore(settings, start_step, lambda: model.load_state_dict(state["model"]))
+    sync = settings.sync
     if sync.mode == HIERARCHICAL:
         check_layout(backend.allgather_object(backend.local_size))
-    wrapped, optimizer = backend.distribute(model, optimizer, args.fp16_allreduce)
+    wrapped, optimizer = backend.distribute(model, optimizer, settings.fp16_allreduce)
     # One process has no replicas to average (and no DDP wrapper to hook): every step is then the same.
     periodic = (
         PeriodicSync(sync, wrapped, backend.local_size, start_step) if sync.periodic and backend.size > 1 else None
     )
     if state is not None:
-        restore(args, start_step, lambda: load_training_state(optimizer, scaler, state))
+        restore(settings, start_step, lambda: load_training_state(optimizer, scaler, state))
         if periodic is not None:
-            restore(args, start_step, lambda: periodic.restore(model, optimizer, state, backend.rank))
+            restore(settings, start_step, lambda: periodic.restore(model, optimizer, state, backend.rank))
         else:
-            restore(args, start_step, partial(refuse_replicas, state))
+            restore(settings, start_step, partial(refuse_replicas, state))
     # --compile's default: on with CUDA; on the CPU, compiling takes longer than most runs
-    compiled = device.type == "cuda" if args.compile is None else args.compile
+    compiled = device.type == "cuda" if settings.compile is None else settings.compile
     if compiled:
         # The DDP wrapper itself, so that its graph is split at the gradient buckets and their
         # all-reduces overlap backward (torch._dynamo's DDPOptimizer).
@@ -514,28 +535,29 @@ def build_trained_model(
     return TrainedModel(device, dtype, model, wrapped, optimizer, scaler, periodic), start_step, fingerprint
 
 
-def build_job(args: argparse.Namespace, backend: Backend) -> Job:
+def build_job(settings: TrainingSettings, backend: Backend) -> Job:
     """This rank's parts, in torchtitan's order: device, data plan, model, the decoder (``--decode auto``
     probes the model as trained), the run's bookkeeping and its batches."""
     device = job_device(backend)
-    sync = SyncSettings.from_args(args)
-    if backend.rank == 0 and sync.periodic:
-        log.info("synchronisation: %s", sync.describe())
+    if backend.rank == 0 and settings.sync.periodic:
+        log.info("synchronisation: %s", settings.sync.describe())
     # Ranks start from different random weights on purpose: training only works if the
     # broadcast from rank 0 makes them equal, and the equivalence test checks that it does.
-    torch.manual_seed(args.seed + backend.rank)
-    decode = choose_decoder(args.decode, device) if args.data == "imagenet" else None
-    plan = agree(backend, lambda: plan_data(args, backend.size))
-    model, start_step, fingerprint = build_trained_model(args, backend, plan, sync, device)
-    decode = settle_auto(args, plan, backend, device, decode, partial(model_steps, args, plan, backend, model))
+    torch.manual_seed(settings.seed + backend.rank)
+    decode = choose_decoder(settings.decode, device) if settings.data == "imagenet" else None
+    plan = agree(backend, lambda: plan_data(settings, backend.size))
+    model, start_step, fingerprint = build_trained_model(settings, backend, plan, device)
+    decode = settle_auto(settings, plan, backend, device, decode, partial(model_steps, settings, plan, backend, model))
     skipped = SkipCounter()
     exporter = Exporter(
-        args, backend, ExportSpec.of("pytorch", args, plan), partial(export_model, model.module, args.image_size)
+        settings,
+        backend,
+        ExportSpec.of(settings, plan),
+        partial(export_model, model.module, settings.image_size),
     )
     run = TrainingRun(
-        args,
+        settings,
         backend,
-        framework="pytorch",
         steps_per_epoch=plan.steps_per_epoch,
         total_steps=plan.total_steps,
         start_step=start_step,
@@ -545,12 +567,12 @@ def build_job(args: argparse.Namespace, backend: Backend) -> Job:
         fingerprint=fingerprint,
         save_state=model.checkpoint_payload,
         collective_save=model.periodic is not None,
-        evaluate=make_evaluate(args, plan, backend, model.module, device, decode, model.autocast, skipped),
+        evaluate=make_evaluate(settings, plan, backend, model.module, device, decode, model.autocast, skipped),
         on_epoch_end=exporter.epoch_hook,
     )
-    batches = train_batches(args, plan, backend, device, decode, start_step, run.total_steps)
+    batches = train_batches(settings, plan, backend, device, decode, start_step, run.total_steps)
     reported = skipped if plan.train is not None else None
-    return Job(backend, model, run, batches, reported, exporter, args.profile_dir)
+    return Job(backend, model, run, batches, reported, exporter, settings.profile_dir)
 
 
 def run_steps(job: Job) -> dict[str, Any]:
@@ -607,8 +629,8 @@ def decode_state(payload: bytes) -> dict[str, Any]:
     return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
 
 
-def start_backend(args: argparse.Namespace) -> Backend:
-    return HorovodBackend() if args.backend == "horovod" else DDPBackend()
+def start_backend(settings: TrainingSettings) -> Backend:
+    return HorovodBackend() if settings.backend == "horovod" else DDPBackend()
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -6,7 +6,6 @@ initial (or resumed) variables are broadcast from rank 0 before the first step.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterator, Sequence
 from itertools import repeat
 from typing import Any, NoReturn
@@ -16,10 +15,11 @@ import tensorflow as tf
 
 from training import tf_common
 from training.job import run_job
+from training.settings import TrainingSettings
 
 
 def _plain_or_loss_scaled(
-    optimizer: tf.keras.optimizers.Optimizer, args: argparse.Namespace
+    optimizer: tf.keras.optimizers.Optimizer, settings: TrainingSettings
 ) -> tf.keras.optimizers.Optimizer:
     # float16 needs loss scaling; bfloat16 has float32's range and does not.
     if tf.keras.mixed_precision.global_policy().name == "mixed_float16":
@@ -27,12 +27,12 @@ def _plain_or_loss_scaled(
     return optimizer
 
 
-def train(args: argparse.Namespace, dist: tf_common.HorovodTF) -> dict[str, Any]:
-    s = tf_common.setup(args, dist, _plain_or_loss_scaled)
+def train(settings: TrainingSettings, dist: tf_common.HorovodTF) -> dict[str, Any]:
+    s = tf_common.setup(settings, dist, _plain_or_loss_scaled)
     model, optimizer = s.model, s.optimizer
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     scaled = isinstance(optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
-    compression = tf_common.compression(s.args)
+    compression = tf_common.compression(s.settings)
 
     @tf.function
     def train_step(images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
@@ -46,7 +46,7 @@ def train(args: argparse.Namespace, dist: tf_common.HorovodTF) -> dict[str, Any]
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss
 
-    run = s.training_run("tensorflow")
+    run = s.training_run()
     batches: Iterator[tuple[tf.Tensor, tf.Tensor]] = (
         repeat(s.synthetic_tensors()) if s.plan.train is None else iter(s.train_dataset(run.total_steps))
     )

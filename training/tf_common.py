@@ -6,7 +6,6 @@ in how they take a step: a custom loop with ``DistributedGradientTape``, or ``mo
 
 from __future__ import annotations
 
-import argparse
 import io
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -37,6 +36,7 @@ from training.distributed import agree, set_failure_timeouts
 from training.errors import JobError
 from training.export import Exporter, ExportSpec, ModelFiles
 from training.loop import TrainingRun, restore, resume
+from training.settings import TrainingSettings
 from training.tf_models import build_model
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ def image_dataset(
 class Setup:
     """Everything both TensorFlow jobs build before their first step."""
 
-    args: argparse.Namespace
+    settings: TrainingSettings
     dist: HorovodTF
     plan: DataPlan
     model: tf.keras.Model
@@ -182,7 +182,11 @@ class Setup:
     def synthetic_tensors(self) -> tuple[tf.Tensor, tf.Tensor]:
         """This rank's fixed synthetic batch, created once on the device."""
         images, labels = synthetic_batch(
-            self.args.seed, self.dist.rank, self.args.batch_size, self.args.image_size, self.plan.num_classes
+            self.settings.seed,
+            self.dist.rank,
+            self.settings.batch_size,
+            self.settings.image_size,
+            self.plan.num_classes,
         )
         with tf.device("/GPU:0" if tf.config.get_visible_devices("GPU") else "/CPU:0"):
             return tf.identity(images), tf.identity(labels.astype(np.int32))
@@ -193,8 +197,8 @@ class Setup:
             len(self.plan.train),
             self.dist.rank,
             self.dist.size,
-            self.args.batch_size,
-            self.args.seed,
+            self.settings.batch_size,
+            self.settings.seed,
             self.plan.steps_per_epoch,
             self.start_step,
             total_steps,
@@ -202,10 +206,10 @@ class Setup:
         return self._with_threads(self._images(self.plan.train, keys))
 
     def _images(self, folder: ImageFolder, keys: Iterable[list[Key]]) -> tf.data.Dataset:
-        return image_dataset(folder, keys, self.args.batch_size, self.skipped, self.pipeline_errors)
+        return image_dataset(folder, keys, self.settings.batch_size, self.skipped, self.pipeline_errors)
 
     def _with_threads(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
-        workers = self.args.data_workers
+        workers = self.settings.data_workers
         options = tf.data.Options()
         # 0 means TensorFlow's shared thread pool.
         options.threading.private_threadpool_size = (
@@ -225,7 +229,7 @@ class Setup:
             return tf.reduce_sum(tf.cast(predictions == labels, tf.int32))
 
         def run() -> tuple[int, int]:
-            keys = val_keys(len(val), self.dist.rank, self.dist.size, self.args.batch_size)
+            keys = val_keys(len(val), self.dist.rank, self.dist.size, self.settings.batch_size)
             hits = total = 0
             for images, labels in self._with_threads(self._images(val, keys)):
                 hits += int(correct(images, labels))
@@ -241,12 +245,11 @@ class Setup:
         np.savez(buffer, step=np.int64(step), **arrays)
         return buffer.getvalue()
 
-    def training_run(self, framework: str) -> TrainingRun:
-        self.exporter = Exporter(self.args, self.dist, ExportSpec.of(framework, self.args, self.plan), self.save_export)
+    def training_run(self) -> TrainingRun:
+        self.exporter = Exporter(self.settings, self.dist, ExportSpec.of(self.settings, self.plan), self.save_export)
         return TrainingRun(
-            self.args,
+            self.settings,
             self.dist,
-            framework=framework,
             steps_per_epoch=self.plan.steps_per_epoch,
             total_steps=self.plan.total_steps,
             start_step=self.start_step,
@@ -270,7 +273,7 @@ class Setup:
         """``saved_model/``, whose serving signature takes uint8 images [N, size, size, 3] and
         returns ``probabilities`` [N, classes], from a float32 copy of the model in inference mode."""
         if self.serving is None:
-            self.serving = Serving(self.args.model, self.plan.num_classes, self.args.image_size)
+            self.serving = Serving(self.settings.model, self.plan.num_classes, self.settings.image_size)
         self.serving.load(self.model)
         signature = self.serving.serve.get_concrete_function()
         tf.saved_model.save(self.serving, str(directory / "saved_model"), signatures={"serving_default": signature})
@@ -324,40 +327,40 @@ def _assign(prefix: str, variables: Sequence[tf.Variable], state: dict[str, np.n
 
 
 def setup(
-    args: argparse.Namespace,
+    settings: TrainingSettings,
     dist: HorovodTF,
-    wrap_optimizer: Callable[[tf.keras.optimizers.Optimizer, argparse.Namespace], tf.keras.optimizers.Optimizer],
+    wrap_optimizer: Callable[[tf.keras.optimizers.Optimizer, TrainingSettings], tf.keras.optimizers.Optimizer],
 ) -> Setup:
     """Build data, model and optimizer, resume, broadcast."""
     # Ranks start from different random weights on purpose: the broadcast below must make
     # them equal, and the equivalence test checks that it does.
-    tf.keras.utils.set_random_seed(args.seed + dist.rank)
-    precision = set_precision(args.precision)
-    plan = agree(dist, lambda: plan_data(args, dist.size))
-    model = build_model(args.model, plan.num_classes, args.image_size)
+    tf.keras.utils.set_random_seed(settings.seed + dist.rank)
+    precision = set_precision(settings.precision)
+    plan = agree(dist, lambda: plan_data(settings, dist.size))
+    model = build_model(settings.model, plan.num_classes, settings.image_size)
     optimizer = wrap_optimizer(
         tf.keras.optimizers.SGD(
-            learning_rate=args.base_lr, momentum=args.momentum, weight_decay=args.weight_decay or None
+            learning_rate=settings.base_lr, momentum=settings.momentum, weight_decay=settings.weight_decay or None
         ),
-        args,
+        settings,
     )
     optimizer.build(model.trainable_variables)  # create slots now, so they can be restored and broadcast
     # "tensorflow" for both jobs: they write the same checkpoints, so either may resume the other's.
     # Keras' variable names depend on how many models the process built before: shapes only.
     shapes = (tuple(v.shape) for v in model.variables)
-    fingerprint = Fingerprint.of("tensorflow", args.model, plan.num_classes, shapes)
-    start_step, state = resume(args, dist, fingerprint, plan.total_steps, decode_state)
+    fingerprint = Fingerprint.of("tensorflow", settings.model, plan.num_classes, shapes)
+    start_step, state = resume(settings, dist, fingerprint, plan.total_steps, decode_state)
     if state is not None:
-        restore(args, start_step, lambda: _assign("model", model.variables, state))
-        restore(args, start_step, lambda: _assign("optimizer", optimizer.variables, state))
+        restore(settings, start_step, lambda: _assign("model", model.variables, state))
+        restore(settings, start_step, lambda: _assign("optimizer", optimizer.variables, state))
     hvd.broadcast_variables(model.variables + list(optimizer.variables), root_rank=0)
-    return Setup(args, dist, plan, model, optimizer, start_step, precision, fingerprint)
+    return Setup(settings, dist, plan, model, optimizer, start_step, precision, fingerprint)
 
 
-def compression(args: argparse.Namespace) -> Any:
+def compression(settings: TrainingSettings) -> Any:
     """Horovod's gradient compression for --fp16-allreduce."""
-    return hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+    return hvd.Compression.fp16 if settings.fp16_allreduce else hvd.Compression.none
 
 
-def start_backend(args: argparse.Namespace) -> HorovodTF:
+def start_backend(settings: TrainingSettings) -> HorovodTF:
     return HorovodTF()

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from bench import gpu_decode_e2e as e2e
-from training.args import parse_args
+from training.settings import parse_settings
 
 TINY = e2e.Plan(images=8, batch=4, epochs=3, warmup=1, model="resnet_tiny", image_size=16)
 
@@ -58,13 +58,18 @@ def test_as_a_bench_gpu_section_each_decoder_stands_beside_its_modes_synthetic_r
 @pytest.mark.parametrize("decode", [None, *e2e.DECODES])
 def test_the_job_accepts_every_run_and_takes_the_same_steps(tmp_path: Path, decode: str | None) -> None:
     data_dir = None if decode is None else tmp_path
-    args = parse_args("pytorch", e2e.job_args(TINY, "compiled", data_dir, decode))
-    assert (args.decode, args.compile, args.batch_size, args.backend) == (decode or "cpu", True, 4, "ddp")
+    settings = parse_settings("pytorch", e2e.job_args(TINY, "compiled", data_dir, decode))
+    assert (settings.decode, settings.compile, settings.batch_size, settings.backend) == (
+        decode or "cpu",
+        True,
+        4,
+        "ddp",
+    )
     if decode is None:
-        assert (args.data, args.steps, args.epochs) == ("synthetic", TINY.steps, 1)
+        assert (settings.data, settings.steps, settings.epochs) == ("synthetic", TINY.steps, 1)
     else:
-        assert (args.data, args.data_dir, args.epochs) == ("imagenet", tmp_path, TINY.epochs)
-        assert TINY.images // TINY.batch * args.epochs == TINY.steps
+        assert (settings.data, settings.data_dir, settings.epochs) == ("imagenet", tmp_path, TINY.epochs)
+        assert TINY.images // TINY.batch * settings.epochs == TINY.steps
 
 
 def test_without_cuda_it_exits_3_with_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,7 +19,7 @@ from bench import gpu, gpu_baselines, gpu_sections
 from bench.gpu_report import Row, Section, write
 from tests.training.jobs import REPO
 from training import model_parallel
-from training.args import parse_args as parse_data_parallel
+from training.settings import parse_settings as parse_data_parallel
 
 
 def test_without_cuda_it_exits_3_with_one_error_line(tmp_path: Path) -> None:

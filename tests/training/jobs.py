@@ -194,3 +194,24 @@ def truncate_images(root: Path) -> None:
     for path in root.rglob("*.JPEG"):
         data = path.read_bytes()
         path.write_bytes(data[: len(data) // 3])
+
+
+def run_in_this_process(monkeypatch: pytest.MonkeyPatch, settings: Any, start: Any, train: Any) -> int:
+    """A PyTorch job's run (training.job's, after parsing) as rank 0 of 1 in this process: its exit status."""
+    import torch
+
+    from scripts.daemons import free_port
+    from training import job
+    from training.distributed import FAILURE_TIMEOUTS
+
+    for name, value in {**FAILURE_TIMEOUTS, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("TRAINING_MIN_FREE_MB", "0")
+    try:
+        return job._run(settings, start, train)
+    finally:
+        if torch.distributed.is_initialized():  # a failed run left its group: later tests must not meet it
+            torch.distributed.destroy_process_group()

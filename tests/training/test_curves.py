@@ -14,11 +14,11 @@ from tensorboard.backend.event_processing.event_accumulator import SCALARS, Even
 from tests.training.jobs import TINY, error_lines, horovodrun, make_imagenet, read_metrics, run, single
 from tests.training.test_training_units import OneProcess
 from training import curves, outputs
-from training.args import parse_args
 from training.checkpoint import Fingerprint
 from training.curves import FINAL_IMAGES_PER_SEC, IMAGES_PER_SEC, LOSS, LR, PNG_SIZE, VAL_TOP1, Curves
 from training.errors import BadInput, OutputPathError
 from training.loop import TrainingRun
+from training.settings import TrainingSettings, parse_settings
 
 Scalars = dict[str, list[tuple[int, float]]]
 LOSS_COLOUR, RATE_COLOUR = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)  # matplotlib's C0 and C1
@@ -126,17 +126,16 @@ class RankZeroOfTwo(OneProcess):
 
 
 def training_run(
-    args: Any,
+    settings: TrainingSettings,
     evaluate: Callable[[], tuple[int, int]] | None = None,
     per_epoch: int = 4,
     dist: OneProcess | None = None,
 ) -> TrainingRun:
     return TrainingRun(
-        args,
+        settings,
         dist or OneProcess(),
-        framework="pytorch",
         steps_per_epoch=per_epoch,
-        total_steps=args.steps,
+        total_steps=settings.steps,
         start_step=0,
         precision="fp32",
         device="cpu",
@@ -150,7 +149,7 @@ def training_run(
 def test_the_loop_records_every_tag_at_global_steps(tmp_path: Path) -> None:
     flags = ["--steps", "8", "--log-every", "3", "--timing-warmup-steps", "1"]
     outputs_flags = ["--tensorboard-dir", str(tmp_path / "tb"), "--summary-png", str(tmp_path / "summary.png")]
-    run = training_run(parse_args("pytorch", [*flags, *outputs_flags]), evaluate=lambda: (3, 4))
+    run = training_run(parse_settings("pytorch", [*flags, *outputs_flags]), evaluate=lambda: (3, 4))
     for step in run.steps():
         run.step_done(step, lambda step=step: 4.0 - step * 0.25)
     metrics = run.finish()
@@ -167,7 +166,7 @@ def test_the_loop_records_every_tag_at_global_steps(tmp_path: Path) -> None:
 
 def test_the_loss_curve_is_the_mean_over_ranks_as_in_metrics_json(tmp_path: Path) -> None:
     flags = ["--steps", "5", "--log-every", "2", "--tensorboard-dir", str(tmp_path / "tb")]
-    run = training_run(parse_args("pytorch", flags), dist=RankZeroOfTwo())
+    run = training_run(parse_settings("pytorch", flags), dist=RankZeroOfTwo())
     for step in run.steps():
         run.step_done(step, lambda step=step: 4.0 - step)
     metrics = run.finish()
@@ -182,8 +181,8 @@ def test_a_curve_write_that_fails_later_names_the_path(tmp_path: Path) -> None:
     with pytest.raises(
         OutputPathError, match=f"cannot write --tensorboard-dir {blocker / 'tb'}: a part of the path is a file"
     ):
-        training_run(parse_args("pytorch", ["--steps", "2", "--tensorboard-dir", str(blocker / "tb")]))
-    run = training_run(parse_args("pytorch", ["--steps", "2", "--summary-png", str(blocker / "s.png")]))
+        training_run(parse_settings("pytorch", ["--steps", "2", "--tensorboard-dir", str(blocker / "tb")]))
+    run = training_run(parse_settings("pytorch", ["--steps", "2", "--summary-png", str(blocker / "s.png")]))
     for step in run.steps():
         run.step_done(step, lambda: 1.0)
     with pytest.raises(OutputPathError, match=f"cannot write --summary-png {blocker / 's.png'}: a part of the path"):
@@ -191,11 +190,12 @@ def test_a_curve_write_that_fails_later_names_the_path(tmp_path: Path) -> None:
 
 
 def test_a_missing_plotting_package_is_refused_before_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    args = parse_args("keras", ["--summary-png", str(tmp_path / "s.png"), "--tensorboard-dir", str(tmp_path / "tb")])
-    outputs.check_output_paths(args, {outputs.MIN_FREE_ENV: "1"})
+    flags = ["--summary-png", str(tmp_path / "s.png"), "--tensorboard-dir", str(tmp_path / "tb")]
+    settings = parse_settings("keras", flags)
+    outputs.check_output_paths(settings, {outputs.MIN_FREE_ENV: "1"})
     monkeypatch.setattr(outputs, "find_spec", lambda name: None if name == "matplotlib" else object())
     with pytest.raises(BadInput, match=r"^--summary-png needs the Python package matplotlib, which this environment"):
-        outputs.check_output_paths(args, {outputs.MIN_FREE_ENV: "1"})
+        outputs.check_output_paths(settings, {outputs.MIN_FREE_ENV: "1"})
 
 
 # --- real jobs ------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -18,6 +18,7 @@ from bench.jpegs import write_imagenet_tree
 from tests.training.test_gpu_decode import pillow_jpeg_decoder
 from training import data, decode_choice, pytorch
 from training.decode_choice import KEEPS_UP, MARGIN, Rates, batches_per_second, measure_rates, probe_batches
+from training.settings import parse_settings
 from training.sync import HIERARCHICAL, LOCAL_SGD, PeriodicSync, SyncSettings
 from training.torch_models import build_model
 
@@ -108,9 +109,10 @@ def ranks_answering(*others: bool) -> SimpleNamespace:
     )
 
 
-AUTO = argparse.Namespace(
-    decode="auto", data_workers=0, batch_size=4, seed=0, image_size=16
-)  # loaders in-process: quick
+# loaders in-process: quick
+AUTO = parse_settings(
+    "pytorch", ["--decode", "auto", "--data-workers", "0", "--batch-size", "4", "--seed", "0", "--image-size", "16"]
+)
 CPU = torch.device("cpu")
 
 
@@ -213,7 +215,7 @@ def test_the_probe_times_both_real_loaders(
 @pytest.mark.parametrize("requested", ["cpu", "gpu"])
 def test_only_auto_is_probed(monkeypatch: pytest.MonkeyPatch, plan: data.DataPlan, requested: str) -> None:
     monkeypatch.setattr(pytorch, "measure_rates", None)  # would fail if called
-    args = argparse.Namespace(**{**vars(AUTO), "decode": requested})
+    settings = dataclasses.replace(AUTO, decode=requested)
     decode = pillow_jpeg_decoder if requested == "gpu" else None
     backend = ranks_answering()
-    assert pytorch.settle_auto(args, plan, backend, CPU, decode, tiny_steps(plan, backend)) is decode  # type: ignore[arg-type]
+    assert pytorch.settle_auto(settings, plan, backend, CPU, decode, tiny_steps(plan, backend)) is decode  # type: ignore[arg-type]

@@ -28,11 +28,11 @@ from PIL import Image
 from tests.local_http import serving
 from tests.training.jobs import REPO, horovodrun, job_env, read_metrics, run
 from training import export, predict
-from training.args import parse_args
 from training.data import MEAN, STD, DataPlan, decode_val
 from training.errors import OutputPathError
 from training.images import NOT_AN_IMAGE
 from training.outputs import MODEL_JSON, check_output_paths
+from training.settings import parse_settings
 
 COLOURS = {"blue": (40, 60, 200), "green": (40, 170, 60), "red": (210, 40, 40)}  # sorted: label order
 CHANCE = 1 / len(COLOURS)
@@ -258,7 +258,7 @@ def test_an_export_never_replaces_a_directory_that_is_not_one(tmp_path: Path) ->
     (tmp_path / "empty").mkdir()
 
     def check(*flags: Any) -> None:
-        check_output_paths(parse_args("pytorch", [str(flag) for flag in flags]), {"TRAINING_MIN_FREE_MB": "0"})
+        check_output_paths(parse_settings("pytorch", [str(flag) for flag in flags]), {"TRAINING_MIN_FREE_MB": "0"})
 
     with pytest.raises(OutputPathError, match=r"^--export-dir .*/mine: it holds files but no model.json"):
         check("--export-dir", tmp_path / "mine")
@@ -285,7 +285,7 @@ class Rank:
 
 
 def test_rank_0_alone_writes_the_export_and_every_rank_waits_for_it(tmp_path: Path) -> None:
-    args = parse_args("keras", ["--export-dir", str(tmp_path / "model"), "--epochs", "3"])
+    settings = parse_settings("keras", ["--export-dir", str(tmp_path / "model"), "--epochs", "3"])
     spec = export.ExportSpec("keras", "simple_cnn", ["a"], 8)
     written: list[int] = []
 
@@ -295,7 +295,7 @@ def test_rank_0_alone_writes_the_export_and_every_rank_waits_for_it(tmp_path: Pa
 
     for rank in (1, 0):
         dist = Rank(rank)
-        exporter = export.Exporter(args, dist, spec, save)
+        exporter = export.Exporter(settings, dist, spec, save)
         assert exporter.epoch_hook is None  # no --export-every-epoch
         exporter.final({"steps": 30})
         assert (len(written), dist.gathered) == (int(rank == 0), 1)
@@ -304,14 +304,14 @@ def test_rank_0_alone_writes_the_export_and_every_rank_waits_for_it(tmp_path: Pa
 
 def test_export_every_epoch_needs_an_export_dir(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
-        parse_args("keras", ["--export-every-epoch"])
+        parse_settings("keras", ["--export-every-epoch"])
     assert exited.value.code == 2
     assert capsys.readouterr().err.startswith("error: --export-every-epoch needs --export-dir (see ")
 
 
 def test_model_card_names_every_class_and_where_the_model_came_from(tmp_path: Path) -> None:
-    args = parse_args("pytorch", ["--model", "resnet_tiny", "--image-size", "64", "--num-classes", "3"])
-    spec = export.ExportSpec.of("pytorch", args, DataPlan(None, None, 3, 1, 1))
+    settings = parse_settings("pytorch", ["--model", "resnet_tiny", "--image-size", "64", "--num-classes", "3"])
+    spec = export.ExportSpec.of(settings, DataPlan(None, None, 3, 1, 1))
     assert spec.classes == ["class_0", "class_1", "class_2"]  # synthetic data has no names
     files = export.ModelFiles("torch.export", "model.pt2", "logits")
     card = export.model_card(spec, files, {"val_top1": 0.5}, {"RUN_ID": "r1", "GIT_REVISION": "abc123"})

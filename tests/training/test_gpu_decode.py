@@ -9,7 +9,6 @@ reading files and drawing crops, the crop and resize, the fallbacks) is the code
 
 from __future__ import annotations
 
-import argparse
 import io
 import logging
 import sys
@@ -26,6 +25,7 @@ from training import data, decode
 from training.errors import BadInput
 from training.gpu_decode import choose_decoder, load_nvjpeg
 from training.pytorch import image_loader
+from training.settings import parse_settings
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")  # a CUDA device object needs no GPU
 
@@ -120,8 +120,9 @@ def folder_root(tmp_path: Path) -> Path:
 
 
 def batches(folder: data.ImageFolder, keys: list[list[data.Key]], workers: int, decode_jpeg: object = None) -> list:
-    job_args, rank0 = argparse.Namespace(data_workers=workers), SimpleNamespace(rank=0, local_size=1)
-    loader = image_loader(folder, iter(keys), job_args, rank0, CPU, decode_jpeg)  # type: ignore[arg-type]
+    settings = parse_settings("pytorch", ["--data-workers", str(workers)])
+    rank0 = SimpleNamespace(rank=0, local_size=1)
+    loader = image_loader(folder, iter(keys), settings, rank0, CPU, decode_jpeg)  # type: ignore[arg-type]
     return list(loader)
 
 

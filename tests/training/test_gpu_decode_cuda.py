@@ -8,7 +8,6 @@ They need a CUDA device and torchvision (the PyTorch image); elsewhere they skip
 
 from __future__ import annotations
 
-import argparse
 import re
 import subprocess
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from bench.jpegs import write_imagenet_tree
 from training import data
 from training.gpu_decode import JpegDecoder, choose_decoder
 from training.pytorch import image_loader
+from training.settings import parse_settings
 
 pytestmark = pytest.mark.gpu
 
@@ -96,8 +96,9 @@ def poison_freed_memory(device: torch.device) -> None:
 
 
 def loader(folder: data.ImageFolder, keys: list[list[data.Key]], decode: JpegDecoder, workers: int) -> Iterator:
-    args, rank0 = argparse.Namespace(data_workers=workers), SimpleNamespace(rank=0, local_size=1)
-    return image_loader(folder, iter(keys), args, rank0, torch.device("cuda"), decode)  # type: ignore[arg-type]
+    settings = parse_settings("pytorch", ["--data-workers", str(workers)])
+    rank0 = SimpleNamespace(rank=0, local_size=1)
+    return image_loader(folder, iter(keys), settings, rank0, torch.device("cuda"), decode)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("side_stream_busy", [False, True])

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.daemons import free_port
-from training import job, model_parallel
-from training.distributed import FAILURE_TIMEOUTS
+from tests.training.jobs import run_in_this_process
+from training import model_parallel
 from training.errors import ExitCode
 from training.parallel.layout import Layout
 from training.parallel.settings import ModelParallelSettings
@@ -74,17 +73,7 @@ def test_the_job_builds_its_settings_once_and_reports_the_resolved_ones(
         run_init(run, resolved, *rest)  # type: ignore[arg-type]
 
     monkeypatch.setattr(model_parallel.Run, "__init__", spy)
-    for name, value in {**FAILURE_TIMEOUTS, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    monkeypatch.setenv("TRAINING_MIN_FREE_MB", "0")
-    try:
-        assert job._run(settings, model_parallel.start, model_parallel.train) == ExitCode.OK
-    finally:
-        if torch.distributed.is_initialized():  # a failed run left its group: later tests must not meet it
-            torch.distributed.destroy_process_group()
+    assert run_in_this_process(monkeypatch, settings, model_parallel.start, model_parallel.train) == ExitCode.OK
     assert built == []  # nothing after the parser builds settings from flags again
     assert runs == [dataclasses.replace(settings, compile=False, activation_checkpointing="none")]
     assert (settings.compile, settings.activation_checkpointing) == (None, "auto")  # the parsed ones, untouched

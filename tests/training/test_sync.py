@@ -19,9 +19,9 @@ import torch
 
 from tests.training.jobs import TORCHRUN, error_lines, run, start, torchrun
 from tests.training.test_training_equivalence import max_difference
-from training.args import parse_args
 from training.checkpoint import checkpoint_path, read_checkpoint
 from training.errors import BadInput
+from training.settings import parse_settings
 from training.sync import HIERARCHICAL, SyncSettings, check_layout
 
 TOLERANCE = 1e-5  # as in test_training_equivalence
@@ -127,7 +127,7 @@ def test_periodic_sync_refused_with_horovod_and_with_fp16_allreduce(capsys: pyte
         (["--backend", "ddp", "--sync", "local-sgd", "--outer-lr", "1"], "only apply to --outer-optimizer nesterov"),
     ):
         with pytest.raises(SystemExit) as exited:
-            parse_args("pytorch", flags)
+            parse_settings("pytorch", flags)
         assert exited.value.code == 2
         stderr = capsys.readouterr().err
         assert error_lines(stderr) == [stderr.strip()]
@@ -135,10 +135,11 @@ def test_periodic_sync_refused_with_horovod_and_with_fp16_allreduce(capsys: pyte
 
 
 def test_settings_are_built_once_from_the_flags() -> None:
-    args = parse_args("pytorch", ["--backend", "ddp", "--sync", "local-sgd", "--outer-optimizer", "nesterov"])
-    settings = SyncSettings.from_args(args)
+    flags = ["--backend", "ddp", "--sync", "local-sgd", "--outer-optimizer", "nesterov"]
+    settings = parse_settings("pytorch", flags).sync
     assert settings == SyncSettings("local-sgd", 8, 0, "nesterov", 0.7, 0.9)
-    assert SyncSettings.from_args(parse_args("pytorch", [])) == SyncSettings()
+    assert parse_settings("pytorch", []).sync == SyncSettings()
+    assert parse_settings("keras", []).sync == SyncSettings()  # TensorFlow and Keras: every step
     assert [d for d in range(12) if settings.global_average_due(d)] == [0, 8]
     late = SyncSettings(HIERARCHICAL, every=4, warmup_steps=6)
     assert [d for d in range(13) if late.global_average_due(d)] == [6, 10]

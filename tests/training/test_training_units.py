@@ -15,7 +15,7 @@ from PIL import Image
 
 from tests.training.jobs import make_imagenet
 from training import data, metrics, outputs, preemption
-from training.args import MODELS, parse_args
+from training.args import MODELS
 from training.checkpoint import (
     Checkpoint,
     CheckpointDir,
@@ -30,6 +30,7 @@ from training.distributed import FAILURE_TIMEOUTS, agree, set_failure_timeouts
 from training.errors import BadInput, CheckpointRefused, OutputPathError, Preempted
 from training.loop import TrainingRun, resume
 from training.schedule import learning_rate
+from training.settings import parse_settings
 
 # --- LR schedule -------------------------------------------------------------------------
 
@@ -284,20 +285,21 @@ def test_metrics_schema_is_enforced(tmp_path: Path) -> None:
 
 def test_flags_are_validated() -> None:
     with pytest.raises(SystemExit):
-        parse_args("pytorch", ["--data", "imagenet"])  # needs --data-dir
+        parse_settings("pytorch", ["--data", "imagenet"])  # needs --data-dir
     with pytest.raises(SystemExit):
-        parse_args("keras", ["--backend", "ddp"])  # PyTorch only
+        parse_settings("keras", ["--backend", "ddp"])  # PyTorch only
     with pytest.raises(SystemExit):
-        parse_args("tensorflow", ["--decode", "gpu"])  # PyTorch only
+        parse_settings("tensorflow", ["--decode", "gpu"])  # PyTorch only
     with pytest.raises(SystemExit):
-        parse_args("pytorch", ["--decode", "gpu"])  # synthetic data: nothing to decode
-    assert parse_args("pytorch", ["--decode", "auto"]).decode == "auto"
+        parse_settings("pytorch", ["--decode", "gpu"])  # synthetic data: nothing to decode
+    assert parse_settings("pytorch", ["--decode", "auto"]).decode == "auto"
     with pytest.raises(SystemExit):
-        parse_args("tensorflow", ["--batch-size", "0"])
+        parse_settings("tensorflow", ["--batch-size", "0"])
     with pytest.raises(SystemExit):
-        parse_args("tensorflow", ["--lr-decay-epochs", "60,30"])
-    args = parse_args("pytorch", ["--lr-decay-epochs", "2,4"])
-    assert (args.model, args.image_size, args.backend, args.lr_decay_epochs) == ("resnet50", 224, "horovod", (2.0, 4.0))
+        parse_settings("tensorflow", ["--lr-decay-epochs", "60,30"])
+    settings = parse_settings("pytorch", ["--lr-decay-epochs", "2,4"])
+    chosen = (settings.model, settings.image_size, settings.backend, settings.lr_decay_epochs)
+    assert chosen == ("resnet50", 224, "horovod", (2.0, 4.0))
 
 
 def test_model_names_match_the_builders() -> None:
@@ -316,7 +318,7 @@ def test_failure_timeouts_fill_in_defaults_but_keep_user_values() -> None:
 
 def test_output_paths_are_checked_up_front(tmp_path: Path) -> None:
     def check(*flags: str, min_free_mb: str = "1") -> None:
-        outputs.check_output_paths(parse_args("pytorch", list(flags)), {outputs.MIN_FREE_ENV: min_free_mb})
+        outputs.check_output_paths(parse_settings("pytorch", list(flags)), {outputs.MIN_FREE_ENV: min_free_mb})
 
     check("--checkpoint-dir", str(tmp_path / "new" / "ckpt"), "--metrics-json", str(tmp_path / "new" / "m.json"))
     assert (tmp_path / "new" / "ckpt").is_dir() and list((tmp_path / "new").iterdir()) == [tmp_path / "new" / "ckpt"]
@@ -372,16 +374,15 @@ def run_steps(
     tmp_path: Path, flags: list[str], evaluate: Any = None, checkpoint_dir: Path | None = None, per_epoch: int = 4
 ) -> tuple[dict[str, Any], list[int]]:
     """A run of --steps steps (flags), in epochs of per_epoch steps."""
-    args = parse_args("pytorch", ["--checkpoint-dir", str(checkpoint_dir or tmp_path / "ckpt"), *flags])
+    settings = parse_settings("pytorch", ["--checkpoint-dir", str(checkpoint_dir or tmp_path / "ckpt"), *flags])
     dist = OneProcess()
-    start, state = resume(args, dist, PRINT, args.steps, bytes.decode)
+    start, state = resume(settings, dist, PRINT, settings.steps, bytes.decode)
     assert state == (f"{start}" if start else None)  # what save_state below wrote
     run = TrainingRun(
-        args,
+        settings,
         dist,
-        framework="pytorch",
         steps_per_epoch=per_epoch,
-        total_steps=args.steps,
+        total_steps=settings.steps,
         start_step=start,
         precision="fp32",
         device="cpu",
@@ -394,7 +395,7 @@ def run_steps(
         run.step_done(step, lambda: 0.5)
     report = run.finish()
     finish_writes()  # as the job does, once its backend is down
-    return report, CheckpointDir(args.checkpoint_dir, args.keep_checkpoints).steps()
+    return report, CheckpointDir(settings.checkpoint_dir, settings.keep_checkpoints).steps()
 
 
 def test_loop_checkpoints_every_n_steps_and_at_the_end(tmp_path: Path) -> None:
@@ -454,9 +455,11 @@ def test_an_eviction_signal_stops_the_loop_at_the_next_agreed_boundary_with_a_ch
     """The vote is read one boundary after it was cast: signalled during step 3, every rank learns it
     at the end of step 4, saves there (between the periodic checkpoints) and stops."""
     monkeypatch.setattr(preemption, "_signalled", [])
-    args = parse_args("pytorch", ["--checkpoint-dir", str(tmp_path), "--steps", "10", "--checkpoint-every", "100"])
+    settings = parse_settings(
+        "pytorch", ["--checkpoint-dir", str(tmp_path), "--steps", "10", "--checkpoint-every", "100"]
+    )
     run = TrainingRun(
-        args, OneProcess(), framework="pytorch", steps_per_epoch=10, total_steps=10, start_step=0, precision="fp32",
+        settings, OneProcess(), steps_per_epoch=10, total_steps=10, start_step=0, precision="fp32",
         device="cpu", decoder=None, fingerprint=PRINT, save_state=lambda step: f"{step}".encode(),
     )  # fmt: skip
     with pytest.raises(Preempted, match=r"after step 4: saved the checkpoint of step 4") as stopped:
@@ -465,4 +468,4 @@ def test_an_eviction_signal_stops_the_loop_at_the_next_agreed_boundary_with_a_ch
                 preemption._record(signal.SIGUSR1, None)
             run.step_done(step, lambda: 0.5)
     assert stopped.value.exit_code == 75 and stopped.value.every_rank
-    assert CheckpointDir(tmp_path, args.keep_checkpoints).steps() == [4]
+    assert CheckpointDir(tmp_path, settings.keep_checkpoints).steps() == [4]

@@ -19,12 +19,13 @@ import torch
 
 from training.parallel import memory
 from training.parallel.layout import Layout
+from training.settings import ReportingSettings
 from training.transformer import GPT_CONFIGS, GPTConfig
 
 
 @dataclass(frozen=True)
-class ModelParallelSettings:
-    """Every flag of training.model_parallel, typed; see its ``--help`` for what each does."""
+class ModelParallelSettings(ReportingSettings):
+    """Every flag of training.model_parallel, typed (the reporting ones inherited); see its ``--help``."""
 
     # model and layout
     model: str
@@ -54,14 +55,6 @@ class ModelParallelSettings:
     checkpoint_every: int | None
     keep_checkpoints: int
     export_dir: Path | None
-    # reporting
-    metrics_json: Path | None
-    tensorboard_dir: Path | None
-    summary_png: Path | None
-    seed: int
-    log_every: int
-    timing_warmup_steps: int
-    debug: bool
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelParallelSettings:
