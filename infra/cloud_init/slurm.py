@@ -254,6 +254,10 @@ def _scheduling_lines() -> list[str]:
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core",
         "MpiDefault=none",
+        # A job that no partition it names allows (a --time above MaxTime, say) is refused at
+        # submission instead of pending for ever. ANY, not ALL: `launch --spot-fallback` names two
+        # partitions of different sizes, and fitting one of them is enough.
+        "EnforcePartLimits=ANY",
         # No PrologFlags=Contain: it needs proctrack/cgroup, which Slurm 21.08 cannot use on cgroup v2.
     ]
 

@@ -191,6 +191,8 @@ def test_every_partition_takes_the_clusters_job_time_limits() -> None:
         line for line in slurm_conf(job_time=JobTimeLimits(maximum="unlimited")).splitlines() if "Partition" in line
     ]
     assert " DefaultTime=24:00:00 MaxTime=INFINITE " in unlimited
+    # a job above MaxTime is refused when submitted (sbatch by hand included), not left pending
+    assert "EnforcePartLimits=ANY" in conf.splitlines()
 
 
 @pytest.mark.parametrize(

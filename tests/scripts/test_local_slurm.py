@@ -83,6 +83,23 @@ def test_partitions_have_the_descriptions_time_limits_as_slurm_reads_them(cluste
     ], limits.stderr
 
 
+def test_a_job_above_the_partitions_max_time_is_refused_when_submitted(cluster):
+    """EnforcePartLimits: an sbatch by hand above MaxTime fails at once instead of pending for ever."""
+    partitions = (SLURM_PARTITION, SPOT_PARTITION)
+    for partition in partitions:
+        assert slurm(cluster, "scontrol", "update", f"partitionname={partition}", "maxtime=2:00:00").returncode == 0
+    try:
+        both = f"--partition={SPOT_PARTITION},{SLURM_PARTITION}"  # as launch --spot-fallback names them
+        for extra in ([], [both]):
+            refused = slurm(cluster, "sbatch", *extra, "--time=3:00:00", "--output=/dev/null", "--wrap=true")
+            assert refused.returncode != 0 and "time limit" in refused.stderr.lower(), refused.stdout
+        accepted = slurm(cluster, "sbatch", "--wait", "--time=1:00:00", "--output=/dev/null", "--wrap=true")
+        assert accepted.returncode == 0, accepted.stderr
+    finally:
+        for partition in partitions:
+            slurm(cluster, "scontrol", "update", f"partitionname={partition}", "maxtime=infinite")
+
+
 def test_srun_reaches_both_nodes(cluster):
     proc = slurm(cluster, "srun", "--nodes=2", "hostname")
     assert proc.returncode == 0, proc.stderr
