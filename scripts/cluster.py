@@ -366,19 +366,9 @@ def from_stack_outputs(
     """Map `pulumi stack output --json --show-secrets` to a description; name any missing or invalid output.
     default_time_limit: a job's time limit when it names none (None: the stack's defaultJobTime)."""
     check_image_tag(image_tag)
-    missing = [key for key in REQUIRED_OUTPUTS if outputs.get(key) in (None, "")]
-    if missing:
-        raise OperatorError(f"stack {stack!r} is missing outputs: {', '.join(missing)} (did `pulumi up` finish?)")
-    try:
-        out = StackOutputs.model_validate(outputs)
-    except ValidationError as exc:
-        raise OperatorError(f"stack {stack!r} has invalid outputs: {describe_validation_error(exc)}") from None
+    out = _validated_outputs(outputs, stack)
+    _check_default_time(default_time_limit, out, stack)
     user = out.admin_user
-    if default_time_limit and exceeds(check_time_limit(default_time_limit), out.max_job_time):
-        raise OperatorError(
-            f"--default-time {default_time_limit} is longer than the maxJobTime of stack {stack!r}, "
-            f"{out.max_job_time}, the longest a job may run there: give a shorter one"
-        )
     known = Path(known_hosts) if known_hosts else Path.home() / ".ssh" / f"known_hosts.{stack}"
     try:
         return ClusterDescription(
@@ -423,6 +413,25 @@ def from_stack_outputs(
         raise OperatorError(
             f"stack {stack!r}: outputs do not make a valid cluster description: {describe_validation_error(exc)}"
         ) from None
+
+
+def _validated_outputs(outputs: dict[str, Any], stack: str) -> StackOutputs:
+    missing = [key for key in REQUIRED_OUTPUTS if outputs.get(key) in (None, "")]
+    if missing:
+        raise OperatorError(f"stack {stack!r} is missing outputs: {', '.join(missing)} (did `pulumi up` finish?)")
+    try:
+        return StackOutputs.model_validate(outputs)
+    except ValidationError as exc:
+        raise OperatorError(f"stack {stack!r} has invalid outputs: {describe_validation_error(exc)}") from None
+
+
+def _check_default_time(default_time_limit: str | None, out: StackOutputs, stack: str) -> None:
+    """--default-time, if given, within the stack's maxJobTime."""
+    if default_time_limit and exceeds(check_time_limit(default_time_limit), out.max_job_time):
+        raise OperatorError(
+            f"--default-time {default_time_limit} is longer than the maxJobTime of stack {stack!r}, "
+            f"{out.max_job_time}, the longest a job may run there: give a shorter one"
+        )
 
 
 def _stack_slurm(out: StackOutputs) -> SlurmAccess:

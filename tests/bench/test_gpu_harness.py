@@ -9,6 +9,7 @@ section runs accepted by the program it runs, and the baseline loops' arithmetic
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -116,4 +117,5 @@ def test_baseline_loops_run_and_report_on_cpu(tmp_path: Path) -> None:
     assert result["tokens_per_sec"] > 0 and result["mfu"] is None and result["loss"] > 0
     gpu_baselines.main(["resnet", "--model", "resnet50", "--image-size", "32", "--batch-size", "2", *tiny])
     result = json.loads(out.read_text())
-    assert result["images_per_sec"] > 0 and result["loss"] > 0 and result["model"]
+    # finite, not positive: torchvision's ResNet-50 (where it imports) learns a batch of 2 to a loss of 0
+    assert result["images_per_sec"] > 0 and math.isfinite(result["loss"]) and result["model"]

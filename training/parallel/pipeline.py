@@ -413,7 +413,9 @@ class Pipeline:
                 raise ValueError(
                     f"batch of {batch.shape[0]} does not split into {self.microbatches} equal microbatches"
                 )
-        return (inputs,) if self.has_first else ()
+        # Contiguous: the first stage checks each microbatch's strides against the contiguous ones
+        # it inferred (torch 2.11 refuses a mismatch), and tokens[:, :-1] is a strided view.
+        return (inputs.contiguous(),) if self.has_first else ()
 
     def _pipeline_bubble(self, busy: float, wall: float) -> float:
         size = dist.get_world_size(self._group)
