@@ -133,22 +133,7 @@ def up(
     network = _check_up_request(nodes, state_dir, name, subnet)
     slurm = replace(_check_slurm_settings(autostop_seconds, health_check_interval_s), gpus_per_node=gpus_per_node)
     python = _training_python(train_python)
-    if mode == "auto":
-        mode = "netns" if net.netns_allowed(f"{name}-probe") else "localhost"
-    elif mode == "netns" and not net.netns_allowed(f"{name}-probe"):
-        raise OperatorError(
-            "network namespaces cannot be created here (needs root); use --mode localhost", ExitCode.NOT_READY
-        )
-    if mode == "localhost" and autostop_seconds:
-        raise OperatorError(f"--autostop-seconds needs Slurm, which is {NO_SLURM_NOTE}", ExitCode.NOT_READY)
-    if mode == "localhost" and rate:
-        raise OperatorError(LINK_RATE_NEEDS_NETNS, ExitCode.NOT_READY)
-    if rate:
-        local_link.require_tc()
-    if gpus_per_node:
-        if mode == "localhost":
-            raise OperatorError(f"--gpus-per-node needs Slurm, which is {NO_SLURM_NOTE}", ExitCode.NOT_READY)
-        local_gpus.check_devices_cgroup()
+    mode = _resolve_mode(mode, name, autostop_seconds=autostop_seconds, rate=rate, gpus_per_node=gpus_per_node)
     azurite = _check_tools(mode)
 
     ensure_directory(state_dir, "--state-dir")
@@ -172,6 +157,35 @@ def up(
         console.print("[red]local cluster: up failed; removing what was created[/red]")
         down(state_dir, quiet=True)
         raise
+
+
+def _resolve_mode(
+    mode: Literal["auto", "netns", "localhost"],
+    name: str,
+    *,
+    autostop_seconds: int,
+    rate: str | None,
+    gpus_per_node: int,
+) -> Literal["netns", "localhost"]:
+    """netns where namespaces can be made (auto), and the checks of what each mode cannot do: without
+    namespaces there is no Slurm, hence no autostop nor emulated GPUs, and no per-node link to throttle."""
+    if mode == "auto":
+        mode = "netns" if net.netns_allowed(f"{name}-probe") else "localhost"
+    elif mode == "netns" and not net.netns_allowed(f"{name}-probe"):
+        raise OperatorError(
+            "network namespaces cannot be created here (needs root); use --mode localhost", ExitCode.NOT_READY
+        )
+    if mode == "localhost" and autostop_seconds:
+        raise OperatorError(f"--autostop-seconds needs Slurm, which is {NO_SLURM_NOTE}", ExitCode.NOT_READY)
+    if mode == "localhost" and rate:
+        raise OperatorError(LINK_RATE_NEEDS_NETNS, ExitCode.NOT_READY)
+    if mode == "localhost" and gpus_per_node:
+        raise OperatorError(f"--gpus-per-node needs Slurm, which is {NO_SLURM_NOTE}", ExitCode.NOT_READY)
+    if rate:
+        local_link.require_tc()
+    if gpus_per_node:
+        local_gpus.check_devices_cgroup()
+    return mode
 
 
 def check_name(name: str) -> str:
