@@ -114,6 +114,22 @@ def choose_launcher(opts: LaunchOptions) -> Launcher:
     return "torchrun" if opts.model_parallel or (opts.framework == "pytorch" and backend == "ddp") else "horovodrun"
 
 
+def check_backend(opts: LaunchOptions, launcher: Launcher) -> None:
+    """Our data-parallel job's backend is its launcher's: under the other launcher each process would
+    see a world of one and train alone (training/backend_choice.py)."""
+    if launcher == "torchrun" and opts.framework != "pytorch":
+        raise OperatorError(f"--launcher torchrun runs PyTorch jobs only, not {opts.framework}")
+    if opts.framework != "pytorch" or opts.workdir or opts.entrypoint or opts.model_parallel:
+        return
+    backend = _flag_value(opts.job_args, "--backend")
+    wanted = "ddp" if launcher == "torchrun" else "horovod"
+    if backend not in (None, "auto", wanted):
+        raise OperatorError(
+            f"--backend {backend} does not run under --launcher {launcher}: pass --backend {wanted}, "
+            "or leave out --launcher (it follows --backend)"
+        )
+
+
 def check_model_parallel(opts: LaunchOptions) -> None:
     """--model-parallel runs the PyTorch model-parallel job, which torch.distributed's launcher starts."""
     if not opts.model_parallel:
@@ -159,8 +175,7 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
         time_limit=opts.time_limit,
     )
     launcher = choose_launcher(opts)
-    if launcher == "torchrun" and opts.framework != "pytorch":
-        raise OperatorError(f"--launcher torchrun runs PyTorch jobs only, not {opts.framework}")
+    check_backend(opts, launcher)
     image = None
     if desc.runtime.kind == "docker":
         image = opts.image or desc.image_for(opts.framework)

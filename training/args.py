@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import pairwise
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
+from training.backend_choice import AUTO, BACKENDS, BackendRefused, choose_backend
 from training.distributed import QUIET_RANK_DELAY_SECONDS, launcher_rank
 
 T = TypeVar("T", int, float)
@@ -93,9 +95,10 @@ def build_parser(framework: str) -> argparse.ArgumentParser:
     if framework == "pytorch":
         parser.add_argument(
             "--backend",
-            choices=("horovod", "ddp"),
-            default="horovod",
-            help="ddp: torch DistributedDataParallel under torchrun (nccl on GPU, gloo on CPU)",
+            choices=BACKENDS,
+            default=AUTO,
+            help="horovod: under horovodrun; ddp: torch DistributedDataParallel under torchrun (nccl on GPU, "
+            "gloo on CPU); auto: the launcher's, ddp under torchrun, else horovod (default: %(default)s)",
         )
         _add_sync_flags(parser)
     _add_checkpoint_flags(parser)
@@ -285,9 +288,18 @@ def add_reporting(parser: argparse.ArgumentParser, scalars: str, rate: str) -> N
     report.add_argument("--debug", action="store_true", help="print the traceback of every error")
 
 
-def parse_args(framework: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parse_args(
+    framework: str, argv: Sequence[str] | None = None, env: Mapping[str, str] = os.environ
+) -> argparse.Namespace:
+    """The checked flags; ``--backend auto`` becomes the launcher's backend (``env``: its variables)."""
     parser = build_parser(framework)
     args = parser.parse_args(argv)
+    try:
+        backend = choose_backend(framework, getattr(args, "backend", None), env)
+    except BackendRefused as exc:
+        parser.error(str(exc))
+    if framework == "pytorch":
+        args.backend = backend
     if args.data == "imagenet" and args.data_dir is None:
         parser.error("--data imagenet needs --data-dir")
     if args.data == "synthetic" and args.data_dir is not None:

@@ -5,7 +5,7 @@
 | 0    | success |
 | 1    | the run failed: a peer died or stopped answering, a collective timed out, training diverged |
 | 2    | bad input: a flag, a path, a data directory, a checkpoint that does not fit (fix the command or the files) |
-| 3    | not ready (training.predict only): storage unreachable, access refused, a package missing |
+| 3    | not ready: a package missing (Horovod, for --backend horovod), storage unreachable or refusing access |
 | 75   | preempted: a Spot eviction was announced (SIGUSR1); the checkpoint is saved, requeue the job |
 | 130  | interrupted (Ctrl-C) |
 """
@@ -46,6 +46,12 @@ class BadInput(JobError):
 
 class OutputPathError(BadInput):
     """An output path (checkpoint directory, metrics JSON) cannot be written, or its disk is full."""
+
+
+class NotReady(JobError):
+    """The environment lacks something the job needs (a package, a service); the message names it."""
+
+    exit_code = ExitCode.NOT_READY
 
 
 class Preempted(JobError):

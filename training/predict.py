@@ -31,7 +31,7 @@ from PIL import Image
 
 from training.args import Parser, positive_int
 from training.data import IMAGE_SUFFIXES, decode_val
-from training.errors import BadInput, ExitCode, JobError, first_line
+from training.errors import BadInput, ExitCode, JobError, NotReady, first_line
 from training.export import IMAGE_CLASSIFICATION, read_model_card
 from training.outputs import MODEL_JSON, output_error
 
@@ -59,12 +59,6 @@ A directory is scored recursively ({", ".join(IMAGE_SUFFIXES)}) into a CSV: --cs
 {DEFAULT_CSV} in the current directory. Exit status: 0 done, 2 bad input, 3 storage unreachable
 or access refused.
 """
-
-
-class NotReady(JobError):
-    """Blob storage cannot be reached or refuses access, or a package is missing."""
-
-    exit_code = ExitCode.NOT_READY
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from training.data import (
 from training.decode import decoder_name
 from training.decode_choice import measure_rates, probe_batches
 from training.distributed import agree, set_failure_timeouts
-from training.errors import BadInput, JobError
+from training.errors import BadInput, JobError, NotReady
 from training.export import Exporter, ExportSpec, ModelFiles
 from training.gpu_decode import NVJPEG, DeviceBatcher, EncodedFolder, JpegDecoder, choose_decoder
 from training.job import run_job
@@ -61,8 +61,15 @@ class HorovodBackend:
 
     def __init__(self) -> None:
         set_failure_timeouts()  # before init: Horovod reads them when it starts
-        import horovod.torch as hvd
-        from horovod.common.exceptions import HorovodInternalError
+        try:
+            import horovod.torch as hvd
+            from horovod.common.exceptions import HorovodInternalError
+        except ImportError as exc:
+            raise NotReady(
+                f"the horovod backend needs Horovod, which does not import here ({type(exc).__name__}: {exc}): "
+                "start the job with torchrun (--backend auto then runs ddp), or install Horovod (the framework "
+                "image, `make setup`)"
+            ) from None
 
         hvd.init()
         self.hvd = hvd
@@ -123,7 +130,7 @@ class DDPBackend:
 
     def __init__(self) -> None:
         if "RANK" not in os.environ:
-            raise BadInput("--backend ddp runs under torchrun: torchrun --nproc_per_node N -m training.pytorch ...")
+            raise BadInput("--backend ddp runs under torchrun: torchrun --nproc-per-node N -m training.pytorch ...")
         timeouts = set_failure_timeouts()
         self.rank, self.size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ["LOCAL_RANK"])

@@ -275,6 +275,14 @@ def test_ctrl_c_without_a_terminal_detaches(cluster, cluster_file):
         (("--launcher", "torchrun", "--framework", "keras"), "torchrun runs PyTorch jobs only"),
         (("--model-parallel", "--framework", "keras"), "--model-parallel is PyTorch's"),
         (("--model-parallel", "--launcher", "horovodrun"), "runs under torchrun: leave out --launcher horovodrun"),
+        (
+            ("--launcher", "horovodrun", "--", "--backend", "ddp"),
+            "--backend ddp does not run under --launcher horovodrun",
+        ),
+        (
+            ("--launcher", "torchrun", "--", "--backend", "horovod"),
+            "--backend horovod does not run under --launcher torchrun",
+        ),
         (("--model-parallel", "--entrypoint", "job.py"), "leave out --entrypoint"),
         (("--local-copy",), "--local-copy copies the job's --data-dir"),
         (("--local-copy", "--", "--data-dir", "/etc"), "--local-copy: --data-dir /etc is not a dataset under"),

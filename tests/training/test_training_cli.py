@@ -113,7 +113,7 @@ def epochs_and_steps(tmp_path: Path) -> Case:
 
 
 def ddp_outside_torchrun(tmp_path: Path) -> Case:
-    return ["--backend", "ddp"], "--backend ddp runs under torchrun: torchrun --nproc_per_node N", {}
+    return ["--backend", "ddp"], "--backend ddp runs under torchrun: torchrun --nproc-per-node N", {}
 
 
 @pytest.mark.parametrize(
