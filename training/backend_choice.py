@@ -17,6 +17,7 @@ from collections.abc import Mapping
 AUTO, HOROVOD, DDP = "auto", "horovod", "ddp"
 BACKENDS = (AUTO, HOROVOD, DDP)
 _TORCH_RANKS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+_HOROVOD_RANKS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 
 class BackendRefused(ValueError):
@@ -24,8 +25,11 @@ class BackendRefused(ValueError):
 
 
 def torch_launched(env: Mapping[str, str] = os.environ) -> bool:
-    """Whether torchrun (or another launcher of torch.distributed's) started this process."""
-    return "TORCHELASTIC_RUN_ID" in env or all(name in env for name in _TORCH_RANKS)
+    """Whether torchrun (or another launcher of torch.distributed's) started this process; horovodrun's
+    ranks win over torch's variables inherited from an outer environment."""
+    if "TORCHELASTIC_RUN_ID" in env:
+        return True
+    return all(name in env for name in _TORCH_RANKS) and not any(name in env for name in _HOROVOD_RANKS)
 
 
 def choose_backend(framework: str, requested: str | None, env: Mapping[str, str] = os.environ) -> str:

@@ -24,6 +24,7 @@ HOROVODRUN_2 = {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}
     [
         ({}, "horovod"),  # a plain python: Horovod runs a world of one
         (HOROVODRUN_2, "horovod"),
+        ({**HOROVODRUN_2, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "node-0"}, "horovod"),  # inherited
         (TORCHRUN_2, "ddp"),
         ({"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "node-0"}, "ddp"),  # another launcher of torch's
     ],
