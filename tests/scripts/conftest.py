@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -81,7 +82,10 @@ def private_key_file(directory: Path) -> Path:
     return key
 
 
-def start_module(module: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+def start_module(module: str, *args: str, env: dict | None = None, interruptible: bool = False) -> subprocess.Popen:
+    """``python -m module args`` in the background. interruptible: SIGINT is Ctrl-C in it, as in a
+    terminal's foreground process, even where this test run was started in the background by a
+    shell without job control, which makes its commands and their children ignore SIGINT."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", **(env or {})}
     return subprocess.Popen(
         [sys.executable, "-m", module, *args],
@@ -91,7 +95,12 @@ def start_module(module: str, *args: str, env: dict | None = None) -> subprocess
         stderr=subprocess.STDOUT,
         text=True,
         bufsize=1,
+        preexec_fn=_default_sigint if interruptible else None,
     )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Python then installs its KeyboardInterrupt handler
 
 
 def live_pids_mentioning(text: str) -> list[int]:

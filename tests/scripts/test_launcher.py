@@ -230,9 +230,9 @@ def test_cancel_stops_every_process_on_every_node(cluster, cluster_file):
 
 
 # --- the operator goes away ------------------------------------------------------------------------
-def follow_until_both_ranks_run(launch: list) -> subprocess.Popen:
+def follow_until_both_ranks_run(launch: list, interruptible: bool = False) -> subprocess.Popen:
     """`launch --follow` in the background, once its output shows the second rank running."""
-    follower = start_module(CLI, *launch)
+    follower = start_module(CLI, *launch, interruptible=interruptible)
     assert follower.stdout is not None
     for line in follower.stdout:
         if "hello from rank 1" in line:
@@ -256,7 +256,7 @@ def test_job_outlives_a_killed_follower(cluster, cluster_file):
 
 def test_ctrl_c_without_a_terminal_detaches(cluster, cluster_file):
     args = launch_args(cluster_file, "--steps", "600", "--sleep", "0.5", run_id="detach-run", extra=("--follow",))
-    follower = follow_until_both_ranks_run(args)
+    follower = follow_until_both_ranks_run(args, interruptible=True)
     follower.send_signal(signal.SIGINT)
     rest = follower.communicate(timeout=30)[0]
     assert follower.returncode == 130 and "detached" in rest
