@@ -33,6 +33,7 @@ from scripts.preflight import flag_value as _flag_value
 from scripts.slurm import Slurm, parse_job_id, require_slurm
 from scripts.sshutil import SSH, q
 from scripts.workdir import CODE_SUBDIR, MAX_WORKDIR_MB, Workdir, check_workdir, send_workdir
+from training.backend_choice import AUTO, DDP, HOROVOD
 
 # A run id names a directory on the share, a Slurm job and a blob prefix: one plain path component.
 RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,100}")
@@ -111,7 +112,7 @@ def choose_launcher(opts: LaunchOptions) -> Launcher:
     if opts.workdir:  # the user's own script: torch.distributed's launcher unless they ask for Horovod's
         return "torchrun"
     backend = _flag_value(opts.job_args, "--backend")
-    return "torchrun" if opts.model_parallel or (opts.framework == "pytorch" and backend == "ddp") else "horovodrun"
+    return "torchrun" if opts.model_parallel or (opts.framework == "pytorch" and backend == DDP) else "horovodrun"
 
 
 def check_backend(opts: LaunchOptions, launcher: Launcher) -> None:
@@ -122,8 +123,8 @@ def check_backend(opts: LaunchOptions, launcher: Launcher) -> None:
     if opts.framework != "pytorch" or opts.workdir or opts.entrypoint or opts.model_parallel:
         return
     backend = _flag_value(opts.job_args, "--backend")
-    wanted = "ddp" if launcher == "torchrun" else "horovod"
-    if backend not in (None, "auto", wanted):
+    wanted = DDP if launcher == "torchrun" else HOROVOD
+    if backend not in (None, AUTO, wanted):
         raise OperatorError(
             f"--backend {backend} does not run under --launcher {launcher}: pass --backend {wanted}, "
             "or leave out --launcher (it follows --backend)"

@@ -35,10 +35,11 @@ def torch_launched(env: Mapping[str, str] = os.environ) -> bool:
 def choose_backend(framework: str, requested: str | None, env: Mapping[str, str] = os.environ) -> str:
     """The backend for ``framework``: ``requested`` is PyTorch's ``--backend``, None for the jobs
     without the flag (TensorFlow, Keras), which run Horovod. Raises :class:`BackendRefused`."""
+    under_torchrun = torch_launched(env)
     backend = HOROVOD if requested is None else requested
     if requested == AUTO:
-        backend = DDP if torch_launched(env) else HOROVOD
-    world = int(env.get("WORLD_SIZE", "1")) if torch_launched(env) else 1
+        backend = DDP if under_torchrun else HOROVOD
+    world = int(env.get("WORLD_SIZE", "1")) if under_torchrun else 1
     if backend == HOROVOD and world > 1:
         fix = (
             "use --backend ddp (or auto, the default), or start the job with horovodrun"
