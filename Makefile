@@ -17,8 +17,8 @@ help:  ## list the targets
 setup: system $(OPS)/.installed $(TRAIN)/.installed $(TRAIN)/.checkout-on-path node_modules/.installed  ## install everything (both venvs, Horovod, Azurite)
 
 system:  ## apt packages (cloud-init, shellcheck, openssh, iproute2, npm, Slurm, munge, QEMU...) and the test VM's kernel
-	@scripts/setup_system.sh
-	@scripts/fetch_vm_kernel.sh
+	@tools/setup_system.sh
+	@tools/fetch_vm_kernel.sh
 
 # The CLI is installed as `dtrain` (editable: the checkout is the code), runnable from any directory.
 $(OPS)/.installed: requirements.txt requirements-cli.txt pyproject.toml
@@ -30,11 +30,11 @@ $(OPS)/.installed: requirements.txt requirements-cli.txt pyproject.toml
 
 # Horovod compiles against the installed torch and TensorFlow, so it comes after them; the
 # script reuses a wheel cached under ~/.cache when one was built for the same versions.
-$(TRAIN)/.installed: requirements-train.txt scripts/build_horovod.sh
+$(TRAIN)/.installed: requirements-train.txt tools/build_horovod.sh
 	test -x $(TRAIN)/bin/python || $(PYTHON) -m venv $(TRAIN)
 	$(TRAIN)/bin/pip install -q --disable-pip-version-check pip==$(PIP_VERSION)
 	$(TRAIN)/bin/pip install -q -r requirements-train.txt
-	scripts/build_horovod.sh $(TRAIN)
+	tools/build_horovod.sh $(TRAIN)
 	touch $@
 
 # `python -m training.predict` from any directory: the checkout on the environment's path (a .pth file,
@@ -61,9 +61,9 @@ test-scripts: setup  ## staging, launcher and local cluster against Azurite, ssh
 	$(OPS)/bin/python -m pytest tests/scripts
 
 demo: setup  ## the whole operator workflow on a 2-node local cluster (as root; about 2 minutes)
-	$(OPS)/bin/python -m scripts demo
+	$(OPS)/bin/python -m dtrain demo
 
-bench: setup  ## benchmarks beside their baselines -> bench/results.{json,md,png} (under 15 minutes)
+bench: setup  ## benchmarks beside their baselines -> bench/results/results.{json,md,png} (under 15 minutes)
 	$(TRAIN)/bin/python -m bench
 
 bench-gpu:  ## our GPU jobs beside plain PyTorch on one CUDA GPU -> bench/results-gpu.{json,md} (budget: 8 minutes on an H100)

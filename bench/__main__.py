@@ -24,10 +24,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench import allreduce, comm, frameworks, jpegs, local_sgd, overhead, parallel, pipeline, proc, report, steps
-from bench.plot import write_png
-from bench.results import BELOW, Figure, markdown_table, median, to_json
-from training.transcode import transcode_tree
+from bench.cpu import allreduce, comm, frameworks, local_sgd, overhead, parallel, pipeline
+from bench.harness import jpegs, proc, report, steps
+from bench.harness.plot import write_png
+from bench.harness.results import BELOW, Figure, markdown_table, median, to_json
+from training.data.transcode import transcode_tree
 
 SECTIONS = ("allreduce", "overhead", "comm", "pipeline", "staging", "frameworks", "parallel", "local_sgd")
 console = Console()
@@ -79,7 +80,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", action="append", choices=SECTIONS, help="run only this section (repeatable)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds per figure (default: 3, quick: 1)")
     parser.add_argument("--threads", type=int, default=1, help="threads per process for single-process figures")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent, help="where results.* go (default bench/)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).parent / "results",
+        help="where results.* go (default bench/results/)",
+    )
     parser.add_argument(
         "--ops-python",
         type=Path,
@@ -139,7 +145,7 @@ def run(args: argparse.Namespace, work: Path) -> tuple[list[Figure], dict, list[
     def do_staging() -> list[Figure]:
         jpegs.write_imagenet_tree(work, plan.jpegs)
         out = work / "staging.json"
-        cmd = [str(args.ops_python), "-m", "bench.staging", "--source", str(work / "train")]
+        cmd = [str(args.ops_python), "-m", "bench.cpu.staging", "--source", str(work / "train")]
         proc.run([*cmd, "--rounds", str(rounds), "--json", str(out)], proc.thread_env(1))
         return staging_figures(json.loads(out.read_text()))
 

@@ -1,7 +1,7 @@
 # PYTHON_ARGCOMPLETE_OK  (argcomplete: this script answers completions itself)
-"""The operator's one command: `dtrain <command>` once installed, or `python -m scripts <command>`
+"""The operator's one command: `dtrain <command>` once installed, or `python -m dtrain <command>`
 (`--help` lists them, `<command> --help` teaches each). Every command module adds its parser in
-`configure(commands)` and sets `handler`; errors take one path to the terminal (scripts.cli.run_cli)."""
+`configure(commands)` and sets `handler`; errors take one path to the terminal (dtrain.cli_common.run_cli)."""
 
 from __future__ import annotations
 
@@ -11,35 +11,35 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from scripts import build_images, cluster, cost, demo, interactive, jobs, launch, local_cluster, results, stage
-from scripts.cli import CLIParser, add_cluster_option, run_cli
+from dtrain.cli import cluster, cost, demo, images, interactive, jobs, launch, local, results, stage
+from dtrain.cli_common import CLIParser, add_cluster_option, run_cli
 
 # In the order a user meets them: a cluster, data and images on it, jobs and what they leave, then the
 # local cluster.
 CONSOLE_SCRIPT = "dtrain"  # pyproject.toml's [project.scripts]
-COMMAND_MODULES = (cluster, stage, build_images, launch, jobs, interactive, results, cost, local_cluster, demo)
+COMMAND_MODULES = (cluster, stage, images, launch, jobs, interactive, results, cost, local, demo)
 
 DESCRIPTION = """\
 Distributed training on a Slurm GPU cluster: the Azure stack (`pulumi up`), or the embedded local
 cluster (`local up`). Every command reads the cluster description (--cluster).
 
 typical session:
-  python -m scripts local up                          # or: cluster from-stack --stack dev ...
-  python -m scripts stage generate /tmp/imagenet-mini  # or your own ImageNet-layout directory
-  python -m scripts stage all /tmp/imagenet-mini --dataset mini
-  python -m scripts launch --framework pytorch --nodes 2 -- --data synthetic --steps 50
-  python -m scripts jobs                               # the queue and recent runs
-  python -m scripts logs JOB -f                        # JOB: a Slurm job id or a run id
-  python -m scripts cancel JOB
-  python -m scripts status                             # nodes, drain reasons, health, queue
-  python -m scripts results RUN                        # the run's model, curves, cost and logs, to runs/RUN
+  python -m dtrain local up                          # or: cluster from-stack --stack dev ...
+  python -m dtrain stage generate /tmp/imagenet-mini  # or your own ImageNet-layout directory
+  python -m dtrain stage all /tmp/imagenet-mini --dataset mini
+  python -m dtrain launch --framework pytorch --nodes 2 -- --data synthetic --steps 50
+  python -m dtrain jobs                               # the queue and recent runs
+  python -m dtrain logs JOB -f                        # JOB: a Slurm job id or a run id
+  python -m dtrain cancel JOB
+  python -m dtrain status                             # nodes, drain reasons, health, queue
+  python -m dtrain results RUN                        # the run's model, curves, cost and logs, to runs/RUN
 """
 
 
 def build_parser() -> CLIParser:
     installed = Path(sys.argv[0]).name == CONSOLE_SCRIPT
     parser = CLIParser(
-        prog=CONSOLE_SCRIPT if installed else "python -m scripts",
+        prog=CONSOLE_SCRIPT if installed else "python -m dtrain",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

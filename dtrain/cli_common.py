@@ -19,7 +19,7 @@ from typing import Any, NoReturn, TypeVar
 
 from pydantic import ValidationError
 
-from scripts.errors import ExitCode, OperatorError, explain_os_error
+from dtrain.errors import ExitCode, OperatorError, explain_os_error
 
 DEBUG_ENV = "SCRIPTS_DEBUG"
 DEBUG_HINT = "(run again with --debug for the traceback)"
@@ -51,7 +51,7 @@ CLUSTER_HELP = "cluster description file (default: $CLUSTER_DESCRIPTION, else th
 
 def add_cluster_option(parser: argparse.ArgumentParser, top_level: bool = False) -> None:
     """--cluster, the one flag every cluster command shares. It is taken before the command
-    (`python -m scripts --cluster F jobs`) or after it (`... jobs --cluster F`); SUPPRESS keeps a
+    (`python -m dtrain --cluster F jobs`) or after it (`... jobs --cluster F`); SUPPRESS keeps a
     command's parser from resetting the value given before it."""
     parser.add_argument(
         "--cluster",

@@ -1,22 +1,16 @@
-"""The errors the CLIs turn into a clear message, and the exit-status table they all share.
-
-The training jobs exit with the same table, so a launch that passes a job's status through keeps
-its meaning. scripts/remote/blob_pull.py repeats the numbers because it must stand alone (stdlib only).
+"""The errors the CLIs turn into a clear message; their exit statuses come from the product's one table,
+training/exit_status.py (re-exported here as ``ExitCode``), which the training jobs exit with too, so a
+launch that passes a job's status through keeps its meaning. dtrain/remote/boot/blob_pull.py repeats the
+numbers because it must stand alone (stdlib only).
 """
 
 from __future__ import annotations
 
 import errno
-from enum import IntEnum
 
+from training.exit_status import ExitCode
 
-class ExitCode(IntEnum):
-    OK = 0
-    FAILED = 1  # the job or a remote step failed, or an unexpected internal error
-    BAD_INPUT = 2  # usage, flag values, missing/unreadable/invalid files or config: fix the command or the file
-    NOT_READY = 3  # a tool missing, not root, cluster or storage unreachable, access refused by a service
-    TIMED_OUT = 4  # gave up waiting (for nodes, for a remote command)
-    INTERRUPTED = 130  # Ctrl-C
+__all__ = ["ExitCode", "OperatorError", "explain_os_error"]
 
 
 class OperatorError(Exception):

@@ -2,7 +2,7 @@
 
 A reader (another tool, a node, a rerun after Ctrl-C) sees either the old file or the complete new
 one: the content goes to a temporary file beside it, which then replaces the target in one rename.
-scripts/remote/blob_pull.py keeps its own copies of both: it runs alone on the NFS server (stdlib only).
+dtrain/remote/boot/blob_pull.py keeps its own copies of both: it runs alone on the NFS server (stdlib only).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The names infra/ and the operator CLI (scripts/) share: stack outputs, paths, ports, frameworks.
+"""The names infra/ and the operator CLI (dtrain/) share: stack outputs, paths, ports, frameworks.
 
 Standard library only, so that the CLI can import it without Pulumi or pydantic. A value that both
 sides read lives here once; changing one is a change of the contract between the two.
@@ -7,6 +7,8 @@ sides read lives here once; changing one is a change of the contract between the
 from __future__ import annotations
 
 from enum import StrEnum
+
+from training.exit_status import ExitCode
 
 # Where every node and the head node mount the NFS export. Not under /mnt: Azure mounts the VM's
 # temporary disk there at boot, which would hide it.
@@ -30,9 +32,9 @@ SRUN_PORTS = "{}-{}".format(*SRUN_PORT_RANGE)  # as slurm.conf and the network r
 SLURM_PARTITION = "gpu"
 # Spot nodes' partition (`launch --spot`): their jobs are requeued, and resume, after an eviction.
 SPOT_PARTITION = "spot"
-# A job's exit status after it saved a checkpoint for an eviction (training.errors.ExitCode.PREEMPTED).
-PREEMPTED_EXIT_CODE = 75
-# The container registry's tier: the stack deploys it, `python -m scripts cost` prices it.
+# A job's exit status after it saved a checkpoint for an eviction (the one exit table, training/exit_status.py).
+PREEMPTED_EXIT_CODE = int(ExitCode.PREEMPTED)
+# The container registry's tier: the stack deploys it, `python -m dtrain cost` prices it.
 REGISTRY_SKU = "Standard"
 FRAMEWORKS = ("pytorch", "tensorflow", "keras")
 # Below this much free space where images and job data land, a node is not fit for a job.

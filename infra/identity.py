@@ -11,7 +11,7 @@ from pulumi_azure_native import authorization, managedidentity
 # Built-in role definition ids (the same in every tenant).
 ACR_PULL = "7f951dda-4ed3-4680-a7ca-43fe172d538d"
 STORAGE_BLOB_DATA_CONTRIBUTOR = "ba92f5b4-2d11-453d-a403-e96b0029c9fe"
-# What Slurm's power programs do to the scale set (scripts/remote/slurm_power.py), and
+# What Slurm's power programs do to the scale set (dtrain/remote/slurm/slurm_power.py), and
 # nothing else: start and deallocate instances, and read an instance's view to say why one did not
 # come up. Not delete, not scale, not reimage, not run commands on the nodes.
 SCALE_SET_POWER_ACTIONS = (
@@ -74,7 +74,7 @@ class ClusterIdentity(pulumi.ComponentResource):
     """Nodes pull images (AcrPull on the registry) and write results (on `results` only).
 
     Each job uploads its logs, metrics and run.json from the nodes when it ends, with an IMDS token
-    of this identity for https://storage.azure.com/ (scripts/remote/upload_results.py); its client
+    of this identity for https://storage.azure.com/ (dtrain/remote/job/upload_results.py); its client
     id is the stack output cluster_identity_client_id. Storage Blob Data Contributor on the one
     container is the narrowest built-in role that creates and writes blobs. The nodes read the
     dataset through the read-only SAS, so the identity has no right on `data`.

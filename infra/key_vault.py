@@ -2,7 +2,7 @@
 
 Azure's guidance is that VM custom data is not for secrets (anyone who can read the VM's model, and
 every process on the VM through IMDS, can read it back). So the key lives here, as a secret, and
-each machine fetches it at first boot with its own managed identity (scripts/remote/munge-key.sh).
+each machine fetches it at first boot with its own managed identity (dtrain/remote/boot/munge-key.sh).
 RBAC authorization: only the two identities that run Slurm may read secrets, and only this one
 secret (role assigned at the secret's scope). The firewall denies by default and admits the cluster
 subnet only (its service endpoint), where the head node and the nodes live; the operator never

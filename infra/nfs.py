@@ -11,9 +11,9 @@ from infra.cloud_init import remote_file, render_nfs_server
 from infra.vm import LinuxVm, LinuxVmArgs, MachineArgs, encode_custom_data
 
 EXPORT_PATH = "/export"
-# scripts/remote/blob_pull.py, shipped onto the server as /usr/local/bin/blob-pull: pulls the
+# dtrain/remote/boot/blob_pull.py, shipped onto the server as /usr/local/bin/blob-pull: pulls the
 # dataset with the read-only SAS.
-BLOB_PULL_SCRIPT = "blob_pull.py"
+BLOB_PULL_SCRIPT = "boot/blob_pull.py"
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Slurm's time syntax, read the way sbatch and slurm.conf read it: the stack's job time limits
 (defaultJobTime, maxJobTime) and the operator's (`launch --time`, the cluster description's).
 
-Standard library only, so that the CLI (scripts/slurm_time.py) reads times with the same rules.
+Standard library only, so that the CLI (dtrain/cluster/slurm_time.py) reads times with the same rules.
 Errors are ValueErrors whose text says what is allowed; each caller names the value and where it came from.
 """
 

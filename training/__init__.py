@@ -1,10 +1,21 @@
-"""Data-parallel ResNet training jobs with Horovod (PyTorch, TensorFlow, Keras).
+"""The training jobs that run on the nodes, inside the framework images (or the training venv).
 
-Run one with ``python -m training.pytorch``, ``python -m training.tensorflow`` or
-``python -m training.keras``; all three take the flags defined in :mod:`training.args`.
-Framework-neutral pieces (data, LR schedule, checkpoints, metrics, the step bookkeeping, the
-checks of outputs, errors and exit status, liveness) import neither PyTorch nor TensorFlow, so
-each job pays only for its own framework.
+A module at the top of ``training/`` is a command, ``python -m training.<name>``: the data-parallel
+jobs ``pytorch``, ``tensorflow`` and ``keras``, the model-parallel job ``model_parallel`` (beside
+``pytorch``, so that merging the two trainers is a local change), ``predict`` (scores images with an
+export), and the launcher wrappers ``horovodrun`` and ``torchrun``. ``exit_status`` is the product's
+one exit-status table and ``errors`` the job's errors. The parts are grouped:
+
+- ``config/``: the flags and the typed settings built from them.
+- ``data/``: ImageNet folders, decode (CPU and GPU), transcode, text tokens.
+- ``checkpoint/``: the checkpoint formats side by side (atomic files, the background writer, sharded DCP).
+- ``run/``: the run's bookkeeping: start and end, loop, schedule, metrics, curves, export, outputs.
+- ``world/``: the distributed world: backends, liveness, preemption, launchers, helper lifetimes.
+- ``torch/``: PyTorch's models, transformer, replica sync, profiling and ``parallel/`` layouts.
+- ``tf/``: what the TensorFlow and Keras jobs share, and their models.
+
+May import: the training environment's packages (PyTorch, TensorFlow, Horovod), each job only its own
+framework (the framework-neutral parts import neither); never ``dtrain`` or ``infra``.
 """
 
 import os

@@ -1,27 +1,21 @@
-"""The errors a job reports in one line, and the exit-status table (the operator scripts use the same).
-
-| exit | meaning |
-| ---- | ------- |
-| 0    | success |
-| 1    | the run failed: a peer died or stopped answering, a collective timed out, training diverged |
-| 2    | bad input: a flag, a path, a data directory, a checkpoint that does not fit (fix the command or the files) |
-| 3    | not ready: a package missing (Horovod, for --backend horovod), storage unreachable or refusing access |
-| 75   | preempted: a Spot eviction was announced (SIGUSR1); the checkpoint is saved, requeue the job |
-| 130  | interrupted (Ctrl-C) |
+"""The errors a job reports in one line, each with its status from the product's one exit-status table
+(training/exit_status.py, re-exported here as ``ExitCode``; the operator CLI uses the same).
 """
 
 from __future__ import annotations
 
-from enum import IntEnum
+from training.exit_status import ExitCode
 
-
-class ExitCode(IntEnum):
-    OK = 0
-    FAILED = 1
-    BAD_INPUT = 2
-    NOT_READY = 3
-    PREEMPTED = 75  # sysexits' EX_TEMPFAIL: try again later (the node agent requeues the job)
-    INTERRUPTED = 130
+__all__ = [
+    "BadInput",
+    "CheckpointRefused",
+    "ExitCode",
+    "JobError",
+    "NotReady",
+    "OutputPathError",
+    "Preempted",
+    "first_line",
+]
 
 
 class JobError(Exception):

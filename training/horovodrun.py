@@ -1,9 +1,9 @@
 """`python -m training.horovodrun ARGS`: horovodrun ARGS, exiting with the first failed worker's status
-and no launcher traceback (training/launcher_exit.py)."""
+and no launcher traceback (training/world/launcher_exit.py)."""
 
 import sys
 
-from training.launcher_exit import run_horovodrun
+from training.world.launcher_exit import run_horovodrun
 
 if __name__ == "__main__":
     sys.exit(run_horovodrun(sys.argv[1:]))

@@ -15,10 +15,10 @@ from typing import Any, NoReturn
 import horovod.tensorflow.keras as hvd_keras
 import tensorflow as tf
 
-from training import tf_common
-from training.job import run_job
-from training.loop import TrainingRun
-from training.settings import TrainingSettings
+from training.config.settings import TrainingSettings
+from training.run.job import run_job
+from training.run.loop import TrainingRun
+from training.tf import common as tf_common
 
 
 def _distributed(optimizer: tf.keras.optimizers.Optimizer, settings: TrainingSettings) -> tf.keras.optimizers.Optimizer:

@@ -49,8 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from training import curves
-from training.args import (
+from training.checkpoint.sharded import ShardedCheckpoints
+from training.config.args import (
     Parser,
     add_profile_flag,
     add_reporting,
@@ -59,17 +59,19 @@ from training.args import (
     non_negative_float_arg,
     positive_int,
 )
-from training.data import synthetic_batch
-from training.distributed import set_failure_timeouts
+from training.data.imagenet import synthetic_batch
+from training.data.text import TokenSource, replica_slice, token_source
 from training.errors import BadInput, CheckpointRefused, JobError
-from training.job import run_job
-from training.metrics import RateWindow, StepTimer, throughput, write_metrics
-from training.outputs import output_error
-from training.parallel import memory
-from training.parallel.checkpoint import ShardedCheckpoints
-from training.parallel.export import gather_full_state_dict, write_whole_model
-from training.parallel.layout import RESNETS, Layout, build_mesh, check_model
-from training.parallel.pipeline import (
+from training.pytorch import DDPBackend
+from training.run import curves
+from training.run.job import run_job
+from training.run.metrics import RateWindow, StepTimer, throughput, write_metrics
+from training.run.outputs import output_error
+from training.torch.models import build_model
+from training.torch.parallel import memory
+from training.torch.parallel.export import gather_full_state_dict, write_whole_model
+from training.torch.parallel.layout import RESNETS, Layout, build_mesh, check_model
+from training.torch.parallel.pipeline import (
     SCHEDULES,
     LossFn,
     Pipeline,
@@ -79,14 +81,12 @@ from training.parallel.pipeline import (
     stages_per_rank,
     theoretical_bubble,
 )
-from training.parallel.settings import ModelParallelSettings
-from training.parallel.sharding import AC_MODES, autocasts, parallelize
-from training.preemption import PreemptionWatch, stop
-from training.profiling import StepProfiler
-from training.pytorch import DDPBackend
-from training.text_data import TokenSource, replica_slice, token_source
-from training.torch_models import build_model
-from training.transformer import GPT_CONFIGS, GPTConfig, build_gpt, flops_per_token, init_weights, parameter_count
+from training.torch.parallel.settings import ModelParallelSettings
+from training.torch.parallel.sharding import AC_MODES, autocasts, parallelize
+from training.torch.profiling import StepProfiler
+from training.torch.transformer import GPT_CONFIGS, GPTConfig, build_gpt, flops_per_token, init_weights, parameter_count
+from training.world.distributed import set_failure_timeouts
+from training.world.preemption import PreemptionWatch, stop
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
-"""Classify images with a model that a training run exported (``--export-dir``, see :mod:`training.export`).
+"""Classify images with a model that a training run exported (``--export-dir``, see :mod:`training.run.export`).
 
 The export's model.json says how to load it and how to prepare an image: the decode, resize and
-center crop of the jobs' validation (:func:`training.data.decode_val`, reused here); the model
+center crop of the jobs' validation (:func:`training.data.imagenet.decode_val`, reused here); the model
 normalizes its uint8 input itself. Loading a PyTorch export imports no TensorFlow, and the reverse.
 A blob URL of an export is downloaded to a temporary directory first, with a read SAS.
 
@@ -29,11 +29,11 @@ from urllib.parse import unquote, urlsplit
 import numpy as np
 from PIL import Image
 
-from training.args import Parser, positive_int
-from training.data import IMAGE_SUFFIXES, decode_val
+from training.config.args import Parser, positive_int
+from training.data.imagenet import IMAGE_SUFFIXES, decode_val
 from training.errors import BadInput, ExitCode, JobError, NotReady, first_line
-from training.export import IMAGE_CLASSIFICATION, read_model_card
-from training.outputs import MODEL_JSON, output_error
+from training.run.export import IMAGE_CLASSIFICATION, read_model_card
+from training.run.outputs import MODEL_JSON, output_error
 
 SAS_ENV = "AZURE_STORAGE_SAS_TOKEN"
 DEFAULT_CSV = Path("predictions.csv")

@@ -25,9 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training import preemption
-from training.checkpoint import Fingerprint
-from training.data import (
+from training.checkpoint.files import Fingerprint
+from training.config.settings import TrainingSettings
+from training.data.decode import decoder_name
+from training.data.decode_choice import measure_rates, probe_batches
+from training.data.gpu_decode import NVJPEG, DeviceBatcher, EncodedFolder, JpegDecoder, choose_decoder
+from training.data.imagenet import (
     DataPlan,
     ImageFolder,
     SkipCounter,
@@ -37,20 +40,17 @@ from training.data import (
     train_keys,
     val_keys,
 )
-from training.decode import decoder_name
-from training.decode_choice import measure_rates, probe_batches
-from training.distributed import agree, set_failure_timeouts
+from training.data.side_stream import Batch, SideStreamBatches, streams_for
 from training.errors import BadInput, JobError, NotReady
-from training.export import Exporter, ExportSpec, ModelFiles
-from training.gpu_decode import NVJPEG, DeviceBatcher, EncodedFolder, JpegDecoder, choose_decoder
-from training.job import run_job
-from training.lifetime import die_with
-from training.loop import TrainingRun, configure_logging, restore, resume
-from training.profiling import StepProfiler
-from training.settings import TrainingSettings
-from training.side_stream import Batch, SideStreamBatches, streams_for
-from training.sync import HIERARCHICAL, PeriodicSync, check_layout, refuse_replicas
-from training.torch_models import build_model
+from training.run.export import Exporter, ExportSpec, ModelFiles
+from training.run.job import run_job
+from training.run.loop import TrainingRun, configure_logging, restore, resume
+from training.torch.models import build_model
+from training.torch.profiling import StepProfiler
+from training.torch.sync import HIERARCHICAL, PeriodicSync, check_layout, refuse_replicas
+from training.world import preemption
+from training.world.distributed import agree, set_failure_timeouts
+from training.world.lifetime import die_with
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -13,9 +13,9 @@ from typing import Any, NoReturn
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from training import tf_common
-from training.job import run_job
-from training.settings import TrainingSettings
+from training.config.settings import TrainingSettings
+from training.run.job import run_job
+from training.tf import common as tf_common
 
 
 def _plain_or_loss_scaled(

@@ -1,9 +1,9 @@
 """`python -m training.torchrun ARGS`: torchrun ARGS, exiting with the first failed worker's status and
-no launcher traceback (training/launcher_exit.py)."""
+no launcher traceback (training/world/launcher_exit.py)."""
 
 import sys
 
-from training.launcher_exit import run_torchrun
+from training.world.launcher_exit import run_torchrun
 
 if __name__ == "__main__":
     sys.exit(run_torchrun(sys.argv[1:]))

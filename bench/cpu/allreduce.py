@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench import proc
-from bench.results import Figure, median
-from bench.scaling_model import RESNET50_PARAMS, ring_allreduce_s
+from bench.harness import proc
+from bench.harness.results import Figure, median
+from bench.harness.scaling_model import RESNET50_PARAMS, ring_allreduce_s
 
 WORKERS = 2
 
 
 def run(rounds: int, elements: int = RESNET50_PARAMS) -> dict[str, Any]:
     args = ["--rounds", str(rounds), "--elements", str(elements)]
-    return proc.run_json("horovod", WORKERS, "bench.allreduce_worker", args, threads=1)
+    return proc.run_json("horovod", WORKERS, "bench.cpu.allreduce_worker", args, threads=1)
 
 
 def bus_gbps(nbytes: float, seconds: float) -> float:

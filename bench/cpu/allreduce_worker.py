@@ -24,7 +24,7 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
-from bench.scaling_model import RESNET50_PARAMS
+from bench.harness.scaling_model import RESNET50_PARAMS
 
 CHUNK = 4 * 2**20
 
@@ -54,7 +54,7 @@ def _connect(rank: int) -> socket.socket:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.allreduce_worker", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.cpu.allreduce_worker", description=__doc__.splitlines()[0])
     parser.add_argument("--elements", type=int, default=RESNET50_PARAMS)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--metrics-json", type=Path, required=True)

@@ -1,11 +1,11 @@
 """The overhead baseline: a bare single-process PyTorch training loop.
 
-Same model (``training.torch_models``), optimizer settings, batch and image size as the job,
+Same model (``training.torch.models``), optimizer settings, batch and image size as the job,
 on one fixed synthetic batch like the job's synthetic mode, on the GPU when there is one and
 with bf16 autocast under ``--precision amp`` as the job does; nothing else: no Horovod, no
 schedule, no checkpoint or metrics bookkeeping. Its rate is timed exactly as the job's
 ``StepTimer`` does: the first ``--timing-warmup-steps`` are excluded, then wall time to the
-end of the last step. Run: ``python -m bench.bare_loop --help``.
+end of the last step. Run: ``python -m bench.cpu.bare_loop --help``.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from training.torch_models import MODELS, build_model
+from training.torch.models import MODELS, build_model
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.bare_loop", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.cpu.bare_loop", description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="resnet50")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--batch-size", type=int, default=64)

@@ -1,5 +1,5 @@
 """Communication efficiency, Horovod and DDP: the same 2 ranks with the gradient allreduce against
-without it (``bench.comm_worker``), in wall time and in CPU time, interleaved rounds.
+without it (``bench.cpu.comm_worker``), in wall time and in CPU time, interleaved rounds.
 
 It replaces a 1 -> 2 process scaling figure, which divided by twice the one-process rate and so
 measured mostly whether a neighbour held this 2-core machine's second core. Here both sides run
@@ -10,9 +10,9 @@ attached as a note, a check of the model on hardware we can run.
 
 from __future__ import annotations
 
-from bench import proc, steps
-from bench.results import Figure, paired_ratio
-from bench.scaling_model import RESNET50_PARAMS, Workload, efficiency
+from bench.harness import proc, steps
+from bench.harness.results import Figure, paired_ratio
+from bench.harness.scaling_model import RESNET50_PARAMS, Workload, efficiency
 
 LAUNCHERS = {"horovod": "Horovod (horovodrun --gloo)", "ddp": "DDP (torchrun, gloo)"}
 WORKERS = 2
@@ -25,7 +25,7 @@ def run(shape: steps.Shape, launcher: str, allreduce: str) -> dict[str, float]:
         *("--num-classes", str(shape.num_classes), "--steps", str(shape.steps)),
         *("--timing-warmup-steps", str(shape.warmup)),
     ]
-    result = proc.run_json(launcher, WORKERS, "bench.comm_worker", args, threads=1)
+    result = proc.run_json(launcher, WORKERS, "bench.cpu.comm_worker", args, threads=1)
     if result.get("world_size") != WORKERS:
         raise proc.BenchError(f"expected {WORKERS} ranks, the worker reports {result.get('world_size')}")
     return result

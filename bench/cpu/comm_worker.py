@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from bench.proc import exit_worker
-from training.torch_models import MODELS, build_model
+from bench.harness.proc import exit_worker
+from training.torch.models import MODELS, build_model
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.comm_worker", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.cpu.comm_worker", description=__doc__.splitlines()[0])
     parser.add_argument("--launcher", choices=("horovod", "ddp"), required=True)
     parser.add_argument("--allreduce", choices=("on", "off"), required=True)
     parser.add_argument("--model", choices=sorted(MODELS), default="resnet50")

@@ -1,7 +1,7 @@
-"""Train-crop decode speed in images per CPU second, one thread: the two paths of training.decode
+"""Train-crop decode speed in images per CPU second, one thread: the two paths of training.data.decode
 against torchvision's defaults (RandomResizedCrop + RandomHorizontalFlip on a PIL decode).
 
-``.venv-train/bin/python -m bench.decode_speed [--images 200] [--rounds 5] [--size 224]``
+``.venv-train/bin/python -m bench.cpu.decode_speed [--images 200] [--rounds 5] [--size 224]``
 
 The decoders take turns within each round (so a neighbour's load hits all of them alike) and the
 median round is reported. CPU time of this process only: every decoder runs in it. On a CUDA
@@ -26,11 +26,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from bench.jpegs import write_imagenet_tree
-from bench.tv_baseline import pil_loader, rrc_params
-from training import data, decode
-from training.gpu_decode import DeviceBatcher, choose_decoder
-from training.side_stream import SideStreamBatches, streams_for
+from bench.cpu.tv_baseline import pil_loader, rrc_params
+from bench.harness.jpegs import write_imagenet_tree
+from training.data import decode
+from training.data import imagenet as data
+from training.data.gpu_decode import DeviceBatcher, choose_decoder
+from training.data.side_stream import SideStreamBatches, streams_for
 
 Decoder = Callable[[str, int, int], np.ndarray]  # (path, size, image index) -> uint8 HWC crop
 
@@ -63,8 +64,8 @@ def torchvision_defaults(path: str, size: int, index: int) -> np.ndarray:
 
 
 DECODERS: dict[str, Decoder] = {
-    "training.decode, Pillow path": ours_pillow,
-    f"training.decode, {decode.decoder_name()}": ours,
+    "training.data.decode, Pillow path": ours_pillow,
+    f"training.data.decode, {decode.decoder_name()}": ours,
     "torchvision defaults": torchvision_defaults,
 }
 
@@ -76,7 +77,7 @@ def images_per_cpu_second(decoder: Decoder, paths: list[str], size: int) -> floa
     return len(paths) / (time.process_time() - start)
 
 
-GPU_ROW = "training.gpu_decode, nvJPEG, batches of 64"
+GPU_ROW = "training.data.gpu_decode, nvJPEG, batches of 64"
 GPU_BATCH = 64
 
 
@@ -126,7 +127,7 @@ def gpu_path(root: Path, size: int) -> Callable[[], tuple[float, float]] | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.decode_speed", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.cpu.decode_speed", description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--size", type=int, default=224)

@@ -2,7 +2,7 @@
 reach the synchronous run's final loss, between 2 nodes of the local cluster, 2 processes each, at
 full speed and with the nodes' links slowed to 100 Mbit/s (`local link-rate`, tc tbf).
 
-  .venv-train/bin/python -m bench.local_sgd      # ~3 min, as root; also a section of `make bench`
+  .venv-train/bin/python -m bench.cpu.local_sgd      # ~3 min, as root; also a section of `make bench`
 
 Per link rate, in one cluster: the synchronous run (``--sync every-step``) trains ``steps`` steps;
 its final loss is the target. Each periodic mode (``--sync-every`` H), with the plain average and
@@ -29,10 +29,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import proc
-from bench.results import Figure, markdown_table
+from bench.harness import proc
+from bench.harness.results import Figure, markdown_table
 
-WORKER = "bench.local_sgd_worker"
+WORKER = "bench.cpu.local_sgd_worker"
 FULL_SPEED, SLOW = "full", "100mbit"
 RATES = (FULL_SPEED, SLOW)
 EVERY_STEP = "every-step"
@@ -106,7 +106,7 @@ class LocalCluster:
         self.nodes: list[dict[str, Any]] = []
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
-        cmd = [str(self.ops_python), "-m", "scripts", "local", *args, "--state-dir", str(self.state_dir)]
+        cmd = [str(self.ops_python), "-m", "dtrain", "local", *args, "--state-dir", str(self.state_dir)]
         return subprocess.run(cmd, cwd=proc.REPO_ROOT, capture_output=True, text=True, timeout=180, check=False)
 
     def up(self) -> None:
@@ -219,11 +219,13 @@ def measure(ops_python: Path, out: Path, quick: bool = False) -> list[Figure]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.local_sgd", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.cpu.local_sgd", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few steps (a smoke test, not numbers)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent, help="where local_sgd.* go (bench/)")
     parser.add_argument(
-        "--ops-python", type=Path, default=proc.REPO_ROOT / ".venv" / "bin" / "python", help="runs `scripts local`"
+        "--out", type=Path, default=Path(__file__).parents[1] / "results", help="where local_sgd.* go (bench/results/)"
+    )
+    parser.add_argument(
+        "--ops-python", type=Path, default=proc.REPO_ROOT / ".venv" / "bin" / "python", help="runs `dtrain local`"
     )
     args = parser.parse_args(argv)
     result = measure(args.ops_python, args.out, args.quick)

@@ -1,5 +1,5 @@
-"""The measured runs of ``bench.local_sgd``, under torchrun: an MLP trained by DDP with each of the
-job's ``--sync`` modes in turn (training.sync, the code ``training.pytorch`` runs), timed step by
+"""The measured runs of ``bench.cpu.local_sgd``, under torchrun: an MLP trained by DDP with each of the
+job's ``--sync`` modes in turn (training.torch.sync, the code ``training.pytorch`` runs), timed step by
 step. One launch for all the modes: starting 4 processes costs more than a run here.
 
 The task: inputs drawn from a normal distribution, labels from a fixed random linear teacher, a
@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from bench.proc import exit_worker
-from training.sync import (
+from bench.harness.proc import exit_worker
+from training.torch.sync import (
     AVERAGE,
     EVERY_STEP,
     HIERARCHICAL,
@@ -51,7 +51,9 @@ TEACHER_SEED = 1234
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="torchrun ... -m bench.local_sgd_worker", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="torchrun ... -m bench.cpu.local_sgd_worker", description=__doc__.splitlines()[0]
+    )
     parser.add_argument(
         "--periodic",
         nargs="*",

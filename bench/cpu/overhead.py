@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bench import steps
-from bench.results import Figure
+from bench.harness import steps
+from bench.harness.results import Figure
 
 
 def job(shape: steps.Shape, threads: int) -> float:

@@ -3,18 +3,18 @@
 * parameter bytes per rank under FSDP over N = 2 and 4 processes against one process holding the
   whole model (gpt-125m; the ideal reduction is N);
 * the measured pipeline bubble against (p-1)/(m+p-1) for GPipe on 2 stages of equal, fixed time
-  (``training.parallel.pipeline_check``; the schedule alone, without this machine's noise);
+  (``training.torch.parallel.pipeline_check``; the schedule alone, without this machine's noise);
 * the step time of FSDP against DDP for the same model, batch and optimizer at world size 2,
   over gloo (interleaved rounds).
 """
 
 from __future__ import annotations
 
-from bench import proc
-from bench.results import Figure
-from training.parallel.pipeline_check import measure_bubbles
+from bench.harness import proc
+from bench.harness.results import Figure
+from training.torch.parallel.pipeline_check import measure_bubbles
 
-WORKER = "bench.parallel_worker"
+WORKER = "bench.cpu.parallel_worker"
 MEMORY_WORLDS = (2, 4)
 BUBBLE_STAGES = 2
 BUBBLE_MICROBATCHES = (2, 4, 8)

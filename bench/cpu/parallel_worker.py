@@ -1,4 +1,4 @@
-"""One measured run of ``bench.parallel``, under torchrun: a transformer trained with AdamW by DDP,
+"""One measured run of ``bench.cpu.parallel``, under torchrun: a transformer trained with AdamW by DDP,
 by FSDP2 (sharded the way ``training.model_parallel`` shards it), or by one plain process.
 
 The same model, batch and optimizer on every side, and nothing else in the loop (no data loading,
@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from bench.proc import exit_worker
-from training.parallel import memory
-from training.parallel.sharding import apply_fsdp, mixed_precision
-from training.transformer import GPT_CONFIGS, GPTConfig, build_gpt, init_weights
+from bench.harness.proc import exit_worker
+from training.torch.parallel import memory
+from training.torch.parallel.sharding import apply_fsdp, mixed_precision
+from training.torch.transformer import GPT_CONFIGS, GPTConfig, build_gpt, init_weights
 
 # A GPT-2-like shape small enough for a CPU step in about a second, large enough that the
 # collectives move megabytes (13.8M parameters, 55 MB of fp32 gradients per step).
@@ -35,7 +35,9 @@ MODES = ("plain", "ddp", "fsdp")
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="torchrun ... -m bench.parallel_worker", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="torchrun ... -m bench.cpu.parallel_worker", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--mode", choices=MODES, required=True)
     parser.add_argument("--model", choices=MODELS, default="bench-gpt")
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank")

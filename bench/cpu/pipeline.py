@@ -23,11 +23,11 @@ from types import SimpleNamespace
 import psutil
 import torch
 
-from bench import tv_baseline
-from bench.results import Figure
-from training.data import load_imagenet, train_keys
+from bench.cpu import tv_baseline
+from bench.harness.results import Figure
+from training.config.settings import parse_settings
+from training.data.imagenet import load_imagenet, train_keys
 from training.pytorch import image_loader
-from training.settings import parse_settings
 
 SEED = 0
 
@@ -102,7 +102,7 @@ def measure(root: Path, size: int, batch_size: int, workers: int, rounds: int, o
         [r.per_core for r in ours],
         [r.per_core for r in base],
         goal=2.0 if ours_root is None else 3.0,
-        ours_label="training.data" if ours_root is None else "training.data on the copy",
+        ours_label="training.data.imagenet" if ours_root is None else "training.data.imagenet on the copy",
         baseline_label="torchvision defaults",
     )
     figure.samples |= {"ours_wall_images_s": [r.wall for r in ours], "baseline_wall_images_s": [r.wall for r in base]}

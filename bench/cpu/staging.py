@@ -1,11 +1,11 @@
 """Figure 5 (runs in the operator venv): staging upload to Azurite, ours against a sequential loop.
 
-``python -m bench.staging --source DIR --rounds N --json OUT`` starts its own Azurite from
+``python -m bench.cpu.staging --source DIR --rounds N --json OUT`` starts its own Azurite from
 ``node_modules``, then, per round and in this order, uploads every file under ``DIR`` with
 
 * the baseline: one ``upload_blob`` call per file, one file at a time (what a hand-written
   loop or ``az storage blob upload`` per file does);
-* ours: ``scripts.stage.upload`` (parallel workers, Content-MD5, resumable), as the
+* ours: ``dtrain.cli.stage.upload`` (parallel workers, Content-MD5, resumable), as the
   ``stage upload`` command runs it;
 * ours with ``--shard-size-mb``: the same command packing files into tar shards first
   (packing is inside the timed window).
@@ -30,9 +30,9 @@ from pathlib import Path
 
 from azure.storage.blob import BlobServiceClient, ContainerClient
 
-from bench.proc import REPO_ROOT, free_port
-from scripts import stage
-from scripts.cluster import BlobCredential, BlobLocation
+from bench.harness.proc import REPO_ROOT, free_port
+from dtrain.cli import stage
+from dtrain.cluster.description import BlobCredential, BlobLocation
 
 ACCOUNT = "devstoreaccount1"
 # Azurite's well-known development key, published by Microsoft; not a secret.
@@ -119,7 +119,7 @@ def ours(container: BlobLocation, source: Path, dataset: str, shard_dir: Path | 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.staging", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.cpu.staging", description=__doc__.splitlines()[0])
     parser.add_argument("--source", type=Path, required=True)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, required=True)

@@ -27,14 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.parallel.memory import mfu, peak_memory_bytes
-from training.transformer import GPT_CONFIGS, build_gpt, flops_per_token
+from training.torch.parallel.memory import mfu, peak_memory_bytes
+from training.torch.transformer import GPT_CONFIGS, build_gpt, flops_per_token
 
 TORCHVISION_FALLBACK = "our training.torch_models module (torchvision does not import here)"
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu_baselines", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu.baselines", description=__doc__.splitlines()[0])
     loops = parser.add_subparsers(dest="loop", required=True)
     resnet = loops.add_parser("resnet", help="torchvision's ResNet recipe")
     resnet.add_argument("--model", default="resnet50", help="a torchvision.models name (default resnet50)")
@@ -65,7 +65,7 @@ def torchvision_resnet(name: str, num_classes: int) -> tuple[nn.Module, str]:
 
         return torchvision.models.get_model(name, num_classes=num_classes), f"torchvision.models.{name}"
     except (ImportError, RuntimeError):
-        from training.torch_models import build_model
+        from training.torch.models import build_model
 
         return build_model(name, num_classes), TORCHVISION_FALLBACK
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import proc
-from bench.gpu_report import Row
-from bench.jpegs import write_imagenet_tree
+from bench.gpu.report import Row
+from bench.harness import proc
+from bench.harness.jpegs import write_imagenet_tree
 
 MODES = {"eager": ["--no-compile"], "compiled": ["--compile"]}  # on CUDA the job compiles by default
 DECODES = ("cpu", "gpu", "auto")
@@ -140,8 +140,8 @@ def unready() -> str | None:
 
     if not torch.cuda.is_available():
         return "no CUDA device here (torch.cuda.is_available() is False): run this on a GPU node"
+    from training.data.gpu_decode import choose_decoder
     from training.errors import BadInput
-    from training.gpu_decode import choose_decoder
 
     try:
         choose_decoder("gpu", torch.device("cuda"))
@@ -152,9 +152,9 @@ def unready() -> str | None:
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.gpu_decode_e2e",
+        prog="python -m bench.gpu.decode_e2e",
         description=__doc__.splitlines()[0],
-        epilog="example: python -m bench.gpu_decode_e2e --json gpu_decode.json",
+        epilog="example: python -m bench.gpu.decode_e2e --json gpu_decode.json",
     )
     defaults = DEFAULT
     parser.add_argument("--images", type=int, default=defaults.images, help="generated JPEGs (default: %(default)s)")

@@ -21,8 +21,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import gpu_decode_e2e, gpu_sections
-from bench.gpu_report import Row, Section, failed_row, markdown, write
+from bench.gpu import decode_e2e as gpu_decode_e2e
+from bench.gpu import sections as gpu_sections
+from bench.gpu.report import Row, Section, failed_row, markdown, write
 
 # Adding a section is one line: Section(name, title, function(scratch directory) -> list[Row]).
 SECTIONS: list[Section] = [
@@ -44,7 +45,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     names = [section.name for section in SECTIONS]
     parser.add_argument("--only", action="append", choices=names, help="run only this section (repeatable)")
     parser.add_argument(
-        "--out", type=Path, default=Path(__file__).parent, help="where results-gpu.* go (default: bench/)"
+        "--out",
+        type=Path,
+        default=Path(__file__).parents[1] / "results",
+        help="where results-gpu.* go (default: bench/results/)",
     )
     return parser.parse_args(argv)
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import proc
-from bench.gpu_report import GiB, Row
-from bench.steps import Shape
+from bench.gpu.report import GiB, Row
+from bench.harness import proc
+from bench.harness.steps import Shape
 
 TIMEOUT_S = 420  # one process, compilation included: most of the whole run's 8-minute budget
 THREADS = 8  # CPU threads per process: the GPU does the work, the host only queues it
@@ -54,7 +54,7 @@ def our_resnet(shape: Shape, compiled: bool) -> list[str]:
 
 
 def baseline_resnet(shape: Shape, compiled: bool) -> list[str]:
-    return [sys.executable, "-m", "bench.gpu_baselines", "resnet", *shape.args(), compile_flag(compiled)]
+    return [sys.executable, "-m", "bench.gpu.baselines", "resnet", *shape.args(), compile_flag(compiled)]
 
 
 def our_gpt(case: GPTCase) -> list[str]:
@@ -70,7 +70,7 @@ def our_gpt(case: GPTCase) -> list[str]:
 
 def baseline_gpt(case: GPTCase) -> list[str]:
     return [
-        sys.executable, "-m", "bench.gpu_baselines", "gpt", "--model", case.model, "--seq-len", str(case.seq_len),
+        sys.executable, "-m", "bench.gpu.baselines", "gpt", "--model", case.model, "--seq-len", str(case.seq_len),
         "--batch-size", str(case.batch_size), "--steps", str(case.steps), "--timing-warmup-steps", str(case.warmup),
     ]  # fmt: skip
 

@@ -10,8 +10,8 @@ import matplotlib
 matplotlib.use("Agg")  # no display on build machines; must precede the pyplot import
 import matplotlib.pyplot as plt
 
-from bench.results import BELOW, PASS, Figure
-from bench.scaling_model import ANCHORS, h100_projection
+from bench.harness.results import BELOW, PASS, Figure
+from bench.harness.scaling_model import ANCHORS, h100_projection
 
 COLORS = {PASS: "#2a9d8f", BELOW: "#e76f51"}
 

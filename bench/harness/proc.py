@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TRAIN_BIN = Path(sys.executable).parent
 TIMEOUT_S = 300
 
@@ -76,7 +76,7 @@ def run_json(kind: str, np: int, module: str, args: Sequence[str], threads: int,
 def exit_worker() -> NoReturn:
     """End a measured worker once its result is written, without torch's destructors: freeing a
     gloo process group (DDP's reducer holds one) while its worker thread still releases finished
-    work deadlocks on the GIL (seen hanging in ~ProcessGroupGloo). training/job.py exits this way too."""
+    work deadlocks on the GIL (seen hanging in ~ProcessGroupGloo). training/run/job.py exits this way too."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -6,8 +6,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from bench.results import Figure, markdown_table
-from bench.scaling_model import (
+from bench.harness.results import Figure, markdown_table
+from bench.harness.scaling_model import (
     ANCHORS,
     GB,
     H100_BATCH,

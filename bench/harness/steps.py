@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench import proc
+from bench.harness import proc
 
 
 @dataclass(frozen=True)
@@ -57,4 +57,4 @@ def bare_rate(shape: Shape, threads: int = 1) -> float:
         *("--num-classes", str(shape.num_classes), "--steps", str(shape.steps)),
         *("--timing-warmup-steps", str(shape.warmup)),
     ]
-    return float(proc.run_json("plain", 1, "bench.bare_loop", args, threads)["images_per_sec"])
+    return float(proc.run_json("plain", 1, "bench.cpu.bare_loop", args, threads)["images_per_sec"])

@@ -9,7 +9,7 @@ pay-as-you-go, USD) with the date and source of each. `--refresh` reads the live
 exactly the sizes and region the stack uses; `--save [FILE]` keeps what it read for a later
 `--prices FILE`. To regenerate the shipped table (where prices.azure.com can be reached):
 
-    python -m scripts cost --refresh --full-table --save infra/data/prices.json
+    python -m dtrain cost --refresh --full-table --save infra/data/prices.json
 
 which reads every allow-listed GPU size, the default jumpbox, head and NFS sizes, every Premium SSD
 tier and the registry SKU in COMMON_REGIONS, and writes them with the API as their one source.
@@ -39,10 +39,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_serializer, model_validator
 from rich.table import Table
 
-from infra.config import ConfigError, StackConfig, parse_config
-from infra.contract import REGISTRY_SKU
-from infra.skus import GPU_SKUS
-from scripts.cli import (
+from dtrain.cli_common import (
     describe_validation_error,
     ensure_directory,
     int_between,
@@ -50,11 +47,14 @@ from scripts.cli import (
     read_json_file,
     read_text_file,
 )
-from scripts.errors import ExitCode, OperatorError, explain_os_error
-from scripts.fileio import atomic_write
-from scripts.ui import make_console
+from dtrain.errors import ExitCode, OperatorError, explain_os_error
+from dtrain.fileio import atomic_write
+from dtrain.ui import make_console
+from infra.config import ConfigError, StackConfig, parse_config
+from infra.contract import REGISTRY_SKU
+from infra.skus import GPU_SKUS
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PRICES_FILE = REPO_ROOT / "infra" / "data" / "prices.json"
 DEFAULT_STACK_FILE = REPO_ROOT / "Pulumi.dev.yaml"
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "azure-horovod" / "prices.json"
@@ -494,11 +494,11 @@ pay-as-you-go Linux list prices in USD from a dated table (infra/data/prices.jso
 the Azure Retail Prices API with --refresh. Blob storage, egress and OS disks are not included."""
 EXAMPLES = """\
 examples:
-  python -m scripts cost                                   # Pulumi.dev.yaml, every GPU node running
-  python -m scripts cost --running-nodes 0                 # all GPU nodes power-saved (idle cluster)
-  python -m scripts cost --stack-file Pulumi.prod.yaml --json
-  python -m scripts cost --refresh --save                  # live prices, kept in ~/.cache/azure-horovod
-  python -m scripts cost --prices ~/.cache/azure-horovod/prices.json
+  python -m dtrain cost                                   # Pulumi.dev.yaml, every GPU node running
+  python -m dtrain cost --running-nodes 0                 # all GPU nodes power-saved (idle cluster)
+  python -m dtrain cost --stack-file Pulumi.prod.yaml --json
+  python -m dtrain cost --refresh --save                  # live prices, kept in ~/.cache/azure-horovod
+  python -m dtrain cost --prices ~/.cache/azure-horovod/prices.json
 """
 PRICES_HELP = f"price table to read (default: {_shown_path(PRICES_FILE)})"
 

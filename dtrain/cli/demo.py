@@ -1,6 +1,6 @@
 """The whole operator workflow on the embedded local cluster, in one command (`make demo`).
 
-  python -m scripts demo [--nodes 2] [--steps 6] [--keep]
+  python -m dtrain demo [--nodes 2] [--steps 6] [--keep]
 
 up a 2-node local cluster (Slurm, sshd, Azurite) -> generate a small synthetic ImageNet-layout JPEG
 dataset -> stage it to blob storage (Azurite) -> pull it onto the shared file system with the
@@ -22,17 +22,18 @@ from pathlib import Path
 
 from rich.table import Table
 
-from scripts import cost, local_cluster, stage
-from scripts.cli import arg_type, int_between, non_empty
-from scripts.cluster import DEFAULT_LOCAL_STATE, ClusterDescription
-from scripts.errors import ExitCode, OperatorError
-from scripts.follow import follow
-from scripts.results import DEFAULT_DEST, Downloaded, download_run
-from scripts.runs import Run
-from scripts.slurm import Slurm
-from scripts.sshutil import SSH
-from scripts.submit import LaunchOptions, Submission, submit
-from scripts.ui import make_console
+from dtrain.cli import cost, stage
+from dtrain.cli_common import arg_type, int_between, non_empty
+from dtrain.cluster.description import DEFAULT_LOCAL_STATE, ClusterDescription
+from dtrain.cluster.slurm import Slurm
+from dtrain.cluster.ssh import SSH
+from dtrain.errors import ExitCode, OperatorError
+from dtrain.jobs.follow import follow
+from dtrain.jobs.results import DEFAULT_DEST, Downloaded, download_run
+from dtrain.jobs.runs import Run
+from dtrain.jobs.submit import LaunchOptions, Submission, submit
+from dtrain.local import cluster as local_cluster
+from dtrain.ui import make_console
 
 console = make_console()
 DATASET = "synthetic-imagenet"
@@ -100,7 +101,7 @@ def run_demo(settings: DemoSettings | None = None) -> DemoResult:
         result.error, result.exit_code = "interrupted", ExitCode.INTERRUPTED
     finally:
         if settings.keep:
-            console.print(f"--keep: the cluster stays up; `python -m scripts local down --state-dir {state_dir}`")
+            console.print(f"--keep: the cluster stays up; `dtrain local down --state-dir {state_dir}`")
         else:
             console.rule("6/6 tear down")
             t = time.time()
@@ -244,7 +245,7 @@ def configure(commands: argparse._SubParsersAction) -> None:
         "demo",
         help="the whole workflow on a local cluster, then tear it down (make demo)",
         description=__doc__.split("\n\n")[0] + " (as root; about 2 minutes)",
-        epilog="examples: python -m scripts demo; python -m scripts demo --nodes 3 --steps 10 --keep",
+        epilog="examples: python -m dtrain demo; python -m dtrain demo --nodes 3 --steps 10 --keep",
     )
     parser.add_argument("--nodes", type=int_between(1, local_cluster.MAX_NODES), default=2)
     parser.add_argument("--steps", type=int_between(1), default=6, help="training steps (default 6)")

@@ -9,11 +9,11 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+from dtrain.cli_common import add_cluster_option, arg_type, non_empty, require_tool
+from dtrain.cluster.description import IMAGE_REPOSITORIES, REPO_ROOT, check_image_tag, load, pulumi_stack_outputs
+from dtrain.errors import ExitCode, OperatorError
+from dtrain.ui import make_console
 from infra.contract import FRAMEWORKS
-from scripts.cli import add_cluster_option, arg_type, non_empty, require_tool
-from scripts.cluster import IMAGE_REPOSITORIES, REPO_ROOT, check_image_tag, load, pulumi_stack_outputs
-from scripts.errors import ExitCode, OperatorError
-from scripts.ui import make_console
 
 console = make_console()
 REGISTRY = re.compile(r"[A-Za-z0-9]+(\.[A-Za-z0-9-]+)*")  # NAME or NAME.azurecr.io
@@ -119,9 +119,9 @@ when tracked files have uncommitted changes) and `latest`. The registry is --reg
 stack's (--stack), else the one the cluster description's images name."""
 IMAGES_EXAMPLES = """\
 examples:
-  python -m scripts images --stack dev                      # prints the images it built
-  python -m scripts images --registry myacr --framework pytorch --dry-run
-  python -m scripts cluster from-stack --stack dev --image-tag 0123456789ab   # pin jobs to that build
+  python -m dtrain images --stack dev                      # prints the images it built
+  python -m dtrain images --registry myacr --framework pytorch --dry-run
+  python -m dtrain cluster from-stack --stack dev --image-tag 0123456789ab   # pin jobs to that build
 """
 
 

@@ -15,21 +15,21 @@ import argparse
 import subprocess
 import sys
 
-from scripts.allocation import add_allocation_arguments, cost_line, plan_from_args, salloc_flags
-from scripts.cli import add_cluster_option, non_empty
-from scripts.cluster import ClusterDescription, load
-from scripts.errors import ExitCode, OperatorError
-from scripts.runs import resolve
-from scripts.slurm import Slurm
-from scripts.sshutil import SSH, SSHFailure, Target, explain_ssh_failure, q
-from scripts.submit import node_hour_price
-from scripts.ui import make_console
+from dtrain.cli_common import add_cluster_option, non_empty
+from dtrain.cluster.description import ClusterDescription, load
+from dtrain.cluster.slurm import Slurm
+from dtrain.cluster.ssh import SSH, SSHFailure, Target, explain_ssh_failure, q
+from dtrain.errors import ExitCode, OperatorError
+from dtrain.jobs.allocation import add_allocation_arguments, cost_line, plan_from_args, salloc_flags
+from dtrain.jobs.runs import resolve
+from dtrain.jobs.submit import node_hour_price
+from dtrain.ui import make_console
 
 console = make_console()
 
 
 def examples(*lines: str) -> str:
-    return "examples:\n" + "\n".join(f"  python -m scripts {line}" for line in lines)
+    return "examples:\n" + "\n".join(f"  python -m dtrain {line}" for line in lines)
 
 
 def configure(commands: argparse._SubParsersAction) -> None:

@@ -18,15 +18,15 @@ from typing import Any
 
 from rich.table import Table
 
+from dtrain.cli_common import add_cluster_option, int_between, non_empty
+from dtrain.cluster.description import ClusterDescription, load
+from dtrain.cluster.slurm import NodeInfo, QueuedJob, Slurm, patiently
+from dtrain.cluster.ssh import SSH, q
+from dtrain.errors import ExitCode, OperatorError
+from dtrain.jobs.follow import cancel_and_wait, follow
+from dtrain.jobs.runs import Run, list_runs, resolve
+from dtrain.ui import make_console
 from infra.contract import HEALTH_REPORT_DIR
-from scripts.cli import add_cluster_option, int_between, non_empty
-from scripts.cluster import ClusterDescription, load
-from scripts.errors import ExitCode, OperatorError
-from scripts.follow import cancel_and_wait, follow
-from scripts.runs import Run, list_runs, resolve
-from scripts.slurm import NodeInfo, QueuedJob, Slurm, patiently
-from scripts.sshutil import SSH, q
-from scripts.ui import make_console
 
 console = make_console()
 out = make_console(stderr=False)
@@ -37,7 +37,7 @@ def configure(commands: argparse._SubParsersAction) -> None:
         "jobs",
         help="the queue and recent runs",
         description="Jobs Slurm holds (pending, running) and the most recent runs with their exit status.",
-        epilog="example: python -m scripts jobs --limit 50.",
+        epilog="example: python -m dtrain jobs --limit 50.",
     )
     jobs.add_argument("--limit", type=int_between(1, 1000), default=20, help="recent runs to show (%(default)s)")
     logs = commands.add_parser(
@@ -45,7 +45,7 @@ def configure(commands: argparse._SubParsersAction) -> None:
         help="a job's output, every rank's line prefixed [rank|host]",
         description="Print a job's log from the shared file system; -f follows it until the job ends and "
         "exits with the job's status.",
-        epilog="examples: python -m scripts logs 42 -f; python -m scripts logs 20261122T101500Z-pytorch-1a2b.",
+        epilog="examples: python -m dtrain logs 42 -f; python -m dtrain logs 20261122T101500Z-pytorch-1a2b.",
     )
     logs.add_argument("job", type=non_empty, metavar="JOB", help="Slurm job id or run id")
     logs.add_argument("-f", "--follow", action="store_true", help="stream new lines until the job ends")
@@ -54,7 +54,7 @@ def configure(commands: argparse._SubParsersAction) -> None:
         help="stop a job on every node (scancel)",
         description="Cancel a pending or running job and wait until Slurm has stopped all its processes "
         "(up to 30 s). The job still uploads its logs to the results container as it ends.",
-        epilog="example: python -m scripts cancel 42.",
+        epilog="example: python -m dtrain cancel 42.",
     )
     cancel.add_argument("job", type=non_empty, metavar="JOB", help="Slurm job id or run id")
     status = commands.add_parser(
@@ -62,7 +62,7 @@ def configure(commands: argparse._SubParsersAction) -> None:
         help="nodes (state, drain reason, power saving, health checks) and the queue",
         description="The cluster at a glance: each node's Slurm state and drain reason, whether it is "
         "powered down (power saving), its last health check, and the queue.",
-        epilog="example: python -m scripts status. Exit status 0, or 3 when no node can take a job.",
+        epilog="example: python -m dtrain status. Exit status 0, or 3 when no node can take a job.",
     )
     for parser, handler in ((jobs, run_jobs), (logs, run_logs), (cancel, run_cancel), (status, run_status)):
         add_cluster_option(parser)
@@ -174,7 +174,7 @@ def run_logs(args: argparse.Namespace) -> int:
 
 def _with_run_dir(run: Run) -> Run:
     if run.run_dir is None:
-        raise OperatorError(f"{run.label} was not submitted with `python -m scripts launch`: it has no run directory")
+        raise OperatorError(f"{run.label} was not submitted with `dtrain launch`: it has no run directory")
     return run
 
 

@@ -1,11 +1,11 @@
 """`launch`: submit a training run to Slurm over SSH (through the jump host), then follow it or detach.
 
-  python -m scripts launch --framework pytorch --nodes 2 -- --data synthetic --steps 100
-  python -m scripts launch --workdir examples/ddp --gpus 1 -- python train.py --epochs 2   # your own code
+  python -m dtrain launch --framework pytorch --nodes 2 -- --data synthetic --steps 100
+  python -m dtrain launch --workdir examples/ddp --gpus 1 -- python train.py --epochs 2   # your own code
 
-The steps, each a module: submit (scripts/submit.py: checks, run directory, job.sh, sbatch), follow
-(scripts/follow.py: the log until the job ends, and its exit), results (uploaded by the job itself on
-the cluster, scripts/remote/upload_results.py). Following is the default on a terminal; Ctrl-C then
+The steps, each a module: submit (dtrain/jobs/submit.py: checks, run directory, job.sh, sbatch), follow
+(dtrain/jobs/follow.py: the log until the job ends, and its exit), results (uploaded by the job itself on
+the cluster, dtrain/remote/job/upload_results.py). Following is the default on a terminal; Ctrl-C then
 asks whether to cancel the job or detach from it.
 """
 
@@ -14,20 +14,20 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dtrain.cli_common import add_cluster_option, arg_type, debugging, non_empty, positive_number
+from dtrain.cluster.description import ClusterDescription, load
+from dtrain.cluster.slurm import Slurm
+from dtrain.cluster.ssh import SSH
+from dtrain.errors import OperatorError
+from dtrain.jobs.allocation import add_allocation_arguments, cost_line
+from dtrain.jobs.batch_script import render_job_script
+from dtrain.jobs.follow import ask_cancel_or_detach, follow
+from dtrain.jobs.launcher_noise import without_launcher_tracebacks
+from dtrain.jobs.runs import Run
+from dtrain.jobs.submit import LaunchOptions, Plan, Submission, build_spec, check_run_id, node_hour_price, submit
+from dtrain.jobs.workdir import MAX_WORKDIR_MB
+from dtrain.ui import make_console
 from infra.contract import FRAMEWORKS
-from scripts.allocation import add_allocation_arguments, cost_line
-from scripts.batch import render_job_script
-from scripts.cli import add_cluster_option, arg_type, debugging, non_empty, positive_number
-from scripts.cluster import ClusterDescription, load
-from scripts.errors import OperatorError
-from scripts.follow import ask_cancel_or_detach, follow
-from scripts.launcher_noise import without_launcher_tracebacks
-from scripts.runs import Run
-from scripts.slurm import Slurm
-from scripts.sshutil import SSH
-from scripts.submit import LaunchOptions, Plan, Submission, build_spec, check_run_id, node_hour_price, submit
-from scripts.ui import make_console
-from scripts.workdir import MAX_WORKDIR_MB
 
 console = make_console()
 DEFAULT_WORKDIR_FRAMEWORK = "pytorch"  # the image a --workdir command runs in when --framework names none
@@ -50,18 +50,18 @@ The allocation and its estimated hourly cost are shown before submission; --dry-
 prints the batch script.
 
 examples:
-  python -m scripts launch --workdir examples/ddp --gpus 1 -- python train.py --epochs 2
-  python -m scripts launch --workdir examples/horovod --launcher horovodrun --nodes 2 -- python train.py
-  python -m scripts launch --workdir examples/fsdp --nodes 2 --gpus-per-node 8 --time 4:00:00 -- \\
+  python -m dtrain launch --workdir examples/ddp --gpus 1 -- python train.py --epochs 2
+  python -m dtrain launch --workdir examples/horovod --launcher horovodrun --nodes 2 -- python train.py
+  python -m dtrain launch --workdir examples/fsdp --nodes 2 --gpus-per-node 8 --time 4:00:00 -- \\
       python train.py --steps 1000
-  python -m scripts launch --dry-run --framework pytorch --gpus 2 -- --data synthetic --steps 10
-  python -m scripts launch --framework pytorch -- --data synthetic --steps 100
-  python -m scripts launch --framework pytorch --nodes 2 --requeue -- --backend ddp --data imagenet \\
+  python -m dtrain launch --dry-run --framework pytorch --gpus 2 -- --data synthetic --steps 10
+  python -m dtrain launch --framework pytorch -- --data synthetic --steps 100
+  python -m dtrain launch --framework pytorch --nodes 2 --requeue -- --backend ddp --data imagenet \\
       --data-dir /shared/data/imagenet --epochs 90
-  python -m scripts launch --framework keras --detach -- --data synthetic --epochs 1
-  python -m scripts launch --framework pytorch --spot -- --data synthetic --steps 5000 --checkpoint-every 100
-  python -m scripts launch --framework pytorch --resume-from RUN -- --data synthetic --steps 10000   # a new cluster
-  python -m scripts launch --framework pytorch --nodes 2 --gpus-per-node 8 --model-parallel -- \\
+  python -m dtrain launch --framework keras --detach -- --data synthetic --epochs 1
+  python -m dtrain launch --framework pytorch --spot -- --data synthetic --steps 5000 --checkpoint-every 100
+  python -m dtrain launch --framework pytorch --resume-from RUN -- --data synthetic --steps 10000   # a new cluster
+  python -m dtrain launch --framework pytorch --nodes 2 --gpus-per-node 8 --model-parallel -- \\
       --model gpt-1.3b --pp 2 --dp-shard -1 --precision bf16 --steps 200
 """
 
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         submitted = submit(desc, opts, ssh, plan)
         announce(submitted)
         if not follow_output:
-            print(submitted.job_id, flush=True)  # alone on stdout: `job=$(python -m scripts launch --detach ...)`
+            print(submitted.job_id, flush=True)  # alone on stdout: `job=$(python -m dtrain launch --detach ...)`
             return 0
         slurm = Slurm(desc, ssh)
         job = Run(submitted.run_id, submitted.job_id, submitted.run_dir)

@@ -5,7 +5,7 @@ so a rerun after an interruption sends only what is missing or different), Conte
 blob and checked in transit, a progress bar with throughput and a summary table. With
 --shard-size-mb, files are packed into deterministic tar shards first (many small files are slow to
 list, transfer and store); `pull` unpacks them on the NFS server. With --short-side, the images are
-first transcoded once (training/transcode.py) into a local cache and that copy is uploaded instead.
+first transcoded once (training/data/transcode.py) into a local cache and that copy is uploaded instead.
 Every upload writes dataset.json at the dataset's root: how it was made (short side, quality, source).
 
 pull: runs blob-pull on the NFS server over SSH (through the jump host), the read-only SAS sent on
@@ -44,13 +44,14 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from scripts import blobs, fileio
-from scripts.cli import add_cluster_option, arg_type, ensure_directory, int_between, non_empty, positive_number
-from scripts.cluster import BlobCredential, BlobLocation, ClusterDescription, load
-from scripts.errors import ExitCode, OperatorError
-from scripts.sshutil import SSH, SSHFailure, explain_ssh_failure, q
-from scripts.ui import make_console
-from training.transcode import IMAGE_SUFFIXES, TranscodeError, TranscodeSummary, transcode_tree
+from dtrain import fileio
+from dtrain.cli_common import add_cluster_option, arg_type, ensure_directory, int_between, non_empty, positive_number
+from dtrain.cluster import blobs
+from dtrain.cluster.description import BlobCredential, BlobLocation, ClusterDescription, load
+from dtrain.cluster.ssh import SSH, SSHFailure, explain_ssh_failure, q
+from dtrain.errors import ExitCode, OperatorError
+from dtrain.ui import make_console
+from training.data.transcode import IMAGE_SUFFIXES, TranscodeError, TranscodeSummary, transcode_tree
 
 console = make_console()
 SHARD_PREFIX = "shards/"
@@ -596,10 +597,10 @@ pulls it onto the shared file system with the read-only SAS, where every node fi
 is then limited to about PX * 0.875."""
 STAGE_EXAMPLES = """\
 examples:
-  python -m scripts stage generate /tmp/imagenet-mini         # a small synthetic dataset
-  python -m scripts stage all /tmp/imagenet-mini --dataset mini
-  python -m scripts stage all /data/imagenet --dataset imagenet --shard-size-mb 256
-  python -m scripts stage all /data/imagenet --dataset imagenet-160 --short-side 160
+  python -m dtrain stage generate /tmp/imagenet-mini         # a small synthetic dataset
+  python -m dtrain stage all /tmp/imagenet-mini --dataset mini
+  python -m dtrain stage all /data/imagenet --dataset imagenet --shard-size-mb 256
+  python -m dtrain stage all /data/imagenet --dataset imagenet-160 --short-side 160
 """
 SUBCOMMANDS = {
     "generate": (
@@ -607,8 +608,8 @@ SUBCOMMANDS = {
         "Write JPEGs as DIR/{train,val}/<wnid>/<wnid>_NNNNN.JPEG, each class with its own colour and stripes "
         "plus noise, so that a model can learn it. The same seed gives the same bytes.",
         (
-            "python -m scripts stage generate /tmp/imagenet-mini",
-            "python -m scripts stage generate /tmp/tiny --classes 2 --train-per-class 8 --image-size 32",
+            "python -m dtrain stage generate /tmp/imagenet-mini",
+            "python -m dtrain stage generate /tmp/tiny --classes 2 --train-per-class 8 --image-size 32",
         ),
     ),
     "upload": (
@@ -616,24 +617,24 @@ SUBCOMMANDS = {
         "Upload SOURCE to <dataset>/ in the `data` container, in parallel, each blob with its Content-MD5. A file "
         "is sent only when no blob of its name has the same MD5: rerun the same command to resume.",
         (
-            "python -m scripts stage upload /tmp/imagenet-mini --dataset mini",
-            "python -m scripts stage upload /data/imagenet --dataset imagenet --shard-size-mb 256 --workers 16",
-            "python -m scripts stage upload /data/imagenet --dataset imagenet-256 --short-side 256 --quality 90",
+            "python -m dtrain stage upload /tmp/imagenet-mini --dataset mini",
+            "python -m dtrain stage upload /data/imagenet --dataset imagenet --shard-size-mb 256 --workers 16",
+            "python -m dtrain stage upload /data/imagenet --dataset imagenet-256 --short-side 256 --quality 90",
         ),
     ),
     "pull": (
         "pull a staged dataset onto the NFS server with the read-only SAS",
         "Run blob-pull on the NFS server (over SSH, through the jump host) into <data_path>/<dataset>, with "
         "the read-only SAS on its stdin, then check that every blob arrived. Files already in place are kept.",
-        ("python -m scripts stage pull --dataset mini",),
+        ("python -m dtrain stage pull --dataset mini",),
     ),
     "all": (
         "upload, then pull (the usual way)",
         "Upload SOURCE to the `data` container, then pull it onto the NFS server, checking the pulled "
         "counts against the uploaded ones.",
         (
-            "python -m scripts stage all /tmp/imagenet-mini --dataset mini",
-            "python -m scripts --cluster cluster-dev.json stage all /data/imagenet --dataset imagenet",
+            "python -m dtrain stage all /tmp/imagenet-mini --dataset mini",
+            "python -m dtrain --cluster cluster-dev.json stage all /data/imagenet --dataset imagenet",
         ),
     ),
 }

@@ -15,10 +15,10 @@ from azure.core.exceptions import (
 )
 from azure.storage.blob import ContainerClient, ContentSettings
 
-from scripts.cluster import BlobCredential, BlobLocation
-from scripts.errors import ExitCode, OperatorError
-from scripts.fileio import file_md5
-from scripts.remote.blob_pull import explain_http_error
+from dtrain.cluster.description import BlobCredential, BlobLocation
+from dtrain.errors import ExitCode, OperatorError
+from dtrain.fileio import file_md5
+from dtrain.remote.boot.blob_pull import explain_http_error
 
 CHUNK = 1024 * 1024
 

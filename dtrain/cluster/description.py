@@ -3,7 +3,7 @@
 Two producers write it (JSON on disk, mode 0600 because it holds secrets: the read-only data SAS,
 and locally the results SAS):
   * `from_stack_outputs` / `from_pulumi_stack`: the outputs of a Pulumi stack (Azure);
-  * `python -m scripts local up`: the embedded local cluster.
+  * `python -m dtrain local up`: the embedded local cluster.
 Staging, launch, logs and results read only this. Nodes are not listed: Slurm knows them.
 The command `cluster` (`from-stack`, `show`) is configured here.
 """
@@ -31,10 +31,7 @@ from pydantic import (
     model_validator,
 )
 
-from infra import slurm_time
-from infra.contract import CONTAINER_SSH_PORT
-from infra.slurm_time import DEFAULT_JOB_TIME, UNLIMITED, exceeds
-from scripts.cli import (
+from dtrain.cli_common import (
     add_cluster_option,
     arg_type,
     check_directory,
@@ -43,11 +40,14 @@ from scripts.cli import (
     read_json_file,
     require_tool,
 )
-from scripts.errors import ExitCode, OperatorError, explain_os_error
-from scripts.fileio import atomic_write
-from scripts.slurm_time import check_max_time, check_time_limit
+from dtrain.cluster.slurm_time import check_max_time, check_time_limit
+from dtrain.errors import ExitCode, OperatorError, explain_os_error
+from dtrain.fileio import atomic_write
+from infra import slurm_time
+from infra.contract import CONTAINER_SSH_PORT
+from infra.slurm_time import DEFAULT_JOB_TIME, UNLIMITED, exceeds
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # Where `cluster from-stack` writes an Azure description by default: outside the repository, so that
 # neither git nor `images` (az acr build .) can carry its SAS anywhere.
 CONFIG_DIR_NAME = "azure-horovod"
@@ -209,7 +209,7 @@ class ClusterDescription(_Model):
     node_count: int = Field(ge=1)
     gpus_per_node: int = Field(ge=0)
     gpu_sku: str | None = None
-    region: str | None = None  # with gpu_sku, what prices a run (scripts/cost.py); None locally
+    region: str | None = None  # with gpu_sku, what prices a run (dtrain/cli/cost.py); None locally
     expect_infiniband: bool = False
     node_ssh_port: int = 22
     # shared file system, as the nodes see it, and as the NFS server sees it
@@ -219,7 +219,7 @@ class ClusterDescription(_Model):
     data_path: str
     local_data_path: str | None = None  # the same path on every node, each node's own copy (launch --local-copy)
     blob_pull: list[str]  # the blob-pull command on storage_host
-    remote_python: str = "python3"  # a stdlib python3 on every cluster host (runs scripts/remote/)
+    remote_python: str = "python3"  # a stdlib python3 on every cluster host (runs dtrain/remote/)
     # blob storage
     data: BlobLocation  # the `data` container with the read-only (read + list) SAS
     staging_credential: BlobCredential  # what the operator writes the `data` container with
@@ -299,14 +299,14 @@ def load(path: str | Path | None = None) -> ClusterDescription:
     path = Path(path or os.environ.get("CLUSTER_DESCRIPTION") or DEFAULT_DESCRIPTION).expanduser()
     if not path.exists():
         raise OperatorError(
-            f"no cluster description at {path}: run `python -m scripts local up` (local) or "
-            "`python -m scripts cluster from-stack --stack NAME -o FILE` (Azure), or pass --cluster FILE"
+            f"no cluster description at {path}: run `dtrain local up` (local) or "
+            "`dtrain cluster from-stack --stack NAME -o FILE` (Azure), or pass --cluster FILE"
         )
     data = read_json_file(path, "cluster description")
     if isinstance(data, dict) and data.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
         raise OperatorError(
             f"cluster description {path} has schema version {data['schema_version']!r}, this version reads "
-            f"{SCHEMA_VERSION}: write it again (`python -m scripts cluster from-stack`, or `local down`, `local up`)"
+            f"{SCHEMA_VERSION}: write it again (`dtrain cluster from-stack`, or `local down`, `local up`)"
         )
     try:
         return ClusterDescription.model_validate(data)
@@ -514,20 +514,20 @@ never into this repository (refused there: git or `images` could carry the SAS a
 Pulumi CLI, logged in to the stack's backend."""
 FROM_STACK_EXAMPLES = """\
 examples:
-  python -m scripts cluster from-stack --stack dev      # -> ~/.config/azure-horovod/cluster-dev.json
-  python -m scripts cluster from-stack --stack dev --runtime host --ssh-key ~/.ssh/azure_key
-  python -m scripts cluster from-stack --stack dev --default-time 4:00:00   # jobs without --time: 4 hours
+  python -m dtrain cluster from-stack --stack dev      # -> ~/.config/azure-horovod/cluster-dev.json
+  python -m dtrain cluster from-stack --stack dev --runtime host --ssh-key ~/.ssh/azure_key
+  python -m dtrain cluster from-stack --stack dev --default-time 4:00:00   # jobs without --time: 4 hours
   export CLUSTER_DESCRIPTION=~/.config/azure-horovod/cluster-dev.json   # every command reads it from then on
 """
 CLUSTER_EXAMPLES = """\
 examples:
-  python -m scripts cluster from-stack --stack dev
-  python -m scripts cluster show --cluster ~/.config/azure-horovod/cluster-dev.json
+  python -m dtrain cluster from-stack --stack dev
+  python -m dtrain cluster show --cluster ~/.config/azure-horovod/cluster-dev.json
 """
 SHOW_EXAMPLES = """\
 examples:
-  python -m scripts cluster show                        # $CLUSTER_DESCRIPTION, else the local cluster's
-  python -m scripts cluster show --cluster ~/.config/azure-horovod/cluster-dev.json
+  python -m dtrain cluster show                        # $CLUSTER_DESCRIPTION, else the local cluster's
+  python -m dtrain cluster show --cluster ~/.config/azure-horovod/cluster-dev.json
 """
 
 

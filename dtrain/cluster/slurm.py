@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from scripts.cluster import ClusterDescription, SlurmAccess
-from scripts.errors import ExitCode, OperatorError
-from scripts.sshutil import SSH, SSHFailure, q
-from scripts.ui import make_console
+from dtrain.cluster.description import ClusterDescription, SlurmAccess
+from dtrain.cluster.ssh import SSH, SSHFailure, q
+from dtrain.errors import ExitCode, OperatorError
+from dtrain.ui import make_console
 
 T = TypeVar("T")
 console = make_console()
@@ -87,7 +87,7 @@ def require_slurm(desc: ClusterDescription) -> SlurmAccess:
     if desc.slurm is None:
         raise OperatorError(
             f"cluster {desc.name} has no Slurm (a local cluster in localhost mode): jobs need the namespace mode, "
-            "`python -m scripts local up` as root",
+            "`dtrain local up` as root",
             ExitCode.NOT_READY,
         )
     return desc.slurm

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
+from dtrain.errors import OperatorError
 from infra import slurm_time
-from scripts.errors import OperatorError
 
 T = TypeVar("T")
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from dtrain.cli_common import arg_type, int_between
+from dtrain.cluster.description import ClusterDescription
+from dtrain.cluster.slurm_time import check_time_limit, time_limit_seconds
+from dtrain.errors import OperatorError
 from infra.slurm_time import exceeds, is_unlimited
-from scripts.cli import arg_type, int_between
-from scripts.cluster import ClusterDescription
-from scripts.errors import OperatorError
-from scripts.slurm_time import check_time_limit, time_limit_seconds
 
 
 def add_allocation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -143,7 +143,7 @@ def plan_from_args(desc: ClusterDescription, args: argparse.Namespace) -> Alloca
 
 
 def salloc_flags(alloc: Allocation, partition: str) -> list[str]:
-    """The same request as sbatch's #SBATCH lines in job.sh (scripts/batch.py), for salloc."""
+    """The same request as sbatch's #SBATCH lines in job.sh (dtrain/jobs/batch_script.py), for salloc."""
     flags = [f"--partition={partition}", f"--nodes={alloc.nodes}", f"--ntasks-per-node={alloc.processes_per_node}"]
     flags += ["--exclusive"] if alloc.exclusive else []
     flags += [f"--gres=gpu:{alloc.gpus_per_node}"] if alloc.gpus_per_node else []

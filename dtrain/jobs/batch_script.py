@@ -4,7 +4,7 @@ What the script does, on the first node of the allocation, whoever is attached:
   1. writes the allocation's node list (rank -> host) and clears the verdict of an earlier attempt
      (a requeued job runs the script again, and resumes from the run's checkpoints);
   2. runs the job: Horovod with `horovodrun` on a hostfile made from the allocation, its remote workers
-     started as Slurm job steps through `remote/bin/ssh` (scripts/remote/srun_ssh.py), so that Slurm
+     started as Slurm job steps through `remote/bin/ssh` (dtrain/remote/job/srun_ssh.py), so that Slurm
      tracks and kills every process; DDP with `torchrun` under `srun`, one per node. The docker runtime
      runs the same launchers in the framework's image, one container per node (the nodes' Epilog
      removes the job's containers, which dockerd owns, not Slurm);
@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dtrain.cluster.ssh import q
+from dtrain.remote.job.annotate_output import TORCHRUN_PREFIX_TEMPLATE
 from infra.contract import CONTAINER_SSH_PORT, PREEMPTED_EXIT_CODE
-from scripts.remote.annotate_output import TORCHRUN_PREFIX_TEMPLATE
-from scripts.sshutil import q
 
 Launcher = Literal["horovodrun", "torchrun"]
 NODE_PROBE_S = 60  # how long a node may take to run an empty job step before it counts as failed
@@ -39,7 +39,7 @@ ONE_TASK_PER_NODE = '--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NOD
 # torchrun prefixes each line of a rank with this (it has no flag for it): the global rank, which
 # annotate_output.py turns into [rank|host]. Quoted: torchrun, not bash, fills in ${rank}.
 TORCHRUN_PREFIX = f"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE={q(TORCHRUN_PREFIX_TEMPLATE)}"
-# A Spot eviction's SIGUSR1 (scripts/remote/spot_agent.py) is for the training ranks, which catch it. The
+# A Spot eviction's SIGUSR1 (dtrain/remote/boot/spot_agent.py) is for the training ranks, which catch it. The
 # agent signals only the job's processes that catch it, but srun catches it too and forwards it to its
 # step's tasks: the batch shell ignores it, and so does what it starts (an ignored signal stays ignored
 # across exec); a step's tasks start afresh, so they go through this wrapper first.
@@ -105,7 +105,7 @@ def _header(spec: JobSpec) -> list[str]:
     lines = [
         "#!/bin/bash",
         f"# Run {spec.run_id}: {spec.world_size} processes ({spec.launcher}) on {spec.nodes} nodes.",
-        "# Written by `python -m scripts launch`; resubmit with `sbatch job.sh` from this directory.",
+        "# Written by `dtrain launch`; resubmit with `sbatch job.sh` from this directory.",
         "# shellcheck disable=SC2016  # the single-quoted commands expand their variables in the containers",
         f"#SBATCH --job-name={spec.run_id}",
         f"#SBATCH --partition={spec.partition}",

@@ -3,7 +3,7 @@ has ended, then report its exit from the run's status.json and verdict.json.
 
 Following is only reading: the job does not depend on it. Killing the follower (or closing the laptop)
 leaves the job running, and its results are uploaded by the job itself. An outage of SSH to the login
-host or of slurmctld is waited out (scripts/slurm.py's `patiently`): a question Slurm did not answer is
+host or of slurmctld is waited out (dtrain/cluster/slurm.py's `patiently`): a question Slurm did not answer is
 never taken for "the job has ended".
 """
 
@@ -15,13 +15,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from scripts.cluster import ClusterDescription
-from scripts.errors import ExitCode, OperatorError
-from scripts.processes import stop_process_group
-from scripts.runs import Run, list_runs
-from scripts.slurm import ACTIVE_STATES, NodeInfo, Slurm, patiently
-from scripts.sshutil import SSH, q
-from scripts.ui import make_console
+from dtrain.cluster.description import ClusterDescription
+from dtrain.cluster.slurm import ACTIVE_STATES, NodeInfo, Slurm, patiently
+from dtrain.cluster.ssh import SSH, q
+from dtrain.errors import ExitCode, OperatorError
+from dtrain.jobs.runs import Run, list_runs
+from dtrain.processes import stop_process_group
+from dtrain.ui import make_console
 
 console = make_console()
 POLL_S = 2.0
@@ -146,7 +146,7 @@ def ask_cancel_or_detach(slurm: Slurm, run: Run) -> int:
         else:
             console.print(f"[red]{run.label} cancelled, but Slurm still holds it after {CANCEL_WAIT_S:.0f} s[/red]")
     else:
-        console.print(f"detached: {run.label} runs on; follow it with `python -m scripts logs {run.job_id} -f`")
+        console.print(f"detached: {run.label} runs on; follow it with `dtrain logs {run.job_id} -f`")
     return int(ExitCode.INTERRUPTED)
 
 

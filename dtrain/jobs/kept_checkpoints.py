@@ -14,9 +14,9 @@ import re
 
 from azure.core.exceptions import AzureError
 
-from scripts.blobs import container_client
-from scripts.cluster import ClusterDescription
-from scripts.errors import ExitCode, OperatorError
+from dtrain.cluster.blobs import container_client
+from dtrain.cluster.description import ClusterDescription
+from dtrain.errors import ExitCode, OperatorError
 
 CHECKPOINTS = "checkpoints"
 # ckpt-<step>.ckpt (data parallel) or step-<step>/<file> (model parallel, torch.distributed.checkpoint)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-# scripts/remote/annotate_output.py's prefix of a launcher's own line: [horovodrun], [torchrun@node-1]
+# dtrain/remote/job/annotate_output.py's prefix of a launcher's own line: [horovodrun], [torchrun@node-1]
 _LAUNCHER_LINE = re.compile(r"^(\[(?:horovodrun|torchrun)(?:@[^\]]+)?\]) ?(.*)$")
 _TRACEBACK = "Traceback (most recent call last):"
 

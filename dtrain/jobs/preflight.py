@@ -15,13 +15,13 @@ import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from scripts.cluster import ClusterDescription
-from scripts.errors import OperatorError
-from scripts.sshutil import q
+from dtrain.cluster.description import ClusterDescription
+from dtrain.cluster.ssh import q
+from dtrain.errors import OperatorError
 
 # The round trip's own exit statuses (sbatch and the shell use 0-2 and 126-127).
 NO_DATA, ONE_CLASS, NO_ENTRYPOINT = 18, 19, 20
-STAGE_HINT = "python -m scripts stage all DIR --dataset NAME"
+STAGE_HINT = "dtrain stage all DIR --dataset NAME"
 
 
 def flag_value(args: Sequence[str], flag: str) -> str | None:

@@ -1,9 +1,9 @@
 """`results RUN`: download what a run left in the results container (the trained model, TensorBoard events,
 summary.png, run.json with its cost, logs, metrics) to a local directory.
 
-  python -m scripts results 20261124T101500Z-pytorch-1a2b --dest runs/
+  python -m dtrain results 20261124T101500Z-pytorch-1a2b --dest runs/
 
-The job uploads its run directory itself when it ends (scripts/remote/upload_results.py); this reads it
+The job uploads its run directory itself when it ends (dtrain/remote/job/upload_results.py); this reads it
 back with the operator's results credential. A file already here with the blob's MD5 is not fetched
 again, so an interrupted download resumes; each file lands under its final name only once complete.
 """
@@ -19,13 +19,13 @@ from azure.core.exceptions import AzureError
 from azure.storage.blob import BlobProperties, ContainerClient
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from scripts import blobs
-from scripts.cli import add_cluster_option, arg_type, non_empty
-from scripts.cluster import ClusterDescription, load
-from scripts.errors import OperatorError
-from scripts.fileio import file_md5
-from scripts.submit import check_run_id
-from scripts.ui import make_console
+from dtrain.cli_common import add_cluster_option, arg_type, non_empty
+from dtrain.cluster import blobs
+from dtrain.cluster.description import ClusterDescription, load
+from dtrain.errors import OperatorError
+from dtrain.fileio import file_md5
+from dtrain.jobs.submit import check_run_id
+from dtrain.ui import make_console
 
 console = make_console()
 DEFAULT_DEST = "runs"
@@ -53,7 +53,7 @@ def download_run(desc: ClusterDescription, run_id: str, dest: str | Path, show_p
         raise blobs.explain(exc, f"listing {desc.results.url}/{prefix}") from None
     if not found:
         raise OperatorError(
-            f"no results for run {run_id} in {desc.results.url}/ (has the job ended? see `python -m scripts jobs`)"
+            f"no results for run {run_id} in {desc.results.url}/ (has the job ended? see `dtrain jobs`)"
         )
     result = Downloaded(Path(dest) / run_id)
     progress = Progress(
@@ -104,7 +104,7 @@ def configure(commands: argparse._SubParsersAction) -> None:
         "results",
         help="download a run's model, curves, cost and logs from the results container",
         description=__doc__.split("\n\n")[0],
-        epilog="examples: python -m scripts results RUN_ID; python -m scripts results RUN_ID --dest /tmp/runs\n"
+        epilog="examples: python -m dtrain results RUN_ID; python -m dtrain results RUN_ID --dest /tmp/runs\n"
         "then: tensorboard --logdir runs/RUN_ID/tensorboard; "
         "python -m training.predict --model runs/RUN_ID/model IMAGE.jpg",
     )

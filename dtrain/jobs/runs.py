@@ -1,4 +1,4 @@
-"""The runs on the cluster's shared file system, read through the login node (scripts/remote/list_runs.py),
+"""The runs on the cluster's shared file system, read through the login node (dtrain/remote/login/list_runs.py),
 and the one way every command turns `JOB` (a Slurm job id or a run id) into a run."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from scripts.cluster import ClusterDescription
-from scripts.errors import ExitCode, OperatorError
-from scripts.slurm import JOB_ID, Slurm
-from scripts.sshutil import q
-from scripts.submit import REMOTE_DIR, check_run_id, runs_dir
+from dtrain.cluster.description import ClusterDescription
+from dtrain.cluster.slurm import JOB_ID, Slurm
+from dtrain.cluster.ssh import q
+from dtrain.errors import ExitCode, OperatorError
+from dtrain.jobs.submit import REMOTE_DIR, check_run_id, runs_dir
 
-LIST_RUNS = REMOTE_DIR / "list_runs.py"
+LIST_RUNS = REMOTE_DIR / "login" / "list_runs.py"
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,8 @@ def resolve(desc: ClusterDescription, slurm: Slurm, text: str) -> Run:
             return found[0]
         if slurm.queue(text):
             return Run(run_id=None, job_id=text)
-        raise OperatorError(f"no job {text}: not in Slurm's queue, and no run of it (see `python -m scripts jobs`)")
+        raise OperatorError(f"no job {text}: not in Slurm's queue, and no run of it (see `dtrain jobs`)")
     found = list_runs(desc, slurm, run=check_run_id(text), limit=1)
     if not found:
-        raise OperatorError(f"no run {text} in {runs_dir(desc)} (see `python -m scripts jobs`)")
+        raise OperatorError(f"no run {text} in {runs_dir(desc)} (see `dtrain jobs`)")
     return found[0]

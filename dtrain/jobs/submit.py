@@ -21,28 +21,28 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from dtrain.cli import cost
+from dtrain.cluster.description import REPO_ROOT, ClusterDescription, SlurmAccess
+from dtrain.cluster.slurm import Slurm, parse_job_id, require_slurm
+from dtrain.cluster.ssh import SSH, q
+from dtrain.errors import ExitCode, OperatorError
+from dtrain.jobs.allocation import Allocation, plan_allocation
+from dtrain.jobs.batch_script import REMOTE_TOOLS, JobSpec, Launcher, LocalCopy, ResultsTarget, render_job_script
+from dtrain.jobs.kept_checkpoints import newest_kept_checkpoint
+from dtrain.jobs.preflight import dataset_under_data_path, plan_preflight
+from dtrain.jobs.preflight import flag_value as _flag_value
+from dtrain.jobs.workdir import CODE_SUBDIR, MAX_WORKDIR_MB, Workdir, check_workdir, send_workdir
 from infra.contract import FRAMEWORKS, RUNS_DIR
-from scripts import cost
-from scripts.allocation import Allocation, plan_allocation
-from scripts.batch import REMOTE_TOOLS, JobSpec, Launcher, LocalCopy, ResultsTarget, render_job_script
-from scripts.cluster import REPO_ROOT, ClusterDescription, SlurmAccess
-from scripts.errors import ExitCode, OperatorError
-from scripts.kept_checkpoints import newest_kept_checkpoint
-from scripts.preflight import dataset_under_data_path, plan_preflight
-from scripts.preflight import flag_value as _flag_value
-from scripts.slurm import Slurm, parse_job_id, require_slurm
-from scripts.sshutil import SSH, q
-from scripts.workdir import CODE_SUBDIR, MAX_WORKDIR_MB, Workdir, check_workdir, send_workdir
-from training.backend_choice import AUTO, DDP, HOROVOD
+from training.world.backend_choice import AUTO, DDP, HOROVOD
 
 # A run id names a directory on the share, a Slurm job and a blob prefix: one plain path component.
 RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,100}")
-REMOTE_DIR = REPO_ROOT / "scripts" / "remote"
+REMOTE_DIR = REPO_ROOT / "dtrain" / "remote"
 SAS_FILE = "results.sas"
 MODEL_PARALLEL_JOB = "training.model_parallel"
 # The training jobs' output flags that `launch` points into the run directory (flag name -> path in it).
 RUN_OUTPUTS = {"export-dir": "model", "tensorboard-dir": "tensorboard", "summary-png": "summary.png"}
-_RUN_EXISTS = 17  # the remote step's own exit status (scripts/preflight.py has those of its checks)
+_RUN_EXISTS = 17  # the remote step's own exit status (dtrain/jobs/preflight.py has those of its checks)
 
 
 @dataclass
@@ -117,7 +117,7 @@ def choose_launcher(opts: LaunchOptions) -> Launcher:
 
 def check_backend(opts: LaunchOptions, launcher: Launcher) -> None:
     """Our data-parallel job's backend is its launcher's: under the other launcher each process would
-    see a world of one and train alone (training/backend_choice.py)."""
+    see a world of one and train alone (training/world/backend_choice.py)."""
     if launcher == "torchrun" and opts.framework != "pytorch":
         raise OperatorError(f"--launcher torchrun runs PyTorch jobs only, not {opts.framework}")
     if opts.framework != "pytorch" or opts.workdir or opts.entrypoint or opts.model_parallel:
@@ -223,7 +223,7 @@ def choose_partition(access: SlurmAccess, opts: LaunchOptions) -> str:
         flag = "--spot" if opts.spot else "--spot-fallback"
         raise OperatorError(
             f"{flag}: the cluster has no Spot partition (set spotNodeCount in the stack config, `pulumi up`, "
-            "then `python -m scripts cluster from-stack` again)"
+            "then `dtrain cluster from-stack` again)"
         )
     return f"{access.spot_partition},{access.partition}" if opts.spot_fallback else access.spot_partition
 
@@ -263,7 +263,7 @@ def node_hour_price(desc: ClusterDescription, spot: bool = False) -> tuple[float
     price = cost.node_hour_price(desc.gpu_sku, desc.region, spot=spot)
     kind = "Spot price" if spot else "price"
     if price is None:
-        return None, f"no {kind} for {desc.gpu_sku} in {desc.region} in the price table (`python -m scripts cost`)"
+        return None, f"no {kind} for {desc.gpu_sku} in {desc.region} in the price table (`dtrain cost`)"
     return float(price.usd_per_hour), f"{price.source}, price table of {price.as_of}"
 
 
@@ -366,7 +366,7 @@ def _run_files(
         "job.json": (json.dumps(record, indent=2).encode() + b"\n", 0o600),
     }
     for tool in REMOTE_TOOLS:
-        files[f"remote/{tool}"] = ((REMOTE_DIR / tool).read_bytes(), 0o700)
+        files[f"remote/{tool}"] = ((REMOTE_DIR / "job" / tool).read_bytes(), 0o700)
     cred = desc.results_upload
     if cred.kind == "sas" and cred.secret is not None:
         files[SAS_FILE] = (cred.secret.get_secret_value().encode(), 0o600)

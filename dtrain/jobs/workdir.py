@@ -19,10 +19,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.cli import require_tool
-from scripts.cluster import ClusterDescription
-from scripts.errors import ExitCode, OperatorError
-from scripts.sshutil import SSH, q
+from dtrain.cli_common import require_tool
+from dtrain.cluster.description import ClusterDescription
+from dtrain.cluster.ssh import SSH, q
+from dtrain.errors import ExitCode, OperatorError
 
 CODE_SUBDIR = "code"  # in the run directory: where the command runs
 CACHE_DIR = ".workdirs"  # in the runs directory: the last upload of each of a user's directories

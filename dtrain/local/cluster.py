@@ -1,21 +1,21 @@
 """The embedded local cluster: the Azure topology emulated on one machine, for demos and tests.
 
-  python -m scripts local up [--nodes 2] [--autostop-seconds 0]   # writes STATE/cluster.json (~/.local/state/...)
-  python -m scripts local status
-  python -m scripts local link-rate 100mbit   # slow the links between nodes (tc tbf); `full` undoes it
-  python -m scripts local down
+  python -m dtrain local up [--nodes 2] [--autostop-seconds 0]   # writes STATE/cluster.json (~/.local/state/...)
+  python -m dtrain local status
+  python -m dtrain local link-rate 100mbit   # slow the links between nodes (tc tbf); `full` undoes it
+  python -m dtrain local down
 
 What `up` creates (all of it recorded in STATE_DIR/state.json, all of it removed by `down`):
   * nodes: one network namespace per node (`<name>-node-<i>`), a veth pair into it as eth0 on a
     bridge `<name>-br` with a private /24 (default 10.213.0.0/24, refused if anything on the
     machine already uses it), its own /etc/hosts (/etc/netns/<ns>/hosts) and its own sshd started
-    under `unshare --uts` so that it has its own hostname (scripts/local_nodes.py). Where
+    under `unshare --uts` so that it has its own hostname (dtrain/local/nodes.py). Where
     namespaces cannot be made (no root, no CAP_NET_ADMIN), each node is an sshd on its own
     loopback address (127.0.1.x) and port, and there is no Slurm; `--link-rate` (or `local
-    link-rate` later) slows each node's eth0 with tc (scripts/local_link.py);
-  * Slurm (namespaces only, see scripts/local_slurm.py): munged on the host, slurmctld in a head
+    link-rate` later) slows each node's eth0 with tc (dtrain/local/link.py);
+  * Slurm (namespaces only, see dtrain/local/slurm.py): munged on the host, slurmctld in a head
     namespace (`<name>-head`), a slurmd on every node, with infra's slurm.conf; power saving
-    (--autostop-seconds) stops and starts nodes (scripts/local_power.py), and the health check
+    (--autostop-seconds) stops and starts nodes (dtrain/local/power.py), and the health check
     drains a node that fails it;
   * a jump host and an "NFS server": two sshds on 127.0.0.1 ports (every SSH call goes through
     the jump host with ProxyJump, as on Azure);
@@ -46,11 +46,8 @@ from typing import Literal
 from pydantic import SecretStr
 from rich.table import Table
 
-from infra.contract import HEALTH_REPORT_DIR, SLURM_PARTITION, SLURMCTLD_PORT, SLURMD_PORT, SPOT_PARTITION
-from scripts import local_gpus, local_link, local_metadata, local_power, local_slurm
-from scripts import local_network as net
-from scripts.cli import arg_type, ensure_directory, int_between, non_empty, require_tool
-from scripts.cluster import (
+from dtrain.cli_common import arg_type, ensure_directory, int_between, non_empty, require_tool
+from dtrain.cluster.description import (
     DEFAULT_LOCAL_STATE,
     REPO_ROOT,
     BlobCredential,
@@ -60,11 +57,17 @@ from scripts.cluster import (
     SlurmAccess,
     SSHEndpoint,
 )
-from scripts.daemons import free_port, wait_port, wait_socket_file
-from scripts.errors import ExitCode, OperatorError
-from scripts.fileio import atomic_write
-from scripts.local_network import check_subnet_free
-from scripts.local_nodes import (
+from dtrain.errors import ExitCode, OperatorError
+from dtrain.fileio import atomic_write
+from dtrain.local import gpus as local_gpus
+from dtrain.local import link as local_link
+from dtrain.local import metadata as local_metadata
+from dtrain.local import network as net
+from dtrain.local import power as local_power
+from dtrain.local import slurm as local_slurm
+from dtrain.local.daemons import free_port, wait_port, wait_socket_file
+from dtrain.local.network import check_subnet_free
+from dtrain.local.nodes import (
     SSHD,
     SYSTEM_PYTHON,
     keygen,
@@ -77,10 +80,11 @@ from scripts.local_nodes import (
     start_spot_agent,
     start_sshd,
 )
-from scripts.local_slurm import LocalSlurmSettings
-from scripts.local_state import AZURITE_ACCOUNT, HostState, LocalState, NodeState, load_state, state_lock
-from scripts.processes import descendants, stop_pids
-from scripts.ui import make_console
+from dtrain.local.slurm import LocalSlurmSettings
+from dtrain.local.state import AZURITE_ACCOUNT, HostState, LocalState, NodeState, load_state, state_lock
+from dtrain.processes import descendants, stop_pids
+from dtrain.ui import make_console
+from infra.contract import HEALTH_REPORT_DIR, SLURM_PARTITION, SLURMCTLD_PORT, SLURMD_PORT, SPOT_PARTITION
 
 # Azurite's well-known development key (public, documented by Microsoft; not a secret).
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
@@ -125,7 +129,7 @@ def up(
 
     autostop_seconds: idle seconds before Slurm suspends a node (0: never); health_check_interval_s:
     how often every node runs the health check; link_rate: what each node may send (`100mbit`; None
-    or `full`: full speed); gpus_per_node: emulated GPUs (scripts/local_gpus.py); storage_dir: where
+    or `full`: full speed); gpus_per_node: emulated GPUs (dtrain/local/gpus.py); storage_dir: where
     Azurite keeps the blobs (default: inside STATE_DIR, removed by `down`; elsewhere, they outlive the
     cluster, as Azure's storage does)."""
     rate = local_link.parse_link_rate(link_rate) if link_rate else None
@@ -221,7 +225,7 @@ def _check_up_request(
         raise OperatorError(f"subnet {network} is too small for {nodes} nodes")
     if load_state(state_dir) is not None:
         raise OperatorError(
-            f"a local cluster is already recorded in {state_dir} (run `python -m scripts local down "
+            f"a local cluster is already recorded in {state_dir} (run `dtrain local down "
             f"--state-dir {state_dir}` first)"
         )
     # `down` removes the whole state directory: never adopt one that holds anything else
@@ -261,7 +265,7 @@ def _check_tools(mode: str) -> Path:
         require_tool(tool, "apt-get install openssh-server openssh-client nodejs")
     if mode == "netns":
         for tool in (*SLURM_TOOLS, "nsenter"):
-            require_tool(tool, "run scripts/setup_system.sh (apt-get install munge slurmctld slurmd slurm-client)")
+            require_tool(tool, "run tools/setup_system.sh (apt-get install munge slurmctld slurmd slurm-client)")
     azurite = REPO_ROOT / "node_modules" / ".bin" / "azurite-blob"
     if not azurite.exists():
         raise OperatorError(f"Azurite is not installed: run `npm ci` in {REPO_ROOT}", ExitCode.NOT_READY)
@@ -363,9 +367,9 @@ def _start_metadata_endpoint(state: LocalState, node: NodeState) -> None:
     """Azure's instance metadata (Scheduled Events) at its own address, inside the node's namespace only."""
     namespace = str(node.namespace)
     net.sh("ip", "netns", "exec", namespace, "ip", "addr", "add", f"{local_metadata.METADATA_ADDRESS}/32", "dev", "lo")
-    module = [sys.executable, "-m", "scripts.local_metadata", "--state-dir", state.state_dir, "serve", node.hostname]
+    module = [sys.executable, "-m", "dtrain.local.metadata", "--state-dir", state.state_dir, "serve", node.hostname]
     argv = ["ip", "netns", "exec", namespace, "env", f"PYTHONPATH={REPO_ROOT}", *module]
-    start_daemon(state, f"metadata-{node.hostname}", argv, "scripts.local_metadata")
+    start_daemon(state, f"metadata-{node.hostname}", argv, "dtrain.local.metadata")
 
 
 def _loopback_nodes(state: LocalState, count: int) -> None:
@@ -460,7 +464,7 @@ def _describe(state: LocalState, python: Path, key: Path, known_hosts: Path, sto
         storage_export_path=str(shared),
         data_path=str(shared / "data"),
         local_data_path=str(local_data_dir(state)) if state.mode == "netns" else None,
-        blob_pull=[SYSTEM_PYTHON, str(REPO_ROOT / "scripts" / "remote" / "blob_pull.py")],
+        blob_pull=[SYSTEM_PYTHON, str(REPO_ROOT / "dtrain" / "remote" / "boot" / "blob_pull.py")],
         remote_python=SYSTEM_PYTHON,
         data=BlobLocation(
             endpoint=storage.endpoint,
@@ -671,10 +675,10 @@ namespaces (without it: --mode localhost, sshds on loopback ports and no Slurm).
 """
 EXAMPLES = """\
 examples:
-  python -m scripts local up --nodes 2                       # then: launch, jobs, logs, ...
-  python -m scripts local up --autostop-seconds 300          # idle nodes are suspended after 5 min
-  python -m scripts local status                             # exit 0 when everything runs
-  python -m scripts local down                               # stops and removes all of it
+  python -m dtrain local up --nodes 2                       # then: launch, jobs, logs, ...
+  python -m dtrain local up --autostop-seconds 300          # idle nodes are suspended after 5 min
+  python -m dtrain local status                             # exit 0 when everything runs
+  python -m dtrain local down                               # stops and removes all of it
 """
 
 
@@ -694,7 +698,7 @@ def configure(commands: argparse._SubParsersAction) -> None:
         help="create the cluster and write STATE_DIR/cluster.json",
         description="Create the local cluster (namespaces, sshds, Slurm, Azurite) and write its description,\n"
         "STATE_DIR/cluster.json. Anything that fails on the way is removed again.",
-        epilog="example:\n  python -m scripts local up --nodes 2 --autostop-seconds 60\n",
+        epilog="example:\n  python -m dtrain local up --nodes 2 --autostop-seconds 60\n",
         formatter_class=raw,
     )
     _add_up_arguments(p_up)
@@ -703,7 +707,7 @@ def configure(commands: argparse._SubParsersAction) -> None:
         "down",
         help="stop and remove everything `up` created",
         description="Stop every process of the local cluster, remove its namespaces and links, and STATE_DIR.",
-        epilog="example:\n  python -m scripts local down --state-dir /tmp/lc\n",
+        epilog="example:\n  python -m dtrain local down --state-dir /tmp/lc\n",
         formatter_class=raw,
     )
     p_status = actions.add_parser(
@@ -711,7 +715,7 @@ def configure(commands: argparse._SubParsersAction) -> None:
         help="what is running (exit 0 when everything is up, 3 when not)",
         description="Every process and namespace of the local cluster, where it listens, and whether it runs.\n"
         "Nodes that Slurm powered down show as stopped, and are no failure.",
-        epilog="example:\n  python -m scripts local status\n",
+        epilog="example:\n  python -m dtrain local status\n",
         formatter_class=raw,
     )
     p_rate = actions.add_parser(
@@ -719,7 +723,7 @@ def configure(commands: argparse._SubParsersAction) -> None:
         help="slow the links between the nodes (tc tbf), or give them full speed again",
         description="Limit what each node sends over its eth0 to RATE (tc tbf on the veth), on the running\n"
         "cluster; `full` removes the limit. Traffic inside a node keeps its speed. Needs --mode netns.",
-        epilog="examples:\n  python -m scripts local link-rate 100mbit\n  python -m scripts local link-rate full\n",
+        epilog="examples:\n  python -m dtrain local link-rate 100mbit\n  python -m dtrain local link-rate full\n",
         formatter_class=raw,
     )
     p_rate.add_argument("rate", help="a tc rate such as 100mbit, 1gbit, 512kbit; or full")

@@ -6,7 +6,7 @@ import socket
 import time
 from pathlib import Path
 
-from scripts.errors import ExitCode, OperatorError
+from dtrain.errors import ExitCode, OperatorError
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -23,10 +23,10 @@ import os
 import stat
 from pathlib import Path
 
+from dtrain.errors import ExitCode, OperatorError
+from dtrain.fileio import atomic_write
+from dtrain.local.slurm import SlurmFiles
 from infra.cloud_init.slurm import render_gres_conf
-from scripts.errors import ExitCode, OperatorError
-from scripts.fileio import atomic_write
-from scripts.local_slurm import SlurmFiles
 
 DEVICE_MAJOR = 240  # Linux's devices.txt: 240-254 are for local and experimental use
 HOST_DEVICES_CGROUP = Path("/sys/fs/cgroup/devices")  # the cgroup v1 devices hierarchy, as the host mounts it

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import re
 
-from scripts.cli import require_tool
-from scripts.errors import OperatorError
-from scripts.local_network import sh
+from dtrain.cli_common import require_tool
+from dtrain.errors import OperatorError
+from dtrain.local.network import sh
 
 FULL_SPEED = "full"
 _RATE = re.compile(r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)")
@@ -40,7 +40,7 @@ def parse_link_rate(text: str) -> str | None:
 
 
 def require_tc() -> None:
-    require_tool("tc", "apt-get install iproute2 (scripts/setup_system.sh)")
+    require_tool("tc", "apt-get install iproute2 (tools/setup_system.sh)")
 
 
 def rate_bits(rate: str) -> float:

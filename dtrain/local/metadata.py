@@ -2,7 +2,7 @@
 
 Every node namespace has 169.254.169.254 on its loopback, and there, on port 80, this server (started
 by `local up` in the node's network namespace only: like Azure's, it is not part of the machine and
-outlives the node being switched off). It answers what the node agent (scripts/remote/spot_agent.py)
+outlives the node being switched off). It answers what the node agent (dtrain/remote/boot/spot_agent.py)
 asks Azure, with Azure's JSON:
 
   GET  /metadata/scheduledevents?api-version=2020-07-01          (header Metadata: true) the events
@@ -13,10 +13,10 @@ The events are the cluster's, STATE/metadata/events.json, the same document for 
 delivers a scale set's events to all of its VMs; each event names the VMs it affects). A test makes
 one announce a `Preempt` with :func:`announce_preempt`; the affected node's server then plays the
 platform: once the event is acknowledged (EventStatus `Started`) or its NotBefore has passed, it
-switches the node off (scripts/local_power.py) and removes the event.
+switches the node off (dtrain/local/power.py) and removes the event.
 
-  python -m scripts.local_metadata --state-dir STATE serve node-0        # what `up` starts per node
-  python -m scripts.local_metadata --state-dir STATE preempt node-0      # announce an eviction
+  python -m dtrain.local.metadata --state-dir STATE serve node-0        # what `up` starts per node
+  python -m dtrain.local.metadata --state-dir STATE preempt node-0      # announce an eviction
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from scripts import local_power
-from scripts.cli import CLIParser, int_between, non_empty, run_cli
-from scripts.cluster import DEFAULT_LOCAL_STATE
+from dtrain.cli_common import CLIParser, int_between, non_empty, run_cli
+from dtrain.cluster.description import DEFAULT_LOCAL_STATE
+from dtrain.local import power as local_power
 
 METADATA_ADDRESS = "169.254.169.254"  # Azure's, link-local: it exists only inside the node namespaces
 EVENTS_PATH = "/metadata/scheduledevents"
@@ -206,10 +206,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def build_parser() -> CLIParser:
     parser = CLIParser(
-        prog="python -m scripts.local_metadata",
+        prog="python -m dtrain.local.metadata",
         description="The local cluster's instance metadata (Azure Scheduled Events): serve it, or announce "
         "a Spot eviction (Preempt) of a node.",
-        epilog="example: python -m scripts.local_metadata preempt node-0",
+        epilog="example: python -m dtrain.local.metadata preempt node-0",
     )
     parser.add_argument(
         "--state-dir",

@@ -15,7 +15,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from scripts.errors import ExitCode, OperatorError
+from dtrain.errors import ExitCode, OperatorError
 
 ETC_NETNS = Path("/etc/netns")  # `ip netns exec` bind-mounts /etc/netns/<ns>/hosts over /etc/hosts
 

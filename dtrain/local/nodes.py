@@ -16,17 +16,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scripts import local_gpus, local_slurm
-from scripts.errors import ExitCode, OperatorError
-from scripts.local_network import sh
-from scripts.local_state import LocalState, NodeState, ProcessRecord
-from scripts.processes import children
+from dtrain.errors import ExitCode, OperatorError
+from dtrain.local import gpus as local_gpus
+from dtrain.local import slurm as local_slurm
+from dtrain.local.network import sh
+from dtrain.local.state import LocalState, NodeState, ProcessRecord
+from dtrain.processes import children
 
 SSHD = "/usr/sbin/sshd"
 # The NFS server and the nodes run the remote tools with the system python (as on Azure): proves
 # they need only the stdlib.
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
-SPOT_AGENT = Path(__file__).resolve().parent / "remote" / "spot_agent.py"
+SPOT_AGENT = Path(__file__).resolve().parents[1] / "remote" / "boot" / "spot_agent.py"
 SSHD_WAIT_S = 20
 
 
@@ -120,7 +121,7 @@ def start_slurmd(state: LocalState, node: NodeState) -> None:
 
 
 def start_spot_agent(state: LocalState, node: NodeState) -> None:
-    """The node's Spot agent (scripts/remote/spot_agent.py), inside the node's namespaces like its slurmd:
+    """The node's Spot agent (dtrain/remote/boot/spot_agent.py), inside the node's namespaces like its slurmd:
     it reaches the node's metadata endpoint, and goes when the node is switched off."""
     assert state.slurm_conf is not None
     enter = ["nsenter", f"--target={node_init_pid(state, node)}", "--net", "--uts", "--pid", "--mount"]

@@ -1,20 +1,20 @@
 """Slurm's power saving on the local cluster: its SuspendProgram and ResumeProgram.
 
-On Azure these deallocate and start scale-set instances (scripts/remote/slurm_power.py). Here a
+On Azure these deallocate and start scale-set instances (dtrain/remote/slurm/slurm_power.py). Here a
 node is switched off by killing its sshd, the first process of the node's PID namespace, which
 ends every process in it (slurmd, the Spot agent and job steps included); it is switched on by
 starting the sshd again, and a slurmd and the Spot agent inside it, as `up` does
-(scripts/local_nodes.py). The network namespace stays, and so does its metadata endpoint.
+(dtrain/local/nodes.py). The network namespace stays, and so does its metadata endpoint.
 
 slurmctld runs the wrappers that `up` writes to STATE/slurm/{suspend,resume,resume-fail} as root,
 with a hostlist (`node-[0-1]`), from the head namespace; they run this module with the operator's
 python, logging to STATE/logs/power.log:
 
-    python -m scripts.local_power --state-dir STATE suspend|resume|resume-fail node-[0-1]
+    python -m dtrain.local.power --state-dir STATE suspend|resume|resume-fail node-[0-1]
 
 `stop_node` and `start_node` are the same steps for one node, for tests that fail a node on purpose
 (Slurm then marks it DOWN after SlurmdTimeout, and takes it back when its slurmd registers).
-Every change to the cluster's record happens under its lock (scripts/local_state.py).
+Every change to the cluster's record happens under its lock (dtrain/local/state.py).
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from scripts.cli import CLIParser, non_empty, run_cli
-from scripts.cluster import REPO_ROOT
-from scripts.daemons import wait_port
-from scripts.errors import OperatorError
-from scripts.fileio import atomic_write
-from scripts.local_nodes import (
+from dtrain.cli_common import CLIParser, non_empty, run_cli
+from dtrain.cluster.description import REPO_ROOT
+from dtrain.errors import OperatorError
+from dtrain.fileio import atomic_write
+from dtrain.local.daemons import wait_port
+from dtrain.local.nodes import (
     SSHD_WAIT_S,
     node_roles,
     running_init_pid,
@@ -45,9 +45,9 @@ from scripts.local_nodes import (
     start_spot_agent,
     start_sshd,
 )
-from scripts.local_slurm import POWER_ACTIONS, SlurmFiles, client_env, slurmd_role
-from scripts.local_state import LocalState, load_state, state_lock
-from scripts.processes import descendants, stop_pids
+from dtrain.local.slurm import POWER_ACTIONS, SlurmFiles, client_env, slurmd_role
+from dtrain.local.state import LocalState, load_state, state_lock
+from dtrain.processes import descendants, stop_pids
 
 LOG_NAME = "power.log"  # under STATE/logs
 log = logging.getLogger("local-power")
@@ -133,7 +133,7 @@ def install_programs(files: SlurmFiles, state_dir: Path) -> None:
             f"cd {q(str(REPO_ROOT))} || exit 1\n"
             f"export PYTHONPATH={q(str(REPO_ROOT))} SLURM_CONF={q(str(files.conf))}\n"
             'export PATH="$PATH:/usr/sbin:/usr/bin:/sbin:/bin"\n'
-            f'exec {q(sys.executable)} -m scripts.local_power --state-dir {q(str(state_dir))} {action} "$@"\n'
+            f'exec {q(sys.executable)} -m dtrain.local.power --state-dir {q(str(state_dir))} {action} "$@"\n'
         )
         atomic_write(files.power_program(action), text, 0o755)
 
@@ -181,9 +181,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def build_parser() -> CLIParser:
     parser = CLIParser(
-        prog="python -m scripts.local_power",
+        prog="python -m dtrain.local.power",
         description="Suspend or resume nodes of the local cluster (slurmctld's SuspendProgram and ResumeProgram).",
-        epilog="example: python -m scripts.local_power --state-dir STATE resume node-[0-1]",
+        epilog="example: python -m dtrain.local.power --state-dir STATE resume node-[0-1]",
     )
     parser.add_argument("--state-dir", type=non_empty, required=True, help="the local cluster's state directory")
     parser.add_argument("action", choices=POWER_ACTIONS, help="what to do with the nodes")

@@ -12,7 +12,7 @@ runs them, with the slurm.conf that infra/cloud_init/slurm.py renders for Azure.
 Commands from the host: `SLURM_CONF=STATE/slurm/slurm.conf sinfo` (`client_env`).
 
 Power saving is Slurm's own: after `autostop_s` idle seconds slurmctld runs STATE/slurm/suspend,
-and STATE/slurm/resume when a job needs the node again (scripts/local_power.py stops and starts the
+and STATE/slurm/resume when a job needs the node again (dtrain/local/power.py stops and starts the
 node's sshd and slurmd). Timeouts are seconds here, where Azure's are minutes.
 """
 
@@ -27,6 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtrain.errors import ExitCode, OperatorError
+from dtrain.fileio import atomic_write
+from dtrain.local.daemons import log_tail
 from infra.cloud_init.slurm import (
     HealthCheck,
     JobTimeLimits,
@@ -38,9 +41,6 @@ from infra.cloud_init.slurm import (
     render_slurm_conf,
 )
 from infra.contract import HEALTH_REPORT_DIR, SLURM_PARTITION, SPOT_PARTITION
-from scripts.daemons import log_tail
-from scripts.errors import ExitCode, OperatorError
-from scripts.fileio import atomic_write
 
 CONTROLLER_HOST = "head"
 NODE_CPUS = 2  # what each node offers to jobs: every node shares this machine's cores
@@ -49,8 +49,8 @@ MIN_FREE_GB = 1
 RUNTIME_ROOT = Path("/run/hvd-local")
 SBIN = "/usr/sbin"
 # Azure's Epilog, run in place: it removes a job's containers (there are none with the host runtime)
-EPILOG = Path(__file__).resolve().parent / "remote" / "slurm-epilog.sh"
-POWER_ACTIONS = ("suspend", "resume", "resume-fail")  # scripts/local_power.py
+EPILOG = Path(__file__).resolve().parents[1] / "remote" / "slurm" / "slurm-epilog.sh"
+POWER_ACTIONS = ("suspend", "resume", "resume-fail")  # dtrain/local/power.py
 # Shorter than on Azure, where a VM boots in minutes: here a node is two processes.
 SUSPEND_TIMEOUT_S = 5  # a suspended node may be resumed this long after its suspend began
 RESUME_TIMEOUT_S = 60
@@ -68,7 +68,7 @@ class LocalSlurmSettings:
 
     autostop_s: int = 0  # idle seconds before a node is suspended (SuspendTime); 0: never
     health_check_interval_s: int = 60
-    gpus_per_node: int = 0  # emulated GPUs (scripts/local_gpus.py): gres, isolated by task/cgroup
+    gpus_per_node: int = 0  # emulated GPUs (dtrain/local/gpus.py): gres, isolated by task/cgroup
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,7 @@ def render_local_conf(
     )
     run = files.root
     controller = conf_value(azure, "SlurmctldParameters")
-    # Every node is in the Spot partition too: any of them may be "evicted" (scripts/local_metadata.py)
+    # Every node is in the Spot partition too: any of them may be "evicted" (dtrain/local/metadata.py)
     spot = partition_line(SPOT_PARTITION, "ALL", default=False, share=cores_per_gpu(node_set), job_time=JOB_TIME)
     conf = override(
         azure,

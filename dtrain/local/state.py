@@ -2,7 +2,7 @@
 port `up` created, so that `status` can show them and `down` can remove exactly them.
 
 Three kinds of writers change the record: `up` and `down`, and the power programs slurmctld runs
-(scripts/local_power.py) when it stops and starts nodes. Each takes `state_lock` around its
+(dtrain/local/power.py) when it stops and starts nodes. Each takes `state_lock` around its
 read-modify-write, so that none loses another's processes.
 """
 
@@ -18,10 +18,10 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
-from scripts.cli import describe_validation_error, read_json_file
-from scripts.errors import OperatorError
-from scripts.fileio import atomic_write
-from scripts.processes import matches
+from dtrain.cli_common import describe_validation_error, read_json_file
+from dtrain.errors import OperatorError
+from dtrain.fileio import atomic_write
+from dtrain.processes import matches
 
 STATE_FILE = "state.json"
 LOCK_FILE = "state.lock"
@@ -68,7 +68,7 @@ class LocalState(BaseModel):
     ports: dict[str, int] = Field(default_factory=dict)  # jumpbox, nfs: sshd ports on 127.0.0.1
     slurm_conf: str | None = None  # SLURM_CONF for Slurm's commands on this machine (netns mode)
     link_rate: str | None = None  # each node's eth0 sends at most this (tc tbf); None: full speed
-    gpus_per_node: int = 0  # emulated GPUs (scripts/local_gpus.py)
+    gpus_per_node: int = 0  # emulated GPUs (dtrain/local/gpus.py)
     created_at: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
 
     @property

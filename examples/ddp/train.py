@@ -5,7 +5,7 @@ MASTER_ADDR and MASTER_PORT. NCCL on CUDA, gloo on CPU. Rank 0 writes metrics.js
 to $OUTPUT_DIR (./output when it is not set), which `launch --workdir` uploads to the results container.
 
     torchrun --standalone --nproc-per-node 2 train.py --epochs 2
-    python -m scripts launch --workdir examples/ddp --gpus 1 -- python train.py --epochs 2
+    python -m dtrain launch --workdir examples/ddp --gpus 1 -- python train.py --epochs 2
 """
 
 import argparse

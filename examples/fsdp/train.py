@@ -6,7 +6,7 @@ parameters with fp32 gradient reduction; on CPU: gloo, fp32. Rank 0 gathers the 
 weights and writes model.pt and metrics.json to $OUTPUT_DIR (./output when it is not set).
 
     torchrun --standalone --nproc-per-node 2 train.py --steps 20
-    python -m scripts launch --workdir examples/fsdp --nodes 2 -- python train.py --steps 20
+    python -m dtrain launch --workdir examples/fsdp --nodes 2 -- python train.py --steps 20
 """
 
 import argparse

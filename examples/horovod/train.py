@@ -5,7 +5,7 @@ its rank (hvd.rank(), hvd.size(), hvd.local_rank()). NCCL on CUDA (if Horovod wa
 gloo otherwise. Rank 0 writes metrics.json and model.pt to $OUTPUT_DIR (./output when it is not set).
 
     horovodrun -np 2 -H localhost:2 --gloo python train.py --epochs 2
-    python -m scripts launch --workdir examples/horovod --launcher horovodrun -- python train.py --epochs 2
+    python -m dtrain launch --workdir examples/horovod --launcher horovodrun -- python train.py --epochs 2
 """
 
 import argparse

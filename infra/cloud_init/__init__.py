@@ -3,7 +3,7 @@
 No Pulumi here: plain values in, `#cloud-config` YAML text out, so that tests can validate the
 documents with `cloud-init schema` and the embedded shell scripts with shellcheck. slurm.py renders
 Slurm's own files and the node health check, for any cluster (Azure's and the local one). The
-scripts and programs the documents install are read from scripts/remote/, where everything that
+scripts and programs the documents install are read from dtrain/remote/, where everything that
 runs on a cluster host lives.
 """
 

@@ -17,12 +17,13 @@ MUNGE_KEY_PATH = "/etc/munge/munge.key"
 MUNGE_KEY_FETCH_PATH = "/usr/local/sbin/munge-key"  # head-setup and slurmd-setup run it before munged
 MUNGE_KEY_SECRET = "slurm-munge-key"  # its name in the stack's Key Vault
 NFS_MOUNT_PATH = "/usr/local/sbin/nfs-mount"
-# What runs on the hosts lives with the operator's tools (the local cluster runs it in place);
-# a package of docstring-only __init__ files, so reading it imports nothing of the CLI.
-REMOTE_PACKAGE = "scripts.remote"
+# What runs on the hosts lives with the operator's tools (the local cluster runs it in place), grouped
+# by when it runs (boot/, slurm/, job/, login/); a package of docstring-only __init__ files, so reading
+# it imports nothing of the CLI.
+REMOTE_PACKAGE = "dtrain.remote"
 
 _PLACEHOLDER = re.compile(r"@([A-Z][A-Z0-9_]*)@")
-# A template line `# include <name>` becomes the text of scripts/remote/<name>: functions that
+# A template line `# include <name>` becomes the text of <name> in the including file's folder: functions that
 # several host scripts share, pasted in so that each installed script stays one file.
 _INCLUDE = re.compile(r"^# include ([\w.-]+)$", re.MULTILINE)
 # Paths land in fstab, /etc/exports and systemd units, which each escape differently: allow only
@@ -91,14 +92,15 @@ def _shell_literal(value: ScriptValue) -> str:
 
 
 def remote_file(name: str) -> str:
-    """The text of scripts/remote/<name>, the folder of everything that runs on a cluster host."""
-    return resources.files(REMOTE_PACKAGE).joinpath(name).read_text(encoding="utf-8")
+    """The text of dtrain/remote/<group>/<name>, the folder of everything that runs on a cluster host."""
+    return resources.files(REMOTE_PACKAGE).joinpath(*name.split("/")).read_text(encoding="utf-8")
 
 
 def render_script(name: str, values: Mapping[str, ScriptValue]) -> str:
-    """Fill the @NAME@ placeholders of scripts/remote/<name> with shell-quoted values (lists become
+    """Fill the @NAME@ placeholders of dtrain/remote/<name> with shell-quoted values (lists become
     arrays), after pasting in the files its `# include` lines name."""
-    template = _INCLUDE.sub(lambda match: remote_file(match[1]).rstrip("\n"), remote_file(name))
+    folder = name.rpartition("/")[0]
+    template = _INCLUDE.sub(lambda match: remote_file(f"{folder}/{match[1]}").rstrip("\n"), remote_file(name))
     wanted = set(_PLACEHOLDER.findall(template))
     if wanted != set(values):
         raise KeyError(f"{name}: placeholders {sorted(wanted)} but values for {sorted(values)}")
@@ -106,7 +108,8 @@ def render_script(name: str, values: Mapping[str, ScriptValue]) -> str:
 
 
 def read_unit(name: str) -> str:
-    return resources.files(__package__).joinpath("units", name).read_text(encoding="utf-8")
+    """A systemd unit (or drop-in) of dtrain/remote/boot/, beside the boot script it starts."""
+    return remote_file(f"boot/{name}")
 
 
 def write_file(path: str, content: str, permissions: str, *, defer: bool = False) -> dict[str, Any]:
@@ -129,13 +132,15 @@ def munge_key_fetch_file(*, vault_uri: str, identity_client_id: str) -> dict[str
         "IDENTITY_CLIENT_ID": check_client_id("identity_client_id", identity_client_id),
         "KEY_PATH": MUNGE_KEY_PATH,
     }
-    return write_file(MUNGE_KEY_FETCH_PATH, render_script("munge-key.sh", values), "0755")
+    return write_file(MUNGE_KEY_FETCH_PATH, render_script("boot/munge-key.sh", values), "0755")
 
 
 def nfs_mount_file(*, server_ip: str, export_path: str, mount_path: str) -> dict[str, Any]:
     """The script that mounts the cluster's NFS export (nodes and head node alike)."""
     source = f"{check_ipv4('nfs_server_ip', server_ip)}:{check_path('nfs_export_path', export_path)}"
-    script = render_script("nfs-mount.sh", {"NFS_SOURCE": source, "MOUNT_PATH": check_path("mount_path", mount_path)})
+    script = render_script(
+        "boot/nfs-mount.sh", {"NFS_SOURCE": source, "MOUNT_PATH": check_path("mount_path", mount_path)}
+    )
     return write_file(NFS_MOUNT_PATH, script, "0755")
 
 

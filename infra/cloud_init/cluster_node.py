@@ -39,7 +39,7 @@ NVME_COPY_PATH = "/usr/local/bin/nvme-copy"
 SLURMD_SETUP_PATH = "/usr/local/sbin/slurmd-setup"
 HEALTH_CHECK_PATH = "/usr/local/sbin/slurm-health-check"
 EPILOG_PATH = "/usr/local/sbin/slurm-epilog"
-SPOT_AGENT_PATH = "/usr/local/sbin/spot-agent"  # spot-agent.service runs it (scripts/remote/spot_agent.py)
+SPOT_AGENT_PATH = "/usr/local/sbin/spot-agent"  # spot-agent.service runs it (dtrain/remote/boot/spot_agent.py)
 # The master copy; nccl-conf.service installs it as /etc/nccl.conf after the image's own rewrite.
 NCCL_CONF_SOURCE = "/usr/local/etc/nccl.conf"
 NCCL_PROFILE_PATH = "/etc/profile.d/nccl.sh"
@@ -85,11 +85,14 @@ def render_cluster_node(
     }
 
     scripts = [
-        (ACR_LOGIN_PATH, render_script("acr-login.sh", {"ACR_LOGIN_SERVER": acr, "IDENTITY_CLIENT_ID": client_id})),
-        (NODE_SETUP_PATH, render_script("node-setup.sh", {})),
-        (NVME_RAID_PATH, render_script("nvme-raid.sh", nvme)),
-        (NVME_COPY_PATH, remote_file("nvme_copy.py")),
-        (SLURMD_SETUP_PATH, render_script("slurmd-setup.sh", {"SLURMCTLD_ADDRESS": controller})),
+        (
+            ACR_LOGIN_PATH,
+            render_script("boot/acr-login.sh", {"ACR_LOGIN_SERVER": acr, "IDENTITY_CLIENT_ID": client_id}),
+        ),
+        (NODE_SETUP_PATH, render_script("boot/node-setup.sh", {})),
+        (NVME_RAID_PATH, render_script("boot/nvme-raid.sh", nvme)),
+        (NVME_COPY_PATH, remote_file("job/nvme_copy.py")),
+        (SLURMD_SETUP_PATH, render_script("boot/slurmd-setup.sh", {"SLURMCTLD_ADDRESS": controller})),
         (
             HEALTH_CHECK_PATH,
             render_health_check(
@@ -100,8 +103,8 @@ def render_cluster_node(
                 free_disk_path=DOCKER_DATA_PATH,
             ),
         ),
-        (EPILOG_PATH, render_script("slurm-epilog.sh", {})),
-        (SPOT_AGENT_PATH, remote_file("spot_agent.py")),
+        (EPILOG_PATH, render_script("slurm/slurm-epilog.sh", {})),
+        (SPOT_AGENT_PATH, remote_file("boot/spot_agent.py")),
     ]
     nccl_conf = "".join(f"{key}={value}\n" for key, value in env.items())
     nccl_profile = "# NCCL/UCX settings of this cluster, as in /etc/nccl.conf; written by cloud-init.\n" + "".join(

@@ -86,7 +86,7 @@ def render_head_node(
         check_client_id("spot identity_client_id", spot_scale_set["identity_client_id"])
         power_config["spot"] = dict(spot_scale_set)
     setup = render_script(
-        "head-setup.sh",
+        "boot/head-setup.sh",
         {
             "SLURM_USER": SLURM_USER,
             "SLURM_DIRS": [STATE_SAVE_DIR, SLURM_LOG_DIR],
@@ -101,7 +101,7 @@ def render_head_node(
             "write_files": [
                 nfs_mount_file(server_ip=nfs_server_ip, export_path=nfs_export_path, mount_path=mount_path),
                 write_file(HEAD_SETUP_PATH, setup, "0755"),
-                write_file(POWER_PROGRAM_PATH, render_script("slurm_power.py", {}), "0755"),
+                write_file(POWER_PROGRAM_PATH, render_script("slurm/slurm_power.py", {}), "0755"),
                 *(write_file(path, _power_wrapper(action), "0755") for path, action in POWER_ACTIONS.items()),
                 # Deferred: /etc/slurm is the packages' directory, and slurmctld must not start on
                 # the package's install before head-setup (its unit waits for slurm.conf).

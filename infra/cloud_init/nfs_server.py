@@ -34,7 +34,7 @@ def render_nfs_server(*, data_disk_count: int, export_path: str, allowed_cidr: s
         raise ValueError("blob_pull_script must be the script's text, starting with a #! line")
 
     setup = render_script(
-        "nfs-data-setup.sh",
+        "boot/nfs-data-setup.sh",
         {
             "DATA_DISKS": [f"{LUN_DIR}/lun{lun}" for lun in range(count)],
             "EXPORT_PATH": path,

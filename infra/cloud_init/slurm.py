@@ -321,7 +321,7 @@ def render_health_check(
     if not isinstance(check_infiniband, bool):
         raise ValueError(f"check_infiniband: {check_infiniband!r} is not a bool")
     return render_script(
-        "slurm-health-check.sh",
+        "slurm/slurm-health-check.sh",
         {
             "SHARED_MOUNT": check_path("shared_mount", shared_mount),
             "EXPECTED_GPUS": check_int("expected_gpus", expected_gpus, 0, MAX_GPUS_PER_NODE),

@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from bench import comm, steps
+from bench.cpu import comm
+from bench.harness import steps
 
 TINY = steps.Shape(model="resnet_tiny", image_size=32, batch=8, steps=4, warmup=1, num_classes=10)
 

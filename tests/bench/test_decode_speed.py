@@ -1,4 +1,4 @@
-"""bench.decode_speed: every decoder gets a figure, the GPU path's included where it can run.
+"""bench.cpu.decode_speed: every decoder gets a figure, the GPU path's included where it can run.
 
 The nvJPEG row runs only on a CUDA machine with torchvision, so here it runs with the Pillow
 stand-in for nvJPEG (tests/training/test_gpu_decode.py) on the CPU: the same measurement code.
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from bench import decode_speed
-from bench.jpegs import write_imagenet_tree
+from bench.cpu import decode_speed
+from bench.harness.jpegs import write_imagenet_tree
 from tests.training.test_gpu_decode import pillow_jpeg_decoder
-from training.data import scan_split
-from training.gpu_decode import DeviceBatcher
+from training.data.gpu_decode import DeviceBatcher
+from training.data.imagenet import scan_split
 
 
 def test_every_decoder_and_the_gpu_path_get_a_rate(tmp_path: Path) -> None:

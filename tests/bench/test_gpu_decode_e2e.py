@@ -1,4 +1,4 @@
-"""bench.gpu_decode_e2e without a GPU: the runs it asks for, the ratios it reports, its refusal here.
+"""bench.gpu.decode_e2e without a GPU: the runs it asks for, the ratios it reports, its refusal here.
 
 The figures themselves need a CUDA node (docs/performance.md); this checks everything around them
 with a stand-in for the job runs, and the job arguments against the job's own parser.
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from bench import gpu_decode_e2e as e2e
-from training.settings import parse_settings
+from bench.gpu import decode_e2e as e2e
+from training.config.settings import parse_settings
 
 TINY = e2e.Plan(images=8, batch=4, epochs=3, warmup=1, model="resnet_tiny", image_size=16)
 

@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu, gpu_baselines, gpu_sections
-from bench.gpu_report import Row, Section, write
+from bench.gpu import baselines as gpu_baselines
+from bench.gpu import run as gpu
+from bench.gpu import sections as gpu_sections
+from bench.gpu.report import Row, Section, write
 from tests.training.jobs import REPO
 from training import model_parallel
-from training.settings import parse_settings as parse_data_parallel
+from training.config.settings import parse_settings as parse_data_parallel
 
 
 def test_without_cuda_it_exits_3_with_one_error_line(tmp_path: Path) -> None:
@@ -45,7 +47,7 @@ def fake_rows() -> list[Row]:
         Row(
             "transformer", "gpt-1.3b", "tok/s", 50000.0, 49780.0, "bare loop",
             ours_mfu=0.459, baseline_mfu=0.457, ours_peak_gib=33.0, baseline_peak_gib=37.0,
-            command="torchrun -m training.model_parallel", baseline_command="python -m bench.gpu_baselines gpt",
+            command="torchrun -m training.model_parallel", baseline_command="python -m bench.gpu.baselines gpt",
         ),
     ]  # fmt: skip
 

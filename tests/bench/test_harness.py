@@ -10,10 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
-from bench import tv_baseline
 from bench.__main__ import staging_figures
-from bench.allreduce import bus_gbps
-from bench.results import INFO, PASS
+from bench.cpu import tv_baseline
+from bench.cpu.allreduce import bus_gbps
+from bench.harness.results import INFO, PASS
 
 
 @pytest.mark.parametrize("size", [(500, 375), (375, 500), (2000, 100)])

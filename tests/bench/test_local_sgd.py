@@ -1,15 +1,15 @@
-"""bench.local_sgd's verdicts from given evaluations: the target, the time to it, the ratio and its goal.
+"""bench.cpu.local_sgd's verdicts from given evaluations: the target, the time to it, the ratio and its goal.
 
-(The runs themselves need root, a local cluster and minutes: `python -m bench.local_sgd`.)
+(The runs themselves need root, a local cluster and minutes: `python -m bench.cpu.local_sgd`.)
 """
 
 from __future__ import annotations
 
 import pytest
 
-from bench import local_sgd
-from bench.local_sgd import EVERY_STEP, FULL_SPEED, PERIODIC, SLOW, Shape
-from bench.results import BELOW, PASS, SKIPPED
+from bench.cpu import local_sgd
+from bench.cpu.local_sgd import EVERY_STEP, FULL_SPEED, PERIODIC, SLOW, Shape
+from bench.harness.results import BELOW, PASS, SKIPPED
 
 SYNC = [[0, 0.0, 3.5], [8, 4.0, 3.2], [16, 8.0, 3.0]]  # every-step: its final loss 3.0 is the target
 

@@ -1,11 +1,11 @@
-"""bench.parallel's figures from real torchrun runs, at the quick sizes: each beside its baseline."""
+"""bench.cpu.parallel's figures from real torchrun runs, at the quick sizes: each beside its baseline."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import parallel
-from bench.results import INFO, PASS
+from bench.cpu import parallel
+from bench.harness.results import INFO, PASS
 
 
 def test_fsdp_memory_per_rank_is_the_whole_model_over_n() -> None:

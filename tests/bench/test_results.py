@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.results import BELOW, INFO, PASS, SKIPPED, Figure, markdown_table, paired_ratio, to_json
+from bench.harness.results import BELOW, INFO, PASS, SKIPPED, Figure, markdown_table, paired_ratio, to_json
 
 
 def test_paired_ratio_is_the_median_of_per_round_ratios() -> None:

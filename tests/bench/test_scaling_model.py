@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench.scaling_model import (
+from bench.harness.scaling_model import (
     ANCHORS,
     DEFAULT_FUSION_BYTES,
     GB,

@@ -17,7 +17,7 @@ from infra.cloud_init.slurm import HealthCheck, JobTimeLimits, NodeSet, PowerSav
 from infra.skus import GPU_SKUS
 
 SKUS = sorted(GPU_SKUS)
-BLOB_PULL = '#!/usr/bin/env python3\n"""Stand-in for scripts/remote/blob_pull.py."""\nprint("pulled")\n'
+BLOB_PULL = '#!/usr/bin/env python3\n"""Stand-in for dtrain/remote/boot/blob_pull.py."""\nprint("pulled")\n'
 ACR = "trainacr.azurecr.io"
 CLIENT_ID = "0f0e0d0c-0b0a-0908-0706-050403020100"
 HEAD_CLIENT_ID = "1f1e1d1c-1b1a-1918-1716-151413121110"

@@ -1,7 +1,7 @@
 """A throwaway QEMU virtual machine with NVMe disks, for what needs a kernel of its own.
 
 Containers share the host's kernel and often lack its md driver (no /proc/mdstat), so RAID 0 cannot
-be built in one. This VM boots Debian's kernel (scripts/fetch_vm_kernel.sh caches it) with a
+be built in one. This VM boots Debian's kernel (tools/fetch_vm_kernel.sh caches it) with a
 busybox initramfs (tests/infra/vm_init.sh), takes this machine's root read-only over 9p as its
 own, and runs one shell script per boot. Its disks are QEMU's emulated NVMe controllers over sparse
 files that outlive the VM, so a test can reboot a node, or wipe its disks as a deallocation does.
@@ -35,7 +35,7 @@ def missing_tools() -> list[str]:
     if not Path("/lib/systemd/systemd-udevd").exists():
         problems.append("systemd-udevd (make setup: udev)")
     if kernel_root() is None:
-        problems.append(f"a kernel under {KERNEL_CACHE} (make setup: scripts/fetch_vm_kernel.sh)")
+        problems.append(f"a kernel under {KERNEL_CACHE} (make setup: tools/fetch_vm_kernel.sh)")
     return problems
 
 

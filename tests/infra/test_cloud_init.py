@@ -150,14 +150,14 @@ def test_no_script_traces_and_tokens_only_travel_through_stdin() -> None:
     assert not re.search(r"--password[ =]|\s-p\s|--data-urlencode|echo .*token", acr_login)
 
 
-def test_what_the_hosts_run_comes_from_scripts_remote() -> None:
+def test_what_the_hosts_run_comes_from_dtrain_remote() -> None:
     """One folder holds every program a host runs; the documents install its files as they are
     (or rendered, where they have placeholders), and infra/ keeps no copies."""
-    remote = Path(__file__).parents[2] / "scripts" / "remote"
+    remote = Path(__file__).parents[2] / "dtrain" / "remote"
     node = files_of(node_doc())
-    for installed, name in (("slurm-epilog", "slurm-epilog.sh"), ("node-setup", "node-setup.sh")):
+    for installed, name in (("slurm-epilog", "slurm/slurm-epilog.sh"), ("node-setup", "boot/node-setup.sh")):
         assert node[f"/usr/local/sbin/{installed}"]["content"] == (remote / name).read_text()
-    assert "@EXPECTED_GPUS@" in (remote / "slurm-health-check.sh").read_text()
+    assert "@EXPECTED_GPUS@" in (remote / "slurm" / "slurm-health-check.sh").read_text()
     assert not list((Path(__file__).parents[2] / "infra").rglob("*.sh"))
 
 

@@ -1,4 +1,4 @@
-"""The GPU nodes' NVMe scratch volume (scripts/remote/nvme-raid.sh, nvme-raid.service).
+"""The GPU nodes' NVMe scratch volume (dtrain/remote/boot/nvme-raid.sh, nvme-raid.service).
 
 Three ways in: the rendered script against stub commands (the RAID 0 decisions over eight disks
 found by their model); the real script on a loop device, formatted and mounted for real, through
@@ -186,7 +186,7 @@ def loop_devices_usable() -> str | None:
         return "needs root"
     missing = [name for name in LOOP_TOOLS if shutil.which(name) is None]
     if missing:
-        return f"needs {', '.join(missing)}: run make setup (scripts/setup_system.sh installs mdadm and xfsprogs)"
+        return f"needs {', '.join(missing)}: run make setup (tools/setup_system.sh installs mdadm and xfsprogs)"
     if not Path("/dev/loop-control").exists():
         return "needs loop devices (/dev/loop-control)"
     return None
@@ -215,7 +215,7 @@ def loops(tmp_path: Path) -> Iterator[list[str]]:
 
 def real_script(mount: Path) -> Path:
     path = mount.parent / "nvme-raid"
-    path.write_text(render_script("nvme-raid.sh", {"MOUNT_PATH": str(mount), "EXPECTED_DISKS": 0}))
+    path.write_text(render_script("boot/nvme-raid.sh", {"MOUNT_PATH": str(mount), "EXPECTED_DISKS": 0}))
     return path
 
 
@@ -288,7 +288,7 @@ umount {VM_MOUNT}
 def vm_script(work: Path) -> None:
     """The node's script for a VM: its mount point in the VM's tmpfs, four disks expected, and
     QEMU's disk model in place of Azure's, so that it finds the disks by model as on a node."""
-    script = render_script("nvme-raid.sh", {"MOUNT_PATH": VM_MOUNT, "EXPECTED_DISKS": VM_DISKS})
+    script = render_script("boot/nvme-raid.sh", {"MOUNT_PATH": VM_MOUNT, "EXPECTED_DISKS": VM_DISKS})
     azure_model = "readonly LOCAL_NVME_MODEL='^Microsoft NVMe Direct Disk( v2)?$'"
     assert azure_model in script
     (work / "nvme-raid").write_text(script.replace(azure_model, f"readonly LOCAL_NVME_MODEL='^{DISK_MODEL}$'"))
@@ -311,7 +311,7 @@ def boot_node(vm: NvmeVm, name: str, *, udev: bool = True) -> tuple[str, dict[st
     return first, report
 
 
-@pytest.mark.parametrize("script", ["tests/infra/vm_init.sh", "scripts/fetch_vm_kernel.sh"])
+@pytest.mark.parametrize("script", ["tests/infra/vm_init.sh", "tools/fetch_vm_kernel.sh"])
 def test_the_vm_scripts_pass_shellcheck(script: str) -> None:
     command = [tool("shellcheck"), "--severity=style", str(REPO / script)]
     result = subprocess.run(command, capture_output=True, text=True, check=False)

@@ -329,7 +329,9 @@ def test_nfs_server_disks_and_static_private_ip(deployment: Deployment) -> None:
     cloud_config = base64.b64decode(vm.inputs["osProfile"]["customData"]).decode()
     assert "10.40.0.0/18" in cloud_config  # exported to the cluster subnet
     (blob_pull,) = [e for e in yaml.safe_load(cloud_config)["write_files"] if e["path"] == "/usr/local/bin/blob-pull"]
-    assert blob_pull["content"] == (Path(__file__).parents[2] / "scripts" / "remote" / "blob_pull.py").read_text()
+    assert (
+        blob_pull["content"] == (Path(__file__).parents[2] / "dtrain" / "remote" / "boot" / "blob_pull.py").read_text()
+    )
 
 
 def test_outputs_are_known_and_complete(deployment: Deployment) -> None:

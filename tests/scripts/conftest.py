@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from scripts import local_cluster, local_network, local_slurm
-from scripts.cluster import ClusterDescription, load
-from scripts.errors import OperatorError
+from dtrain.cluster.description import ClusterDescription, load
+from dtrain.errors import OperatorError
+from dtrain.local import cluster as local_cluster
+from dtrain.local import network as local_network
+from dtrain.local import slurm as local_slurm
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

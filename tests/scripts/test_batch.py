@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from scripts.batch import DOCKER_RUN_WITH_JOB_GPUS, JobSpec, LocalCopy, ResultsTarget, render_job_script
+from dtrain.jobs.batch_script import DOCKER_RUN_WITH_JOB_GPUS, JobSpec, LocalCopy, ResultsTarget, render_job_script
 
 BASE = JobSpec(
     run_id="r-1",

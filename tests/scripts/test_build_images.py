@@ -8,8 +8,9 @@ import subprocess
 
 import pytest
 
-from scripts import build_images, cluster
-from scripts.errors import OperatorError
+from dtrain.cli import images as build_images
+from dtrain.cluster import description as cluster
+from dtrain.errors import OperatorError
 
 from .conftest import FIXTURES, REPO, run_module
 
@@ -77,14 +78,14 @@ def test_git_revision():
 
 def test_cli_dry_run_and_missing_az(context, tmp_path):
     proc = run_module(
-        "scripts", "images", "--registry", "myacr", "--tag", "t1", "--context", str(context), "--dry-run",
+        "dtrain", "images", "--registry", "myacr", "--tag", "t1", "--context", str(context), "--dry-run",
         timeout=60,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["myacr.azurecr.io/hvd-pytorch:t1", "myacr.azurecr.io/hvd-tensorflow:t1"]
     assert "would run" in proc.stderr and "az acr build --registry myacr --image hvd-pytorch:t1" in proc.stderr
     nodir = run_module(
-        "scripts", "images", "--registry", "myacr", "--tag", "t1", "--context", str(context),
+        "dtrain", "images", "--registry", "myacr", "--tag", "t1", "--context", str(context),
         env={"PATH": str(tmp_path)}, timeout=60,
     )  # fmt: skip
     assert nodir.returncode == 3 and "az is not installed or not on PATH: install the Azure CLI" in nodir.stderr
@@ -99,14 +100,14 @@ def test_registry_from_the_cluster_description(context, tmp_path):
     outputs = json.loads((FIXTURES / "stack_outputs.json").read_text())
     desc = cluster.from_stack_outputs(outputs, "dev", ssh_key="k").save(tmp_path / "cluster.json")
     dry = ("--tag", "t1", "--context", str(context), "--dry-run")
-    proc = run_module("scripts", "--cluster", str(desc), "images", *dry, timeout=60)
+    proc = run_module("dtrain", "--cluster", str(desc), "images", *dry, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [
         f"{outputs['acr_login_server']}/hvd-pytorch:t1",
         f"{outputs['acr_login_server']}/hvd-tensorflow:t1",
     ]
     # the same from $CLUSTER_DESCRIPTION; and a registry named twice is refused
-    env = run_module("scripts", "images", *dry, env={"CLUSTER_DESCRIPTION": str(desc)}, timeout=60)
+    env = run_module("dtrain", "images", *dry, env={"CLUSTER_DESCRIPTION": str(desc)}, timeout=60)
     assert env.returncode == 0 and env.stdout == proc.stdout
-    both = run_module("scripts", "images", "--registry", "acr", "--cluster", str(desc), *dry, timeout=60)
+    both = run_module("dtrain", "images", "--registry", "acr", "--cluster", str(desc), *dry, timeout=60)
     assert both.returncode == 2 and "error: pass one of --registry, --stack or --cluster" in both.stderr

@@ -1,9 +1,9 @@
 """Bad input to every operator command: a clear `error: ...`, the documented exit status, no traceback.
 
-Each case runs the real command the way an operator would (`python -m scripts <command> ...`, and
+Each case runs the real command the way an operator would (`python -m dtrain <command> ...`, and
 blob-pull as the NFS server runs it); none needs the local cluster. `{name}` in a case's arguments,
 environment and message is a path (or URL) from the `paths` fixture. The statuses are the table in
-docs/operator.md (scripts/errors.py). The one entry point is checked too: every command listed, its
+docs/operator.md (dtrain/errors.py). The one entry point is checked too: every command listed, its
 help teaching with examples, --cluster before or after the command.
 """
 
@@ -22,11 +22,11 @@ from typing import ClassVar
 
 import pytest
 
-from scripts import cluster as cl
-from scripts.daemons import free_port
-from scripts.errors import ExitCode
-from scripts.local_state import LocalState
-from scripts.remote import blob_pull
+from dtrain.cluster import description as cl
+from dtrain.errors import ExitCode
+from dtrain.local.daemons import free_port
+from dtrain.local.state import LocalState
+from dtrain.remote.boot import blob_pull
 from tests.local_http import serving
 
 from .conftest import FIXTURES, REPO, private_key_file, run_module
@@ -172,7 +172,7 @@ def paths(tmp_path: Path, blob_service: str) -> dict[str, str]:
 
 
 def check(command: str, bad: Case, paths: dict[str, str]) -> subprocess.CompletedProcess:
-    """Run `python -m <command> <case's arguments>` (command: e.g. `scripts stage`) and check its error."""
+    """Run `python -m <command> <case's arguments>` (command: e.g. `dtrain stage`) and check its error."""
     module, *words = command.split()
     args = [arg.format(**paths) for arg in bad.args]
     env = {name: value.format(**paths) for name, value in bad.env.items()}
@@ -226,7 +226,7 @@ STAGE = [
     case(
         "pull --dataset ds",
         env={"CLUSTER_DESCRIPTION": "{missing}"},
-        message="no cluster description at {missing}: run `python -m scripts local up`",
+        message="no cluster description at {missing}: run `dtrain local up`",
     ),
     case("pull --dataset ds --pull-workers 0", message="argument --pull-workers: must be a whole number"),
     case("pull --dataset ds --source {dataset}", message="unrecognized arguments: --source"),
@@ -446,40 +446,40 @@ BLOB_PULL = [
 
 @pytest.mark.parametrize("bad", STAGE, ids=str)
 def test_stage(bad: Case, paths: dict[str, str]) -> None:
-    check("scripts stage", bad, paths)
+    check("dtrain stage", bad, paths)
 
 
 @pytest.mark.parametrize("bad", CLUSTER, ids=str)
 def test_cluster(bad: Case, paths: dict[str, str]) -> None:
-    check("scripts cluster", bad, paths)
+    check("dtrain cluster", bad, paths)
     assert not Path(paths["tmp"], "out.json").exists()
 
 
 @pytest.mark.parametrize("bad", BUILD_IMAGES, ids=str)
 def test_images(bad: Case, paths: dict[str, str]) -> None:
-    check("scripts images", bad, paths)
+    check("dtrain images", bad, paths)
 
 
 @pytest.mark.parametrize("bad", LAUNCH, ids=str)
 def test_launch(bad: Case, paths: dict[str, str]) -> None:
-    check("scripts launch", bad, paths)
+    check("dtrain launch", bad, paths)
 
 
 @pytest.mark.parametrize("bad", LOCAL_CLUSTER, ids=str)
 def test_local_cluster(bad: Case, paths: dict[str, str]) -> None:
-    check("scripts local", bad, paths)
+    check("dtrain local", bad, paths)
     assert not Path(paths["tmp"], "state").exists()  # refused before anything was created
 
 
 @pytest.mark.parametrize("bad", DEMO, ids=str)
 def test_demo(bad: Case, paths: dict[str, str]) -> None:
-    check("scripts demo", bad, paths)
+    check("dtrain demo", bad, paths)
     assert not Path(paths["tmp"], "demo-state").exists()
 
 
 @pytest.mark.parametrize("bad", BLOB_PULL, ids=str)
 def test_blob_pull(bad: Case, paths: dict[str, str]) -> None:
-    proc = check("scripts.remote.blob_pull", bad, paths)
+    proc = check("dtrain.remote.boot.blob_pull", bad, paths)
     if "usage:" not in proc.stderr:  # past argparse, the error is also the JSON line `stage pull` reads back
         assert json.loads(proc.stdout.splitlines()[-1])["error"] in proc.stderr
 
@@ -510,7 +510,7 @@ SUBCOMMANDS = {
 
 
 def test_help_lists_every_command():
-    proc = run_module("scripts", "--help", timeout=60)
+    proc = run_module("dtrain", "--help", timeout=60)
     assert proc.returncode == 0, proc.stderr
     listed = re.findall(r"^ {4}(\S+) ", proc.stdout, re.MULTILINE)
     assert sorted(listed) == sorted(COMMANDS)
@@ -521,22 +521,22 @@ def test_help_lists_every_command():
     "words", [(c,) for c in COMMANDS] + [(c, sub) for c, subs in SUBCOMMANDS.items() for sub in subs], ids=" ".join
 )
 def test_every_command_teaches_with_an_example(words, capsys):
-    from scripts.__main__ import build_parser
+    from dtrain.__main__ import build_parser
 
     with pytest.raises(SystemExit) as done:
         build_parser().parse_args([*words, "--help"])
     assert done.value.code == 0
     text = capsys.readouterr().out
-    assert f"usage: python -m scripts {' '.join(words)}" in text
+    assert f"usage: python -m dtrain {' '.join(words)}" in text
     # an example: a command line of its own (not the usage line) that runs this command
-    assert re.search(rf"^\s*(examples?:)?\s*python -m scripts .*\b{words[0]}\b", text, re.MULTILINE), text
+    assert re.search(rf"^\s*(examples?:)?\s*python -m dtrain .*\b{words[0]}\b", text, re.MULTILINE), text
 
 
 @pytest.mark.parametrize("argv", [("nosuchcommand",), ("stage", "nosuchsubcommand"), ()], ids=" ".join)
 def test_an_unknown_or_missing_command_is_a_usage_error(argv):
-    proc = run_module("scripts", *argv, timeout=60, stdin=subprocess.DEVNULL)
+    proc = run_module("dtrain", *argv, timeout=60, stdin=subprocess.DEVNULL)
     assert proc.returncode == ExitCode.BAD_INPUT
-    assert proc.stderr.startswith("usage: python -m scripts") and "\nerror: " in proc.stderr
+    assert proc.stderr.startswith("usage: python -m dtrain") and "\nerror: " in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout and proc.stdout == ""
 
 
@@ -545,20 +545,20 @@ def test_cluster_is_taken_before_or_after_the_command(where, paths):
     # $CLUSTER_DESCRIPTION names no file: only the flag can make the command succeed
     flag = ["--cluster", paths["desc"]]
     argv = [*flag, "cluster", "show"] if where == "before" else ["cluster", "show", *flag]
-    proc = run_module("scripts", *argv, env={"CLUSTER_DESCRIPTION": paths["missing"]}, timeout=60)
+    proc = run_module("dtrain", *argv, env={"CLUSTER_DESCRIPTION": paths["missing"]}, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["jump_host"]["host"] == OUTPUTS["jumpbox_public_ip"]
 
 
 def test_cluster_after_the_command_wins(paths):
-    proc = run_module("scripts", "--cluster", paths["missing"], "cluster", "show", "--cluster", paths["desc"])
+    proc = run_module("dtrain", "--cluster", paths["missing"], "cluster", "show", "--cluster", paths["desc"])
     assert proc.returncode == 0, proc.stderr
 
 
 # --- the safety net and --debug ----------------------------------------------------------------
 UNEXPECTED = """
 import sys
-from scripts.cli import CLIParser, run_cli
+from dtrain.cli_common import CLIParser, run_cli
 
 def body(args):
     raise KeyError("boom")
@@ -586,7 +586,7 @@ def test_an_unexpected_error_is_a_message_and_the_traceback_only_on_request(flag
 def test_debug_is_accepted_before_and_after_a_subcommand(where, paths):
     args = ["stage", "generate", paths["file"]]
     args.insert({"before": 0, "between": 1, "after": 2}[where], "--debug")
-    proc = run_module("scripts", *args, timeout=60)
+    proc = run_module("dtrain", *args, timeout=60)
     assert proc.returncode == ExitCode.BAD_INPUT
     assert "Traceback (most recent call last)" in proc.stderr and "is a file, not a directory" in proc.stderr
 
@@ -594,10 +594,10 @@ def test_debug_is_accepted_before_and_after_a_subcommand(where, paths):
 def test_blob_pull_safety_net_and_debug(paths):
     """A listing blob_pull cannot make sense of: an unexpected error, still a message and a status."""
     args = ["--container-url", f"{paths['server']}/odd", "--dest", f"{paths['tmp']}/odd"]
-    plain = run_module("scripts.remote.blob_pull", *args, env=SAS, timeout=60, stdin=subprocess.DEVNULL)
+    plain = run_module("dtrain.remote.boot.blob_pull", *args, env=SAS, timeout=60, stdin=subprocess.DEVNULL)
     assert plain.returncode == ExitCode.FAILED and "Traceback" not in plain.stderr
     assert "blob-pull: error: unexpected ValueError" in plain.stderr and "--debug for the traceback" in plain.stderr
-    debug = run_module("scripts.remote.blob_pull", *args, "--debug", env=SAS, timeout=60, stdin=subprocess.DEVNULL)
+    debug = run_module("dtrain.remote.boot.blob_pull", *args, "--debug", env=SAS, timeout=60, stdin=subprocess.DEVNULL)
     assert debug.returncode == ExitCode.FAILED and "Traceback (most recent call last)" in debug.stderr
 
 

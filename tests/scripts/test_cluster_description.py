@@ -10,11 +10,11 @@ import subprocess
 import pytest
 from pydantic import SecretStr, ValidationError
 
+from dtrain.cluster import description as cl
+from dtrain.cluster.description import BlobCredential, ClusterDescription
+from dtrain.cluster.ssh import SSH
+from dtrain.errors import OperatorError
 from infra.contract import StackOutput
-from scripts import cluster as cl
-from scripts.cluster import BlobCredential, ClusterDescription
-from scripts.errors import OperatorError
-from scripts.sshutil import SSH
 
 from .conftest import FIXTURES, private_key_file, run_module
 
@@ -104,7 +104,7 @@ def test_alloc_refuses_a_time_above_the_clusters_max_as_launch_does(tmp_path):
     """The description alone decides: no connection is tried (its jump host is not reachable). Launch's
     refusal is among test_cli_errors' cases."""
     path = cl.from_stack_outputs(OUTPUTS, "dev", ssh_key=private_key_file(tmp_path)).save(tmp_path / "c.json")
-    proc = run_module("scripts", "alloc", "--cluster", str(path), "--time", "10081", timeout=60)
+    proc = run_module("dtrain", "alloc", "--cluster", str(path), "--time", "10081", timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == (
         "error: --time 10081 is longer than cluster dev allows, 7-00:00:00 (maxJobTime in its stack's config, "
@@ -115,8 +115,8 @@ def test_alloc_refuses_a_time_above_the_clusters_max_as_launch_does(tmp_path):
 def test_dry_run_shows_the_time_limit_in_effect_and_the_clusters_max(tmp_path):
     path = cl.from_stack_outputs(OUTPUTS, "dev", ssh_key=private_key_file(tmp_path)).save(tmp_path / "c.json")
     launch = ["launch", "--cluster", str(path), "--framework", "pytorch", "--gpus", "2", "--dry-run"]
-    default = run_module("scripts", *launch, timeout=60)
-    asked = run_module("scripts", *launch, "--time", "7-00:00:00", timeout=60)
+    default = run_module("dtrain", *launch, timeout=60)
+    asked = run_module("dtrain", *launch, "--time", "7-00:00:00", timeout=60)
     assert default.returncode == asked.returncode == 0, default.stderr + asked.stderr
     assert "time limit 24:00:00 (at most 7-00:00:00 on this cluster)" in default.stderr
     assert "#SBATCH --time=24:00:00\n" in default.stdout
@@ -166,12 +166,12 @@ def test_cli_from_stack_writes_the_description(tmp_path):
     out = tmp_path / "c.json"
     key = private_key_file(tmp_path)
     proc = run_module(
-        "scripts", "cluster", "from-stack", "--stack", "dev", "--ssh-key", str(key), "-o", str(out),
+        "dtrain", "cluster", "from-stack", "--stack", "dev", "--ssh-key", str(key), "-o", str(out),
         env={"PATH": FAKE_PULUMI_PATH},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert cl.load(out).jump_host.host == "20.51.100.7" and cl.load(out).ssh_key == str(key)
-    shown = run_module("scripts", "cluster", "show", "--cluster", str(out))
+    shown = run_module("dtrain", "cluster", "show", "--cluster", str(out))
     assert shown.returncode == 0 and OUTPUTS["data_sas"] not in shown.stdout and "20.51.100.7" in shown.stdout
 
 
@@ -180,14 +180,14 @@ def test_cli_from_stack_writes_outside_the_repository_by_default(tmp_path):
     file 0600), and an -o inside the repository is refused before pulumi is even asked."""
     key = private_key_file(tmp_path)
     env = {"PATH": FAKE_PULUMI_PATH, "XDG_CONFIG_HOME": str(tmp_path / "config")}
-    proc = run_module("scripts", "cluster", "from-stack", "--stack", "dev", "--ssh-key", str(key), env=env)
+    proc = run_module("dtrain", "cluster", "from-stack", "--stack", "dev", "--ssh-key", str(key), env=env)
     assert proc.returncode == 0, proc.stderr
     written = tmp_path / "config" / "azure-horovod" / "cluster-dev.json"
     assert stat.S_IMODE(written.stat().st_mode) == 0o600 and stat.S_IMODE(written.parent.stat().st_mode) == 0o700
     assert f"export CLUSTER_DESCRIPTION={written}" in proc.stdout
     assert not list(cl.REPO_ROOT.glob("cluster-*.json"))
     inside = cl.REPO_ROOT / "cluster-dev.json"
-    refused = run_module("scripts", "cluster", "from-stack", "--stack", "dev", "--ssh-key", str(key), "-o", str(inside))
+    refused = run_module("dtrain", "cluster", "from-stack", "--stack", "dev", "--ssh-key", str(key), "-o", str(inside))
     assert refused.returncode == 2 and not inside.exists()
     assert (
         refused.stderr.startswith(f"error: --output {inside} is inside the repository")
@@ -204,7 +204,7 @@ def test_cli_from_stack_writes_outside_the_repository_by_default(tmp_path):
 )
 def test_cli_from_stack_faults(tmp_path, stack, expected):
     proc = run_module(
-        "scripts", "cluster", "from-stack", "--stack", stack, "-o", str(tmp_path / "c.json"),
+        "dtrain", "cluster", "from-stack", "--stack", stack, "-o", str(tmp_path / "c.json"),
         "--ssh-key", str(private_key_file(tmp_path)), env={"PATH": FAKE_PULUMI_PATH}, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2

@@ -1,7 +1,7 @@
-"""`python -m scripts cost`: the stack's hourly cost from its stack file and the shipped price table,
+"""`python -m dtrain cost`: the stack's hourly cost from its stack file and the shipped price table,
 or live from the Azure Retail Prices API (`--refresh`), and `node_hour_price` for a run's record.
 
-The command runs as the CLI runs it (scripts.__main__.main, output captured). Expected amounts are
+The command runs as the CLI runs it (dtrain.__main__.main, output captured). Expected amounts are
 computed here from infra/data/prices.json and the stack file, never copied from the command's output.
 `--refresh` talks to a real HTTP server on 127.0.0.1 that answers with the responses under
 fixtures/retail_prices/. They are hand-built in the API's response shape (no capture of the live API
@@ -23,11 +23,11 @@ from typing import Any, ClassVar
 import pytest
 import yaml
 
+from dtrain.__main__ import main
+from dtrain.cli import cost
+from dtrain.errors import ExitCode
+from dtrain.local.daemons import free_port
 from infra.config import StackConfig, parse_config
-from scripts import cost
-from scripts.__main__ import main
-from scripts.daemons import free_port
-from scripts.errors import ExitCode
 from tests.local_http import serving
 
 from .conftest import FIXTURES, REPO

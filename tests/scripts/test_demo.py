@@ -1,4 +1,4 @@
-"""End to end: the `make demo` flow (python -m scripts demo), and its tear-down when a step fails."""
+"""End to end: the `make demo` flow (python -m dtrain demo), and its tear-down when a step fails."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from scripts import demo, stage
-from scripts.errors import OperatorError
+from dtrain.cli import demo, stage
+from dtrain.errors import OperatorError
 
 from .conftest import cluster_name, free_subnet, run_module
 
@@ -24,7 +24,7 @@ def test_demo_flow_end_to_end(tmp_path):
     name = cluster_name("d")
     downloads = tmp_path / "runs"
     proc = run_module(
-        "scripts", "demo", "--state-dir", str(state), "--name", name, "--subnet", free_subnet(),
+        "dtrain", "demo", "--state-dir", str(state), "--name", name, "--subnet", free_subnet(),
         "--download-dir", str(downloads), timeout=600,
     )  # fmt: skip
     out = proc.stdout + proc.stderr

@@ -1,4 +1,4 @@
-"""Per-GPU allocation on the local cluster's emulated GPUs (scripts/local_gpus.py): Slurm's gres and
+"""Per-GPU allocation on the local cluster's emulated GPUs (dtrain/local/gpus.py): Slurm's gres and
 task/cgroup ConstrainDevices, for real. Two one-GPU jobs share a node at the same time, each able to
 open only its own GPU's device; a job asking for more GPUs than a node has is refused before submission."""
 
@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 
-from scripts import local_gpus, local_slurm
+from dtrain.local import gpus as local_gpus
+from dtrain.local import slurm as local_slurm
 from tests.polling import wait_for
 
 from .conftest import FIXTURES, local_state_dir, own_cluster

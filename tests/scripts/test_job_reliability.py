@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from scripts import local_slurm, stage
-from scripts import slurm as slurm_module
-from scripts.errors import ExitCode
-from scripts.local_nodes import start_daemon
-from scripts.local_state import load_state
-from scripts.processes import descendants
-from scripts.slurm import OUTAGE_PATIENCE_S, Result, Slurm, SlurmUnreachable, patiently
+from dtrain.cli import stage
+from dtrain.cluster import slurm as slurm_module
+from dtrain.cluster.slurm import OUTAGE_PATIENCE_S, Result, Slurm, SlurmUnreachable, patiently
+from dtrain.errors import ExitCode
+from dtrain.local import slurm as local_slurm
+from dtrain.local.nodes import start_daemon
+from dtrain.local.state import load_state
+from dtrain.processes import descendants
 from tests.polling import wait_for
 
 from .conftest import local_state_dir, run_module, start_module

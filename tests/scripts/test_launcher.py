@@ -17,11 +17,12 @@ import pytest
 from azure.storage.blob import ContainerSasPermissions, generate_container_sas
 from PIL import Image
 
-from scripts import local_power, stage
-from scripts.blobs import container_client
-from scripts.cluster import ClusterDescription
-from scripts.local_cluster import AZURITE_KEY
-from scripts.local_state import AZURITE_ACCOUNT
+from dtrain.cli import stage
+from dtrain.cluster.blobs import container_client
+from dtrain.cluster.description import ClusterDescription
+from dtrain.local import power as local_power
+from dtrain.local.cluster import AZURITE_KEY
+from dtrain.local.state import AZURITE_ACCOUNT
 from tests.polling import wait_for
 
 from .conftest import (
@@ -35,7 +36,7 @@ from .conftest import (
     start_module,
 )
 
-CLI = "scripts"
+CLI = "dtrain"
 TRAIN_PYTHON = REPO / ".venv-train" / "bin" / "python"
 
 
@@ -307,7 +308,7 @@ def test_missing_or_one_class_dataset_and_reused_run_id_are_refused(cluster, clu
     # the allocation and its cost come first (stderr: stdout is job.sh's under --dry-run), then one error line
     assert proc.returncode == 2 and error_lines(proc.stderr) == [
         f"error: --data-dir {missing} is not on the shared file system: stage the dataset first "
-        "(python -m scripts stage all DIR --dataset NAME)"
+        "(dtrain stage all DIR --dataset NAME)"
     ]
     assert not run_dir(cluster, "no-data").exists()
     one_class = Path(cluster.data_path) / "one-class"

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from scripts.launcher_noise import without_launcher_tracebacks
+from dtrain.jobs.launcher_noise import without_launcher_tracebacks
 
 # The end of a model-parallel run that refused its layout on two nodes (torchrun under srun), as
-# scripts/remote/annotate_output.py writes it into output.log.
+# dtrain/remote/job/annotate_output.py writes it into output.log.
 LOG = """\
 [0|node-0]! error: --tp 1 x --pp 3 = 3 does not divide the world size 2
 [torchrun@node-1] Traceback (most recent call last):

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from scripts import local_cluster
-from scripts.cluster import load
-from scripts.errors import OperatorError
-from scripts.sshutil import SSH
+from dtrain.cluster.description import load
+from dtrain.cluster.ssh import SSH
+from dtrain.errors import OperatorError
+from dtrain.local import cluster as local_cluster
 
 from .conftest import SESSION_SUBNET, address, cluster_name, free_subnet, leftovers, links, namespaces, run_module
 
@@ -18,7 +18,7 @@ def test_up_status_down_leaves_nothing(tmp_path):
     state, name, subnet = tmp_path / "lc", cluster_name("c"), free_subnet()
     a10, a11 = address(subnet, 10), address(subnet, 11)
     up = run_module(
-        "scripts", "local", "up", "--state-dir", str(state), "--nodes", "2", "--name", name, "--subnet", subnet,
+        "dtrain", "local", "up", "--state-dir", str(state), "--nodes", "2", "--name", name, "--subnet", subnet,
         timeout=120,
     )  # fmt: skip
     assert up.returncode == 0, up.stderr
@@ -31,7 +31,7 @@ def test_up_status_down_leaves_nothing(tmp_path):
         # no node registry: Slurm knows the nodes; jobs upload results with the results SAS
         assert not (state / "shared" / "nodes").exists()
         assert desc.results_upload.kind == "sas" and desc.results_upload.secret == desc.results.credential.secret
-        assert desc.blob_pull[1].endswith("scripts/remote/blob_pull.py") and Path(desc.blob_pull[1]).is_file()
+        assert desc.blob_pull[1].endswith("dtrain/remote/boot/blob_pull.py") and Path(desc.blob_pull[1]).is_file()
         assert (state / "shared" / ".health").stat().st_mode & 0o777 == 0o755
         # each node: its own hostname, address, /etc/hosts and process table, reached through the jump host
         with SSH(desc, addresses={"node-1": a11}) as ssh:
@@ -42,7 +42,7 @@ def test_up_status_down_leaves_nothing(tmp_path):
         assert int(procs) < 10  # only this node's sshd and our session, not the host's processes
         assert (state / "cluster.json").stat().st_mode & 0o077 == 0
         # --state-dir before the action works as well as after it
-        status = run_module("scripts", "local", "--state-dir", str(state), "status")
+        status = run_module("dtrain", "local", "--state-dir", str(state), "status")
         # 4 sshds, Azurite, munged, slurmctld, 2 slurmds, 2 Spot agents, 2 metadata endpoints; 3 namespaces
         # (the head and the nodes)
         assert status.returncode == 0 and "azurite" in status.stdout and status.stdout.count("running") == 16
@@ -52,13 +52,13 @@ def test_up_status_down_leaves_nothing(tmp_path):
         assert expected <= roles
         assert all(p.alive() for p in recorded.processes)
     finally:
-        down = run_module("scripts", "local", "down", "--state-dir", str(state))
+        down = run_module("dtrain", "local", "down", "--state-dir", str(state))
     assert down.returncode == 0, down.stderr
     assert not any(p.alive() for p in recorded.processes)
     # slurmd, slurmctld, munged, sshd, Azurite, namespaces, links, files: all gone
     assert leftovers(state, name) == []
     assert not Path(f"/etc/netns/{name}-node-0").exists()
-    gone = run_module("scripts", "local", "status", "--state-dir", str(state))
+    gone = run_module("dtrain", "local", "status", "--state-dir", str(state))
     assert gone.returncode == 3 and "no local cluster" in gone.stdout
 
 
@@ -84,7 +84,7 @@ def test_up_twice_is_refused(cluster_dir):
 )
 def test_up_refuses_bad_power_and_health_flags(tmp_path, flags, message):
     state = tmp_path / "never"
-    proc = run_module("scripts", "local", "up", "--state-dir", str(state), *flags, timeout=60)
+    proc = run_module("dtrain", "local", "up", "--state-dir", str(state), *flags, timeout=60)
     assert proc.returncode == 2 and f"error: {message}" in proc.stderr and "Traceback" not in proc.stderr
     assert not state.exists()
 

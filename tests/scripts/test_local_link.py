@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from scripts import local_cluster, local_link
-from scripts.daemons import free_port
-from scripts.local_state import NodeState, load_state
+from dtrain.local import cluster as local_cluster
+from dtrain.local import link as local_link
+from dtrain.local.daemons import free_port
+from dtrain.local.state import NodeState, load_state
 
 PAYLOAD_BYTES = 1_000_000
 SLOW = "16mbit"  # 2 MB/s: the payload takes 0.5 s

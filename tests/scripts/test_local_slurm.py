@@ -14,11 +14,15 @@ from typing import TypeVar
 
 import pytest
 
+from dtrain.errors import ExitCode, OperatorError
+from dtrain.local import cluster as local_cluster
+from dtrain.local import network as local_network
+from dtrain.local import nodes as local_nodes
+from dtrain.local import power as local_power
+from dtrain.local import slurm as local_slurm
+from dtrain.local.nodes import running_init_pid
+from dtrain.local.state import LocalState, NodeState
 from infra.contract import SLURM_PARTITION, SPOT_PARTITION
-from scripts import local_cluster, local_network, local_nodes, local_power, local_slurm
-from scripts.errors import ExitCode, OperatorError
-from scripts.local_nodes import running_init_pid
-from scripts.local_state import LocalState, NodeState
 
 from .conftest import (
     SESSION_SUBNET,
@@ -67,7 +71,7 @@ def test_description_names_the_controller_and_partition(cluster):
     ping = slurm(cluster, "scontrol", "ping")
     assert ping.returncode == 0 and "Slurmctld(primary) at head is UP" in ping.stdout
     nodes = slurm(cluster, "sinfo", "--noheader", "--Node", "--format=%N %P %T %c")
-    # every node is in the default partition and, locally, in the Spot one too (scripts/local_metadata.py)
+    # every node is in the default partition and, locally, in the Spot one too (dtrain/local/metadata.py)
     assert sorted(nodes.stdout.splitlines()) == [
         f"node-{i} {partition} idle 2" for i in (0, 1) for partition in (f"{SLURM_PARTITION}*", SPOT_PARTITION)
     ]
@@ -183,7 +187,7 @@ def test_override_replaces_in_place_and_appends_the_rest():
 
 def node_pids(state: LocalState, node: NodeState) -> list[int]:
     """What runs in a node's namespace but its metadata endpoint: the emulated platform's, which stays
-    when the node is switched off (scripts/local_metadata.py)."""
+    when the node is switched off (dtrain/local/metadata.py)."""
     endpoint = state.record(f"metadata-{node.hostname}")
     return [pid for pid in local_network.namespace_pids(str(node.namespace)) if endpoint is None or pid != endpoint.pid]
 
@@ -265,7 +269,7 @@ def test_health_check_drains_a_node_whose_shared_directory_is_hidden(tmp_path):
             assert proc.returncode == 0 and proc.stdout.split() == ["node-0"], proc.stderr
             assert report(reports / "node-0")["ok"] == "1"  # type: ignore[index]
             # the operator's view: `status` names the drained node and why, and exits 0 (node-0 takes jobs)
-            shown = run_module("scripts", "status", "--cluster", str(state_dir / "cluster.json"))
+            shown = run_module("dtrain", "status", "--cluster", str(state_dir / "cluster.json"))
             assert shown.returncode == 0, shown.stderr
             assert re.search(rf"node-1\s.*drained.*health-check: {re.escape(str(shared))}", shown.stdout), shown.stdout
             assert "1 drained" in shown.stdout and "1 idle" in shown.stdout

@@ -1,4 +1,4 @@
-"""scripts/remote/nvme_copy.py, run as the nodes run it (python3, a subprocess): a complete copy,
+"""dtrain/remote/job/nvme_copy.py, run as the nodes run it (python3, a subprocess): a complete copy,
 a resume after a kill mid-way, and verification that finds a truncated or corrupted local file."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from scripts.remote.nvme_copy import JOURNAL, MARKER, TMP_SUFFIX
+from dtrain.remote.job.nvme_copy import JOURNAL, MARKER, TMP_SUFFIX
 
-TOOL = Path(__file__).parents[2] / "scripts" / "remote" / "nvme_copy.py"
+TOOL = Path(__file__).parents[2] / "dtrain" / "remote" / "job" / "nvme_copy.py"
 
 
 def make_dataset(root: Path, files: int, size: int) -> Path:

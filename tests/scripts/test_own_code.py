@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 
-from scripts.batch import DOCKER_RUN_WITH_JOB_GPUS
-from scripts.cluster import from_stack_outputs
-from scripts.submit import node_hour_price
+from dtrain.cluster.description import from_stack_outputs
+from dtrain.jobs.batch_script import DOCKER_RUN_WITH_JOB_GPUS
+from dtrain.jobs.submit import node_hour_price
 from tests.polling import wait_for
 
 from .conftest import REPO, private_key_file

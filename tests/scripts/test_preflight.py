@@ -9,9 +9,9 @@ import subprocess
 
 import pytest
 
-from scripts import cluster as cl
-from scripts.errors import OperatorError
-from scripts.preflight import NO_DATA, NO_ENTRYPOINT, ONE_CLASS, plan_preflight
+from dtrain.cluster import description as cl
+from dtrain.errors import OperatorError
+from dtrain.jobs.preflight import NO_DATA, NO_ENTRYPOINT, ONE_CLASS, plan_preflight
 
 from .conftest import FIXTURES
 

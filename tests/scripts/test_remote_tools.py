@@ -1,4 +1,4 @@
-"""The job-side tools in scripts/remote/: annotate_output.py, upload_results.py, srun_ssh.py.
+"""The job-side tools in dtrain/remote/: annotate_output.py, upload_results.py, srun_ssh.py.
 
 Real components wherever they run here: horovodrun and torchrun from the training environment (their
 real output is what gets annotated; `srun --label`'s `N: ` is added the way srun adds it), Azurite for
@@ -29,13 +29,13 @@ from typing import ClassVar
 import pytest
 from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, generate_container_sas
 
-from scripts.daemons import free_port, wait_port
-from scripts.processes import stop_process_group
-from scripts.remote import annotate_output, srun_ssh, upload_results
+from dtrain.local.daemons import free_port, wait_port
+from dtrain.processes import stop_process_group
+from dtrain.remote.job import annotate_output, srun_ssh, upload_results
 from tests.local_http import reply_json, serving
 
 REPO = Path(__file__).resolve().parents[2]
-REMOTE = REPO / "scripts" / "remote"
+REMOTE = REPO / "dtrain" / "remote" / "job"
 TRAIN_BIN = REPO / ".venv-train" / "bin"
 AZURITE = REPO / "node_modules" / ".bin" / "azurite-blob"
 ACCOUNT = "devstoreaccount1"

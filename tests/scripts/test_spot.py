@@ -13,10 +13,10 @@ import signal
 import time
 from pathlib import Path
 
-from scripts import local_metadata
-from scripts.cluster import ClusterDescription
+from dtrain.cluster.description import ClusterDescription
+from dtrain.local import metadata as local_metadata
 from tests.polling import wait_for
-from training.checkpoint import read_checkpoint
+from training.checkpoint.files import read_checkpoint
 
 from .conftest import local_state_dir, own_cluster, slurm_command
 from .test_launcher import cli, run_dir, status_of

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from scripts import local_metadata
-from scripts.cluster import SlurmAccess, SSHEndpoint
-from scripts.errors import OperatorError
-from scripts.submit import LaunchOptions, choose_partition
+from dtrain.cluster.description import SlurmAccess, SSHEndpoint
+from dtrain.errors import OperatorError
+from dtrain.jobs.submit import LaunchOptions, choose_partition
+from dtrain.local import metadata as local_metadata
 
 from .test_remote_tools import record_run
 

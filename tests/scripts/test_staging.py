@@ -16,11 +16,12 @@ from azure.core.exceptions import HttpResponseError
 from azure.storage.blob import ContainerClient, ContainerSasPermissions, ContentSettings, generate_container_sas
 from PIL import Image
 
-from scripts import local_cluster, stage
-from scripts.blobs import container_client
-from scripts.cluster import ClusterDescription
-from scripts.errors import OperatorError
-from scripts.remote import blob_pull
+from dtrain.cli import stage
+from dtrain.cluster.blobs import container_client
+from dtrain.cluster.description import ClusterDescription
+from dtrain.errors import OperatorError
+from dtrain.local import cluster as local_cluster
+from dtrain.remote.boot import blob_pull
 from tests.polling import wait_for
 
 from .conftest import run_module, start_module
@@ -128,7 +129,7 @@ def test_upload_resumes_after_a_kill(cluster, cluster_file, tmp_path):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"img_{i:04d}.JPEG").write_bytes(os.urandom(96 * 1024))
     proc = start_module(
-        "scripts", "stage", "upload", str(src), "--cluster", str(cluster_file), "--dataset", "resume",
+        "dtrain", "stage", "upload", str(src), "--cluster", str(cluster_file), "--dataset", "resume",
         "--workers", "1", "--no-progress",
     )  # fmt: skip
     client = admin(cluster)
@@ -210,12 +211,12 @@ def test_expired_sas_gives_a_clear_error(cluster, cluster_file, jpegs):
     # the same through the CLIs an operator runs: blob-pull itself, and an upload with that SAS
     dest = Path(cluster.data_path) / "never"
     proc = run_module(
-        "scripts.remote.blob_pull", "--container-url", cluster.data.url, "--dest", str(dest),
+        "dtrain.remote.boot.blob_pull", "--container-url", cluster.data.url, "--dest", str(dest),
         env={"BLOB_SAS": expired}, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 3 and "the SAS token expired at" in proc.stderr
     up = run_module(
-        "scripts", "stage", "upload", str(jpegs), "--cluster", str(cluster_file), "--dataset", "x",
+        "dtrain", "stage", "upload", str(jpegs), "--cluster", str(cluster_file), "--dataset", "x",
         "--sas-env", "STAGE_SAS", "--no-progress", env={"STAGE_SAS": expired}, timeout=60,
     )  # fmt: skip
     assert up.returncode == 3 and "the SAS token expired at" in up.stderr
@@ -227,7 +228,7 @@ def test_wrong_sas_and_missing_dataset_path(cluster, cluster_file):
     with pytest.raises(OperatorError, match="blob authorization failed while listing the container"):
         stage.pull(cluster, "plain", sas=wrong)
     proc = run_module(
-        "scripts", "--cluster", str(cluster_file), "stage", "upload", "/nonexistent/imagenet", "--dataset", "x",
+        "dtrain", "--cluster", str(cluster_file), "stage", "upload", "/nonexistent/imagenet", "--dataset", "x",
         timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2 and "error: dataset path /nonexistent/imagenet does not exist" in proc.stderr
@@ -249,7 +250,7 @@ def test_blob_pull_is_stdlib_only_and_refuses_escaping_names():
 def test_blob_pull_takes_the_sas_from_stdin_never_argv(cluster, tmp_path):
     dest = tmp_path / "pulled"
     proc = run_module(
-        "scripts.remote.blob_pull", "--container-url", cluster.data.url, "--dest", str(dest), "--prefix", "plain/",
+        "dtrain.remote.boot.blob_pull", "--container-url", cluster.data.url, "--dest", str(dest), "--prefix", "plain/",
         input=cluster.data.credential.secret.get_secret_value() + "\n", timeout=60, env={"BLOB_SAS": ""},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -274,13 +275,13 @@ def test_rerun_does_not_hash_unchanged_files_again(cluster, jpegs, monkeypatch):
 def test_generate_then_stage_all_through_the_cli(cluster, cluster_file, tmp_path):
     src = tmp_path / "mini"
     made = run_module(
-        "scripts", "stage", "generate", str(src), "--classes", "2", "--train-per-class", "2", "--val-per-class", "1",
+        "dtrain", "stage", "generate", str(src), "--classes", "2", "--train-per-class", "2", "--val-per-class", "1",
         "--image-size", "16", timeout=60,
     )  # fmt: skip
     assert made.returncode == 0, made.stderr
     assert len(list(src.rglob("*.JPEG"))) == 6
     proc = run_module(
-        "scripts", "stage", "all", str(src), "--dataset", "cli-all", "--no-progress",
+        "dtrain", "stage", "all", str(src), "--dataset", "cli-all", "--no-progress",
         env={"CLUSTER_DESCRIPTION": str(cluster_file)}, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -295,7 +296,7 @@ def test_generate_then_stage_all_through_the_cli(cluster, cluster_file, tmp_path
 def test_stage_all_with_short_side_sends_the_transcoded_copy(cluster, cluster_file, tmp_path):
     src = tmp_path / "big"
     stage.generate_synthetic_imagenet(src, classes=2, train_per_class=3, val_per_class=1, image_size=200)
-    argv = ["scripts", "stage", "all", str(src), "--dataset", "small", "--short-side", "64", "--quality", "80"]
+    argv = ["dtrain", "stage", "all", str(src), "--dataset", "small", "--short-side", "64", "--quality", "80"]
     proc = run_module(*argv, "--no-progress", env={"CLUSTER_DESCRIPTION": str(cluster_file)}, timeout=120)
     assert proc.returncode == 0, proc.stderr
     up, pulled = (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))

@@ -1,4 +1,4 @@
-"""training/transcode.py, and where `stage --short-side` keeps its copies (no cluster needed; the CLI's
+"""training/data/transcode.py, and where `stage --short-side` keeps its copies (no cluster needed; the CLI's
 refusals of bad values are in test_cli_errors.py, the uploads in test_staging.py)."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageCms
 
-from scripts import stage
+from dtrain.cli import stage
 from tests.polling import wait_for
-from training import transcode
-from training.transcode import TEMP_SUFFIX, TranscodeError, transcode_jpeg, transcode_tree
+from training.data import transcode
+from training.data.transcode import TEMP_SUFFIX, TranscodeError, transcode_jpeg, transcode_tree
 
 from .conftest import REPO
 
@@ -152,7 +152,7 @@ def test_tree_resumes_after_a_kill_doing_only_what_is_missing(tmp_path, monkeypa
     script = textwrap.dedent(f"""
         import time
         from pathlib import Path
-        from training.transcode import transcode_tree
+        from training.data.transcode import transcode_tree
         transcode_tree(Path({str(src)!r}), Path({str(dest)!r}), 64, workers=1, progress=lambda n: time.sleep(0.05))
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO)

@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from tests.polling import wait_for
-from training.metrics import validate_metrics
+from training.run.metrics import validate_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -197,12 +197,12 @@ def truncate_images(root: Path) -> None:
 
 
 def run_in_this_process(monkeypatch: pytest.MonkeyPatch, settings: Any, start: Any, train: Any) -> int:
-    """A PyTorch job's run (training.job's, after parsing) as rank 0 of 1 in this process: its exit status."""
+    """A PyTorch job's run (training.run.job's, after parsing) as rank 0 of 1 in this process: its exit status."""
     import torch
 
-    from scripts.daemons import free_port
-    from training import job
-    from training.distributed import FAILURE_TIMEOUTS
+    from dtrain.local.daemons import free_port
+    from training.run import job
+    from training.world.distributed import FAILURE_TIMEOUTS
 
     for name, value in {**FAILURE_TIMEOUTS, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)

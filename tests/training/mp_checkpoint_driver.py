@@ -3,7 +3,7 @@
 It trains a tiny residual MLP (:class:`TinyNet`, laid out like the transformer: ``layers`` is a
 ModuleDict, the input and output layers may be None on pipeline stages) with AdamW, sharded with
 FSDP2 per block over every rank, on a global batch that depends only on (seed, step), and saves
-and resumes through :class:`training.parallel.checkpoint.ShardedCheckpoints` as the job does.
+and resumes through :class:`training.checkpoint.sharded.ShardedCheckpoints` as the job does.
 Small and quick to start, so that the kill test can start twenty runs; the resume tests drive the
 real job.
 
@@ -36,7 +36,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from training.parallel.checkpoint import ShardedCheckpoints
+from training.checkpoint.sharded import ShardedCheckpoints
 
 MODEL = "tinynet"
 FEATURES, DIM, CLASSES, LAYERS = 8, 24, 5, 4  # 24 * 2 = 48 rows: fc1 shards unevenly over 5 ranks, evenly over 1, 2, 4
@@ -203,7 +203,7 @@ def main() -> None:
         (verify if args.mode == "verify" else train)(args, model, optimizer)
     finally:
         dist.destroy_process_group()
-    os._exit(0)  # skip interpreter teardown (training.job explains the gloo race it avoids)
+    os._exit(0)  # skip interpreter teardown (training.run.job explains the gloo race it avoids)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-import training.checkpoint
+import training.checkpoint.files
 from training import pytorch
-from training.checkpoint import Fingerprint
+from training.checkpoint.files import Fingerprint
 
-_write = training.checkpoint.write_checkpoint
+_write = training.checkpoint.files.write_checkpoint
 _slowed: list[int] = []
 
 
@@ -24,5 +24,5 @@ def slow_write(directory: Path, step: int, fingerprint: Fingerprint, payload: by
 
 
 if __name__ == "__main__":
-    training.checkpoint.write_checkpoint = slow_write
+    training.checkpoint.files.write_checkpoint = slow_write
     pytorch.main(sys.argv[1:])

@@ -10,10 +10,10 @@ import pytest
 
 from tests.training.jobs import TINY, error_lines, read_metrics, run, run_in_this_process, torchrun
 from training import pytorch
-from training.args import parse_args
-from training.backend_choice import BackendRefused, choose_backend
+from training.config.args import parse_args
+from training.config.settings import parse_settings
 from training.errors import ExitCode
-from training.settings import parse_settings
+from training.world.backend_choice import BackendRefused, choose_backend
 
 TORCHRUN_2 = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
 HOROVODRUN_2 = {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}

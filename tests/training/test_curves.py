@@ -13,12 +13,12 @@ from tensorboard.backend.event_processing.event_accumulator import SCALARS, Even
 
 from tests.training.jobs import TINY, error_lines, horovodrun, make_imagenet, read_metrics, run, single
 from tests.training.test_training_units import OneProcess
-from training import curves, outputs
-from training.checkpoint import Fingerprint
-from training.curves import FINAL_IMAGES_PER_SEC, IMAGES_PER_SEC, LOSS, LR, PNG_SIZE, VAL_TOP1, Curves
+from training.checkpoint.files import Fingerprint
+from training.config.settings import TrainingSettings, parse_settings
 from training.errors import BadInput, OutputPathError
-from training.loop import TrainingRun
-from training.settings import TrainingSettings, parse_settings
+from training.run import curves, outputs
+from training.run.curves import FINAL_IMAGES_PER_SEC, IMAGES_PER_SEC, LOSS, LR, PNG_SIZE, VAL_TOP1, Curves
+from training.run.loop import TrainingRun
 
 Scalars = dict[str, list[tuple[int, float]]]
 LOSS_COLOUR, RATE_COLOUR = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)  # matplotlib's C0 and C1

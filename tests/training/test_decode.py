@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from training import data, decode
+from training.data import decode
+from training.data import imagenet as data
 
 SIZE = 64
 MAX_MEAN_DIFF = 3.0
@@ -74,7 +75,7 @@ def test_a_missing_module_selects_pillow(monkeypatch: pytest.MonkeyPatch, tmp_pa
 def test_the_job_logs_which_decoder_it_uses(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "train" / "n0").mkdir(parents=True)
     photo(tmp_path / "train" / "n0" / "a.JPEG")
-    with caplog.at_level(logging.INFO, logger="training.data"):
+    with caplog.at_level(logging.INFO, logger="training.data.imagenet"):
         data.load_imagenet(tmp_path, SIZE, 0)
     assert "decoding images with simplejpeg + OpenCV" in caplog.text
 

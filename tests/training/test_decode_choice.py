@@ -14,13 +14,15 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from bench.jpegs import write_imagenet_tree
+from bench.harness.jpegs import write_imagenet_tree
 from tests.training.test_gpu_decode import pillow_jpeg_decoder
-from training import data, decode_choice, pytorch
-from training.decode_choice import KEEPS_UP, MARGIN, Rates, batches_per_second, measure_rates, probe_batches
-from training.settings import parse_settings
-from training.sync import HIERARCHICAL, LOCAL_SGD, PeriodicSync, SyncSettings
-from training.torch_models import build_model
+from training import pytorch
+from training.config.settings import parse_settings
+from training.data import decode_choice
+from training.data import imagenet as data
+from training.data.decode_choice import KEEPS_UP, MARGIN, Rates, batches_per_second, measure_rates, probe_batches
+from training.torch.models import build_model
+from training.torch.sync import HIERARCHICAL, LOCAL_SGD, PeriodicSync, SyncSettings
 
 
 class Clock:

@@ -12,15 +12,25 @@ import pytest
 
 from tests.training.jobs import run_in_this_process
 from training import pytorch
-from training.args import FRAMEWORKS, build_parser
+from training.config.args import FRAMEWORKS, build_parser
+from training.config.settings import TrainingSettings, parse_settings
 from training.errors import ExitCode
-from training.loop import TrainingRun
-from training.settings import TrainingSettings, parse_settings
-from training.sync import LOCAL_SGD, SyncSettings
+from training.run.loop import TrainingRun
+from training.torch.sync import LOCAL_SGD, SyncSettings
 
 SYNC_FLAGS = {"sync", "sync_every", "sync_warmup_steps", "outer_optimizer", "outer_lr", "outer_momentum"}
 # The modules of a data-parallel run: they read the settings, never the argparse Namespace.
-READERS = ("pytorch", "tensorflow", "keras", "tf_common", "loop", "data", "export", "outputs", "job")
+READERS = (
+    "pytorch",
+    "tensorflow",
+    "keras",
+    "tf/common",
+    "run/loop",
+    "data/imagenet",
+    "run/export",
+    "run/outputs",
+    "run/job",
+)
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)

@@ -27,12 +27,13 @@ from PIL import Image
 
 from tests.local_http import serving
 from tests.training.jobs import REPO, horovodrun, job_env, read_metrics, run
-from training import export, predict
-from training.data import MEAN, STD, DataPlan, decode_val
+from training import predict
+from training.config.settings import parse_settings
+from training.data.imagenet import MEAN, STD, DataPlan, decode_val
+from training.data.images import NOT_AN_IMAGE
 from training.errors import OutputPathError
-from training.images import NOT_AN_IMAGE
-from training.outputs import MODEL_JSON, check_output_paths
-from training.settings import parse_settings
+from training.run import export
+from training.run.outputs import MODEL_JSON, check_output_paths
 
 COLOURS = {"blue": (40, 60, 200), "green": (40, 170, 60), "red": (210, 40, 40)}  # sorted: label order
 CHANCE = 1 / len(COLOURS)
@@ -184,7 +185,7 @@ def write_torch_export(directory: Path, name: str, image_size: int) -> Any:
     import torch
 
     from training.pytorch import export_model
-    from training.torch_models import build_model
+    from training.torch.models import build_model
 
     model = build_model(name, len(COLOURS)).to(memory_format=torch.channels_last)
     spec = export.ExportSpec("pytorch", name, list(COLOURS), image_size)

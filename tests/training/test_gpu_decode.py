@@ -1,7 +1,7 @@
 """``--decode``: which decoder a job gets, and the GPU path's batches against the CPU path's.
 
 There is no GPU here, and torchvision does not import beside the CPU build of torch (see
-training/gpu_decode.py). The selection is tested with the real, failing import and with stand-in
+training/data/gpu_decode.py). The selection is tested with the real, failing import and with stand-in
 loaders; the batch assembly with a stand-in for nvJPEG that decodes the same files with Pillow on
 the CPU, raising RuntimeError where torchvision does. Everything else (the DataLoader worker
 reading files and drawing crops, the crop and resize, the fallbacks) is the code a GPU node runs.
@@ -21,11 +21,12 @@ import torch
 from PIL import Image
 
 from tests.training.test_decode import SIZE, assert_close, photo
-from training import data, decode
+from training.config.settings import parse_settings
+from training.data import decode
+from training.data import imagenet as data
+from training.data.gpu_decode import choose_decoder, load_nvjpeg
 from training.errors import BadInput
-from training.gpu_decode import choose_decoder, load_nvjpeg
 from training.pytorch import image_loader
-from training.settings import parse_settings
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")  # a CUDA device object needs no GPU
 
@@ -68,7 +69,7 @@ def test_auto_falls_back_to_the_cpu_where_torchvision_does_not_load(
     monkeypatch.setitem(sys.modules, "torchvision.io", None)
     with pytest.raises(ImportError):
         load_nvjpeg()
-    with caplog.at_level(logging.WARNING, logger="training.gpu_decode"):
+    with caplog.at_level(logging.WARNING, logger="training.data.gpu_decode"):
         assert choose_decoder("auto", CUDA) is None
     assert "decoding on the CPU: nvJPEG is not usable here (ModuleNotFoundError" in caplog.text
     with pytest.raises(BadInput, match=r"--decode gpu: nvJPEG is not usable here \(ModuleNotFoundError.*torchvision"):
@@ -79,7 +80,7 @@ def test_a_decoder_that_fails_its_probe_is_not_used(caplog: pytest.LogCaptureFix
     def broken(files: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
         raise RuntimeError("nvjpegCreate failed")
 
-    with caplog.at_level(logging.WARNING, logger="training.gpu_decode"):
+    with caplog.at_level(logging.WARNING, logger="training.data.gpu_decode"):
         assert choose_decoder("auto", CUDA, lambda: broken) is None
     assert "nvjpegCreate failed" in caplog.text
     with pytest.raises(BadInput, match="RuntimeError: nvjpegCreate failed"):

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from bench import proc
-from bench.jpegs import write_imagenet_tree
-from training import data
-from training.gpu_decode import JpegDecoder, choose_decoder
+from bench.harness import proc
+from bench.harness.jpegs import write_imagenet_tree
+from training.config.settings import parse_settings
+from training.data import imagenet as data
+from training.data.gpu_decode import JpegDecoder, choose_decoder
 from training.pytorch import image_loader
-from training.settings import parse_settings
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""Sharded checkpoints of the model-parallel job (training.parallel.checkpoint).
+"""Sharded checkpoints of the model-parallel job (training.checkpoint.sharded).
 
 * in one process: save, prune, load, refusals, and what is never taken for a checkpoint;
 * the real job (``torchrun -m training.model_parallel``, gloo): a run killed mid-way resumes on
@@ -41,8 +41,8 @@ import torch
 from tests.polling import wait_for
 from tests.training import mp_checkpoint_driver as driver
 from tests.training.jobs import TORCHRUN, kill_tree, run, start, worker_pid
+from training.checkpoint.sharded import COMMIT_MARKER, ShardedCheckpoints, checkpoint_name, read_marker
 from training.errors import CheckpointRefused, OutputPathError
-from training.parallel.checkpoint import COMMIT_MARKER, ShardedCheckpoints, checkpoint_name, read_marker
 
 DRIVER = "tests.training.mp_checkpoint_driver"
 JOB = "training.model_parallel"

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from tests.training.jobs import run, torchrun
-from training.metrics import validate_metrics
 from training.model_parallel import METRIC_KEYS
+from training.run.metrics import validate_metrics
 
 STEPS = 5
 GLOBAL_BATCH = 8

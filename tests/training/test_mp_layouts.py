@@ -19,14 +19,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.training.jobs import REPO, error_lines, job_env, run, torchrun
+from training.data.text import SyntheticTokens, TextCorpus, replica_slice
 from training.errors import BadInput
-from training.metrics import validate_metrics
 from training.model_parallel import METRIC_KEYS, parse_args
-from training.parallel import memory
-from training.parallel.layout import MESH_DIMS, Layout, check_model
-from training.parallel.sharding import AC_MODES, apply_activation_checkpointing
-from training.text_data import SyntheticTokens, TextCorpus, replica_slice
-from training.transformer import GPT, GPT_CONFIGS, build_gpt, flops_per_token, parameter_count
+from training.run.metrics import validate_metrics
+from training.torch.parallel import memory
+from training.torch.parallel.layout import MESH_DIMS, Layout, check_model
+from training.torch.parallel.sharding import AC_MODES, apply_activation_checkpointing
+from training.torch.transformer import GPT, GPT_CONFIGS, build_gpt, flops_per_token, parameter_count
 
 # --- Layout arithmetic ---------------------------------------------------------------------------
 
@@ -320,7 +320,7 @@ def test_token_batches_depend_only_on_seed_and_step(tmp_path: Path) -> None:
 
 
 def test_text_corpus_refusals(tmp_path: Path) -> None:
-    from training.data import DataDirError
+    from training.data.imagenet import DataDirError
 
     with pytest.raises(DataDirError, match="does not exist"):
         TextCorpus.load(tmp_path / "missing", 0, 8)

@@ -15,7 +15,8 @@ from torch import nn
 
 from tests.training.jobs import TORCHRUN, run
 from training.errors import BadInput
-from training.parallel.pipeline import (
+from training.torch.models import resnet50, resnet_tiny
+from training.torch.parallel.pipeline import (
     balance,
     check_microbatches,
     split_for_pipeline,
@@ -23,9 +24,8 @@ from training.parallel.pipeline import (
     stage_parameter_counts,
     theoretical_bubble,
 )
-from training.parallel.pipeline_check import measure_bubbles
-from training.torch_models import resnet50, resnet_tiny
-from training.transformer import GPT_CONFIGS, build_gpt
+from training.torch.parallel.pipeline_check import measure_bubbles
+from training.torch.transformer import GPT_CONFIGS, build_gpt
 
 
 def all_stages(model: nn.Module, pp: int, schedule: str) -> list[nn.Module]:
@@ -216,7 +216,15 @@ GRAD_RTOL = 1e-5
 @pytest.mark.parametrize(("schedule", "microbatches"), [("gpipe", 4), ("1f1b", 4), ("interleaved-1f1b", 4)])
 def test_pipeline_matches_one_process(tmp_path: Path, schedule: str, microbatches: int) -> None:
     out = tmp_path / "result.json"
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node", 2, "-m", "training.parallel.pipeline_check", "equivalence"]
+    cmd = [
+        TORCHRUN,
+        "--standalone",
+        "--nproc_per_node",
+        2,
+        "-m",
+        "training.torch.parallel.pipeline_check",
+        "equivalence",
+    ]
     run(
         [*cmd, "--schedule", schedule, "--microbatches", microbatches, "--steps", 4, "--out", out],
         tmp_path / "log",

@@ -14,8 +14,8 @@ import torch
 from tests.training.jobs import run_in_this_process
 from training import model_parallel
 from training.errors import ExitCode
-from training.parallel.layout import Layout
-from training.parallel.settings import ModelParallelSettings
+from training.torch.parallel.layout import Layout
+from training.torch.parallel.settings import ModelParallelSettings
 
 CPU = torch.device("cpu")
 ONE = Layout(1, 1, 1, 1)

@@ -13,9 +13,9 @@ import pytest
 
 from tests.polling import wait_for
 from tests.training.jobs import TINY, kill_tree, start, torchrun, worker_pid
-from training.checkpoint import read_checkpoint
+from training.checkpoint.files import read_checkpoint
+from training.checkpoint.sharded import ShardedCheckpoints
 from training.errors import ExitCode
-from training.parallel.checkpoint import ShardedCheckpoints
 
 PREEMPTED = re.compile(r"error: preempted \(SIGUSR1: a Spot eviction\) after step (\d+): saved the checkpoint")
 MODEL_PARALLEL = ("--model", "gpt-tiny", "--seq-len", "16", "--batch-size", "2", "--log-every", "1")

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from tests.training.test_gpu_decode import pillow_jpeg_decoder
-from training import data
-from training.gpu_decode import DeviceBatcher
-from training.side_stream import HostStreams, SideStream, SideStreamBatches, Staged
+from training.data import imagenet as data
+from training.data.gpu_decode import DeviceBatcher
+from training.data.side_stream import HostStreams, SideStream, SideStreamBatches, Staged
 
 TRAINING = "training"
 
@@ -146,7 +146,7 @@ def test_a_second_loader_waits_for_the_batch_the_first_left_queued() -> None:
 
 def test_the_decoder_runs_on_the_side_stream_and_its_files_outlive_the_wait(tmp_path: Path) -> None:
     """The real batch assembly with a recording stand-in for nvJPEG."""
-    from bench.jpegs import write_imagenet_tree
+    from bench.harness.jpegs import write_imagenet_tree
 
     write_imagenet_tree(tmp_path, images=4, classes=2)
     folder = data.scan_split(tmp_path, "train", 32, seed=0)

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.parallel.sharding import AC_MODES, apply_activation_checkpointing, blocks
-from training.profiling import PROFILED_STEPS, StepProfiler
 from training.pytorch import DDPBackend
-from training.torch_models import build_model
-from training.transformer import GPT_CONFIGS, build_gpt
+from training.torch.models import build_model
+from training.torch.parallel.sharding import AC_MODES, apply_activation_checkpointing, blocks
+from training.torch.profiling import PROFILED_STEPS, StepProfiler
+from training.torch.transformer import GPT_CONFIGS, build_gpt
 
 
 def test_ddp_backend_does_not_wrap_a_single_process() -> None:

@@ -1,4 +1,4 @@
-"""--sync local-sgd / hierarchical (training.sync), as real multi-process DDP runs over gloo.
+"""--sync local-sgd / hierarchical (training.torch.sync), as real multi-process DDP runs over gloo.
 
 Each run checkpoints every step; a checkpoint of the periodic modes holds every replica, so the
 tests read what each rank held after each step: equal to the synchronous job with --sync-every 1,
@@ -19,10 +19,10 @@ import torch
 
 from tests.training.jobs import TORCHRUN, error_lines, run, start, torchrun
 from tests.training.test_training_equivalence import max_difference
-from training.checkpoint import checkpoint_path, read_checkpoint
+from training.checkpoint.files import checkpoint_path, read_checkpoint
+from training.config.settings import parse_settings
 from training.errors import BadInput
-from training.settings import parse_settings
-from training.sync import HIERARCHICAL, SyncSettings, check_layout
+from training.torch.sync import HIERARCHICAL, SyncSettings, check_layout
 
 TOLERANCE = 1e-5  # as in test_training_equivalence
 SMALL = ["--model", "simple_cnn", "--image-size", "16", "--num-classes", "10", "--batch-size", "4"]
@@ -96,7 +96,7 @@ def test_local_sgd_replicas_meet_at_each_average_and_resume_exactly(tmp_path: Pa
 
 def test_hierarchical_averages_inside_a_node_every_step_and_across_every_h(tmp_path: Path) -> None:
     """Two torchrun agents of 2 processes each: two nodes, as torchrun numbers their ranks."""
-    from scripts.daemons import free_port
+    from dtrain.local.daemons import free_port
 
     port = free_port()
     flags = every_step("--steps", 4, "--sync", HIERARCHICAL, "--sync-every", 2, "--checkpoint-dir", tmp_path / "ckpt")

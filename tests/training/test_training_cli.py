@@ -23,9 +23,9 @@ from tests.training.jobs import (
     torchrun,
     truncate_images,
 )
-from training.checkpoint import Fingerprint, checkpoint_path, write_checkpoint
-from training.launcher_exit import horovod_first_failure, report, run_torchrun
-from training.outputs import MIN_FREE_ENV
+from training.checkpoint.files import Fingerprint, checkpoint_path, write_checkpoint
+from training.run.outputs import MIN_FREE_ENV
+from training.world.launcher_exit import horovod_first_failure, report, run_torchrun
 
 Case = tuple[list[object], str, dict[str, str]]  # job flags, the error message expected, extra environment
 
@@ -277,8 +277,8 @@ def test_a_model_parallel_job_on_truncated_text_ends_with_one_error(tmp_path: Pa
 # a process that let Python finalize would wait for it forever.
 STUCK_THREAD_JOB = """
 import logging, sys, threading
-from training.data import DataDirError
-from training.job import run_job
+from training.data.imagenet import DataDirError
+from training.run.job import run_job
 
 class Backend:
     backend, rank, size, local_rank, local_size, failures = "test", 0, 1, 0, 1, ()

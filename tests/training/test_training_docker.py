@@ -62,7 +62,7 @@ def test_image_pins_every_version_and_agrees_with_the_tested_set(framework: str,
 
 def test_the_pytorch_image_pins_the_torchvision_release_made_for_its_torch() -> None:
     # torchvision 0.28.0 requires torch==2.13.0 (its wheel's metadata); pip would otherwise replace
-    # the pinned torch, or refuse. training/gpu_decode.py says why torchvision is in the image only.
+    # the pinned torch, or refuse. training/data/gpu_decode.py says why torchvision is in the image only.
     image = image_pins("pytorch")
     assert (image["torch"], image["torchvision"]) == ("2.13.0", "0.28.0")
     assert "torchvision" not in train_env_pins()

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from tests.training.jobs import REPO
-from training.args import FRAMEWORKS, build_parser
-from training.distributed import FAILURE_TIMEOUTS, PEER_TIMEOUT_SECONDS
+from training.config.args import FRAMEWORKS, build_parser
 from training.errors import ExitCode
-from training.liveness import PROBE_TIMEOUT_SECONDS
-from training.metrics import METRIC_KEYS
-from training.outputs import DEFAULT_MIN_FREE_MB, MIN_FREE_ENV
+from training.run.metrics import METRIC_KEYS
+from training.run.outputs import DEFAULT_MIN_FREE_MB, MIN_FREE_ENV
+from training.world.distributed import FAILURE_TIMEOUTS, PEER_TIMEOUT_SECONDS
+from training.world.liveness import PROBE_TIMEOUT_SECONDS
 
 DOC = (REPO / "docs" / "training.md").read_text()
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.training.jobs import check_common, horovodrun, read_metrics, run, single
-from training.checkpoint import CheckpointDir, checkpoint_path, read_checkpoint
+from training.checkpoint.files import CheckpointDir, checkpoint_path, read_checkpoint
 
 STEPS = 4
 COMMON = [

@@ -27,7 +27,7 @@ from tests.training.jobs import (
     wait_exit,
     worker_pid,
 )
-from training.liveness import PROBE_TIMEOUT_SECONDS, Liveness, Peer
+from training.world.liveness import PROBE_TIMEOUT_SECONDS, Liveness, Peer
 
 PEER_TIMEOUT = 10  # seconds, for these runs (the default is 60; the environment wins)
 # The documented bound: the peer timeout, the probe that names the rank, then the launcher's

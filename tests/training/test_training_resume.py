@@ -12,7 +12,7 @@ import pytest
 
 from tests.polling import wait_for
 from tests.training.jobs import TINY, horovodrun, kill_tree, read_metrics, run, start, wait_exit, worker_pid
-from training.checkpoint import CheckpointDir, checkpoint_path, read_checkpoint
+from training.checkpoint.files import CheckpointDir, checkpoint_path, read_checkpoint
 from training.pytorch import decode_state
 
 

@@ -14,9 +14,7 @@ import pytest
 from PIL import Image
 
 from tests.training.jobs import make_imagenet
-from training import data, metrics, outputs, preemption
-from training.args import MODELS
-from training.checkpoint import (
+from training.checkpoint.files import (
     Checkpoint,
     CheckpointDir,
     CorruptCheckpoint,
@@ -25,12 +23,16 @@ from training.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-from training.checkpoint_writer import finish_writes
-from training.distributed import FAILURE_TIMEOUTS, agree, set_failure_timeouts
+from training.checkpoint.writer import finish_writes
+from training.config.args import MODELS
+from training.config.settings import parse_settings
+from training.data import imagenet as data
 from training.errors import BadInput, CheckpointRefused, OutputPathError, Preempted
-from training.loop import TrainingRun, resume
-from training.schedule import learning_rate
-from training.settings import parse_settings
+from training.run import metrics, outputs
+from training.run.loop import TrainingRun, resume
+from training.run.schedule import learning_rate
+from training.world import preemption
+from training.world.distributed import FAILURE_TIMEOUTS, agree, set_failure_timeouts
 
 # --- LR schedule -------------------------------------------------------------------------
 
@@ -303,7 +305,7 @@ def test_flags_are_validated() -> None:
 
 
 def test_model_names_match_the_builders() -> None:
-    from training.torch_models import MODELS as TORCH_MODELS
+    from training.torch.models import MODELS as TORCH_MODELS
 
     assert tuple(TORCH_MODELS) == MODELS
 

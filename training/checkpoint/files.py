@@ -8,7 +8,7 @@ The checksum catches what atomic rename cannot (a damaged disk, a truncated copy
 such a file with a warning and falls back to an older checkpoint. The fingerprint catches a
 directory that belongs to another run: that is refused, never skipped.
 
-Only rank 0 writes; the jobs broadcast what rank 0 loaded (see :mod:`training.loop`).
+Only rank 0 writes; the jobs broadcast what rank 0 loaded (see :mod:`training.run.loop`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from training.errors import CheckpointRefused
-from training.outputs import fsync_path
+from training.run.outputs import fsync_path
 
 log = logging.getLogger(__name__)
 

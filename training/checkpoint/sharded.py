@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from training.errors import CheckpointRefused, JobError, OutputPathError
-from training.outputs import fsync_path, output_error
+from training.run.outputs import fsync_path, output_error
 
 log = logging.getLogger(__name__)
 

@@ -2,14 +2,14 @@
 
 A save's bytes are taken at its step, in the training thread (a copy in memory). Writing them to a
 shared file system at under 1 GB/s takes minutes for a large model, far past the peer timeout that
-bounds every collective (training/distributed.py), and the other ranks would wait for it in their
+bounds every collective (training/world/distributed.py), and the other ranks would wait for it in their
 next collective and fail a healthy job. So one thread writes the files. Rank 0 waits for a write
 only up to half the peer timeout (what its peers can afford to wait for it): a save that fits is done
 when training goes on, as before; a longer one goes on beside training. A save that comes due while
 an earlier one is still being written takes the place of any save still waiting (the newest state
 wins; no more than one write and one waiting copy in memory), and the job waits for the last write
 only once its backend is down, when no peer is waiting any more (:func:`finish_writes`, which
-training/job.py calls).
+training/run/job.py calls).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import logging
 import threading
 from pathlib import Path
 
-from training.checkpoint import CheckpointDir, Fingerprint
-from training.outputs import output_error
+from training.checkpoint.files import CheckpointDir, Fingerprint
+from training.run.outputs import output_error
 
 log = logging.getLogger(__name__)
 _open_writers: list[CheckpointWriter] = []

@@ -10,8 +10,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from training.backend_choice import AUTO, BACKENDS, BackendRefused, choose_backend
-from training.distributed import QUIET_RANK_DELAY_SECONDS, launcher_rank
+from training.world.backend_choice import AUTO, BACKENDS, BackendRefused, choose_backend
+from training.world.distributed import QUIET_RANK_DELAY_SECONDS, launcher_rank
 
 T = TypeVar("T", int, float)
 
@@ -189,7 +189,7 @@ def _add_speed_flags(parser: argparse.ArgumentParser, framework: str) -> None:
 
 
 def _add_sync_flags(parser: argparse.ArgumentParser) -> None:
-    from training import sync
+    from training.torch import sync
 
     group = parser.add_argument_group(
         "synchronisation (PyTorch, --backend ddp; see docs/training.md, 'Local SGD')",
@@ -259,7 +259,7 @@ def _add_export_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_profile_flag(group: argparse._ArgumentGroup) -> None:
-    """``--profile-dir`` of the PyTorch jobs (training.profiling)."""
+    """``--profile-dir`` of the PyTorch jobs (training.torch.profiling)."""
     group.add_argument(
         "--profile-dir",
         type=Path,
@@ -311,7 +311,7 @@ def parse_args(
         parser.error("--keep-checkpoints must be at least 2")
     if args.export_every_epoch and args.export_dir is None:
         parser.error("--export-every-epoch needs --export-dir")
-    from training.sync import sync_refusal
+    from training.torch.sync import sync_refusal
 
     if problem := sync_refusal(args):
         parser.error(problem)

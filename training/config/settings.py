@@ -1,8 +1,8 @@
 """The data-parallel jobs' settings: one frozen dataclass, built once from the parsed flags.
 
-As torchtitan's job config (and training.parallel.settings for training.model_parallel), the
+As torchtitan's job config (and training.torch.parallel.settings for training.model_parallel), the
 flags of training.pytorch, training.tensorflow and training.keras become typed values in one
-place (:meth:`TrainingSettings.from_args`, right after :func:`training.args.parse_args` has
+place (:meth:`TrainingSettings.from_args`, right after :func:`training.config.args.parse_args` has
 checked them); the data, loop, checkpoint, export and output code reads those, never the
 argparse Namespace. The PyTorch-only flags are fields too: TensorFlow and Keras get what their
 jobs do (Horovod, every-step synchronisation, no --decode/--compile/--profile-dir).
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.args import parse_args
-from training.sync import SyncSettings
+from training.config.args import parse_args
+from training.torch.sync import SyncSettings
 
 # The fields of flags only training.pytorch has, and their value in the other jobs.
 _PYTORCH_ONLY = {"decode": None, "compile": None, "profile_dir": None, "backend": "horovod"}
@@ -25,7 +25,7 @@ _PYTORCH_ONLY = {"decode": None, "compile": None, "profile_dir": None, "backend"
 
 @dataclass(frozen=True)
 class ReportingSettings:
-    """The reporting flags every job has (:func:`training.args.add_reporting`)."""
+    """The reporting flags every job has (:func:`training.config.args.add_reporting`)."""
 
     metrics_json: Path | None
     tensorboard_dir: Path | None
@@ -75,7 +75,7 @@ class TrainingSettings(ReportingSettings):
 
     @classmethod
     def from_args(cls, framework: str, args: argparse.Namespace) -> TrainingSettings:
-        """The settings of flags that :func:`training.args.parse_args` has parsed and checked."""
+        """The settings of flags that :func:`training.config.args.parse_args` has parsed and checked."""
         given = {"framework": framework, "sync": SyncSettings.from_args(args)}
         for field in dataclasses.fields(cls):
             if field.name in given:

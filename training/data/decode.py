@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 from PIL import Image
 
-from training.images import open_image
+from training.data.images import open_image
 
 log = logging.getLogger(__name__)
 

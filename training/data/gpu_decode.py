@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from training.data import EncodedCrop, ImageFolder, Key, Sample
-from training.decode import Box
+from training.data.decode import Box
+from training.data.imagenet import EncodedCrop, ImageFolder, Key, Sample
+from training.data.side_stream import Staged
 from training.errors import BadInput
-from training.side_stream import Staged
 
 log = logging.getLogger(__name__)
 

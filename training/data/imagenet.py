@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from training.args import DEFAULT_SYNTHETIC_STEPS
-from training.decode import Box, decode_region, decoder_name, jpeg_dims
+from training.config.args import DEFAULT_SYNTHETIC_STEPS
+from training.config.settings import TrainingSettings
+from training.data.decode import Box, decode_region, decoder_name, jpeg_dims
+from training.data.transcode import IMAGE_SUFFIXES
 from training.errors import BadInput
-from training.settings import TrainingSettings
-from training.transcode import IMAGE_SUFFIXES
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
-from training.data import DataDirError
+from training.data.imagenet import DataDirError
 from training.errors import BadInput
 
 MAX_STRIDE = 7  # synthetic rows count up by 1..7 (mod vocab)

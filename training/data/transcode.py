@@ -1,6 +1,6 @@
 """Transcode an ImageNet-layout dataset once, at staging: smaller JPEGs that decode faster on every epoch.
 
-Framework-free (Pillow and the standard library only): `python -m scripts stage --short-side` runs it on
+Framework-free (Pillow and the standard library only): `python -m dtrain stage --short-side` runs it on
 the operator's machine, and the decode benchmark imports it from the training environment.
 
 The output keeps the layout and every file name (the labels come from the paths), so the loader reads a
@@ -23,9 +23,9 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-from training.images import open_image
+from training.data.images import open_image
 
-IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")  # what the loader (training/data.py) reads as an image
+IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")  # what the loader (training/data/imagenet.py) reads as an image
 TEMP_SUFFIX = ".transcode-tmp"  # an output being written; what a killed run leaves goes with the stale files
 
 

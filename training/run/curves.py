@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from training.outputs import output_error
+from training.run.outputs import output_error
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

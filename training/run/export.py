@@ -5,7 +5,7 @@
 Rank 0 writes the export at the end of the run (and at every epoch end with ``--export-every-epoch``)
 into a hidden sibling directory, then renames it into place, so a reader never sees half an export;
 the other ranks wait for it, as for a checkpoint. The savers live beside each framework's job
-(:func:`training.pytorch.export_model`, :meth:`training.tf_common.Setup.save_export`): this module
+(:func:`training.pytorch.export_model`, :meth:`training.tf.common.Setup.save_export`): this module
 imports no framework.
 """
 
@@ -22,18 +22,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from training.data import MEAN, STD, VAL_RESIZE_RATIO, DataPlan
-from training.distributed import Dist
+from training.config.settings import TrainingSettings
+from training.data.imagenet import MEAN, STD, VAL_RESIZE_RATIO, DataPlan
 from training.errors import OutputPathError
-from training.outputs import MODEL_JSON, export_dir_problem, fsync_path, output_error
-from training.settings import TrainingSettings
+from training.run.outputs import MODEL_JSON, export_dir_problem, fsync_path, output_error
+from training.world.distributed import Dist
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 GIT_REVISION_ENV = "GIT_REVISION"
 RUN_ID_ENV = "RUN_ID"
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the checkout (or image directory) that holds training/
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the checkout (or image directory) that holds training/
 IMAGE_CLASSIFICATION = "image-classification"  # model.json's "task" (exports before it had none are this)
 
 
@@ -68,7 +68,7 @@ class ExportSpec:
 
 
 def preprocessing(image_size: int) -> dict[str, Any]:
-    """How an image becomes the model's input: training.data.decode_val, then the model normalizes."""
+    """How an image becomes the model's input: training.data.imagenet.decode_val, then the model normalizes."""
     return {
         "decode": "RGB",
         "resize_short_side": image_size / VAL_RESIZE_RATIO,
@@ -190,7 +190,7 @@ class Exporter:
 
     @property
     def epoch_hook(self) -> Callable[[int, dict[str, Any]], None] | None:
-        """For :class:`training.loop.TrainingRun`'s ``on_epoch_end``: None unless asked for."""
+        """For :class:`training.run.loop.TrainingRun`'s ``on_epoch_end``: None unless asked for."""
         return self._epoch_end if self.settings.export_every_epoch else None
 
     def _epoch_end(self, epoch: int, progress: dict[str, Any]) -> None:

@@ -30,14 +30,14 @@ from typing import NoReturn, TypeVar
 
 import psutil
 
-from training import preemption
-from training.checkpoint_writer import finish_writes
-from training.distributed import QUIET_RANK_DELAY_SECONDS, Backend, launcher_rank, peer_timeout_seconds
+from training.checkpoint.writer import finish_writes
+from training.config.settings import parse_settings
 from training.errors import BadInput, ExitCode, JobError, first_line
-from training.liveness import Liveness
-from training.loop import configure_logging
-from training.outputs import check_output_paths
-from training.settings import parse_settings
+from training.run.loop import configure_logging
+from training.run.outputs import check_output_paths
+from training.world import preemption
+from training.world.distributed import QUIET_RANK_DELAY_SECONDS, Backend, launcher_rank, peer_timeout_seconds
+from training.world.liveness import Liveness
 
 B = TypeVar("B", bound=Backend)
 # A job's settings, built once from its flags: the data-parallel jobs' TrainingSettings or
@@ -55,7 +55,7 @@ def run_job(
     """Parse the flags, check the outputs, start the backend, train, and exit with the table's status.
 
     ``parse``: a job with flags of its own (training.model_parallel's settings); default: the
-    data-parallel jobs' :class:`training.settings.TrainingSettings`.
+    data-parallel jobs' :class:`training.config.settings.TrainingSettings`.
     """
     settings = parse(argv) if parse is not None else parse_settings(framework, argv)  # a bad flag exits 2 here
     configure_logging(launcher_rank())

@@ -12,17 +12,17 @@ import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from training import curves
-from training.checkpoint import Checkpoint, CheckpointDir, Fingerprint
-from training.checkpoint_writer import CheckpointWriter
-from training.data import SkipCounter
-from training.distributed import PEER_TIMEOUT_SECONDS, Dist, peer_timeout_seconds
+from training.checkpoint.files import Checkpoint, CheckpointDir, Fingerprint
+from training.checkpoint.writer import CheckpointWriter
+from training.config.settings import TrainingSettings
+from training.data.imagenet import SkipCounter
 from training.errors import CheckpointRefused, JobError, first_line
-from training.metrics import METRIC_KEYS, RateWindow, StepTimer, throughput, write_metrics
-from training.outputs import output_error
-from training.preemption import PreemptionWatch, stop
-from training.schedule import learning_rate
-from training.settings import TrainingSettings
+from training.run import curves
+from training.run.metrics import METRIC_KEYS, RateWindow, StepTimer, throughput, write_metrics
+from training.run.outputs import output_error
+from training.run.schedule import learning_rate
+from training.world.distributed import PEER_TIMEOUT_SECONDS, Dist, peer_timeout_seconds
+from training.world.preemption import PreemptionWatch, stop
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -226,7 +226,7 @@ class TrainingRun:
         payload = self._save_state(done) if self._collective_save or self.dist.rank == 0 else None
         if self.dist.rank == 0:
             assert self._checkpoints is not None and payload is not None
-            if self._writer is None:  # the file is written beside training (training/checkpoint_writer.py)
+            if self._writer is None:  # the file is written beside training (training/checkpoint/writer.py)
                 self._writer = CheckpointWriter(self._checkpoints, self._fingerprint)
             self._writer.submit(done, payload, self._save_wait_s)
         # Keep ranks together here, so the copy's time is not charged to the next step.

@@ -22,7 +22,7 @@ from training.errors import BadInput, OutputPathError
 MIN_FREE_ENV = "TRAINING_MIN_FREE_MB"
 DEFAULT_MIN_FREE_MB = 1024  # a few ResNet-50 checkpoints (about 200 MB each with momentum)
 MB = 2**20
-MODEL_JSON = "model.json"  # what marks a directory as a model export (training.export)
+MODEL_JSON = "model.json"  # what marks a directory as a model export (training.run.export)
 
 
 class OutputFlags(Protocol):

@@ -19,8 +19,10 @@ import numpy as np
 import tensorflow as tf
 from horovod.common.exceptions import HorovodInternalError
 
-from training.checkpoint import Fingerprint
-from training.data import (
+from training.checkpoint.files import Fingerprint
+from training.config.settings import TrainingSettings
+from training.data.decode import decoder_name
+from training.data.imagenet import (
     DataPlan,
     ImageFolder,
     Key,
@@ -31,13 +33,11 @@ from training.data import (
     train_keys,
     val_keys,
 )
-from training.decode import decoder_name
-from training.distributed import agree, set_failure_timeouts
 from training.errors import JobError
-from training.export import Exporter, ExportSpec, ModelFiles
-from training.loop import TrainingRun, restore, resume
-from training.settings import TrainingSettings
-from training.tf_models import build_model
+from training.run.export import Exporter, ExportSpec, ModelFiles
+from training.run.loop import TrainingRun, restore, resume
+from training.tf.models import build_model
+from training.world.distributed import agree, set_failure_timeouts
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Keras models shared by the TensorFlow and Keras jobs: the same architectures as
-:mod:`training.torch_models` (ResNet-50 v1.5, not ``keras.applications``' v1), so the three
+:mod:`training.torch.models` (ResNet-50 v1.5, not ``keras.applications``' v1), so the three
 frameworks' numbers compare like with like.
 
 Models take uint8 NHWC images and normalize them in float32 on the device; the layers after
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from training.data import MEAN, STD
+from training.data.imagenet import MEAN, STD
 
 layers = tf.keras.layers
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from training.data import MEAN, STD
+from training.data.imagenet import MEAN, STD
 
 
 class Normalize(nn.Module):

@@ -1,7 +1,7 @@
 """``--profile-dir``: torch.profiler over a few steps right after the timing warmup, from inside the job.
 
 A profiler wrapped around the job from outside never prints: the job ends its process without
-returning to the caller (training.job), so the profile is taken and written here, in the step
+returning to the caller (training.run.job), so the profile is taken and written here, in the step
 loop. Every rank writes a Chrome trace (``rank<N>.json``, open it in Perfetto or chrome://tracing);
 rank 0 also logs the operators that took the most device time (CPU time without a GPU). The
 profiled steps are slower than the others and fall in the measured window: a profiled run's

@@ -24,7 +24,7 @@ resumed run needs (each replica's weights and optimizer, the step count, the anc
 
 Why not ``HierarchicalModelAverager`` for the node level: it averages the *parameters* inside the
 node after each step, which cannot overlap the backward pass and copies the model into one flat
-buffer each time; measured with bench.local_sgd_worker (4 ranks, one node, 64 steps) it took 1.8x
+buffer each time; measured with bench.cpu.local_sgd_worker (4 ranks, one node, 64 steps) it took 1.8x
 the time of DDP's overlapped gradient allreduce (4.3 s against 2.4 s), for the same weights (SGD
 with momentum is linear, so the mean of the replicas' updates is the update of the mean gradient).
 The hook's node-level gradient allreduce is DDP's own bucketed, overlapped allreduce.

@@ -16,8 +16,8 @@ covers every way a rank can stop answering, in both backends: 60 s (``PEER_TIMEO
   peers' collective times out as above.
 
 The same 60 s also bounds a pause of rank 0 alone, its share of evaluation, while the others wait
-(a checkpoint's file is written beside training: training/checkpoint_writer.py).
-:mod:`training.liveness` then names the rank that stopped answering.
+(a checkpoint's file is written beside training: training/checkpoint/writer.py).
+:mod:`training.world.liveness` then names the rank that stopped answering.
 
 :func:`set_failure_timeouts` fills in these defaults before the backend starts; values set
 by the user (environment, or horovodrun's ``--stall-check-*`` / ``--gloo-timeout-seconds``
@@ -96,7 +96,7 @@ class Dist(Protocol):
 
     def start_vote(self, flag: bool) -> Callable[[], bool]:
         """Start "is any rank's ``flag`` True?" without waiting (one integer, on a CPU channel that
-        never waits for the device); the returned function waits for the answer (see training.preemption)."""
+        never waits for the device); the returned function waits for the answer (see training.world.preemption)."""
         ...
 
 

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from training.distributed import Dist
+from training.world.distributed import Dist
 
 PROBE_TIMEOUT_SECONDS = 5.0
 # Where the launcher's rendezvous lives: the address this host uses to reach it is one its peers can reach.

@@ -1,6 +1,6 @@
 """Spot evictions, job side: SIGUSR1 means "save a checkpoint at the next step boundary, then stop".
 
-When Azure announces that a Spot node will be evicted, the node agent (scripts/remote/spot_agent.py)
+When Azure announces that a Spot node will be evicted, the node agent (dtrain/remote/boot/spot_agent.py)
 sends SIGUSR1 to the job's ranks on that node (the job's processes there that catch it); srun may
 forward it to others, which the batch script and the launchers ignore (job.sh sets that up). Every
 rank records it here.

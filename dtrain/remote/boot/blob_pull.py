@@ -45,7 +45,7 @@ API_VERSION = "2021-08-06"
 CHUNK = 1024 * 1024
 RETRIES = 4
 MARKER_DIR = ".blob-pull"
-# The exit-status table of scripts/errors.py, repeated: this file must stand alone on the NFS server.
+# The exit-status table of dtrain/errors.py, repeated: this file must stand alone on the NFS server.
 EXIT_FAILED = 1  # some blobs failed, or an unexpected internal error
 EXIT_BAD_INPUT = 2  # arguments, destination, container URL
 EXIT_NOT_READY = 3  # storage unreachable or access refused, disk full

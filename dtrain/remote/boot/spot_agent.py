@@ -15,7 +15,7 @@ A `Preempt` event that names this VM (IMDS's compute name) comes at least 30 s b
      too) and that catch SIGUSR1. Signalling through Slurm (`scancel --signal=USR1 --full`) reaches
      only the batch script's own sessions, and horovodrun and torchrun start their ranks in new ones.
      The ranks save a checkpoint at the next step boundary they agree on (one signalled rank is
-     enough: they vote at every boundary) and exit with status 75 (training/preemption.py);
+     enough: they vote at every boundary) and exit with status 75 (training/world/preemption.py);
   3. note the eviction in each job's run directory (evictions.json, which run.json carries);
   4. wait until each job has ended, at most until 15 s before NotBefore;
   5. requeue (`scontrol requeue`) each job that did not end with 0: it resumes from its newest
@@ -48,7 +48,7 @@ from email.utils import parsedate_to_datetime
 ENDPOINT = "http://169.254.169.254"
 EVENTS = "/metadata/scheduledevents?api-version=2020-07-01"
 COMPUTE_NAME = "/metadata/instance/compute/name?api-version=2021-02-01&format=text"
-PREEMPTED_EXIT_CODE = 75  # training.errors.ExitCode.PREEMPTED
+PREEMPTED_EXIT_CODE = 75  # training.exit_status.ExitCode.PREEMPTED (stands alone; tests/test_layout.py checks)
 MARGIN_S = 5  # the acknowledgement happens this long before NotBefore at the latest
 REQUEUE_S = 10  # and the requeue this long before that: a requeued job's batch script ends (its results upload)
 WAIT_STEP_S = 0.5

@@ -16,10 +16,10 @@ Every input line goes to stdout (the job's output.log), flushed line by line, no
 
 Each rank's own text is also appended to LOGS_DIR/rank-N.log. At end of input the verdict is written
 (atomically) as JSON: failed_rank, failed_host, exit_code_of_failed_rank (null when no rank failed) and
-job_error (the first rank line that starts with `error: `, which training/job.py prints). A launcher
+job_error (the first rank line that starts with `error: `, which training/run/job.py prints). A launcher
 names the rank that exited first, which after a peer died or froze is the healthy rank that noticed;
 when job_error names the culprit (`rank N on host H stopped answering|has exited|is unreachable`,
-training/liveness.py), failed_rank and failed_host are the culprit's, and exit_code_of_failed_rank
+training/world/liveness.py), failed_rank and failed_host are the culprit's, and exit_code_of_failed_rank
 stays the status the launcher reported for the failure (the job's).
 
 horovodrun (--gloo): rank lines are `[RANK]<stdout|stderr>:text`, with an optional time.asctime()
@@ -63,7 +63,7 @@ _HOROVOD_FIRST_CODE = re.compile(r"^Exit code: (-?\d+)\s*$")
 _SRUN_LABEL = re.compile(r"^(\d+): (.*)$")
 _TORCHRUN_RANK = re.compile(re.escape(TORCHRUN_PREFIX_TEMPLATE).replace(re.escape("${rank}"), r"(\d+)"))
 _TORCHRUN_FIELD = re.compile(r"^\s*(rank|exitcode)\s*:\s*(-?\d+)")
-# training/liveness.py's words for a peer that died, froze or was cut off, at the start of job_error
+# training/world/liveness.py's words for a peer that died, froze or was cut off, at the start of job_error
 _CULPRIT = re.compile(r"^rank (\d+) on host (\S+) (?:stopped answering|has exited|is unreachable)")
 _SRUN_TASK_EXIT = re.compile(r"^srun: error: (\S+): tasks? [\d,-]+: Exited with exit code (\d+)")
 

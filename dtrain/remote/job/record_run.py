@@ -8,7 +8,7 @@ ends, before the run directory is uploaded.
       --partition gpu
 
 The price comes from the run's job.json, where `launch` wrote the price per node-hour of each partition
-the job may run in (on-demand, Spot; from the price table of `python -m scripts cost`), so the job needs
+the job may run in (on-demand, Spot; from the price table of `python -m dtrain cost`), so the job needs
 no network and no table of its own: each attempt is priced at its own partition's price. A requeued job
 runs the batch script again: each attempt is kept under its number, and the totals add every attempt's
 node-hours and cost, because every attempt held its nodes. An attempt that ended with status 75 was
@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 RECORD = "run.json"
 JOB = "job.json"
 EVICTIONS = "evictions.json"  # written by the Spot agent (spot_agent.py)
-PREEMPTED_EXIT_CODE = 75
+PREEMPTED_EXIT_CODE = 75  # training.exit_status.ExitCode.PREEMPTED (stands alone; tests/test_layout.py checks)
 
 
 def _iso(epoch):

@@ -3,6 +3,6 @@ checkpointing, pipelines, sharded checkpoints, and per-rank memory accounting.
 
 Modules: :mod:`.layout` (flags -> :class:`~.layout.Layout` -> DeviceMesh), :mod:`.sharding`
 (tensor parallel, FSDP2, activation checkpointing), :mod:`.pipeline` (stage split and schedules),
-:mod:`.checkpoint` (DCP checkpoints that reshard), :mod:`.memory` (parameters, bytes, peak
+:mod:`training.checkpoint.sharded` (DCP checkpoints that reshard), :mod:`.memory` (parameters, bytes, peak
 memory per rank, MFU).
 """

@@ -1,4 +1,4 @@
-"""The whole model of a sharded or pipelined run, gathered into one export (:mod:`training.export`).
+"""The whole model of a sharded or pipelined run, gathered into one export (:mod:`training.run.export`).
 
 Each pipeline stage's first rank (data-parallel and tensor-parallel coordinates 0) rebuilds its
 stage's full tensors one at a time (``DTensor.full_tensor``, a collective over the tensor's mesh,
@@ -7,7 +7,7 @@ global rank 0 gathers the stages' parts (disjoint keys: the split keeps the mode
 the unsharded model and writes it as the data-parallel job would:
 
 * ResNets: ``model.pt2`` (torch.export), which ``training.predict`` reads;
-* transformers: ``model.pt2`` (its ``state_dict`` loads into :func:`training.transformer.build_gpt`), a
+* transformers: ``model.pt2`` (its ``state_dict`` loads into :func:`training.torch.transformer.build_gpt`), a
   torch.export program from token ids ``[batch, seq_len]`` (int64) to logits; ``model.json`` says
   ``"task": "causal-lm"`` with the configuration and the tokenizer (bytes).
 """
@@ -25,12 +25,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from training.export import ExportSpec, ModelFiles, model_card, model_json, write_export
-from training.parallel.layout import Layout
-from training.parallel.settings import ModelParallelSettings
 from training.pytorch import export_model
-from training.torch_models import build_model
-from training.transformer import GPTConfig, build_gpt
+from training.run.export import ExportSpec, ModelFiles, model_card, model_json, write_export
+from training.torch.models import build_model
+from training.torch.parallel.layout import Layout
+from training.torch.parallel.settings import ModelParallelSettings
+from training.torch.transformer import GPTConfig, build_gpt
 
 StateDict = dict[str, torch.Tensor]
 

@@ -117,7 +117,7 @@ def build_mesh(layout: Layout, device_type: str, timeout: timedelta | None = Non
 
     ``timeout``: of every collective on the mesh's groups. DeviceMesh creates them with torch's
     default (30 minutes on gloo, 10 on NCCL), not the default group's; a peer that stops answering
-    must fail the job as quickly whatever group it was meant to talk on (training.distributed).
+    must fail the job as quickly whatever group it was meant to talk on (training.world.distributed).
     """
     mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
     if timeout is not None:

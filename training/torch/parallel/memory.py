@@ -6,7 +6,7 @@ maximum allocated bytes (tensors, not the cache it reserved); on CPU the process
 set (``ru_maxrss``), which includes the Python runtime and torch's libraries (a few hundred MB).
 
 MFU (model FLOPs utilization, Chowdhery et al. 2022) is the model's training FLOPs per second
-(:func:`training.transformer.flops_per_token` x tokens/s) over the GPUs' dense bf16 peak. The
+(:func:`training.torch.transformer.flops_per_token` x tokens/s) over the GPUs' dense bf16 peak. The
 peaks are NVIDIA's datasheet numbers without sparsity; a GPU that is not in the table gets no MFU
 rather than a guessed one.
 
@@ -36,8 +36,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from training.parallel.layout import Layout
-from training.transformer import GPTConfig, parameter_count
+from training.torch.parallel.layout import Layout
+from training.torch.transformer import GPTConfig, parameter_count
 
 log = logging.getLogger(__name__)
 

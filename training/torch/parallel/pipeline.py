@@ -2,9 +2,9 @@
 and measure the schedule's bubble.
 
 Splitting (:func:`split_for_pipeline`)
-    The transformer (:class:`training.transformer.GPT`) is split between its layers: the token
+    The transformer (:class:`training.torch.transformer.GPT`) is split between its layers: the token
     embeddings go with the first stage, the final norm and the output projection with the last.
-    The ResNets of :mod:`training.torch_models` are split between residual blocks: the input
+    The ResNets of :mod:`training.torch.models` are split between residual blocks: the input
     normalization and the stem go with the first stage; pooling, flatten and the classifier with
     the last. A chunk is a new module object of the model's own class that holds only its part,
     under the original names (``layers.3.attention.wq.weight`` stays that in every layout), so
@@ -56,7 +56,7 @@ Bubble measurement (:attr:`Pipeline.last_bubble_fraction`)
     machine), which the formula leaves out. On CPU the spans are ``time.perf_counter`` intervals;
     on CUDA they are CUDA events on the current stream, read after a synchronize at the end of the
     step. The first step also infers the stages' shapes, so its bubble is not representative.
-    :func:`training.parallel.pipeline_check.measure_bubbles` runs the measurement on equal stages
+    :func:`training.torch.parallel.pipeline_check.measure_bubbles` runs the measurement on equal stages
     (of fixed time, or of fixed FLOPs) for ``make bench`` and the tests; docs/parallelism.md
     ("Pipeline bubble") has the numbers.
 """
@@ -82,7 +82,7 @@ from torch.distributed.pipelining import (
 )
 
 from training.errors import BadInput
-from training.torch_models import BasicBlock, Bottleneck, ResNet
+from training.torch.models import BasicBlock, Bottleneck, ResNet
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 DEFAULT_VIRTUAL_STAGES = 2
@@ -273,7 +273,7 @@ def _shell(model: nn.Module) -> nn.Module:
 
 
 def _is_gpt(model: nn.Module) -> bool:
-    # Duck-typed on the interface of training.transformer.GPT, so this module does not import it.
+    # Duck-typed on the interface of training.torch.transformer.GPT, so this module does not import it.
     return isinstance(getattr(model, "layers", None), nn.ModuleDict) and hasattr(model, "tok_embeddings")
 
 

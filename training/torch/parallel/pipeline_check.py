@@ -1,4 +1,4 @@
-"""Checks of :mod:`training.parallel.pipeline` on real processes, for the tests and ``make bench``.
+"""Checks of :mod:`training.torch.parallel.pipeline` on real processes, for the tests and ``make bench``.
 
 Not a training job. Run under torchrun (gloo on CPU), every rank one pipeline rank:
 
@@ -47,9 +47,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from training.parallel.pipeline import build_pipeline, split_for_pipeline, theoretical_bubble
+from training.torch.parallel.pipeline import build_pipeline, split_for_pipeline, theoretical_bubble
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # Per microbatch. sleep: 50 ms forward, 100 ms backward, small messages (8K floats), so the ~1 ms
 # the schedule's Python and gloo spend per microbatch on the critical path stays ~1% of a step.
 # matmul: 4 x Linear(1024) on 128 rows, ~8 ms forward on one core of the CI machine.
@@ -98,7 +98,7 @@ def run_torchrun(nproc: int, args: list[str], timeout: float) -> None:
     # how many cores a rank's thread pool happens to get.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    cmd += ["-m", "training.parallel.pipeline_check", *args]
+    cmd += ["-m", "training.torch.parallel.pipeline_check", *args]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{(done.stdout + done.stderr)[-4000:]}")
@@ -109,7 +109,7 @@ def run_torchrun(nproc: int, args: list[str], timeout: float) -> None:
 
 def tiny_gpt(seed: int) -> nn.Module:
     """gpt-tiny (4 layers: 2 ranks x 2 virtual stages fit), the same weights on every rank."""
-    from training.transformer import GPT_CONFIGS, build_gpt
+    from training.torch.transformer import GPT_CONFIGS, build_gpt
 
     return build_gpt(GPT_CONFIGS["gpt-tiny"], seed)
 
@@ -284,7 +284,7 @@ def bubble(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m training.parallel.pipeline_check")
+    parser = argparse.ArgumentParser(prog="python -m training.torch.parallel.pipeline_check")
     sub = parser.add_subparsers(dest="check", required=True)
     eq = sub.add_parser("equivalence")
     eq.add_argument("--schedule", required=True)

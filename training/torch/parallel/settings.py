@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from training.parallel import memory
-from training.parallel.layout import Layout
-from training.settings import ReportingSettings
-from training.transformer import GPT_CONFIGS, GPTConfig
+from training.config.settings import ReportingSettings
+from training.torch.parallel import memory
+from training.torch.parallel.layout import Layout
+from training.torch.transformer import GPT_CONFIGS, GPTConfig
 
 
 @dataclass(frozen=True)

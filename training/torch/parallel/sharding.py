@@ -36,7 +36,7 @@ blocks).
   input and recomputes the block in backward; ``selective`` keeps the outputs of matmuls,
   convolutions, attention and collectives and recomputes the cheap element-wise work (norms,
   activations, rotary embeddings). ``auto`` is resolved before this module is called
-  (:func:`training.parallel.memory.choose_activation_checkpointing`).
+  (:func:`training.torch.parallel.memory.choose_activation_checkpointing`).
 * **torch.compile**, per block (``nn.Module.compile``: in place, parameter names unchanged), as
   torchtitan does: the blocks are identical, so one compilation serves them all, and FSDP's
   all-gathers and reduce-scatters stay eager between blocks, where they overlap compute.
@@ -55,9 +55,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from training.parallel.layout import Layout
-from training.torch_models import BasicBlock, Bottleneck
-from training.transformer import Block
+from training.torch.models import BasicBlock, Bottleneck
+from training.torch.parallel.layout import Layout
+from training.torch.transformer import Block
 
 UNIT_TYPES = (Block, Bottleneck, BasicBlock)  # FSDP and activation-checkpointing units
 AC_MODES = ("none", "selective", "full")

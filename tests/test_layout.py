@@ -1,0 +1,206 @@
+"""The layout's rules, checked over the source (standard library only: runs in either environment).
+
+* The import graph: nothing under dtrain/remote/ imports the operator side (it is installed on hosts,
+  standard library only), and the Azure path (dtrain/cluster/, dtrain/jobs/) reaches nothing of the
+  embedded local cluster (dtrain/local/), directly or through the modules it imports.
+* One exit-status table (training/exit_status.py): the host tools that stand alone repeat its values,
+  and match it; no other module writes 75 or 4 as an exit status.
+* Every command and path that README.md and docs/ name exists: `python -m MODULE` resolves to a module,
+  a repository path is a file or folder, and `make TARGET` is a target of the Makefile.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from training.exit_status import ExitCode
+
+REPO = Path(__file__).resolve().parents[1]
+FIRST_PARTY = ("dtrain", "training", "infra", "bench", "tests")
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """The first-party modules a file imports (`from pkg import name` counts pkg.name when it is a module)."""
+    found: set[str] = set()
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {name for name in found if name.split(".")[0] in FIRST_PARTY}
+
+
+def existing(name: str) -> str | None:
+    """The module file behind a dotted name, or None when it names no module (an attribute)."""
+    path = REPO.joinpath(*name.split("."))
+    if (path / "__init__.py").is_file() or path.with_suffix(".py").is_file():
+        return name
+    return None
+
+
+GRAPH = {
+    module_name(path): {m for m in map(existing, imports_of(path)) if m}
+    for top in ("dtrain", "training", "infra", "bench")
+    for path in sorted((REPO / top).rglob("*.py"))
+}
+
+
+def reached(start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for name in GRAPH.get(todo.pop(), ()):
+            # importing a.b.c runs a/__init__ and a/b/__init__ too
+            for prefix in (".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 2)):
+                if prefix not in seen:
+                    seen.add(prefix)
+                    todo.append(prefix)
+    return seen
+
+
+def test_the_graph_was_read() -> None:
+    assert "dtrain.cluster.ssh" in GRAPH["dtrain.jobs.submit"] or GRAPH["dtrain.jobs.submit"]
+    assert "dtrain.local.slurm" in GRAPH["dtrain.local.cluster"]
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith("dtrain.remote")))
+def test_nothing_installed_on_hosts_imports_the_project(module: str) -> None:
+    assert GRAPH[module] == set(), f"{module} imports {sorted(GRAPH[module])}: host tools are standard library only"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith(("dtrain.cluster", "dtrain.jobs"))))
+def test_the_azure_path_reaches_nothing_of_the_local_cluster(module: str) -> None:
+    local = sorted(name for name in reached(module) if name.startswith("dtrain.local"))
+    assert local == [], f"{module} reaches {local}"
+
+
+# --- the exit-status table -----------------------------------------------------------------------
+
+STANDALONE = {  # host tools that cannot import the table: their copies of its values
+    "dtrain/remote/boot/spot_agent.py": {"PREEMPTED_EXIT_CODE": ExitCode.PREEMPTED},
+    "dtrain/remote/job/record_run.py": {"PREEMPTED_EXIT_CODE": ExitCode.PREEMPTED},
+    "dtrain/remote/boot/blob_pull.py": {
+        "EXIT_FAILED": ExitCode.FAILED,
+        "EXIT_BAD_INPUT": ExitCode.BAD_INPUT,
+        "EXIT_NOT_READY": ExitCode.NOT_READY,
+        "EXIT_INTERRUPTED": ExitCode.INTERRUPTED,
+    },
+}
+
+
+def constants(path: Path) -> dict[str, object]:
+    tree = ast.parse(path.read_text())
+    return {
+        target.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+
+
+@pytest.mark.parametrize("path", sorted(STANDALONE))
+def test_the_standalone_host_tools_repeat_the_table(path: str) -> None:
+    values = constants(REPO / path)
+    assert {name: values.get(name) for name in STANDALONE[path]} == STANDALONE[path]
+
+
+def exit_literals(path: Path) -> list[str]:
+    """Where 75 or 4 is written as an exit status: sys.exit/os._exit/SystemExit arguments, `return N` in
+    main(), and constants or keywords whose name says exit status."""
+    found = []
+    wanted = {int(ExitCode.PREEMPTED), int(ExitCode.TIMED_OUT)}
+
+    def literal(node: ast.AST | None) -> bool:
+        return isinstance(node, ast.Constant) and type(node.value) is int and node.value in wanted
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name in ("sys.exit", "exit", "os._exit", "SystemExit") and any(map(literal, node.args)):
+                found.append(f"{path.name}:{node.lineno} {name}")
+            keywords = [k.arg for k in node.keywords if "exit" in (k.arg or "") and literal(k.value)]
+            found += [f"{path.name}:{node.lineno} {keyword}=" for keyword in keywords]
+        elif isinstance(node, ast.Assign) and literal(node.value):
+            names = [ast.unparse(t) for t in node.targets]
+            found += [f"{path.name}:{node.lineno} {n}" for n in names if re.search("exit|status|code", n, re.I)]
+        elif isinstance(node, ast.FunctionDef) and node.name == "main":
+            returns = [r for r in ast.walk(node) if isinstance(r, ast.Return) and literal(r.value)]
+            found += [f"{path.name}:{r.lineno} return" for r in returns]
+    return found
+
+
+def test_no_exit_status_is_written_as_a_number_outside_the_table() -> None:
+    allowed = {REPO / "training" / "exit_status.py", *(REPO / path for path in STANDALONE)}
+    found = [
+        hit
+        for top in ("dtrain", "training", "infra", "bench")
+        for path in sorted((REPO / top).rglob("*.py"))
+        if path not in allowed
+        for hit in exit_literals(path)
+    ]
+    assert found == []
+
+
+# --- what the documentation names exists ---------------------------------------------------------
+
+MODULE_RUN = re.compile(r"python3? -m ((?:dtrain|training|bench)(?:\.[A-Za-z_][\w]*)*)(?!\.?[<{])(?!\w)")
+REPO_PATH = re.compile(
+    r"(?<![\w/.~$-])((?:dtrain|training|bench|infra|tests|tools|docs|examples|\.ci)/[\w./-]*[\w/])(?![\w{*<])"
+)
+MAKE_TARGET = re.compile(r"(?:^|`)make ([a-z][a-z-]*)", re.MULTILINE)
+# What a documented command writes, not kept in the repository.
+GENERATED = {"bench/results/results-gpu", "bench/results/results-gpu.json", "bench/results/results-gpu.md"}
+
+
+def documented(pattern: re.Pattern[str]) -> list[tuple[str, str]]:
+    return sorted({(doc.name, match[1]) for doc in DOCS for match in pattern.finditer(doc.read_text())})
+
+
+@pytest.mark.parametrize(("doc", "module"), documented(MODULE_RUN))
+def test_every_documented_module_runs(doc: str, module: str) -> None:
+    path = REPO.joinpath(*module.split("."))
+    runnable = path.with_suffix(".py").is_file() or (path / "__main__.py").is_file()
+    assert runnable, f"{doc}: `python -m {module}` names no module with a main"
+    assert importlib.util.find_spec(module) is not None
+
+
+@pytest.mark.parametrize(("doc", "path"), documented(REPO_PATH))
+def test_every_documented_path_exists(doc: str, path: str) -> None:
+    assert (REPO / path).exists() or path in GENERATED, f"{doc} names {path}, which is not in the repository"
+
+
+@pytest.mark.parametrize(("doc", "target"), documented(MAKE_TARGET))
+def test_every_documented_make_target_exists(doc: str, target: str) -> None:
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(rf"^{re.escape(target)}:", makefile, re.MULTILINE), f"{doc}: no `make {target}`"
+
+
+VERB = re.compile(
+    r"(?:^|`)\s*(?:\.venv/bin/)?(?:python -m dtrain|dtrain)(?: --cluster \S+)? ([a-z][a-z-]*)", re.MULTILINE
+)
+
+
+@pytest.mark.parametrize(("doc", "verb"), documented(VERB))
+def test_every_documented_dtrain_verb_exists(doc: str, verb: str) -> None:
+    pytest.importorskip("pydantic", reason="the operator environment's test")
+    from dtrain.__main__ import build_parser
+
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    assert verb in commands, f"{doc}: `dtrain {verb}` is not a command ({sorted(commands)})"
