@@ -204,3 +204,16 @@ def test_every_documented_dtrain_verb_exists(doc: str, verb: str) -> None:
 
     commands = next(a for a in build_parser()._actions if a.dest == "command").choices
     assert verb in commands, f"{doc}: `dtrain {verb}` is not a command ({sorted(commands)})"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith("training")))
+def test_the_jobs_import_nothing_of_the_operator_side(module: str) -> None:
+    """The images hold training/ alone (Dockerfile: COPY training)."""
+    outside = sorted(name for name in reached(module) if not name.startswith("training"))
+    assert outside == [], f"{module} reaches {outside}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith(("dtrain", "infra"))))
+def test_the_product_imports_no_benchmark_or_test(module: str) -> None:
+    outside = sorted(name for name in reached(module) if name.startswith(("bench", "tests")))
+    assert outside == [], f"{module} reaches {outside}"

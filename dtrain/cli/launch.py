@@ -70,8 +70,9 @@ def configure(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "launch",
         help="submit a training job to Slurm and follow its output",
-        description="Submit a data-parallel training job with sbatch (through the jump host) and stream every "
-        "rank's output, prefixed [rank|host], until it ends. The run's logs, metrics, trained model (model/), "
+        description="Submit a training job (data- or model-parallel, or your own code) with sbatch (through the "
+        "jump host) and stream every rank's output, prefixed [rank|host], until it ends. The run's logs, metrics, "
+        "trained model (model/), "
         "TensorBoard events, summary.png and run.json (node-hours, estimated cost) reach the results container "
         "from the cluster, whether or not you stay attached.",
         epilog=EPILOG,
