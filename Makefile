@@ -48,7 +48,7 @@ node_modules/.installed: package.json package-lock.json
 	touch $@
 
 test: setup  ## run every test suite (infrastructure, training, operator workflow)
-	$(OPS)/bin/python -m pytest tests/infra tests/scripts
+	$(OPS)/bin/python -m pytest tests/test_layout.py tests/infra tests/scripts
 	$(TRAIN)/bin/python -m pytest tests/training tests/bench
 
 test-infra: $(OPS)/.installed system  ## Pulumi program under mocks, cloud-init validation
