@@ -84,7 +84,7 @@ from training.parallel.sharding import AC_MODES, autocasts, parallelize
 from training.preemption import PreemptionWatch, stop
 from training.profiling import StepProfiler
 from training.pytorch import DDPBackend
-from training.text_data import TokenSource, replica_slice, token_source
+from training.text_data import TokenSource, replica_rows, token_source
 from training.torch_models import build_model
 from training.transformer import GPT_CONFIGS, GPTConfig, build_gpt, flops_per_token, init_weights, parameter_count
 
@@ -383,13 +383,15 @@ class Batches:
             return self.images
         assert self.tokens is not None
         tokens = self.tokens.batch(step, replicas * self.settings.batch_size, self.settings.seq_len)
-        inputs, targets = replica_slice(tokens, self.replica, self.settings.batch_size)
-        return self.to_device(inputs), self.to_device(targets)
+        rows = self.to_device(replica_rows(tokens, self.replica, self.settings.batch_size))
+        return rows[:, :-1], rows[:, 1:]  # inputs and targets: views of the one upload
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         """A blocking copy from pageable memory waits for every kernel queued before it: from pinned
-        memory, non-blocking, the host goes on queueing the next step."""
-        tensor = torch.from_numpy(array)
+        memory, non-blocking, the host goes on queueing the next step. The rows are uploaded whole
+        (contiguous), so the pinned buffer is the one the copy engine reads; a strided view would be
+        gathered into pageable memory first."""
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
         if self.device.type != "cuda":
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
