@@ -1,16 +1,16 @@
-"""``--decode auto``: the GPU path only where the CPU loader holds the model back and the GPU path does not.
+"""``--decode auto``: how much of the JPEG decoding the GPU takes, from rates measured at start.
 
-At start, with nvJPEG working, the job times three things over the run's own first batches, one
-after the other: the DataLoader workers decoding on the CPU; the workers reading files while this
-process decodes on the GPU (on its side streams, as in training); and the model's forward and
-backward passes on a synthetic batch (no optimizer step; the gradients, batch-norm statistics and the
-periodic sync's warm-up count are put back). The GPU path is kept only if, on every rank, the CPU
-loader was slower than ``KEEPS_UP`` times the model's rate (so it would hold the step back) and the
-GPU path at least ``MARGIN`` times as fast as the CPU loader. Each rate is measured alone: the GPU
-path's decode, crops and resizes share the GPU with the step in training, which
-``bench.gpu_decode_e2e`` measures end to end. On the one H100 on record (4 host cores,
-docs/performance.md), nvJPEG's decode, crop and resize alone ran at 2,782 images/s and the CPU
-loader fed training at 3,795 images/s: there ``auto`` would decode on the CPU.
+With nvJPEG working, the job times three things over the run's own first batches, one after the
+other: the DataLoader workers decoding on the CPU; the workers reading files while the batch thread
+decodes on the GPU (on its side streams, as in training); and the model's forward and backward
+passes on a synthetic batch (no optimizer step; the gradients, batch-norm statistics and the
+periodic sync's warm-up count are put back). Where the CPU loader keeps up with the model, the CPU
+decodes everything. Where it does not, the two decoders split the images (training/gpu_decode.py
+``gpu_decodes``): the GPU takes what the CPU loader cannot carry, plus ``HEADROOM``, but never
+more than the share at which both loaders run at one pace (which gives the most images per second
+of the two together). Each decoder alone can be slower than a compiled step on one H100 (the CPU
+loader at eight workers, nvJPEG's batched decode), and together they feed it; the GPU's share is
+kept small because its decode, crops and resizes take GPU time from the step.
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-# The GPU path must beat the CPU loader by this much: the probe is short, and the GPU path also
-# costs the model GPU time that the probe does not see.
-MARGIN = 1.1
 # The CPU loader keeps up when it makes batches this much faster than the model uses them alone:
 # in training it also shares the host with the training process.
 KEEPS_UP = 1.05
+# The GPU's share is this much above what the CPU loader cannot carry: the probe is short.
+HEADROOM = 0.1
 MIN_PROBE_BATCHES = 8
 
 
@@ -37,8 +36,13 @@ class Rates:
     gpu: float
     model: float
 
-    def gpu_pays(self) -> bool:
-        return self.cpu < KEEPS_UP * self.model and self.gpu >= MARGIN * self.cpu
+    def gpu_share(self) -> float:
+        """The share of the images the GPU decodes: 0 where the CPU loader keeps up (see the module)."""
+        short = 1 - self.cpu / (KEEPS_UP * self.model)
+        if short <= 0:
+            return 0.0
+        balanced = self.gpu / (self.cpu + self.gpu)
+        return round(min(short + HEADROOM, balanced), 2)
 
     def __str__(self) -> str:
         return f"CPU loader {self.cpu:.2f}, GPU path {self.gpu:.2f}, model {self.model:.2f} batches/s"
