@@ -8,6 +8,8 @@ section runs accepted by the program it runs, and the baseline loops' arithmetic
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
 import math
 import subprocess
@@ -15,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import gpu, gpu_baselines, gpu_sections
 from bench.gpu_report import Row, Section, write
@@ -109,9 +112,27 @@ def test_transformer_commands_are_the_defaults_at_the_issue_sizes(case: gpu_sect
     assert (base.model, base.seq_len, base.batch_size, base.compile) == (*shape, True)
 
 
+def test_the_baseline_reads_the_loss_on_the_host_where_the_jobs_log() -> None:
+    reads: list[int] = []
+    steps = itertools.count(1)
+
+    class Loss:
+        def __init__(self, step: int) -> None:
+            self.step = step
+
+        def item(self) -> float:
+            reads.append(self.step)
+            return 0.0
+
+    args = argparse.Namespace(steps=35, timing_warmup_steps=5, log_every=10)
+    gpu_baselines.timed_loop(lambda: Loss(next(steps)), args, torch.device("cpu"))
+    assert reads == [10, 20, 30]  # the steps where the jobs log: done % log_every == 0
+
+
 def test_baseline_loops_run_and_report_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpt.json"
-    tiny = ["--steps", "3", "--timing-warmup-steps", "1", "--no-compile", "--device", "cpu", "--metrics-json", str(out)]
+    tiny = ["--steps", "3", "--timing-warmup-steps", "1", "--log-every", "2", "--no-compile", "--device", "cpu"]
+    tiny += ["--metrics-json", str(out)]
     gpu_baselines.main(["gpt", "--model", "gpt-tiny", "--seq-len", "16", "--batch-size", "2", *tiny])
     result = json.loads(out.read_text())
     assert result["tokens_per_sec"] > 0 and result["mfu"] is None and result["loss"] > 0
@@ -119,3 +140,6 @@ def test_baseline_loops_run_and_report_on_cpu(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     # finite, not positive: torchvision's ResNet-50 (where it imports) learns a batch of 2 to a loss of 0
     assert result["images_per_sec"] > 0 and math.isfinite(result["loss"]) and result["model"]
+    gpu_baselines.main(["resnet", "--model", "resnet_tiny", "--image-size", "16", "--batch-size", "2", *tiny])
+    result = json.loads(out.read_text())  # torchvision has no resnet_tiny: ours, on its uint8 input
+    assert result["model"].startswith("training.torch_models.resnet_tiny") and result["input"] == "uint8"
