@@ -140,8 +140,7 @@ def resnet_rows(work: Path, scale: Scale) -> list[Row]:
         ours, base, shared = measure_pair(*cmds, work, f"resnet-{mode}", scale)
         terms = (
             f"bf16 autocast; {mode}{' (whole model, default mode)' if compiled else ''}; SGD momentum 0.9, "
-            f"weight decay 1e-4 (foreach on CUDA); channels-last; {timing_terms(shape.steps, shape.warmup, every)} "
-            "(ours also all-gathers it over its one rank)"
+            f"weight decay 1e-4 (foreach on CUDA); channels-last; {timing_terms(shape.steps, shape.warmup, every)}"
         )
         rows.append(
             Row(
@@ -175,7 +174,7 @@ def transformer_rows(work: Path, scale: Scale) -> list[Row]:
         )
         terms = (
             f"bf16 autocast; {compiled}; AdamW betas 0.9/0.95, weight decay 0.1, fused on CUDA; "
-            f"{timing_terms(case.steps, case.warmup, every)} (ours also all-reduces it over its one rank); "
+            f"{timing_terms(case.steps, case.warmup, every)}; "
             f"activation checkpointing: ours {ours['activation_checkpointing']}, the baseline none"
         )
         rows.append(

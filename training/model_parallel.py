@@ -400,6 +400,8 @@ class Batches:
 def mean_loss(loss: torch.Tensor | None, device: torch.device) -> float:
     """The global batch's loss: the mean of the replicas' losses (collective: every rank calls it).
     Ranks without a loss (early pipeline stages) add nothing; TP ranks add equal copies."""
+    if torch.distributed.get_world_size() == 1 and loss is not None:  # one process: no collective
+        return float(loss.detach())
     total = torch.zeros(2, dtype=torch.float64, device=device)
     if loss is not None:
         total[0], total[1] = loss.detach().double(), 1.0

@@ -148,6 +148,8 @@ class DDPBackend:
         return box[0]
 
     def allgather_object(self, obj: Any) -> list[Any]:
+        if self.size == 1:  # no collective (and its device copies) in a one-process run's log steps
+            return [obj]
         out: list[Any] = [None] * self.size
         torch.distributed.all_gather_object(out, obj)
         return out
