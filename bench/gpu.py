@@ -122,9 +122,9 @@ class Outcome:
 def run_sections(
     sections: Sequence[Section], work: Path, scale: Scale, started: float, save: Callable[[Outcome], None]
 ) -> Outcome:
-    """Each section in turn, ``save``d as soon as it ends. A section that fails leaves a row saying so
-    and the others still run; one whose estimated cost no longer fits the budget left is skipped,
-    with a row saying so."""
+    """Each section in turn, ``save``d after each row and as it ends. A section that fails keeps the
+    rows it measured and leaves a row saying so, and the others still run; one whose estimated cost
+    no longer fits the budget left is skipped, with a row saying so."""
     outcome = Outcome(pending=[section.name for section in sections])
     save(outcome)  # at once: files left by an earlier run must not pass for this one's
     for section in sections:
@@ -137,7 +137,9 @@ def run_sections(
         else:
             print(f"bench.gpu: {section.name} ({section.title}; about {cost:.0f} s)", flush=True)
             try:
-                outcome.rows += section.rows(work, scale)
+                for row in section.rows(work, scale):
+                    outcome.rows.append(row)
+                    save(outcome)
             except Exception as exc:
                 outcome.failed.append(section.name)
                 outcome.rows.append(failed_row(section, str(exc)))

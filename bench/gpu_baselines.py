@@ -166,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index or 0)  # torch 2.11 refuses a device without an index
     result = resnet(args, device) if args.loop == "resnet" else gpt(args, device)
     if device.type == "cuda":
         result.setdefault("peak_memory_bytes", peak_memory_bytes(device))

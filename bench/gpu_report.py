@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -83,13 +83,14 @@ class Scale:
 
 @dataclass(frozen=True)
 class Section:
-    """``rows(scratch directory, scale)``; ``cost_s`` and ``smoke_cost_s``: estimated seconds of the
+    """``rows(scratch directory, scale)`` yields each row as soon as it is measured (a failure later in
+    the section keeps them); ``cost_s`` and ``smoke_cost_s``: estimated seconds of the
     whole section, process start-up and compilation included (one H100; the smoke on a GPU or on
     the 2-core CI machine, whichever is slower), against which the budget left is checked."""
 
     name: str
     title: str
-    rows: Callable[[Path, Scale], list[Row]]
+    rows: Callable[[Path, Scale], Iterable[Row]]
     cost_s: float
     smoke_cost_s: float
 

@@ -15,6 +15,7 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,10 +131,9 @@ def _gib(value: float | None) -> float | None:
     return None if value is None else value / GiB
 
 
-def resnet_rows(work: Path, scale: Scale) -> list[Row]:
+def resnet_rows(work: Path, scale: Scale) -> Iterator[Row]:
     """Our ResNet-50 job (DDP backend, bf16 autocast) eager and compiled, each beside torchvision's recipe."""
     shape, every = RESNET_SMOKE if scale.smoke else RESNET, log_every(scale)
-    rows = []
     for compiled in resnet_modes(scale):
         mode = "compiled" if compiled else "eager"
         cmds = our_resnet(shape, compiled, every), baseline_resnet(shape, compiled, every, scale.cuda)
@@ -142,26 +142,22 @@ def resnet_rows(work: Path, scale: Scale) -> list[Row]:
             f"bf16 autocast; {mode}{' (whole model, default mode)' if compiled else ''}; SGD momentum 0.9, "
             f"weight decay 1e-4 (foreach on CUDA); channels-last; {timing_terms(shape.steps, shape.warmup, every)}"
         )
-        rows.append(
-            Row(
-                "resnet50",
-                f"{shape.model} {shape.image_size} px, batch {shape.batch}, bf16, {mode}",
-                "img/s",
-                ours["images_per_sec"],
-                base["images_per_sec"],
-                f"{base['model']}, {base['input']} input, no wrapper (as ours at world size 1)",
-                terms,
-                baseline_peak_gib=_gib(base.get("peak_memory_bytes")),
-                **shared,
-            )
+        yield Row(
+            "resnet50",
+            f"{shape.model} {shape.image_size} px, batch {shape.batch}, bf16, {mode}",
+            "img/s",
+            ours["images_per_sec"],
+            base["images_per_sec"],
+            f"{base['model']}, {base['input']} input, no wrapper (as ours at world size 1)",
+            terms,
+            baseline_peak_gib=_gib(base.get("peak_memory_bytes")),
+            **shared,
         )
-    return rows
 
 
-def transformer_rows(work: Path, scale: Scale) -> list[Row]:
+def transformer_rows(work: Path, scale: Scale) -> Iterator[Row]:
     """Our model-parallel job at its defaults (one GPU, bf16) beside a bare compiled loop of the same model."""
     every = log_every(scale)
-    rows = []
     for case in GPTS_SMOKE if scale.smoke else GPTS:
         cmds = our_gpt(case, every), baseline_gpt(case, every, scale.cuda)
         ours, base, shared = measure_pair(*cmds, work, case.model, scale)
@@ -177,20 +173,17 @@ def transformer_rows(work: Path, scale: Scale) -> list[Row]:
             f"{timing_terms(case.steps, case.warmup, every)}; "
             f"activation checkpointing: ours {ours['activation_checkpointing']}, the baseline none"
         )
-        rows.append(
-            Row(
-                "transformer",
-                f"{case.model}, seq {case.seq_len}, batch {case.batch_size}, bf16",
-                "tok/s",
-                ours["tokens_per_sec"],
-                base["tokens_per_sec"],
-                "bare loop: same model, same loss function",
-                terms,
-                ours_mfu=ours["mfu"],
-                baseline_mfu=base["mfu"],
-                ours_peak_gib=_gib(ours["peak_memory_bytes_per_rank"][0]),
-                baseline_peak_gib=_gib(base["peak_memory_bytes"]),
-                **shared,
-            )
+        yield Row(
+            "transformer",
+            f"{case.model}, seq {case.seq_len}, batch {case.batch_size}, bf16",
+            "tok/s",
+            ours["tokens_per_sec"],
+            base["tokens_per_sec"],
+            "bare loop: same model, same loss function",
+            terms,
+            ours_mfu=ours["mfu"],
+            baseline_mfu=base["mfu"],
+            ours_peak_gib=_gib(ours["peak_memory_bytes_per_rank"][0]),
+            baseline_peak_gib=_gib(base["peak_memory_bytes"]),
+            **shared,
         )
-    return rows

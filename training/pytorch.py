@@ -38,7 +38,7 @@ from training.data import (
     val_keys,
 )
 from training.decode import decoder_name
-from training.decode_choice import measure_rates, probe_batches
+from training.decode_choice import measure_rates, probe_batches, warm_batches
 from training.distributed import agree, set_failure_timeouts
 from training.errors import BadInput, JobError, NotReady
 from training.export import Exporter, ExportSpec, ModelFiles
@@ -307,9 +307,8 @@ def settle_auto(
     if settings.decode != "auto" or decode is None or plan.train is None:
         return decode
     train = plan.train
-    count = probe_batches(
-        default_workers(backend.local_size) if settings.data_workers is None else settings.data_workers
-    )
+    workers = default_workers(backend.local_size) if settings.data_workers is None else settings.data_workers
+    count, warm = probe_batches(workers), warm_batches(workers)
 
     def loader(with_decode: GpuDecode | None) -> Iterator[Batch]:
         keys = train_keys(
@@ -320,12 +319,12 @@ def settle_auto(
             settings.seed,
             plan.steps_per_epoch,
             0,
-            count + 1,
+            warm + count,
         )
         return image_loader(train, keys, settings, backend, device, with_decode)
 
     sync = partial(torch.cuda.synchronize, device) if device.type == "cuda" else lambda: None
-    rates = measure_rates(lambda: loader(None), lambda: loader(decode), model_steps, count, sync)
+    rates = measure_rates(lambda: loader(None), lambda: loader(decode), model_steps, count, sync, warm=warm)
     share = max(backend.allgather_object(rates.gpu_share()))
     chosen = GpuDecode(decode.decode, share) if share > 0 else None
     if backend.rank == 0:

@@ -7,11 +7,13 @@ files say so, and no measured process runs past the budget's end.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -87,6 +89,21 @@ def test_a_run_killed_in_its_second_section_keeps_the_rows_of_the_first(tmp_path
     assert "| the first section's figure | img/s | 2 | 1 | 2.000 | the same terms |" in text
     assert "Partial results" in text and "stopped before them: second." in text
     assert sorted(path.name for path in tmp_path.iterdir()) == ["results-gpu.json", "results-gpu.md"]
+
+
+def test_a_section_that_fails_after_a_row_keeps_that_row(tmp_path: Path) -> None:
+    """As when gpt-1.3b ran past the budget after gpt-125m was measured: the measured row stays."""
+
+    def one_then_fails(work: Path, scale: Scale) -> Iterator[Row]:
+        yield FIRST
+        raise proc.BenchError("the second pair ran past its limit")
+
+    sections = [Section("first", "a section that fails half-way", one_then_fails, 1, 1)]
+    outcome = gpu.run_sections(
+        sections, tmp_path, Scale(smoke=True, cuda=False, deadline=math.inf), 0.0, lambda _: None
+    )
+    assert [row.name for row in outcome.rows] == [FIRST.name, "a section that fails half-way"]
+    assert outcome.failed == ["first"] and "ran past its limit" in outcome.rows[1].note
 
 
 def test_a_section_that_no_longer_fits_the_budget_is_skipped_and_both_files_say_so(

@@ -17,7 +17,15 @@ from torch.nn.parallel import DistributedDataParallel
 from bench.jpegs import write_imagenet_tree
 from tests.training.test_gpu_decode import pillow_jpeg_decoder
 from training import data, decode_choice, pytorch
-from training.decode_choice import HEADROOM, KEEPS_UP, Rates, batches_per_second, measure_rates, probe_batches
+from training.decode_choice import (
+    HEADROOM,
+    KEEPS_UP,
+    Rates,
+    batches_per_second,
+    measure_rates,
+    probe_batches,
+    warm_batches,
+)
 from training.gpu_decode import GpuDecode
 from training.settings import parse_settings
 from training.sync import HIERARCHICAL, LOCAL_SGD, PeriodicSync, SyncSettings
@@ -54,6 +62,22 @@ def test_the_rate_leaves_out_the_first_batch_and_counts_the_device_work_of_the_l
     rate = batches_per_second(timed_batches(clock, 30.0, 0.25, log, "loader"), 8, sync, clock)
     assert rate == pytest.approx(8 / (8 * 0.25 + 0.5))
     assert syncs == [30.0, 30.5 + 8 * 0.25]
+
+
+def test_a_loader_is_timed_after_its_workers_first_round() -> None:
+    """Workers that start one after the other: the first round's batches come late, then at a steady pace."""
+    clock = Clock()
+    workers = 4
+
+    def staggered() -> Iterator[int]:
+        for n in range(100):
+            clock.now += 1.0 if n < workers else 0.25  # each worker's start-up, then its pace
+            yield n
+
+    steady = batches_per_second(staggered(), 8, lambda: None, clock, warm=warm_batches(workers))
+    assert steady == pytest.approx(4.0)
+    clock.now = 0.0
+    assert batches_per_second(staggered(), 8, lambda: None, clock) < 0.75 * steady  # timed from the first batch
 
 
 def test_each_loader_is_stopped_before_the_next_starts() -> None:
@@ -190,7 +214,7 @@ def test_the_model_probe_leaves_the_sync_warm_up_to_the_training_steps(plan: dat
 def test_auto_gives_every_rank_the_largest_share_any_rank_needs(
     monkeypatch: pytest.MonkeyPatch, plan: data.DataPlan, mine: float, others: list[float], share: float | None
 ) -> None:
-    monkeypatch.setattr(pytorch, "measure_rates", lambda *args: SimpleNamespace(gpu_share=lambda: mine))
+    monkeypatch.setattr(pytorch, "measure_rates", lambda *args, **kwargs: SimpleNamespace(gpu_share=lambda: mine))
     backend = ranks_answering(*others)
     chosen = pytorch.settle_auto(AUTO, plan, backend, CPU, GpuDecode(pillow_jpeg_decoder), tiny_steps(plan, backend))  # type: ignore[arg-type]
     if share is None:
@@ -204,8 +228,8 @@ def test_the_probe_times_both_real_loaders(
 ) -> None:
     measured: list[Rates] = []
 
-    def recording(*args: Any) -> Rates:
-        measured.append(decode_choice.measure_rates(*args))
+    def recording(*args: Any, **kwargs: Any) -> Rates:
+        measured.append(decode_choice.measure_rates(*args, **kwargs))
         return measured[-1]
 
     monkeypatch.setattr(pytorch, "measure_rates", recording)
