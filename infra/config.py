@@ -118,9 +118,9 @@ class StackConfig(BaseModel):
     gpu_sku: str = "Standard_ND96isr_H100_v5"
     node_count: int = Field(default=2, ge=1, le=MAX_NODES)
     # A second scale set of the same size as Spot VMs, Slurm's `spot` partition (0: none). Evicted
-    # instances are deallocated (they keep their disks and can be started again) or deleted.
+    # instances are deallocated: they keep their disks and instance ids, and Slurm starts them again.
     spot_node_count: int = Field(default=0, ge=0, le=MAX_NODES)
-    spot_eviction_policy: Literal["Deallocate", "Delete"] = "Deallocate"
+    spot_eviction_policy: Literal["Deallocate"] = "Deallocate"
     # USD per hour a Spot VM may cost at most (Azure evicts it above that); -1: up to the on-demand price.
     spot_max_price: float = -1
     image: str = DEFAULT_IMAGE
@@ -204,6 +204,20 @@ class StackConfig(BaseModel):
         if not _is_private(network) or not 8 <= network.prefixlen <= 22:
             raise ValueError("must be a private (RFC 1918) range between /8 and /22, e.g. 10.40.0.0/16")
         return str(network)
+
+    @field_validator("spot_eviction_policy", mode="before")
+    @classmethod
+    def _eviction(cls, value: str) -> str:
+        # Slurm's names are fixed instance ids (infra/cluster.py) and the power program can only
+        # start and deallocate them: a deleted instance is never made again, its name points at an
+        # instance id that no longer exists, and the node stays DOWN for good.
+        if value == "Delete":
+            raise ValueError(
+                "is not supported: a deleted Spot instance never comes back under its Slurm name "
+                "(the power program starts and deallocates instances, it does not re-create them), "
+                "so the node would stay DOWN for good; use Deallocate"
+            )
+        return value
 
     @field_validator("spot_max_price")
     @classmethod

@@ -149,6 +149,7 @@ NEW_BAD_VALUES = [
     ("spotNodeCount", "101"),  # one placement group
     ("spotEvictionPolicy", "Stop"),
     ("spotEvictionPolicy", "deallocate"),
+    ("spotEvictionPolicy", "Delete"),  # its nodes would stay DOWN for good after an eviction
     ("spotMaxPrice", "0"),
     ("spotMaxPrice", "-2"),
     ("spotMaxPrice", "18.123456"),  # Azure takes 5 decimals
@@ -215,7 +216,7 @@ def test_rules_across_keys_name_the_key_and_value(overrides: dict[str, str], key
         {"image": "microsoft-dsvm:ubuntu-hpc:2204:22.04.2024102301"},
         {"location": "swedencentral", "nfsVmSize": "Standard_L8s_v3", "nfsDiskCount": "16"},
         {"jumpboxVmSize": "Standard_B2s_v2", "owner": "  ml-platform@example.com  "},
-        {"spotNodeCount": "100", "spotEvictionPolicy": "Delete", "spotMaxPrice": "18.16954"},
+        {"spotNodeCount": "100", "spotEvictionPolicy": "Deallocate", "spotMaxPrice": "18.16954"},
         {"spotNodeCount": "0", "spotMaxPrice": "-1"},
         {"defaultJobTime": "2-00:00:00", "maxJobTime": "2-00:00:00"},  # the default may be the max
         {"defaultJobTime": "90", "maxJobTime": "1-12"},
@@ -433,3 +434,13 @@ def test_job_time_errors_say_what_is_allowed() -> None:
     assert "a job that names no limit ends too" in text
     assert f"{PROJECT}:maxJobTime: got 'forever'; must be in Slurm's --time syntax" in text
     assert "or INFINITE (or UNLIMITED) for no cap" in text
+
+
+def test_spot_delete_eviction_is_refused_with_the_reason() -> None:
+    """A deleted instance never comes back under its Slurm name: the node would be DOWN for good."""
+    with pytest.raises(ConfigError) as raised:
+        parse_config({**VALID_CONFIG, "spotNodeCount": "2", "spotEvictionPolicy": "Delete"}, PROJECT)
+    (line,) = str(raised.value).splitlines()[1:]
+    assert line.startswith(f"  {PROJECT}:spotEvictionPolicy: got 'Delete'; is not supported: ")
+    assert "stay DOWN for good; use Deallocate" in line
+    assert parse_config({**VALID_CONFIG, "spotEvictionPolicy": "Deallocate"}).spot_eviction_policy == "Deallocate"
