@@ -29,7 +29,18 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic_core import ErrorDetails
 
-from infra.azure_limits import AZURE_REGIONS, RESERVED_ADMIN_USERS, VM_SIZES
+from infra.azure_limits import (
+    AUTONAME_SUFFIX_LENGTH,
+    AZURE_REGIONS,
+    COMPUTER_NAME_PREFIX,
+    CONTAINER_REGISTRY_NAME,
+    KEY_VAULT_NAME,
+    LINUX_COMPUTER_NAME,
+    RESERVED_ADMIN_USERS,
+    STORAGE_ACCOUNT_NAME,
+    VM_SIZES,
+    NameRule,
+)
 from infra.skus import GPU_SKUS, GpuSku
 from infra.slurm_time import DEFAULT_JOB_TIME, TIME_SYNTAX, UNLIMITED, check_max_time, check_time_limit, exceeds
 from infra.ssh_key import check_public_key
@@ -80,6 +91,23 @@ TAG_NAME_RULES: tuple[tuple[Callable[[str], bool], str], ...] = (
 
 # (key, value, reason): one fault found by a rule that reads several keys.
 Fault = tuple[str, Any, str]
+# Stands for the random hex digits azure-native appends to a name the program does not give.
+AUTONAME_SUFFIX = "0" * AUTONAME_SUFFIX_LENGTH
+# Every name the stack derives from namePrefix that Azure limits more tightly than the prefix
+# pattern does: (what it names, how it is made from the prefix, Azure's rule, needs Spot nodes).
+# infra/stack.py and its components make the same names; tests/infra/test_stack.py checks both agree.
+DERIVED_NAMES: tuple[tuple[str, Callable[[str], str], NameRule, bool], ...] = (
+    ("the storage account", lambda p: f"{p}sa{AUTONAME_SUFFIX}", STORAGE_ACCOUNT_NAME, False),
+    ("the key vault", lambda p: f"{p}kv{AUTONAME_SUFFIX}", KEY_VAULT_NAME, False),
+    ("the container registry", lambda p: f"{p}acr{AUTONAME_SUFFIX}", CONTAINER_REGISTRY_NAME, False),
+    ("the GPU nodes' computer name prefix", lambda p: f"{p}-gpu-", COMPUTER_NAME_PREFIX, False),
+    ("the Spot nodes' computer name prefix", lambda p: f"{p}-spot-", COMPUTER_NAME_PREFIX, True),
+    ("a GPU node's host name", lambda p: f"{p}-gpu-000000", LINUX_COMPUTER_NAME, False),
+    ("a Spot node's host name", lambda p: f"{p}-spot-000000", LINUX_COMPUTER_NAME, True),
+    ("the head node's host name", lambda p: f"{p}-head", LINUX_COMPUTER_NAME, False),
+    ("the jumpbox's host name", lambda p: f"{p}-jumpbox", LINUX_COMPUTER_NAME, False),
+    ("the NFS server's host name", lambda p: f"{p}-nfs", LINUX_COMPUTER_NAME, False),
+)
 
 
 class ConfigError(ValueError):
@@ -295,6 +323,7 @@ class StackConfig(BaseModel):
             *self._nfs_disk_faults(),
             *self._encryption_faults(),
             *self._job_time_faults(),
+            *self._derived_name_faults(),
         ]
         if faults:
             raise CrossFieldError(faults)
@@ -344,6 +373,36 @@ class StackConfig(BaseModel):
             "lower defaultJobTime or raise maxJobTime"
         )
         return [("defaultJobTime", self.default_job_time, reason)]
+
+    def _derived_name_faults(self) -> list[Fault]:
+        """Names made from namePrefix that Azure would refuse, found here rather than midway through
+        `pulumi up` (a refused scale set leaves the deployment half made)."""
+        broken = [
+            f"{what} {name!r} ({len(name)} characters; Azure allows {rule.allowed})"
+            for what, name, rule in self._derived_names(self.name_prefix)
+            if not rule.admits(name)
+        ]
+        if not broken:
+            return []
+        fits = [
+            n
+            for n in range(len(self.name_prefix), 0, -1)
+            if all(rule.admits(name) for _, name, rule in self._derived_names(self.name_prefix[:n]))
+        ]
+        advice = f"give a namePrefix of at most {fits[0]} characters" if fits else "give a shorter namePrefix"
+        if any("Spot" in text for text in broken):
+            advice += " while spotNodeCount is above 0"
+        reason = f"makes {'; '.join(broken)}; {advice}"
+        return [("namePrefix", self.name_prefix, reason)]
+
+    def _derived_names(self, prefix: str) -> list[tuple[str, str, NameRule]]:
+        spot = self.spot_node_count > 0
+        return [(what, make(prefix), rule) for what, make, rule, needs_spot in DERIVED_NAMES if spot or not needs_spot]
+
+    @property
+    def derived_names(self) -> dict[str, str]:
+        """What each name made from namePrefix will be (random suffixes as zeros)."""
+        return {what: name for what, name, _ in self._derived_names(self.name_prefix)}
 
     # Derived values: pure functions of the validated fields, so never stored twice.
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.config import MAX_NODES, parse_config
+from infra.azure_limits import COMPUTER_NAME_PREFIX, LINUX_COMPUTER_NAME, RESOURCE_NAME_RULES
+from infra.config import AUTONAME_SUFFIX, MAX_NODES, parse_config
 from infra.contract import SLURMCTLD_PORT, SLURMD_PORT, SRUN_PORT_RANGE, StackOutput
 from infra.identity import ACR_PULL, SCALE_SET_POWER_ACTIONS, STORAGE_BLOB_DATA_CONTRIBUTOR
 from infra.key_vault import KEY_VAULT_SECRETS_USER
@@ -570,3 +571,52 @@ def test_slurm_ports_are_closed_outside_the_cluster_subnet(deployment: Deploymen
     vmss = one(deployment, ":VirtualMachineScaleSet").inputs["virtualMachineProfile"]["networkProfile"]
     vmss_subnet = vmss["networkInterfaceConfigurations"][0]["ipConfigurations"][0]["subnet"]["id"]
     assert head_nic["subnet"]["id"] == vmss_subnet == cluster_subnet
+
+
+# The longest prefixes the config admits: 10 characters, 9 with Spot nodes.
+LONGEST_PREFIXES = [{"namePrefix": "abcdefghij"}, {"namePrefix": "abcdefghi", "spotNodeCount": "2"}]
+
+
+@pytest.mark.parametrize("overrides", LONGEST_PREFIXES, ids=["on-demand", "spot"])
+def test_every_name_the_longest_prefix_makes_is_one_azure_takes(overrides: dict[str, str]) -> None:
+    deployed = deploy({**VALID_CONFIG, **overrides})
+    checked = set()
+    for resource in deployed.mocks.resources:
+        rule = next((r for suffix, r in RESOURCE_NAME_RULES.items() if resource.type.endswith(suffix)), None)
+        if rule is None:
+            continue
+        name = resource.name + AUTONAME_SUFFIX  # azure-native adds 8 random hex digits
+        assert rule.admits(name), f"{resource.type} {name!r}: Azure allows {rule.allowed}"
+        checked.add(resource.type.rsplit(":", 1)[1])
+    assert len(checked) == len(RESOURCE_NAME_RULES)  # every rule met a resource it governs
+    # the names the machines take, which azure-native leaves as given
+    for vmss in deployed.mocks.of_type(":VirtualMachineScaleSet"):
+        prefix = vmss.inputs["virtualMachineProfile"]["osProfile"]["computerNamePrefix"]
+        assert COMPUTER_NAME_PREFIX.admits(prefix), prefix
+    for vm in deployed.mocks.of_type(":VirtualMachine"):
+        assert LINUX_COMPUTER_NAME.admits(vm.inputs["osProfile"]["computerName"])
+
+
+@pytest.mark.parametrize("overrides", LONGEST_PREFIXES, ids=["on-demand", "spot"])
+def test_config_checks_the_names_the_stack_makes(overrides: dict[str, str]) -> None:
+    """infra/config.py derives the names to check them; the stack must make the same ones."""
+    raw = {**VALID_CONFIG, **overrides}
+    derived = parse_config(raw).derived_names
+    deployed = deploy(raw)
+    made = {
+        "the storage account": one(deployed, ":StorageAccount").name + AUTONAME_SUFFIX,
+        "the key vault": one(deployed, ":Vault").name + AUTONAME_SUFFIX,
+        "the container registry": one(deployed, ":Registry").name + AUTONAME_SUFFIX,
+        "the head node's host name": by_name(deployed, ":VirtualMachine", "-head-").inputs["osProfile"]["computerName"],
+        "the jumpbox's host name": by_name(deployed, ":VirtualMachine", "-jumpbox-").inputs["osProfile"][
+            "computerName"
+        ],
+        "the NFS server's host name": by_name(deployed, ":VirtualMachine", "-nfs-").inputs["osProfile"]["computerName"],
+    }
+    for kind, label in (("gpu", "GPU"), ("spot", "Spot")):
+        scale_sets = [r for r in deployed.mocks.of_type(":VirtualMachineScaleSet") if f"-{kind}-" in r.name]
+        for vmss in scale_sets:
+            prefix = vmss.inputs["virtualMachineProfile"]["osProfile"]["computerNamePrefix"]
+            made[f"the {label} nodes' computer name prefix"] = prefix
+            made[f"a {label} node's host name"] = prefix + "000000"
+    assert made == derived
