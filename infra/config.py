@@ -161,6 +161,9 @@ class StackConfig(BaseModel):
     # Encrypts the temp disks and the host-side disk caches, which Azure's default encryption of
     # managed disks leaves out. Needs the subscription's Microsoft.Compute/EncryptionAtHost feature.
     encryption_at_host: bool = True
+    # Purge protection on the Key Vault that holds the munge key: a deleted vault cannot be purged
+    # before its retention ends. Off only for throwaway stacks (docs/infrastructure.md, "Key Vault").
+    key_vault_purge_protection: bool = True
     autostop_minutes: int = 30
     # Every partition's DefaultTime and MaxTime, in Slurm's time syntax (maxJobTime: INFINITE for no cap).
     default_job_time: str = DEFAULT_JOB_TIME

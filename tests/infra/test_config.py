@@ -67,6 +67,7 @@ BAD_VALUES = [
     ("tags", {"bad key!": "x"}),
     *[("tags", {f"a{char}b": "x"}) for char in "<>%&\\?/"],  # characters Azure refuses in tag names
     ("allowOpenSsh", "maybe"),
+    ("keyVaultPurgeProtection", "perhaps"),
     ("colour", "blue"),  # unknown key: a typo must not be silently ignored
     ("sshPublicKey", f'from="10.0.0.0/8" {ED25519}'),  # authorized_keys options are not a key
     ("sshPublicKey", "ssh-ed25519"),
@@ -310,6 +311,11 @@ def test_size_without_encryption_at_host_needs_the_opt_out(monkeypatch: pytest.M
 
 def test_encryption_at_host_is_on_by_default() -> None:
     assert parse_config(VALID_CONFIG).encryption_at_host is True
+
+
+def test_key_vault_purge_protection_is_on_unless_turned_off() -> None:
+    assert parse_config(VALID_CONFIG).key_vault_purge_protection is True
+    assert parse_config({**VALID_CONFIG, "keyVaultPurgeProtection": "false"}).key_vault_purge_protection is False
 
 
 def test_default_sizes_are_known_and_support_encryption_at_host() -> None:
