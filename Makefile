@@ -8,11 +8,13 @@ TRAIN := .venv-train
 # The GPU targets run on a GPU machine's own torch when the training venv is not there
 # (`make bench-gpu GPU_PYTHON=python3`); they need neither Horovod nor `make setup`.
 GPU_PYTHON ?= $(if $(wildcard $(TRAIN)/bin/python),$(TRAIN)/bin/python,python3)
+# More flags for python -m bench.gpu: `make bench-gpu BENCH_GPU_ARGS="--only decode --budget-s 200"`
+BENCH_GPU_ARGS ?=
 
-.PHONY: help setup system test test-infra test-training test-scripts test-gpu lint format demo bench bench-gpu clean
+.PHONY: help setup system test test-infra test-training test-scripts test-gpu lint format demo bench bench-gpu bench-gpu-smoke clean
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
 setup: system $(OPS)/.installed $(TRAIN)/.installed $(TRAIN)/.checkout-on-path node_modules/.installed  ## install everything (both venvs, Horovod, Azurite)
 
@@ -66,8 +68,11 @@ demo: setup  ## the whole operator workflow on a 2-node local cluster (as root; 
 bench: setup  ## benchmarks beside their baselines -> bench/results/results.{json,md,png} (under 15 minutes)
 	$(TRAIN)/bin/python -m bench
 
-bench-gpu:  ## our GPU jobs beside plain PyTorch on one CUDA GPU -> bench/results-gpu.{json,md} (budget: 8 minutes on an H100)
-	$(GPU_PYTHON) -m bench.gpu
+bench-gpu:  ## our GPU jobs beside plain PyTorch on one CUDA GPU -> bench/results/results-gpu.{json,md}, within 6 minutes on one H100
+	$(GPU_PYTHON) -m bench.gpu $(BENCH_GPU_ARGS)
+
+bench-gpu-smoke:  ## bench-gpu's every section at tiny sizes: under 90 s on a GPU, eager on a CPU-only machine (CI)
+	$(GPU_PYTHON) -m bench.gpu --smoke $(BENCH_GPU_ARGS)
 
 test-gpu:  ## the tests marked gpu (compiled vs eager, layouts on the GPU); skipped with the reason printed without CUDA
 	$(GPU_PYTHON) -m pytest -m gpu -rs tests/training

@@ -7,6 +7,7 @@ regions and sizes, and a value missing from a list is refused until the list cat
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,4 +33,58 @@ VM_SIZES: dict[str, VmSize] = {
     name: VmSize(max_data_disks=size["maxDataDisks"], encryption_at_host=size["encryptionAtHost"])
     for family in _load("vm_sizes.json")["families"].values()
     for name, size in family["sizes"].items()
+}
+
+
+# pulumi-azure-native names a resource that is given no name after its logical name plus 8 random
+# hex digits (its "random" auto-naming: resource.NewUniqueHex(name, 8, 0), with no cap on the
+# length), so a name check counts them.
+AUTONAME_SUFFIX_LENGTH = 8
+
+
+@dataclass(frozen=True)
+class NameRule:
+    """Azure's rule for one kind of name (its "Naming rules and restrictions" page)."""
+
+    pattern: re.Pattern[str]  # matched in full; carries the length limits
+    allowed: str  # the rule in words, for the error
+
+    def admits(self, name: str) -> bool:
+        return self.pattern.fullmatch(name) is not None
+
+
+def _rule(pattern: str, allowed: str) -> NameRule:
+    return NameRule(re.compile(pattern), allowed)
+
+
+# Names that the stack derives from namePrefix and that a prefix the config admits might break.
+STORAGE_ACCOUNT_NAME = _rule(r"[a-z0-9]{3,24}", "3-24 lower-case letters and digits")
+KEY_VAULT_NAME = _rule(
+    r"(?!.*--)[A-Za-z][A-Za-z0-9-]{1,22}[A-Za-z0-9]",
+    "3-24 letters, digits and single hyphens, starting with a letter and ending with a letter or digit",
+)
+CONTAINER_REGISTRY_NAME = _rule(r"[A-Za-z0-9]{5,50}", "5-50 letters and digits")
+# A scale set's computerNamePrefix: 1-15 characters (the API's limit); lower case, as Slurm names nodes.
+COMPUTER_NAME_PREFIX = _rule(r"[a-z][a-z0-9-]{0,14}", "1-15 lower-case letters, digits and hyphens")
+# A Linux VM's computer name (and so its host name): 1-64 characters, not all digits; lower case for Slurm.
+LINUX_COMPUTER_NAME = _rule(
+    r"(?![0-9]+$)[a-z0-9][a-z0-9-]{0,63}", "1-64 lower-case letters, digits and hyphens, not all digits"
+)
+
+# Azure's rule for each resource type the stack declares, by the end of its azure-native type. The
+# tests check every declared resource's name against it, under mocks, with the longest namePrefix.
+RESOURCE_NAME_RULES: dict[str, NameRule] = {
+    ":ResourceGroup": _rule(r"[\w().-]{0,89}[\w()-]", "1-90 letters, digits, _ ( ) - and ., not ending in ."),
+    ":VirtualNetwork": _rule(r"[A-Za-z0-9][\w.-]{0,62}[\w]", "2-64 letters, digits, _ . -"),
+    ":Subnet": _rule(r"[A-Za-z0-9]([\w.-]{0,78}\w)?", "1-80 letters, digits, _ . -"),
+    ":NetworkSecurityGroup": _rule(r"[A-Za-z0-9]([\w.-]{0,78}\w)?", "1-80 letters, digits, _ . -"),
+    ":NetworkInterface": _rule(r"[A-Za-z0-9]([\w.-]{0,78}\w)?", "1-80 letters, digits, _ . -"),
+    ":PublicIPAddress": _rule(r"[A-Za-z0-9]([\w.-]{0,78}\w)?", "1-80 letters, digits, _ . -"),
+    ":ProximityPlacementGroup": _rule(r"[A-Za-z0-9]([\w.-]{0,78}\w)?", "1-80 letters, digits, _ . -"),
+    ":UserAssignedIdentity": _rule(r"[A-Za-z0-9][\w-]{2,127}", "3-128 letters, digits, _ and -"),
+    ":VirtualMachine": _rule(r"[A-Za-z0-9]([\w.-]{0,62}\w)?", "1-64 letters, digits, _ . -"),
+    ":VirtualMachineScaleSet": _rule(r"[A-Za-z0-9]([\w.-]{0,62}\w)?", "1-64 letters, digits, _ . -"),
+    ":StorageAccount": STORAGE_ACCOUNT_NAME,
+    ":Vault": KEY_VAULT_NAME,
+    ":Registry": CONTAINER_REGISTRY_NAME,
 }

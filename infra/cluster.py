@@ -52,7 +52,7 @@ class SpotPolicy:
     """Spot VMs: Azure evicts them (at least 30 s' notice, through Scheduled Events) when it needs the
     capacity back or the price rises above max_price_usd (-1: never for price, up to on-demand)."""
 
-    eviction_policy: str  # Deallocate (keeps the disks; Slurm can start it again) or Delete
+    eviction_policy: str  # Deallocate: keeps the disks and the instance id, so Slurm can start it again
     max_price_usd: float
 
 

@@ -29,7 +29,18 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic_core import ErrorDetails
 
-from infra.azure_limits import AZURE_REGIONS, RESERVED_ADMIN_USERS, VM_SIZES
+from infra.azure_limits import (
+    AUTONAME_SUFFIX_LENGTH,
+    AZURE_REGIONS,
+    COMPUTER_NAME_PREFIX,
+    CONTAINER_REGISTRY_NAME,
+    KEY_VAULT_NAME,
+    LINUX_COMPUTER_NAME,
+    RESERVED_ADMIN_USERS,
+    STORAGE_ACCOUNT_NAME,
+    VM_SIZES,
+    NameRule,
+)
 from infra.skus import GPU_SKUS, GpuSku
 from infra.slurm_time import DEFAULT_JOB_TIME, TIME_SYNTAX, UNLIMITED, check_max_time, check_time_limit, exceeds
 from infra.ssh_key import check_public_key
@@ -80,6 +91,23 @@ TAG_NAME_RULES: tuple[tuple[Callable[[str], bool], str], ...] = (
 
 # (key, value, reason): one fault found by a rule that reads several keys.
 Fault = tuple[str, Any, str]
+# Stands for the random hex digits azure-native appends to a name the program does not give.
+AUTONAME_SUFFIX = "0" * AUTONAME_SUFFIX_LENGTH
+# Every name the stack derives from namePrefix that Azure limits more tightly than the prefix
+# pattern does: (what it names, how it is made from the prefix, Azure's rule, needs Spot nodes).
+# infra/stack.py and its components make the same names; tests/infra/test_stack.py checks both agree.
+DERIVED_NAMES: tuple[tuple[str, Callable[[str], str], NameRule, bool], ...] = (
+    ("the storage account", lambda p: f"{p}sa{AUTONAME_SUFFIX}", STORAGE_ACCOUNT_NAME, False),
+    ("the key vault", lambda p: f"{p}kv{AUTONAME_SUFFIX}", KEY_VAULT_NAME, False),
+    ("the container registry", lambda p: f"{p}acr{AUTONAME_SUFFIX}", CONTAINER_REGISTRY_NAME, False),
+    ("the GPU nodes' computer name prefix", lambda p: f"{p}-gpu-", COMPUTER_NAME_PREFIX, False),
+    ("the Spot nodes' computer name prefix", lambda p: f"{p}-spot-", COMPUTER_NAME_PREFIX, True),
+    ("a GPU node's host name", lambda p: f"{p}-gpu-000000", LINUX_COMPUTER_NAME, False),
+    ("a Spot node's host name", lambda p: f"{p}-spot-000000", LINUX_COMPUTER_NAME, True),
+    ("the head node's host name", lambda p: f"{p}-head", LINUX_COMPUTER_NAME, False),
+    ("the jumpbox's host name", lambda p: f"{p}-jumpbox", LINUX_COMPUTER_NAME, False),
+    ("the NFS server's host name", lambda p: f"{p}-nfs", LINUX_COMPUTER_NAME, False),
+)
 
 
 class ConfigError(ValueError):
@@ -118,9 +146,9 @@ class StackConfig(BaseModel):
     gpu_sku: str = "Standard_ND96isr_H100_v5"
     node_count: int = Field(default=2, ge=1, le=MAX_NODES)
     # A second scale set of the same size as Spot VMs, Slurm's `spot` partition (0: none). Evicted
-    # instances are deallocated (they keep their disks and can be started again) or deleted.
+    # instances are deallocated: they keep their disks and instance ids, and Slurm starts them again.
     spot_node_count: int = Field(default=0, ge=0, le=MAX_NODES)
-    spot_eviction_policy: Literal["Deallocate", "Delete"] = "Deallocate"
+    spot_eviction_policy: Literal["Deallocate"] = "Deallocate"
     # USD per hour a Spot VM may cost at most (Azure evicts it above that); -1: up to the on-demand price.
     spot_max_price: float = -1
     image: str = DEFAULT_IMAGE
@@ -133,6 +161,9 @@ class StackConfig(BaseModel):
     # Encrypts the temp disks and the host-side disk caches, which Azure's default encryption of
     # managed disks leaves out. Needs the subscription's Microsoft.Compute/EncryptionAtHost feature.
     encryption_at_host: bool = True
+    # Purge protection on the Key Vault that holds the munge key: a deleted vault cannot be purged
+    # before its retention ends. Off only for throwaway stacks (docs/infrastructure.md, "Key Vault").
+    key_vault_purge_protection: bool = True
     autostop_minutes: int = 30
     # Every partition's DefaultTime and MaxTime, in Slurm's time syntax (maxJobTime: INFINITE for no cap).
     default_job_time: str = DEFAULT_JOB_TIME
@@ -204,6 +235,20 @@ class StackConfig(BaseModel):
         if not _is_private(network) or not 8 <= network.prefixlen <= 22:
             raise ValueError("must be a private (RFC 1918) range between /8 and /22, e.g. 10.40.0.0/16")
         return str(network)
+
+    @field_validator("spot_eviction_policy", mode="before")
+    @classmethod
+    def _eviction(cls, value: str) -> str:
+        # Slurm's names are fixed instance ids (infra/cluster.py) and the power program can only
+        # start and deallocate them: a deleted instance is never made again, its name points at an
+        # instance id that no longer exists, and the node stays DOWN for good.
+        if value == "Delete":
+            raise ValueError(
+                "is not supported: a deleted Spot instance never comes back under its Slurm name "
+                "(the power program starts and deallocates instances, it does not re-create them), "
+                "so the node would stay DOWN for good; use Deallocate"
+            )
+        return value
 
     @field_validator("spot_max_price")
     @classmethod
@@ -281,6 +326,7 @@ class StackConfig(BaseModel):
             *self._nfs_disk_faults(),
             *self._encryption_faults(),
             *self._job_time_faults(),
+            *self._derived_name_faults(),
         ]
         if faults:
             raise CrossFieldError(faults)
@@ -330,6 +376,36 @@ class StackConfig(BaseModel):
             "lower defaultJobTime or raise maxJobTime"
         )
         return [("defaultJobTime", self.default_job_time, reason)]
+
+    def _derived_name_faults(self) -> list[Fault]:
+        """Names made from namePrefix that Azure would refuse, found here rather than midway through
+        `pulumi up` (a refused scale set leaves the deployment half made)."""
+        broken = [
+            f"{what} {name!r} ({len(name)} characters; Azure allows {rule.allowed})"
+            for what, name, rule in self._derived_names(self.name_prefix)
+            if not rule.admits(name)
+        ]
+        if not broken:
+            return []
+        fits = [
+            n
+            for n in range(len(self.name_prefix), 0, -1)
+            if all(rule.admits(name) for _, name, rule in self._derived_names(self.name_prefix[:n]))
+        ]
+        advice = f"give a namePrefix of at most {fits[0]} characters" if fits else "give a shorter namePrefix"
+        if any("Spot" in text for text in broken):
+            advice += " while spotNodeCount is above 0"
+        reason = f"makes {'; '.join(broken)}; {advice}"
+        return [("namePrefix", self.name_prefix, reason)]
+
+    def _derived_names(self, prefix: str) -> list[tuple[str, str, NameRule]]:
+        spot = self.spot_node_count > 0
+        return [(what, make(prefix), rule) for what, make, rule, needs_spot in DERIVED_NAMES if spot or not needs_spot]
+
+    @property
+    def derived_names(self) -> dict[str, str]:
+        """What each name made from namePrefix will be (random suffixes as zeros)."""
+        return {what: name for what, name, _ in self._derived_names(self.name_prefix)}
 
     # Derived values: pure functions of the validated fields, so never stored twice.
 

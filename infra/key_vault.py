@@ -8,12 +8,19 @@ secret (role assigned at the secret's scope). The firewall denies by default and
 subnet only (its service endpoint), where the head node and the nodes live; the operator never
 needs the key. `pulumi up` writes the secret through Azure Resource Manager, which the firewall and
 the data-plane roles do not govern.
+
+Public network access stays "Enabled" with that firewall: "Disabled" overrides the firewall's
+rules, service endpoints included, and would leave the hosts only a private endpoint, which this
+stack does not make (docs/infrastructure.md, "Key Vault"). Soft delete is on (Azure no longer lets
+it be off) and purge protection is on unless keyVaultPurgeProtection is false. The secret has a
+content type and an expiry that every `pulumi up` moves forward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
 import pulumi
 from pulumi_azure_native import authorization, keyvault
@@ -23,8 +30,21 @@ from infra.identity import grant, role_definition_id
 
 # Built-in role: read secret contents, nothing else (not list, not set, not keys or certificates).
 KEY_VAULT_SECRETS_USER = "4633458b-17de-408a-b874-0445c86b69e6"
-# The shortest retention Azure allows: a deleted vault's name is held this long.
+# The shortest retention Azure allows: a deleted vault (and its name) can be recovered this long.
 SOFT_DELETE_RETENTION_DAYS = 7
+# What the secret holds, for whoever lists it: the base64 text of the key's bytes (munge-key.sh decodes it).
+MUNGE_KEY_CONTENT_TYPE = "application/octet-stream; base64; munge key"
+# How far ahead of each `pulumi up` the secret expires. Azure's documentation says an expired secret
+# should not be retrieved, so a stack left without an update for this long could one day find its
+# nodes unable to read the key at boot; a year leaves room for that, and any `pulumi up` renews it.
+MUNGE_KEY_LIFETIME = timedelta(days=365)
+
+
+def munge_key_expiry(now: datetime) -> int:
+    """The secret's expiry, in seconds since the epoch as Key Vault takes it: MUNGE_KEY_LIFETIME from
+    the start of today (UTC), so that several `pulumi up` on one day change nothing."""
+    today = now.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    return int((today + MUNGE_KEY_LIFETIME).timestamp())
 
 
 @dataclass
@@ -34,6 +54,9 @@ class SlurmKeyVaultArgs:
     cluster_subnet_id: pulumi.Input[str]  # needs the Microsoft.KeyVault service endpoint
     munge_key: pulumi.Input[str]  # base64, secret
     tags: Mapping[str, str]
+    # Azure refuses `false` once it is on, and a vault with it can only be left to expire: see
+    # docs/infrastructure.md on redeploying a stack. Off: the property is not sent at all.
+    purge_protection: bool = True
 
 
 class SlurmKeyVault(pulumi.ComponentResource):
@@ -49,10 +72,15 @@ class SlurmKeyVault(pulumi.ComponentResource):
                 tenant_id=client.tenant_id,
                 sku=keyvault.SkuArgs(family="A", name="standard"),
                 enable_rbac_authorization=True,
+                enable_soft_delete=True,
                 soft_delete_retention_in_days=SOFT_DELETE_RETENTION_DAYS,
+                # Azure takes only `true`; absent is off (it refuses `false` on create and on update).
+                enable_purge_protection=True if args.purge_protection else None,
+                # "Disabled" would override the firewall below and cut the hosts off (no private endpoint)
+                public_network_access="Enabled",
                 network_acls=keyvault.NetworkRuleSetArgs(
                     default_action="Deny",
-                    bypass="None",  # no "trusted Azure service" needs this key
+                    bypass="None",  # no "trusted Azure service" needs this key; ARM writes it regardless
                     virtual_network_rules=[keyvault.VirtualNetworkRuleArgs(id=args.cluster_subnet_id)],
                 ),
             ),
@@ -64,7 +92,11 @@ class SlurmKeyVault(pulumi.ComponentResource):
             resource_group_name=args.resource_group_name,
             vault_name=self.vault.name,
             secret_name=MUNGE_KEY_SECRET,
-            properties=keyvault.SecretPropertiesArgs(value=pulumi.Output.secret(args.munge_key)),
+            properties=keyvault.SecretPropertiesArgs(
+                value=pulumi.Output.secret(args.munge_key),
+                content_type=MUNGE_KEY_CONTENT_TYPE,
+                attributes=keyvault.SecretAttributesArgs(enabled=True, expires=munge_key_expiry(datetime.now(UTC))),
+            ),
             tags=args.tags,
             opts=child,
         )

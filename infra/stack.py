@@ -138,7 +138,15 @@ def _slurm_side(base: _Base, data: _DataSide, nfs: NfsServer) -> _SlurmSide:
     cfg, prefix, common, subnet_id = base.cfg, base.cfg.name_prefix, base.common, base.net.subnet_ids["cluster"]
     slurm_cluster_name = prefix  # lower-case letters and digits, as Slurm's ClusterName wants
     munge = MungeKey(f"{prefix}-munge")
-    vault = SlurmKeyVault(prefix, SlurmKeyVaultArgs(cluster_subnet_id=subnet_id, munge_key=munge.key_base64, **common))
+    vault = SlurmKeyVault(
+        prefix,
+        SlurmKeyVaultArgs(
+            cluster_subnet_id=subnet_id,
+            munge_key=munge.key_base64,
+            purge_protection=cfg.key_vault_purge_protection,
+            **common,
+        ),
+    )
     identity = data.identity.identity
     vault.grant_read("nodes", identity.principal_id)  # the on-demand and the Spot nodes' identity
     nodes = {

@@ -1,7 +1,7 @@
 """Model-parallel training: ``torchrun --nproc-per-node N -m training.model_parallel [flags]``.
 
 The world's ranks form one DeviceMesh ``(pp, dp_replicate, dp_shard, tp)`` (see
-:mod:`training.parallel.layout`): ``--tp`` tensor-parallel ranks split each transformer block,
+:mod:`training.torch.parallel.layout`): ``--tp`` tensor-parallel ranks split each transformer block,
 ``--pp`` pipeline stages split the layers, ``--dp-shard`` ranks shard parameters, gradients and
 optimizer state (FSDP2), and the ranks left over replicate. ``--batch-size`` is the batch of one
 data-parallel replica (a TP group, or a whole pipeline, is one replica).
@@ -18,16 +18,16 @@ The optimizer is AdamW (betas 0.9/0.95, ``--weight-decay`` 0.1 on every paramete
 Llama's settings; no gradient clipping) at a constant ``--lr``, fused (one kernel for the whole
 step) where every parameter is on a GPU.
 
-The flags become one frozen :class:`~training.parallel.settings.ModelParallelSettings` right after
+The flags become one frozen :class:`~training.torch.parallel.settings.ModelParallelSettings` right after
 parsing (:func:`parse_settings`); every function here takes it, and the run trains with its copy
-resolved for the device (:meth:`~training.parallel.settings.ModelParallelSettings.for_device`).
+resolved for the device (:meth:`~training.torch.parallel.settings.ModelParallelSettings.for_device`).
 
 Speed on a GPU (docs/performance.md): each block is compiled (``--compile``, the default with
 CUDA), activation checkpointing is on only when the memory estimate says the model would not
 fit (``--activation-checkpointing auto``), one process trains the plain model under autocast
 (no FSDP), and the host waits for the device only where a number is read: timing edges, log
 steps, checkpoints and the end. Errors and exit statuses are those
-of the other jobs (:mod:`training.job`); a layout that cannot work is refused before any process
+of the other jobs (:mod:`training.run.job`); a layout that cannot work is refused before any process
 group starts.
 """
 
@@ -60,7 +60,7 @@ from training.config.args import (
     positive_int,
 )
 from training.data.imagenet import synthetic_batch
-from training.data.text import TokenSource, replica_slice, token_source
+from training.data.text import TokenSource, replica_rows, token_source
 from training.errors import BadInput, CheckpointRefused, JobError
 from training.pytorch import DDPBackend
 from training.run import curves
@@ -383,13 +383,15 @@ class Batches:
             return self.images
         assert self.tokens is not None
         tokens = self.tokens.batch(step, replicas * self.settings.batch_size, self.settings.seq_len)
-        inputs, targets = replica_slice(tokens, self.replica, self.settings.batch_size)
-        return self.to_device(inputs), self.to_device(targets)
+        rows = self.to_device(replica_rows(tokens, self.replica, self.settings.batch_size))
+        return rows[:, :-1], rows[:, 1:]  # inputs and targets: views of the one upload
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         """A blocking copy from pageable memory waits for every kernel queued before it: from pinned
-        memory, non-blocking, the host goes on queueing the next step."""
-        tensor = torch.from_numpy(array)
+        memory, non-blocking, the host goes on queueing the next step. The rows are uploaded whole
+        (contiguous), so the pinned buffer is the one the copy engine reads; a strided view would be
+        gathered into pageable memory first."""
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
         if self.device.type != "cuda":
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
@@ -398,6 +400,8 @@ class Batches:
 def mean_loss(loss: torch.Tensor | None, device: torch.device) -> float:
     """The global batch's loss: the mean of the replicas' losses (collective: every rank calls it).
     Ranks without a loss (early pipeline stages) add nothing; TP ranks add equal copies."""
+    if torch.distributed.get_world_size() == 1 and loss is not None:  # one process: no collective
+        return float(loss.detach())
     total = torch.zeros(2, dtype=torch.float64, device=device)
     if loss is not None:
         total[0], total[1] = loss.detach().double(), 1.0

@@ -28,8 +28,14 @@ from torch import nn
 from training.checkpoint.files import Fingerprint
 from training.config.settings import TrainingSettings
 from training.data.decode import decoder_name
-from training.data.decode_choice import measure_rates, probe_batches
-from training.data.gpu_decode import NVJPEG, DeviceBatcher, EncodedFolder, JpegDecoder, choose_decoder
+from training.data.decode_choice import measure_rates, probe_batches, warm_batches
+from training.data.gpu_decode import (
+    DeviceBatcher,
+    EncodedFolder,
+    GpuDecode,
+    choose_decoder,
+    collate_encoded,
+)
 from training.data.imagenet import (
     DataPlan,
     ImageFolder,
@@ -148,6 +154,8 @@ class DDPBackend:
         return box[0]
 
     def allgather_object(self, obj: Any) -> list[Any]:
+        if self.size == 1:  # no collective (and its device copies) in a one-process run's log steps
+            return [obj]
         out: list[Any] = [None] * self.size
         torch.distributed.all_gather_object(out, obj)
         return out
@@ -229,14 +237,17 @@ def image_loader(
     settings: TrainingSettings,
     backend: Backend,
     device: torch.device,
-    decode: JpegDecoder | None = None,
+    decode: GpuDecode | None = None,
 ) -> Iterator[Batch]:
     """Decode batches in worker processes, pinned for asynchronous copies to the GPU; with a device
-    ``decode``, the workers read the files and this process decodes each batch on ``device``, on a
-    side stream and one batch ahead (training/side_stream.py says why that is needed)."""
+    ``decode``, the workers read the files of its share of the images (and decode the rest), and a
+    thread of this process decodes each batch on ``device``, on a side stream, ahead of the training
+    loop (training/data/side_stream.py says why the side streams are needed)."""
     if decode is not None:
-        batches = image_batches(EncodedFolder(folder), keys, settings, backend, pin=False, collate_fn=list)
-        return SideStreamBatches(DeviceBatcher(decode, folder, device), streams_for(device))(batches)
+        encoded = EncodedFolder(folder, decode.share)
+        pin = device.type == "cuda"
+        batches = image_batches(encoded, keys, settings, backend, pin=pin, collate_fn=collate_encoded)
+        return SideStreamBatches(DeviceBatcher(decode.decode, folder, device), streams_for(device))(batches)
     batches = image_batches(folder, keys, settings, backend, pin=device.type == "cuda", collate_fn=collate)
     return (
         (images.to(device, non_blocking=True), labels.to(device, non_blocking=True), skipped)
@@ -283,7 +294,7 @@ def worker_error(exc: JobError) -> JobError:
 
 
 def _init_worker(rank: int, owner_pid: int, worker_id: int) -> None:
-    die_with(owner_pid)  # never outlive the rank (training/lifetime.py)
+    die_with(owner_pid)  # never outlive the rank (training/world/lifetime.py)
     configure_logging(rank)  # so skipped-image warnings look like the rest of the log
     preemption.ignore()  # an eviction's SIGUSR1 reaches every process of the job: it is the rank's
 
@@ -293,19 +304,19 @@ def settle_auto(
     plan: DataPlan,
     backend: Backend,
     device: torch.device,
-    decode: JpegDecoder | None,
+    decode: GpuDecode | None,
     model_steps: Callable[[], Iterator[None]],
-) -> JpegDecoder | None:
-    """``--decode auto`` with a working nvJPEG: keep it only where, on every rank, the CPU loader was
-    slower than the model and the GPU path faster than the CPU loader (training/decode_choice.py)."""
+) -> GpuDecode | None:
+    """``--decode auto`` with a working nvJPEG: the share of the images the GPU decodes, from the rates
+    of the CPU loader, the GPU path and the model measured here (training/data/decode_choice.py); the
+    largest share any rank needs, so that every rank's loaders keep up; None for none."""
     if settings.decode != "auto" or decode is None or plan.train is None:
         return decode
     train = plan.train
-    count = probe_batches(
-        default_workers(backend.local_size) if settings.data_workers is None else settings.data_workers
-    )
+    workers = default_workers(backend.local_size) if settings.data_workers is None else settings.data_workers
+    count, warm = probe_batches(workers), warm_batches(workers)
 
-    def loader(with_decode: JpegDecoder | None) -> Iterator[Batch]:
+    def loader(with_decode: GpuDecode | None) -> Iterator[Batch]:
         keys = train_keys(
             len(train),
             backend.rank,
@@ -314,16 +325,17 @@ def settle_auto(
             settings.seed,
             plan.steps_per_epoch,
             0,
-            count + 1,
+            warm + count,
         )
         return image_loader(train, keys, settings, backend, device, with_decode)
 
     sync = partial(torch.cuda.synchronize, device) if device.type == "cuda" else lambda: None
-    rates = measure_rates(lambda: loader(None), lambda: loader(decode), model_steps, count, sync)
-    pays = all(backend.allgather_object(rates.gpu_pays()))
+    rates = measure_rates(lambda: loader(None), lambda: loader(decode), model_steps, count, sync, warm=warm)
+    share = max(backend.allgather_object(rates.gpu_share()))
+    chosen = GpuDecode(decode.decode, share) if share > 0 else None
     if backend.rank == 0:
-        log.info("--decode auto: %s; decoding on the %s", rates, "GPU" if pays else "CPU")
-    return decode if pays else None
+        log.info("--decode auto: %s; decoding with %s", rates, chosen or decoder_name())
+    return chosen
 
 
 def model_steps(settings: TrainingSettings, plan: DataPlan, backend: Backend, model: TrainedModel) -> Iterator[None]:
@@ -356,7 +368,7 @@ def train_batches(
     plan: DataPlan,
     backend: Backend,
     device: torch.device,
-    decode: JpegDecoder | None,
+    decode: GpuDecode | None,
     start: int,
     total: int,
 ) -> Iterator[Batch]:
@@ -385,7 +397,7 @@ def make_evaluate(
     backend: Backend,
     model: nn.Module,
     device: torch.device,
-    decode: JpegDecoder | None,
+    decode: GpuDecode | None,
     autocast: Callable[[], Any],
     skipped: SkipCounter,
 ) -> Callable[[], tuple[int, int]] | None:
@@ -551,7 +563,8 @@ def build_job(settings: TrainingSettings, backend: Backend) -> Job:
     # Ranks start from different random weights on purpose: training only works if the
     # broadcast from rank 0 makes them equal, and the equivalence test checks that it does.
     torch.manual_seed(settings.seed + backend.rank)
-    decode = choose_decoder(settings.decode, device) if settings.data == "imagenet" else None
+    decoder = choose_decoder(settings.decode, device) if settings.data == "imagenet" else None
+    decode = None if decoder is None else GpuDecode(decoder)
     plan = agree(backend, lambda: plan_data(settings, backend.size))
     model, start_step, fingerprint = build_trained_model(settings, backend, plan, device)
     decode = settle_auto(settings, plan, backend, device, decode, partial(model_steps, settings, plan, backend, model))
@@ -570,7 +583,7 @@ def build_job(settings: TrainingSettings, backend: Backend) -> Job:
         start_step=start_step,
         precision=model.precision,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        decoder=None if plan.train is None else NVJPEG if decode is not None else decoder_name(),
+        decoder=None if plan.train is None else str(decode) if decode is not None else decoder_name(),
         fingerprint=fingerprint,
         save_state=model.checkpoint_payload,
         collective_save=model.periodic is not None,
@@ -611,12 +624,12 @@ def run_steps(job: Job) -> dict[str, Any]:
 def export_model(model: nn.Module, image_size: int, directory: Path) -> ModelFiles:
     """``model.pt2`` (torch.export: uint8 NHWC images in, logits out, any batch size). It is the only copy
     of the weights: ``torch.export.load(path).state_dict`` is the model's own state_dict (same names),
-    for ``training.torch_models.build_model(...).load_state_dict``.
+    for ``training.torch.models.build_model(...).load_state_dict``.
 
     ``model`` is the bare module (never the DDP wrapper or the compiled one). The export is taken
     from a float32 copy on the CPU in eval mode (batch norm with its running statistics), so it
     loads on any machine, and the model in training keeps its device, mode and layout. torch.export
-    traces every model of training.torch_models (a test exports each), so no TorchScript fallback.
+    traces every model of training.torch.models (a test exports each), so no TorchScript fallback.
     """
     # Contiguous weights: torch.export.save warns about channels-last ones (DDP's layout).
     frozen = copy.deepcopy(model).cpu().float().to(memory_format=torch.contiguous_format).eval()

@@ -30,7 +30,7 @@ from bench.cpu.tv_baseline import pil_loader, rrc_params
 from bench.harness.jpegs import write_imagenet_tree
 from training.data import decode
 from training.data import imagenet as data
-from training.data.gpu_decode import DeviceBatcher, choose_decoder
+from training.data.gpu_decode import DeviceBatcher, choose_decoder, collate_encoded
 from training.data.side_stream import SideStreamBatches, streams_for
 
 Decoder = Callable[[str, int, int], np.ndarray]  # (path, size, image index) -> uint8 HWC crop
@@ -87,7 +87,7 @@ def gpu_rates(folder: data.ImageFolder, batcher: DeviceBatcher) -> tuple[float, 
     in this process."""
     cpu, wall = time.process_time(), time.perf_counter()
     samples = (
-        [folder.encoded((index, 0)) for index in range(start, min(start + GPU_BATCH, len(folder)))]
+        collate_encoded([folder.encoded((index, 0)) for index in range(start, min(start + GPU_BATCH, len(folder)))])
         for start in range(0, len(folder), GPU_BATCH)
     )
     for _ in SideStreamBatches(batcher, streams_for(batcher.device))(samples):

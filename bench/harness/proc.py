@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TRAIN_BIN = Path(sys.executable).parent
 TIMEOUT_S = 300
+STOP_GRACE_S = 15  # what a stopped process gets to end its own children (torchrun's workers)
 
 
 class BenchError(RuntimeError):
@@ -34,13 +35,33 @@ def thread_env(threads: int, extra: Mapping[str, str] | None = None) -> dict[str
 
 
 def run(cmd: Sequence[str], env: Mapping[str, str], timeout: float = TIMEOUT_S) -> str:
-    proc = subprocess.run(
-        list(cmd), cwd=REPO_ROOT, env=dict(env), capture_output=True, text=True, timeout=timeout, check=False
-    )
-    if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-3000:]
-        raise BenchError(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
-    return proc.stdout
+    """``cmd``'s standard output; :class:`BenchError` if it fails or runs past ``timeout`` seconds."""
+    with subprocess.Popen(
+        list(cmd), cwd=REPO_ROOT, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as child:
+        try:
+            stdout, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop(child)
+            raise BenchError(f"ran past its limit of {timeout:.0f} s: {' '.join(cmd)}") from None
+        except BaseException:
+            stop(child)
+            raise
+    if child.returncode != 0:
+        tail = (stdout + stderr)[-3000:]
+        raise BenchError(f"{' '.join(cmd)} exited {child.returncode}:\n{tail}")
+    return stdout
+
+
+def stop(child: subprocess.Popen[str]) -> None:
+    """End ``child`` the way that lets torchrun end its workers: they run in sessions of their own, so
+    only torchrun can reach them, and it does on SIGTERM. SIGKILL after ``STOP_GRACE_S``."""
+    child.terminate()
+    try:
+        child.communicate(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
 
 
 def free_port() -> int:
@@ -62,12 +83,14 @@ def launcher(kind: str, np: int) -> list[str]:
     raise ValueError(f"cannot launch {np} worker(s) with {kind!r}")
 
 
-def run_json(kind: str, np: int, module: str, args: Sequence[str], threads: int, **env: str) -> dict[str, Any]:
+def run_json(
+    kind: str, np: int, module: str, args: Sequence[str], threads: int, *, timeout: float = TIMEOUT_S, **env: str
+) -> dict[str, Any]:
     """Run ``module`` on ``np`` workers; it writes its result to ``--metrics-json``, we read it back."""
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         out = Path(tmp) / "metrics.json"
         cmd = [*launcher(kind, np), module, *args, "--metrics-json", str(out)]
-        run(cmd, thread_env(threads, env))
+        run(cmd, thread_env(threads, env), timeout)
         if not out.is_file():
             raise BenchError(f"{' '.join(cmd)} wrote no metrics to {out}")
         return json.loads(out.read_text())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+from infra.azure_limits import COMPUTER_NAME_PREFIX
 from infra.cloud_init._common import (
     check_client_id,
     check_path,
@@ -34,7 +35,6 @@ POWER_ACTIONS = {SUSPEND_PROGRAM: "suspend", RESUME_PROGRAM: "resume", RESUME_FA
 PACKAGES = ["nfs-common", "munge", "slurmctld", "slurm-client"]  # slurm-client: sbatch and friends (login node)
 # A scale set's id as Azure Resource Manager writes it; nothing that would bend the URL built on it.
 _SCALE_SET_ID = re.compile(r"/subscriptions/[^\s/?#]+(/[^\s/?#]+)+")
-_NODE_PREFIX = re.compile(r"[a-z][a-z0-9-]{0,14}")  # Azure's computerNamePrefix, lower case as Slurm names it
 _USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}")  # a Linux user name, as useradd takes it by default
 
 
@@ -45,8 +45,9 @@ def _power_wrapper(action: str) -> str:
 def _check_scale_set(scale_set_id: str, node_prefix: str) -> None:
     if not _SCALE_SET_ID.fullmatch(scale_set_id or ""):
         raise ValueError(f"scale_set_id: {scale_set_id!r} is not an Azure resource id")
-    if not _NODE_PREFIX.fullmatch(node_prefix or ""):
-        raise ValueError(f"node_prefix: {node_prefix!r} is not a lower-case computer name prefix (1-15 characters)")
+    if not COMPUTER_NAME_PREFIX.admits(node_prefix or ""):
+        # infra/config.py refuses a namePrefix that would come here: this is the last guard, not the check
+        raise ValueError(f"node_prefix: {node_prefix!r} is not a computer name prefix ({COMPUTER_NAME_PREFIX.allowed})")
 
 
 def render_head_node(

@@ -6,12 +6,16 @@ with a stand-in for the job runs, and the job arguments against the job's own pa
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bench.gpu import decode_e2e as e2e
+from bench.gpu import sections as gpu_sections
+from bench.gpu.report import Scale
+from bench.harness.steps import Shape
 from training.config.settings import parse_settings
 
 TINY = e2e.Plan(images=8, batch=4, epochs=3, warmup=1, model="resnet_tiny", image_size=16)
@@ -44,15 +48,30 @@ def test_each_mode_runs_its_synthetic_baseline_then_every_decoder(tmp_path: Path
     assert ["--compile" in args for args in calls] == [False] * 4 + [True] * 4
 
 
-def test_as_a_bench_gpu_section_each_decoder_stands_beside_its_modes_synthetic_rate(tmp_path: Path) -> None:
-    section = e2e.section_rows(tmp_path, TINY, fake_run([]))
+def test_as_a_bench_gpu_section_each_decoder_stands_beside_the_compiled_synthetic_rate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(e2e, "DEFAULT", TINY)  # the full-size plan, as small as the test needs
+    calls: list[list[str]] = []
+    section = e2e.section_rows(tmp_path, Scale(smoke=False, cuda=True, deadline=math.inf), fake_run(calls))
     assert [(row.name, row.ratio) for row in section] == [
-        (f"ResNet-50 on JPEGs, jpeg --decode {decode}, {mode}", pytest.approx(ratio))
-        for mode in ("eager", "compiled")
+        (f"resnet_tiny on JPEGs, jpeg --decode {decode}, compiled", pytest.approx(ratio))
         for decode, ratio in (("cpu", 0.9), ("gpu", 0.7), ("auto", 0.89))
     ]
-    assert section[0].baseline_label == "synthetic data, eager"
-    assert "decoder decoder of cpu" in section[0].note
+    assert all("--compile" in args for args in calls) and len(calls) == 4  # compiled only: synthetic first
+    assert section[0].baseline_label == "synthetic data, compiled"
+    assert section[0].terms.startswith("the same job both sides: bf16 autocast; compiled;")
+    assert "steps 2-6 timed" in section[0].terms
+    assert "decoder decoder of cpu" in section[0].note and "CUDA" not in section[0].note
+
+
+def test_its_smoke_on_the_cpu_runs_decode_cpu_only_eager_and_says_why(tmp_path: Path) -> None:
+    calls: list[list[str]] = []
+    (row,) = e2e.section_rows(tmp_path, Scale(smoke=True, cuda=False, deadline=math.inf), fake_run(calls))
+    assert row.name == f"{e2e.SMOKE.model} on JPEGs, jpeg --decode cpu, eager" and row.ratio == pytest.approx(0.9)
+    assert [args.count("--no-compile") for args in calls] == [1, 1]
+    assert "--decode gpu and auto not run: they need CUDA" in row.note
+    assert len(list((tmp_path / "jpegs" / "train").rglob("*.JPEG"))) == e2e.SMOKE.images
 
 
 @pytest.mark.parametrize("decode", [None, *e2e.DECODES])
@@ -65,11 +84,26 @@ def test_the_job_accepts_every_run_and_takes_the_same_steps(tmp_path: Path, deco
         4,
         "ddp",
     )
+    assert settings.num_classes == TINY.num_classes == 1000  # the same model on every input
     if decode is None:
         assert (settings.data, settings.steps, settings.epochs) == ("synthetic", TINY.steps, 1)
     else:
         assert (settings.data, settings.data_dir, settings.epochs) == ("imagenet", tmp_path, TINY.epochs)
         assert TINY.images // TINY.batch * settings.epochs == TINY.steps
+
+
+@pytest.mark.parametrize(
+    ("plan", "shape"),
+    [(e2e.DEFAULT, gpu_sections.RESNET), (e2e.SMOKE, gpu_sections.RESNET_SMOKE)],
+    ids=["full", "smoke"],
+)
+def test_its_compiled_model_is_the_one_the_resnet50_section_compiled(plan: e2e.Plan, shape: Shape) -> None:
+    """So that bench.gpu compiles it once: the decode section's jobs find it in Inductor's cache."""
+    ours = gpu_sections.our_resnet(shape, True, gpu_sections.LOG_EVERY)
+    resnet = parse_settings("pytorch", ours[ours.index("training.pytorch") + 1 :])
+    decode = parse_settings("pytorch", e2e.job_args(plan, "compiled", None, None))
+    fields = ("model", "image_size", "batch_size", "num_classes", "precision", "compile", "backend", "data")
+    assert [getattr(decode, name) for name in fields] == [getattr(resnet, name) for name in fields]
 
 
 def test_without_cuda_it_exits_3_with_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:

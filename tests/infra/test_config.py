@@ -11,8 +11,18 @@ import pulumi
 import pytest
 import yaml
 
-from infra.azure_limits import DATA_DIR, VM_SIZES, VmSize
-from infra.config import MAX_TAGS, RESERVED_TAGS, ConfigError, load_config, parse_config
+from infra.azure_limits import (
+    COMPUTER_NAME_PREFIX,
+    CONTAINER_REGISTRY_NAME,
+    DATA_DIR,
+    KEY_VAULT_NAME,
+    LINUX_COMPUTER_NAME,
+    STORAGE_ACCOUNT_NAME,
+    VM_SIZES,
+    NameRule,
+    VmSize,
+)
+from infra.config import DERIVED_NAMES, MAX_TAGS, RESERVED_TAGS, ConfigError, load_config, parse_config
 from infra.skus import GPU_SKUS, GpuSku
 from infra.stack import build_stack
 from tests.infra.azure_mocks import AzureMocks
@@ -57,6 +67,7 @@ BAD_VALUES = [
     ("tags", {"bad key!": "x"}),
     *[("tags", {f"a{char}b": "x"}) for char in "<>%&\\?/"],  # characters Azure refuses in tag names
     ("allowOpenSsh", "maybe"),
+    ("keyVaultPurgeProtection", "perhaps"),
     ("colour", "blue"),  # unknown key: a typo must not be silently ignored
     ("sshPublicKey", f'from="10.0.0.0/8" {ED25519}'),  # authorized_keys options are not a key
     ("sshPublicKey", "ssh-ed25519"),
@@ -149,6 +160,7 @@ NEW_BAD_VALUES = [
     ("spotNodeCount", "101"),  # one placement group
     ("spotEvictionPolicy", "Stop"),
     ("spotEvictionPolicy", "deallocate"),
+    ("spotEvictionPolicy", "Delete"),  # its nodes would stay DOWN for good after an eviction
     ("spotMaxPrice", "0"),
     ("spotMaxPrice", "-2"),
     ("spotMaxPrice", "18.123456"),  # Azure takes 5 decimals
@@ -191,6 +203,13 @@ BAD_COMBINATIONS = [
         "is longer than maxJobTime 4:00:00, the longest a job may run; lower defaultJobTime or raise maxJobTime",
     ),
     ({"defaultJobTime": "2-00:00:01", "maxJobTime": "2-00:00:00"}, "defaultJobTime", "longer than maxJobTime"),
+    (  # the longest prefix the pattern admits, with Spot nodes: `<prefix>-spot-` is 16 characters
+        {"namePrefix": "abcdefghij", "spotNodeCount": "1"},
+        "namePrefix",
+        "makes the Spot nodes' computer name prefix 'abcdefghij-spot-' (16 characters; Azure allows 1-15 "
+        "lower-case letters, digits and hyphens); give a namePrefix of at most 9 characters while spotNodeCount "
+        "is above 0",
+    ),
 ]
 
 
@@ -215,7 +234,10 @@ def test_rules_across_keys_name_the_key_and_value(overrides: dict[str, str], key
         {"image": "microsoft-dsvm:ubuntu-hpc:2204:22.04.2024102301"},
         {"location": "swedencentral", "nfsVmSize": "Standard_L8s_v3", "nfsDiskCount": "16"},
         {"jumpboxVmSize": "Standard_B2s_v2", "owner": "  ml-platform@example.com  "},
-        {"spotNodeCount": "100", "spotEvictionPolicy": "Delete", "spotMaxPrice": "18.16954"},
+        {"spotNodeCount": "100", "spotEvictionPolicy": "Deallocate", "spotMaxPrice": "18.16954"},
+        {"namePrefix": "abcdefghij"},  # the longest prefix, without Spot nodes
+        {"namePrefix": "abcdefghi", "spotNodeCount": "1"},  # the longest with them
+        {"namePrefix": "ab"},  # the shortest: the registry's name still has its 5 characters
         {"spotNodeCount": "0", "spotMaxPrice": "-1"},
         {"defaultJobTime": "2-00:00:00", "maxJobTime": "2-00:00:00"},  # the default may be the max
         {"defaultJobTime": "90", "maxJobTime": "1-12"},
@@ -289,6 +311,11 @@ def test_size_without_encryption_at_host_needs_the_opt_out(monkeypatch: pytest.M
 
 def test_encryption_at_host_is_on_by_default() -> None:
     assert parse_config(VALID_CONFIG).encryption_at_host is True
+
+
+def test_key_vault_purge_protection_is_on_unless_turned_off() -> None:
+    assert parse_config(VALID_CONFIG).key_vault_purge_protection is True
+    assert parse_config({**VALID_CONFIG, "keyVaultPurgeProtection": "false"}).key_vault_purge_protection is False
 
 
 def test_default_sizes_are_known_and_support_encryption_at_host() -> None:
@@ -433,3 +460,64 @@ def test_job_time_errors_say_what_is_allowed() -> None:
     assert "a job that names no limit ends too" in text
     assert f"{PROJECT}:maxJobTime: got 'forever'; must be in Slurm's --time syntax" in text
     assert "or INFINITE (or UNLIMITED) for no cap" in text
+
+
+def test_spot_delete_eviction_is_refused_with_the_reason() -> None:
+    """A deleted instance never comes back under its Slurm name: the node would be DOWN for good."""
+    with pytest.raises(ConfigError) as raised:
+        parse_config({**VALID_CONFIG, "spotNodeCount": "2", "spotEvictionPolicy": "Delete"}, PROJECT)
+    (line,) = str(raised.value).splitlines()[1:]
+    assert line.startswith(f"  {PROJECT}:spotEvictionPolicy: got 'Delete'; is not supported: ")
+    assert "stay DOWN for good; use Deallocate" in line
+    assert parse_config({**VALID_CONFIG, "spotEvictionPolicy": "Deallocate"}).spot_eviction_policy == "Deallocate"
+
+
+def test_a_spot_prefix_too_long_for_azure_declares_nothing() -> None:
+    """Issue 29: the 15-character check fired inside an apply, after both scale sets existed."""
+    mocks = AzureMocks()
+    pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=STACK, preview=False)
+    _set_pulumi_config({**VALID_CONFIG, "namePrefix": "abcdefghij", "spotNodeCount": "2"})
+    try:
+        with pytest.raises(ConfigError) as raised:
+            build_stack(load_config(), PROJECT, STACK)
+    finally:
+        pulumi.runtime.set_all_config({})
+    assert mocks.resources == []
+    (line,) = str(raised.value).splitlines()[1:]  # one line, naming the key and the limit
+    assert line.startswith(f"  {PROJECT}:namePrefix: got 'abcdefghij'; ") and "Azure allows 1-15" in line
+
+
+@pytest.mark.parametrize("spot", ["0", "1"])
+@pytest.mark.parametrize("length", range(2, 11))
+def test_every_derived_name_fits_azure_or_the_prefix_is_refused(length: int, spot: str) -> None:
+    prefix = "abcdefghij"[:length]
+    broken = [
+        (what, name)
+        for what, make, rule, needs_spot in DERIVED_NAMES
+        if (spot == "1" or not needs_spot) and not rule.admits(name := make(prefix))
+    ]
+    raw = {**VALID_CONFIG, "namePrefix": prefix, "spotNodeCount": spot}
+    if not broken:
+        assert set(parse_config(raw).derived_names.values()) == {
+            make(prefix) for _, make, _, needs_spot in DERIVED_NAMES if spot == "1" or not needs_spot
+        }
+        return
+    with pytest.raises(ConfigError) as raised:
+        parse_config(raw, PROJECT)
+    for what, name in broken:
+        assert f"{what} {name!r} ({len(name)} characters; Azure allows" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("rule", "good", "bad"),
+    [
+        (STORAGE_ACCOUNT_NAME, ["abc", "a" * 24], ["ab", "a" * 25, "has-hyphen", "Upper"]),
+        (KEY_VAULT_NAME, ["abc", "a-b" * 8], ["ab", "a" * 25, "1starts-with-digit", "ends-", "double--hyphen"]),
+        (CONTAINER_REGISTRY_NAME, ["abcde", "A" * 50], ["abcd", "a" * 51, "has-hyphen"]),
+        (COMPUTER_NAME_PREFIX, ["a", "a" * 14 + "-"], ["", "a" * 16, "Upper-"]),
+        (LINUX_COMPUTER_NAME, ["a", "a1-" * 21 + "a"], ["", "a" * 65, "123", "under_score"]),
+    ],
+)
+def test_name_rules_admit_and_refuse_what_azure_does(rule: NameRule, good: list[str], bad: list[str]) -> None:
+    assert all(rule.admits(name) for name in good)
+    assert [name for name in bad if rule.admits(name)] == []

@@ -17,7 +17,7 @@ from tests.infra.test_stack import by_name, head_file, slurm_settings
 SPOT_CONFIG = {
     **VALID_CONFIG,
     "spotNodeCount": "3",
-    "spotEvictionPolicy": "Delete",
+    "spotEvictionPolicy": "Deallocate",
     "spotMaxPrice": "25.5",
     "defaultJobTime": "12:00:00",
     "maxJobTime": "3-00:00:00",
@@ -55,7 +55,7 @@ def test_the_spot_scale_set_is_spot_with_the_configured_eviction_and_price(spot_
     on_demand, spot = scale_sets(spot_deployment)
     profile = spot.inputs["virtualMachineProfile"]
     assert profile["priority"] == "Spot"
-    assert profile["evictionPolicy"] == "Delete"
+    assert profile["evictionPolicy"] == "Deallocate"
     assert profile["billingProfile"] == {"maxPrice": 25.5}
     assert spot.inputs["sku"]["capacity"] == 3
     assert not set(SPOT_ONLY) & set(on_demand.inputs["virtualMachineProfile"])  # on demand stays on demand

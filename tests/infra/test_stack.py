@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.config import MAX_NODES, parse_config
+from infra.azure_limits import COMPUTER_NAME_PREFIX, LINUX_COMPUTER_NAME, RESOURCE_NAME_RULES
+from infra.config import AUTONAME_SUFFIX, MAX_NODES, parse_config
 from infra.contract import SLURMCTLD_PORT, SLURMD_PORT, SRUN_PORT_RANGE, StackOutput
 from infra.identity import ACR_PULL, SCALE_SET_POWER_ACTIONS, STORAGE_BLOB_DATA_CONTRIBUTOR
-from infra.key_vault import KEY_VAULT_SECRETS_USER
-from infra.network import DENY_ALL_PRIORITY
+from infra.key_vault import KEY_VAULT_SECRETS_USER, MUNGE_KEY_CONTENT_TYPE, MUNGE_KEY_LIFETIME, munge_key_expiry
+from infra.network import DENY_ALL_PRIORITY, SERVICE_ENDPOINTS
 from infra.skus import GPU_SKUS
 from tests.infra.azure_mocks import (
     JUMPBOX_IP,
@@ -548,6 +549,48 @@ def test_key_vault_is_rbac_only_closed_to_all_but_the_cluster_subnet(deployment:
     assert not acls.get("ipRules")
 
 
+def test_key_vault_is_recoverable_purge_protected_and_reachable_only_through_its_firewall(
+    deployment: Deployment,
+) -> None:
+    """Checkov's findings on the vault (issue 33): soft delete, purge protection, public access."""
+    properties = one(deployment, ":Vault").inputs["properties"]
+    assert properties["enableSoftDelete"] is True and properties["softDeleteRetentionInDays"] == 7
+    assert properties["enablePurgeProtection"] is True
+    # Enabled, behind a firewall that denies all but the cluster subnet: "Disabled" would override
+    # that firewall, and without a private endpoint the hosts could no longer fetch the key.
+    assert properties["publicNetworkAccess"] == "Enabled"
+    assert properties["networkAcls"]["defaultAction"] == "Deny"
+    assert "Microsoft.KeyVault" in SERVICE_ENDPOINTS["cluster"]
+    assert not deployment.mocks.of_type(":PrivateEndpoint")  # the reason "Enabled" is kept
+    # the URI the hosts fetch from resolved (built after the mocks: the checks above ran on real inputs)
+    assert one(deployment, ":Vault").outputs["properties"]["vaultUri"].startswith("https://")
+
+
+def test_purge_protection_can_be_left_off_for_throwaway_stacks() -> None:
+    deployed = deploy({**VALID_CONFIG, "keyVaultPurgeProtection": "false"})
+    properties = one(deployed, ":Vault").inputs["properties"]
+    # Azure refuses `false`: off is the property left out, never sent as false
+    assert "enablePurgeProtection" not in properties and properties["enableSoftDelete"] is True
+
+
+def test_munge_key_secret_has_a_content_type_and_an_expiry_a_year_ahead(deployment: Deployment) -> None:
+    properties = one(deployment, ":Secret").inputs["properties"]
+    assert properties["contentType"] == MUNGE_KEY_CONTENT_TYPE
+    attributes = properties["attributes"]
+    assert attributes["enabled"] is True
+    expires = datetime.fromtimestamp(attributes["expires"], UTC)
+    now = datetime.now(UTC)
+    assert now + MUNGE_KEY_LIFETIME - timedelta(days=1) <= expires <= now + MUNGE_KEY_LIFETIME
+    assert (expires.hour, expires.minute, expires.second) == (0, 0, 0)  # the same all day: no churn
+
+
+def test_munge_key_expiry_moves_with_the_day_not_the_hour() -> None:
+    morning = datetime(2026, 11, 27, 0, 0, 1, tzinfo=UTC)
+    evening = datetime(2026, 11, 27, 23, 59, 59, tzinfo=UTC)
+    assert munge_key_expiry(morning) == munge_key_expiry(evening) == int(datetime(2027, 11, 27, tzinfo=UTC).timestamp())
+    assert munge_key_expiry(evening + timedelta(seconds=1)) - munge_key_expiry(evening) == 86400
+
+
 def _covers(port_ranges: list[str], port: int) -> bool:
     def span(text: str) -> tuple[int, int]:
         low, _, high = text.partition("-")
@@ -572,3 +615,52 @@ def test_slurm_ports_are_closed_outside_the_cluster_subnet(deployment: Deploymen
     vmss = one(deployment, ":VirtualMachineScaleSet").inputs["virtualMachineProfile"]["networkProfile"]
     vmss_subnet = vmss["networkInterfaceConfigurations"][0]["ipConfigurations"][0]["subnet"]["id"]
     assert head_nic["subnet"]["id"] == vmss_subnet == cluster_subnet
+
+
+# The longest prefixes the config admits: 10 characters, 9 with Spot nodes.
+LONGEST_PREFIXES = [{"namePrefix": "abcdefghij"}, {"namePrefix": "abcdefghi", "spotNodeCount": "2"}]
+
+
+@pytest.mark.parametrize("overrides", LONGEST_PREFIXES, ids=["on-demand", "spot"])
+def test_every_name_the_longest_prefix_makes_is_one_azure_takes(overrides: dict[str, str]) -> None:
+    deployed = deploy({**VALID_CONFIG, **overrides})
+    checked = set()
+    for resource in deployed.mocks.resources:
+        rule = next((r for suffix, r in RESOURCE_NAME_RULES.items() if resource.type.endswith(suffix)), None)
+        if rule is None:
+            continue
+        name = resource.name + AUTONAME_SUFFIX  # azure-native adds 8 random hex digits
+        assert rule.admits(name), f"{resource.type} {name!r}: Azure allows {rule.allowed}"
+        checked.add(resource.type.rsplit(":", 1)[1])
+    assert len(checked) == len(RESOURCE_NAME_RULES)  # every rule met a resource it governs
+    # the names the machines take, which azure-native leaves as given
+    for vmss in deployed.mocks.of_type(":VirtualMachineScaleSet"):
+        prefix = vmss.inputs["virtualMachineProfile"]["osProfile"]["computerNamePrefix"]
+        assert COMPUTER_NAME_PREFIX.admits(prefix), prefix
+    for vm in deployed.mocks.of_type(":VirtualMachine"):
+        assert LINUX_COMPUTER_NAME.admits(vm.inputs["osProfile"]["computerName"])
+
+
+@pytest.mark.parametrize("overrides", LONGEST_PREFIXES, ids=["on-demand", "spot"])
+def test_config_checks_the_names_the_stack_makes(overrides: dict[str, str]) -> None:
+    """infra/config.py derives the names to check them; the stack must make the same ones."""
+    raw = {**VALID_CONFIG, **overrides}
+    derived = parse_config(raw).derived_names
+    deployed = deploy(raw)
+    made = {
+        "the storage account": one(deployed, ":StorageAccount").name + AUTONAME_SUFFIX,
+        "the key vault": one(deployed, ":Vault").name + AUTONAME_SUFFIX,
+        "the container registry": one(deployed, ":Registry").name + AUTONAME_SUFFIX,
+        "the head node's host name": by_name(deployed, ":VirtualMachine", "-head-").inputs["osProfile"]["computerName"],
+        "the jumpbox's host name": by_name(deployed, ":VirtualMachine", "-jumpbox-").inputs["osProfile"][
+            "computerName"
+        ],
+        "the NFS server's host name": by_name(deployed, ":VirtualMachine", "-nfs-").inputs["osProfile"]["computerName"],
+    }
+    for kind, label in (("gpu", "GPU"), ("spot", "Spot")):
+        scale_sets = [r for r in deployed.mocks.of_type(":VirtualMachineScaleSet") if f"-{kind}-" in r.name]
+        for vmss in scale_sets:
+            prefix = vmss.inputs["virtualMachineProfile"]["osProfile"]["computerNamePrefix"]
+            made[f"the {label} nodes' computer name prefix"] = prefix
+            made[f"a {label} node's host name"] = prefix + "000000"
+    assert made == derived

@@ -24,7 +24,7 @@ from tests.training.test_decode import SIZE, assert_close, photo
 from training.config.settings import parse_settings
 from training.data import decode
 from training.data import imagenet as data
-from training.data.gpu_decode import choose_decoder, load_nvjpeg
+from training.data.gpu_decode import GpuDecode, choose_decoder, gpu_decodes, load_nvjpeg
 from training.errors import BadInput
 from training.pytorch import image_loader
 
@@ -120,23 +120,39 @@ def folder_root(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def batches(folder: data.ImageFolder, keys: list[list[data.Key]], workers: int, decode_jpeg: object = None) -> list:
+def batches(
+    folder: data.ImageFolder, keys: list[list[data.Key]], workers: int, decode_jpeg: object = None, share: float = 1.0
+) -> list:
     settings = parse_settings("pytorch", ["--data-workers", str(workers)])
     rank0 = SimpleNamespace(rank=0, local_size=1)
-    loader = image_loader(folder, iter(keys), settings, rank0, CPU, decode_jpeg)  # type: ignore[arg-type]
+    decode = None if decode_jpeg is None else GpuDecode(decode_jpeg, share)  # type: ignore[arg-type]
+    loader = image_loader(folder, iter(keys), settings, rank0, CPU, decode)  # type: ignore[arg-type]
     return list(loader)
 
 
-@pytest.mark.parametrize("split", ["train", "val"])
+@pytest.mark.parametrize(("split", "share"), [("train", 1.0), ("val", 1.0), ("train", 0.5)])
 def test_gpu_batches_hold_what_the_cpu_path_gives(
-    monkeypatch: pytest.MonkeyPatch, folder_root: Path, split: str
+    monkeypatch: pytest.MonkeyPatch, folder_root: Path, split: str, share: float
 ) -> None:
     folder = data.scan_split(folder_root, split, SIZE, seed=7, classes=["n0", "n1"])
     assert folder is not None
     epochs = (data.VAL_EPOCH,) if split == "val" else (0, 1, 2)
     keys = [[(i, epoch) for i in range(start, start + 3)] for epoch in epochs for start in (0, 3)]
-    # One real worker process reads files and draws crops; this process decodes them.
-    gpu = batches(folder, keys, workers=1, decode_jpeg=pillow_jpeg_decoder)
+    decoded: list[int] = []
+
+    def counting(files: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        decoded.append(len(files))
+        return pillow_jpeg_decoder(files, device)
+
+    # One real worker process reads files and draws crops (for the GPU's share); this process decodes them.
+    gpu = batches(folder, keys, workers=1, decode_jpeg=counting, share=share)
+    expected = []  # per batch: one call with its JPEGs, then each alone if the truncated f.JPEG was among them
+    for batch in keys:
+        jpegs = [index for index, epoch in batch if index in (0, 1, 2, 5) and gpu_decodes((index, epoch), share)]
+        expected += ([len(jpegs)] if jpegs else []) + ([1] * len(jpegs) if 5 in jpegs else [])
+    assert decoded == expected
+    split = {gpu_decodes(key, share) for batch in keys for key in batch}
+    assert split == ({True} if share == 1.0 else {True, False})  # at 0.5 both decoders have work
     monkeypatch.setattr(decode, "FAST", None)  # the reference: Pillow, in this process
     reference = batches(folder, keys, workers=0)
     assert len(gpu) == len(reference) == len(keys)

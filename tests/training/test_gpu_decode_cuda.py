@@ -22,7 +22,7 @@ from bench.harness import proc
 from bench.harness.jpegs import write_imagenet_tree
 from training.config.settings import parse_settings
 from training.data import imagenet as data
-from training.data.gpu_decode import JpegDecoder, choose_decoder
+from training.data.gpu_decode import GpuDecode, JpegDecoder, choose_decoder
 from training.pytorch import image_loader
 
 pytestmark = pytest.mark.gpu
@@ -42,19 +42,28 @@ def losses(output: str) -> list[float]:
     return [float(value) for value in re.findall(r"step \d+/\d+ epoch \d+ loss (\S+)", output)]
 
 
-def train(jpeg_root: Path, decode: str, log: Path, epochs: int = 3) -> str:
-    """The job's output; ResNet-50 in bf16, eager (compile is the default on CUDA), logging every 4 steps and
+def job(jpeg_root: Path, decode: str, epochs: int = 3, log_every: int = 4) -> list[str]:
+    """ResNet-50 in bf16, eager (compile is the default on CUDA), logging every ``log_every`` steps and
     otherwise never syncing."""
     args = [
         "--backend", "ddp", "--data", "imagenet", "--data-dir", jpeg_root, "--decode", decode,
         "--model", "resnet50", "--batch-size", BATCH, "--precision", "amp", "--epochs", epochs,
-        "--log-every", 4, "--data-workers", 3, "--seed", 7, "--no-compile",
+        "--log-every", log_every, "--data-workers", 3, "--seed", 7, "--no-compile",
     ]  # fmt: skip
-    cmd = [*proc.launcher("ddp", 1), "training.pytorch", *map(str, args)]
-    done = subprocess.run(cmd, cwd=proc.REPO_ROOT, env=proc.thread_env(1), capture_output=True, text=True, timeout=600)
+    return [*proc.launcher("ddp", 1), "training.pytorch", *map(str, args)]
+
+
+def finished(cmd: list[str], done: subprocess.CompletedProcess[str], log: Path) -> str:
     log.write_text(done.stdout + done.stderr)
     assert done.returncode == 0, f"{' '.join(cmd)} exited {done.returncode}:\n{log.read_text()[-3000:]}"
     return log.read_text()
+
+
+def train(jpeg_root: Path, decode: str, log: Path, epochs: int = 3) -> str:
+    """The job's output."""
+    cmd = job(jpeg_root, decode, epochs)
+    done = subprocess.run(cmd, cwd=proc.REPO_ROOT, env=proc.thread_env(1), capture_output=True, text=True, timeout=600)
+    return finished(cmd, done, log)
 
 
 def test_gpu_decode_trains_like_the_cpu_path_without_a_sync_per_step(jpeg_root: Path, tmp_path: Path) -> None:
@@ -66,14 +75,26 @@ def test_gpu_decode_trains_like_the_cpu_path_without_a_sync_per_step(jpeg_root: 
     np.testing.assert_allclose(gpu, cpu, rtol=0.1)
 
 
+def test_gpu_decode_never_trains_to_nan_in_ten_runs_logged_often(jpeg_root: Path, tmp_path: Path) -> None:
+    """The NaN goal: 10 runs of 3 epochs with a short logging interval (the interval at which the first
+    version trained to NaN), five at a time on the one GPU so that each host runs further ahead."""
+    cmd = job(jpeg_root, "gpu", epochs=3, log_every=2)
+    for wave in range(2):
+        output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+        runs = [subprocess.Popen(cmd, cwd=proc.REPO_ROOT, env=proc.thread_env(1), **output) for _ in range(5)]
+        for n, run in enumerate(runs):
+            output, _ = run.communicate(timeout=600)
+            done = subprocess.CompletedProcess(cmd, run.returncode, output, "")
+            logged = losses(finished(cmd, done, tmp_path / f"run{wave * 5 + n}.log"))
+            assert len(logged) == 3 * BATCHES // 2 and all(np.isfinite(logged)), (wave * 5 + n, logged)
+
+
 def test_auto_probes_on_the_gpu_and_trains_with_what_it_chose(jpeg_root: Path, tmp_path: Path) -> None:
     """The start-up probe on CUDA: both loaders, the model under DDP, the choice logged and used."""
     output = train(jpeg_root, "auto", tmp_path / "auto.log", epochs=1)
-    choice = re.search(
-        r"--decode auto: CPU loader \S+, GPU path \S+, model \S+ batches/s; decoding on the (GPU|CPU)", output
-    )
+    choice = re.search(r"--decode auto: CPU loader \S+, GPU path \S+, model \S+ batches/s; decoding with (\S+)", output)
     assert choice is not None, output[-3000:]
-    assert ("decoder': 'nvJPEG" in output) is (choice[1] == "GPU"), output[-3000:]
+    assert ("decoder': 'nvJPEG" in output) is (choice[1] == "nvJPEG"), output[-3000:]
     assert all(np.isfinite(losses(output))) and losses(output)
 
 
@@ -98,7 +119,7 @@ def poison_freed_memory(device: torch.device) -> None:
 def loader(folder: data.ImageFolder, keys: list[list[data.Key]], decode: JpegDecoder, workers: int) -> Iterator:
     settings = parse_settings("pytorch", ["--data-workers", str(workers)])
     rank0 = SimpleNamespace(rank=0, local_size=1)
-    return image_loader(folder, iter(keys), settings, rank0, torch.device("cuda"), decode)  # type: ignore[arg-type]
+    return image_loader(folder, iter(keys), settings, rank0, torch.device("cuda"), GpuDecode(decode))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("side_stream_busy", [False, True])

@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.training.jobs import REPO, error_lines, job_env, run, torchrun
-from training.data.text import SyntheticTokens, TextCorpus, replica_slice
+from training.data.text import SyntheticTokens, TextCorpus, replica_rows
 from training.errors import BadInput
 from training.model_parallel import METRIC_KEYS, parse_args
 from training.run.metrics import validate_metrics
@@ -304,9 +304,8 @@ def test_token_batches_depend_only_on_seed_and_step(tmp_path: Path) -> None:
     assert np.array_equal(batch, SyntheticTokens(5, 256).batch(3, 8, 16))
     assert not np.array_equal(batch, synthetic.batch(4, 8, 16))
     # Two replicas' slices are the one-replica batch, cut in two.
-    halves = [replica_slice(batch, replica, 4) for replica in (0, 1)]
-    assert np.array_equal(np.concatenate([inputs for inputs, _ in halves]), batch[:, :-1])
-    assert np.array_equal(np.concatenate([targets for _, targets in halves]), batch[:, 1:])
+    halves = [replica_rows(batch, replica, 4) for replica in (0, 1)]
+    assert np.array_equal(np.concatenate(halves), batch)
     (tmp_path / "a.txt").write_bytes(b"hello world, " * 10)
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b.txt").write_bytes(b"\x00\xff" * 20)
@@ -390,3 +389,17 @@ def test_every_flag_and_metric_is_documented() -> None:
     flags = [o for action in build_parser()._actions for o in action.option_strings if o.startswith("--")]
     assert [flag for flag in flags if flag != "--help" and f"`{flag}" not in flags_section] == []
     assert [key for key in METRIC_KEYS if f"`{key}`" not in metrics_section] == []
+
+
+def test_a_replicas_tokens_are_uploaded_once_as_contiguous_rows() -> None:
+    """Inputs and targets are views of one contiguous upload: the pinned buffer is what the copy
+    engine reads (a strided view would first be gathered into pageable memory)."""
+    from training import model_parallel
+
+    settings = model_parallel.parse_settings(["--model", "gpt-tiny", "--seq-len", "16", "--batch-size", "4"])
+    batches = model_parallel.Batches(settings, replica=1, device=torch.device("cpu"))
+    inputs, targets = batches(step=3, replicas=2)
+    assert inputs.untyped_storage().data_ptr() == targets.untyped_storage().data_ptr()
+    rows = torch.from_numpy(SyntheticTokens(settings.seed, settings.gpt.vocab_size).batch(3, 8, 16))[4:]
+    assert torch.equal(inputs, rows[:, :-1]) and torch.equal(targets, rows[:, 1:])
+    assert inputs.untyped_storage().nbytes() == rows.numel() * rows.element_size()  # the rows alone, once

@@ -86,7 +86,7 @@ def token_source(kind: str, data_dir: Path | None, seed: int, vocab_size: int, s
     return SyntheticTokens(seed, vocab_size)
 
 
-def replica_slice(tokens: np.ndarray, replica: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Replica ``replica``'s ``batch_size`` rows of a global batch, as (inputs, targets)."""
-    rows = tokens[replica * batch_size : (replica + 1) * batch_size]
-    return rows[:, :-1], rows[:, 1:]
+def replica_rows(tokens: np.ndarray, replica: int, batch_size: int) -> np.ndarray:
+    """Replica ``replica``'s ``batch_size`` rows of a global batch, each ``seq_len + 1`` tokens: a
+    row's first ``seq_len`` are the inputs, its last ``seq_len`` the targets."""
+    return tokens[replica * batch_size : (replica + 1) * batch_size]
