@@ -68,7 +68,7 @@ demo: setup  ## the whole operator workflow on a 2-node local cluster (as root; 
 bench: setup  ## benchmarks beside their baselines -> bench/results/results.{json,md,png} (under 15 minutes)
 	$(TRAIN)/bin/python -m bench
 
-bench-gpu:  ## our GPU jobs beside plain PyTorch on one CUDA GPU -> bench/results/results-gpu.{json,md}, within 6 minutes on one H100
+bench-gpu:  ## our GPU jobs beside plain PyTorch on one CUDA GPU -> bench/results/results-gpu.{json,md}; stops at --budget-s (330 s), skipping what does not fit
 	$(GPU_PYTHON) -m bench.gpu $(BENCH_GPU_ARGS)
 
 bench-gpu-smoke:  ## bench-gpu's every section at tiny sizes: under 90 s on a GPU, eager on a CPU-only machine (CI)

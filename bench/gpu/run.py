@@ -4,7 +4,7 @@ Needs one CUDA device; without one it exits 3 with one ``error:`` line before ru
 unless ``--smoke``. Runs the sections of :data:`SECTIONS` in turn (each figure is a pair of child
 processes) and rewrites ``results-gpu.json`` and ``results-gpu.md`` in ``--out`` after each one, so
 that a run stopped later keeps what it measured; they record the card, its driver, the CPUs and
-the software versions. Sized to finish within 6 minutes on one H100, compilation included:
+the software versions. It stops within 6 minutes on one H100, compilation included:
 ``--budget-s`` (330 s) skips a section whose estimated cost no longer fits, and says so in both
 files, and no measured process runs past it. ``--smoke`` runs every section at tiny sizes (under
 90 s on a GPU; on a CPU-only machine too, eager, as CI does). Works without Horovod (the PyTorch
