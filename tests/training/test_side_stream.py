@@ -148,7 +148,6 @@ def test_a_consumer_that_stops_early_still_waits_before_the_inputs_go() -> None:
     assert len(made) < 10  # the thread stopped making batches
     for n in made:
         assert api.log.index(("host waits", f"event{n}")) < api.log.index(("inputs released", n))
-    assert [entry[1] for entry in api.log if entry[0] == "inputs released"] != []
     assert all(side.last is None for side in api.sides)
 
 
