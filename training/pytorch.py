@@ -566,6 +566,13 @@ def build_job(settings: TrainingSettings, backend: Backend) -> Job:
     decoder = choose_decoder(settings.decode, device) if settings.data == "imagenet" else None
     decode = None if decoder is None else GpuDecode(decoder)
     plan = agree(backend, lambda: plan_data(settings, backend.size))
+    sync = settings.sync
+    if backend.rank == 0 and sync.periodic and sync.warmup_steps < plan.total_steps < sync.warmup_steps + sync.every:
+        log.warning(
+            "--sync-every %d is longer than the run's %d local steps: the replicas are averaged only at the end",
+            sync.every,
+            plan.total_steps - sync.warmup_steps,
+        )
     model, start_step, fingerprint = build_trained_model(settings, backend, plan, device)
     decode = settle_auto(settings, plan, backend, device, decode, partial(model_steps, settings, plan, backend, model))
     skipped = SkipCounter()
@@ -610,7 +617,7 @@ def run_steps(job: Job) -> dict[str, Any]:
         job.backend.step(model.optimizer, model.scaler)
         model.scaler.update()
         if model.periodic is not None:
-            model.periodic.after_step(step)
+            model.periodic.after_step(step, publish=leaves_run(job, step))
         if job.skipped is not None:
             job.skipped.add(batch_skipped)
         run.step_done(step, loss.item)
@@ -619,6 +626,14 @@ def run_steps(job: Job) -> dict[str, Any]:
     metrics = run.finish(job.skipped)
     job.exporter.final(metrics)
     return metrics
+
+
+def leaves_run(job: Job, step: int) -> bool:
+    """Whether the model leaves the run after 0-based ``step``: the final checkpoint and export, or an
+    epoch's export (``--export-every-epoch``). The periodic modes make their replicas one model then."""
+    done = step + 1
+    epoch_export = job.exporter.epoch_hook is not None and done % job.run.steps_per_epoch == 0
+    return done == job.run.total_steps or epoch_export
 
 
 def export_model(model: nn.Module, image_size: int, directory: Path) -> ModelFiles:

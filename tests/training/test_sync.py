@@ -94,6 +94,32 @@ def test_local_sgd_replicas_meet_at_each_average_and_resume_exactly(tmp_path: Pa
         assert again["sync"]["steps_done"] == step
 
 
+def test_a_run_ends_averaged_off_the_period_and_exports_the_average(tmp_path: Path) -> None:
+    """Averages after steps 4 and 8; the run ends at 10, off the period. Its last step still averages,
+    so the final checkpoint's replicas and the export are the mean of what the replicas trained. That
+    mean is read from a run of 11 steps, whose step 10 is an ordinary local step."""
+    flags = every_step("--sync", "local-sgd", "--sync-every", 4)
+    run(torchrun(2, *flags, "--steps", 11, "--checkpoint-dir", tmp_path / "longer"), tmp_path / "longer.log")
+    unaveraged = replicas(tmp_path / "longer", 10)
+    assert max_difference(*unaveraged) > 1e-4  # step 10 is local there: the replicas differ
+    mean = {name: (unaveraged[0][name] + unaveraged[1][name]) / 2 for name in unaveraged[0]}
+    export = tmp_path / "model"
+    args = [*flags, "--steps", 10, "--checkpoint-dir", tmp_path / "ended", "--export-dir", export]
+    run(torchrun(2, *args), tmp_path / "ended.log")
+    for rank, weights in enumerate(replicas(tmp_path / "ended", 10)):
+        assert max_difference(weights, mean) < TOLERANCE, f"rank {rank} did not end at the replicas' mean"
+    exported = torch.export.load(export / "model.pt2").state_dict
+    assert max_difference({name: t.detach().numpy() for name, t in exported.items()}, mean) < TOLERANCE
+
+
+def test_a_period_longer_than_the_run_is_named_and_still_ends_averaged(tmp_path: Path) -> None:
+    flags = every_step("--sync", "local-sgd", "--sync-every", 50, "--steps", 3, "--checkpoint-dir", tmp_path / "c")
+    output = run(torchrun(2, *flags), tmp_path / "run.log")
+    assert "--sync-every 50 is longer than the run's 3 local steps: the replicas are averaged only at the end" in output
+    assert max_difference(*replicas(tmp_path / "c", 2)) > 1e-4  # local steps: the replicas drifted apart
+    assert max_difference(*replicas(tmp_path / "c", 3)) == 0
+
+
 def test_hierarchical_averages_inside_a_node_every_step_and_across_every_h(tmp_path: Path) -> None:
     """Two torchrun agents of 2 processes each: two nodes, as torchrun numbers their ranks."""
     from dtrain.local.daemons import free_port
@@ -125,6 +151,11 @@ def test_periodic_sync_refused_with_horovod_and_with_fp16_allreduce(capsys: pyte
         (["--backend", "ddp", "--sync", "hierarchical", "--fp16-allreduce"], "--fp16-allreduce compresses"),
         (["--backend", "ddp", "--sync-every", "4"], "--sync-every: only used with --sync local-sgd"),
         (["--backend", "ddp", "--sync", "local-sgd", "--outer-lr", "1"], "only apply to --outer-optimizer nesterov"),
+        (["--backend", "ddp", "--sync", "local-sgd", "--outer-optimizer", "nesterov", "--outer-lr", "0"], "above 0"),
+        (
+            ["--backend", "ddp", "--sync", "local-sgd", "--outer-optimizer", "nesterov", "--outer-momentum", "1.5"],
+            "--outer-momentum 1.5: must be at least 0 and below 1",
+        ),
     ):
         with pytest.raises(SystemExit) as exited:
             parse_settings("pytorch", flags)

@@ -118,6 +118,10 @@ def sync_refusal(args: argparse.Namespace) -> str | None:
         return f"--fp16-allreduce compresses the per-step gradient allreduce, which --sync {mode} does not do"
     if args.outer_optimizer != NESTEROV and (args.outer_lr is not None or args.outer_momentum is not None):
         return "--outer-lr and --outer-momentum only apply to --outer-optimizer nesterov"
+    if args.outer_lr is not None and args.outer_lr <= 0:
+        return f"--outer-lr {args.outer_lr}: must be above 0 (0 would keep the weights where they started)"
+    if args.outer_momentum is not None and not 0 <= args.outer_momentum < 1:
+        return f"--outer-momentum {args.outer_momentum}: must be at least 0 and below 1 (1 or more diverges)"
     return None
 
 
@@ -223,21 +227,29 @@ class PeriodicSync:
         finally:
             self.hook_state.iter = count
 
-    def after_step(self, step: int) -> None:
-        """After the optimizer step of 0-based ``step``: average where due, then the outer step."""
+    def after_step(self, step: int, *, publish: bool = False) -> None:
+        """After the optimizer step of 0-based ``step``: average where due, then the outer step.
+        ``publish``: the model leaves the run after this step (the last step, an epoch's export), so
+        the replicas become one model even off the period: an export is the average, not rank 0's
+        replica, and a period longer than the run still ends averaged."""
         done = step + 1
+        due = self.settings.global_average_due(done)
         self.averager.step = done  # torch's averagers count calls; ours count steps done (resume-proof)
-        self.averager.average_parameters(self.params)
+        if publish and not due:
+            self.average(iter(self.params), self.world)  # the averager's period would skip this step
+        else:
+            self.averager.average_parameters(self.params)
         for param, layout in zip(self.params, self.layouts, strict=True):
             if not param.is_contiguous(memory_format=layout):
                 param.data = param.data.contiguous(memory_format=layout)
-        if self.buffers and self.settings.global_average_due(done):
+        # Batch-norm statistics differ between ranks even in the warm-up (they are never broadcast).
+        if self.buffers and (due or publish):
             self.average(iter(self.buffers), self.world)
         if self.outer is None:
             return
         if done == self.settings.warmup_steps:
             self.outer.reset()
-        elif done > self.settings.warmup_steps and self.settings.global_average_due(done):
+        elif done > self.settings.warmup_steps and (due or publish):
             self.outer.step()
 
     def checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer, done: int) -> dict[str, Any] | None:
