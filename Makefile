@@ -49,9 +49,8 @@ node_modules/.installed: package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-test: setup  ## run every test suite (infrastructure, training, operator workflow)
-	$(OPS)/bin/python -m pytest tests/test_layout.py tests/infra tests/scripts
-	$(TRAIN)/bin/python -m pytest tests/training tests/bench
+test: setup  ## run every test suite (infrastructure and operator workflow, beside training and benchmarks)
+	tools/run_tests.sh $(OPS)/bin/python $(TRAIN)/bin/python
 
 test-infra: $(OPS)/.installed system  ## Pulumi program under mocks, cloud-init validation
 	$(OPS)/bin/python -m pytest tests/infra
