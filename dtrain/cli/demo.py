@@ -21,6 +21,7 @@ from ipaddress import IPv4Network
 from pathlib import Path
 
 from rich.table import Table
+from rich.text import Text
 
 from dtrain.cli import cost, stage
 from dtrain.cli_common import arg_type, int_between, non_empty
@@ -188,7 +189,7 @@ def summary_table(result: DemoResult, keep: bool = False) -> Table:
         value = metrics.get(key)
         return format(value, fmt) if isinstance(value, int | float) else "-"
 
-    table.add_row("status", "[green]ok[/green]" if result.exit_code == 0 else f"[red]failed: {result.error}[/red]")
+    table.add_row("status", Text("ok", "green") if result.exit_code == 0 else Text(f"failed: {result.error}", "red"))
     if submitted:
         table.add_row("Slurm job", f"{submitted.job_id} ({submitted.spec.launcher}, {submitted.spec.nodes} nodes)")
         table.add_row("run id", submitted.run_id)

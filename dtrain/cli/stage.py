@@ -287,7 +287,7 @@ def transcode(source: Path, dest: Path, short_side: int, quality: int, show_prog
         f"in {summary.seconds:.1f} s; the images: {summary.bytes_in / 1e6:.1f} MB -> {summary.bytes_out / 1e6:.1f} MB"
     )
     for err in summary.errors[:10]:
-        console.print(f"[red]skipped an unreadable image: {err}[/red]")
+        console.print(f"skipped an unreadable image: {err}", style="red", markup=False)
     return summary
 
 
@@ -405,7 +405,7 @@ def print_upload_summary(summary: UploadSummary) -> None:
         table.add_row(*row)
     console.print(table)
     for err in summary.errors[:10]:
-        console.print(f"[red]{err}[/red]")
+        console.print(str(err), style="red", markup=False)
 
 
 # --- pull onto the NFS server ------------------------------------------------------------------

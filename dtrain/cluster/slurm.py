@@ -189,7 +189,11 @@ def patiently(ask: Callable[[], T], what: str, patience_s: float = OUTAGE_PATIEN
             if time.monotonic() + RETRY_INTERVAL_S > deadline:
                 raise SlurmUnreachable(f"could not ask Slurm {what} for {patience_s:.0f} s: {exc}") from None
             if not said:
-                console.print(f"[dim]could not ask Slurm {what} ({exc}); asking again for {patience_s:.0f} s[/dim]")
+                console.print(
+                    f"could not ask Slurm {what} ({exc}); asking again for {patience_s:.0f} s",
+                    style="dim",
+                    markup=False,
+                )
                 said = True
             time.sleep(RETRY_INTERVAL_S)
 

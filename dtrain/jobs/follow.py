@@ -90,7 +90,7 @@ def _wait_for_end(slurm: Slurm, job_id: str, tail: LogTail) -> None:
         job = found[0]
         news = f"{job.state} {job.reason}" if job.state == "PENDING" else job.state  # squeue's "(Resources)"
         if news != said:
-            console.print(f"[dim]job {job_id}: {news}[/dim]")
+            console.print(f"job {job_id}: {news}", style="dim", markup=False)
             said = news
         tail.keep_alive()
         time.sleep(POLL_S)
@@ -112,16 +112,18 @@ def outcome(desc: ClusterDescription, slurm: Slurm, run: Run) -> int:
         why = f"rank {verdict['failed_rank']} on {verdict.get('failed_host') or '?'} failed"
         if verdict.get("job_error"):
             why += f": {verdict['job_error']}"
-        console.print(f"[red]{done.label}: {why}[/red]")
+        console.print(f"{done.label}: {why}", style="red", markup=False)
     results = (done.job or {}).get("results_url")
     if (done.status or {}).get("results") != "uploaded":
         missing = (done.status or {}).get("not_uploaded")
         what = f"{', '.join(missing)} of its results" if missing else "its results"
-        console.print(f"[red]{done.label}: {what} did not reach {results} (see the end of its log)[/red]")
+        console.print(
+            f"{done.label}: {what} did not reach {results} (see the end of its log)", style="red", markup=False
+        )
         code = code or int(ExitCode.FAILED)
         results = None
     where = f"; results {results}" if results else ""
-    console.print(f"{done.label}: {'ok' if code == 0 else f'exit {code}'}{where}")
+    console.print(f"{done.label}: {'ok' if code == 0 else f'exit {code}'}{where}", markup=False)
     if done.cost_summary:
         console.print(f"{done.label}: {done.cost_summary}")
     return code
@@ -137,14 +139,16 @@ def ask_cancel_or_detach(slurm: Slurm, run: Run) -> int:
     answer = "d"
     if sys.stdin.isatty():
         try:
-            answer = console.input(f"\n{run.label} is still running: [c]ancel it, or [d]etach? ").strip().lower()[:1]
+            # markup=False: rich would read [c] and [d] as style tags and show no choices at all
+            prompt = f"\n{run.label} is still running: [c]ancel it, or [d]etach? "
+            answer = console.input(prompt, markup=False).strip().lower()[:1]
         except (EOFError, KeyboardInterrupt):
             answer = "d"
     if answer == "c":
         if cancel_and_wait(slurm, str(run.job_id)):
             console.print(f"{run.label} cancelled: no process of it is left on any node")
         else:
-            console.print(f"[red]{run.label} cancelled, but Slurm still holds it after {CANCEL_WAIT_S:.0f} s[/red]")
+            console.print(f"{run.label} cancelled, but Slurm still holds it after {CANCEL_WAIT_S:.0f} s", style="red")
     else:
         console.print(f"detached: {run.label} runs on; follow it with `dtrain logs {run.job_id} -f`")
     return int(ExitCode.INTERRUPTED)
