@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dtrain.cli import cluster, cost, demo, images, interactive, jobs, launch, local, results, stage
-from dtrain.cli_common import CLIParser, add_cluster_option, run_cli
+from dtrain.cli_common import CLIParser, add_cluster_option, end_on_termination, run_cli
 
 # In the order a user meets them: a cluster, data and images on it, jobs and what they leave, then the
 # local cluster.
@@ -56,6 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import argcomplete
 
         argcomplete.autocomplete(parser)
+    end_on_termination()
     return run_cli(parser, lambda args: args.handler(args), argv)
 
 

@@ -11,7 +11,9 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -88,6 +90,21 @@ def run_cli(
     except Exception as exc:  # the safety net: whatever slipped past the checks gets a message too
         message, code = _describe_unexpected(exc)
         return _report(message if debug else f"{message} {DEBUG_HINT}", code, debug)
+
+
+def end_on_termination() -> None:
+    """SIGTERM and SIGHUP (a kill, a closed terminal) end the command the way an exception does, so
+    that what it holds is released on the way out: the private SSH configuration under /tmp, a shared
+    connection. A followed job runs on, as on a detach. Python's default would exit on the spot.
+    For the operator's commands only: the local cluster's daemons keep the default."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set there (a test calling run_cli from a thread)
+
+    def end(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, end)
 
 
 def _report(message: str, code: int, debug: bool) -> int:

@@ -279,8 +279,10 @@ def _up(
     root = Path(state.state_dir)
     for sub in ("ssh", "hostkeys", "sshd", "logs", "shared/data", "shared/runs", "azurite"):
         (root / sub).mkdir(parents=True, exist_ok=True)
-    # the daemons' logs are root's alone: a request URL, a key path or a job's environment may show there
-    (root / "logs").chmod(0o700)
+    # the daemons' logs are root's alone: a request URL, a key path or a job's environment may show there;
+    # so are the blobs (the cluster's data, results and checkpoints)
+    for private in ("logs", "azurite"):
+        (root / private).chmod(0o700)
     # the nodes' health reports: root's, readable by every user (as cloud-init makes it on Azure)
     (root / "shared" / HEALTH_REPORT_DIR).mkdir(mode=0o755, exist_ok=True)
     key = root / "ssh" / "id_ed25519"
@@ -411,7 +413,8 @@ def _start_azurite(state: LocalState, azurite: Path) -> None:
         # --silent: no access log, whose every line would hold the request's full URL, SAS signature included
         *("--location", str(location), "--skipApiVersionCheck", "--silent"),
     ]
-    start_daemon(state, "azurite", argv, str(location))
+    # Azurite creates the blobs' files with its umask: private, as the storage account is.
+    start_daemon(state, "azurite", argv, str(location), umask=0o077)
 
 
 def _wait_for_sshds_and_azurite(state: LocalState) -> None:

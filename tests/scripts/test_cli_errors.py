@@ -614,3 +614,27 @@ def test_the_exit_status_table_is_documented():
     doc = (REPO / "docs" / "operator.md").read_text()
     for code in ExitCode:
         assert re.search(rf"^\| {code.value} \| ", doc, re.MULTILINE), f"exit status {code.value} is not in the table"
+
+
+def test_a_terminated_command_removes_its_private_ssh_directory(tmp_path: Path) -> None:
+    """`kill` (SIGTERM) or a closed terminal (SIGHUP) ends a command as an exception would: the SSH
+    configuration it keeps under /tmp goes with it (Python's default would leave it behind)."""
+    import signal
+
+    hold = (
+        "import sys, tempfile, time\n"
+        "from dtrain.cli_common import end_on_termination\n"
+        "end_on_termination()\n"
+        "with tempfile.TemporaryDirectory(prefix='hvd-ssh-', dir=sys.argv[1]) as held:\n"
+        "    print(held, flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        holder = subprocess.Popen(
+            [sys.executable, "-c", hold, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True
+        )
+        held = Path(holder.stdout.readline().strip())
+        assert held.is_dir()
+        holder.send_signal(number)
+        assert holder.wait(timeout=30) == 128 + number
+        assert not held.exists(), f"{held} left behind after {signal.Signals(number).name}"

@@ -71,7 +71,7 @@ def test_synthetic_generator_layout_and_determinism(jpegs, tmp_path):
     assert md5_b64(again / files[5]) == md5_b64(jpegs / files[5])
 
 
-def test_upload_sets_content_md5_and_pull_verifies_counts(cluster, jpegs):
+def test_upload_sets_content_md5_and_pull_verifies_counts(cluster, cluster_dir, jpegs):
     summary = stage.upload(cluster.data, cluster.staging_credential, jpegs, "plain", workers=4, show_progress=False)
     assert (summary.source_files, summary.uploaded, summary.skipped, summary.failed) == (25, 25, 0, 0)  # + dataset.json
     remote = remote_md5s(cluster, "plain/")
@@ -79,6 +79,12 @@ def test_upload_sets_content_md5_and_pull_verifies_counts(cluster, jpegs):
     assert remote.pop("dataset.json") and manifest.pop("created_at")
     assert manifest == {"short_side": None, "quality": None, "source": str(jpegs), "images": 24}
     assert remote == {p.relative_to(jpegs).as_posix(): md5_b64(p) for p in jpegs.rglob("*") if p.is_file()}
+    # the local storage account's files are root's alone, as the data is the account's on Azure
+    blob_store = cluster_dir / "azurite"
+    shared = [
+        f"{oct(p.stat().st_mode & 0o777)} {p}" for p in [blob_store, *blob_store.rglob("*")] if p.stat().st_mode & 0o077
+    ]
+    assert not shared, shared
 
     pulled = stage.pull(cluster, "plain", expected_files=25, expected_objects=25)
     assert (pulled.listed, pulled.downloaded, pulled.failed, pulled.files_in_dest) == (25, 25, 0, 25)
