@@ -27,6 +27,9 @@ _TIME_FORMS = (
 )
 _SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 TIME_SYNTAX = "Slurm's --time syntax, e.g. 90 (minutes), 4:00:00, 2-00:00:00 (and not 0)"
+# The longest finite limit taken: a year. Slurm itself takes 8,000 years, which is a typo, not a plan;
+# a job that truly must not end says INFINITE where the stack allows it (maxJobTime).
+MAX_FINITE_DAYS = 365
 
 
 def time_limit_seconds(text: str) -> int:
@@ -36,6 +39,8 @@ def time_limit_seconds(text: str) -> int:
         match = pattern.fullmatch(text.strip())
         if match:
             seconds = sum(int(value) * _SECONDS[unit] for value, unit in zip(match.groups(), units, strict=True))
+            if seconds > MAX_FINITE_DAYS * _SECONDS["d"]:
+                raise ValueError(f"more than {MAX_FINITE_DAYS} days; use {TIME_SYNTAX}")
             if seconds > 0:
                 return seconds
             break

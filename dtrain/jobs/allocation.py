@@ -96,9 +96,14 @@ def plan_allocation(
         flag = f"--gpus-per-node {per_node}"
     if per_node is not None and desc.gpus_per_node and per_node > desc.gpus_per_node:
         more = -(-per_node * count // desc.gpus_per_node)
+        advice = (
+            f"ask for --nodes {more} --gpus-per-node {desc.gpus_per_node}"
+            if more <= desc.node_count
+            else f"it has {desc.node_count} nodes, {desc.node_count * desc.gpus_per_node} GPUs in all"
+        )
         raise OperatorError(
             f"{flag} asks for {per_node} GPUs on a node, and a node of cluster {desc.name} has "
-            f"{desc.gpus_per_node}: ask for --nodes {more} --gpus-per-node {desc.gpus_per_node}"
+            f"{desc.gpus_per_node}: {advice}"
         )
     if gpus is not None and not desc.gpus_per_node:
         raise OperatorError(f"--gpus {gpus}: the nodes of cluster {desc.name} have no GPUs (use --gpus-per-node)")

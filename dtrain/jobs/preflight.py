@@ -20,7 +20,7 @@ from dtrain.cluster.ssh import q
 from dtrain.errors import OperatorError
 
 # The round trip's own exit statuses (sbatch and the shell use 0-2 and 126-127).
-NO_DATA, ONE_CLASS, NO_ENTRYPOINT = 18, 19, 20
+NO_DATA, ONE_CLASS, NO_ENTRYPOINT, TOO_FEW_CPUS = 18, 19, 20, 21
 STAGE_HINT = "dtrain stage all DIR --dataset NAME"
 
 
@@ -64,15 +64,35 @@ class Preflight:
         return OperatorError(message) if message is not None else None
 
 
+@dataclass(frozen=True)
+class ProcessRequest:
+    """How many processes the job runs on each node, in which partitions, and the flag that asked."""
+
+    per_node: int
+    partitions: str  # sbatch's --partition: one, or several separated by commas
+    flag: str  # as the user gave it: "--gpus-per-node 3", "--gpus 4 over 2 nodes", or "the default of 1"
+
+
 def plan_preflight(
     desc: ClusterDescription,
     job_args: Sequence[str],
     *,
     entrypoint: str | None,
     model_parallel: bool,
+    processes: ProcessRequest | None = None,
 ) -> Preflight:
     """Refuse what can be refused here; return the checks the login node makes."""
     checks = Preflight()
+    if processes is not None:
+        # One CPU per process at least: Slurm would refuse more tasks than a node's CPUs at sbatch, in
+        # its own words and with exit 1. The description does not know the nodes' CPUs; Slurm does.
+        cpus = f"$(sinfo -h -p {q(processes.partitions)} -o %c | tr -d + | sort -n | head -1)"
+        checks.add(
+            f'{{ c={cpus}; [ -z "$c" ] || [ "$c" -ge {processes.per_node} ]; }}',
+            TOO_FEW_CPUS,
+            f"{processes.flag} runs {processes.per_node} processes on each node, and the nodes of cluster "
+            f"{desc.name} have fewer CPUs than that (`dtrain status` lists them): ask for fewer processes per node",
+        )
     data_dir = flag_value(job_args, "--data-dir")
     if data_dir is not None:
         dataset_under_data_path(desc, data_dir)

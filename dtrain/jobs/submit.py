@@ -29,7 +29,7 @@ from dtrain.errors import ExitCode, OperatorError
 from dtrain.jobs.allocation import Allocation, plan_allocation
 from dtrain.jobs.batch_script import REMOTE_TOOLS, JobSpec, Launcher, LocalCopy, ResultsTarget, render_job_script
 from dtrain.jobs.kept_checkpoints import newest_kept_checkpoint
-from dtrain.jobs.preflight import dataset_under_data_path, plan_preflight
+from dtrain.jobs.preflight import ProcessRequest, dataset_under_data_path, plan_preflight
 from dtrain.jobs.preflight import flag_value as _flag_value
 from dtrain.jobs.workdir import CODE_SUBDIR, MAX_WORKDIR_MB, Workdir, check_workdir, send_workdir
 from infra.contract import FRAMEWORKS, RUNS_DIR
@@ -310,6 +310,15 @@ def _results_target(desc: ClusterDescription) -> ResultsTarget:
     raise OperatorError(f"results_upload: jobs cannot upload with a {cred.kind} credential (use sas or an identity)")
 
 
+def _processes_flag(opts: LaunchOptions) -> str:
+    """The flag that set the processes per node, as the user gave it."""
+    if opts.gpus is not None:
+        return f"--gpus {opts.gpus}" + (f" over {opts.nodes} nodes" if opts.nodes and opts.nodes > 1 else "")
+    if opts.processes_per_node is not None:
+        return f"--gpus-per-node {opts.processes_per_node}"
+    return "the default (a process per GPU, or 1)"
+
+
 def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH, plan: Plan | None = None) -> Submission:
     """Send the user's code (if any), write the run directory and sbatch (plan: build_spec's, if made already)."""
     slurm = Slurm(desc, ssh)
@@ -317,7 +326,10 @@ def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH, plan: Plan |
     spec = plan.spec
     # the user's own command (--workdir) has no flags of ours to check
     job_args = [] if opts.workdir else opts.job_args
-    checks = plan_preflight(desc, job_args, entrypoint=opts.entrypoint, model_parallel=opts.model_parallel)
+    processes = ProcessRequest(spec.processes_per_node, spec.partition, _processes_flag(opts))
+    checks = plan_preflight(
+        desc, job_args, entrypoint=opts.entrypoint, model_parallel=opts.model_parallel, processes=processes
+    )
     files = _run_files(desc, opts, spec, slurm.access)
     code = ""
     if plan.workdir:  # the last upload of this directory, copied: the job runs a snapshot, whatever changes next

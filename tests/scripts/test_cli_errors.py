@@ -340,6 +340,9 @@ LAUNCH = [
     case(f"{RUN} --nodes 3", message="--nodes 3: the cluster has 2 nodes"),
     case(f"{RUN} --gpus-per-node 16", message="--gpus-per-node 16 asks for 16 GPUs on a node, and a node of cluster"),
     case(f"{RUN} --gpus 9", message="a node of cluster dev has 8: ask for --nodes 2 --gpus-per-node 8"),
+    # never advice to use more nodes than the cluster has (2 here)
+    case(f"{RUN} --gpus 17", message="a node of cluster dev has 8: it has 2 nodes, 16 GPUs in all"),
+    case(f"{RUN} --time 99999999999", message="argument --time/--time-limit: invalid time limit '99999999999': more"),
     case(f"{RUN} --gpus 3 --nodes 2", message="--gpus 3 does not divide evenly over --nodes 2"),
     case(f"{RUN} --gpus 1 --gpus-per-node 1", message="argument --gpus-per-node: not allowed with argument --gpus"),
     case(f"{RUN} --time-limit 0", message="argument --time/--time-limit: invalid time limit '0'"),

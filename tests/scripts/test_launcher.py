@@ -289,6 +289,9 @@ def test_ctrl_c_without_a_terminal_detaches(cluster, cluster_file):
         (("--local-copy", "--", "--data-dir", "/etc"), "--local-copy: --data-dir /etc is not a dataset under"),
         (("--", "--data-dir", "/etc"), "--data-dir /etc is not a dataset under the cluster's data path"),
         (("--entrypoint", "/nonexistent/x.py"), "--entrypoint /nonexistent/x.py: /nonexistent/x.py does not exist"),
+        # the nodes have 2 CPUs and no GPUs: Slurm itself would refuse 3 tasks a node, with exit 1
+        (("--gpus-per-node", "3"), "--gpus-per-node 3 runs 3 processes on each node, and the nodes of cluster"),
+        (("--gpus-per-node", "16"), "--gpus-per-node 16 runs 16 processes on each node"),
     ],
 )
 def test_bad_requests_are_refused_clearly(cluster_file, extra, message):
