@@ -5,7 +5,7 @@
 
 * the baseline: one ``upload_blob`` call per file, one file at a time (what a hand-written
   loop or ``az storage blob upload`` per file does);
-* ours: ``dtrain.cli.stage.upload`` (parallel workers, Content-MD5, resumable), as the
+* ours: ``dtrain.cli.staging.upload`` (parallel workers, Content-MD5, resumable), as the
   ``stage upload`` command runs it;
 * ours with ``--shard-size-mb``: the same command packing files into tar shards first
   (packing is inside the timed window).
@@ -31,8 +31,8 @@ from pathlib import Path
 from azure.storage.blob import BlobServiceClient, ContainerClient
 
 from bench.harness.proc import REPO_ROOT, free_port
-from dtrain.cli import stage
 from dtrain.cluster.description import BlobCredential, BlobLocation
+from dtrain.datasets import staging
 
 ACCOUNT = "devstoreaccount1"
 # Azurite's well-known development key, published by Microsoft; not a secret.
@@ -99,13 +99,13 @@ def timed(server_pid: int, out: dict[str, list[float]], key: str) -> Iterator[No
 
 
 def sequential(client: ContainerClient, source: Path, prefix: str) -> None:
-    for name, path in stage.list_files(source):
+    for name, path in staging.list_files(source):
         with open(path, "rb") as handle:
             client.upload_blob(f"{prefix}/{name}", handle, overwrite=True)
 
 
 def ours(container: BlobLocation, source: Path, dataset: str, shard_dir: Path | None) -> None:
-    summary = stage.upload(
+    summary = staging.upload(
         container,
         container.credential,
         source,
@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
-    files = stage.list_files(args.source)
+    files = staging.list_files(args.source)
     total = sum(path.stat().st_size for _, path in files)
     seconds: dict[str, list[float]] = defaultdict(list)
     with tempfile.TemporaryDirectory(prefix="bench-azurite-") as tmp, azurite(Path(tmp) / "blob") as (conn, pid):

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.cli import stage
 from dtrain.cluster import slurm as slurm_module
 from dtrain.cluster.slurm import OUTAGE_PATIENCE_S, Result, Slurm, SlurmUnreachable, patiently
+from dtrain.datasets import staging
 from dtrain.errors import ExitCode
 from dtrain.local import slurm as local_slurm
 from dtrain.local.nodes import start_daemon
@@ -83,7 +83,7 @@ def rank_pid(job_id: str, rank: int) -> int | None:
 def tiny_imagenet(cluster, name: str) -> Path:
     root = Path(cluster.data_path) / name
     if not root.exists():
-        stage.generate_synthetic_imagenet(root, classes=2, train_per_class=8, val_per_class=1, image_size=32)
+        staging.generate_synthetic_imagenet(root, classes=2, train_per_class=8, val_per_class=1, image_size=32)
     return root
 
 
@@ -107,7 +107,7 @@ def pytorch_launch(cluster_file: Path, data: Path, run_id: str, *extra: str, ste
 
 def test_launch_on_undecodable_data_ends_with_bad_input_and_one_error_line(cluster, cluster_file):
     data = Path(cluster.data_path) / "truncated-imagenet"
-    stage.generate_synthetic_imagenet(data, classes=2, train_per_class=8, val_per_class=1, image_size=32)
+    staging.generate_synthetic_imagenet(data, classes=2, train_per_class=8, val_per_class=1, image_size=32)
     for path in data.rglob("*.JPEG"):
         path.write_bytes(path.read_bytes()[:100])
     started = time.monotonic()

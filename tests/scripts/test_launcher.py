@@ -17,9 +17,9 @@ import pytest
 from azure.storage.blob import ContainerSasPermissions, generate_container_sas
 from PIL import Image
 
-from dtrain.cli import stage
 from dtrain.cluster.blobs import container_client
 from dtrain.cluster.description import ClusterDescription
+from dtrain.datasets import staging
 from dtrain.local import power as local_power
 from dtrain.local.cluster import AZURITE_KEY
 from dtrain.local.state import AZURITE_ACCOUNT
@@ -396,7 +396,7 @@ def test_local_copy_fills_each_nodes_own_disk_and_the_job_reads_it(cluster, clus
     """--local-copy: every node copies the dataset from the share to its own disk (STATE/nvme/<node>, each
     node seeing its own at local_data_path), verified, and the real PyTorch job trains from that copy."""
     source = Path(cluster.data_path) / "local-copy-tiny"
-    stage.generate_synthetic_imagenet(source, classes=2, train_per_class=4, val_per_class=1, image_size=32)
+    staging.generate_synthetic_imagenet(source, classes=2, train_per_class=4, val_per_class=1, image_size=32)
     job_args = ("--data", "imagenet", "--data-dir", str(source), "--model", "resnet_tiny", "--image-size", "32")
     job_args += ("--batch-size", "4", "--steps", "2", "--num-classes", "2", "--warmup-epochs", "0")
     launch = ["launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--nodes", "2", "--local-copy"]

@@ -16,9 +16,9 @@ from azure.core.exceptions import HttpResponseError
 from azure.storage.blob import ContainerClient, ContainerSasPermissions, ContentSettings, generate_container_sas
 from PIL import Image
 
-from dtrain.cli import stage
 from dtrain.cluster.blobs import container_client
 from dtrain.cluster.description import ClusterDescription
+from dtrain.datasets import staging
 from dtrain.errors import OperatorError
 from dtrain.local import cluster as local_cluster
 from dtrain.remote.boot import blob_pull
@@ -53,7 +53,7 @@ def sas(desc: ClusterDescription, permission: ContainerSasPermissions, expiry: d
 @pytest.fixture(scope="module")
 def jpegs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("jpegs")
-    counts = stage.generate_synthetic_imagenet(out, classes=3, train_per_class=6, val_per_class=2, image_size=32)
+    counts = staging.generate_synthetic_imagenet(out, classes=3, train_per_class=6, val_per_class=2, image_size=32)
     assert counts == {"train": 18, "val": 6}
     return out
 
@@ -67,12 +67,12 @@ def test_synthetic_generator_layout_and_determinism(jpegs, tmp_path):
     with Image.open(jpegs / files[0]) as img:
         assert img.format == "JPEG" and img.size == (32, 32) and img.mode == "RGB"
     again = tmp_path / "again"
-    stage.generate_synthetic_imagenet(again, classes=3, train_per_class=6, val_per_class=2, image_size=32)
+    staging.generate_synthetic_imagenet(again, classes=3, train_per_class=6, val_per_class=2, image_size=32)
     assert md5_b64(again / files[5]) == md5_b64(jpegs / files[5])
 
 
 def test_upload_sets_content_md5_and_pull_verifies_counts(cluster, cluster_dir, jpegs):
-    summary = stage.upload(cluster.data, cluster.staging_credential, jpegs, "plain", workers=4, show_progress=False)
+    summary = staging.upload(cluster.data, cluster.staging_credential, jpegs, "plain", workers=4, show_progress=False)
     assert (summary.source_files, summary.uploaded, summary.skipped, summary.failed) == (25, 25, 0, 0)  # + dataset.json
     remote = remote_md5s(cluster, "plain/")
     manifest = json.loads(admin(cluster).download_blob("plain/dataset.json").readall())
@@ -86,7 +86,7 @@ def test_upload_sets_content_md5_and_pull_verifies_counts(cluster, cluster_dir, 
     ]
     assert not shared, shared
 
-    pulled = stage.pull(cluster, "plain", expected_files=25, expected_objects=25)
+    pulled = staging.pull(cluster, "plain", expected_files=25, expected_objects=25)
     assert (pulled.listed, pulled.downloaded, pulled.failed, pulled.files_in_dest) == (25, 25, 0, 25)
     dest = Path(cluster.data_path) / "plain"
     assert pulled.dest_on_nodes == str(dest)
@@ -94,33 +94,33 @@ def test_upload_sets_content_md5_and_pull_verifies_counts(cluster, cluster_dir, 
         assert md5_b64(dest / path.relative_to(jpegs)) == md5_b64(path)
     assert json.loads((dest / "dataset.json").read_text())["images"] == 24
     # a second pull finds everything in place (same MD5) and downloads nothing
-    again = stage.pull(cluster, "plain", expected_files=25)
+    again = staging.pull(cluster, "plain", expected_files=25)
     assert (again.downloaded, again.skipped) == (0, 25)
 
 
 def test_changed_file_is_the_only_one_sent_again(cluster, jpegs, tmp_path):
     src = tmp_path / "src"
-    stage.generate_synthetic_imagenet(src, classes=2, train_per_class=3, val_per_class=1, image_size=16)
-    first = stage.upload(cluster.data, cluster.staging_credential, src, "changed", show_progress=False)
+    staging.generate_synthetic_imagenet(src, classes=2, train_per_class=3, val_per_class=1, image_size=16)
+    first = staging.upload(cluster.data, cluster.staging_credential, src, "changed", show_progress=False)
     assert first.uploaded == 9  # 8 images and dataset.json
     victim = next(src.rglob("*.JPEG"))
     victim.write_bytes(victim.read_bytes() + b"\0")
-    second = stage.upload(cluster.data, cluster.staging_credential, src, "changed", show_progress=False)
+    second = staging.upload(cluster.data, cluster.staging_credential, src, "changed", show_progress=False)
     assert (second.uploaded, second.skipped) == (1, 8)
     assert remote_md5s(cluster, "changed/")[victim.relative_to(src).as_posix()] == md5_b64(victim)
 
 
 def test_pull_rejects_content_that_does_not_match_its_md5(cluster, tmp_path):
     src = tmp_path / "src"
-    stage.generate_synthetic_imagenet(src, classes=1, train_per_class=3, val_per_class=0, image_size=16)
-    stage.upload(cluster.data, cluster.staging_credential, src, "corrupt", show_progress=False)
+    staging.generate_synthetic_imagenet(src, classes=1, train_per_class=3, val_per_class=0, image_size=16)
+    staging.upload(cluster.data, cluster.staging_credential, src, "corrupt", show_progress=False)
     name = "corrupt/train/n01440764/n01440764_00001.JPEG"
     # the stored Content-MD5 no longer matches the bytes: what a corrupted object looks like to a reader
     admin(cluster).get_blob_client(name).set_http_headers(
         ContentSettings(content_type="image/jpeg", content_md5=bytearray(hashlib.md5(b"other").digest()))
     )
     with pytest.raises(OperatorError, match=r"pull verification failed: 1 of 4 blobs failed.*MD5 verification failed"):
-        stage.pull(cluster, "corrupt", expected_files=3)
+        staging.pull(cluster, "corrupt", expected_files=3)
     dest = Path(cluster.data_path) / "corrupt" / "train" / "n01440764"
     assert not (dest / "n01440764_00001.JPEG").exists()  # never moved into place
     assert not list(dest.glob(".*part*"))  # no partial file left behind
@@ -153,18 +153,18 @@ def test_upload_resumes_after_a_kill(cluster, cluster_file, tmp_path):
     before = count()
     assert 0 < before < total
 
-    resumed = stage.upload(cluster.data, cluster.staging_credential, src, "resume", workers=4, show_progress=False)
+    resumed = staging.upload(cluster.data, cluster.staging_credential, src, "resume", workers=4, show_progress=False)
     assert (resumed.skipped, resumed.uploaded, resumed.failed) == (before, total + 1 - before, 0)  # + dataset.json
     local = {p.relative_to(src).as_posix(): md5_b64(p) for p in src.rglob("*") if p.is_file()}
     remote = remote_md5s(cluster, "resume/")
     assert remote.pop("dataset.json") and remote == local  # nothing lost, nothing corrupted
-    third = stage.upload(cluster.data, cluster.staging_credential, src, "resume", show_progress=False)
+    third = staging.upload(cluster.data, cluster.staging_credential, src, "resume", show_progress=False)
     assert (third.uploaded, third.skipped) == (0, total + 1)
 
 
 def test_tar_shards_are_resumable_and_unpacked_on_pull(cluster, jpegs, tmp_path):
     shard_dir = tmp_path / "shards"
-    summary = stage.upload(
+    summary = staging.upload(
         cluster.data,
         cluster.staging_credential,
         jpegs,
@@ -176,7 +176,7 @@ def test_tar_shards_are_resumable_and_unpacked_on_pull(cluster, jpegs, tmp_path)
     assert summary.sharded and 1 < summary.objects < summary.source_files
     remote = remote_md5s(cluster, "sharded/")
     assert remote.pop("dataset.json") and all(name.startswith("shards/shard-") for name in remote)
-    again = stage.upload(
+    again = staging.upload(
         cluster.data,
         cluster.staging_credential,
         jpegs,
@@ -186,7 +186,7 @@ def test_tar_shards_are_resumable_and_unpacked_on_pull(cluster, jpegs, tmp_path)
         show_progress=False,
     )
     assert (again.uploaded, again.skipped) == (0, summary.objects)  # byte-identical shards
-    pulled = stage.pull(cluster, "sharded", expected_files=25, expected_objects=summary.objects)
+    pulled = staging.pull(cluster, "sharded", expected_files=25, expected_objects=summary.objects)
     assert pulled.raw["unpacked_files"] == 24 and pulled.files_in_dest == 25  # dataset.json is no shard member
     dest = Path(cluster.data_path) / "sharded"
     for path in jpegs.rglob("*.JPEG"):
@@ -201,7 +201,7 @@ def test_read_only_sas_cannot_write(cluster, jpegs):
         client.upload_blob("plain/evil.txt", b"x")
     assert err.value.status_code == 403
     with pytest.raises(OperatorError, match="does not grant this permission") as op:
-        stage.upload(cluster.data, read_only, jpegs, "ro-attempt", show_progress=False)
+        staging.upload(cluster.data, read_only, jpegs, "ro-attempt", show_progress=False)
     assert op.value.exit_code == 3
     assert not remote_md5s(cluster, "ro-attempt/")
 
@@ -212,7 +212,7 @@ def test_expired_sas_gives_a_clear_error(cluster, cluster_file, jpegs):
     )
     started = time.time()
     with pytest.raises(OperatorError, match=r"the SAS token expired at \d{4}-\d\d-\d\dT") as err:
-        stage.pull(cluster, "plain", sas=expired)
+        staging.pull(cluster, "plain", sas=expired)
     assert err.value.exit_code == 3
     # the same through the CLIs an operator runs: blob-pull itself, and an upload with that SAS
     dest = Path(cluster.data_path) / "never"
@@ -232,7 +232,7 @@ def test_expired_sas_gives_a_clear_error(cluster, cluster_file, jpegs):
 def test_wrong_sas_and_missing_dataset_path(cluster, cluster_file):
     wrong = cluster.data.credential.secret.get_secret_value().replace("sig=", "sig=AAAA")
     with pytest.raises(OperatorError, match="blob authorization failed while listing the container"):
-        stage.pull(cluster, "plain", sas=wrong)
+        staging.pull(cluster, "plain", sas=wrong)
     proc = run_module(
         "dtrain", "--cluster", str(cluster_file), "stage", "upload", "/nonexistent/imagenet", "--dataset", "x",
         timeout=60,
@@ -266,15 +266,15 @@ def test_blob_pull_takes_the_sas_from_stdin_never_argv(cluster, tmp_path):
 
 
 def test_rerun_does_not_hash_unchanged_files_again(cluster, jpegs, monkeypatch):
-    stage.upload(cluster.data, cluster.staging_credential, jpegs, "hashcache", show_progress=False)
+    staging.upload(cluster.data, cluster.staging_credential, jpegs, "hashcache", show_progress=False)
     calls = []
-    real = stage.fileio.file_md5
-    monkeypatch.setattr(stage.fileio, "file_md5", lambda path: calls.append(path) or real(path))
-    again = stage.upload(cluster.data, cluster.staging_credential, jpegs, "hashcache", show_progress=False)
+    real = staging.fileio.file_md5
+    monkeypatch.setattr(staging.fileio, "file_md5", lambda path: calls.append(path) or real(path))
+    again = staging.upload(cluster.data, cluster.staging_credential, jpegs, "hashcache", show_progress=False)
     assert (again.skipped, calls) == (25, [])
     victim = next(jpegs.rglob("*.JPEG"))
     os.utime(victim, ns=(victim.stat().st_atime_ns, victim.stat().st_mtime_ns + 1))
-    stage.upload(cluster.data, cluster.staging_credential, jpegs, "hashcache", show_progress=False)
+    staging.upload(cluster.data, cluster.staging_credential, jpegs, "hashcache", show_progress=False)
     assert calls == [victim]
 
 
@@ -301,7 +301,7 @@ def test_generate_then_stage_all_through_the_cli(cluster, cluster_file, tmp_path
 
 def test_stage_all_with_short_side_sends_the_transcoded_copy(cluster, cluster_file, tmp_path):
     src = tmp_path / "big"
-    stage.generate_synthetic_imagenet(src, classes=2, train_per_class=3, val_per_class=1, image_size=200)
+    staging.generate_synthetic_imagenet(src, classes=2, train_per_class=3, val_per_class=1, image_size=200)
     argv = ["dtrain", "stage", "all", str(src), "--dataset", "small", "--short-side", "64", "--quality", "80"]
     proc = run_module(*argv, "--no-progress", env={"CLUSTER_DESCRIPTION": str(cluster_file)}, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -311,7 +311,7 @@ def test_stage_all_with_short_side_sends_the_transcoded_copy(cluster, cluster_fi
     assert transcoded["bytes_out"] < transcoded["bytes_in"]
     assert pulled["pull"]["files_in_dest"] == 9
 
-    copy = stage.transcoded_cache(src.resolve(), 64, 80)
+    copy = staging.transcoded_cache(src.resolve(), 64, 80)
     remote = remote_md5s(cluster, "small/")
     assert remote.pop("dataset.json")
     assert remote == {p.relative_to(copy).as_posix(): md5_b64(p) for p in copy.rglob("*.JPEG")}
@@ -330,15 +330,15 @@ def test_stage_all_with_short_side_sends_the_transcoded_copy(cluster, cluster_fi
 
 def test_a_transcoded_upload_in_shards_keeps_dataset_json_beside_them(cluster, tmp_path):
     src = tmp_path / "src"
-    stage.generate_synthetic_imagenet(src, classes=3, train_per_class=6, val_per_class=2, image_size=32)
+    staging.generate_synthetic_imagenet(src, classes=3, train_per_class=6, val_per_class=2, image_size=32)
     (src / "dataset.json").write_text('{"license": "synthetic"}')  # the source's own manifest is extended
-    summary = stage.upload(
+    summary = staging.upload(
         cluster.data, cluster.staging_credential, src, "small-sharded", shard_size_mb=0.005,
         shard_dir=tmp_path / "shards", short_side=64, show_progress=False,
     )  # fmt: skip
     assert summary.transcoded is not None and summary.transcoded.transcoded == 24
     assert (summary.source_files, summary.failed) == (25, 0)
-    pulled = stage.pull(cluster, "small-sharded", expected_files=25, expected_objects=summary.objects)
+    pulled = staging.pull(cluster, "small-sharded", expected_files=25, expected_objects=summary.objects)
     assert pulled.raw["unpacked_files"] == 24
     manifest = json.loads((Path(cluster.data_path) / "small-sharded" / "dataset.json").read_text())
     assert (manifest["license"], manifest["short_side"], manifest["quality"], manifest["images"]) == (

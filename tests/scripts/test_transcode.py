@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageCms
 
-from dtrain.cli import stage
+from dtrain.datasets import staging
 from tests.polling import wait_for
 from training.data import transcode
 from training.data.transcode import TEMP_SUFFIX, TranscodeError, transcode_jpeg, transcode_tree
@@ -184,5 +184,9 @@ def test_tree_resumes_after_a_kill_doing_only_what_is_missing(tmp_path, monkeypa
 
 def test_the_transcoded_cache_is_keyed_by_source_and_setting(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    keys = {stage.transcoded_cache(a, 160, 90), stage.transcoded_cache(a, 160, 80), stage.transcoded_cache(b, 160, 90)}
-    assert len(keys) == 3 and all(k.parent == stage._cache_dir() / "transcoded" for k in keys)
+    keys = {
+        staging.transcoded_cache(a, 160, 90),
+        staging.transcoded_cache(a, 160, 80),
+        staging.transcoded_cache(b, 160, 90),
+    }
+    assert len(keys) == 3 and all(k.parent == staging._cache_dir() / "transcoded" for k in keys)
