@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from dtrain.cli import images as build_images
+from dtrain.cluster import images as build_images
 from dtrain.cluster import description as cluster
 from dtrain.errors import OperatorError
 
