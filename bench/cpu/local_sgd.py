@@ -1,4 +1,4 @@
-"""Local SGD over a slow link (issue 24): the time every-step, local-sgd and hierarchical take to
+"""Local SGD over a slow link: the time every-step, local-sgd and hierarchical take to
 reach the synchronous run's final loss, between 2 nodes of the local cluster, 2 processes each, at
 full speed and with the nodes' links slowed to 100 Mbit/s (`local link-rate`, tc tbf).
 

@@ -1,4 +1,4 @@
-"""Model parallelism's figures, each beside its baseline in the same run (issue 10):
+"""Model parallelism's figures, each beside its baseline in the same run:
 
 * parameter bytes per rank under FSDP over N = 2 and 4 processes against one process holding the
   whole model (gpt-125m; the ideal reduction is N);
