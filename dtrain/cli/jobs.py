@@ -147,9 +147,13 @@ def _ended_state(run: Run) -> tuple[str, str]:
     if code in (130, 143):
         return "CANCELLED", ""
     verdict = run.verdict or {}
-    if verdict.get("failed_rank") is not None:
-        return "FAILED", f"rank {verdict['failed_rank']} on {verdict.get('failed_host') or '?'}"
-    return "FAILED", ""
+    where = (
+        ""
+        if verdict.get("failed_rank") is None
+        else f"rank {verdict['failed_rank']} on {verdict.get('failed_host') or '?'}"
+    )
+    why = verdict.get("job_error") or ""
+    return "FAILED", ": ".join(part for part in (where, why[:120]) if part)
 
 
 # --- logs ----------------------------------------------------------------------------------------

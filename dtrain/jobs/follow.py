@@ -108,8 +108,12 @@ def outcome(desc: ClusterDescription, slurm: Slurm, run: Run) -> int:
         )
         return int(ExitCode.FAILED)
     verdict = done.verdict or {}
-    if code != 0 and verdict.get("failed_rank") is not None:
-        why = f"rank {verdict['failed_rank']} on {verdict.get('failed_host') or '?'} failed"
+    if code != 0 and (verdict.get("failed_rank") is not None or verdict.get("job_error")):
+        why = (
+            "failed"
+            if verdict.get("failed_rank") is None
+            else f"rank {verdict['failed_rank']} on {verdict.get('failed_host') or '?'} failed"
+        )
         if verdict.get("job_error"):
             why += f": {verdict['job_error']}"
         console.print(f"{done.label}: {why}", style="red", markup=False)

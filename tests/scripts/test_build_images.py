@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from dtrain.cluster import images as build_images
 from dtrain.cluster import description as cluster
+from dtrain.cluster import images as build_images
 from dtrain.errors import OperatorError
 
 from .conftest import FIXTURES, REPO, run_module

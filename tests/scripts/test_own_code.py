@@ -55,6 +55,19 @@ def test_an_example_runs_as_written_and_its_outputs_reach_the_results_container(
     assert status_of(cluster, run_id)["exit_code"] == 0
 
 
+def test_a_command_that_does_not_exist_is_named_as_the_reason(cluster, cluster_file, tmp_path):
+    (tmp_path / "train.py").write_text("print('never run')\n")
+    launch = ["launch", "--cluster", str(cluster_file), "--workdir", str(tmp_path), "--run-id", "own-missing"]
+    proc = cli(*launch, "--nodes", "2", "--follow", "--", "nosuchprog", "--flag")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    # torchrun's traceback is the log's; the console and the verdict name the reason
+    reason = "FileNotFoundError: [Errno 2] No such file or directory: 'nosuchprog'"
+    assert f"(run own-missing): failed: {reason}" in out and "Traceback" not in out, out[-3000:]
+    verdict = json.loads((run_dir(cluster, "own-missing") / "verdict.json").read_text())
+    assert verdict["job_error"] == reason
+
+
 def test_dry_run_prints_the_batch_script_and_submits_nothing(cluster, cluster_file):
     launch = ["launch", "--cluster", str(cluster_file), "--workdir", str(REPO / "examples" / "ddp")]
     proc = cli(*launch, "--run-id", "dry", "--time", "2-00:00", "--dry-run", "--", "python", "train.py")

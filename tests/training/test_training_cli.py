@@ -4,7 +4,9 @@ with its status even when threads outlive its backend."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.training.jobs import (
+    REPO,
     TINY,
     error_lines,
     horovodrun,
@@ -337,3 +340,25 @@ def test_a_launcher_refusing_its_own_arguments_is_one_line_and_exit_2(capsys: py
     finally:
         sys.argv = argv
     assert capsys.readouterr().err == "error: torchrun: Unsupported nproc_per_node value: x\n"
+
+
+def test_a_worker_command_that_does_not_exist_is_one_line_and_a_shells_127(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "training.torchrun",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            "--no-python",
+            "nosuchprog",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 127
+    assert proc.stderr.strip() == "error: torchrun: cannot run nosuchprog: No such file or directory", proc.stderr

@@ -8,7 +8,8 @@ failed job (1). `python -m training.horovodrun` and `python -m training.torchrun
 launchers' arguments; a worker's failure becomes the exit status of the first worker to fail (a
 signal N as 128 + N, as a shell reports it), with no traceback: the worker has said what was
 wrong, or, if a signal ended it, one `error:` line here says which. A launcher that refuses its own
-arguments (a ValueError or an assertion, e.g. `--nproc-per-node 0`) is one `error:` line and exit 2.
+arguments (a ValueError or an assertion, e.g. `--nproc-per-node 0`) is one `error:` line and exit 2; a
+worker command that does not exist or cannot be executed is one `error:` line and 127 or 126, as in a shell.
 `--debug` among the worker's flags keeps the launchers' tracebacks and logs. Anything else the
 launcher raises is its own bug and goes out as it would.
 """
@@ -26,6 +27,8 @@ from training.errors import ExitCode, first_line
 # horovod 0.28.1 (the last release), horovod/runner/gloo_run.py: launch_gloo's message.
 _HOROVOD_FIRST_FAILURE = re.compile(r"Process name: (\S+)\s+Exit code: (-?\d+)")
 ELASTIC_LOGGERS = "torch.distributed.elastic"
+# A shell's statuses for a command it cannot find or cannot execute: what `--no-python nosuchprog` gets.
+COMMAND_NOT_FOUND, COMMAND_NOT_EXECUTABLE = 127, 126
 
 
 def exit_status(code: int) -> int:
@@ -91,6 +94,9 @@ def _run(
         failed = worker_failure(exc)
         if failed is not None:
             return report(*failed)
+        if isinstance(exc, FileNotFoundError | PermissionError) and exc.filename:  # the worker's command
+            print(f"error: {argv0[0]}: cannot run {exc.filename}: {exc.strerror}", file=sys.stderr, flush=True)
+            return COMMAND_NOT_FOUND if isinstance(exc, FileNotFoundError) else COMMAND_NOT_EXECUTABLE
         if isinstance(exc, ValueError | AssertionError):  # the launcher refused its own arguments
             why = first_line(exc) if str(exc).strip() else "its arguments do not fit together (--debug shows where)"
             print(f"error: {argv0[0]}: {why}", file=sys.stderr, flush=True)

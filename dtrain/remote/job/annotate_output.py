@@ -66,6 +66,9 @@ _TORCHRUN_FIELD = re.compile(r"^\s*(rank|exitcode)\s*:\s*(-?\d+)")
 # training/world/liveness.py's words for a peer that died, froze or was cut off, at the start of job_error
 _CULPRIT = re.compile(r"^rank (\d+) on host (\S+) (?:stopped answering|has exited|is unreachable)")
 _SRUN_TASK_EXIT = re.compile(r"^srun: error: (\S+): tasks? [\d,-]+: Exited with exit code (\d+)")
+# The launcher's own crash, as Python's last traceback line says it: a command it could not start
+# (FileNotFoundError: [Errno 2] ... 'nosuchprog'), for example. Its summary of failed workers is not one.
+_LAUNCHER_EXCEPTION = re.compile(r"^(?!\S*ChildFailedError)[A-Za-z_][\w.]*(?:Error|Exception): \S.*$")
 
 
 class Line:
@@ -103,21 +106,29 @@ class Verdict:
         self.first = None  # (rank, host, code) as the launcher's closing summary names it
         self.exits = []  # (rank or None, host, code) in the order the launcher reported them
         self.job_error = None
+        self.launcher_error = None  # a launcher's own `error:` line: the reason when no rank gave one
 
     def rank_line(self, text):
         if self.job_error is None and text.startswith("error: "):
             self.job_error = text[len("error: ") :]
 
+    def launcher_line(self, text):
+        if self.launcher_error is None and text.startswith("error: "):
+            self.launcher_error = text[len("error: ") :]
+        elif self.launcher_error is None and _LAUNCHER_EXCEPTION.match(text):
+            self.launcher_error = text
+
     def as_dict(self):
         rank, host, code = self.first or (self.exits[0] if self.exits else (None, None, None))
-        culprit = _CULPRIT.match(self.job_error or "")
+        job_error = self.job_error or self.launcher_error
+        culprit = _CULPRIT.match(job_error or "")
         if culprit and code is not None:
             rank, host = int(culprit.group(1)), culprit.group(2)
         return {
             "failed_rank": rank,
             "failed_host": host,
             "exit_code_of_failed_rank": None if code is None else normalize_exit(code),
-            "job_error": self.job_error,
+            "job_error": job_error,
         }
 
 
@@ -154,6 +165,8 @@ class HorovodrunOutput:
                 rank = self.pending_first
                 self.verdict.first = (rank, self.host_of(rank), int(m.group(1)))
             self.pending_first = None
+        else:
+            self.verdict.launcher_line(text)
         return Line(text)
 
 
@@ -178,6 +191,7 @@ class TorchrunOutput:
         if not _TORCHRUN_RANK.match(body):
             lines = [Line(piece, host=host) for piece in carriage_pieces(body)]
             for line in lines:
+                self.verdict.launcher_line(line.text)
                 self._summary_line(node, host, line.text)
             return lines
         # A rank's last words without a newline run into the next rank's line: split at each prefix.
