@@ -144,6 +144,8 @@ def _ended_state(run: Run) -> tuple[str, str]:
         return "ENDED", "no exit status (cancelled while pending, or its node failed)"
     if code == 0:
         return "COMPLETED", ""
+    if run.ended_by_time_limit:
+        return "TIMEOUT", f"its time limit ({(run.job or {}).get('time_limit') or '?'}) ended it"
     if code in (130, 143):
         return "CANCELLED", ""
     verdict = run.verdict or {}

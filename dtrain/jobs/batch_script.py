@@ -144,15 +144,27 @@ def _prologue(spec: JobSpec) -> list[str]:
         'scontrol show hostnames "$SLURM_JOB_NODELIST" >"$RUN_DIR/nodes"',
         'HOSTS=$(paste -sd, "$RUN_DIR/nodes")',
         "readonly ATTEMPT=$((${SLURM_RESTART_COUNT:-0} + 1))",
+        # When the time limit ends the attempt (Slurm's EndTime of a running job): a SIGTERM from then on
+        # is the time limit's, not a cancel (SLURM_JOB_END_TIME only exists from Slurm 23.02)
+        'JOB_ENDS_AT=$(date -d "$(squeue -h -j "$SLURM_JOB_ID" -o %e)" +%s 2>/dev/null) || JOB_ENDS_AT=0',
+        "ENDED_BY=",
         'echo "[job] job $SLURM_JOB_ID, attempt $ATTEMPT, on $HOSTS (partition $SLURM_JOB_PARTITION)"',
         IGNORE_USR1.rstrip(";"),  # the signal is for the ranks (see IGNORING_USR1)
         *_finish_function(spec),
         "trap finish EXIT",
         # scancel signals the whole step: the launcher ends, and its last lines (and the verdict) reach
-        # the log before finish() uploads it
-        """trap '[ -n "${LAUNCH_PID:-}" ] && wait "$LAUNCH_PID"; exit 143' TERM""",
+        # the log before finish() uploads it. A status goes first: should the launcher take longer than
+        # KillWait to end, SIGKILL leaves that (finish() replaces it with the full one).
+        f"trap '{TIME_LIMIT_TEST} && ENDED_BY=time_limit; "
+        "FINISHED_AT=$(date -u +%Y-%m-%dT%H:%M:%SZ); write_status 143 incomplete; "
+        """[ -n "${LAUNCH_PID:-}" ] && wait "$LAUNCH_PID"; exit 143' TERM""",
         "trap 'exit 130' INT",
     ]
+
+
+# In the TERM trap: whether the attempt's time limit has come (Slurm checks limits about every 30 s and
+# signals at or after EndTime; a cancel in the last 5 seconds before it would read as the limit's).
+TIME_LIMIT_TEST = '[ "$JOB_ENDS_AT" -gt 0 ] && [ "$(date +%s)" -ge $((JOB_ENDS_AT - 5)) ]'
 
 
 def _finish_function(spec: JobSpec) -> list[str]:
@@ -171,8 +183,8 @@ def _finish_function(spec: JobSpec) -> list[str]:
     # results: "uploading" until upload_results.py sets the outcome, and uploads status.json last
     status = (
         'printf \'{"job_id": "%s", "run_id": "%s", "exit_code": %d, "attempt": %d, "finished_at": "%s", '
-        '"results": "%s"}\\n\' '
-        f'"$SLURM_JOB_ID" {q(spec.run_id)} "$1" "$ATTEMPT" "$FINISHED_AT" "$2" '
+        '"results": "%s", "ended_by": "%s"}\\n\' '
+        f'"$SLURM_JOB_ID" {q(spec.run_id)} "$1" "$ATTEMPT" "$FINISHED_AT" "$2" "$ENDED_BY" '
         '>"$RUN_DIR/status.json.tmp" && mv "$RUN_DIR/status.json.tmp" "$RUN_DIR/status.json"'
     )
     return [
@@ -183,7 +195,7 @@ def _finish_function(spec: JobSpec) -> list[str]:
         "  local code=$?",
         "  trap - EXIT TERM INT",
         "  FINISHED_AT=$(date -u +%Y-%m-%dT%H:%M:%SZ)",
-        '  echo "[job] exit status $code"',
+        '  echo "[job] exit status $code${ENDED_BY:+ (ended by its time limit)}"',
         '  write_status "$code" uploading',
         f'  "$PY" "$TOOLS/record_run.py" --run-dir "$RUN_DIR" --nodes {spec.nodes} --attempt "$ATTEMPT" '
         '--started-at "$ATTEMPT_STARTED_AT" --exit-code "$code" --partition "$SLURM_JOB_PARTITION" 2>&1 '

@@ -108,7 +108,10 @@ def outcome(desc: ClusterDescription, slurm: Slurm, run: Run) -> int:
         )
         return int(ExitCode.FAILED)
     verdict = done.verdict or {}
-    if code != 0 and (verdict.get("failed_rank") is not None or verdict.get("job_error")):
+    if done.ended_by_time_limit:
+        limit = (done.job or {}).get("time_limit") or "?"
+        console.print(f"{done.label}: its time limit ({limit}) ended it; ask for more with --time", style="red")
+    elif code != 0 and (verdict.get("failed_rank") is not None or verdict.get("job_error")):
         why = (
             "failed"
             if verdict.get("failed_rank") is None

@@ -42,6 +42,11 @@ class Run:
     def exit_code(self) -> int | None:
         return None if self.status is None else int(self.status.get("exit_code", 1))
 
+    @property
+    def ended_by_time_limit(self) -> bool:
+        """Whether Slurm ended the last attempt at its time limit (job.sh's TERM trap tells it from a cancel)."""
+        return (self.status or {}).get("ended_by") == "time_limit"
+
 
 def list_runs(
     desc: ClusterDescription, slurm: Slurm, *, job: str | None = None, run: str | None = None, limit: int = 20

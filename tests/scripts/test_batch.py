@@ -93,7 +93,8 @@ def test_results_are_uploaded_with_the_identity_or_the_sas_file():
 def test_exit_trap_writes_the_status_then_uploads():
     text = render_job_script(BASE)
     assert text.index("trap finish EXIT") < text.index("horovodrun --gloo")
-    body = text[text.index("finish() {") :]
+    start = text.index("finish() {")
+    body = text[start : text.index("\n}\n", start)]
     uploading, upload = body.index('write_status "$code" uploading'), body.index("upload_results.py")
     # upload_results.py sets the outcome in status.json, and uploads it last: no later write_status
     assert uploading < upload and "--status status.json" in body and body.count("write_status") == 1

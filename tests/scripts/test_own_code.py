@@ -68,6 +68,20 @@ def test_a_command_that_does_not_exist_is_named_as_the_reason(cluster, cluster_f
     assert verdict["job_error"] == reason
 
 
+def test_a_job_ended_by_its_time_limit_is_named_so(cluster, cluster_file, tmp_path):
+    (tmp_path / "sleep.py").write_text("import sys, time\ntime.sleep(float(sys.argv[1]))\n")
+    launch = ["launch", "--cluster", str(cluster_file), "--workdir", str(tmp_path), "--run-id", "own-timeout"]
+    proc = cli(*launch, "--time", "1", "--follow", "--", "python", "sleep.py", "150")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 143, out[-3000:]
+    assert "(run own-timeout): its time limit (1) ended it; ask for more with --time" in proc.stderr, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert status_of(cluster, "own-timeout")["ended_by"] == "time_limit"
+    rows = json.loads(cli("jobs", "--cluster", str(cluster_file), "--json").stdout)
+    row = next(row for row in rows if row["run"] == "own-timeout")
+    assert (row["state"], row["note"]) == ("TIMEOUT", "its time limit (1) ended it")
+
+
 def test_dry_run_prints_the_batch_script_and_submits_nothing(cluster, cluster_file):
     launch = ["launch", "--cluster", str(cluster_file), "--workdir", str(REPO / "examples" / "ddp")]
     proc = cli(*launch, "--run-id", "dry", "--time", "2-00:00", "--dry-run", "--", "python", "train.py")
