@@ -10,9 +10,10 @@ readonly IMDS_TOKEN_URL="http://169.254.169.254/metadata/identity/oauth2/token?a
 # ACR takes this fixed user name with a refresh token as the password.
 readonly ACR_TOKEN_USER=00000000-0000-0000-0000-000000000000
 readonly DOCKER_CONFIG_DIR=/root/.docker
-# A new AcrPull role assignment can take minutes to propagate.
-readonly ATTEMPTS=30
-readonly RETRY_SECONDS=20
+# A new AcrPull role assignment can take up to 30 minutes to propagate.
+readonly RETRY_FOR_SECONDS=2700
+readonly RETRY_SECONDS=10
+readonly MAX_RETRY_SECONDS=300
 
 log() { echo "acr-login: $*" >&2; }
 
@@ -35,5 +36,5 @@ if retry login_once; then
   log "logged in to $ACR_LOGIN_SERVER"
   exit 0
 fi
-log "could not log in to $ACR_LOGIN_SERVER after $ATTEMPTS attempts"
+log "could not log in to $ACR_LOGIN_SERVER within ${RETRY_FOR_SECONDS}s"
 exit 1
