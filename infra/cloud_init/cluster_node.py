@@ -92,6 +92,7 @@ def render_cluster_node(
     client_id = check_client_id("identity_client_id", identity_client_id)
     env = check_nccl_env(nccl_env)
     gpus = check_int("expected_gpus", expected_gpus, 1, MAX_GPUS_PER_NODE)
+    admin = check_user("admin_user", admin_user)
     controller = f"{check_ipv4('slurmctld_address', slurmctld_address)}:{SLURMCTLD_PORT}"
     nvme = {
         "MOUNT_PATH": check_path("nvme_mount", nvme_mount),
@@ -101,7 +102,10 @@ def render_cluster_node(
     scripts = [
         (
             ACR_LOGIN_PATH,
-            render_script("boot/acr-login.sh", {"ACR_LOGIN_SERVER": acr, "IDENTITY_CLIENT_ID": client_id}),
+            render_script(
+                "boot/acr-login.sh",
+                {"ACR_LOGIN_SERVER": acr, "IDENTITY_CLIENT_ID": client_id, "ADMIN_USER": admin},
+            ),
         ),
         (
             NODE_SETUP_PATH,
@@ -110,7 +114,7 @@ def render_cluster_node(
                 {
                     "SHARED_MOUNT": mount,
                     "REPORT_DIR": BOOT_REPORT_DIR,
-                    "ADMIN_USER": check_user("admin_user", admin_user),
+                    "ADMIN_USER": admin,
                     "DOCKER_GROUP": DOCKER_GROUP,
                 },
             ),

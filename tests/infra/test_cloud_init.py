@@ -392,8 +392,10 @@ def test_nfs_mount_wait_is_bounded(sandbox: Sandbox) -> None:
     assert time.monotonic() - started < 15
 
 
-def acr_login_in(sandbox: Sandbox, *, imds_fails: bool = False) -> str:
-    script = script_of(node_doc(), "/usr/local/sbin/acr-login")
+def acr_login_in(sandbox: Sandbox, *, imds_fails: bool = False, admin_user: str | None = None) -> str:
+    """acr-login against a stand-in IMDS and ACR. admin_user: a real user of this machine, whose own
+    runuser and getent are used (the caller stubs docker); None: hpcadmin, with those stubbed too."""
+    script = script_of(node_doc(admin_user=admin_user or "hpcadmin"), "/usr/local/sbin/acr-login")
     script = with_value(script, "RETRY_FOR_SECONDS", 2)
     script = with_value(script, "RETRY_SECONDS", 1)
     imds = "exit 22" if imds_fails else f'echo \'{{"access_token":"{AAD_TOKEN}","expires_in":"86399"}}\''
@@ -406,7 +408,12 @@ case "$url" in
   *) exit 22 ;;
 esac""",
     )
+    if admin_user:
+        return script
     sandbox.stub("docker", 'cat >"$STUB_STATE/docker-password"; echo "Login Succeeded"')
+    sandbox.stub("getent", "echo hpcadmin:x:1000:1000::/home/hpcadmin:/bin/bash")
+    sandbox.stub("runuser", 'shift 3; exec "$@"')  # runuser -u USER -- COMMAND...
+    sandbox.stub("env", 'shift; exec "$@"')  # env DOCKER_CONFIG=... COMMAND...
     return script
 
 
@@ -423,6 +430,11 @@ def test_acr_login_exchanges_the_identity_token_and_never_exposes_tokens(sandbox
     assert f"https://{ACR}/oauth2/exchange" in exchange_call
     body = (sandbox.state / "exchange-body").read_text()
     assert body == f"grant_type=access_token&service={ACR}&access_token={AAD_TOKEN}"
+    # as the admin user, who runs the docker-runtime jobs, into that user's own docker configuration
+    assert sandbox.calls("runuser") == [
+        f"runuser -u hpcadmin -- env DOCKER_CONFIG=/home/hpcadmin/.docker docker login {ACR} "
+        "--username 00000000-0000-0000-0000-000000000000 --password-stdin"
+    ]
     assert sandbox.calls("docker") == [
         f"docker login {ACR} --username 00000000-0000-0000-0000-000000000000 --password-stdin"
     ]
