@@ -262,7 +262,9 @@ def boot_verdict(report: dict[str, str]) -> str:
 
 def nodes_table(nodes: Sequence[NodeInfo], health: dict[str, dict[str, str]], boot: dict[str, dict[str, str]]) -> Table:
     table = Table(title="nodes")
-    for column in ("node", "state", "power", "reason", "boot", "health check", "checked"):
+    # no boot column where no node wrote a boot report (the local cluster's nodes run no node-setup)
+    boot_column = ["boot"] if boot else []
+    for column in ("node", "state", "power", "reason", *boot_column, "health check", "checked"):
         table.add_column(column)
     for node in nodes:
         report = health.get(node.name, {})
@@ -273,7 +275,7 @@ def nodes_table(nodes: Sequence[NodeInfo], health: dict[str, dict[str, str]], bo
             node.base_state,
             "powered down" if node.powered_down else "on",
             "" if node.reason in ("", "none") else node.reason,
-            boot_verdict(boot.get(node.name, {})),
+            *([boot_verdict(boot.get(node.name, {}))] if boot else []),
             f"{verdict} {checks}".strip(),
             _age(report.get("checked_at")),
         )

@@ -53,3 +53,10 @@ def test_status_names_the_node_and_the_setup_step_that_failed_even_when_slurmd_n
     assert "failed nvme-raid: nvme-raid: found 0 local NVMe disks" in rows["hvd-gpu-00000a"]
     assert "failed slurmd: munge-key: could not read secret slurm-munge-key" in rows["hvd-gpu-00000b"]
     assert "powered down" in rows["hvd-gpu-00000b"] and "failed" not in rows["hvd-gpu-00000c"]
+
+
+def test_no_boot_column_where_no_node_wrote_a_boot_report() -> None:
+    """The local cluster's nodes run no node-setup: its status table stays as it was."""
+    console = Console(width=400, record=True)
+    console.print(nodes_table([NodeInfo("node-0", "idle", "none", "2", "")], {}, {}))
+    assert "boot" not in console.export_text()
