@@ -40,8 +40,9 @@ write_report() {
   printf 'ok=%s\nupdated_at=%s\n' "$all_ok" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" >>"$tmp"
   chmod 0644 "$tmp" && mv -f "$tmp" "$report"
   mountpoint -q "$SHARED_MOUNT" || return 0
-  local shared="$SHARED_MOUNT/$REPORT_DIR"
-  if ! { mkdir -p "$shared" && cp "$report" "$shared/.$NODE_NAME.tmp" && mv -f "$shared/.$NODE_NAME.tmp" "$shared/$NODE_NAME"; }; then
+  # a step in the background (node-setup's registry login) may write it at the same time: own temp names
+  local shared="$SHARED_MOUNT/$REPORT_DIR" partial=".$NODE_NAME.$BASHPID"
+  if ! { mkdir -p "$shared" && cp "$report" "$shared/$partial" && mv -f "$shared/$partial" "$shared/$NODE_NAME"; }; then
     log "could not write the boot report to $shared"
   fi
 }
