@@ -115,6 +115,7 @@ class GpuCluster(pulumi.ComponentResource):
                     key_vault_uri=values[2],
                     nvme_disks=args.sku.nvme_disks,
                     nvme_mount=args.sku.nvme_mount,
+                    admin_user=args.admin_user,
                 )
             )
         )

@@ -17,6 +17,7 @@ DATA_PATH = f"{SHARED_MOUNT_PATH}/data"
 # Beneath the shared mount (SHARED_MOUNT_PATH on Azure; the local cluster's is elsewhere):
 RUNS_DIR = "runs"  # runs/<run_id>/: one job's files, made by its submitter (mode 0700)
 HEALTH_REPORT_DIR = ".health"  # .health/<node>: the node health check's last result (root's, 0644)
+BOOT_REPORT_DIR = ".boot"  # .boot/<node>: each setup step's result at the machine's last boot (root's, 0644)
 # Where a GPU node mounts the RAID 0 over its local NVMe disks (emptied by every deallocation).
 # Not under /mnt, for the same reason as the shared mount.
 NVME_MOUNT_PATH = "/nvme"

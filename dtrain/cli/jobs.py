@@ -2,8 +2,9 @@
 
 JOB is a Slurm job id (digits) or a run id. Live state comes from Slurm (squeue, sinfo); what Slurm
 has forgotten (it keeps no history without an accounting database, which this deployment does not
-run) comes from the run directories on the shared file system, and the node health table from the
-health check's last report per node (`<shared>/.health/<node>`).
+run) comes from the run directories on the shared file system, and the node table from each node's
+last health check report (`<shared>/.health/<node>`) and boot report (`<shared>/.boot/<node>`, written
+by node-setup, even when slurmd could not start).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from dtrain.errors import ExitCode, OperatorError
 from dtrain.jobs.follow import cancel_and_wait, follow
 from dtrain.jobs.runs import Run, list_runs, resolve
 from dtrain.ui import make_console
-from infra.contract import HEALTH_REPORT_DIR
+from infra.contract import BOOT_REPORT_DIR, HEALTH_REPORT_DIR
 
+# the nodes' reports on the shared file system, each kind in its folder: <folder>/<node>, key=value lines
+REPORT_DIRS = {"health": HEALTH_REPORT_DIR, "boot": BOOT_REPORT_DIR}
 console = make_console()
 out = make_console(stderr=False)
 
@@ -59,9 +62,10 @@ def configure(commands: argparse._SubParsersAction) -> None:
     cancel.add_argument("job", type=non_empty, metavar="JOB", help="Slurm job id or run id")
     status = commands.add_parser(
         "status",
-        help="nodes (state, drain reason, power saving, health checks) and the queue",
+        help="nodes (state, drain reason, power saving, boot, health checks) and the queue",
         description="The cluster at a glance: each node's Slurm state and drain reason, whether it is "
-        "powered down (power saving), its last health check, and the queue.",
+        "powered down (power saving), the setup steps that failed at its last boot (with why), its last "
+        "health check, and the queue.",
         epilog="example: python -m dtrain status. Exit status 0, or 3 when no node can take a job.",
     )
     for parser, handler in ((jobs, run_jobs), (logs, run_logs), (cancel, run_cancel), (status, run_status)):
@@ -211,39 +215,62 @@ def run_status(args: argparse.Namespace) -> int:
     with ssh:
         nodes = slurm.nodes()
         queue = slurm.queue()
-        health = read_health(desc, slurm)
+        reports = read_reports(desc, slurm)
+    health, boot = reports["health"], reports["boot"]
     if args.json:
         document = {
-            "nodes": [{**asdict(n), "powered_down": n.powered_down, "health": health.get(n.name)} for n in nodes],
+            "nodes": [
+                {**asdict(n), "powered_down": n.powered_down, "health": health.get(n.name), "boot": boot.get(n.name)}
+                for n in nodes
+            ],
             "queue": [asdict(job) for job in queue],
             "summary": summary(nodes, queue),
         }
         print(json.dumps(document, indent=2))
     else:
-        out.print(nodes_table(nodes, health))
+        out.print(nodes_table(nodes, health, boot))
         out.print(summary(nodes, queue))
     usable = [n for n in nodes if not any(word in n.state for word in ("drain", "down", "fail"))]
     return 0 if usable else int(ExitCode.NOT_READY)
 
 
-def read_health(desc: ClusterDescription, slurm: Slurm) -> dict[str, dict[str, str]]:
-    """node -> its last health report (key=value lines), for the nodes that wrote one."""
-    directory = posixpath.join(desc.shared_mount_path, HEALTH_REPORT_DIR)
-    script = f'for f in {q(directory)}/*; do [ -f "$f" ] && {{ echo "@@ ${{f##*/}}"; cat "$f"; }}; done; true'
-    reports: dict[str, dict[str, str]] = {}
+def read_reports(desc: ClusterDescription, slurm: Slurm) -> dict[str, dict[str, dict[str, str]]]:
+    """kind (REPORT_DIRS) -> node -> its last report of that kind (key=value lines), for the nodes that
+    wrote one; in one round trip."""
+    loops = [
+        f"for f in {q(posixpath.join(desc.shared_mount_path, folder))}/*; "
+        f'do [ -f "$f" ] && {{ echo "@@ {kind} ${{f##*/}}"; cat "$f"; }}; done'
+        for kind, folder in REPORT_DIRS.items()
+    ]
+    reports: dict[str, dict[str, dict[str, str]]] = {kind: {} for kind in REPORT_DIRS}
     current: dict[str, str] | None = None
-    for line in slurm.run_unchecked(script).stdout.splitlines():
+    for line in slurm.run_unchecked("; ".join([*loops, "true"])).stdout.splitlines():
         if line.startswith("@@ "):
-            current = reports.setdefault(line[3:], {})
+            kind, node = line[3:].split(" ", 1)
+            current = reports[kind].setdefault(node, {})
         elif current is not None and "=" in line:
             key, value = line.split("=", 1)
             current[key] = value
     return reports
 
 
-def nodes_table(nodes: Sequence[NodeInfo], health: dict[str, dict[str, str]]) -> Table:
+def boot_verdict(report: dict[str, str]) -> str:
+    """What a node's boot report says: each failed setup step with its reason, ok, or still running."""
+    failed = [
+        f"{step}: {value.removeprefix('failed: ')}" for step, value in report.items() if value.startswith("failed")
+    ]
+    if failed:
+        return "[red]failed[/red] " + "; ".join(failed)
+    if not report:
+        return ""
+    return "[green]ok[/green]" if report.get("ok") == "1" else "in progress"
+
+
+def nodes_table(nodes: Sequence[NodeInfo], health: dict[str, dict[str, str]], boot: dict[str, dict[str, str]]) -> Table:
     table = Table(title="nodes")
-    for column in ("node", "state", "power", "reason", "health check", "checked"):
+    # no boot column where no node wrote a boot report (the local cluster's nodes run no node-setup)
+    boot_column = ["boot"] if boot else []
+    for column in ("node", "state", "power", "reason", *boot_column, "health check", "checked"):
         table.add_column(column)
     for node in nodes:
         report = health.get(node.name, {})
@@ -254,6 +281,7 @@ def nodes_table(nodes: Sequence[NodeInfo], health: dict[str, dict[str, str]]) ->
             node.base_state,
             "powered down" if node.powered_down else "on",
             "" if node.reason in ("", "none") else node.reason,
+            *([boot_verdict(boot.get(node.name, {}))] if boot else []),
             f"{verdict} {checks}".strip(),
             _age(report.get("checked_at")),
         )

@@ -300,6 +300,10 @@ def _docker_run(spec: JobSpec, detach: bool) -> list[str]:
     argv += [arg for key in ("PYTHONUNBUFFERED", *spec.env) for arg in ("-e", key)]
     if spec.infiniband:
         argv += ["--device", "/dev/infiniband"]
+    if topology := spec.env.get("NCCL_TOPO_FILE"):
+        # the HPC image's topology file (infra/skus.py) is on the node, not in the image: without it
+        # NCCL reads sysfs, which on Hyper-V lacks the real PCI layout
+        argv += ["-v", f"{q(topology)}:{q(topology)}:ro"]
     if detach:
         argv.insert(2, "-d")
     if spec.gpus_per_node:

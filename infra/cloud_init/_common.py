@@ -31,6 +31,7 @@ _INCLUDE = re.compile(r"^# include ([\w.-]+)$", re.MULTILINE)
 _SAFE_PATH = re.compile(r"(/[A-Za-z0-9._-]+)+")
 _HOSTNAME = re.compile(r"(?=.{1,253}$)[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)+")
 _CLIENT_ID = re.compile(r"[A-Za-z0-9-]+")
+_USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}")  # a Linux user name, as useradd takes it by default
 # Key Vault names: 3-24 letters, digits and '-'; the public cloud's DNS suffix.
 _VAULT_URI = re.compile(r"https://[A-Za-z][A-Za-z0-9-]{1,22}[A-Za-z0-9]\.vault\.azure\.net/?")
 
@@ -74,6 +75,12 @@ def check_client_id(name: str, value: str) -> str:
     return value
 
 
+def check_user(name: str, value: str) -> str:
+    if not isinstance(value, str) or not _USER.fullmatch(value):
+        raise ValueError(f"{name}: {value!r} is not a Linux user name")
+    return value
+
+
 def check_int(name: str, value: int, low: int, high: int) -> int:
     # bool is an int subclass; True as a disk count is a caller bug, not 1.
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
@@ -110,6 +117,13 @@ def render_script(name: str, values: Mapping[str, ScriptValue]) -> str:
 def read_unit(name: str) -> str:
     """A systemd unit (or drop-in) of dtrain/remote/boot/, beside the boot script it starts."""
     return remote_file(f"boot/{name}")
+
+
+def start_setup_unit(unit: str) -> list[list[str]]:
+    """runcmd that enables a setup unit (node-setup or head-setup.service) for every boot until it has
+    succeeded, and starts it without waiting: the unit runs after cloud-init's last stage, which is
+    running this, and retries for longer than cloud-init should wait."""
+    return [["systemctl", "daemon-reload"], ["systemctl", "enable", "--now", "--no-block", unit]]
 
 
 def write_file(path: str, content: str, permissions: str, *, defer: bool = False) -> dict[str, Any]:

@@ -19,17 +19,19 @@ from infra.cloud_init._common import (
     check_int,
     check_ipv4,
     check_path,
+    check_user,
     cloud_config,
     munge_key_fetch_file,
     nfs_mount_file,
     read_unit,
     remote_file,
     render_script,
+    start_setup_unit,
     write_file,
 )
 from infra.cloud_init.nccl import check_nccl_env
 from infra.cloud_init.slurm import MAX_GPUS_PER_NODE, render_health_check
-from infra.contract import MIN_FREE_DISK_GB, SLURMCTLD_PORT
+from infra.contract import BOOT_REPORT_DIR, MIN_FREE_DISK_GB, SLURMCTLD_PORT
 
 ACR_LOGIN_PATH = "/usr/local/sbin/acr-login"
 NODE_SETUP_PATH = "/usr/local/sbin/node-setup"
@@ -44,7 +46,17 @@ SPOT_AGENT_PATH = "/usr/local/sbin/spot-agent"  # spot-agent.service runs it (dt
 NCCL_CONF_SOURCE = "/usr/local/etc/nccl.conf"
 NCCL_PROFILE_PATH = "/etc/profile.d/nccl.sh"
 UNITS_DIR = "/etc/systemd/system"
-UNITS = ("acr-login.service", "acr-login.timer", "nccl-conf.service", "nvme-raid.service", "spot-agent.service")
+NODE_SETUP_UNIT = "node-setup.service"  # runs node-setup at every boot until it has succeeded
+UNITS = (
+    "acr-login.service",
+    "acr-login.timer",
+    "nccl-conf.service",
+    NODE_SETUP_UNIT,
+    "nvme-raid.service",
+    "spot-agent.service",
+)
+# The group of the docker daemon's socket (the image's docker package makes it): the admin user joins it.
+DOCKER_GROUP = "docker"
 SLURMD_DROP_IN = f"{UNITS_DIR}/slurmd.service.d/configless.conf"
 # Where framework images land: the disk the health check keeps free space on.
 DOCKER_DATA_PATH = "/var/lib/docker"
@@ -67,17 +79,20 @@ def render_cluster_node(
     key_vault_uri: str,
     nvme_disks: int | None,
     nvme_mount: str,
+    admin_user: str,
 ) -> str:
     """cloud-config that mounts NFS, logs docker in to ACR with the managed identity, writes the
     NCCL settings, and starts slurmd against the controller at slurmctld_address with the
     cluster's munge key, fetched from the Key Vault at key_vault_uri with the identity; slurm.conf
-    names the health check and epilog installed here.
+    names the health check and epilog installed here. admin_user (who submits the jobs) may run
+    docker, and its docker client holds the registry login.
     nvme_disks local NVMe disks (None: as many as the node has) become a RAID 0 at nvme_mount."""
     mount = check_path("mount_path", mount_path)
     acr = check_hostname("acr_login_server", acr_login_server)
     client_id = check_client_id("identity_client_id", identity_client_id)
     env = check_nccl_env(nccl_env)
     gpus = check_int("expected_gpus", expected_gpus, 1, MAX_GPUS_PER_NODE)
+    admin = check_user("admin_user", admin_user)
     controller = f"{check_ipv4('slurmctld_address', slurmctld_address)}:{SLURMCTLD_PORT}"
     nvme = {
         "MOUNT_PATH": check_path("nvme_mount", nvme_mount),
@@ -87,9 +102,23 @@ def render_cluster_node(
     scripts = [
         (
             ACR_LOGIN_PATH,
-            render_script("boot/acr-login.sh", {"ACR_LOGIN_SERVER": acr, "IDENTITY_CLIENT_ID": client_id}),
+            render_script(
+                "boot/acr-login.sh",
+                {"ACR_LOGIN_SERVER": acr, "IDENTITY_CLIENT_ID": client_id, "ADMIN_USER": admin},
+            ),
         ),
-        (NODE_SETUP_PATH, render_script("boot/node-setup.sh", {})),
+        (
+            NODE_SETUP_PATH,
+            render_script(
+                "boot/node-setup.sh",
+                {
+                    "SHARED_MOUNT": mount,
+                    "REPORT_DIR": BOOT_REPORT_DIR,
+                    "ADMIN_USER": admin,
+                    "DOCKER_GROUP": DOCKER_GROUP,
+                },
+            ),
+        ),
         (NVME_RAID_PATH, render_script("boot/nvme-raid.sh", nvme)),
         (NVME_COPY_PATH, remote_file("job/nvme_copy.py")),
         (SLURMD_SETUP_PATH, render_script("boot/slurmd-setup.sh", {"SLURMCTLD_ADDRESS": controller})),
@@ -125,6 +154,6 @@ def render_cluster_node(
                 write_file(NCCL_PROFILE_PATH, nccl_profile, "0644"),
                 munge_key_fetch_file(vault_uri=key_vault_uri, identity_client_id=identity_client_id),
             ],
-            "runcmd": [[NODE_SETUP_PATH]],
+            "runcmd": start_setup_unit(NODE_SETUP_UNIT),
         }
     )

@@ -10,18 +10,22 @@ from infra.azure_limits import COMPUTER_NAME_PREFIX
 from infra.cloud_init._common import (
     check_client_id,
     check_path,
+    check_user,
     cloud_config,
     munge_key_fetch_file,
     nfs_mount_file,
+    read_unit,
     render_script,
+    start_setup_unit,
     write_file,
 )
 from infra.cloud_init.slurm import SLURM_USER
-from infra.contract import RUNS_DIR
+from infra.contract import BOOT_REPORT_DIR, RUNS_DIR
 
 SLURM_CONF_PATH = "/etc/slurm/slurm.conf"
 GRES_CONF_PATH = "/etc/slurm/gres.conf"
 HEAD_SETUP_PATH = "/usr/local/sbin/head-setup"
+HEAD_SETUP_UNIT = "head-setup.service"  # runs head-setup at every boot until it has succeeded
 STATE_SAVE_DIR = "/var/spool/slurmctld"
 SLURM_LOG_DIR = "/var/log/slurm"
 POWER_PROGRAM_PATH = "/usr/local/sbin/slurm-power"
@@ -35,7 +39,6 @@ POWER_ACTIONS = {SUSPEND_PROGRAM: "suspend", RESUME_PROGRAM: "resume", RESUME_FA
 PACKAGES = ["nfs-common", "munge", "slurmctld", "slurm-client"]  # slurm-client: sbatch and friends (login node)
 # A scale set's id as Azure Resource Manager writes it; nothing that would bend the URL built on it.
 _SCALE_SET_ID = re.compile(r"/subscriptions/[^\s/?#]+(/[^\s/?#]+)+")
-_USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}")  # a Linux user name, as useradd takes it by default
 
 
 def _power_wrapper(action: str) -> str:
@@ -71,8 +74,7 @@ def render_head_node(
     submits the jobs). spot_scale_set: the Spot nodes' scale set (scale_set_id, node_prefix and the
     identity_client_id that powers it), powered the same way."""
     _check_scale_set(scale_set_id, node_prefix)
-    if not _USER.fullmatch(admin_user or ""):
-        raise ValueError(f"admin_user: {admin_user!r} is not a Linux user name")
+    check_user("admin_user", admin_user)
     for key, text in (("slurm_conf", slurm_conf), ("gres_conf", gres_conf)):
         if not isinstance(text, str) or not text.endswith("\n"):
             raise ValueError(f"{key}: must be the file's text, ending in a newline")
@@ -91,8 +93,10 @@ def render_head_node(
         {
             "SLURM_USER": SLURM_USER,
             "SLURM_DIRS": [STATE_SAVE_DIR, SLURM_LOG_DIR],
-            "RUNS_DIR": f"{check_path('mount_path', mount_path)}/{RUNS_DIR}",
+            "SHARED_MOUNT": check_path("mount_path", mount_path),
+            "RUNS_DIR": RUNS_DIR,
             "RUNS_OWNER": admin_user,
+            "REPORT_DIR": BOOT_REPORT_DIR,
         },
     )
     return cloud_config(
@@ -102,6 +106,7 @@ def render_head_node(
             "write_files": [
                 nfs_mount_file(server_ip=nfs_server_ip, export_path=nfs_export_path, mount_path=mount_path),
                 write_file(HEAD_SETUP_PATH, setup, "0755"),
+                write_file(f"/etc/systemd/system/{HEAD_SETUP_UNIT}", read_unit(HEAD_SETUP_UNIT), "0644"),
                 write_file(POWER_PROGRAM_PATH, render_script("slurm/slurm_power.py", {}), "0755"),
                 *(write_file(path, _power_wrapper(action), "0755") for path, action in POWER_ACTIONS.items()),
                 # Deferred: /etc/slurm is the packages' directory, and slurmctld must not start on
@@ -111,6 +116,6 @@ def render_head_node(
                 write_file(POWER_CONFIG_PATH, json.dumps(power_config, indent=2) + "\n", "0644", defer=True),
                 munge_key_fetch_file(vault_uri=key_vault_uri, identity_client_id=identity_client_id),
             ],
-            "runcmd": [[HEAD_SETUP_PATH]],
+            "runcmd": start_setup_unit(HEAD_SETUP_UNIT),
         }
     )

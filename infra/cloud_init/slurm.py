@@ -254,6 +254,10 @@ def _scheduling_lines() -> list[str]:
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core",
         "MpiDefault=none",
+        # A job's supplementary groups are read on its node, not on the controller: docker-runtime
+        # jobs need the admin user's membership of the nodes' docker group (node-setup.sh), which
+        # the head node, without docker, does not have (and a group's number differs between hosts).
+        "LaunchParameters=disable_send_gids",
         # A job that no partition it names allows (a --time above MaxTime, say) is refused at
         # submission instead of pending for ever. ANY, not ALL: `launch --spot-fallback` names two
         # partitions of different sizes, and fitting one of them is enough.

@@ -52,6 +52,7 @@ def node_doc(sku: str = "Standard_ND96isr_H100_v5", **overrides: object) -> str:
         "key_vault_uri": KEY_VAULT_URI,
         "nvme_disks": GPU_SKUS[sku].nvme_disks,
         "nvme_mount": GPU_SKUS[sku].nvme_mount,
+        "admin_user": "hpcadmin",
     }
     return render_cluster_node(**{**args, **overrides})  # type: ignore[arg-type]
 

@@ -77,6 +77,7 @@ def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
         "acr-login.service",
         "acr-login.timer",
         "nccl-conf.service",
+        "node-setup.service",
         "nvme-raid.service",
         "spot-agent.service",
     ]
@@ -102,7 +103,9 @@ def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     # Unknown keys are only warnings: any mention of our units is a finding.
     found = [
-        line for line in result.stderr.splitlines() if re.search(r"acr-login|nccl-conf|nvme-raid|configless", line)
+        line
+        for line in result.stderr.splitlines()
+        if re.search(r"acr-login|nccl-conf|node-setup|nvme-raid|configless", line)
     ]
     assert not found, result.stderr
 
@@ -155,8 +158,7 @@ def test_what_the_hosts_run_comes_from_dtrain_remote() -> None:
     (or rendered, where they have placeholders), and infra/ keeps no copies."""
     remote = Path(__file__).parents[2] / "dtrain" / "remote"
     node = files_of(node_doc())
-    for installed, name in (("slurm-epilog", "slurm/slurm-epilog.sh"), ("node-setup", "boot/node-setup.sh")):
-        assert node[f"/usr/local/sbin/{installed}"]["content"] == (remote / name).read_text()
+    assert node["/usr/local/sbin/slurm-epilog"]["content"] == (remote / "slurm" / "slurm-epilog.sh").read_text()
     assert "@EXPECTED_GPUS@" in (remote / "slurm" / "slurm-health-check.sh").read_text()
     assert not list((Path(__file__).parents[2] / "infra").rglob("*.sh"))
 
@@ -390,10 +392,12 @@ def test_nfs_mount_wait_is_bounded(sandbox: Sandbox) -> None:
     assert time.monotonic() - started < 15
 
 
-def acr_login_in(sandbox: Sandbox, *, imds_fails: bool = False) -> str:
-    script = script_of(node_doc(), "/usr/local/sbin/acr-login")
-    script = with_value(script, "ATTEMPTS", 3)
-    script = with_value(script, "RETRY_SECONDS", 0)
+def acr_login_in(sandbox: Sandbox, *, imds_fails: bool = False, admin_user: str | None = None) -> str:
+    """acr-login against a stand-in IMDS and ACR. admin_user: a real user of this machine, whose own
+    runuser and getent are used (the caller stubs docker); None: hpcadmin, with those stubbed too."""
+    script = script_of(node_doc(admin_user=admin_user or "hpcadmin"), "/usr/local/sbin/acr-login")
+    script = with_value(script, "RETRY_FOR_SECONDS", 2)
+    script = with_value(script, "RETRY_SECONDS", 1)
     imds = "exit 22" if imds_fails else f'echo \'{{"access_token":"{AAD_TOKEN}","expires_in":"86399"}}\''
     sandbox.stub(
         "curl",
@@ -404,7 +408,12 @@ case "$url" in
   *) exit 22 ;;
 esac""",
     )
+    if admin_user:
+        return script
     sandbox.stub("docker", 'cat >"$STUB_STATE/docker-password"; echo "Login Succeeded"')
+    sandbox.stub("getent", "echo hpcadmin:x:1000:1000::/home/hpcadmin:/bin/bash")
+    sandbox.stub("runuser", 'shift 3; exec "$@"')  # runuser -u USER -- COMMAND...
+    sandbox.stub("env", 'shift; exec "$@"')  # env DOCKER_CONFIG=... COMMAND...
     return script
 
 
@@ -421,6 +430,11 @@ def test_acr_login_exchanges_the_identity_token_and_never_exposes_tokens(sandbox
     assert f"https://{ACR}/oauth2/exchange" in exchange_call
     body = (sandbox.state / "exchange-body").read_text()
     assert body == f"grant_type=access_token&service={ACR}&access_token={AAD_TOKEN}"
+    # as the admin user, who runs the docker-runtime jobs, into that user's own docker configuration
+    assert sandbox.calls("runuser") == [
+        f"runuser -u hpcadmin -- env DOCKER_CONFIG=/home/hpcadmin/.docker docker login {ACR} "
+        "--username 00000000-0000-0000-0000-000000000000 --password-stdin"
+    ]
     assert sandbox.calls("docker") == [
         f"docker login {ACR} --username 00000000-0000-0000-0000-000000000000 --password-stdin"
     ]
@@ -431,24 +445,35 @@ def test_acr_login_exchanges_the_identity_token_and_never_exposes_tokens(sandbox
         assert secret not in result.stdout + result.stderr
 
 
-def test_acr_login_gives_up_after_its_attempts(sandbox: Sandbox) -> None:
+def test_acr_login_backs_off_and_gives_up_when_its_time_is_spent(sandbox: Sandbox) -> None:
     result = sandbox.run(acr_login_in(sandbox, imds_fails=True))
     assert result.returncode == 1
-    assert len(sandbox.calls("curl")) == 3
+    assert len(sandbox.calls("curl")) == 2  # at 0 s and 1 s; the next (2 s later) would pass the 2 s allowed
     assert not sandbox.calls("docker")
-    assert "after 3 attempts" in result.stderr
+    assert "retrying in 1s" in result.stderr and "within 2s" in result.stderr
 
 
-def test_node_setup_is_the_one_first_boot_command_and_installs_what_it_runs() -> None:
+def test_node_setup_is_a_unit_that_runs_at_every_boot_until_it_has_succeeded() -> None:
+    """cloud-init only enables and starts node-setup.service (its runcmd runs once per instance); the unit
+    runs node-setup again 30 minutes after a failure and at every boot, until node-setup marks it done."""
     document = node_doc()
     files = files_of(document)
-    assert yaml.safe_load(document)["runcmd"] == [["/usr/local/sbin/node-setup"]]
+    assert yaml.safe_load(document)["runcmd"] == [
+        ["systemctl", "daemon-reload"],
+        ["systemctl", "enable", "--now", "--no-block", "node-setup.service"],
+    ]
+    unit = files["/etc/systemd/system/node-setup.service"]["content"]
     setup = files["/usr/local/sbin/node-setup"]["content"]
-    assert "set -euo pipefail" in setup
+    for line in ("ExecStart=/usr/local/sbin/node-setup", "Restart=on-failure", "RestartSec=30min"):
+        assert line in unit.splitlines()
+    assert f"ConditionPathExists=!{shell_value(setup, 'DONE_FILE')}" in unit
+    assert "WantedBy=multi-user.target" in unit and "After=network-online.target cloud-final.service" in unit
     referenced = set(re.findall(r"/usr/local/(?:sbin|etc)/[\w.-]+", setup + json.dumps(files)))
     assert referenced <= set(files), referenced - set(files)
-    for unit in re.findall(r"([\w-]+\.(?:service|timer))", setup):
-        assert f"/etc/systemd/system/{unit}" in files
+    for unit_name in re.findall(r"([\w-]+\.(?:service|timer))", setup):
+        assert f"/etc/systemd/system/{unit_name}" in files
+    for program in ("nfs-mount", "slurmd-setup"):  # run by name: systemd's PATH has /usr/local/sbin
+        assert f"/usr/local/sbin/{program}" in files
     timer = files["/etc/systemd/system/acr-login.timer"]["content"]
     # ACR refresh tokens last about 3 hours: renew hourly.
     assert "OnUnitActiveSec=1h" in timer

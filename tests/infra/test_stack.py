@@ -480,8 +480,14 @@ def test_slurm_conf_has_the_partition_gres_power_saving_and_health_check(deploym
 
 def test_head_node_gives_the_runs_directory_to_the_admin_user(deployment: Deployment) -> None:
     setup = head_file(deployment, "/usr/local/sbin/head-setup")
-    assert "RUNS_DIR=/shared/runs" in setup.splitlines()
-    assert "RUNS_OWNER=hpcadmin" in setup.splitlines()
+    assert {"SHARED_MOUNT=/shared", "RUNS_DIR=runs", "RUNS_OWNER=hpcadmin"} <= set(setup.splitlines())
+
+
+def test_nodes_give_the_admin_user_docker_and_its_registry_login(deployment: Deployment) -> None:
+    """Docker-runtime jobs run as the admin user (tests/scripts/test_docker_user.py)."""
+    files = {e["path"]: e["content"] for e in yaml.safe_load(node_document(deployment))["write_files"]}
+    assert "ADMIN_USER=hpcadmin" in files["/usr/local/sbin/node-setup"].splitlines()
+    assert "ADMIN_USER=hpcadmin" in files["/usr/local/sbin/acr-login"].splitlines()
 
 
 def test_node_names_are_the_scale_sets_computer_names() -> None:

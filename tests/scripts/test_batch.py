@@ -140,3 +140,12 @@ def test_a_job_shares_its_nodes_unless_it_asks_for_whole_ones():
     assert "#SBATCH --gres=gpu:2" in shared and "--exclusive" not in shared
     assert "#SBATCH --exclusive" in render_job_script(replace(BASE, exclusive=True))
     assert 'export OUTPUT_DIR="$RUN_DIR/output" CHECKPOINT_DIR="$RUN_DIR/checkpoints"' in shared
+
+
+def test_the_nodes_nccl_topology_file_is_mounted_read_only_where_nccl_is_told_to_read_it():
+    topology = "/opt/microsoft/ndv5-topo.xml"
+    spec = replace(BASE, env={**BASE.env, "NCCL_TOPO_FILE": topology})
+    for launcher in ("horovodrun", "torchrun"):
+        script = render_job_script(replace(spec, launcher=launcher))
+        assert f"-v {topology}:{topology}:ro" in script and "-e NCCL_TOPO_FILE" in script
+    assert "/opt/microsoft" not in render_job_script(BASE)  # only when the SKU names one

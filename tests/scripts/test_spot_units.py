@@ -4,6 +4,11 @@ each attempt by its partition, and how `launch --spot` / `--spot-fallback` pick 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -17,10 +22,12 @@ from dtrain.cluster.description import SlurmAccess, SSHEndpoint
 from dtrain.errors import OperatorError
 from dtrain.jobs.submit import LaunchOptions, choose_partition
 from dtrain.local import metadata as local_metadata
+from tests.polling import wait_for
 
 from .test_remote_tools import record_run
 
 EVENTS = "/metadata/scheduledevents?api-version=2020-07-01"
+REMOTE_BOOT = Path(__file__).resolve().parents[2] / "dtrain" / "remote" / "boot"
 
 
 @pytest.fixture
@@ -106,3 +113,63 @@ def test_spot_flags_pick_the_partitions() -> None:
     no_spot = ACCESS.model_copy(update={"spot_partition": None})
     with pytest.raises(OperatorError, match=r"--spot: the cluster has no Spot partition \(set spotNodeCount"):
         choose_partition(no_spot, LaunchOptions("pytorch", spot=True))
+
+
+SLURM_NODE = "hvd-gpu-00000a"  # Slurm's name for a scale set's 11th instance; Azure's host name is upper case
+FAKE_SLURM = {
+    # Slurm knows the node by its lower-case name only (node lookup is case-sensitive)
+    "squeue": """for arg; do case $arg in --nodelist=*) node=${arg#--nodelist=} ;; esac; done
+[ "$node" = "$SLURM_NODE" ] || { echo "squeue: error: Invalid node name specified" >&2; exit 1; }
+kill -0 "$(cat "$RANK_PID")" 2>/dev/null && echo "$JOB_ID"
+exit 0""",
+    "scontrol": """echo "scontrol $*" >>"$SLURM_CALLS"
+case "$*" in
+  "show job -o $JOB_ID") state=RUNNING; kill -0 "$(cat "$RANK_PID")" 2>/dev/null || state=FAILED
+    echo "JobId=$JOB_ID JobState=$state ExitCode=75:0 WorkDir=/nonexistent" ;;
+  *"NodeName=$SLURM_NODE "*) ;;
+  *NodeName=*) echo "scontrol: error: Invalid node name specified" >&2; exit 1 ;;
+esac""",
+}
+# the job's rank: saves a "checkpoint" on SIGUSR1 and exits PREEMPTED, as training/world/preemption.py does
+RANK = """import signal, sys, time
+def preempted(*_):
+    open(sys.argv[1], "w").write("checkpoint")
+    sys.exit(75)
+signal.signal(signal.SIGUSR1, preempted)
+time.sleep(60)
+"""
+
+
+def test_an_upper_case_host_name_is_evicted_with_a_checkpoint_under_its_slurm_name(tmp_path, endpoint):
+    """spot-agent.service passes %H, which Azure writes with upper-case base-36 digits (...00000A): the agent
+    drains, checkpoints, requeues and powers down the node under Slurm's (lower-case) name all the same."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in FAKE_SLURM.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    job_id = str(900_000_000 + os.getpid())  # no other process on this machine has it
+    checkpoint, calls, rank_pid = tmp_path / "checkpoint", tmp_path / "slurm-calls", tmp_path / "rank.pid"
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_NODE": SLURM_NODE, "JOB_ID": job_id,
+        "SLURM_CALLS": str(calls), "RANK_PID": str(rank_pid),
+    }  # fmt: skip
+    rank = subprocess.Popen([sys.executable, "-c", RANK, str(checkpoint)], env={**env, "SLURM_JOB_ID": job_id})
+    rank_pid.write_text(str(rank.pid))
+    unit = (REMOTE_BOOT / "spot-agent.service").read_text()
+    exec_start = re.search(r"^ExecStart=(.*)$", unit, re.MULTILINE)[1]  # the unit's command, %H as Azure fills it
+    argv = [*shlex.split(exec_start.replace("%H", SLURM_NODE.upper()))][1:]
+    argv[0] = str(REMOTE_BOOT / "spot_agent.py")
+    agent = subprocess.Popen([sys.executable, *argv, "--endpoint", endpoint, "--interval", "0.2"], env=env)
+    try:
+        local_metadata.announce_preempt(tmp_path, "node-0")
+        assert rank.wait(timeout=20) == 75 and checkpoint.read_text() == "checkpoint"
+        wait_for(lambda: "POWER_DOWN_ASAP" in (calls.read_text() if calls.exists() else ""), 20, "the power-down")
+    finally:
+        agent.terminate()
+        agent.wait(timeout=10)
+        rank.kill()
+        rank.wait()
+    said = calls.read_text()
+    assert f"update NodeName={SLURM_NODE} State=DRAIN" in said and f"requeue {job_id}" in said
+    assert f"update NodeName={SLURM_NODE} State=POWER_DOWN_ASAP" in said and SLURM_NODE.upper() not in said

@@ -1,6 +1,7 @@
 # Functions shared by the host scripts that call Azure with the machine's identity (acr-login.sh,
 # munge-key.sh). Not a program: render_script pastes it where a template says
-# `# include azure-common.sh`. The including script defines log(), ATTEMPTS and RETRY_SECONDS.
+# `# include azure-common.sh`. The including script defines log(), RETRY_FOR_SECONDS,
+# RETRY_SECONDS and MAX_RETRY_SECONDS.
 
 # Prints one field of the JSON object on stdin; on failure names the field, never the document.
 # shellcheck disable=SC2317  # called from functions that run through retry
@@ -14,18 +15,20 @@ print(value)
 ' "$1"
 }
 
-# Runs "$@" until it succeeds, at most ATTEMPTS times, RETRY_SECONDS apart (a new identity or role
-# assignment can take minutes to reach a new VM); 1 when every attempt failed.
+# Runs "$@" until it succeeds or RETRY_FOR_SECONDS have passed, waiting RETRY_SECONDS after the first
+# failure and twice as long after each next one, up to MAX_RETRY_SECONDS: a new identity or role
+# assignment can take up to 30 minutes to reach a new VM (Azure's RBAC troubleshooting guide), and
+# until then Key Vault and ACR answer 403, which curl's message names in the log. 1 when it gave up.
 retry() {
-  local attempt
-  for ((attempt = 1; attempt <= ATTEMPTS; attempt++)); do
-    if "$@"; then
-      return 0
+  local attempt=1 delay=$RETRY_SECONDS deadline=$((SECONDS + RETRY_FOR_SECONDS))
+  until "$@"; do
+    if ((SECONDS + delay > deadline)); then
+      log "attempt $attempt failed; giving up after ${RETRY_FOR_SECONDS}s"
+      return 1
     fi
-    if ((attempt < ATTEMPTS)); then
-      log "attempt $attempt/$ATTEMPTS failed; retrying in ${RETRY_SECONDS}s"
-      sleep "$RETRY_SECONDS"
-    fi
+    log "attempt $attempt failed (the reason is above); retrying in ${delay}s"
+    sleep "$delay"
+    attempt=$((attempt + 1))
+    delay=$((delay * 2 > MAX_RETRY_SECONDS ? MAX_RETRY_SECONDS : delay * 2))
   done
-  return 1
 }

@@ -13,9 +13,10 @@ readonly KEY_OWNER=munge:munge
 readonly MIN_KEY_BYTES=32 # munged refuses shorter keys
 readonly IMDS_TOKEN_URL="${IMDS_ENDPOINT:-http://169.254.169.254/metadata/identity/oauth2/token}?api-version=2018-02-01&resource=https%3A%2F%2Fvault.azure.net&client_id=$IDENTITY_CLIENT_ID"
 readonly SECRET_URL="${VAULT_URI%/}/secrets/$SECRET_NAME?api-version=7.4"
-# A new role assignment can take minutes to propagate; so can the identity on a new VM.
-readonly ATTEMPTS=${MUNGE_KEY_ATTEMPTS:-30}
-readonly RETRY_SECONDS=${MUNGE_KEY_RETRY_SECONDS:-20}
+# A new role assignment can take up to 30 minutes to propagate; so can the identity on a new VM.
+readonly RETRY_FOR_SECONDS=${MUNGE_KEY_RETRY_FOR_SECONDS:-2700}
+readonly RETRY_SECONDS=${MUNGE_KEY_RETRY_SECONDS:-10}
+readonly MAX_RETRY_SECONDS=300
 
 log() { echo "munge-key: $*" >&2; }
 
@@ -43,5 +44,5 @@ if retry fetch_once; then
   log "the munge key is in $KEY_PATH"
   exit 0
 fi
-log "could not read secret $SECRET_NAME from $VAULT_URI after $ATTEMPTS attempts"
+log "could not read secret $SECRET_NAME from $VAULT_URI within ${RETRY_FOR_SECONDS}s"
 exit 1

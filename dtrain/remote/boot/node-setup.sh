@@ -1,17 +1,52 @@
 #!/bin/bash
-# First-boot setup of a GPU node, in order, stopping at the first failure. slurmd comes last, so
-# that a node joins Slurm only with its shared file system, NCCL settings and registry login in
-# place, and its first health check finds them.
-set -euo pipefail
+# Setup of a GPU node, run by node-setup.service at every boot (and every 30 minutes) until every
+# step has succeeded once. The steps are independent: each runs whatever became of the others, so a
+# failed optional step (the NVMe volume, the registry login) never keeps slurmd from starting. Each
+# step's result goes to the boot report (boot-steps.sh), which `dtrain status` shows. The steps
+# that call Azure with the node's identity retry for 45 minutes themselves (a new role assignment
+# can take 30 to propagate); the others are tried again at the next run. Exit status 0 when every
+# step succeeded (node-setup.service then stops running it), 1 otherwise.
+set -uo pipefail
 
+SHARED_MOUNT=@SHARED_MOUNT@
+REPORT_DIR=@REPORT_DIR@
+ADMIN_USER=@ADMIN_USER@
+DOCKER_GROUP=@DOCKER_GROUP@
+readonly STEPS_DIR=/run/node-setup
+readonly DONE_FILE=/var/lib/node-setup/done
+readonly STEPS=(nfs-mount nccl-conf nvme-raid docker-group registry-login slurmd spot-agent)
+# Slurm's name for this machine: Azure may write the scale set's base-36 digits in upper case.
+NODE_NAME=$(hostname -s | tr '[:upper:]' '[:lower:]')
+
+log() { echo "node-setup: $*" >&2; }
+
+# include boot-steps.sh
+
+# The first login in this run (it retries while the AcrPull assignment propagates); the timer then
+# renews it before the token expires.
+# shellcheck disable=SC2317  # run through step, which shellcheck cannot follow
+registry_login() {
+  systemctl enable acr-login.timer && systemctl start acr-login.service
+}
+
+mkdir -p "$STEPS_DIR" "$(dirname "$DONE_FILE")"
 systemctl daemon-reload
-/usr/local/sbin/nfs-mount
-systemctl enable --now nccl-conf.service
+step nfs-mount nfs-mount
+step nccl-conf systemctl enable --now nccl-conf.service
 # Enabled for every later boot too: a deallocated node starts again with empty NVMe disks.
-systemctl enable --now nvme-raid.service
-# The first login runs in the foreground; the timer then renews it before the token expires.
-systemctl start acr-login.service
-systemctl enable --now acr-login.timer
-/usr/local/sbin/slurmd-setup
+step nvme-raid systemctl enable --now nvme-raid.service
+# Docker-runtime jobs run `docker run` as the admin user, who submits them: before slurmd, which
+# reads a job's groups on the node (slurm.conf: LaunchParameters=disable_send_gids).
+step docker-group usermod -aG "$DOCKER_GROUP" "$ADMIN_USER"
+# In the background: slurmd does not wait for the registry (host-runtime jobs never need it).
+step registry-login registry_login &
+registry=$!
+step slurmd slurmd-setup
 # Turns a Spot eviction notice (Scheduled Events) into a checkpoint and a requeue; idle on on-demand nodes.
-systemctl enable --now spot-agent.service
+step spot-agent systemctl enable --now spot-agent.service
+wait "$registry"
+if all_steps_ok; then
+  touch "$DONE_FILE"
+  exit 0
+fi
+exit 1

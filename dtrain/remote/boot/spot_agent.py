@@ -215,13 +215,16 @@ def watch(node, endpoint, interval):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--node", required=True, help="this node's name in Slurm")
+    parser.add_argument("--node", required=True, help="this node's name in Slurm, in any case (its host name)")
     parser.add_argument("--endpoint", default=ENDPOINT, help="the instance metadata service (%(default)s)")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between two polls (%(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s", level=logging.INFO)
+    # Slurm's node names are lower case, and it compares them case-sensitively; the unit passes the host
+    # name (%H), in which Azure writes a scale set's base-36 instance digits in upper case (...00000A).
+    node = args.node.lower()
     try:
-        watch(args.node, args.endpoint, args.interval)
+        watch(node, args.endpoint, args.interval)
     except KeyboardInterrupt:
         return 130
     return 0

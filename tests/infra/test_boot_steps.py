@@ -1,0 +1,114 @@
+"""The first-boot programs (node-setup, head-setup) as rendered, run here against stub commands: each
+step is independent, a failed one is reported (the boot report on the shared file system, which
+`dtrain status` shows) and tried again by the next run, and slurmd starts whatever became of the
+optional steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from infra.cloud_init._common import NFS_MOUNT_PATH
+from tests.infra.documents import files_of, head_doc, node_doc, script_of
+from tests.infra.sandbox import Sandbox, shell_value, with_value
+
+# a stub body that fails the first time, saying why on stderr as the real step would, and succeeds after
+FAILS_ONCE = (
+    'if [ ! -f "$STUB_STATE/{name}-failed" ]; then touch "$STUB_STATE/{name}-failed"; echo "{reason}" >&2; exit 1; fi'
+)
+NVME_REASON = "nvme-raid: found 0 local NVMe disks (), expected 8 (0: one or more)"
+ACR_REASON = "acr-login: could not log in to trainacr.azurecr.io within 2700s"
+
+
+def setup_in(sandbox: Sandbox, document: str, program: str) -> tuple[str, Path, Path]:
+    """The program with its state under the sandbox, the shared mount mounted, and the host named as
+    Azure names a scale set's 11th instance (upper-case base-36 digit)."""
+    script = script_of(document, program)
+    shared = sandbox.root / "shared"
+    shared.mkdir()
+    steps, done = sandbox.root / "run", sandbox.root / "lib" / "done"
+    script = with_value(script, "SHARED_MOUNT", str(shared))
+    script = with_value(script, "STEPS_DIR", str(steps))
+    script = with_value(script, "DONE_FILE", str(done))
+    sandbox.stub("hostname", "echo HVD-GPU-00000A")
+    sandbox.stub("mountpoint", "exit 0")
+    return script, shared, done
+
+
+def report(shared: Path, node: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in (shared / ".boot" / node).read_text().splitlines())
+
+
+def test_a_failed_nvme_and_registry_login_do_not_keep_slurmd_from_starting_and_are_retried(sandbox: Sandbox) -> None:
+    script, shared, done = setup_in(sandbox, node_doc(), "/usr/local/sbin/node-setup")
+    for name in ("nfs-mount", "slurmd-setup", "usermod"):
+        sandbox.stub(name)
+    # the NVMe volume and the registry login fail on the first run, and succeed on the next
+    sandbox.stub(
+        "systemctl",
+        'case "$*" in\n'
+        f'  "enable --now nvme-raid.service") {FAILS_ONCE.format(name="nvme", reason=NVME_REASON)} ;;\n'
+        f'  "start acr-login.service") {FAILS_ONCE.format(name="acr", reason=ACR_REASON)} ;;\n'
+        "esac",
+    )
+
+    first = sandbox.run(script)
+    assert first.returncode == 1, first.stderr
+    assert sandbox.calls("slurmd-setup") == ["slurmd-setup "]
+    assert "systemctl enable --now spot-agent.service" in sandbox.calls("systemctl")
+    # the admin user may run docker before slurmd starts its jobs
+    assert sandbox.calls("usermod") == ["usermod -aG docker hpcadmin"]
+    # the operator's side: the node's Slurm name (lower case), and each step with its reason
+    assert report(shared, "hvd-gpu-00000a") == {
+        "nfs-mount": "ok",
+        "nccl-conf": "ok",
+        "nvme-raid": f"failed: {NVME_REASON}",
+        "docker-group": "ok",
+        "registry-login": f"failed: {ACR_REASON}",
+        "slurmd": "ok",
+        "spot-agent": "ok",
+        "ok": "0",
+        "updated_at": report(shared, "hvd-gpu-00000a")["updated_at"],
+    }
+    assert "failed: nvme-raid registry-login" in first.stderr
+    assert not done.exists()  # node-setup.service runs it again
+
+    second = sandbox.run(script)
+    assert second.returncode == 0, second.stderr
+    assert sandbox.calls("slurmd-setup") == ["slurmd-setup "]  # done in this boot: not restarted
+    assert sandbox.calls("systemctl").count("systemctl enable --now nvme-raid.service") == 2
+    assert report(shared, "hvd-gpu-00000a")["ok"] == "1" and done.exists()
+
+
+def test_a_late_shared_file_system_does_not_keep_slurmctld_from_starting(sandbox: Sandbox) -> None:
+    script, shared, done = setup_in(sandbox, head_doc(), "/usr/local/sbin/head-setup")
+    assert shell_value(script, "NFS_MOUNT") == NFS_MOUNT_PATH and NFS_MOUNT_PATH in files_of(head_doc())
+    script = with_value(script, "NFS_MOUNT", str(sandbox.bin / "nfs-mount"))
+    script = with_value(script, "MUNGE_KEY", str(sandbox.bin / "munge-key"))
+    for command in ("install", "systemctl", "munge-key"):
+        sandbox.stub(command)
+    sandbox.stub("nfs-mount", FAILS_ONCE.format(name="nfs", reason="nfs-mount: 10.0.1.4:/export did not answer"))
+
+    first = sandbox.run(script)
+    assert first.returncode == 1 and not done.exists()
+    calls = [line for line in sandbox.log.read_text().splitlines() if not line.startswith("mountpoint ")]
+    assert calls == [
+        "hostname -s",
+        "install -d -o slurm -g slurm -m 0750 /var/spool/slurmctld /var/log/slurm",
+        "munge-key ",  # the cluster's key, from Key Vault, before munged restarts with it
+        "systemctl restart munge",
+        "systemctl enable slurmctld",
+        "systemctl restart slurmctld",
+        "nfs-mount ",
+    ]
+    second = sandbox.run(script)
+    assert second.returncode == 0, second.stderr
+    # runs/ on the shared file system is the admin user's, who submits the jobs: not world-writable.
+    assert sandbox.calls("install")[-1] == f"install -d -o hpcadmin -m 0755 {shared}/runs"
+    assert sandbox.calls("munge-key") == ["munge-key "]  # slurmctld is up: left alone
+    assert report(shared, "hvd-gpu-00000a") | {"updated_at": ""} == {
+        "slurmctld": "ok",
+        "shared-runs": "ok",
+        "ok": "1",
+        "updated_at": "",
+    }
+    assert done.exists()

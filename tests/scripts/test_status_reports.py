@@ -1,0 +1,62 @@
+"""`status` shows every node's boot: the steps of node-setup that failed (with why), read from the boot
+report the node writes to the shared file system (so it shows even when slurmd could not start)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+from rich.console import Console
+
+from dtrain.cli.jobs import nodes_table, read_reports
+from dtrain.cluster.slurm import NodeInfo
+
+NVME_FAILED = "failed: nvme-raid: found 0 local NVMe disks (), expected 8 (0: one or more)"
+
+
+class HereSlurm:
+    """The login node's shell, run here: what read_reports asks of it."""
+
+    def run_unchecked(self, script: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=False)
+
+
+def test_status_names_the_node_and_the_setup_step_that_failed_even_when_slurmd_never_started(tmp_path: Path) -> None:
+    boot, health = tmp_path / ".boot", tmp_path / ".health"
+    boot.mkdir()
+    health.mkdir()
+    # node -000000 booted; -00000a's NVMe failed (slurmd runs all the same); -00000b's munge key never came
+    # (slurmd could not start: Slurm still shows it idle~, powered down)
+    (boot / "hvd-gpu-000000").write_text("nvme-raid=ok\nslurmd=ok\nok=1\nupdated_at=2026-11-27T20:00:00Z\n")
+    (boot / "hvd-gpu-00000a").write_text(f"nvme-raid={NVME_FAILED}\nslurmd=ok\nok=0\n")
+    (boot / "hvd-gpu-00000b").write_text(
+        "nvme-raid=ok\nslurmd=failed: munge-key: could not read secret slurm-munge-key\nok=0\n"
+    )
+    (health / "hvd-gpu-000000").write_text("ok=1\ngpus ok\n")
+    desc = SimpleNamespace(shared_mount_path=str(tmp_path))
+    reports = read_reports(desc, HereSlurm())  # type: ignore[arg-type]
+    assert reports["boot"]["hvd-gpu-00000a"]["nvme-raid"] == NVME_FAILED and "hvd-gpu-000000" in reports["health"]
+
+    nodes = [
+        NodeInfo(name="hvd-gpu-000000", state="idle", reason="none", cpus="96", gres="gpu:8"),
+        NodeInfo(name="hvd-gpu-00000a", state="idle", reason="none", cpus="96", gres="gpu:8"),
+        NodeInfo(name="hvd-gpu-00000b", state="idle~", reason="none", cpus="96", gres="gpu:8"),
+        NodeInfo(
+            name="hvd-gpu-00000c", state="idle~", reason="none", cpus="96", gres="gpu:8"
+        ),  # never booted: no report
+    ]
+    console = Console(width=400, record=True)
+    console.print(nodes_table(nodes, reports["health"], reports["boot"]))
+    rows = {line.split()[1]: line for line in console.export_text().splitlines() if "hvd-gpu-" in line}
+    assert "ok" in rows["hvd-gpu-000000"] and "failed" not in rows["hvd-gpu-000000"]
+    assert "failed nvme-raid: nvme-raid: found 0 local NVMe disks" in rows["hvd-gpu-00000a"]
+    assert "failed slurmd: munge-key: could not read secret slurm-munge-key" in rows["hvd-gpu-00000b"]
+    assert "powered down" in rows["hvd-gpu-00000b"] and "failed" not in rows["hvd-gpu-00000c"]
+
+
+def test_no_boot_column_where_no_node_wrote_a_boot_report() -> None:
+    """The local cluster's nodes run no node-setup: its status table stays as it was."""
+    console = Console(width=400, record=True)
+    console.print(nodes_table([NodeInfo("node-0", "idle", "none", "2", "")], {}, {}))
+    assert "boot" not in console.export_text()
