@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from collections.abc import Iterable
 
 from dtrain.cli_common import add_cluster_option, non_empty
 from dtrain.cluster.description import ClusterDescription, load
@@ -21,7 +22,7 @@ from dtrain.cluster.slurm import Slurm
 from dtrain.cluster.ssh import SSH, SSHFailure, Target, explain_ssh_failure, q
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.jobs.allocation import add_allocation_arguments, cost_line, plan_from_args, salloc_flags
-from dtrain.jobs.runs import resolve
+from dtrain.jobs.runs import Run, resolve
 from dtrain.jobs.submit import node_hour_price
 from dtrain.ui import make_console
 
@@ -88,8 +89,8 @@ def _interactive(ssh: SSH, target: Target, command: str) -> int:
     return proc.returncode
 
 
-def _running_job(desc: ClusterDescription, slurm: Slurm, text: str) -> str:
-    run = resolve(desc, slurm, text)
+def _running_job(desc: ClusterDescription, slurm: Slurm, text: str, run: Run | None = None) -> str:
+    run = run or resolve(desc, slurm, text)
     state = slurm.job_state(run.job_id) if run.job_id else None
     if state != "RUNNING":
         raise OperatorError(f"{run.label} is not running ({state or 'ended'}): it holds no nodes", ExitCode.BAD_INPUT)
@@ -103,9 +104,21 @@ def run_ssh(args: argparse.Namespace) -> int:
     with SSH(desc) as ssh:
         slurm = Slurm(desc, ssh)
         addresses = slurm.node_addresses()
-        node = args.target if args.target in addresses else slurm.job_nodes(_running_job(desc, slurm, args.target))[0]
+        node = args.target if args.target in addresses else _first_node_of_job(desc, slurm, args.target, addresses)
         ssh.addresses.update(addresses)
         return _interactive(ssh, ssh.node(node), command)
+
+
+def _first_node_of_job(desc: ClusterDescription, slurm: Slurm, target: str, nodes: Iterable[str]) -> str:
+    """The first node of the running job or run `target`; refused, naming the nodes, when it is neither."""
+    try:
+        run = resolve(desc, slurm, target)
+    except OperatorError:
+        raise OperatorError(
+            f"{target} is neither a node of cluster {desc.name} ({', '.join(sorted(nodes)) or 'none'}) nor a job "
+            "or a run (`dtrain jobs` lists them)"
+        ) from None
+    return slurm.job_nodes(_running_job(desc, slurm, target, run))[0]
 
 
 def run_exec(args: argparse.Namespace) -> int:

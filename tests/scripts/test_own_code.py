@@ -117,6 +117,11 @@ def test_ssh_exec_and_alloc_reach_the_nodes_and_a_running_allocation(cluster, cl
         cli("cancel", "--cluster", str(cluster_file), job)
     ended = cli("exec", "--cluster", str(cluster_file), job, "--", "true")
     assert ended.returncode == 2 and "is not running" in ended.stderr
+    nowhere = cli("ssh", "--cluster", str(cluster_file), "node-9", "--", "true")
+    assert nowhere.returncode == 2 and nowhere.stderr.strip().endswith(
+        f"node-9 is neither a node of cluster {cluster.name} (node-0, node-1) nor a job or a run "
+        "(`dtrain jobs` lists them)"
+    ), nowhere.stderr
     held = cli("alloc", "--cluster", str(cluster_file), "--nodes", "2", "--time", "5", "--", "srun", "hostname")
     assert held.returncode == 0 and sorted(held.stdout.split()) == ["node-0", "node-1"], held.stderr
     assert "time limit 5" in held.stderr
