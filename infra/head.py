@@ -120,6 +120,7 @@ class HeadNode(pulumi.ComponentResource):
                     identity_client_id=values[1],
                     node_prefix=args.node_prefix,
                     admin_user=args.admin_user,
+                    register_timeout_s=RESUME_TIMEOUT_S,
                     spot_scale_set=(
                         {"scale_set_id": values[3], "identity_client_id": values[4], "node_prefix": spot.prefix}
                         if spot

@@ -1,5 +1,6 @@
 """cloud-config for the head node (Ubuntu 22.04, as the nodes' image): slurmctld, the programs
-that power the scale set's nodes down and up, and the shared file system for the login node."""
+that power the scale set's nodes down and up, the timer that deallocates nodes that never
+registered, and the shared file system for the login node."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import re
 from infra.azure_limits import COMPUTER_NAME_PREFIX
 from infra.cloud_init._common import (
     check_client_id,
+    check_int,
     check_path,
     cloud_config,
     munge_key_fetch_file,
     nfs_mount_file,
+    remote_file,
     render_script,
     write_file,
 )
@@ -32,6 +35,9 @@ SUSPEND_PROGRAM = "/usr/local/sbin/slurm-suspend"
 RESUME_PROGRAM = "/usr/local/sbin/slurm-resume"
 RESUME_FAIL_PROGRAM = "/usr/local/sbin/slurm-resume-fail"
 POWER_ACTIONS = {SUSPEND_PROGRAM: "suspend", RESUME_PROGRAM: "resume", RESUME_FAIL_PROGRAM: "resume-fail"}
+# `slurm-power reap`, every 5 minutes: deallocates the nodes that Azure runs and Slurm holds as off.
+REAP_UNITS = ("slurm-power-reap.service", "slurm-power-reap.timer")
+UNITS_DIR = "/etc/systemd/system"
 PACKAGES = ["nfs-common", "munge", "slurmctld", "slurm-client"]  # slurm-client: sbatch and friends (login node)
 # A scale set's id as Azure Resource Manager writes it; nothing that would bend the URL built on it.
 _SCALE_SET_ID = re.compile(r"/subscriptions/[^\s/?#]+(/[^\s/?#]+)+")
@@ -62,14 +68,17 @@ def render_head_node(
     identity_client_id: str,
     node_prefix: str,
     admin_user: str,
+    register_timeout_s: int,
     spot_scale_set: dict[str, str] | None = None,
 ) -> str:
     """cloud-config that installs slurmctld with slurm_conf and gres_conf, the program that fetches
     the cluster's munge key from the Key Vault at key_vault_uri, the power programs acting on
     scale_set_id (both through the identity identity_client_id),
     mounts the NFS export at mount_path, and gives the runs directory there to admin_user (who
-    submits the jobs). spot_scale_set: the Spot nodes' scale set (scale_set_id, node_prefix and the
-    identity_client_id that powers it), powered the same way."""
+    submits the jobs). register_timeout_s: how long a node may run without registering with Slurm
+    before the timer deallocates it (ResumeTimeout, the bound a resumed node has). spot_scale_set:
+    the Spot nodes' scale set (scale_set_id, node_prefix and the identity_client_id that powers it),
+    powered the same way."""
     _check_scale_set(scale_set_id, node_prefix)
     if not _USER.fullmatch(admin_user or ""):
         raise ValueError(f"admin_user: {admin_user!r} is not a Linux user name")
@@ -81,6 +90,7 @@ def render_head_node(
         "identity_client_id": check_client_id("identity_client_id", identity_client_id),
         "node_prefix": node_prefix,
         "log_file": POWER_LOG_PATH,
+        "register_timeout_s": check_int("register_timeout_s", register_timeout_s, 60, 86400),
     }
     if spot_scale_set is not None:
         _check_scale_set(spot_scale_set["scale_set_id"], spot_scale_set["node_prefix"])
@@ -110,7 +120,9 @@ def render_head_node(
                 write_file(GRES_CONF_PATH, gres_conf, "0644", defer=True),
                 write_file(POWER_CONFIG_PATH, json.dumps(power_config, indent=2) + "\n", "0644", defer=True),
                 munge_key_fetch_file(vault_uri=key_vault_uri, identity_client_id=identity_client_id),
+                *(write_file(f"{UNITS_DIR}/{unit}", remote_file(f"slurm/{unit}"), "0644") for unit in REAP_UNITS),
             ],
-            "runcmd": [[HEAD_SETUP_PATH]],
+            # The timer first: a head-setup that fails or hangs must not leave nodes billing unseen.
+            "runcmd": [["systemctl", "enable", "--now", REAP_UNITS[1]], [HEAD_SETUP_PATH]],
         }
     )

@@ -96,6 +96,7 @@ def head_doc(**overrides: object) -> str:
         "identity_client_id": HEAD_CLIENT_ID,
         "node_prefix": "hvd-gpu-",
         "admin_user": "hpcadmin",
+        "register_timeout_s": 1800,
     }
     return render_head_node(**{**args, **overrides})  # type: ignore[arg-type]
 

@@ -10,18 +10,21 @@ Manager on a local HTTP server).
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
@@ -29,7 +32,11 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import yaml
+from rich.console import Console
 
+from dtrain.cli.jobs import nodes_table
+from dtrain.cluster.slurm import NODE_FIELDS, parse_nodes
+from dtrain.local.slurm import override
 from infra.cloud_init import render_gres_conf, render_health_check
 from infra.cloud_init._common import MUNGE_KEY_FETCH_PATH, MUNGE_KEY_PATH, NFS_MOUNT_PATH
 from infra.cloud_init.head_node import POWER_ACTIONS, POWER_CONFIG_PATH, POWER_LOG_PATH, POWER_PROGRAM_PATH
@@ -49,7 +56,7 @@ from tests.infra.documents import (
     script_of,
     slurm_conf,
 )
-from tests.infra.sandbox import Sandbox, add_port, shell_value, with_value
+from tests.infra.sandbox import Sandbox, add_port, shell_value, tool, with_value
 from tests.local_http import reply_json, serving
 
 HEALTH_CHECK = "/usr/local/sbin/slurm-health-check"
@@ -731,19 +738,25 @@ def azure() -> Iterator[FakeAzure]:
         yield fake
 
 
-def run_power(sandbox: Sandbox, azure: FakeAzure, *argv: str) -> subprocess.CompletedProcess[str]:
+def run_power(
+    sandbox: Sandbox, azure: FakeAzure, *argv: str, slurm_conf: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The power program against the fake Azure; with slurm_conf, against that real slurmctld instead
+    of a stub scontrol."""
     config = json.loads(script_of(head_doc(), POWER_CONFIG_PATH))
     log = sandbox.root / "power.log"
     config.update(arm_endpoint=azure.endpoint, imds_endpoint=azure.endpoint, retry_seconds=0, log_file=str(log))
     path = sandbox.root / "azure-power.json"
     path.write_text(json.dumps(config))
-    # scontrol show hostnames: the nodes of a bracketed hostlist are in the state file.
-    sandbox.stub(
-        "scontrol",
-        'if [ "$1 $2" = "show hostnames" ]; then tr "," "\\n" <<<"$3"; fi',
-    )
+    if slurm_conf is None:
+        # scontrol show hostnames: the nodes of a bracketed hostlist are in the state file.
+        sandbox.stub(
+            "scontrol",
+            'if [ "$1 $2" = "show hostnames" ]; then tr "," "\\n" <<<"$3"; fi',
+        )
     program = script_of(head_doc(), POWER_PROGRAM_PATH)
-    return sandbox.run(program, {"SLURM_POWER_CONFIG": str(path)}, argv=argv, interpreter=sys.executable)
+    env = {"SLURM_POWER_CONFIG": str(path), **({"SLURM_CONF": str(slurm_conf)} if slurm_conf else {})}
+    return sandbox.run(program, env, argv=argv, interpreter=sys.executable)
 
 
 def power_log(sandbox: Sandbox) -> str:
@@ -842,8 +855,182 @@ def test_power_program_survives_slurmctlds_closed_descriptors(sandbox: Sandbox, 
 def test_power_program_usage(sandbox: Sandbox, azure: FakeAzure) -> None:
     result = run_power(sandbox, azure, "reboot", "hvd-gpu-000000")
     assert result.returncode == 2
-    assert "suspend|resume|resume-fail" in result.stderr
+    assert "suspend|resume|resume-fail" in result.stderr and "reap" in result.stderr
     assert azure.calls == []
+
+
+# --- the reaper: nodes that Azure runs and Slurm holds as powered down --------------------------
+
+
+def started(minutes_ago: float, power: str = "running") -> dict[str, Any]:
+    """An instance view as Azure writes it: the last provisioning operation's time, in 100 ns digits."""
+    when = datetime.now(UTC) - timedelta(minutes=minutes_ago)
+    stamp = when.strftime("%Y-%m-%dT%H:%M:%S.%f") + "1+00:00"
+    return {
+        "statuses": [
+            {"code": "ProvisioningState/succeeded", "time": stamp},
+            {"code": f"PowerState/{power}"},
+        ]
+    }
+
+
+def stub_sinfo(sandbox: Sandbox, states: str, later: str | None = None) -> None:
+    """sinfo --Node lists `states` (node state lines); asked again about some nodes, `later` where given."""
+    (sandbox.state / "sinfo").write_text(states)
+    (sandbox.state / "sinfo-later").write_text(later if later is not None else states)
+    sandbox.stub(
+        "sinfo", 'if [[ "$*" == *--nodes* ]]; then cat "$STUB_STATE/sinfo-later"; else cat "$STUB_STATE/sinfo"; fi'
+    )
+
+
+def test_reap_deallocates_only_nodes_running_unregistered_past_the_bound(sandbox: Sandbox, azure: FakeAzure) -> None:
+    stub_sinfo(
+        sandbox,
+        # 000000 is in two partitions; 000003 registered; 000004 is being powered up by Slurm
+        "hvd-gpu-000000 idle~\nhvd-gpu-000000 idle~\nhvd-gpu-000001 idle~\nhvd-gpu-000002 idle~\n"
+        "hvd-gpu-000003 idle\nhvd-gpu-000004 idle#\n",
+    )
+    azure.answers["GET /virtualMachines/0/instanceView"] = [(200, started(45))]
+    azure.answers["GET /virtualMachines/1/instanceView"] = [(200, started(5))]  # still within the bound
+    azure.answers["GET /virtualMachines/2/instanceView"] = [(200, started(300, power="deallocated"))]
+    result = run_power(sandbox, azure, "reap")
+    assert result.returncode == 0, result.stderr + power_log(sandbox)
+    assert [(call.method, call.path.removeprefix(SCALE_SET_ID)) for call in azure.arm_calls()] == [
+        ("GET", "/virtualMachines/0/instanceView"),
+        ("GET", "/virtualMachines/1/instanceView"),
+        ("GET", "/virtualMachines/2/instanceView"),
+        ("POST", "/deallocate"),
+    ]
+    assert azure.arm_calls()[-1].body == {"instanceIds": ["0"]}
+    assert [call for call in sandbox.calls("scontrol") if "update" in call] == [
+        "scontrol update nodename=hvd-gpu-000000 state=down reason=not registered 45 min after its start: "
+        "deallocated (ProvisioningState/succeeded, PowerState/running)"
+    ]
+    assert "hvd-gpu-000000 not registered 45 min after its start" in power_log(sandbox)
+    assert_token_kept_secret(sandbox, result)
+
+
+def test_reap_leaves_a_node_that_slurm_began_to_resume(sandbox: Sandbox, azure: FakeAzure) -> None:
+    stub_sinfo(sandbox, "hvd-gpu-000000 idle~\n", later="hvd-gpu-000000 idle#\n")
+    azure.answers["GET /virtualMachines/0/instanceView"] = [(200, started(45))]
+    result = run_power(sandbox, azure, "reap")
+    assert result.returncode == 0, power_log(sandbox)
+    assert [call.method for call in azure.arm_calls()] == ["GET"]
+    assert not [call for call in sandbox.calls("scontrol") if "update" in call]
+
+
+def test_reap_goes_on_past_an_instance_azure_cannot_show(sandbox: Sandbox, azure: FakeAzure) -> None:
+    stub_sinfo(sandbox, "hvd-gpu-000000 idle~\nhvd-gpu-000001 idle~\n")
+    azure.answers["GET /virtualMachines/0/instanceView"] = [(404, {"error": {"code": "NotFound", "message": "gone"}})]
+    azure.answers["GET /virtualMachines/1/instanceView"] = [(200, started(31))]
+    result = run_power(sandbox, azure, "reap")
+    assert result.returncode == 0, power_log(sandbox)
+    assert azure.arm_calls()[-1].body == {"instanceIds": ["1"]}
+    assert "hvd-gpu-000000: no instance view: GET" in power_log(sandbox)
+
+
+@dataclass
+class Controller:
+    """A real slurmctld (with its munged) for the Azure-rendered slurm.conf, on loopback, no slurmd."""
+
+    conf: Path
+
+    def run(self, *argv: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30, check=False)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def controller(tmp_path: Path) -> Iterator[Controller]:
+    if os.geteuid() != 0:
+        pytest.fail("a real slurmctld needs root here (its own hostname through unshare), as the local cluster does")
+    root = tmp_path / "ctld"
+    (root / "state").mkdir(parents=True)
+    key = root / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    socket_path = root / "munge.socket"
+    conf = override(
+        slurm_conf(
+            controller_host="head",
+            controller_address="127.0.0.1",
+            nodes=NodeSet(names=["hvd-gpu-000000", "hvd-gpu-000001"], cpus=2, real_memory_mb=1024, gpus=0),
+            state_save_dir=str(root / "state"),
+            epilog=None,
+        ),
+        {
+            "SlurmUser": "root",
+            "AuthInfo": f"socket={socket_path}",
+            "SlurmctldPort": str(free_port()),
+            "SlurmdPort": str(free_port()),
+            "SlurmctldPidFile": str(root / "slurmctld.pid"),
+            "MailProg": "/bin/true",
+        },
+    )
+    (root / "slurm.conf").write_text(conf)
+    munge_argv = [tool("munged"), "--foreground", f"--key-file={key}", f"--socket={socket_path}"]
+    munge_argv += [f"--pid-file={root / 'munged.pid'}", f"--seed-file={root / 'munged.seed'}", "--force"]
+    ctld_argv = ["unshare", "--uts", "sh", "-c", f'hostname head && exec {tool("slurmctld")} -D -f "$0"']
+    with open(root / "daemons.log", "wb") as log:
+        daemons = [subprocess.Popen(munge_argv, stdout=log, stderr=log)]
+        try:
+            wait_until(lambda: socket_path.exists(), "munged's socket")
+            daemons.append(subprocess.Popen([*ctld_argv, str(root / "slurm.conf")], stdout=log, stderr=log))
+            ctld = Controller(root / "slurm.conf")
+            wait_until(lambda: ctld.run("scontrol", "ping").returncode == 0, "slurmctld answers")
+            yield ctld
+        finally:
+            for daemon in reversed(daemons):
+                daemon.terminate()
+                daemon.wait(timeout=30)
+
+
+def wait_until(probe: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not probe():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.0f} s: {what}")
+        time.sleep(0.2)
+
+
+def test_unregistered_node_is_deallocated_and_status_says_so(
+    sandbox: Sandbox, azure: FakeAzure, controller: Controller
+) -> None:
+    """A real slurmctld holds both CLOUD nodes as powered down (neither slurmd ever registered), while
+    Azure runs one of them since its first boot 40 minutes ago: that one is deallocated and DOWN with
+    the reason, and `status` shows it powered down with that reason; the other, off in Azure, is left."""
+    azure.answers["GET /virtualMachines/0/instanceView"] = [(200, started(40))]
+    azure.answers["GET /virtualMachines/1/instanceView"] = [(200, started(40, power="deallocated"))]
+    result = run_power(sandbox, azure, "reap", slurm_conf=controller.conf)
+    assert result.returncode == 0, result.stderr + power_log(sandbox)
+    assert azure.arm_calls()[-1].body == {"instanceIds": ["0"]}
+
+    text = controller.run("sinfo", *shlex.split(NODE_FIELDS)).stdout
+    nodes = {node.name: node for node in parse_nodes(text)}
+    reaped, off = nodes["hvd-gpu-000000"], nodes["hvd-gpu-000001"]
+    assert (reaped.base_state, reaped.powered_down, reaped.unregistered) == ("down", True, True)
+    assert reaped.reason.startswith("not registered 40 min after its start: deallocated (ProvisioningState/")
+    assert (off.base_state, off.powered_down, off.unregistered) == ("idle", True, False)
+    table = render_table(nodes_table(list(nodes.values()), {}))
+    assert "deallocated, never registered" in table and "not registered 40 min after its start" in table
+    # the next round finds it off in Azure and leaves it be
+    azure.calls.clear()
+    azure.answers["GET /virtualMachines/0/instanceView"] = [(200, started(0, power="deallocated"))]
+    azure.answers["GET /virtualMachines/1/instanceView"] = [(200, started(40, power="deallocated"))]
+    assert run_power(sandbox, azure, "reap", slurm_conf=controller.conf).returncode == 0
+    assert [call.method for call in azure.arm_calls()] == ["GET", "GET"]
+
+
+def render_table(table: Any) -> str:
+    console = Console(width=400, record=True, file=io.StringIO())
+    console.print(table)
+    return console.export_text()
 
 
 # --- the head node's cloud-config --------------------------------------------------------------
@@ -857,7 +1044,11 @@ def test_head_node_installs_the_controller_and_its_files_after_the_packages() ->
     for path, expected in (("/etc/slurm/slurm.conf", slurm_conf()), ("/etc/slurm/gres.conf", render_gres_conf(8))):
         assert files[path]["content"] == expected
         assert (files[path]["defer"], files[path]["owner"], files[path]["permissions"]) == (True, "root:root", "0644")
-    assert parsed["runcmd"] == [["/usr/local/sbin/head-setup"]]
+    # the timer that deallocates unregistered nodes is on before head-setup, which may fail or wait
+    assert parsed["runcmd"] == [
+        ["systemctl", "enable", "--now", "slurm-power-reap.timer"],
+        ["/usr/local/sbin/head-setup"],
+    ]
 
 
 def test_no_munge_key_in_either_document_only_the_program_that_fetches_it() -> None:
@@ -936,6 +1127,7 @@ def test_power_programs_are_wrappers_of_the_one_program() -> None:
         "identity_client_id": HEAD_CLIENT_ID,
         "node_prefix": "hvd-gpu-",
         "log_file": POWER_LOG_PATH,
+        "register_timeout_s": 1800,
     }
 
 

@@ -6,6 +6,12 @@ the wrappers slurm-suspend, slurm-resume and slurm-resume-fail, with the nodes a
 
     slurm-power suspend|resume|resume-fail hvd-gpu-[000000-000003]
 
+and a systemd timer runs `slurm-power reap` every few minutes (slurm-power-reap.timer): a node that
+Azure runs but Slurm holds as powered down (it never registered: a first boot that failed, an
+instance started outside Slurm) is marked DOWN with the reason and deallocated once it has run
+longer than the bound a resumed node has to register (register_timeout_s, Slurm's ResumeTimeout).
+Slurm itself never suspends such a node: it believes it is off.
+
 It acts through the head node's user-assigned identity (an IMDS token for Azure Resource Manager),
 whose only rights are a custom role on the scale set: start, deallocate, read an instance's view.
 A scale set's node is named computerNamePrefix + its instance id in base 36 (six digits), so
@@ -28,6 +34,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from datetime import UTC, datetime
 from typing import Any
 
 CONFIG_PATH = os.environ.get("SLURM_POWER_CONFIG", "/etc/slurm/azure-power.json")
@@ -39,6 +46,8 @@ INSTANCE_SUFFIX_DIGITS = 6  # base-36 digits after computerNamePrefix
 ATTEMPTS = 4
 RETRY_SECONDS = 15
 HTTP_TIMEOUT_SECONDS = 60
+# How a node's reason begins once the reaper has deallocated it (dtrain/cluster/slurm.py reads it).
+UNREGISTERED = "not registered"
 RETRIED_STATUSES = frozenset({409, 429, 500, 502, 503, 504})  # conflicts (a deallocation still running) and throttling
 
 log = logging.getLogger("slurm-power")
@@ -92,10 +101,37 @@ class ScaleSet:
     def deallocate(self, instance_ids: list[str]) -> None:
         self.call("POST", "/deallocate", {"instanceIds": instance_ids})
 
+    def instance_view(self, instance_id: str) -> dict[str, Any]:
+        return self.call("GET", f"/virtualMachines/{instance_id}/instanceView")
+
     def states(self, instance_id: str) -> str:
         """Azure's view of one instance, e.g. 'ProvisioningState/failed/AllocationFailed, PowerState/stopped'."""
-        view = self.call("GET", f"/virtualMachines/{instance_id}/instanceView")
-        return ", ".join(status.get("code", "?") for status in view.get("statuses", [])) or "no status"
+        return describe(self.instance_view(instance_id))
+
+
+def describe(view: dict[str, Any]) -> str:
+    return ", ".join(status.get("code", "?") for status in view.get("statuses", [])) or "no status"
+
+
+def running_since(view: dict[str, Any]) -> datetime | None:
+    """When a running (or starting) instance was started: the time of its last provisioning operation
+    (a create or a start), as Azure records it; None for an instance that is not running."""
+    codes = {status.get("code", ""): status for status in view.get("statuses", [])}
+    if not {"PowerState/running", "PowerState/starting"} & set(codes):
+        return None
+    stamps = [status.get("time") for code, status in codes.items() if code.startswith("ProvisioningState/")]
+    if not stamps or not stamps[0]:
+        return datetime.now(UTC)  # no record of the start: count from now rather than guess
+    return datetime.fromisoformat(_six_digit_fraction(stamps[0]).replace("Z", "+00:00"))
+
+
+def _six_digit_fraction(stamp: str) -> str:
+    """Azure writes 100 ns fractions ('...:05.1234567+00:00'); Python 3.10 reads exactly three or six digits."""
+    head, dot, rest = stamp.partition(".")
+    if not dot:
+        return stamp
+    digits = len(rest) - len(rest.lstrip("0123456789"))
+    return f"{head}.{rest[:digits][:6].ljust(6, '0')}{rest[digits:]}"
 
 
 def _send(request: urllib.request.Request, retry_seconds: float) -> dict[str, Any]:
@@ -144,8 +180,12 @@ def scale_sets(config: dict[str, Any]) -> list[ScaleSet]:
 
 def by_scale_set(sets: list[ScaleSet], hostlist: str) -> list[tuple[ScaleSet, list[str]]]:
     """The hostlist's nodes grouped by the scale set whose prefix they carry (Slurm mixes both kinds)."""
+    return group_nodes(sets, expand(hostlist))
+
+
+def group_nodes(sets: list[ScaleSet], nodes: list[str]) -> list[tuple[ScaleSet, list[str]]]:
     groups: dict[int, list[str]] = {}
-    for node in expand(hostlist):
+    for node in nodes:
         # the longest prefix that fits; a node of neither is refused by the first set's instance_id
         index = max(
             range(len(sets)), key=lambda i: len(sets[i].node_prefix) if node.startswith(sets[i].node_prefix) else -1
@@ -190,6 +230,44 @@ def _give_up_on(scale_set: ScaleSet, nodes: list[str]) -> None:
     scale_set.deallocate(list(ids.values()))
 
 
+def powered_down(nodes: list[str] | None = None) -> list[str]:
+    """The nodes (all of them, or those named) that Slurm holds as powered down: sinfo's `~`, not those
+    being powered up (`#`) or down (`%`, `!`), whose power Slurm is changing itself."""
+    which = ["--nodes", ",".join(nodes)] if nodes else []
+    result = subprocess.run(
+        ["sinfo", "--noheader", "--Node", "--format=%N %T", *which], capture_output=True, text=True, check=True
+    )
+    return list(
+        dict.fromkeys(n for n, state in (line.split() for line in result.stdout.splitlines()) if state.endswith("~"))
+    )
+
+
+def reap(sets: list[ScaleSet], bound_s: int) -> None:
+    """Deallocate the nodes that Azure has run for bound_s or longer while Slurm holds them as powered
+    down: they never registered, and Slurm, which believes them off, would never suspend them."""
+    now = datetime.now(UTC)
+    for scale_set, nodes in group_nodes(sets, powered_down()):
+        unregistered: dict[str, str] = {}
+        for node in nodes:
+            try:
+                view = scale_set.instance_view(scale_set.instance_id(node))
+            except PowerError as error:  # one node Azure cannot show keeps none of the others running
+                log.warning("%s: no instance view: %s", node, error)
+                continue
+            since = running_since(view)
+            if since is not None and (now - since).total_seconds() >= bound_s:
+                minutes = int((now - since).total_seconds() // 60)
+                unregistered[node] = f"{UNREGISTERED} {minutes} min after its start: deallocated ({describe(view)})"
+        # Slurm may have begun to resume one since it was listed: that one is Slurm's again.
+        still = set(powered_down(list(unregistered))) if unregistered else set()
+        for node, reason in unregistered.items():
+            if node in still:
+                log.warning("%s %s", node, reason)
+                mark_down(node, reason[:200])
+        if still:
+            scale_set.deallocate([scale_set.instance_id(node) for node in unregistered if node in still])
+
+
 ACTIONS = {"suspend": suspend, "resume": resume, "resume-fail": resume_failed}
 
 
@@ -205,8 +283,8 @@ def _reopen_standard_streams() -> None:
 
 def main(argv: list[str]) -> int:
     _reopen_standard_streams()
-    if len(argv) != 3 or argv[1] not in ACTIONS:
-        print(f"usage: {argv[0]} {{{'|'.join(ACTIONS)}}} HOSTLIST", file=sys.stderr)
+    if argv[1:] != ["reap"] and (len(argv) != 3 or argv[1] not in ACTIONS):
+        print(f"usage: {argv[0]} {{{'|'.join(ACTIONS)}}} HOSTLIST, or {argv[0]} reap", file=sys.stderr)
         return 2
     with open(CONFIG_PATH, encoding="utf-8") as file:
         config = json.load(file)
@@ -214,9 +292,12 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         filename=config["log_file"], level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    action, hostlist = argv[1:]
+    action, hostlist = argv[1], " ".join(argv[2:])
     try:
-        ACTIONS[action](scale_sets(config), hostlist)
+        if action == "reap":
+            reap(scale_sets(config), config["register_timeout_s"])
+        else:
+            ACTIONS[action](scale_sets(config), hostlist)
     except (PowerError, subprocess.CalledProcessError) as error:
         log.error("%s %s failed: %s", action, hostlist, error)
         return 1
