@@ -34,14 +34,17 @@ import pytest
 import yaml
 from rich.console import Console
 
-from dtrain.cli.jobs import nodes_table
+from dtrain.cli.cost import count_nodes, estimate_cost, load_price_table
+from dtrain.cli.jobs import nodes_table, summary
 from dtrain.cluster.slurm import NODE_FIELDS, parse_nodes
 from dtrain.local.slurm import override
 from infra.cloud_init import render_gres_conf, render_health_check
 from infra.cloud_init._common import MUNGE_KEY_FETCH_PATH, MUNGE_KEY_PATH, NFS_MOUNT_PATH
 from infra.cloud_init.head_node import POWER_ACTIONS, POWER_CONFIG_PATH, POWER_LOG_PATH, POWER_PROGRAM_PATH
 from infra.cloud_init.slurm import JobTimeLimits, NodeSet
+from infra.config import parse_config
 from infra.contract import HEALTH_REPORT_DIR, SRUN_PORTS
+from tests.infra.conftest import PROJECT, VALID_CONFIG
 from tests.infra.documents import (
     CLIENT_ID,
     HEAD_CLIENT_ID,
@@ -1019,6 +1022,17 @@ def test_unregistered_node_is_deallocated_and_status_says_so(
     assert (off.base_state, off.powered_down, off.unregistered) == ("idle", True, False)
     table = render_table(nodes_table(list(nodes.values()), {}))
     assert "deallocated, never registered" in table and "not registered 40 min after its start" in table
+    assert "2 powered down (1 deallocated, never registered)" in summary(list(nodes.values()), [])
+    # `cost --live` counts it apart, at $0, beside the power-saved one
+    cfg = parse_config({**VALID_CONFIG, "nodeCount": "2", "namePrefix": "hvd"}, PROJECT)
+    rows = {row.item: row for row in estimate_cost(cfg, load_price_table(), live=count_nodes(cfg, nodes.values())).rows}
+    assert [
+        (rows[item].count, rows[item].usd_per_hour) for item in ("GPU nodes, running", "GPU nodes, power-saved")
+    ] == [
+        (0, 0),
+        (1, 0),
+    ]
+    assert rows["GPU nodes, never registered"].count == 1 and rows["GPU nodes, never registered"].usd_per_hour == 0
     # the next round finds it off in Azure and leaves it be
     azure.calls.clear()
     azure.answers["GET /virtualMachines/0/instanceView"] = [(200, started(0, power="deallocated"))]
