@@ -121,6 +121,8 @@ class HeadNode(pulumi.ComponentResource):
                     node_prefix=args.node_prefix,
                     admin_user=args.admin_user,
                     register_timeout_s=RESUME_TIMEOUT_S,
+                    # autostopMinutes 0 keeps idle nodes up: those that came up on their own too
+                    power_down_unused=args.autostop_minutes > 0,
                     spot_scale_set=(
                         {"scale_set_id": values[3], "identity_client_id": values[4], "node_prefix": spot.prefix}
                         if spot

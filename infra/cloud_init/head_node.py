@@ -69,6 +69,7 @@ def render_head_node(
     node_prefix: str,
     admin_user: str,
     register_timeout_s: int,
+    power_down_unused: bool,
     spot_scale_set: dict[str, str] | None = None,
 ) -> str:
     """cloud-config that installs slurmctld with slurm_conf and gres_conf, the program that fetches
@@ -76,10 +77,14 @@ def render_head_node(
     scale_set_id (both through the identity identity_client_id),
     mounts the NFS export at mount_path, and gives the runs directory there to admin_user (who
     submits the jobs). register_timeout_s: how long a node may run without registering with Slurm
-    before the timer deallocates it (ResumeTimeout, the bound a resumed node has). spot_scale_set:
+    before the timer deallocates it (ResumeTimeout, the bound a resumed node has). power_down_unused:
+    the timer also powers down, at once, registered nodes that came up outside Slurm and sit idle
+    (autostop on; off, idle nodes stay up as asked). spot_scale_set:
     the Spot nodes' scale set (scale_set_id, node_prefix and the identity_client_id that powers it),
     powered the same way."""
     _check_scale_set(scale_set_id, node_prefix)
+    if not isinstance(power_down_unused, bool):
+        raise ValueError(f"power_down_unused: {power_down_unused!r} is not a bool")
     if not _USER.fullmatch(admin_user or ""):
         raise ValueError(f"admin_user: {admin_user!r} is not a Linux user name")
     for key, text in (("slurm_conf", slurm_conf), ("gres_conf", gres_conf)):
@@ -91,6 +96,7 @@ def render_head_node(
         "node_prefix": node_prefix,
         "log_file": POWER_LOG_PATH,
         "register_timeout_s": check_int("register_timeout_s", register_timeout_s, 60, 86400),
+        "power_down_unused": power_down_unused,
     }
     if spot_scale_set is not None:
         _check_scale_set(spot_scale_set["scale_set_id"], spot_scale_set["node_prefix"])

@@ -97,6 +97,7 @@ def head_doc(**overrides: object) -> str:
         "node_prefix": "hvd-gpu-",
         "admin_user": "hpcadmin",
         "register_timeout_s": 1800,
+        "power_down_unused": True,
     }
     return render_head_node(**{**args, **overrides})  # type: ignore[arg-type]
 

@@ -742,16 +742,19 @@ def azure() -> Iterator[FakeAzure]:
 
 
 def run_power(
-    sandbox: Sandbox, azure: FakeAzure, *argv: str, slurm_conf: Path | None = None
+    sandbox: Sandbox, azure: FakeAzure, *argv: str, slurm_conf: Path | None = None, config: dict[str, Any] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """The power program against the fake Azure; with slurm_conf, against that real slurmctld instead
-    of a stub scontrol."""
-    config = json.loads(script_of(head_doc(), POWER_CONFIG_PATH))
+    """The power program against the fake Azure, with the head node's power config (and `config`'s
+    changes); with slurm_conf, against that real slurmctld instead of a stub scontrol."""
     log = sandbox.root / "power.log"
-    config.update(arm_endpoint=azure.endpoint, imds_endpoint=azure.endpoint, retry_seconds=0, log_file=str(log))
+    config = {
+        **json.loads(script_of(head_doc(), POWER_CONFIG_PATH)),
+        **(config or {}),
+        **{"arm_endpoint": azure.endpoint, "imds_endpoint": azure.endpoint, "retry_seconds": 0, "log_file": str(log)},
+    }
     path = sandbox.root / "azure-power.json"
     path.write_text(json.dumps(config))
-    if slurm_conf is None:
+    if slurm_conf is None and not (sandbox.bin / "scontrol").exists():
         # scontrol show hostnames: the nodes of a bracketed hostlist are in the state file.
         sandbox.stub(
             "scontrol",
@@ -788,7 +791,12 @@ def test_power_program_acts_on_the_instances_named_by_the_nodes(
     assert arm.headers["Authorization"] == f"Bearer {TOKEN}"
     # Instance ids are the names' base-36 suffixes.
     assert arm.body == {"instanceIds": ["0", "1", "10", "36"]}
-    assert sandbox.calls("scontrol") == [f"scontrol show hostnames {nodes}"]
+    # resume marks the nodes Slurm started (they keep the autostop time); suspend clears the mark
+    comment = "started-by-slurm" if action == "resume" else ""
+    assert sandbox.calls("scontrol") == [
+        f"scontrol show hostnames {nodes}",
+        f"scontrol update nodename={nodes} comment={comment}",
+    ]
     assert_token_kept_secret(sandbox, result)
 
 
@@ -798,7 +806,7 @@ def test_failed_resume_marks_the_nodes_down_at_once(sandbox: Sandbox, azure: Fak
     result = run_power(sandbox, azure, "resume", "hvd-gpu-000002")
     assert result.returncode == 1
     assert len(azure.arm_calls()) == 1  # a refusal is not retried
-    (update,) = [call for call in sandbox.calls("scontrol") if "update" in call]
+    (update,) = [call for call in sandbox.calls("scontrol") if "state=down" in call]
     assert update.startswith("scontrol update nodename=hvd-gpu-000002 state=down reason=resume failed: ")
     assert "HTTP 403 AuthorizationFailed: no start/action on this scope" in update
     assert "AuthorizationFailed" in power_log(sandbox)
@@ -877,21 +885,39 @@ def started(minutes_ago: float, power: str = "running") -> dict[str, Any]:
     }
 
 
-def stub_sinfo(sandbox: Sandbox, states: str, later: str | None = None) -> None:
-    """sinfo --Node lists `states` (node state lines); asked again about some nodes, `later` where given."""
-    (sandbox.state / "sinfo").write_text(states)
-    (sandbox.state / "sinfo-later").write_text(later if later is not None else states)
+def shown(node: str, state: str, comment: str = "", reason: str = "") -> str:
+    """A node as `scontrol --oneliner show node` prints it: the fields the power program reads, a comment
+    only where one is set, and a reason (free text, last)."""
+    note = f" Comment={comment}" if comment else ""
+    return f"NodeName={node} Arch=x86_64 State={state}{note} Reason={reason or 'none'} State=BOGUS\n"
+
+
+def stub_slurm(sandbox: Sandbox, nodes: str, later: str | None = None, pending: str = "") -> None:
+    """scontrol lists `nodes` (shown() lines), and `later` when asked again about some of them; squeue
+    lists the `pending` job ids; scontrol update only logs its call."""
+    for name, text in (("nodes", nodes), ("nodes-later", nodes if later is None else later), ("pending", pending)):
+        (sandbox.state / name).write_text(text)
     sandbox.stub(
-        "sinfo", 'if [[ "$*" == *--nodes* ]]; then cat "$STUB_STATE/sinfo-later"; else cat "$STUB_STATE/sinfo"; fi'
+        "scontrol",
+        'case "$*" in\n'
+        '  "show hostnames "*) tr "," "\\n" <<<"$3" ;;\n'
+        '  "--oneliner show node") cat "$STUB_STATE/nodes" ;;\n'
+        '  "--oneliner show node "*) cat "$STUB_STATE/nodes-later" ;;\n'
+        "esac",
     )
+    sandbox.stub("squeue", 'cat "$STUB_STATE/pending"')
 
 
 def test_reap_deallocates_only_nodes_running_unregistered_past_the_bound(sandbox: Sandbox, azure: FakeAzure) -> None:
-    stub_sinfo(
+    stub_slurm(
         sandbox,
-        # 000000 is in two partitions; 000003 registered; 000004 is being powered up by Slurm
-        "hvd-gpu-000000 idle~\nhvd-gpu-000000 idle~\nhvd-gpu-000001 idle~\nhvd-gpu-000002 idle~\n"
-        "hvd-gpu-000003 idle\nhvd-gpu-000004 idle#\n",
+        # 000003 registered and runs a job; 000004 is being powered up by Slurm; 000005 is on its way down
+        shown("hvd-gpu-000000", "IDLE+CLOUD+POWERED_DOWN")
+        + shown("hvd-gpu-000001", "IDLE+CLOUD+POWERED_DOWN")
+        + shown("hvd-gpu-000002", "DOWN+CLOUD+POWERED_DOWN", reason="resume timed out: State=x")
+        + shown("hvd-gpu-000003", "MIXED+CLOUD")
+        + shown("hvd-gpu-000004", "IDLE+CLOUD+POWERED_DOWN+POWERING_UP")
+        + shown("hvd-gpu-000005", "IDLE+CLOUD+POWERED_DOWN+POWERING_DOWN"),
     )
     azure.answers["GET /virtualMachines/0/instanceView"] = [(200, started(45))]
     azure.answers["GET /virtualMachines/1/instanceView"] = [(200, started(5))]  # still within the bound
@@ -914,7 +940,11 @@ def test_reap_deallocates_only_nodes_running_unregistered_past_the_bound(sandbox
 
 
 def test_reap_leaves_a_node_that_slurm_began_to_resume(sandbox: Sandbox, azure: FakeAzure) -> None:
-    stub_sinfo(sandbox, "hvd-gpu-000000 idle~\n", later="hvd-gpu-000000 idle#\n")
+    stub_slurm(
+        sandbox,
+        shown("hvd-gpu-000000", "IDLE+CLOUD+POWERED_DOWN"),
+        later=shown("hvd-gpu-000000", "IDLE+CLOUD+POWERED_DOWN+POWERING_UP"),
+    )
     azure.answers["GET /virtualMachines/0/instanceView"] = [(200, started(45))]
     result = run_power(sandbox, azure, "reap")
     assert result.returncode == 0, power_log(sandbox)
@@ -923,13 +953,51 @@ def test_reap_leaves_a_node_that_slurm_began_to_resume(sandbox: Sandbox, azure: 
 
 
 def test_reap_goes_on_past_an_instance_azure_cannot_show(sandbox: Sandbox, azure: FakeAzure) -> None:
-    stub_sinfo(sandbox, "hvd-gpu-000000 idle~\nhvd-gpu-000001 idle~\n")
+    stub_slurm(
+        sandbox, shown("hvd-gpu-000000", "IDLE+CLOUD+POWERED_DOWN") + shown("hvd-gpu-000001", "IDLE+CLOUD+POWERED_DOWN")
+    )
     azure.answers["GET /virtualMachines/0/instanceView"] = [(404, {"error": {"code": "NotFound", "message": "gone"}})]
     azure.answers["GET /virtualMachines/1/instanceView"] = [(200, started(31))]
     result = run_power(sandbox, azure, "reap")
     assert result.returncode == 0, power_log(sandbox)
     assert azure.arm_calls()[-1].body == {"instanceIds": ["1"]}
     assert "hvd-gpu-000000: no instance view: GET" in power_log(sandbox)
+
+
+@pytest.mark.parametrize(
+    ("comment", "pending", "expected"),
+    [
+        ("", "", ["scontrol update nodename=hvd-gpu-000000,hvd-gpu-000002 state=power_down"]),
+        ("started-by-slurm", "", ["scontrol update nodename=hvd-gpu-000002 state=power_down"]),
+        ("", "42\n", []),  # a job waits: Slurm may give it these nodes
+    ],
+    ids=["came-up-on-their-own", "one-started-for-a-job", "a-job-waits"],
+)
+def test_reap_powers_down_at_once_idle_nodes_that_came_up_outside_slurm(
+    sandbox: Sandbox, azure: FakeAzure, comment: str, pending: str, expected: list[str]
+) -> None:
+    """Registered, idle and not started by Slurm (the scale set's creation starts every instance): powered
+    down through Slurm (its SuspendProgram deallocates them) at once, not after the autostop time."""
+    stub_slurm(
+        sandbox,
+        shown("hvd-gpu-000000", "IDLE+CLOUD", comment=comment)
+        + shown("hvd-gpu-000001", "MIXED+CLOUD")  # a job runs there
+        + shown("hvd-gpu-000002", "IDLE+CLOUD")
+        + shown("hvd-gpu-000003", "IDLE+DRAIN+CLOUD", reason="operator: bad DIMM")
+        + shown("hvd-gpu-000004", "IDLE+CLOUD+PLANNED"),  # the backfill scheduler holds it for a job
+        pending=pending,
+    )
+    result = run_power(sandbox, azure, "reap")
+    assert result.returncode == 0, result.stderr + power_log(sandbox)
+    assert [call for call in sandbox.calls("scontrol") if "update" in call] == expected
+    assert azure.arm_calls() == []  # Slurm powers them down, through the SuspendProgram
+
+
+def test_reap_leaves_idle_nodes_up_when_autostop_is_off(sandbox: Sandbox, azure: FakeAzure) -> None:
+    stub_slurm(sandbox, shown("hvd-gpu-000000", "IDLE+CLOUD"))
+    result = run_power(sandbox, azure, "reap", config={"power_down_unused": False})
+    assert result.returncode == 0, power_log(sandbox)
+    assert [call for call in sandbox.calls("scontrol") if "update" in call] == []
 
 
 @dataclass
@@ -1041,6 +1109,22 @@ def test_unregistered_node_is_deallocated_and_status_says_so(
     assert [call.method for call in azure.arm_calls()] == ["GET", "GET"]
 
 
+def test_resume_marks_the_nodes_it_starts_and_suspend_clears_the_mark(
+    sandbox: Sandbox, azure: FakeAzure, controller: Controller
+) -> None:
+    """The comment survives in a real slurmctld (a reason would not survive registration)."""
+
+    def comment() -> str:
+        shown = controller.run("scontrol", "--oneliner", "show", "node", "hvd-gpu-000001").stdout
+        return shown.split(" Comment=", 1)[1].split()[0] if " Comment=" in shown else ""  # shown only when set
+
+    assert run_power(sandbox, azure, "resume", "hvd-gpu-000001", slurm_conf=controller.conf).returncode == 0
+    assert comment() == "started-by-slurm"
+    assert run_power(sandbox, azure, "suspend", "hvd-gpu-000001", slurm_conf=controller.conf).returncode == 0
+    assert comment() == ""
+    assert "could not set the comment" not in power_log(sandbox)
+
+
 def render_table(table: Any) -> str:
     console = Console(width=400, record=True, file=io.StringIO())
     console.print(table)
@@ -1142,6 +1226,7 @@ def test_power_programs_are_wrappers_of_the_one_program() -> None:
         "node_prefix": "hvd-gpu-",
         "log_file": POWER_LOG_PATH,
         "register_timeout_s": 1800,
+        "power_down_unused": True,
     }
 
 

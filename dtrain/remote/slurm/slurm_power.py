@@ -10,7 +10,10 @@ and a systemd timer runs `slurm-power reap` every few minutes (slurm-power-reap.
 Azure runs but Slurm holds as powered down (it never registered: a first boot that failed, an
 instance started outside Slurm) is marked DOWN with the reason and deallocated once it has run
 longer than the bound a resumed node has to register (register_timeout_s, Slurm's ResumeTimeout).
-Slurm itself never suspends such a node: it believes it is off.
+Slurm itself never suspends such a node: it believes it is off. With power_down_unused (autostop
+on), a node that came up outside Slurm (the scale set's creation: Azure starts every instance) and
+registered is powered down through Slurm at once, unless a job waits; a node that Slurm started for
+a job (its resume leaves a comment on it) keeps the autostop time after its jobs.
 
 It acts through the head node's user-assigned identity (an IMDS token for Azure Resource Manager),
 whose only rights are a custom role on the scale set: start, deallocate, read an instance's view.
@@ -48,6 +51,8 @@ RETRY_SECONDS = 15
 HTTP_TIMEOUT_SECONDS = 60
 # How a node's reason begins once the reaper has deallocated it (dtrain/cluster/slurm.py reads it).
 UNREGISTERED = "not registered"
+# The comment resume leaves on the nodes it starts; suspend clears it (the reaper reads it).
+STARTED_BY_SLURM = "started-by-slurm"
 RETRIED_STATUSES = frozenset({409, 429, 500, 502, 503, 504})  # conflicts (a deallocation still running) and throttling
 
 log = logging.getLogger("slurm-power")
@@ -197,11 +202,14 @@ def group_nodes(sets: list[ScaleSet], nodes: list[str]) -> list[tuple[ScaleSet, 
 def suspend(sets: list[ScaleSet], hostlist: str) -> None:
     for scale_set, nodes in by_scale_set(sets, hostlist):
         scale_set.deallocate([scale_set.instance_id(node) for node in nodes])
+        set_comment(nodes, "")
         log.info("deallocating %s", ",".join(nodes))
 
 
 def resume(sets: list[ScaleSet], hostlist: str) -> None:
     for scale_set, nodes in by_scale_set(sets, hostlist):
+        # Started for a job: once idle it gets the autostop time, not the reaper's at-once power down.
+        set_comment(nodes, STARTED_BY_SLURM)
         try:
             scale_set.start([scale_set.instance_id(node) for node in nodes])
         except PowerError as error:
@@ -230,25 +238,41 @@ def _give_up_on(scale_set: ScaleSet, nodes: list[str]) -> None:
     scale_set.deallocate(list(ids.values()))
 
 
-def powered_down(nodes: list[str] | None = None) -> list[str]:
-    """The nodes (all of them, or those named) that Slurm holds as powered down: sinfo's `~`, not those
-    being powered up (`#`) or down (`%`, `!`), whose power Slurm is changing itself."""
-    which = ["--nodes", ",".join(nodes)] if nodes else []
-    result = subprocess.run(
-        ["sinfo", "--noheader", "--Node", "--format=%N %T", *which], capture_output=True, text=True, check=True
+def slurm_nodes(nodes: list[str] | None = None) -> dict[str, tuple[set[str], str]]:
+    """node -> (its state flags, e.g. {'IDLE', 'CLOUD', 'POWERED_DOWN'}, its comment), for every node or those named."""
+    which = [",".join(nodes)] if nodes else []
+    shown = subprocess.run(
+        ["scontrol", "--oneliner", "show", "node", *which], capture_output=True, text=True, check=True
     )
-    return list(
-        dict.fromkeys(n for n, state in (line.split() for line in result.stdout.splitlines()) if state.endswith("~"))
-    )
+    found = {}
+    for line in shown.stdout.splitlines():
+        line = line.split(" Reason=", 1)[0]  # free text, last on the line: nothing after it is read
+        fields = dict(word.split("=", 1) for word in line.split() if "=" in word)
+        if "NodeName" in fields:
+            found[fields["NodeName"]] = (set(fields.get("State", "").split("+")), fields.get("Comment", ""))
+    return found
 
 
-def reap(sets: list[ScaleSet], bound_s: int) -> None:
+def held_off(flags: set[str]) -> bool:
+    """Slurm holds the node as powered down, and is not changing its power itself."""
+    return "POWERED_DOWN" in flags and not flags & {"POWERING_UP", "POWERING_DOWN", "POWER_DOWN"}
+
+
+def unused(flags: set[str], comment: str) -> bool:
+    """Registered and idle with nothing planned on it, and not started by Slurm (resume marks those)."""
+    return flags <= {"IDLE", "CLOUD"} and "IDLE" in flags and comment != STARTED_BY_SLURM
+
+
+def reap(sets: list[ScaleSet], bound_s: int, power_down_unused: bool) -> None:
     """Deallocate the nodes that Azure has run for bound_s or longer while Slurm holds them as powered
-    down: they never registered, and Slurm, which believes them off, would never suspend them."""
+    down: they never registered, and Slurm, which believes them off, would never suspend them. With
+    power_down_unused (autostop on), also power down at once, through Slurm, the registered nodes that
+    came up outside Slurm (a first boot) and sit idle while no job waits."""
     now = datetime.now(UTC)
-    for scale_set, nodes in group_nodes(sets, powered_down()):
+    nodes = slurm_nodes()
+    for scale_set, names in group_nodes(sets, [node for node, (flags, _) in nodes.items() if held_off(flags)]):
         unregistered: dict[str, str] = {}
-        for node in nodes:
+        for node in names:
             try:
                 view = scale_set.instance_view(scale_set.instance_id(node))
             except PowerError as error:  # one node Azure cannot show keeps none of the others running
@@ -259,13 +283,34 @@ def reap(sets: list[ScaleSet], bound_s: int) -> None:
                 minutes = int((now - since).total_seconds() // 60)
                 unregistered[node] = f"{UNREGISTERED} {minutes} min after its start: deallocated ({describe(view)})"
         # Slurm may have begun to resume one since it was listed: that one is Slurm's again.
-        still = set(powered_down(list(unregistered))) if unregistered else set()
-        for node, reason in unregistered.items():
-            if node in still:
-                log.warning("%s %s", node, reason)
-                mark_down(node, reason[:200])
+        now_held = slurm_nodes(list(unregistered)) if unregistered else {}
+        still = [node for node in unregistered if node in now_held and held_off(now_held[node][0])]
+        for node in still:
+            log.warning("%s %s", node, unregistered[node])
+            mark_down(node, unregistered[node][:200])
         if still:
-            scale_set.deallocate([scale_set.instance_id(node) for node in unregistered if node in still])
+            scale_set.deallocate([scale_set.instance_id(node) for node in still])
+    idle = [node for node, (flags, comment) in nodes.items() if unused(flags, comment)]
+    if power_down_unused and idle and not pending_jobs():
+        log.info("%s came up outside Slurm and no job waits: powering down", ",".join(idle))
+        subprocess.run(["scontrol", "update", f"nodename={','.join(idle)}", "state=power_down"], check=True)
+
+
+def pending_jobs() -> bool:
+    shown = subprocess.run(
+        ["squeue", "--noheader", "--states=PENDING", "--format=%i"], capture_output=True, text=True, check=True
+    )
+    return bool(shown.stdout.strip())
+
+
+def set_comment(nodes: list[str], comment: str) -> None:
+    """Slurm's comment on the nodes (it survives their registration, unlike a reason); a failure is
+    only logged, as it must never fail a resume or a suspend."""
+    done = subprocess.run(
+        ["scontrol", "update", f"nodename={','.join(nodes)}", f"comment={comment}"], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        log.warning("could not set the comment of %s: %s", ",".join(nodes), done.stderr.strip())
 
 
 ACTIONS = {"suspend": suspend, "resume": resume, "resume-fail": resume_failed}
@@ -295,7 +340,7 @@ def main(argv: list[str]) -> int:
     action, hostlist = argv[1], " ".join(argv[2:])
     try:
         if action == "reap":
-            reap(scale_sets(config), config["register_timeout_s"])
+            reap(scale_sets(config), config["register_timeout_s"], config["power_down_unused"])
         else:
             ACTIONS[action](scale_sets(config), hostlist)
     except (PowerError, subprocess.CalledProcessError) as error:
