@@ -1212,6 +1212,15 @@ def test_munge_key_comes_from_key_vault_with_the_nodes_identity(sandbox: Sandbox
         assert "could not read secret slurm-munge-key" in result.stderr
 
 
+def test_the_reaper_runs_every_5_minutes_as_slurm_through_the_power_program() -> None:
+    files = files_of(head_doc())
+    service = files["/etc/systemd/system/slurm-power-reap.service"]["content"]
+    timer = files["/etc/systemd/system/slurm-power-reap.timer"]["content"]
+    assert f"ExecStart={POWER_PROGRAM_PATH} reap" in service.splitlines()
+    assert "User=slurm" in service.splitlines() and "Type=oneshot" in service.splitlines()
+    assert {"OnBootSec=5min", "OnUnitActiveSec=5min", "WantedBy=timers.target"} <= set(timer.splitlines())
+
+
 def test_power_programs_are_wrappers_of_the_one_program() -> None:
     files = files_of(head_doc())
     for path, action in POWER_ACTIONS.items():
