@@ -917,23 +917,29 @@ def test_reap_deallocates_only_nodes_running_unregistered_past_the_bound(sandbox
         + shown("hvd-gpu-000002", "DOWN+CLOUD+POWERED_DOWN", reason="resume timed out: State=x")
         + shown("hvd-gpu-000003", "MIXED+CLOUD")
         + shown("hvd-gpu-000004", "IDLE+CLOUD+POWERED_DOWN+POWERING_UP")
-        + shown("hvd-gpu-000005", "IDLE+CLOUD+POWERED_DOWN+POWERING_DOWN"),
+        + shown("hvd-gpu-000005", "IDLE+CLOUD+POWERED_DOWN+POWERING_DOWN")
+        + shown("hvd-gpu-000006", "IDLE+CLOUD+POWERED_DOWN"),
     )
     azure.answers["GET /virtualMachines/0/instanceView"] = [(200, started(45))]
     azure.answers["GET /virtualMachines/1/instanceView"] = [(200, started(5))]  # still within the bound
     azure.answers["GET /virtualMachines/2/instanceView"] = [(200, started(300, power="deallocated"))]
+    # shut down from inside, still allocated to its host: Azure bills it as if it ran
+    azure.answers["GET /virtualMachines/6/instanceView"] = [(200, started(50, power="stopped"))]
     result = run_power(sandbox, azure, "reap")
     assert result.returncode == 0, result.stderr + power_log(sandbox)
     assert [(call.method, call.path.removeprefix(SCALE_SET_ID)) for call in azure.arm_calls()] == [
         ("GET", "/virtualMachines/0/instanceView"),
         ("GET", "/virtualMachines/1/instanceView"),
         ("GET", "/virtualMachines/2/instanceView"),
+        ("GET", "/virtualMachines/6/instanceView"),
         ("POST", "/deallocate"),
     ]
-    assert azure.arm_calls()[-1].body == {"instanceIds": ["0"]}
+    assert azure.arm_calls()[-1].body == {"instanceIds": ["0", "6"]}
     assert [call for call in sandbox.calls("scontrol") if "update" in call] == [
         "scontrol update nodename=hvd-gpu-000000 state=down reason=not registered 45 min after its start: "
-        "deallocated (ProvisioningState/succeeded, PowerState/running)"
+        "deallocated (ProvisioningState/succeeded, PowerState/running)",
+        "scontrol update nodename=hvd-gpu-000006 state=down reason=not registered 50 min after its start: "
+        "deallocated (ProvisioningState/succeeded, PowerState/stopped)",
     ]
     assert "hvd-gpu-000000 not registered 45 min after its start" in power_log(sandbox)
     assert_token_kept_secret(sandbox, result)

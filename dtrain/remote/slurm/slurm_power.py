@@ -118,11 +118,17 @@ def describe(view: dict[str, Any]) -> str:
     return ", ".join(status.get("code", "?") for status in view.get("statuses", [])) or "no status"
 
 
+# Power states in which Azure bills the VM: allocated to a host (a VM stopped from inside is, until deallocated).
+BILLED_POWER_STATES = frozenset(
+    {"PowerState/running", "PowerState/starting", "PowerState/stopping", "PowerState/stopped"}
+)
+
+
 def running_since(view: dict[str, Any]) -> datetime | None:
-    """When a running (or starting) instance was started: the time of its last provisioning operation
-    (a create or a start), as Azure records it; None for an instance that is not running."""
+    """When an instance that Azure bills was started: the time of its last provisioning operation (a
+    create or a start), as Azure records it; None for one that is deallocated (or being deallocated)."""
     codes = {status.get("code", ""): status for status in view.get("statuses", [])}
-    if not {"PowerState/running", "PowerState/starting"} & set(codes):
+    if not BILLED_POWER_STATES & set(codes):
         return None
     stamps = [status.get("time") for code, status in codes.items() if code.startswith("ProvisioningState/")]
     if not stamps or not stamps[0]:
