@@ -509,10 +509,10 @@ def test_autostop_minutes_set_slurms_suspend_time(minutes: str, suspend_time: st
     else:
         assert settings["SuspendTime"] == suspend_time and "SuspendExcParts" not in settings
     assert settings["ResumeProgram"] == "/usr/local/sbin/slurm-resume"
-    # the reaper: an unregistered node has ResumeTimeout, as a resumed one; nodes that came up outside
-    # Slurm are powered down at once only where idle nodes are powered down at all
+    # the reaper: a first boot may take longer to register than a resume (installs, role propagation);
+    # nodes that came up outside Slurm are powered down at once only where idle nodes are powered down at all
     power = json.loads(head_file(deployed, "/etc/slurm/azure-power.json"))
-    assert power["register_timeout_s"] == int(settings["ResumeTimeout"])
+    assert power["register_timeout_s"] == 3600 > int(settings["ResumeTimeout"])
     assert power["power_down_unused"] is (suspend_time is not None)
 
 
