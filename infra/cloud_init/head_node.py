@@ -76,12 +76,11 @@ def render_head_node(
     the cluster's munge key from the Key Vault at key_vault_uri, the power programs acting on
     scale_set_id (both through the identity identity_client_id),
     mounts the NFS export at mount_path, and gives the runs directory there to admin_user (who
-    submits the jobs). register_timeout_s: how long a node may run without registering with Slurm
-    before the timer deallocates it (ResumeTimeout, the bound a resumed node has). power_down_unused:
-    the timer also powers down, at once, registered nodes that came up outside Slurm and sit idle
-    (autostop on; off, idle nodes stay up as asked). spot_scale_set:
-    the Spot nodes' scale set (scale_set_id, node_prefix and the identity_client_id that powers it),
-    powered the same way."""
+    submits the jobs). register_timeout_s: how long a node that Slurm did not start may run without
+    registering before the timer deallocates it. power_down_unused: the timer also powers down, at
+    once, registered nodes that came up outside Slurm and sit idle (autostop on; off, idle nodes stay
+    up as asked). spot_scale_set: the Spot nodes' scale set (scale_set_id, node_prefix and the
+    identity_client_id that powers it), powered the same way."""
     _check_scale_set(scale_set_id, node_prefix)
     if not isinstance(power_down_unused, bool):
         raise ValueError(f"power_down_unused: {power_down_unused!r} is not a bool")

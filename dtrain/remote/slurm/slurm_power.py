@@ -9,7 +9,7 @@ the wrappers slurm-suspend, slurm-resume and slurm-resume-fail, with the nodes a
 and a systemd timer runs `slurm-power reap` every few minutes (slurm-power-reap.timer): a node that
 Azure runs but Slurm holds as powered down (it never registered: a first boot that failed, an
 instance started outside Slurm) is marked DOWN with the reason and deallocated once it has run
-longer than the bound a resumed node has to register (register_timeout_s, Slurm's ResumeTimeout).
+longer than a first boot may take to register (register_timeout_s).
 Slurm itself never suspends such a node: it believes it is off. With power_down_unused (autostop
 on), a node that came up outside Slurm (the scale set's creation: Azure starts every instance) and
 registered is powered down through Slurm at once, unless a job waits; a node that Slurm started for
