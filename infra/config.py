@@ -54,6 +54,12 @@ THIS_NETWORK = ipaddress.IPv4Network("0.0.0.0/8")  # RFC 1122 "this host on this
 MIN_PUBLIC_SSH_PREFIX = 16
 DEFAULT_IMAGE = "microsoft-dsvm:ubuntu-hpc:2204:latest"
 IMAGE_NAME_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # publisher, offer and sku
+# A storage account's ARM id; Azure reads the fixed segments in any case, the name is lower case.
+STORAGE_ACCOUNT_ID = re.compile(
+    r"/subscriptions/[0-9a-fA-F-]{36}/resourceGroups/[-\w.()]{1,90}/providers/Microsoft\.Storage/"
+    r"storageAccounts/(?-i:[a-z0-9]{3,24})",
+    re.IGNORECASE,
+)
 IMAGE_VERSION = re.compile(r"latest|\d+\.\d+\.\d+")  # Azure image versions are major.minor.build
 MAX_NODES = 100  # one placement group, hence one InfiniBand fabric, holds at most 100 VMs
 # Idle minutes before Slurm deallocates a node (0: never). Below the lower bound, a pause between
@@ -169,6 +175,9 @@ class StackConfig(BaseModel):
     default_job_time: str = DEFAULT_JOB_TIME
     max_job_time: str = UNLIMITED
     sas_expiry: datetime
+    # The resource id of a storage account kept by an earlier stack whose `results` container this
+    # cluster writes instead of its own (infra/kept_results.py): None, the stack's own account.
+    kept_results_account: str | None = None
     tags: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("location")
@@ -179,6 +188,16 @@ class StackConfig(BaseModel):
         guess = value.lower().replace(" ", "")
         hint = f"; did you mean {guess!r}?" if guess in AZURE_REGIONS else ""
         raise ValueError(f"must be an Azure region name such as 'eastus' (see infra/data/azure_regions.json){hint}")
+
+    @field_validator("kept_results_account")
+    @classmethod
+    def _kept_account(cls, value: str | None) -> str | None:
+        if value is None or STORAGE_ACCOUNT_ID.fullmatch(value):
+            return value
+        raise ValueError(
+            "must be a storage account's resource id, /subscriptions/<subscription id>/resourceGroups/<group>/"
+            "providers/Microsoft.Storage/storageAccounts/<name> (`az storage account show -n NAME --query id`)"
+        )
 
     @field_validator("admin_user")
     @classmethod

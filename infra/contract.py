@@ -64,6 +64,8 @@ class StackOutput(StrEnum):
     LOCAL_DATA_PATH = "local_data_path"  # on each GPU node's NVMe: `launch --local-copy` copies datasets there
     STORAGE_ACCOUNT = "storage_account"
     BLOB_ENDPOINT = "blob_endpoint"
+    # where `results` lives: blob_endpoint, or the kept account's (keptResultsAccount)
+    RESULTS_BLOB_ENDPOINT = "results_blob_endpoint"
     DATA_CONTAINER = "data_container"
     RESULTS_CONTAINER = "results_container"
     DATA_SAS = "data_sas"  # the only secret output

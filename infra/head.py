@@ -33,6 +33,11 @@ from infra.vm import LinuxVm, LinuxVmArgs, MachineArgs, encode_custom_data
 # and a node still booting is marked DOWN and its job requeued; much longer, and a node that
 # will never come keeps its job waiting.
 RESUME_TIMEOUT_S = 30 * 60
+# How long a node that Slurm did not start (a new scale set's instances: their first boot) may run
+# without registering before the head node deallocates it (slurm-power reap). Longer than
+# ResumeTimeout: a first boot also installs packages and waits for the identity's new role
+# assignments, which Azure may take up to 30 minutes to propagate (the boot steps retry that long).
+REGISTER_TIMEOUT_S = 60 * 60
 # Deallocating a large VM takes minutes; Slurm waits this long before it may start the node again.
 SUSPEND_TIMEOUT_S = 10 * 60
 HEALTH_CHECK_INTERVAL_S = 5 * 60
@@ -120,6 +125,9 @@ class HeadNode(pulumi.ComponentResource):
                     identity_client_id=values[1],
                     node_prefix=args.node_prefix,
                     admin_user=args.admin_user,
+                    register_timeout_s=REGISTER_TIMEOUT_S,
+                    # autostopMinutes 0 keeps idle nodes up: those that came up on their own too
+                    power_down_unused=args.autostop_minutes > 0,
                     spot_scale_set=(
                         {"scale_set_id": values[3], "identity_client_id": values[4], "node_prefix": spot.prefix}
                         if spot

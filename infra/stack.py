@@ -22,6 +22,7 @@ from infra.identity import (
     ScaleSetPowerIdentityArgs,
 )
 from infra.jumpbox import Jumpbox, JumpboxArgs
+from infra.kept_results import KeptResults, KeptResultsArgs, results_container_id
 from infra.key_vault import SlurmKeyVault, SlurmKeyVaultArgs
 from infra.munge import MungeKey
 from infra.network import Network, NetworkArgs
@@ -46,6 +47,7 @@ class _DataSide:
     store: Storage
     registry: Registry
     identity: ClusterIdentity  # the nodes': pulls images, writes results, reads the munge key
+    results_endpoint: pulumi.Input[str]  # the blob endpoint of the account that holds `results`
 
 
 @dataclass(frozen=True)
@@ -101,19 +103,33 @@ def _data_side(base: _Base) -> _DataSide:
         ),
     )
     registry = Registry(prefix, RegistryArgs(**common))
+    containers: dict[str, pulumi.Input[str]] = {name: c.id for name, c in store.containers.items()}
+    results_endpoint: pulumi.Input[str] = store.blob_endpoint
+    if cfg.kept_results_account:
+        # results go to the kept account's container: the nodes and the operator get their roles there
+        containers[f"kept-{RESULTS_CONTAINER}"] = results_container_id(cfg.kept_results_account)
+        kept = KeptResults(
+            f"{prefix}-kept-results",
+            KeptResultsArgs(
+                account_id=cfg.kept_results_account,
+                vnet_id=base.net.vnet.id,
+                subnet_id=base.net.subnet_ids["cluster"],
+                **common,
+            ),
+        )
+        results_endpoint = kept.blob_endpoint
     identity = ClusterIdentity(
         f"{prefix}-cluster",
         ClusterIdentityArgs(
             registry_id=registry.registry.id,
-            results_container_id=store.containers[RESULTS_CONTAINER].id,
+            results_container_id=containers[
+                f"kept-{RESULTS_CONTAINER}" if cfg.kept_results_account else RESULTS_CONTAINER
+            ],
             **common,
         ),
     )
-    OperatorAccess(
-        f"{prefix}-operator",
-        OperatorAccessArgs(container_ids={name: c.id for name, c in store.containers.items()}),
-    )
-    return _DataSide(data_group, store, registry, identity)
+    OperatorAccess(f"{prefix}-operator", OperatorAccessArgs(container_ids=containers))
+    return _DataSide(data_group, store, registry, identity, results_endpoint)
 
 
 def _nfs_server(base: _Base) -> NfsServer:
@@ -225,6 +241,7 @@ def _outputs(
         StackOutput.LOCAL_DATA_PATH: f"{cfg.sku.nvme_mount}/data",
         StackOutput.STORAGE_ACCOUNT: store.account.name,
         StackOutput.BLOB_ENDPOINT: store.blob_endpoint,
+        StackOutput.RESULTS_BLOB_ENDPOINT: data.results_endpoint,
         StackOutput.DATA_CONTAINER: DATA_CONTAINER,
         StackOutput.RESULTS_CONTAINER: RESULTS_CONTAINER,
         StackOutput.DATA_SAS: store.data_sas,

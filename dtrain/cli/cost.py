@@ -14,6 +14,10 @@ exactly the sizes and region the stack uses; `--save [FILE]` keeps what it read 
 which reads every allow-listed GPU size, the default jumpbox, head and NFS sizes, every Premium SSD
 tier and the registry SKU in COMMON_REGIONS, and writes them with the API as their one source.
 
+With `--live`, the GPU rows count the nodes as the cluster's Slurm holds them now (over SSH, from the
+cluster description): running, power-saved, and deallocated for never registering (the head node's
+reaper, dtrain/remote/slurm/slurm_power.py), which `status` lists with the reason.
+
 For a run's record, `node_hour_price(sku, region)` is the price of one GPU node-hour.
 """
 
@@ -40,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from rich.table import Table
 
 from dtrain.cli_common import (
+    add_cluster_option,
     describe_validation_error,
     ensure_directory,
     int_between,
@@ -47,6 +52,9 @@ from dtrain.cli_common import (
     read_json_file,
     read_text_file,
 )
+from dtrain.cluster.description import load
+from dtrain.cluster.slurm import NodeInfo, Slurm
+from dtrain.cluster.ssh import SSH
 from dtrain.errors import ExitCode, OperatorError, explain_os_error
 from dtrain.fileio import atomic_write
 from dtrain.ui import make_console
@@ -292,6 +300,33 @@ class CostEstimate:
         return list(dict.fromkeys(row.quote.source for row in self.rows if row.quote))
 
 
+@dataclass(frozen=True)
+class LiveNodes:
+    """The GPU nodes as the cluster's Slurm holds them now (`cost --live`), per scale set."""
+
+    running: int
+    unregistered: int  # deallocated by the head node's reaper: never registered with Slurm
+    spot_running: int
+    spot_unregistered: int
+
+
+def count_nodes(cfg: StackConfig, nodes: Sequence[NodeInfo]) -> LiveNodes:
+    """Slurm's nodes counted by scale set (by the computer name prefix each carries) and power state."""
+    counts = {kind: [0, 0] for kind in ("gpu", "spot")}
+    for node in nodes:
+        kind = next((k for k in counts if node.name.startswith(f"{cfg.name_prefix}-{k}-")), None)
+        if kind is not None:
+            counts[kind][0] += not node.powered_down
+            counts[kind][1] += node.unregistered
+    return LiveNodes(*counts["gpu"], *counts["spot"])
+
+
+def read_live_nodes(cluster: str | None) -> list[NodeInfo]:
+    desc = load(cluster)
+    with SSH(desc) as ssh:
+        return Slurm(desc, ssh).nodes()
+
+
 def running_nodes(cfg: StackConfig, requested: int | None) -> int:
     if requested is None:
         return cfg.node_count
@@ -300,9 +335,14 @@ def running_nodes(cfg: StackConfig, requested: int | None) -> int:
     return requested
 
 
-def estimate_cost(cfg: StackConfig, table: PriceTable, requested_nodes: int | None = None) -> CostEstimate:
-    """Rows of what the stack costs per hour in its region, with `requested_nodes` GPU nodes up."""
-    region, running = cfg.location, running_nodes(cfg, requested_nodes)
+def estimate_cost(
+    cfg: StackConfig, table: PriceTable, requested_nodes: int | None = None, live: LiveNodes | None = None
+) -> CostEstimate:
+    """Rows of what the stack costs per hour in its region, with `requested_nodes` GPU nodes up, or with
+    the nodes as Slurm holds them (live)."""
+    region = cfg.location
+    running = live.running if live else running_nodes(cfg, requested_nodes)
+    unregistered = live.unregistered if live else 0
     gpu = table.require("vm_hourly", cfg.gpu_sku, region)
     tier = premium_ssd_tier(cfg.nfs_disk_size_gb)
 
@@ -311,8 +351,11 @@ def estimate_cost(cfg: StackConfig, table: PriceTable, requested_nodes: int | No
 
     rows = (
         _row("GPU nodes, running", cfg.gpu_sku, running, gpu, Decimal(1), "h"),
-        CostRow("GPU nodes, power-saved", cfg.gpu_sku, cfg.node_count - running, "$0 (deallocated)", ZERO),
-        *_spot_rows(cfg, table, gpu),
+        CostRow(
+            "GPU nodes, power-saved", cfg.gpu_sku, cfg.node_count - running - unregistered, "$0 (deallocated)", ZERO
+        ),
+        *_unregistered_rows(cfg, live),
+        *_spot_rows(cfg, table, gpu, live.spot_running if live else cfg.spot_node_count),
         vm("head node (slurmctld)", cfg.head_vm_size),
         vm("NFS server", cfg.nfs_vm_size),
         _row(
@@ -336,16 +379,23 @@ def estimate_cost(cfg: StackConfig, table: PriceTable, requested_nodes: int | No
     return CostEstimate(region, rows, table)
 
 
-def _spot_rows(cfg: StackConfig, table: PriceTable, on_demand: Quote) -> list[CostRow]:
-    """The Spot nodes (spotNodeCount), all running, at the table's Spot price; where it has none, at the
-    on-demand price, which a Spot VM never exceeds (its max price is at most that, or -1: up to it)."""
+def _unregistered_rows(cfg: StackConfig, live: LiveNodes | None) -> list[CostRow]:
+    """The nodes the head node deallocated because they never registered: $0, and worth a look in `status`."""
+    count = live.unregistered + live.spot_unregistered if live else 0
+    basis = "$0 (deallocated; `status` says why)"
+    return [CostRow("GPU nodes, never registered", cfg.gpu_sku, count, basis, ZERO)] if count else []
+
+
+def _spot_rows(cfg: StackConfig, table: PriceTable, on_demand: Quote, running: int) -> list[CostRow]:
+    """The running Spot nodes (by default all spotNodeCount) at the table's Spot price; where it has none,
+    at the on-demand price, which a Spot VM never exceeds (its max price is at most that, or -1: up to it)."""
     if not cfg.spot_node_count:
         return []
     quote = table.lookup("vm_spot_hourly", cfg.gpu_sku, cfg.location)
     if quote is None:
-        row = _row("Spot GPU nodes, running", cfg.gpu_sku, cfg.spot_node_count, on_demand, Decimal(1), "h")
+        row = _row("Spot GPU nodes, running", cfg.gpu_sku, running, on_demand, Decimal(1), "h")
         return [dataclasses.replace(row, basis=f"at most ${on_demand.usd}/h (no Spot price in the table)")]
-    return [_row("Spot GPU nodes, running", cfg.gpu_sku, cfg.spot_node_count, quote, Decimal(1), "h")]
+    return [_row("Spot GPU nodes, running", cfg.gpu_sku, running, quote, Decimal(1), "h")]
 
 
 def _row(item: str, size: str, count: int, quote: Quote, hours: Decimal, unit: str) -> CostRow:
@@ -496,6 +546,7 @@ EXAMPLES = """\
 examples:
   python -m dtrain cost                                   # Pulumi.dev.yaml, every GPU node running
   python -m dtrain cost --running-nodes 0                 # all GPU nodes power-saved (idle cluster)
+  python -m dtrain cost --live                            # the GPU nodes as the cluster's Slurm holds them now
   python -m dtrain cost --stack-file Pulumi.prod.yaml --json
   python -m dtrain cost --refresh --save                  # live prices, kept in ~/.cache/azure-horovod
   python -m dtrain cost --prices ~/.cache/azure-horovod/prices.json
@@ -518,12 +569,20 @@ def configure(commands: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help=f"Pulumi stack file (default: {_shown_path(DEFAULT_STACK_FILE)})",
     )
-    parser.add_argument(
+    nodes = parser.add_mutually_exclusive_group()
+    nodes.add_argument(
         "--running-nodes",
         type=int_between(0),
         metavar="N",
         help="GPU nodes up (default: all, nodeCount); the rest are power-saved at $0",
     )
+    nodes.add_argument(
+        "--live",
+        action="store_true",
+        help="count the GPU nodes as the cluster's Slurm holds them now (the cluster description: --cluster FILE): "
+        "running, power-saved, and deallocated for never registering",
+    )
+    add_cluster_option(parser)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prices", type=non_empty, metavar="FILE", help=PRICES_HELP)
     source.add_argument("--refresh", action="store_true", help="read live prices from the Azure Retail Prices API")
@@ -556,7 +615,8 @@ def run_cost(args: argparse.Namespace) -> int:
             print(f"wrote {save_price_table(table, Path(args.save).expanduser())}", file=sys.stderr)
     else:
         table = load_price_table(Path(args.prices).expanduser() if args.prices else PRICES_FILE)
-    estimate = estimate_cost(cfg, table, args.running_nodes)
+    live = count_nodes(cfg, read_live_nodes(getattr(args, "cluster", None))) if args.live else None
+    estimate = estimate_cost(cfg, table, args.running_nodes, live)
     if args.json:
         print(json.dumps(_as_json(estimate, stack_file), indent=2))
     else:

@@ -220,7 +220,13 @@ def run_status(args: argparse.Namespace) -> int:
     if args.json:
         document = {
             "nodes": [
-                {**asdict(n), "powered_down": n.powered_down, "health": health.get(n.name), "boot": boot.get(n.name)}
+                {
+                    **asdict(n),
+                    "powered_down": n.powered_down,
+                    "unregistered": n.unregistered,
+                    "health": health.get(n.name),
+                    "boot": boot.get(n.name),
+                }
                 for n in nodes
             ],
             "queue": [asdict(job) for job in queue],
@@ -279,13 +285,19 @@ def nodes_table(nodes: Sequence[NodeInfo], health: dict[str, dict[str, str]], bo
         table.add_row(
             node.name,
             node.base_state,
-            "powered down" if node.powered_down else "on",
+            power_column(node),
             "" if node.reason in ("", "none") else node.reason,
             *([boot_verdict(boot.get(node.name, {}))] if boot else []),
             f"{verdict} {checks}".strip(),
             _age(report.get("checked_at")),
         )
     return table
+
+
+def power_column(node: NodeInfo) -> str:
+    if node.unregistered:
+        return "[red]deallocated, never registered[/red]"
+    return "powered down" if node.powered_down else "on"
 
 
 def _age(stamp: str | None) -> str:
@@ -304,7 +316,12 @@ def summary(nodes: Sequence[NodeInfo], queue: Sequence[QueuedJob]) -> str:
         key = node.base_state
         states[key] = states.get(key, 0) + 1
     powered = sum(node.powered_down for node in nodes)
+    unregistered = sum(node.unregistered for node in nodes)
     running = sum(job.state == "RUNNING" for job in queue)
     pending = sum(job.state == "PENDING" for job in queue)
     node_text = ", ".join(f"{count} {state}" for state, count in sorted(states.items())) or "none"
-    return f"{len(nodes)} nodes: {node_text}; {powered} powered down; queue: {running} running, {pending} pending"
+    # the ones to look at: their first boot failed (the node's boot log says why)
+    never = f" ({unregistered} deallocated, never registered)" if unregistered else ""
+    return (
+        f"{len(nodes)} nodes: {node_text}; {powered} powered down{never}; queue: {running} running, {pending} pending"
+    )

@@ -336,6 +336,8 @@ class StackOutputs(BaseModel):
     data_path: str
     local_data_path: str
     blob_endpoint: str
+    # absent in a stack deployed before it was an output: results were in blob_endpoint's account
+    results_blob_endpoint: str | None = None
     data_container: str
     results_container: str
     data_sas: SecretStr
@@ -398,7 +400,9 @@ def from_stack_outputs(
             ),
             staging_credential=BlobCredential(kind="entra_id"),
             results=BlobLocation(
-                endpoint=out.blob_endpoint, container=out.results_container, credential=BlobCredential(kind="entra_id")
+                endpoint=out.results_blob_endpoint or out.blob_endpoint,
+                container=out.results_container,
+                credential=BlobCredential(kind="entra_id"),
             ),
             # jobs write their results from the nodes with the cluster's identity: no secret on the cluster
             results_upload=BlobCredential(kind="managed_identity", client_id=out.cluster_identity_client_id),

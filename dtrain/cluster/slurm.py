@@ -26,6 +26,9 @@ ACTIVE_STATES = frozenset(
     {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
      "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "SPECIAL_EXIT"}
 )  # fmt: skip
+# How dtrain/remote/slurm/slurm_power.py's reaper begins the reason of a node it deallocated for not
+# registering (`not registered 35 min after its start: deallocated (<Azure's view>)`).
+UNREGISTERED_REASON = "not registered "
 _SEP = "\x1f"  # between squeue/sinfo fields: never in a job name, a reason or a node name
 # What squeue and scancel say of a job id slurmctld no longer holds: an answer, not a failure.
 _UNKNOWN_JOB = "Invalid job id specified"
@@ -81,6 +84,25 @@ class NodeInfo:
     @property
     def powered_down(self) -> bool:
         return self.state.endswith("~") or "POWERED_DOWN" in self.state.upper()
+
+    @property
+    def unregistered(self) -> bool:
+        """Deallocated by the head node's reaper: Azure ran it, and it never registered with Slurm."""
+        return self.powered_down and self.reason.startswith(UNREGISTERED_REASON)
+
+
+# sinfo's options for NodeInfo's fields, one line per node and partition (parse_nodes reads them)
+NODE_FIELDS = f"--noheader --Node --format={q(_SEP.join(('%N', '%T', '%E', '%c', '%G')))}"
+
+
+def parse_nodes(text: str) -> list[NodeInfo]:
+    """What `sinfo NODE_FIELDS` printed, one NodeInfo per node (a node of two partitions is listed twice)."""
+    seen: dict[str, NodeInfo] = {}
+    for line in text.splitlines():
+        if line.count(_SEP) == 4:
+            node = NodeInfo(*(part.strip() for part in line.split(_SEP)))
+            seen.setdefault(node.name, node)
+    return list(seen.values())
 
 
 def require_slurm(desc: ClusterDescription) -> SlurmAccess:
@@ -166,14 +188,7 @@ class Slurm:
         return dict(line.split(_SEP, 1) for line in text.splitlines() if line.count(_SEP) == 1)
 
     def nodes(self) -> list[NodeInfo]:
-        fields = _SEP.join(("%N", "%T", "%E", "%c", "%G"))
-        text = self._ask(f"sinfo --noheader --Node --partition={q(self.partitions)} --format={q(fields)}").stdout
-        seen: dict[str, NodeInfo] = {}
-        for line in text.splitlines():
-            if line.count(_SEP) == 4:
-                node = NodeInfo(*(part.strip() for part in line.split(_SEP)))
-                seen.setdefault(node.name, node)
-        return list(seen.values())
+        return parse_nodes(self._ask(f"sinfo {NODE_FIELDS} --partition={q(self.partitions)}").stdout)
 
 
 def patiently(ask: Callable[[], T], what: str, patience_s: float = OUTAGE_PATIENCE_S) -> T:

@@ -1,5 +1,6 @@
 """cloud-config for the head node (Ubuntu 22.04, as the nodes' image): slurmctld, the programs
-that power the scale set's nodes down and up, and the shared file system for the login node."""
+that power the scale set's nodes down and up, the timer that deallocates nodes that never
+registered, and the shared file system for the login node."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import re
 from infra.azure_limits import COMPUTER_NAME_PREFIX
 from infra.cloud_init._common import (
     check_client_id,
+    check_int,
     check_path,
     check_user,
     cloud_config,
     munge_key_fetch_file,
     nfs_mount_file,
     read_unit,
+    remote_file,
     render_script,
     start_setup_unit,
     write_file,
@@ -36,6 +39,9 @@ SUSPEND_PROGRAM = "/usr/local/sbin/slurm-suspend"
 RESUME_PROGRAM = "/usr/local/sbin/slurm-resume"
 RESUME_FAIL_PROGRAM = "/usr/local/sbin/slurm-resume-fail"
 POWER_ACTIONS = {SUSPEND_PROGRAM: "suspend", RESUME_PROGRAM: "resume", RESUME_FAIL_PROGRAM: "resume-fail"}
+# `slurm-power reap`, every 5 minutes: deallocates the nodes that Azure runs and Slurm holds as off.
+REAP_UNITS = ("slurm-power-reap.service", "slurm-power-reap.timer")
+UNITS_DIR = "/etc/systemd/system"
 PACKAGES = ["nfs-common", "munge", "slurmctld", "slurm-client"]  # slurm-client: sbatch and friends (login node)
 # A scale set's id as Azure Resource Manager writes it; nothing that would bend the URL built on it.
 _SCALE_SET_ID = re.compile(r"/subscriptions/[^\s/?#]+(/[^\s/?#]+)+")
@@ -65,16 +71,23 @@ def render_head_node(
     identity_client_id: str,
     node_prefix: str,
     admin_user: str,
+    register_timeout_s: int,
+    power_down_unused: bool,
     spot_scale_set: dict[str, str] | None = None,
 ) -> str:
     """cloud-config that installs slurmctld with slurm_conf and gres_conf, the program that fetches
     the cluster's munge key from the Key Vault at key_vault_uri, the power programs acting on
     scale_set_id (both through the identity identity_client_id),
     mounts the NFS export at mount_path, and gives the runs directory there to admin_user (who
-    submits the jobs). spot_scale_set: the Spot nodes' scale set (scale_set_id, node_prefix and the
+    submits the jobs). register_timeout_s: how long a node that Slurm did not start may run without
+    registering before the timer deallocates it. power_down_unused: the timer also powers down, at
+    once, registered nodes that came up outside Slurm and sit idle (autostop on; off, idle nodes stay
+    up as asked). spot_scale_set: the Spot nodes' scale set (scale_set_id, node_prefix and the
     identity_client_id that powers it), powered the same way."""
     _check_scale_set(scale_set_id, node_prefix)
     check_user("admin_user", admin_user)
+    if not isinstance(power_down_unused, bool):
+        raise ValueError(f"power_down_unused: {power_down_unused!r} is not a bool")
     for key, text in (("slurm_conf", slurm_conf), ("gres_conf", gres_conf)):
         if not isinstance(text, str) or not text.endswith("\n"):
             raise ValueError(f"{key}: must be the file's text, ending in a newline")
@@ -83,6 +96,8 @@ def render_head_node(
         "identity_client_id": check_client_id("identity_client_id", identity_client_id),
         "node_prefix": node_prefix,
         "log_file": POWER_LOG_PATH,
+        "register_timeout_s": check_int("register_timeout_s", register_timeout_s, 60, 86400),
+        "power_down_unused": power_down_unused,
     }
     if spot_scale_set is not None:
         _check_scale_set(spot_scale_set["scale_set_id"], spot_scale_set["node_prefix"])
@@ -99,6 +114,7 @@ def render_head_node(
             "REPORT_DIR": BOOT_REPORT_DIR,
         },
     )
+    setup_start = start_setup_unit(HEAD_SETUP_UNIT)
     return cloud_config(
         {
             "package_update": True,
@@ -115,7 +131,10 @@ def render_head_node(
                 write_file(GRES_CONF_PATH, gres_conf, "0644", defer=True),
                 write_file(POWER_CONFIG_PATH, json.dumps(power_config, indent=2) + "\n", "0644", defer=True),
                 munge_key_fetch_file(vault_uri=key_vault_uri, identity_client_id=identity_client_id),
+                *(write_file(f"{UNITS_DIR}/{unit}", remote_file(f"slurm/{unit}"), "0644") for unit in REAP_UNITS),
             ],
-            "runcmd": start_setup_unit(HEAD_SETUP_UNIT),
+            # The reaper's timer before the setup: a head-setup that fails or waits must not leave nodes
+            # billing unseen.
+            "runcmd": [setup_start[0], ["systemctl", "enable", "--now", REAP_UNITS[1]], *setup_start[1:]],
         }
     )

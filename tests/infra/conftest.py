@@ -29,6 +29,11 @@ VALID_CONFIG: dict[str, Any] = {
     "sasExpiry": "P30D",
     "tags": {"costCenter": "ml-research"},
 }
+# A storage account that an earlier stack's `pulumi destroy` kept (keptResultsAccount).
+KEPT_ACCOUNT_ID = (
+    "/subscriptions/00000000-0000-0000-0000-0000000000aa/resourceGroups/hvd-data-rg5e6f7a8b"
+    "/providers/Microsoft.Storage/storageAccounts/hvdsa5e6f7a8b"
+)
 
 
 @dataclass

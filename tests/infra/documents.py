@@ -97,6 +97,8 @@ def head_doc(**overrides: object) -> str:
         "identity_client_id": HEAD_CLIENT_ID,
         "node_prefix": "hvd-gpu-",
         "admin_user": "hpcadmin",
+        "register_timeout_s": 1800,
+        "power_down_unused": True,
     }
     return render_head_node(**{**args, **overrides})  # type: ignore[arg-type]
 

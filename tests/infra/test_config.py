@@ -26,7 +26,7 @@ from infra.config import DERIVED_NAMES, MAX_TAGS, RESERVED_TAGS, ConfigError, lo
 from infra.skus import GPU_SKUS, GpuSku
 from infra.stack import build_stack
 from tests.infra.azure_mocks import AzureMocks
-from tests.infra.conftest import PROJECT, STACK, VALID_CONFIG
+from tests.infra.conftest import KEPT_ACCOUNT_ID, PROJECT, STACK, VALID_CONFIG
 from tests.infra.ssh_keys import ECDSA_P256, ED25519, RSA_1024, RSA_2048, blob, make_key, rsa_with, wire
 
 YESTERDAY = (datetime.now(UTC) - timedelta(days=1)).isoformat()
@@ -173,7 +173,21 @@ NEW_BAD_VALUES = [
     ("maxJobTime", "forever"),
     ("maxJobTime", "0"),
     ("maxJobTime", "7 days"),
+    ("keptResultsAccount", "hvdsa1a2b3c4d"),  # a name, not an id
+    ("keptResultsAccount", "/subscriptions/x/resourceGroups/g/providers/Microsoft.Storage/storageAccounts/hvdsa1"),
+    ("keptResultsAccount", f"{KEPT_ACCOUNT_ID[:-6]}HVDSA1"),  # account names are lower case
+    ("keptResultsAccount", KEPT_ACCOUNT_ID.replace("Microsoft.Storage", "Microsoft.KeyVault")),
+    ("keptResultsAccount", f"{KEPT_ACCOUNT_ID}/blobServices/default/containers/results"),
 ]
+
+
+def test_a_bad_kept_results_account_is_one_error_line() -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_config({**VALID_CONFIG, "keptResultsAccount": "hvdsa1a2b3c4d"}, PROJECT)
+    (line,) = str(raised.value).splitlines()[1:]
+    assert line.startswith(
+        f"  {PROJECT}:keptResultsAccount: got 'hvdsa1a2b3c4d'; must be a storage account's resource id"
+    )
 
 
 def _bad_id(key: str, value: object) -> str:
@@ -241,6 +255,8 @@ def test_rules_across_keys_name_the_key_and_value(overrides: dict[str, str], key
         {"spotNodeCount": "0", "spotMaxPrice": "-1"},
         {"defaultJobTime": "2-00:00:00", "maxJobTime": "2-00:00:00"},  # the default may be the max
         {"defaultJobTime": "90", "maxJobTime": "1-12"},
+        {"keptResultsAccount": KEPT_ACCOUNT_ID},
+        {"keptResultsAccount": KEPT_ACCOUNT_ID.lower()},  # Azure reads an id's fixed segments in any case
     ],
 )
 def test_valid_edges_are_accepted(accepted: dict[str, object]) -> None:

@@ -8,8 +8,10 @@ from typing import Any
 import pytest
 from pulumi.runtime import mocks
 
+from infra.identity import STORAGE_BLOB_DATA_CONTRIBUTOR
 from infra.storage import SOFT_DELETE_DAYS
-from tests.infra.conftest import VALID_CONFIG, Deployment, deploy
+from tests.infra.azure_mocks import OPERATOR_OBJECT_ID
+from tests.infra.conftest import KEPT_ACCOUNT_ID, VALID_CONFIG, Deployment, deploy
 from tests.infra.test_stack import by_name, one
 
 
@@ -50,3 +52,60 @@ def test_destroy_deletes_everything_but_the_data(monkeypatch: pytest.MonkeyPatch
     data_group = by_name(deployment, ":ResourceGroup", "-data-rg")
     assert [r.name for r in deployment.mocks.of_type(":ResourceGroup") if retained[r.name]] == [data_group.name]
     assert sum(not keep for keep in retained.values()) > 20  # the cluster: everything else goes
+
+
+# --- a new cluster writing its results to an account an earlier stack kept (keptResultsAccount) ----------
+
+
+@pytest.fixture(scope="module")
+def kept() -> Deployment:
+    return deploy({**VALID_CONFIG, "keptResultsAccount": KEPT_ACCOUNT_ID})
+
+
+def test_results_go_to_the_kept_account_through_a_private_endpoint(kept: Deployment) -> None:
+    """The kept account's firewall admits only the deleted cluster's subnets, and the stack cannot change
+    it: the cluster subnet reaches its blob service through a private endpoint, whose address a private
+    DNS zone linked to the VNet gives the account's usual name."""
+    endpoint = one(kept, ":PrivateEndpoint")
+    cluster_subnet = by_name(kept, ":Subnet", "-cluster")
+    assert endpoint.inputs["subnet"]["id"] == cluster_subnet.id
+    (connection,) = endpoint.inputs["privateLinkServiceConnections"]
+    assert connection["privateLinkServiceId"] == KEPT_ACCOUNT_ID and connection["groupIds"] == ["blob"]
+    zone = one(kept, ":PrivateZone")
+    assert zone.inputs["privateZoneName"] == "privatelink.blob.core.windows.net" and zone.inputs["location"] == "Global"
+    link = one(kept, ":VirtualNetworkLink")
+    assert link.inputs["virtualNetwork"] == {"id": one(kept, ":VirtualNetwork").id}
+    assert link.inputs["privateZoneName"] == zone.outputs["name"] and link.inputs["registrationEnabled"] is False
+    group = one(kept, ":PrivateDnsZoneGroup")
+    assert group.inputs["privateEndpointName"] == endpoint.outputs["name"]
+    assert group.inputs["privateDnsZoneConfigs"] == [{"name": "blob", "privateDnsZoneId": zone.id}]
+    # the cluster's group holds them: they go with `pulumi destroy`, the kept account stays as it was
+    cluster_group = kept.outputs["resource_group"].value
+    assert {r.inputs["resourceGroupName"] for r in (endpoint, zone, link, group)} == {cluster_group}
+
+
+def test_the_nodes_and_the_operator_write_the_kept_results_container_only(kept: Deployment) -> None:
+    container = f"{KEPT_ACCOUNT_ID}/blobServices/default/containers/results"
+    storage_grants = {
+        (r.inputs["principalId"], r.inputs["scope"])
+        for r in kept.mocks.of_type(":RoleAssignment")
+        if r.inputs["roleDefinitionId"].endswith(STORAGE_BLOB_DATA_CONTRIBUTOR)
+    }
+    nodes = by_name(kept, ":UserAssignedIdentity", "-cluster-").outputs["principalId"]
+    own = {r.inputs["containerName"]: r.id for r in kept.mocks.of_type(":BlobContainer")}
+    assert storage_grants == {
+        (nodes, container),  # not the new, empty results container
+        (OPERATOR_OBJECT_ID, container),
+        (OPERATOR_OBJECT_ID, own["data"]),
+        (OPERATOR_OBJECT_ID, own["results"]),
+    }
+
+
+def test_the_description_points_results_at_the_kept_account(kept: Deployment, deployment: Deployment) -> None:
+    outputs = {name: value.value for name, value in kept.outputs.items()}
+    assert all(value.known for value in kept.outputs.values())
+    assert outputs["results_blob_endpoint"] == "https://hvdsa5e6f7a8b.blob.core.windows.net/"
+    assert outputs["blob_endpoint"] != outputs["results_blob_endpoint"]  # data stays in the new account
+    # without the key: the stack's own account, and no endpoint or zone
+    assert deployment.outputs["results_blob_endpoint"].value == deployment.outputs["blob_endpoint"].value
+    assert not deployment.mocks.of_type(":PrivateEndpoint") and not deployment.mocks.of_type(":PrivateZone")

@@ -10,18 +10,21 @@ Manager on a local HTTP server).
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
@@ -29,12 +32,19 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import yaml
+from rich.console import Console
 
+from dtrain.cli.cost import count_nodes, estimate_cost, load_price_table
+from dtrain.cli.jobs import nodes_table, summary
+from dtrain.cluster.slurm import NODE_FIELDS, parse_nodes
+from dtrain.local.slurm import override
 from infra.cloud_init import render_gres_conf, render_health_check
 from infra.cloud_init._common import MUNGE_KEY_FETCH_PATH, MUNGE_KEY_PATH
 from infra.cloud_init.head_node import POWER_ACTIONS, POWER_CONFIG_PATH, POWER_LOG_PATH, POWER_PROGRAM_PATH
 from infra.cloud_init.slurm import JobTimeLimits, NodeSet
+from infra.config import parse_config
 from infra.contract import HEALTH_REPORT_DIR, SRUN_PORTS
+from tests.infra.conftest import PROJECT, VALID_CONFIG
 from tests.infra.documents import (
     CLIENT_ID,
     HEAD_CLIENT_ID,
@@ -49,7 +59,7 @@ from tests.infra.documents import (
     script_of,
     slurm_conf,
 )
-from tests.infra.sandbox import Sandbox, add_port, shell_value, with_value
+from tests.infra.sandbox import Sandbox, add_port, shell_value, tool, with_value
 from tests.local_http import reply_json, serving
 
 HEALTH_CHECK = "/usr/local/sbin/slurm-health-check"
@@ -731,19 +741,28 @@ def azure() -> Iterator[FakeAzure]:
         yield fake
 
 
-def run_power(sandbox: Sandbox, azure: FakeAzure, *argv: str) -> subprocess.CompletedProcess[str]:
-    config = json.loads(script_of(head_doc(), POWER_CONFIG_PATH))
+def run_power(
+    sandbox: Sandbox, azure: FakeAzure, *argv: str, slurm_conf: Path | None = None, config: dict[str, Any] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The power program against the fake Azure, with the head node's power config (and `config`'s
+    changes); with slurm_conf, against that real slurmctld instead of a stub scontrol."""
     log = sandbox.root / "power.log"
-    config.update(arm_endpoint=azure.endpoint, imds_endpoint=azure.endpoint, retry_seconds=0, log_file=str(log))
+    config = {
+        **json.loads(script_of(head_doc(), POWER_CONFIG_PATH)),
+        **(config or {}),
+        **{"arm_endpoint": azure.endpoint, "imds_endpoint": azure.endpoint, "retry_seconds": 0, "log_file": str(log)},
+    }
     path = sandbox.root / "azure-power.json"
     path.write_text(json.dumps(config))
-    # scontrol show hostnames: the nodes of a bracketed hostlist are in the state file.
-    sandbox.stub(
-        "scontrol",
-        'if [ "$1 $2" = "show hostnames" ]; then tr "," "\\n" <<<"$3"; fi',
-    )
+    if slurm_conf is None and not (sandbox.bin / "scontrol").exists():
+        # scontrol show hostnames: the nodes of a bracketed hostlist are in the state file.
+        sandbox.stub(
+            "scontrol",
+            'if [ "$1 $2" = "show hostnames" ]; then tr "," "\\n" <<<"$3"; fi',
+        )
     program = script_of(head_doc(), POWER_PROGRAM_PATH)
-    return sandbox.run(program, {"SLURM_POWER_CONFIG": str(path)}, argv=argv, interpreter=sys.executable)
+    env = {"SLURM_POWER_CONFIG": str(path), **({"SLURM_CONF": str(slurm_conf)} if slurm_conf else {})}
+    return sandbox.run(program, env, argv=argv, interpreter=sys.executable)
 
 
 def power_log(sandbox: Sandbox) -> str:
@@ -772,7 +791,12 @@ def test_power_program_acts_on_the_instances_named_by_the_nodes(
     assert arm.headers["Authorization"] == f"Bearer {TOKEN}"
     # Instance ids are the names' base-36 suffixes.
     assert arm.body == {"instanceIds": ["0", "1", "10", "36"]}
-    assert sandbox.calls("scontrol") == [f"scontrol show hostnames {nodes}"]
+    # resume marks the nodes Slurm started (they keep the autostop time); suspend clears the mark
+    comment = "started-by-slurm" if action == "resume" else ""
+    assert sandbox.calls("scontrol") == [
+        f"scontrol show hostnames {nodes}",
+        f"scontrol update nodename={nodes} comment={comment}",
+    ]
     assert_token_kept_secret(sandbox, result)
 
 
@@ -782,7 +806,7 @@ def test_failed_resume_marks_the_nodes_down_at_once(sandbox: Sandbox, azure: Fak
     result = run_power(sandbox, azure, "resume", "hvd-gpu-000002")
     assert result.returncode == 1
     assert len(azure.arm_calls()) == 1  # a refusal is not retried
-    (update,) = [call for call in sandbox.calls("scontrol") if "update" in call]
+    (update,) = [call for call in sandbox.calls("scontrol") if "state=down" in call]
     assert update.startswith("scontrol update nodename=hvd-gpu-000002 state=down reason=resume failed: ")
     assert "HTTP 403 AuthorizationFailed: no start/action on this scope" in update
     assert "AuthorizationFailed" in power_log(sandbox)
@@ -842,8 +866,275 @@ def test_power_program_survives_slurmctlds_closed_descriptors(sandbox: Sandbox, 
 def test_power_program_usage(sandbox: Sandbox, azure: FakeAzure) -> None:
     result = run_power(sandbox, azure, "reboot", "hvd-gpu-000000")
     assert result.returncode == 2
-    assert "suspend|resume|resume-fail" in result.stderr
+    assert "suspend|resume|resume-fail" in result.stderr and "reap" in result.stderr
     assert azure.calls == []
+
+
+# --- the reaper: nodes that Azure runs and Slurm holds as powered down --------------------------
+
+
+def started(minutes_ago: float, power: str = "running") -> dict[str, Any]:
+    """An instance view as Azure writes it: the last provisioning operation's time, in 100 ns digits."""
+    when = datetime.now(UTC) - timedelta(minutes=minutes_ago)
+    stamp = when.strftime("%Y-%m-%dT%H:%M:%S.%f") + "1+00:00"
+    return {
+        "statuses": [
+            {"code": "ProvisioningState/succeeded", "time": stamp},
+            {"code": f"PowerState/{power}"},
+        ]
+    }
+
+
+def shown(node: str, state: str, comment: str = "", reason: str = "") -> str:
+    """A node as `scontrol --oneliner show node` prints it: the fields the power program reads, a comment
+    only where one is set, and a reason (free text, last)."""
+    note = f" Comment={comment}" if comment else ""
+    return f"NodeName={node} Arch=x86_64 State={state}{note} Reason={reason or 'none'} State=BOGUS\n"
+
+
+def stub_slurm(sandbox: Sandbox, nodes: str, later: str | None = None, pending: str = "") -> None:
+    """scontrol lists `nodes` (shown() lines), and `later` when asked again about some of them; squeue
+    lists the `pending` job ids; scontrol update only logs its call."""
+    for name, text in (("nodes", nodes), ("nodes-later", nodes if later is None else later), ("pending", pending)):
+        (sandbox.state / name).write_text(text)
+    sandbox.stub(
+        "scontrol",
+        'case "$*" in\n'
+        '  "show hostnames "*) tr "," "\\n" <<<"$3" ;;\n'
+        '  "--oneliner show node") cat "$STUB_STATE/nodes" ;;\n'
+        '  "--oneliner show node "*) cat "$STUB_STATE/nodes-later" ;;\n'
+        "esac",
+    )
+    sandbox.stub("squeue", 'cat "$STUB_STATE/pending"')
+
+
+def test_reap_deallocates_only_nodes_running_unregistered_past_the_bound(sandbox: Sandbox, azure: FakeAzure) -> None:
+    stub_slurm(
+        sandbox,
+        # 000003 registered and runs a job; 000004 is being powered up by Slurm; 000005 is on its way down
+        shown("hvd-gpu-000000", "IDLE+CLOUD+POWERED_DOWN")
+        + shown("hvd-gpu-000001", "IDLE+CLOUD+POWERED_DOWN")
+        + shown("hvd-gpu-000002", "DOWN+CLOUD+POWERED_DOWN", reason="resume timed out: State=x")
+        + shown("hvd-gpu-000003", "MIXED+CLOUD")
+        + shown("hvd-gpu-000004", "IDLE+CLOUD+POWERED_DOWN+POWERING_UP")
+        + shown("hvd-gpu-000005", "IDLE+CLOUD+POWERED_DOWN+POWERING_DOWN")
+        + shown("hvd-gpu-000006", "IDLE+CLOUD+POWERED_DOWN"),
+    )
+    azure.answers["GET /virtualMachines/0/instanceView"] = [(200, started(45))]
+    azure.answers["GET /virtualMachines/1/instanceView"] = [(200, started(5))]  # still within the bound
+    azure.answers["GET /virtualMachines/2/instanceView"] = [(200, started(300, power="deallocated"))]
+    # shut down from inside, still allocated to its host: Azure bills it as if it ran
+    azure.answers["GET /virtualMachines/6/instanceView"] = [(200, started(50, power="stopped"))]
+    result = run_power(sandbox, azure, "reap")
+    assert result.returncode == 0, result.stderr + power_log(sandbox)
+    assert [(call.method, call.path.removeprefix(SCALE_SET_ID)) for call in azure.arm_calls()] == [
+        ("GET", "/virtualMachines/0/instanceView"),
+        ("GET", "/virtualMachines/1/instanceView"),
+        ("GET", "/virtualMachines/2/instanceView"),
+        ("GET", "/virtualMachines/6/instanceView"),
+        ("POST", "/deallocate"),
+    ]
+    assert azure.arm_calls()[-1].body == {"instanceIds": ["0", "6"]}
+    assert [call for call in sandbox.calls("scontrol") if "update" in call] == [
+        "scontrol update nodename=hvd-gpu-000000 state=down reason=not registered 45 min after its start: "
+        "deallocated (ProvisioningState/succeeded, PowerState/running)",
+        "scontrol update nodename=hvd-gpu-000006 state=down reason=not registered 50 min after its start: "
+        "deallocated (ProvisioningState/succeeded, PowerState/stopped)",
+    ]
+    assert "hvd-gpu-000000 not registered 45 min after its start" in power_log(sandbox)
+    assert_token_kept_secret(sandbox, result)
+
+
+def test_reap_leaves_a_node_that_slurm_began_to_resume(sandbox: Sandbox, azure: FakeAzure) -> None:
+    stub_slurm(
+        sandbox,
+        shown("hvd-gpu-000000", "IDLE+CLOUD+POWERED_DOWN"),
+        later=shown("hvd-gpu-000000", "IDLE+CLOUD+POWERED_DOWN+POWERING_UP"),
+    )
+    azure.answers["GET /virtualMachines/0/instanceView"] = [(200, started(45))]
+    result = run_power(sandbox, azure, "reap")
+    assert result.returncode == 0, power_log(sandbox)
+    assert [call.method for call in azure.arm_calls()] == ["GET"]
+    assert not [call for call in sandbox.calls("scontrol") if "update" in call]
+
+
+def test_reap_goes_on_past_an_instance_azure_cannot_show(sandbox: Sandbox, azure: FakeAzure) -> None:
+    stub_slurm(
+        sandbox, shown("hvd-gpu-000000", "IDLE+CLOUD+POWERED_DOWN") + shown("hvd-gpu-000001", "IDLE+CLOUD+POWERED_DOWN")
+    )
+    azure.answers["GET /virtualMachines/0/instanceView"] = [(404, {"error": {"code": "NotFound", "message": "gone"}})]
+    azure.answers["GET /virtualMachines/1/instanceView"] = [(200, started(31))]
+    result = run_power(sandbox, azure, "reap")
+    assert result.returncode == 0, power_log(sandbox)
+    assert azure.arm_calls()[-1].body == {"instanceIds": ["1"]}
+    assert "hvd-gpu-000000: no instance view: GET" in power_log(sandbox)
+
+
+@pytest.mark.parametrize(
+    ("comment", "pending", "expected"),
+    [
+        ("", "", ["scontrol update nodename=hvd-gpu-000000,hvd-gpu-000002 state=power_down"]),
+        ("started-by-slurm", "", ["scontrol update nodename=hvd-gpu-000002 state=power_down"]),
+        ("", "42\n", []),  # a job waits: Slurm may give it these nodes
+    ],
+    ids=["came-up-on-their-own", "one-started-for-a-job", "a-job-waits"],
+)
+def test_reap_powers_down_at_once_idle_nodes_that_came_up_outside_slurm(
+    sandbox: Sandbox, azure: FakeAzure, comment: str, pending: str, expected: list[str]
+) -> None:
+    """Registered, idle and not started by Slurm (the scale set's creation starts every instance): powered
+    down through Slurm (its SuspendProgram deallocates them) at once, not after the autostop time."""
+    stub_slurm(
+        sandbox,
+        shown("hvd-gpu-000000", "IDLE+CLOUD", comment=comment)
+        + shown("hvd-gpu-000001", "MIXED+CLOUD")  # a job runs there
+        + shown("hvd-gpu-000002", "IDLE+CLOUD")
+        + shown("hvd-gpu-000003", "IDLE+DRAIN+CLOUD", reason="operator: bad DIMM")
+        + shown("hvd-gpu-000004", "IDLE+CLOUD+PLANNED"),  # the backfill scheduler holds it for a job
+        pending=pending,
+    )
+    result = run_power(sandbox, azure, "reap")
+    assert result.returncode == 0, result.stderr + power_log(sandbox)
+    assert [call for call in sandbox.calls("scontrol") if "update" in call] == expected
+    assert azure.arm_calls() == []  # Slurm powers them down, through the SuspendProgram
+
+
+def test_reap_leaves_idle_nodes_up_when_autostop_is_off(sandbox: Sandbox, azure: FakeAzure) -> None:
+    stub_slurm(sandbox, shown("hvd-gpu-000000", "IDLE+CLOUD"))
+    result = run_power(sandbox, azure, "reap", config={"power_down_unused": False})
+    assert result.returncode == 0, power_log(sandbox)
+    assert [call for call in sandbox.calls("scontrol") if "update" in call] == []
+
+
+@dataclass
+class Controller:
+    """A real slurmctld (with its munged) for the Azure-rendered slurm.conf, on loopback, no slurmd."""
+
+    conf: Path
+
+    def run(self, *argv: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30, check=False)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def controller(tmp_path: Path) -> Iterator[Controller]:
+    if os.geteuid() != 0:
+        pytest.fail("a real slurmctld needs root here (its own hostname through unshare), as the local cluster does")
+    root = tmp_path / "ctld"
+    (root / "state").mkdir(parents=True)
+    key = root / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    socket_path = root / "munge.socket"
+    conf = override(
+        slurm_conf(
+            controller_host="head",
+            controller_address="127.0.0.1",
+            nodes=NodeSet(names=["hvd-gpu-000000", "hvd-gpu-000001"], cpus=2, real_memory_mb=1024, gpus=0),
+            state_save_dir=str(root / "state"),
+            epilog=None,
+        ),
+        {
+            "SlurmUser": "root",
+            "AuthInfo": f"socket={socket_path}",
+            "SlurmctldPort": str(free_port()),
+            "SlurmdPort": str(free_port()),
+            "SlurmctldPidFile": str(root / "slurmctld.pid"),
+            "MailProg": "/bin/true",
+        },
+    )
+    (root / "slurm.conf").write_text(conf)
+    munge_argv = [tool("munged"), "--foreground", f"--key-file={key}", f"--socket={socket_path}"]
+    munge_argv += [f"--pid-file={root / 'munged.pid'}", f"--seed-file={root / 'munged.seed'}", "--force"]
+    ctld_argv = ["unshare", "--uts", "sh", "-c", f'hostname head && exec {tool("slurmctld")} -D -f "$0"']
+    with open(root / "daemons.log", "wb") as log:
+        daemons = [subprocess.Popen(munge_argv, stdout=log, stderr=log)]
+        try:
+            wait_until(lambda: socket_path.exists(), "munged's socket")
+            daemons.append(subprocess.Popen([*ctld_argv, str(root / "slurm.conf")], stdout=log, stderr=log))
+            ctld = Controller(root / "slurm.conf")
+            wait_until(lambda: ctld.run("scontrol", "ping").returncode == 0, "slurmctld answers")
+            yield ctld
+        finally:
+            for daemon in reversed(daemons):
+                daemon.terminate()
+                daemon.wait(timeout=30)
+
+
+def wait_until(probe: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not probe():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.0f} s: {what}")
+        time.sleep(0.2)
+
+
+def test_unregistered_node_is_deallocated_and_status_says_so(
+    sandbox: Sandbox, azure: FakeAzure, controller: Controller
+) -> None:
+    """A real slurmctld holds both CLOUD nodes as powered down (neither slurmd ever registered), while
+    Azure runs one of them since its first boot 40 minutes ago: that one is deallocated and DOWN with
+    the reason, and `status` shows it powered down with that reason; the other, off in Azure, is left."""
+    azure.answers["GET /virtualMachines/0/instanceView"] = [(200, started(40))]
+    azure.answers["GET /virtualMachines/1/instanceView"] = [(200, started(40, power="deallocated"))]
+    result = run_power(sandbox, azure, "reap", slurm_conf=controller.conf)
+    assert result.returncode == 0, result.stderr + power_log(sandbox)
+    assert azure.arm_calls()[-1].body == {"instanceIds": ["0"]}
+
+    text = controller.run("sinfo", *shlex.split(NODE_FIELDS)).stdout
+    nodes = {node.name: node for node in parse_nodes(text)}
+    reaped, off = nodes["hvd-gpu-000000"], nodes["hvd-gpu-000001"]
+    assert (reaped.base_state, reaped.powered_down, reaped.unregistered) == ("down", True, True)
+    assert reaped.reason.startswith("not registered 40 min after its start: deallocated (ProvisioningState/")
+    assert (off.base_state, off.powered_down, off.unregistered) == ("idle", True, False)
+    table = render_table(nodes_table(list(nodes.values()), {}))
+    assert "deallocated, never registered" in table and "not registered 40 min after its start" in table
+    assert "2 powered down (1 deallocated, never registered)" in summary(list(nodes.values()), [])
+    # `cost --live` counts it apart, at $0, beside the power-saved one
+    cfg = parse_config({**VALID_CONFIG, "nodeCount": "2", "namePrefix": "hvd"}, PROJECT)
+    rows = {row.item: row for row in estimate_cost(cfg, load_price_table(), live=count_nodes(cfg, nodes.values())).rows}
+    assert [
+        (rows[item].count, rows[item].usd_per_hour) for item in ("GPU nodes, running", "GPU nodes, power-saved")
+    ] == [
+        (0, 0),
+        (1, 0),
+    ]
+    assert rows["GPU nodes, never registered"].count == 1 and rows["GPU nodes, never registered"].usd_per_hour == 0
+    # the next round finds it off in Azure and leaves it be
+    azure.calls.clear()
+    azure.answers["GET /virtualMachines/0/instanceView"] = [(200, started(0, power="deallocated"))]
+    azure.answers["GET /virtualMachines/1/instanceView"] = [(200, started(40, power="deallocated"))]
+    assert run_power(sandbox, azure, "reap", slurm_conf=controller.conf).returncode == 0
+    assert [call.method for call in azure.arm_calls()] == ["GET", "GET"]
+
+
+def test_resume_marks_the_nodes_it_starts_and_suspend_clears_the_mark(
+    sandbox: Sandbox, azure: FakeAzure, controller: Controller
+) -> None:
+    """The comment survives in a real slurmctld (a reason would not survive registration)."""
+
+    def comment() -> str:
+        shown = controller.run("scontrol", "--oneliner", "show", "node", "hvd-gpu-000001").stdout
+        return shown.split(" Comment=", 1)[1].split()[0] if " Comment=" in shown else ""  # shown only when set
+
+    assert run_power(sandbox, azure, "resume", "hvd-gpu-000001", slurm_conf=controller.conf).returncode == 0
+    assert comment() == "started-by-slurm"
+    assert run_power(sandbox, azure, "suspend", "hvd-gpu-000001", slurm_conf=controller.conf).returncode == 0
+    assert comment() == ""
+    assert "could not set the comment" not in power_log(sandbox)
+
+
+def render_table(table: Any) -> str:
+    console = Console(width=400, record=True, file=io.StringIO())
+    console.print(table)
+    return console.export_text()
 
 
 # --- the head node's cloud-config --------------------------------------------------------------
@@ -857,9 +1148,11 @@ def test_head_node_installs_the_controller_and_its_files_after_the_packages() ->
     for path, expected in (("/etc/slurm/slurm.conf", slurm_conf()), ("/etc/slurm/gres.conf", render_gres_conf(8))):
         assert files[path]["content"] == expected
         assert (files[path]["defer"], files[path]["owner"], files[path]["permissions"]) == (True, "root:root", "0644")
-    # head-setup.service runs head-setup at every boot until it has succeeded (tests/infra/test_boot_steps.py)
+    # the timer that deallocates unregistered nodes is on before head-setup.service, which runs head-setup
+    # at every boot until it has succeeded (tests/infra/test_boot_steps.py), and may fail or wait
     assert parsed["runcmd"] == [
         ["systemctl", "daemon-reload"],
+        ["systemctl", "enable", "--now", "slurm-power-reap.timer"],
         ["systemctl", "enable", "--now", "--no-block", "head-setup.service"],
     ]
     assert "ExecStart=/usr/local/sbin/head-setup" in files["/etc/systemd/system/head-setup.service"]["content"]
@@ -931,6 +1224,15 @@ def test_munge_key_comes_from_key_vault_with_the_nodes_identity(sandbox: Sandbox
         assert "could not read secret slurm-munge-key" in result.stderr
 
 
+def test_the_reaper_runs_every_5_minutes_as_slurm_through_the_power_program() -> None:
+    files = files_of(head_doc())
+    service = files["/etc/systemd/system/slurm-power-reap.service"]["content"]
+    timer = files["/etc/systemd/system/slurm-power-reap.timer"]["content"]
+    assert f"ExecStart={POWER_PROGRAM_PATH} reap" in service.splitlines()
+    assert "User=slurm" in service.splitlines() and "Type=oneshot" in service.splitlines()
+    assert {"OnBootSec=5min", "OnUnitActiveSec=5min", "WantedBy=timers.target"} <= set(timer.splitlines())
+
+
 def test_power_programs_are_wrappers_of_the_one_program() -> None:
     files = files_of(head_doc())
     for path, action in POWER_ACTIONS.items():
@@ -944,6 +1246,8 @@ def test_power_programs_are_wrappers_of_the_one_program() -> None:
         "identity_client_id": HEAD_CLIENT_ID,
         "node_prefix": "hvd-gpu-",
         "log_file": POWER_LOG_PATH,
+        "register_timeout_s": 1800,
+        "power_down_unused": True,
     }
 
 

@@ -508,12 +508,18 @@ def test_node_names_are_the_scale_sets_computer_names() -> None:
 
 @pytest.mark.parametrize(("minutes", "suspend_time"), [("0", None), ("10", "600"), ("1440", "86400")])
 def test_autostop_minutes_set_slurms_suspend_time(minutes: str, suspend_time: str | None) -> None:
-    settings = slurm_settings(deploy({**VALID_CONFIG, "autostopMinutes": minutes}))
+    deployed = deploy({**VALID_CONFIG, "autostopMinutes": minutes})
+    settings = slurm_settings(deployed)
     if suspend_time is None:  # never: the partition is excluded from suspending
         assert settings["SuspendExcParts"] == "gpu"
     else:
         assert settings["SuspendTime"] == suspend_time and "SuspendExcParts" not in settings
     assert settings["ResumeProgram"] == "/usr/local/sbin/slurm-resume"
+    # the reaper: a first boot may take longer to register than a resume (installs, role propagation);
+    # nodes that came up outside Slurm are powered down at once only where idle nodes are powered down at all
+    power = json.loads(head_file(deployed, "/etc/slurm/azure-power.json"))
+    assert power["register_timeout_s"] == 3600 > int(settings["ResumeTimeout"])
+    assert power["power_down_unused"] is (suspend_time is not None)
 
 
 def test_munge_key_goes_to_key_vault_and_never_into_custom_data(deployment: Deployment) -> None:

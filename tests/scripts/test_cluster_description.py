@@ -294,6 +294,16 @@ def test_a_login_host_that_is_the_jump_host_is_reached_directly(tmp_path):
     assert err.value.exit_code == 3
 
 
+def test_results_go_where_the_stack_says_a_kept_account_or_its_own(tmp_path):
+    kept = "https://hvdoldsa9e8d7c.blob.core.windows.net/"
+    key = private_key_file(tmp_path)
+    desc = cl.from_stack_outputs({**OUTPUTS, "results_blob_endpoint": kept}, "dev", ssh_key=key)
+    assert desc.results.url == f"{kept}results" and desc.data.url.startswith(OUTPUTS["blob_endpoint"])
+    # a stack deployed before the output existed: results in its own account
+    older = {name: value for name, value in OUTPUTS.items() if name != "results_blob_endpoint"}
+    assert cl.from_stack_outputs(older, "dev", ssh_key=key).results.url == f"{OUTPUTS['blob_endpoint']}results"
+
+
 def test_every_output_the_cli_reads_is_one_the_stack_declares():
     # infra/contract.py names the stack's outputs; the CLI must not read one the stack never exports,
     # and the recorded outputs the tests use are exactly the stack's.

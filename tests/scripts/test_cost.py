@@ -185,8 +185,17 @@ def test_a_disk_tier_the_table_lacks_is_named(capsys, tmp_path):
         (("--running-nodes", "-1"), "argument --running-nodes: must be a whole number >= 0, got '-1'"),
         (("--save", "x.json"), "error: --save and --full-table go with --refresh"),
         (("--prices", "p.json", "--refresh"), "argument --refresh: not allowed with argument --prices"),
+        (("--live", "--running-nodes", "1"), "argument --running-nodes: not allowed with argument --live"),
+        (("--live", "--cluster", "/nonexistent/cluster.json"), "error: no cluster description at /nonexistent/"),
     ],
-    ids=["above-node-count", "negative", "save-without-refresh", "prices-and-refresh"],
+    ids=[
+        "above-node-count",
+        "negative",
+        "save-without-refresh",
+        "prices-and-refresh",
+        "live-and-count",
+        "live-no-desc",
+    ],
 )
 def test_bad_flags_are_refused(capsys, args, message):
     code, out, err = run_cost(capsys, *args)

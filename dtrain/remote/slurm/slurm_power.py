@@ -6,6 +6,15 @@ the wrappers slurm-suspend, slurm-resume and slurm-resume-fail, with the nodes a
 
     slurm-power suspend|resume|resume-fail hvd-gpu-[000000-000003]
 
+and a systemd timer runs `slurm-power reap` every few minutes (slurm-power-reap.timer): a node that
+Azure runs but Slurm holds as powered down (it never registered: a first boot that failed, an
+instance started outside Slurm) is marked DOWN with the reason and deallocated once it has run
+longer than a first boot may take to register (register_timeout_s).
+Slurm itself never suspends such a node: it believes it is off. With power_down_unused (autostop
+on), a node that came up outside Slurm (the scale set's creation: Azure starts every instance) and
+registered is powered down through Slurm at once, unless a job waits; a node that Slurm started for
+a job (its resume leaves a comment on it) keeps the autostop time after its jobs.
+
 It acts through the head node's user-assigned identity (an IMDS token for Azure Resource Manager),
 whose only rights are a custom role on the scale set: start, deallocate, read an instance's view.
 A scale set's node is named computerNamePrefix + its instance id in base 36 (six digits), so
@@ -28,6 +37,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from datetime import UTC, datetime
 from typing import Any
 
 CONFIG_PATH = os.environ.get("SLURM_POWER_CONFIG", "/etc/slurm/azure-power.json")
@@ -39,6 +49,10 @@ INSTANCE_SUFFIX_DIGITS = 6  # base-36 digits after computerNamePrefix
 ATTEMPTS = 4
 RETRY_SECONDS = 15
 HTTP_TIMEOUT_SECONDS = 60
+# How a node's reason begins once the reaper has deallocated it (dtrain/cluster/slurm.py reads it).
+UNREGISTERED = "not registered"
+# The comment resume leaves on the nodes it starts; suspend clears it (the reaper reads it).
+STARTED_BY_SLURM = "started-by-slurm"
 RETRIED_STATUSES = frozenset({409, 429, 500, 502, 503, 504})  # conflicts (a deallocation still running) and throttling
 
 log = logging.getLogger("slurm-power")
@@ -92,10 +106,43 @@ class ScaleSet:
     def deallocate(self, instance_ids: list[str]) -> None:
         self.call("POST", "/deallocate", {"instanceIds": instance_ids})
 
+    def instance_view(self, instance_id: str) -> dict[str, Any]:
+        return self.call("GET", f"/virtualMachines/{instance_id}/instanceView")
+
     def states(self, instance_id: str) -> str:
         """Azure's view of one instance, e.g. 'ProvisioningState/failed/AllocationFailed, PowerState/stopped'."""
-        view = self.call("GET", f"/virtualMachines/{instance_id}/instanceView")
-        return ", ".join(status.get("code", "?") for status in view.get("statuses", [])) or "no status"
+        return describe(self.instance_view(instance_id))
+
+
+def describe(view: dict[str, Any]) -> str:
+    return ", ".join(status.get("code", "?") for status in view.get("statuses", [])) or "no status"
+
+
+# Power states in which Azure bills the VM: allocated to a host (a VM stopped from inside is, until deallocated).
+BILLED_POWER_STATES = frozenset(
+    {"PowerState/running", "PowerState/starting", "PowerState/stopping", "PowerState/stopped"}
+)
+
+
+def running_since(view: dict[str, Any]) -> datetime | None:
+    """When an instance that Azure bills was started: the time of its last provisioning operation (a
+    create or a start), as Azure records it; None for one that is deallocated (or being deallocated)."""
+    codes = {status.get("code", ""): status for status in view.get("statuses", [])}
+    if not BILLED_POWER_STATES & set(codes):
+        return None
+    stamps = [status.get("time") for code, status in codes.items() if code.startswith("ProvisioningState/")]
+    if not stamps or not stamps[0]:
+        return datetime.now(UTC)  # no record of the start: count from now rather than guess
+    return datetime.fromisoformat(_six_digit_fraction(stamps[0]).replace("Z", "+00:00"))
+
+
+def _six_digit_fraction(stamp: str) -> str:
+    """Azure writes 100 ns fractions ('...:05.1234567+00:00'); Python 3.10 reads exactly three or six digits."""
+    head, dot, rest = stamp.partition(".")
+    if not dot:
+        return stamp
+    digits = len(rest) - len(rest.lstrip("0123456789"))
+    return f"{head}.{rest[:digits][:6].ljust(6, '0')}{rest[digits:]}"
 
 
 def _send(request: urllib.request.Request, retry_seconds: float) -> dict[str, Any]:
@@ -144,8 +191,12 @@ def scale_sets(config: dict[str, Any]) -> list[ScaleSet]:
 
 def by_scale_set(sets: list[ScaleSet], hostlist: str) -> list[tuple[ScaleSet, list[str]]]:
     """The hostlist's nodes grouped by the scale set whose prefix they carry (Slurm mixes both kinds)."""
+    return group_nodes(sets, expand(hostlist))
+
+
+def group_nodes(sets: list[ScaleSet], nodes: list[str]) -> list[tuple[ScaleSet, list[str]]]:
     groups: dict[int, list[str]] = {}
-    for node in expand(hostlist):
+    for node in nodes:
         # the longest prefix that fits; a node of neither is refused by the first set's instance_id
         index = max(
             range(len(sets)), key=lambda i: len(sets[i].node_prefix) if node.startswith(sets[i].node_prefix) else -1
@@ -157,11 +208,14 @@ def by_scale_set(sets: list[ScaleSet], hostlist: str) -> list[tuple[ScaleSet, li
 def suspend(sets: list[ScaleSet], hostlist: str) -> None:
     for scale_set, nodes in by_scale_set(sets, hostlist):
         scale_set.deallocate([scale_set.instance_id(node) for node in nodes])
+        set_comment(nodes, "")
         log.info("deallocating %s", ",".join(nodes))
 
 
 def resume(sets: list[ScaleSet], hostlist: str) -> None:
     for scale_set, nodes in by_scale_set(sets, hostlist):
+        # Started for a job: once idle it gets the autostop time, not the reaper's at-once power down.
+        set_comment(nodes, STARTED_BY_SLURM)
         try:
             scale_set.start([scale_set.instance_id(node) for node in nodes])
         except PowerError as error:
@@ -190,6 +244,81 @@ def _give_up_on(scale_set: ScaleSet, nodes: list[str]) -> None:
     scale_set.deallocate(list(ids.values()))
 
 
+def slurm_nodes(nodes: list[str] | None = None) -> dict[str, tuple[set[str], str]]:
+    """node -> (its state flags, e.g. {'IDLE', 'CLOUD', 'POWERED_DOWN'}, its comment), for every node or those named."""
+    which = [",".join(nodes)] if nodes else []
+    shown = subprocess.run(
+        ["scontrol", "--oneliner", "show", "node", *which], capture_output=True, text=True, check=True
+    )
+    found = {}
+    for line in shown.stdout.splitlines():
+        line = line.split(" Reason=", 1)[0]  # free text, last on the line: nothing after it is read
+        fields = dict(word.split("=", 1) for word in line.split() if "=" in word)
+        if "NodeName" in fields:
+            found[fields["NodeName"]] = (set(fields.get("State", "").split("+")), fields.get("Comment", ""))
+    return found
+
+
+def held_off(flags: set[str]) -> bool:
+    """Slurm holds the node as powered down, and is not changing its power itself."""
+    return "POWERED_DOWN" in flags and not flags & {"POWERING_UP", "POWERING_DOWN", "POWER_DOWN"}
+
+
+def unused(flags: set[str], comment: str) -> bool:
+    """Registered and idle with nothing planned on it, and not started by Slurm (resume marks those)."""
+    return flags <= {"IDLE", "CLOUD"} and "IDLE" in flags and comment != STARTED_BY_SLURM
+
+
+def reap(sets: list[ScaleSet], bound_s: int, power_down_unused: bool) -> None:
+    """Deallocate the nodes that Azure has run for bound_s or longer while Slurm holds them as powered
+    down: they never registered, and Slurm, which believes them off, would never suspend them. With
+    power_down_unused (autostop on), also power down at once, through Slurm, the registered nodes that
+    came up outside Slurm (a first boot) and sit idle while no job waits."""
+    now = datetime.now(UTC)
+    nodes = slurm_nodes()
+    for scale_set, names in group_nodes(sets, [node for node, (flags, _) in nodes.items() if held_off(flags)]):
+        unregistered: dict[str, str] = {}
+        for node in names:
+            try:
+                view = scale_set.instance_view(scale_set.instance_id(node))
+            except PowerError as error:  # one node Azure cannot show keeps none of the others running
+                log.warning("%s: no instance view: %s", node, error)
+                continue
+            since = running_since(view)
+            if since is not None and (now - since).total_seconds() >= bound_s:
+                minutes = int((now - since).total_seconds() // 60)
+                unregistered[node] = f"{UNREGISTERED} {minutes} min after its start: deallocated ({describe(view)})"
+        # Slurm may have begun to resume one since it was listed: that one is Slurm's again.
+        now_held = slurm_nodes(list(unregistered)) if unregistered else {}
+        still = [node for node in unregistered if node in now_held and held_off(now_held[node][0])]
+        for node in still:
+            log.warning("%s %s", node, unregistered[node])
+            mark_down(node, unregistered[node][:200])
+        if still:
+            scale_set.deallocate([scale_set.instance_id(node) for node in still])
+    idle = [node for node, (flags, comment) in nodes.items() if unused(flags, comment)]
+    if power_down_unused and idle and not pending_jobs():
+        log.info("%s came up outside Slurm and no job waits: powering down", ",".join(idle))
+        subprocess.run(["scontrol", "update", f"nodename={','.join(idle)}", "state=power_down"], check=True)
+
+
+def pending_jobs() -> bool:
+    shown = subprocess.run(
+        ["squeue", "--noheader", "--states=PENDING", "--format=%i"], capture_output=True, text=True, check=True
+    )
+    return bool(shown.stdout.strip())
+
+
+def set_comment(nodes: list[str], comment: str) -> None:
+    """Slurm's comment on the nodes (it survives their registration, unlike a reason); a failure is
+    only logged, as it must never fail a resume or a suspend."""
+    done = subprocess.run(
+        ["scontrol", "update", f"nodename={','.join(nodes)}", f"comment={comment}"], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        log.warning("could not set the comment of %s: %s", ",".join(nodes), done.stderr.strip())
+
+
 ACTIONS = {"suspend": suspend, "resume": resume, "resume-fail": resume_failed}
 
 
@@ -205,8 +334,8 @@ def _reopen_standard_streams() -> None:
 
 def main(argv: list[str]) -> int:
     _reopen_standard_streams()
-    if len(argv) != 3 or argv[1] not in ACTIONS:
-        print(f"usage: {argv[0]} {{{'|'.join(ACTIONS)}}} HOSTLIST", file=sys.stderr)
+    if argv[1:] != ["reap"] and (len(argv) != 3 or argv[1] not in ACTIONS):
+        print(f"usage: {argv[0]} {{{'|'.join(ACTIONS)}}} HOSTLIST, or {argv[0]} reap", file=sys.stderr)
         return 2
     with open(CONFIG_PATH, encoding="utf-8") as file:
         config = json.load(file)
@@ -214,9 +343,12 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         filename=config["log_file"], level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    action, hostlist = argv[1:]
+    action, hostlist = argv[1], " ".join(argv[2:])
     try:
-        ACTIONS[action](scale_sets(config), hostlist)
+        if action == "reap":
+            reap(scale_sets(config), config["register_timeout_s"], config["power_down_unused"])
+        else:
+            ACTIONS[action](scale_sets(config), hostlist)
     except (PowerError, subprocess.CalledProcessError) as error:
         log.error("%s %s failed: %s", action, hostlist, error)
         return 1

@@ -1,0 +1,97 @@
+"""Results in a storage account kept by an earlier stack (`keptResultsAccount`): the network path to it.
+
+`pulumi destroy` keeps the data's account (infra/storage.py) but not what reached it: its firewall
+admits only the deleted cluster's subnets, and the role assignments went with the cluster. A new
+stack cannot change that account's firewall (it manages nothing outside its own groups), so its
+nodes reach the account through a private endpoint in the cluster subnet, which the account's
+firewall does not filter, with the private DNS zone that makes the account's usual name resolve to
+it inside the VNet. The roles (the nodes' identity and the operator on the kept `results`
+container) are granted by the stack beside the others (infra/identity.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import pulumi
+from pulumi_azure_native import network, privatedns
+
+from infra.storage import RESULTS_CONTAINER
+
+# Azure's zone for the blob service's private endpoints (public cloud): a storage account that has
+# one resolves through it, every other account as before.
+BLOB_PRIVATE_ZONE = "privatelink.blob.core.windows.net"
+BLOB_SUFFIX = "blob.core.windows.net"
+
+
+def results_container_id(account_id: str) -> str:
+    """The ARM id of the kept account's `results` container: the scope of its role assignments."""
+    return f"{account_id}/blobServices/default/containers/{RESULTS_CONTAINER}"
+
+
+def blob_endpoint(account_id: str) -> str:
+    return f"https://{account_id.rsplit('/', 1)[1]}.{BLOB_SUFFIX}/"
+
+
+@dataclass
+class KeptResultsArgs:
+    account_id: str  # the kept storage account's ARM id (validated by infra/config.py)
+    resource_group_name: pulumi.Input[str]  # the cluster's group: the endpoint goes with the cluster
+    location: str
+    vnet_id: pulumi.Input[str]
+    subnet_id: pulumi.Input[str]  # the cluster subnet, where the nodes are
+    tags: Mapping[str, str]
+
+
+class KeptResults(pulumi.ComponentResource):
+    """A private endpoint from the cluster subnet to the kept account's blob service, and the private DNS
+    zone, linked to the VNet, that holds its address. The endpoint is approved at once when whoever runs
+    `pulumi up` may approve it on that account (Contributor there); otherwise it waits for approval
+    (README, "What `pulumi destroy` removes and what it keeps")."""
+
+    def __init__(self, name: str, args: KeptResultsArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("hvd:infra:KeptResults", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        self.endpoint = network.PrivateEndpoint(
+            f"{name}-pe",
+            resource_group_name=args.resource_group_name,
+            location=args.location,
+            subnet=network.SubnetArgs(id=args.subnet_id),
+            private_link_service_connections=[
+                network.PrivateLinkServiceConnectionArgs(
+                    name="kept-results-blob", private_link_service_id=args.account_id, group_ids=["blob"]
+                )
+            ],
+            tags=args.tags,
+            opts=child,
+        )
+        self.zone = privatedns.PrivateZone(
+            f"{name}-zone",
+            private_zone_name=BLOB_PRIVATE_ZONE,
+            resource_group_name=args.resource_group_name,
+            location="Global",  # private DNS zones are global resources
+            tags=args.tags,
+            opts=child,
+        )
+        self.link = privatedns.VirtualNetworkLink(
+            f"{name}-link",
+            private_zone_name=self.zone.name,
+            resource_group_name=args.resource_group_name,
+            location="Global",
+            virtual_network=privatedns.SubResourceArgs(id=args.vnet_id),
+            registration_enabled=False,
+            tags=args.tags,
+            opts=child,
+        )
+        # Writes the endpoint's address into the zone, and keeps it there if the address changes.
+        self.zone_group = network.PrivateDnsZoneGroup(
+            f"{name}-dns",
+            private_endpoint_name=self.endpoint.name,
+            resource_group_name=args.resource_group_name,
+            private_dns_zone_group_name="default",
+            private_dns_zone_configs=[network.PrivateDnsZoneConfigArgs(name="blob", private_dns_zone_id=self.zone.id)],
+            opts=child,
+        )
+        self.blob_endpoint = blob_endpoint(args.account_id)
+        self.register_outputs({"blob_endpoint": self.blob_endpoint, "private_endpoint_id": self.endpoint.id})
