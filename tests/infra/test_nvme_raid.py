@@ -56,7 +56,7 @@ def test_volume_is_built_at_every_boot_before_slurmd() -> None:
     assert re.search(rf"^ExecStart={NVME_RAID}$", unit, re.MULTILINE)
     assert "WantedBy=multi-user.target" in unit  # enabled: runs again after a deallocate/start
     setup = files["/usr/local/sbin/node-setup"]["content"]
-    assert setup.index("systemctl enable --now nvme-raid.service") < setup.index("/usr/local/sbin/slurmd-setup")
+    assert setup.index("systemctl enable --now nvme-raid.service") < setup.index("step slurmd slurmd-setup")
     assert {"mdadm", "xfsprogs"} <= set(yaml.safe_load(document)["packages"])
 
 

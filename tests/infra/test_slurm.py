@@ -1094,7 +1094,7 @@ def test_unregistered_node_is_deallocated_and_status_says_so(
     assert (reaped.base_state, reaped.powered_down, reaped.unregistered) == ("down", True, True)
     assert reaped.reason.startswith("not registered 40 min after its start: deallocated (ProvisioningState/")
     assert (off.base_state, off.powered_down, off.unregistered) == ("idle", True, False)
-    table = render_table(nodes_table(list(nodes.values()), {}))
+    table = render_table(nodes_table(list(nodes.values()), {}, {}))
     assert "deallocated, never registered" in table and "not registered 40 min after its start" in table
     assert "2 powered down (1 deallocated, never registered)" in summary(list(nodes.values()), [])
     # `cost --live` counts it apart, at $0, beside the power-saved one
