@@ -109,8 +109,10 @@ def runs_dir(desc: ClusterDescription) -> str:
 def choose_launcher(opts: LaunchOptions) -> Launcher:
     if opts.launcher:
         return opts.launcher
-    if opts.workdir:  # the user's own script: torch.distributed's launcher unless they ask for Horovod's
-        return "torchrun"
+    if opts.workdir:
+        # the user's own script: torch.distributed's launcher, unless they ask for Horovod's or the image
+        # they chose is TensorFlow's, which has Horovod and no torch
+        return "torchrun" if opts.framework == "pytorch" else "horovodrun"
     backend = _flag_value(opts.job_args, "--backend")
     return "torchrun" if opts.model_parallel or (opts.framework == "pytorch" and backend == DDP) else "horovodrun"
 
@@ -119,7 +121,8 @@ def check_backend(opts: LaunchOptions, launcher: Launcher) -> None:
     """Our data-parallel job's backend is its launcher's: under the other launcher each process would
     see a world of one and train alone (training/world/backend_choice.py)."""
     if launcher == "torchrun" and opts.framework != "pytorch":
-        raise OperatorError(f"--launcher torchrun runs PyTorch jobs only, not {opts.framework}")
+        what = f"--framework {opts.framework}'s image has no torch" if opts.workdir else f"not {opts.framework}"
+        raise OperatorError(f"--launcher torchrun runs PyTorch jobs only, {what}")
     if opts.framework != "pytorch" or opts.workdir or opts.entrypoint or opts.model_parallel:
         return
     backend = _flag_value(opts.job_args, "--backend")

@@ -360,6 +360,11 @@ LAUNCH = [
     case("--cluster {desc} --workdir {tmp} --local-copy -- python x.py", message="--local-copy rewrites our jobs'"),
     case(f"{RUN} --follow --detach", message="argument --detach: not allowed with argument --follow"),
     case("--cluster {desc} --framework keras --launcher torchrun", message="torchrun runs PyTorch jobs only"),
+    # own code in TensorFlow's image: the flags the user gave are the ones named
+    case(
+        "--cluster {desc} --workdir {tmp} --framework tensorflow --launcher torchrun -- python x.py",
+        message="--launcher torchrun runs PyTorch jobs only, --framework tensorflow's image has no torch",
+    ),
     case("--cluster {desc} --framework mxnet", message="argument --framework: invalid choice: 'mxnet'"),
     case("--cluster {not_utf8} --framework pytorch", message="cluster description {not_utf8} is not UTF-8"),
     case("--cluster {wrong_schema} --framework keras", message="invalid cluster description {wrong_schema}"),

@@ -82,6 +82,15 @@ def test_a_job_ended_by_its_time_limit_is_named_so(cluster, cluster_file, tmp_pa
     assert (row["state"], row["note"]) == ("TIMEOUT", "its time limit (1) ended it")
 
 
+def test_own_code_in_tensorflows_image_runs_under_horovodrun_unless_told_otherwise(tmp_path):
+    from dtrain.jobs.submit import LaunchOptions, choose_launcher
+
+    own = {"workdir": str(tmp_path), "job_args": ["python", "train.py"]}
+    assert choose_launcher(LaunchOptions(framework="pytorch", **own)) == "torchrun"
+    assert choose_launcher(LaunchOptions(framework="tensorflow", **own)) == "horovodrun"  # no torch in that image
+    assert choose_launcher(LaunchOptions(framework="tensorflow", launcher="torchrun", **own)) == "torchrun"
+
+
 def test_dry_run_prints_the_batch_script_and_submits_nothing(cluster, cluster_file):
     launch = ["launch", "--cluster", str(cluster_file), "--workdir", str(REPO / "examples" / "ddp")]
     proc = cli(*launch, "--run-id", "dry", "--time", "2-00:00", "--dry-run", "--", "python", "train.py")
