@@ -1,5 +1,6 @@
-"""cloud-config for the head node (Ubuntu 22.04, as the nodes' image): slurmctld, the programs
-that power the scale set's nodes down and up, and the shared file system for the login node."""
+"""cloud-config for the head node (the nodes' image, ubuntu-hpc 22.04): slurmctld from the same
+repository at the same version as the nodes' slurmd (slurm_packages.py), the programs that power
+the scale set's nodes down and up, and the shared file system for the login node."""
 
 from __future__ import annotations
 
@@ -16,11 +17,19 @@ from infra.cloud_init._common import (
     render_script,
     write_file,
 )
-from infra.cloud_init.slurm import SLURM_USER
+from infra.cloud_init.slurm_packages import (
+    MUNGE_PACKAGE,
+    SLURM_USER,
+    SLURMCTLD_PACKAGES,
+    account_commands,
+    apt_files,
+    versioned,
+)
 from infra.contract import RUNS_DIR
 
 SLURM_CONF_PATH = "/etc/slurm/slurm.conf"
 GRES_CONF_PATH = "/etc/slurm/gres.conf"
+CGROUP_CONF_PATH = "/etc/slurm/cgroup.conf"
 HEAD_SETUP_PATH = "/usr/local/sbin/head-setup"
 STATE_SAVE_DIR = "/var/spool/slurmctld"
 SLURM_LOG_DIR = "/var/log/slurm"
@@ -32,7 +41,8 @@ SUSPEND_PROGRAM = "/usr/local/sbin/slurm-suspend"
 RESUME_PROGRAM = "/usr/local/sbin/slurm-resume"
 RESUME_FAIL_PROGRAM = "/usr/local/sbin/slurm-resume-fail"
 POWER_ACTIONS = {SUSPEND_PROGRAM: "suspend", RESUME_PROGRAM: "resume", RESUME_FAIL_PROGRAM: "resume-fail"}
-PACKAGES = ["nfs-common", "munge", "slurmctld", "slurm-client"]  # slurm-client: sbatch and friends (login node)
+# Besides Slurm's own (slurm_packages.SLURMCTLD_PACKAGES, versioned; sbatch and friends for the login node).
+PACKAGES = ["nfs-common", MUNGE_PACKAGE]
 # A scale set's id as Azure Resource Manager writes it; nothing that would bend the URL built on it.
 _SCALE_SET_ID = re.compile(r"/subscriptions/[^\s/?#]+(/[^\s/?#]+)+")
 _USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}")  # a Linux user name, as useradd takes it by default
@@ -54,6 +64,8 @@ def render_head_node(
     *,
     slurm_conf: str,
     gres_conf: str,
+    cgroup_conf: str,
+    slurm_version: str,
     key_vault_uri: str,
     nfs_server_ip: str,
     nfs_export_path: str,
@@ -64,7 +76,8 @@ def render_head_node(
     admin_user: str,
     spot_scale_set: dict[str, str] | None = None,
 ) -> str:
-    """cloud-config that installs slurmctld with slurm_conf and gres_conf, the program that fetches
+    """cloud-config that installs slurmctld at slurm_version (the nodes' slurmd's) with slurm_conf,
+    gres_conf and cgroup_conf (slurmd fetches all three, configless), the program that fetches
     the cluster's munge key from the Key Vault at key_vault_uri, the power programs acting on
     scale_set_id (both through the identity identity_client_id),
     mounts the NFS export at mount_path, and gives the runs directory there to admin_user (who
@@ -73,7 +86,7 @@ def render_head_node(
     _check_scale_set(scale_set_id, node_prefix)
     if not _USER.fullmatch(admin_user or ""):
         raise ValueError(f"admin_user: {admin_user!r} is not a Linux user name")
-    for key, text in (("slurm_conf", slurm_conf), ("gres_conf", gres_conf)):
+    for key, text in (("slurm_conf", slurm_conf), ("gres_conf", gres_conf), ("cgroup_conf", cgroup_conf)):
         if not isinstance(text, str) or not text.endswith("\n"):
             raise ValueError(f"{key}: must be the file's text, ending in a newline")
     power_config: dict[str, object] = {
@@ -98,8 +111,10 @@ def render_head_node(
     return cloud_config(
         {
             "package_update": True,
-            "packages": PACKAGES,
+            "bootcmd": account_commands(),
+            "packages": [*PACKAGES, *versioned(SLURMCTLD_PACKAGES, slurm_version)],
             "write_files": [
+                *apt_files(slurm_version),
                 nfs_mount_file(server_ip=nfs_server_ip, export_path=nfs_export_path, mount_path=mount_path),
                 write_file(HEAD_SETUP_PATH, setup, "0755"),
                 write_file(POWER_PROGRAM_PATH, render_script("slurm/slurm_power.py", {}), "0755"),
@@ -108,6 +123,7 @@ def render_head_node(
                 # the package's install before head-setup (its unit waits for slurm.conf).
                 write_file(SLURM_CONF_PATH, slurm_conf, "0644", defer=True),
                 write_file(GRES_CONF_PATH, gres_conf, "0644", defer=True),
+                write_file(CGROUP_CONF_PATH, cgroup_conf, "0644", defer=True),
                 write_file(POWER_CONFIG_PATH, json.dumps(power_config, indent=2) + "\n", "0644", defer=True),
                 munge_key_fetch_file(vault_uri=key_vault_uri, identity_client_id=identity_client_id),
             ],
