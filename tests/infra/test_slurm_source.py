@@ -28,8 +28,9 @@ from infra.cloud_init.slurm_packages import (
     SLURMD_PACKAGES,
 )
 from tests.infra.apt_replay import Apt, Package, Repository, cloud_init_packages, installed, mirror
-from tests.infra.conftest import Deployment
+from tests.infra.conftest import VALID_CONFIG, Deployment, deploy
 from tests.infra.documents import files_of, head_doc, node_doc, power, slurm_conf
+from tests.infra.test_stack import head_document, node_document  # the documents the stack sends to Azure
 
 DATA = Path(__file__).parent / "data"
 IMAGE_PIN = (DATA / "slurm-u.pin").read_text()
@@ -113,7 +114,7 @@ def apt_for(tmp_path: Path, proxy: str, document: str | None) -> Apt:
     return Apt(tmp_path / "apt", proxy, etc)
 
 
-pytestmark = pytest.mark.skipif(shutil.which("apt-get") is None, reason="needs apt-get")
+needs_apt = pytest.mark.skipif(shutil.which("apt-get") is None, reason="needs apt-get")
 
 ROLES = {
     "node": (node_doc, SLURMD_PACKAGES, TODAY_NODE_PACKAGES),
@@ -121,6 +122,7 @@ ROLES = {
 }
 
 
+@needs_apt
 @pytest.mark.parametrize("role", sorted(ROLES))
 def test_the_images_pin_admits_what_cloud_init_installs(tmp_path: Path, proxy: str, role: str) -> None:
     render, slurm_packages, _ = ROLES[role]
@@ -134,6 +136,7 @@ def test_the_images_pin_admits_what_cloud_init_installs(tmp_path: Path, proxy: s
     assert not [name for name in versions if name.startswith(("slurmd", "slurmctld", "slurm-client", "slurm-wlm"))]
 
 
+@needs_apt
 @pytest.mark.parametrize("role", sorted(ROLES))
 def test_todays_ubuntu_slurm_packages_cannot_be_installed_on_the_image(tmp_path: Path, proxy: str, role: str) -> None:
     """Finding 1: every slurm* package of Ubuntu's archive is pinned to -1; the one apt transaction
@@ -144,6 +147,7 @@ def test_todays_ubuntu_slurm_packages_cannot_be_installed_on_the_image(tmp_path:
     assert installed(result.stdout) == {}
 
 
+@needs_apt
 def test_the_version_pin_holds_slurm_against_newer_releases(tmp_path: Path, proxy: str) -> None:
     """Without a version, as an upgrade or a hand-typed install would ask: still slurmVersion."""
     apt = apt_for(tmp_path, proxy, node_doc())
@@ -170,8 +174,6 @@ def slurm_install(document: str) -> dict[str, Any]:
 
 
 def test_head_and_nodes_get_slurm_from_one_source_at_one_version(deployment: Deployment) -> None:
-    from tests.infra.test_stack import head_document, node_document  # the documents the stack sends to Azure
-
     head, node = slurm_install(head_document(deployment)), slurm_install(node_document(deployment))
     assert head == node
     assert node["versions"] == {f"{DEFAULT_SLURM_VERSION}-1"}
@@ -183,10 +185,7 @@ def test_head_and_nodes_get_slurm_from_one_source_at_one_version(deployment: Dep
     assert [command[-1].split("--uid ")[1].split()[0] for command in node["accounts"]] == ["11100", "11101"]
 
 
-def test_slurm_version_reaches_both_documents(tmp_path: Path) -> None:
-    from tests.infra.conftest import VALID_CONFIG, deploy
-    from tests.infra.test_stack import head_document, node_document
-
+def test_slurm_version_reaches_both_documents() -> None:
     deployment = deploy({**VALID_CONFIG, "slurmVersion": "24.11.6"})
     for document in (head_document(deployment), node_document(deployment)):
         assert slurm_install(document)["versions"] == {"24.11.6-1"}
