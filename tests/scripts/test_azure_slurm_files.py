@@ -1,5 +1,6 @@
 """The Azure head node's slurm.conf, gres.conf and cgroup.conf, exactly as its cloud-config writes them,
-run by a real slurmctld and a configless slurmd in network namespaces.
+run by a real slurmctld and a configless slurmd in network namespaces, and a one-GPU job confined by
+them to its own GPU.
 
 Debian 12's Slurm here is 22.05, where Azure's hosts run 25.11: tests/infra/test_slurm_source.py holds
 the files to 25.11's keys, this proves that real daemons take them and that a GPU node registers as
@@ -50,7 +51,7 @@ GPUS = 8
 DEVICE_MAJOR = 240  # Linux's devices.txt: for local and experimental use
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("freezer", "cpuset", "memory", "devices")
-STAND_INS = ("SuspendProgram", "ResumeProgram", "ResumeFailProgram", "HealthCheckProgram")
+STAND_INS = ("SuspendProgram", "ResumeProgram", "ResumeFailProgram", "HealthCheckProgram", "Epilog")
 # What places the daemons on this machine; every other line of slurm.conf is Azure's.
 SANDBOX = {
     "SlurmctldHost",  # Azure's name, this namespace's address
@@ -61,8 +62,8 @@ SANDBOX = {
     "SlurmdPidFile",
     # slurmd reports the node's configured 96 CPUs and 1.7 TB, not this machine's
     "SlurmdParameters",
-    # stand-ins that succeed: Azure's programs are not on this machine, and without them slurmctld
-    # would switch its power saving off instead of reading its settings
+    # stand-ins that succeed: Azure's programs are not on this machine (without them slurmctld would
+    # switch its power saving off instead of reading its settings, and drain the node after a job)
     *STAND_INS,
 }
 
@@ -320,6 +321,25 @@ def test_azure_files_start_the_daemons_and_a_gpu_node_registers_configless(
         # configless: slurmd was given no file; it runs on the controller's three, fetched into its spool
         cache = sandbox.spool / "conf-cache"
         assert {name: (cache / name).read_text() for name in files} == controller_files
+        # Azure's cgroup.conf, for real: a one-GPU job (tracked by proctrack/cgroup) may open its own GPU's
+        # device file (no driver answers: ENXIO) and no other (EPERM, the job's devices cgroup)
+        probe = (
+            "import errno, glob\n"
+            "for path in sorted(glob.glob('/dev/nvidia*')):\n"
+            "    try:\n        open(path, 'rb')\n    except OSError as exc:\n"
+            "        print(path, errno.errorcode[exc.errno])\n"
+        )
+        (sandbox.root / "probe.py").write_text(probe)
+        job = subprocess.run(
+            ["sbatch", "--wait", "--gres=gpu:1", "--cpus-per-gpu=1", f"--output={sandbox.root / 'job.out'}",
+             f"--wrap=python3 {sandbox.root / 'probe.py'}"],
+            env={**os.environ, **local_slurm.client_env(conf)}, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert job.returncode == 0, job.stderr + logs_of(sandbox)
+        assert (sandbox.root / "job.out").read_text().splitlines() == [
+            "/dev/nvidia0 ENXIO",
+            *(f"/dev/nvidia{index} EPERM" for index in range(1, GPUS)),
+        ]
         # both partitions of 100, the other 199 nodes powered down (22.05's sinfo hides those: 23.11+ shows them)
         partitions = subprocess.run(
             ["scontrol", "show", "partition", "--oneliner"],
