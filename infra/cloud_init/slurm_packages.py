@@ -58,7 +58,8 @@ SLURM_USER = "slurm"
 SLURM_UID = 11100
 MUNGE_USER = "munge"
 MUNGE_UID = 11101
-ACCOUNT_HOMES = {SLURM_USER: "/var/lib/slurm", MUNGE_USER: "/var/lib/munge"}
+# No home, as Debian's packages make these accounts (munge's postinst keeps an existing account so).
+ACCOUNT_HOME = "/nonexistent"
 
 
 def check_slurm_version(value: str) -> str:
@@ -118,14 +119,13 @@ def account_commands() -> list[list[str]]:
     they run before the packages are installed, at every boot, and change nothing once made."""
     commands = []
     for user, uid in ((SLURM_USER, SLURM_UID), (MUNGE_USER, MUNGE_UID)):
-        home = ACCOUNT_HOMES[user]
         commands.append(
             [
                 "sh",
                 "-c",
                 f"getent group {user} >/dev/null || groupadd --system --gid {uid} {user}; "
                 f"getent passwd {user} >/dev/null || useradd --system --uid {uid} --gid {user} "
-                f"--home-dir {home} --no-create-home --shell /usr/sbin/nologin {user}",
+                f"--home-dir {ACCOUNT_HOME} --no-create-home --shell /usr/sbin/nologin {user}",
             ]
         )
     return commands

@@ -26,10 +26,12 @@ from infra.cloud_init.slurm_packages import (
     SLURM_SOURCES_LIST_PATH,
     SLURMCTLD_PACKAGES,
     SLURMD_PACKAGES,
+    account_commands,
 )
 from tests.infra.apt_replay import Apt, Package, Repository, cloud_init_packages, installed, mirror
 from tests.infra.conftest import VALID_CONFIG, Deployment, deploy
 from tests.infra.documents import files_of, head_doc, node_doc, power, slurm_conf
+from tests.infra.sandbox import Sandbox
 from tests.infra.test_stack import head_document, node_document  # the documents the stack sends to Azure
 
 DATA = Path(__file__).parent / "data"
@@ -183,6 +185,30 @@ def test_head_and_nodes_get_slurm_from_one_source_at_one_version(deployment: Dep
     )
     # the accounts SchedMD's packages do not create, with the same ids on every host
     assert [command[-1].split("--uid ")[1].split()[0] for command in node["accounts"]] == ["11100", "11101"]
+
+
+ACCOUNTS = (("slurm", 11100), ("munge", 11101))  # cyclecloud-slurm's ids
+
+
+@pytest.mark.parametrize("present", [False, True])
+def test_accounts_are_made_once_with_fixed_ids(sandbox: Sandbox, present: bool) -> None:
+    """Before the packages (bootcmd), at every boot: made when missing, left alone when there."""
+    for name in ("groupadd", "useradd"):
+        sandbox.stub(name)
+    sandbox.stub("getent", "exit 0" if present else "exit 2")
+    for command in account_commands():
+        assert command[:2] == ["sh", "-c"]
+        assert sandbox.run(command[2], interpreter="sh").returncode == 0
+    made = sandbox.calls("groupadd") + sandbox.calls("useradd")
+    expected = [
+        *(f"groupadd --system --gid {uid} {user}" for user, uid in ACCOUNTS),
+        *(
+            f"useradd --system --uid {uid} --gid {user} --home-dir /nonexistent --no-create-home "
+            f"--shell /usr/sbin/nologin {user}"
+            for user, uid in ACCOUNTS
+        ),
+    ]
+    assert made == ([] if present else expected)
 
 
 def test_slurm_version_reaches_both_documents() -> None:
