@@ -75,6 +75,7 @@ class GpuClusterArgs:
     nfs_export_path: str
     slurmctld_address: str  # the head node's private IP, from which slurmd fetches its configuration
     key_vault_uri: pulumi.Input[str]  # where the nodes fetch the munge key with the identity
+    slurm_version: str  # slurmd's, the head node's slurmctld's (slurmVersion)
     tags: Mapping[str, str]
     spot: SpotPolicy | None = None  # None: regular (on-demand) VMs
 
@@ -116,6 +117,7 @@ class GpuCluster(pulumi.ComponentResource):
                     nvme_disks=args.sku.nvme_disks,
                     nvme_mount=args.sku.nvme_mount,
                     admin_user=args.admin_user,
+                    slurm_version=args.slurm_version,
                 )
             )
         )

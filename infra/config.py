@@ -41,6 +41,7 @@ from infra.azure_limits import (
     VM_SIZES,
     NameRule,
 )
+from infra.cloud_init.slurm_packages import DEFAULT_SLURM_VERSION, check_slurm_version
 from infra.skus import GPU_SKUS, GpuSku
 from infra.slurm_time import DEFAULT_JOB_TIME, TIME_SYNTAX, UNLIMITED, check_max_time, check_time_limit, exceeds
 from infra.ssh_key import check_public_key
@@ -158,6 +159,8 @@ class StackConfig(BaseModel):
     # USD per hour a Spot VM may cost at most (Azure evicts it above that); -1: up to the on-demand price.
     spot_max_price: float = -1
     image: str = DEFAULT_IMAGE
+    # The Slurm of the head node and every node, from Microsoft's Slurm repository (package <version>-1).
+    slurm_version: str = DEFAULT_SLURM_VERSION
     vnet_cidr: str = "10.40.0.0/16"
     jumpbox_vm_size: str = "Standard_B2s"
     head_vm_size: str = "Standard_D4s_v5"
@@ -243,6 +246,11 @@ class StackConfig(BaseModel):
         if not IMAGE_VERSION.fullmatch(version):
             raise ValueError("version must be 'latest' or major.minor.build, e.g. 22.04.2024102301")
         return value
+
+    @field_validator("slurm_version")
+    @classmethod
+    def _slurm_version(cls, value: str) -> str:
+        return check_slurm_version(value)
 
     @field_validator("vnet_cidr")
     @classmethod

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pulumi
 
-from infra.cloud_init import render_gres_conf, render_head_node, render_slurm_conf
+from infra.cloud_init import render_cgroup_conf, render_gres_conf, render_head_node, render_slurm_conf
 from infra.cloud_init.cluster_node import EPILOG_PATH, HEALTH_CHECK_PATH
 from infra.cloud_init.head_node import (
     RESUME_FAIL_PROGRAM,
@@ -23,6 +23,7 @@ from infra.cloud_init.head_node import (
     SUSPEND_PROGRAM,
 )
 from infra.cloud_init.slurm import HealthCheck, JobTimeLimits, NodeSet, PowerSaving
+from infra.config import ImageReference
 from infra.contract import SHARED_MOUNT_PATH, SLURM_PARTITION
 from infra.skus import GpuSku
 from infra.vm import LinuxVm, LinuxVmArgs, MachineArgs, encode_custom_data
@@ -70,6 +71,8 @@ class HeadNodeArgs(MachineArgs):
     key_vault_uri: pulumi.Input[str]  # where the node fetches the munge key with its identity
     nfs_server_ip: str
     nfs_export_path: str
+    slurm_version: str  # slurmctld's, the nodes' slurmd's (slurmVersion)
+    image: ImageReference  # the nodes' (ubuntu-hpc): Microsoft's Slurm repository, its key and the apt pin
     spot: SpotNodes | None = None  # the `spot` partition's scale set, if the stack has one
 
 
@@ -117,6 +120,8 @@ class HeadNode(pulumi.ComponentResource):
                 render_head_node(
                     slurm_conf=conf,
                     gres_conf=render_gres_conf(args.sku.gpus_per_node),
+                    cgroup_conf=render_cgroup_conf(),
+                    slurm_version=args.slurm_version,
                     key_vault_uri=values[2],
                     nfs_server_ip=args.nfs_server_ip,
                     nfs_export_path=args.nfs_export_path,
@@ -140,6 +145,7 @@ class HeadNode(pulumi.ComponentResource):
             name,
             LinuxVmArgs(
                 **args.machine_fields(),
+                image=args.image,
                 private_ip=args.private_ip,
                 custom_data=self.custom_data,
                 identity_ids=[args.identity_id, *([spot.identity_id] if spot else [])],

@@ -177,6 +177,7 @@ def _slurm_side(base: _Base, data: _DataSide, nfs: NfsServer) -> _SlurmSide:
         "nfs_export_path": nfs.export_path,
         "slurmctld_address": cfg.head_private_ip,
         "key_vault_uri": vault.vault_uri,
+        "slurm_version": cfg.slurm_version,
         **base.machine,
         **common,
     }
@@ -205,6 +206,9 @@ def _slurm_side(base: _Base, data: _DataSide, nfs: NfsServer) -> _SlurmSide:
             key_vault_uri=vault.vault_uri,
             nfs_server_ip=nfs.private_ip,
             nfs_export_path=nfs.export_path,
+            slurm_version=cfg.slurm_version,
+            # The nodes' image: the same Slurm repository, signing key and apt pin as theirs.
+            image=cfg.image_reference,
             **base.machine,
             **common,
         ),

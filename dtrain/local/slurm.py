@@ -1,6 +1,11 @@
 """Slurm on the local cluster: Debian's slurmctld, slurmd and munged, run the way the Azure cluster
 runs them, with the slurm.conf that infra/cloud_init/slurm.py renders for Azure.
 
+Debian 12's Slurm is 22.05, where Azure's hosts run Microsoft's 25.11 (Debian's archive has no 25.11
+to build from; docs/infrastructure.md, "Slurm version and where it comes from"). The file is Azure's
+but for the settings named in `render_local_conf`: this machine's paths and accounts, the two that
+22.05 needs for what 23.11 does by default (CLOUD_REG_ADDRS, PRIVATE_DATA), and process tracking.
+
   munged     on the host; its socket is a file under the state directory. The namespaces share the
              host's file system, so every daemon and client reaches it by that path (slurm.conf's
              AuthInfo names it).
@@ -60,6 +65,11 @@ KILL_WAIT_S = 5  # SIGTERM to SIGKILL, on cancel and at the time limit
 RENDERER_MIN_S = 60  # the shortest SuspendTime and HealthCheckInterval infra's renderer accepts
 # A job that names no --time ends after an hour (nothing here runs for long); none is capped.
 JOB_TIME = JobTimeLimits(default="1:00:00")
+# What Slurm 23.11 and later do for cloud nodes by default and 22.05 only when asked (both are gone
+# from 25.11's slurm.conf): learn a node's address when it registers (its name is in no DNS), and
+# show powered-down nodes in sinfo.
+CLOUD_REG_ADDRS = "cloud_reg_addrs"  # a SlurmctldParameters option
+PRIVATE_DATA = "cloud"
 
 
 @dataclass(frozen=True)
@@ -225,7 +235,11 @@ def render_local_conf(
             # emulated GPUs, task/cgroup constrains each job to its own GPUs' devices (ConstrainDevices)
             "TaskPlugin": "task/cgroup" if settings.gpus_per_node else "task/none",
             "MailProg": "/bin/true",  # Debian's default, /usr/bin/mail, is not installed
-            "SlurmctldParameters": f"{controller},power_save_interval={POWER_SAVE_INTERVAL_S}",
+            "SlurmctldParameters": f"{controller},{CLOUD_REG_ADDRS},power_save_interval={POWER_SAVE_INTERVAL_S}",
+            "PrivateData": PRIVATE_DATA,
+            # a node's namespaces have no freezer or cpuset hierarchy (only the devices one, for
+            # emulated GPUs): processes are tracked through /proc
+            "ProctrackType": "proctrack/linuxproc",
             "HealthCheckInterval": str(settings.health_check_interval_s),
             **({"SuspendTime": str(settings.autostop_s)} if autostop else {}),
         },

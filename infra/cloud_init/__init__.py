@@ -12,11 +12,12 @@ from infra.cloud_init.cluster_node import render_cluster_node
 from infra.cloud_init.head_node import render_head_node
 from infra.cloud_init.nccl import check_nccl_env
 from infra.cloud_init.nfs_server import render_nfs_server
-from infra.cloud_init.slurm import render_gres_conf, render_health_check, render_slurm_conf
+from infra.cloud_init.slurm import render_cgroup_conf, render_gres_conf, render_health_check, render_slurm_conf
 
 __all__ = [
     "check_nccl_env",
     "remote_file",
+    "render_cgroup_conf",
     "render_cluster_node",
     "render_gres_conf",
     "render_head_node",

@@ -1,10 +1,11 @@
 """cloud-config for a GPU node on the Azure HPC image (microsoft-dsvm ubuntu-hpc 22.04).
 
-The image already carries the GPU, InfiniBand and NCCL drivers, docker and the NVIDIA container
-toolkit; this adds the NFS mount, the RAID 0 over the local NVMe disks (built again at every boot
-that finds them empty), the registry login, the NCCL settings, and slurmd (configless, from Ubuntu
-22.04's Slurm packages) with its health check and the epilog that removes a job's containers, and
-the Spot agent that turns an eviction notice into a checkpoint and a requeue.
+The image already carries the GPU, InfiniBand and NCCL drivers, docker, the NVIDIA container
+toolkit, and Microsoft's Slurm repository key and apt pin; this adds the NFS mount, the RAID 0
+over the local NVMe disks (built again at every boot that finds them empty), the registry login,
+the NCCL settings, and slurmd (configless; Microsoft's packages at the stack's slurmVersion, as on
+the head node: slurm_packages.py) with its health check and the epilog that removes a job's
+containers, and the Spot agent that turns an eviction notice into a checkpoint and a requeue.
 Slurm knows its nodes: nothing else records them.
 """
 
@@ -31,6 +32,13 @@ from infra.cloud_init._common import (
 )
 from infra.cloud_init.nccl import check_nccl_env
 from infra.cloud_init.slurm import MAX_GPUS_PER_NODE, render_health_check
+from infra.cloud_init.slurm_packages import (
+    MUNGE_PACKAGE,
+    SLURMD_PACKAGES,
+    account_commands,
+    apt_files,
+    versioned,
+)
 from infra.contract import BOOT_REPORT_DIR, MIN_FREE_DISK_GB, SLURMCTLD_PORT
 
 ACR_LOGIN_PATH = "/usr/local/sbin/acr-login"
@@ -60,8 +68,8 @@ DOCKER_GROUP = "docker"
 SLURMD_DROP_IN = f"{UNITS_DIR}/slurmd.service.d/configless.conf"
 # Where framework images land: the disk the health check keeps free space on.
 DOCKER_DATA_PATH = "/var/lib/docker"
-# slurm-client: scontrol, for the health check; mdadm and xfsprogs: the NVMe volume.
-PACKAGES = ["nfs-common", "munge", "slurmd", "slurm-client", "mdadm", "xfsprogs"]
+# Besides Slurm's own (slurm_packages.SLURMD_PACKAGES, versioned): mdadm and xfsprogs, the NVMe volume.
+PACKAGES = ["nfs-common", MUNGE_PACKAGE, "mdadm", "xfsprogs"]
 # Azure has at most 8 local NVMe disks on the sizes in infra/skus.py; 0 stands for "not stated".
 MAX_NVME_DISKS = 8
 
@@ -80,13 +88,15 @@ def render_cluster_node(
     nvme_disks: int | None,
     nvme_mount: str,
     admin_user: str,
+    slurm_version: str,
 ) -> str:
     """cloud-config that mounts NFS, logs docker in to ACR with the managed identity, writes the
     NCCL settings, and starts slurmd against the controller at slurmctld_address with the
     cluster's munge key, fetched from the Key Vault at key_vault_uri with the identity; slurm.conf
     names the health check and epilog installed here. admin_user (who submits the jobs) may run
     docker, and its docker client holds the registry login.
-    nvme_disks local NVMe disks (None: as many as the node has) become a RAID 0 at nvme_mount."""
+    nvme_disks local NVMe disks (None: as many as the node has) become a RAID 0 at nvme_mount.
+    slurm_version: the Slurm that slurmd is installed at, the head node's."""
     mount = check_path("mount_path", mount_path)
     acr = check_hostname("acr_login_server", acr_login_server)
     client_id = check_client_id("identity_client_id", identity_client_id)
@@ -144,8 +154,10 @@ def render_cluster_node(
             "package_update": True,
             # Never upgrade on the HPC image: its kernel, OFED and GPU drivers are a tested set.
             "package_upgrade": False,
-            "packages": PACKAGES,
+            "bootcmd": account_commands(),
+            "packages": [*PACKAGES, *versioned(SLURMD_PACKAGES, slurm_version)],
             "write_files": [
+                *apt_files(slurm_version),
                 nfs_mount_file(server_ip=nfs_server_ip, export_path=nfs_export_path, mount_path=mount),
                 *(write_file(path, text, "0755") for path, text in scripts),
                 *(write_file(f"{UNITS_DIR}/{unit}", read_unit(unit), "0644") for unit in UNITS),

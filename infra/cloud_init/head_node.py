@@ -1,6 +1,7 @@
-"""cloud-config for the head node (Ubuntu 22.04, as the nodes' image): slurmctld, the programs
-that power the scale set's nodes down and up, the timer that deallocates nodes that never
-registered, and the shared file system for the login node."""
+"""cloud-config for the head node (the nodes' image, ubuntu-hpc 22.04): slurmctld from the same
+repository at the same version as the nodes' slurmd (slurm_packages.py), the programs that power
+the scale set's nodes down and up, the timer that deallocates nodes that never registered, and the
+shared file system for the login node."""
 
 from __future__ import annotations
 
@@ -22,11 +23,19 @@ from infra.cloud_init._common import (
     start_setup_unit,
     write_file,
 )
-from infra.cloud_init.slurm import SLURM_USER
+from infra.cloud_init.slurm_packages import (
+    MUNGE_PACKAGE,
+    SLURM_USER,
+    SLURMCTLD_PACKAGES,
+    account_commands,
+    apt_files,
+    versioned,
+)
 from infra.contract import BOOT_REPORT_DIR, RUNS_DIR
 
 SLURM_CONF_PATH = "/etc/slurm/slurm.conf"
 GRES_CONF_PATH = "/etc/slurm/gres.conf"
+CGROUP_CONF_PATH = "/etc/slurm/cgroup.conf"
 HEAD_SETUP_PATH = "/usr/local/sbin/head-setup"
 HEAD_SETUP_UNIT = "head-setup.service"  # runs head-setup at every boot until it has succeeded
 STATE_SAVE_DIR = "/var/spool/slurmctld"
@@ -42,7 +51,8 @@ POWER_ACTIONS = {SUSPEND_PROGRAM: "suspend", RESUME_PROGRAM: "resume", RESUME_FA
 # `slurm-power reap`, every 5 minutes: deallocates the nodes that Azure runs and Slurm holds as off.
 REAP_UNITS = ("slurm-power-reap.service", "slurm-power-reap.timer")
 UNITS_DIR = "/etc/systemd/system"
-PACKAGES = ["nfs-common", "munge", "slurmctld", "slurm-client"]  # slurm-client: sbatch and friends (login node)
+# Besides Slurm's own (slurm_packages.SLURMCTLD_PACKAGES, versioned; sbatch and friends for the login node).
+PACKAGES = ["nfs-common", MUNGE_PACKAGE]
 # A scale set's id as Azure Resource Manager writes it; nothing that would bend the URL built on it.
 _SCALE_SET_ID = re.compile(r"/subscriptions/[^\s/?#]+(/[^\s/?#]+)+")
 
@@ -63,6 +73,8 @@ def render_head_node(
     *,
     slurm_conf: str,
     gres_conf: str,
+    cgroup_conf: str,
+    slurm_version: str,
     key_vault_uri: str,
     nfs_server_ip: str,
     nfs_export_path: str,
@@ -75,7 +87,8 @@ def render_head_node(
     power_down_unused: bool,
     spot_scale_set: dict[str, str] | None = None,
 ) -> str:
-    """cloud-config that installs slurmctld with slurm_conf and gres_conf, the program that fetches
+    """cloud-config that installs slurmctld at slurm_version (the nodes' slurmd's) with slurm_conf,
+    gres_conf and cgroup_conf (slurmd fetches all three, configless), the program that fetches
     the cluster's munge key from the Key Vault at key_vault_uri, the power programs acting on
     scale_set_id (both through the identity identity_client_id),
     mounts the NFS export at mount_path, and gives the runs directory there to admin_user (who
@@ -88,7 +101,7 @@ def render_head_node(
     check_user("admin_user", admin_user)
     if not isinstance(power_down_unused, bool):
         raise ValueError(f"power_down_unused: {power_down_unused!r} is not a bool")
-    for key, text in (("slurm_conf", slurm_conf), ("gres_conf", gres_conf)):
+    for key, text in (("slurm_conf", slurm_conf), ("gres_conf", gres_conf), ("cgroup_conf", cgroup_conf)):
         if not isinstance(text, str) or not text.endswith("\n"):
             raise ValueError(f"{key}: must be the file's text, ending in a newline")
     power_config: dict[str, object] = {
@@ -118,8 +131,10 @@ def render_head_node(
     return cloud_config(
         {
             "package_update": True,
-            "packages": PACKAGES,
+            "bootcmd": account_commands(),
+            "packages": [*PACKAGES, *versioned(SLURMCTLD_PACKAGES, slurm_version)],
             "write_files": [
+                *apt_files(slurm_version),
                 nfs_mount_file(server_ip=nfs_server_ip, export_path=nfs_export_path, mount_path=mount_path),
                 write_file(HEAD_SETUP_PATH, setup, "0755"),
                 write_file(f"/etc/systemd/system/{HEAD_SETUP_UNIT}", read_unit(HEAD_SETUP_UNIT), "0644"),
@@ -129,6 +144,7 @@ def render_head_node(
                 # the package's install before head-setup (its unit waits for slurm.conf).
                 write_file(SLURM_CONF_PATH, slurm_conf, "0644", defer=True),
                 write_file(GRES_CONF_PATH, gres_conf, "0644", defer=True),
+                write_file(CGROUP_CONF_PATH, cgroup_conf, "0644", defer=True),
                 write_file(POWER_CONFIG_PATH, json.dumps(power_config, indent=2) + "\n", "0644", defer=True),
                 munge_key_fetch_file(vault_uri=key_vault_uri, identity_client_id=identity_client_id),
                 *(write_file(f"{UNITS_DIR}/{unit}", remote_file(f"slurm/{unit}"), "0644") for unit in REAP_UNITS),

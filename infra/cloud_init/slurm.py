@@ -1,8 +1,10 @@
-"""slurm.conf and gres.conf, rendered by pure functions from plain values.
+"""slurm.conf, gres.conf and cgroup.conf, rendered by pure functions from plain values.
 
-Valid for Slurm 21.08 (Ubuntu 22.04's packages, on Azure) and 22.05 (Debian 12's, the local
-cluster): only options that both versions read, with the meaning both give them. Nothing here is
-Azure's: the caller names the nodes, their resources and the programs that power them down and up.
+Written for the Slurm that Azure's hosts install (slurm_packages.py: 25.11 by default, 23.11 at the
+oldest), and checked against 25.11's tables of keys (tests/infra/data/slurm-25.11-keys.json). The
+local cluster runs Debian 12's Slurm 22.05 on the same files, with the few settings in which 22.05
+differs put back by dtrain/local/slurm.py. Nothing here is Azure's: the caller names the nodes,
+their resources and the programs that power them down and up.
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from infra.cloud_init._common import check_int, check_ipv4, check_path, render_script
+from infra.cloud_init.slurm_packages import SLURM_USER
 from infra.contract import HEALTH_REPORT_DIR, SLURMCTLD_PORT, SLURMD_PORT, SPOT_PARTITION, SRUN_PORTS
 from infra.slurm_time import DEFAULT_JOB_TIME, UNLIMITED, check_max_time, check_time_limit, exceeds
 
-SLURM_USER = "slurm"  # the account Debian's and Ubuntu's packages create
 # Slurm compares names case-sensitively while DNS does not: lower case keeps the two agreeing.
 _NAME = re.compile(r"[a-z][a-z0-9-]{0,62}")
 MAX_GPUS_PER_NODE = 64
@@ -178,7 +180,7 @@ def render_slurm_conf(
     check_name("partition", partition)
     partitions = [partition, *([SPOT_PARTITION] if spot_nodes else [])]
     lines = [
-        "# Rendered by infra/cloud_init/slurm.py; valid for Slurm 21.08 and 22.05.",
+        "# Rendered by infra/cloud_init/slurm.py for Slurm 23.11 and later (25.11 by default).",
         *_controller_lines(
             cluster_name=cluster_name,
             controller_host=controller_host,
@@ -226,18 +228,17 @@ def _controller_lines(
         # A fixed range, so that the network rules can name srun's ports.
         f"SrunPortRange={SRUN_PORTS}",
         f"SlurmUser={SLURM_USER}",
-        # auth/slurm arrived in 23.11; munge is what both versions here have.
+        # munge: what Azure's stacks use, and the local cluster's Slurm 22.05 has no auth/slurm.
         "AuthType=auth/munge",
         f"StateSaveLocation={check_path('state_save_dir', state_save_dir)}",
         f"SlurmdSpoolDir={check_path('slurmd_spool_dir', slurmd_spool_dir)}",
-        # configless: slurmd fetches this file (and gres.conf) from slurmctld, so it lives only on
-        # the controller. cloud_reg_addrs: slurmctld learns a node's address when it registers,
-        # which survives a node coming back with another address. idle_on_node_suspend: a node
-        # that was DOWN or drained is idle again once powered down, so that it is tried afresh.
-        "SlurmctldParameters=enable_configless,cloud_reg_addrs,idle_on_node_suspend",
+        # configless: slurmd fetches this file (and gres.conf, cgroup.conf) from slurmctld, so they
+        # live only on the controller. idle_on_node_suspend: a node that was DOWN or drained is
+        # idle again once powered down, so that it is tried afresh. Since 23.11 slurmctld learns a
+        # cloud node's address when it registers, and sinfo shows powered-down cloud nodes, by
+        # default (cloud_reg_addrs and PrivateData=cloud are gone).
+        "SlurmctldParameters=enable_configless,idle_on_node_suspend",
         f"TreeWidth={TREE_WIDTH}",
-        # Without it, sinfo hides powered-down cloud nodes even from root.
-        "PrivateData=cloud",
         # A node marked DOWN (by a resume that timed out, say) rejoins once its slurmd registers.
         "ReturnToService=2",
     ]
@@ -246,10 +247,12 @@ def _controller_lines(
 def _scheduling_lines() -> list[str]:
     """How processes are tracked and resources handed out: the same on every cluster."""
     return [
-        # Slurm 21.08 has no cgroup v2 support and Ubuntu 22.04 mounts only cgroup v2: track jobs
-        # through /proc, and bind nothing by default (launchers pin their own ranks).
-        "ProctrackType=proctrack/linuxproc",
-        "TaskPlugin=task/affinity",
+        # A job's processes are the members of its cgroup (none escapes by daemonizing), and each
+        # job is confined to its cores, memory and GPUs' device files (cgroup.conf): two jobs
+        # sharing a node cannot touch each other's GPUs. Tasks are not bound to cores by default:
+        # launchers pin their own ranks.
+        "ProctrackType=proctrack/cgroup",
+        "TaskPlugin=task/cgroup,task/affinity",
         "TaskPluginParam=None",
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core",
@@ -262,7 +265,6 @@ def _scheduling_lines() -> list[str]:
         # submission instead of pending for ever. ANY, not ALL: `launch --spot-fallback` names two
         # partitions of different sizes, and fitting one of them is enough.
         "EnforcePartLimits=ANY",
-        # No PrologFlags=Contain: it needs proctrack/cgroup, which Slurm 21.08 cannot use on cgroup v2.
     ]
 
 
@@ -308,12 +310,20 @@ def partition_line(name: str, nodes: str, *, default: bool, job_time: JobTimeLim
 
 
 def render_gres_conf(gpus: int, device_dir: str = "/dev") -> str:
-    """gres.conf naming the GPU device files: Ubuntu's and Debian's Slurm are built without NVML.
-    (device_dir: the local cluster's emulated GPUs live elsewhere.)"""
+    """gres.conf naming the GPU device files, which works whether or not a Slurm build has NVML
+    (Debian's has not). (device_dir: the local cluster's emulated GPUs live elsewhere.)"""
     count = check_int("gpus", gpus, 1, MAX_GPUS_PER_NODE)
     base = f"{check_path('device_dir', device_dir).rstrip('/')}/nvidia"
     files = f"{base}0" if count == 1 else f"{base}[0-{count - 1}]"
     return f"Name=gpu File={files}\n"
+
+
+def render_cgroup_conf() -> str:
+    """cgroup.conf: each job held to its allocation, as Azure's own Slurm stacks do. The plugin is
+    detected (cgroup v2 on Ubuntu 22.04); cores through cpuset, memory at the job's allocation (the
+    node's RealMemory when it asks for none, which leaves the system its share), and devices: only
+    the GPUs the job was given (gres.conf's File=) are open to it."""
+    return "CgroupPlugin=autodetect\nConstrainCores=yes\nConstrainRAMSpace=yes\nConstrainDevices=yes\n"
 
 
 def render_health_check(

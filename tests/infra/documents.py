@@ -7,6 +7,7 @@ import shlex
 import yaml
 
 from infra.cloud_init import (
+    render_cgroup_conf,
     render_cluster_node,
     render_gres_conf,
     render_head_node,
@@ -14,6 +15,7 @@ from infra.cloud_init import (
     render_slurm_conf,
 )
 from infra.cloud_init.slurm import HealthCheck, JobTimeLimits, NodeSet, PowerSaving
+from infra.cloud_init.slurm_packages import DEFAULT_SLURM_VERSION
 from infra.skus import GPU_SKUS
 
 SKUS = sorted(GPU_SKUS)
@@ -53,6 +55,7 @@ def node_doc(sku: str = "Standard_ND96isr_H100_v5", **overrides: object) -> str:
         "nvme_disks": GPU_SKUS[sku].nvme_disks,
         "nvme_mount": GPU_SKUS[sku].nvme_mount,
         "admin_user": "hpcadmin",
+        "slurm_version": DEFAULT_SLURM_VERSION,
     }
     return render_cluster_node(**{**args, **overrides})  # type: ignore[arg-type]
 
@@ -89,6 +92,8 @@ def head_doc(**overrides: object) -> str:
     args: dict[str, object] = {
         "slurm_conf": slurm_conf(),
         "gres_conf": render_gres_conf(8),
+        "cgroup_conf": render_cgroup_conf(),
+        "slurm_version": DEFAULT_SLURM_VERSION,
         "key_vault_uri": KEY_VAULT_URI,
         "nfs_server_ip": NFS_IP,
         "nfs_export_path": "/export",

@@ -341,14 +341,7 @@ def test_node_mounts_the_nfs_export_of_the_right_server() -> None:
     assert shell_value(mount, "NFS_SOURCE") == f"{NFS_IP}:/export"
     assert shell_value(mount, "MOUNT_PATH") == "/mnt/shared"
     assert set(str(shell_value(mount, "MOUNT_OPTIONS")).split(",")) >= {"_netdev", "nofail", "hard"}
-    assert yaml.safe_load(node_doc())["packages"] == [
-        "nfs-common",
-        "munge",
-        "slurmd",
-        "slurm-client",
-        "mdadm",
-        "xfsprogs",
-    ]
+    assert "nfs-common" in yaml.safe_load(node_doc())["packages"]  # what mounts it
 
 
 def nfs_mount_in(sandbox: Sandbox, *, wait_seconds: int, failures: int) -> tuple[str, Path]:

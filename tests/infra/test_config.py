@@ -537,3 +537,25 @@ def test_every_derived_name_fits_azure_or_the_prefix_is_refused(length: int, spo
 def test_name_rules_admit_and_refuse_what_azure_does(rule: NameRule, good: list[str], bad: list[str]) -> None:
     assert all(rule.admits(name) for name in good)
     assert [name for name in bad if rule.admits(name)] == []
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ("21.08.5", "Slurm 21.08 is not one this deployment renders its configuration for (23.11, "),
+        ("26.05.1", "Slurm 26.05 is not one"),  # newer than the key tables the renderer is checked against
+        ("25.11", "is not a Slurm version such as '25.11.5'"),
+        ("latest", "is not a Slurm version such as '25.11.5'"),
+        ("25.11.5-1; reboot", "is not a Slurm version"),
+    ],
+)
+def test_slurm_version_is_checked_at_config_time(value: str, reason: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_config({**VALID_CONFIG, "slurmVersion": value}, PROJECT)
+    assert f"  {PROJECT}:slurmVersion: got {value!r}; " in str(raised.value)
+    assert reason in str(raised.value)
+
+
+def test_slurm_version_defaults_to_what_azures_stacks_install() -> None:
+    assert parse_config(VALID_CONFIG, PROJECT).slurm_version == "25.11.5"
+    assert parse_config({**VALID_CONFIG, "slurmVersion": "24.11.6-2"}, PROJECT).slurm_version == "24.11.6-2"

@@ -57,7 +57,7 @@ def test_volume_is_built_at_every_boot_before_slurmd() -> None:
     assert "WantedBy=multi-user.target" in unit  # enabled: runs again after a deallocate/start
     setup = files["/usr/local/sbin/node-setup"]["content"]
     assert setup.index("systemctl enable --now nvme-raid.service") < setup.index("step slurmd slurmd-setup")
-    assert {"mdadm", "xfsprogs"} <= set(yaml.safe_load(document)["packages"])
+    assert {"mdadm", "xfsprogs"} <= {entry for entry in yaml.safe_load(document)["packages"] if isinstance(entry, str)}
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,7 @@ from dtrain.cli.cost import count_nodes, estimate_cost, load_price_table
 from dtrain.cli.jobs import nodes_table, summary
 from dtrain.cluster.slurm import NODE_FIELDS, parse_nodes
 from dtrain.local.slurm import override
-from infra.cloud_init import render_gres_conf, render_health_check
+from infra.cloud_init import render_cgroup_conf, render_gres_conf, render_health_check
 from infra.cloud_init._common import MUNGE_KEY_FETCH_PATH, MUNGE_KEY_PATH
 from infra.cloud_init.head_node import POWER_ACTIONS, POWER_CONFIG_PATH, POWER_LOG_PATH, POWER_PROGRAM_PATH
 from infra.cloud_init.slurm import JobTimeLimits, NodeSet
@@ -120,15 +120,13 @@ def test_slurm_conf_ports_auth_and_configless() -> None:
         SRUN_PORTS,
     )
     assert settings["AuthType"] == "auth/munge"
-    assert set(settings["SlurmctldParameters"].split(",")) == {
-        "enable_configless",
-        "cloud_reg_addrs",
-        "idle_on_node_suspend",
-    }
+    # cloud_reg_addrs is defunct since 23.11 (an error at start), what it did the default
+    assert set(settings["SlurmctldParameters"].split(",")) == {"enable_configless", "idle_on_node_suspend"}
     assert settings["ReturnToService"] == "2"
-    assert settings["PrivateData"] == "cloud"
-    # Slurm 21.08 cannot use cgroup v2, the only hierarchy Ubuntu 22.04 mounts.
-    assert "cgroup" not in settings["ProctrackType"] + settings["TaskPlugin"]
+    assert "PrivateData" not in settings  # PrivateData=cloud is gone: cloud nodes are shown by default
+    # Jobs tracked and confined by cgroups (cgroup.conf says what is constrained).
+    assert settings["ProctrackType"] == "proctrack/cgroup"
+    assert settings["TaskPlugin"] == "task/cgroup,task/affinity"
 
 
 def test_slurm_conf_power_saving_suspends_after_the_autostop_time() -> None:
@@ -169,9 +167,6 @@ def test_slurm_conf_ends_jobs_as_azure_needs() -> None:
         "UnkillableStepTimeout": "120",
     }
     assert settings["Epilog"] == EPILOG
-    # No cgroups (Slurm 21.08 on cgroup v2): nothing that needs them, such as PrologFlags=Contain.
-    assert not [key for key in settings if key.startswith("Prolog")]
-    assert "cgroup" not in slurm_conf()
 
 
 def test_slurm_conf_takes_the_local_clusters_shorter_timeouts_and_no_epilog() -> None:
@@ -1143,9 +1138,19 @@ def render_table(table: Any) -> str:
 def test_head_node_installs_the_controller_and_its_files_after_the_packages() -> None:
     document = head_doc()
     parsed = yaml.safe_load(document)
-    assert parsed["packages"] == ["nfs-common", "munge", "slurmctld", "slurm-client"]
+    assert parsed["packages"] == [
+        "nfs-common",
+        "munge",
+        ["slurm-smd", "25.11.5-1"],
+        ["slurm-smd-client", "25.11.5-1"],  # sbatch and friends: the head node is the login node
+        ["slurm-smd-slurmctld", "25.11.5-1"],
+    ]
     files = files_of(document)
-    for path, expected in (("/etc/slurm/slurm.conf", slurm_conf()), ("/etc/slurm/gres.conf", render_gres_conf(8))):
+    for path, expected in (
+        ("/etc/slurm/slurm.conf", slurm_conf()),
+        ("/etc/slurm/gres.conf", render_gres_conf(8)),
+        ("/etc/slurm/cgroup.conf", render_cgroup_conf()),  # served to the nodes' slurmd (configless)
+    ):
         assert files[path]["content"] == expected
         assert (files[path]["defer"], files[path]["owner"], files[path]["permissions"]) == (True, "root:root", "0644")
     # the timer that deallocates unregistered nodes is on before head-setup.service, which runs head-setup

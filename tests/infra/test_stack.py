@@ -448,8 +448,11 @@ def test_head_node_is_private_in_the_cluster_subnet_with_its_own_identity(deploy
     head_identity = by_name(deployment, ":UserAssignedIdentity", "-head-")
     assert vm.inputs["identity"] == {"type": "UserAssigned", "userAssignedIdentities": [head_identity.id]}
     assert vm.inputs["osProfile"]["computerName"] == "hvd-head"
+    # The nodes' image: Microsoft's Slurm repository, its key and the apt pin, as on the nodes.
     image = vm.inputs["storageProfile"]["imageReference"]
-    assert (image["offer"], image["sku"]) == ("0001-com-ubuntu-server-jammy", "22_04-lts-gen2")  # the nodes' Ubuntu
+    vmss_image = one(deployment, ":VirtualMachineScaleSet").inputs["virtualMachineProfile"]["storageProfile"]
+    assert image == vmss_image["imageReference"]
+    assert (image["publisher"], image["offer"], image["sku"]) == ("microsoft-dsvm", "ubuntu-hpc", "2204")
     # The scale set's identity is not on the head node, nor the head node's on the scale set.
     vmss = one(deployment, ":VirtualMachineScaleSet")
     assert head_identity.id not in vmss.inputs["identity"]["userAssignedIdentities"]

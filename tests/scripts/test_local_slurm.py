@@ -171,7 +171,9 @@ def test_local_conf_has_power_saving_in_seconds_and_the_health_check(tmp_path):
     assert f"HealthCheckProgram={files.health_check}" in conf and not any(
         line.startswith("SuspendExcParts") for line in conf
     )
-    assert "SlurmctldParameters=enable_configless,cloud_reg_addrs,idle_on_node_suspend,power_save_interval=2" in conf
+    assert "SlurmctldParameters=enable_configless,idle_on_node_suspend,cloud_reg_addrs,power_save_interval=2" in conf
+    # Slurm 22.05 here: what 23.11 does for cloud nodes by default, asked for; no cgroup process tracking
+    assert {"PrivateData=cloud", "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none"} <= set(conf)
     # autostop 0: the partition is never suspended (and the power programs are still there to resume)
     never = local_slurm.render_local_conf(files, "t", "10.213.9.2", nodes, local_slurm.LocalSlurmSettings())
     assert f"SuspendExcParts={SLURM_PARTITION}" in never.splitlines() and "HealthCheckInterval=60" in never
