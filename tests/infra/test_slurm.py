@@ -37,7 +37,7 @@ from rich.console import Console
 from dtrain.cli.cost import count_nodes, estimate_cost, load_price_table
 from dtrain.cli.jobs import nodes_table, summary
 from dtrain.cluster.slurm import NODE_FIELDS, parse_nodes
-from dtrain.local.slurm import override
+from dtrain.local.slurm import CLOUD_REG_ADDRS, PRIVATE_DATA, conf_value, override
 from infra.cloud_init import render_cgroup_conf, render_gres_conf, render_health_check
 from infra.cloud_init._common import MUNGE_KEY_FETCH_PATH, MUNGE_KEY_PATH
 from infra.cloud_init.head_node import POWER_ACTIONS, POWER_CONFIG_PATH, POWER_LOG_PATH, POWER_PROGRAM_PATH
@@ -1028,15 +1028,19 @@ def controller(tmp_path: Path) -> Iterator[Controller]:
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
     socket_path = root / "munge.socket"
+    azure_conf = slurm_conf(
+        controller_host="head",
+        controller_address="127.0.0.1",
+        nodes=NodeSet(names=["hvd-gpu-000000", "hvd-gpu-000001"], cpus=2, real_memory_mb=1024, gpus=0),
+        state_save_dir=str(root / "state"),
+        epilog=None,
+    )
     conf = override(
-        slurm_conf(
-            controller_host="head",
-            controller_address="127.0.0.1",
-            nodes=NodeSet(names=["hvd-gpu-000000", "hvd-gpu-000001"], cpus=2, real_memory_mb=1024, gpus=0),
-            state_save_dir=str(root / "state"),
-            epilog=None,
-        ),
+        azure_conf,
         {
+            # what 25.11 does by default and this machine's 22.05 only when asked (dtrain/local/slurm.py)
+            "PrivateData": PRIVATE_DATA,
+            "SlurmctldParameters": f"{conf_value(azure_conf, 'SlurmctldParameters')},{CLOUD_REG_ADDRS}",
             "SlurmUser": "root",
             "AuthInfo": f"socket={socket_path}",
             "SlurmctldPort": str(free_port()),
