@@ -10,6 +10,7 @@ from typing import Any
 import pulumi
 from pulumi_azure_native import compute, network
 
+from infra.cloud_init import custom_data_bytes
 from infra.config import ImageReference
 
 UBUNTU_2204 = ImageReference("Canonical", "0001-com-ubuntu-server-jammy", "22_04-lts-gen2", "latest")
@@ -43,7 +44,8 @@ def security_profile(encryption_at_host: bool) -> compute.SecurityProfileArgs:
 
 
 def encode_custom_data(cloud_config: str) -> str:
-    return base64.b64encode(cloud_config.encode()).decode()
+    """The cloud-config as the customData property takes it: base64 of custom_data_bytes (gzipped)."""
+    return base64.b64encode(custom_data_bytes(cloud_config)).decode()
 
 
 @dataclass

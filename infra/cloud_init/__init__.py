@@ -7,7 +7,7 @@ scripts and programs the documents install are read from dtrain/remote/, where e
 runs on a cluster host lives.
 """
 
-from infra.cloud_init._common import remote_file
+from infra.cloud_init._common import custom_data_bytes, remote_file
 from infra.cloud_init.cluster_node import render_cluster_node
 from infra.cloud_init.head_node import render_head_node
 from infra.cloud_init.nccl import check_nccl_env
@@ -16,6 +16,7 @@ from infra.cloud_init.slurm import render_cgroup_conf, render_gres_conf, render_
 
 __all__ = [
     "check_nccl_env",
+    "custom_data_bytes",
     "remote_file",
     "render_cgroup_conf",
     "render_cluster_node",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import gzip
 import shlex
 
 import yaml
@@ -142,3 +144,8 @@ def shell_scripts() -> dict[str, tuple[str, str]]:
 
 
 SHELL_SCRIPTS = shell_scripts()
+
+
+def decode_custom_data(custom_data: str) -> str:
+    """The cloud-config a customData property carries (base64 of the gzipped document)."""
+    return gzip.decompress(base64.b64decode(custom_data)).decode()

@@ -8,7 +8,9 @@ their system paths pointed into a temporary directory. Slurm's files and program
 
 from __future__ import annotations
 
+import gzip
 import json
+import random
 import re
 import stat
 import subprocess
@@ -18,7 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.cloud_init import check_nccl_env
+from infra.cloud_init import check_nccl_env, custom_data_bytes
+from infra.cloud_init._common import MAX_CUSTOM_DATA_BYTES
 from infra.skus import GPU_SKUS, GpuSku
 from tests.infra.documents import (
     ACR,
@@ -219,8 +222,18 @@ def test_nfs_rejects_bad_input(overrides: dict[str, object], key: str) -> None:
 
 
 def test_document_over_the_azure_custom_data_limit_is_refused() -> None:
-    with pytest.raises(ValueError, match="65535"):
-        nfs_doc(blob_pull_script="#!/usr/bin/env python3\n" + "# padding\n" * 8000)
+    # counted gzipped, as Azure receives it: random text, which gzip cannot shrink below the limit
+    padding = random.Random(0).randbytes(80_000).hex()
+    with pytest.raises(ValueError, match="bytes gzipped; Azure custom data allows 65535"):
+        nfs_doc(blob_pull_script=f"#!/usr/bin/env python3\n# {padding}\n")
+
+
+def test_custom_data_is_the_gzipped_document_cloud_init_unpacks() -> None:
+    document = node_doc()
+    packed = custom_data_bytes(document)
+    assert gzip.decompress(packed).decode() == document and packed == custom_data_bytes(document)  # stable
+    # the largest document keeps most of Azure's 65,535 bytes free for what comes next
+    assert len(packed) < MAX_CUSTOM_DATA_BYTES / 2 < len(document.encode())
 
 
 def nfs_setup_in(sandbox: Sandbox, count: int) -> tuple[str, list[str], Path]:

@@ -3,7 +3,6 @@ the same definition as the on-demand set, with Spot priority, and the head node 
 
 from __future__ import annotations
 
-import base64
 import json
 from typing import Any
 
@@ -12,6 +11,7 @@ import yaml
 
 from tests.infra.azure_mocks import Registered
 from tests.infra.conftest import VALID_CONFIG, Deployment, deploy
+from tests.infra.documents import decode_custom_data
 from tests.infra.test_stack import by_name, head_file, slurm_settings
 
 SPOT_CONFIG = {
@@ -46,7 +46,7 @@ def comparable(vmss: Registered) -> dict[str, Any]:
     for key in SPOT_ONLY:
         profile.pop(key, None)
     profile["osProfile"].pop("computerNamePrefix")
-    profile["osProfile"]["customData"] = yaml.safe_load(base64.b64decode(profile["osProfile"]["customData"]))
+    profile["osProfile"]["customData"] = yaml.safe_load(decode_custom_data(profile["osProfile"]["customData"]))
     inputs.pop("proximityPlacementGroup")  # one per scale set (one placement group each), checked below
     return inputs
 

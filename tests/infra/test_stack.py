@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 import subprocess
@@ -30,6 +29,7 @@ from tests.infra.azure_mocks import (
     Registered,
 )
 from tests.infra.conftest import PROJECT, SSH_KEY, STACK, VALID_CONFIG, Deployment, deploy
+from tests.infra.documents import decode_custom_data
 
 # Azure resource types that take no tags (sub-resources and extension resources).
 UNTAGGABLE = (":Subnet", ":BlobContainer", ":BlobServiceProperties", ":RoleAssignment", ":RoleDefinition")
@@ -110,12 +110,12 @@ def test_only_the_jumpbox_has_a_public_ip(deployment: Deployment) -> None:
 def node_document(deployment: Deployment) -> str:
     """The GPU nodes' cloud-config."""
     os_profile = one(deployment, ":VirtualMachineScaleSet").inputs["virtualMachineProfile"]["osProfile"]
-    return base64.b64decode(os_profile["customData"]).decode()
+    return decode_custom_data(os_profile["customData"])
 
 
 def head_document(deployment: Deployment) -> str:
     """The head node's cloud-config."""
-    return base64.b64decode(by_name(deployment, ":VirtualMachine", "head").inputs["osProfile"]["customData"]).decode()
+    return decode_custom_data(by_name(deployment, ":VirtualMachine", "head").inputs["osProfile"]["customData"])
 
 
 def head_file(deployment: Deployment, path: str) -> str:
@@ -327,7 +327,7 @@ def test_nfs_server_disks_and_static_private_ip(deployment: Deployment) -> None:
     nic = by_name(deployment, ":NetworkInterface", "nfs").inputs["ipConfigurations"][0]
     assert nic["privateIPAllocationMethod"] == "Static" and nic["privateIPAddress"] == "10.40.64.4"
     assert nic["subnet"]["id"] == by_name(deployment, ":Subnet", "-nfs").id
-    cloud_config = base64.b64decode(vm.inputs["osProfile"]["customData"]).decode()
+    cloud_config = decode_custom_data(vm.inputs["osProfile"]["customData"])
     assert "10.40.0.0/18" in cloud_config  # exported to the cluster subnet
     (blob_pull,) = [e for e in yaml.safe_load(cloud_config)["write_files"] if e["path"] == "/usr/local/bin/blob-pull"]
     assert (
@@ -535,7 +535,7 @@ def test_munge_key_goes_to_key_vault_and_never_into_custom_data(deployment: Depl
     assert secrets == {(secret.name, "properties")}
     custom_data = [head_document(deployment), node_document(deployment)]
     custom_data += [
-        base64.b64decode(vm.inputs["osProfile"]["customData"]).decode() for vm in _vms_with_custom_data(deployment)
+        decode_custom_data(vm.inputs["osProfile"]["customData"]) for vm in _vms_with_custom_data(deployment)
     ]
     for document in custom_data:
         assert MUNGE_KEY not in document and MUNGE_KEY[:40] not in document
