@@ -19,7 +19,7 @@ from typing import Any
 
 from rich.table import Table
 
-from dtrain.cli_common import add_cluster_option, int_between, non_empty
+from dtrain.cli_common import add_cluster_option, debugging, int_between, non_empty
 from dtrain.cluster.description import ClusterDescription, load
 from dtrain.cluster.slurm import NodeInfo, QueuedJob, Slurm, patiently
 from dtrain.cluster.ssh import SSH, q
@@ -169,7 +169,7 @@ def run_logs(args: argparse.Namespace) -> int:
         run = _with_run_dir(patiently(lambda: resolve(desc, slurm, args.job), f"about {args.job}"))
         if args.follow:
             try:
-                return follow(desc, ssh, slurm, run)
+                return follow(desc, ssh, slurm, run, debug=debugging(args))
             except KeyboardInterrupt:
                 console.print(f"stopped following; {run.label} is not affected")
                 return int(ExitCode.INTERRUPTED)

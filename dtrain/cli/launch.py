@@ -22,7 +22,6 @@ from dtrain.errors import OperatorError
 from dtrain.jobs.allocation import add_allocation_arguments, cost_line
 from dtrain.jobs.batch_script import render_job_script
 from dtrain.jobs.follow import ask_cancel_or_detach, follow
-from dtrain.jobs.launcher_noise import without_launcher_tracebacks
 from dtrain.jobs.runs import Run
 from dtrain.jobs.submit import LaunchOptions, Plan, Submission, build_spec, check_run_id, node_hour_price, submit
 from dtrain.jobs.workdir import MAX_WORKDIR_MB
@@ -210,9 +209,8 @@ def run(args: argparse.Namespace) -> int:
             return 0
         slurm = Slurm(desc, ssh)
         job = Run(submitted.run_id, submitted.job_id, submitted.run_dir)
-        echo = show_line if debugging(args) else without_launcher_tracebacks(show_line)
         try:
-            return follow(desc, ssh, slurm, job, echo=echo)
+            return follow(desc, ssh, slurm, job, echo=show_line, debug=debugging(args))
         except KeyboardInterrupt:
             return ask_cancel_or_detach(slurm, job)
 

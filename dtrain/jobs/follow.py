@@ -19,6 +19,7 @@ from dtrain.cluster.description import ClusterDescription
 from dtrain.cluster.slurm import ACTIVE_STATES, NodeInfo, Slurm, patiently
 from dtrain.cluster.ssh import SSH, q
 from dtrain.errors import ExitCode, OperatorError
+from dtrain.jobs.launcher_noise import without_launcher_tracebacks
 from dtrain.jobs.runs import Run, list_runs
 from dtrain.processes import stop_process_group
 from dtrain.ui import make_console
@@ -136,8 +137,18 @@ def outcome(desc: ClusterDescription, slurm: Slurm, run: Run) -> int:
     return code
 
 
-def follow(desc: ClusterDescription, ssh: SSH, slurm: Slurm, run: Run, echo: Callable[[str], None] = _print) -> int:
-    stream_until_done(ssh, slurm, run, echo)
+def follow(
+    desc: ClusterDescription,
+    ssh: SSH,
+    slurm: Slurm,
+    run: Run,
+    echo: Callable[[str], None] = _print,
+    *,
+    debug: bool = False,
+) -> int:
+    """The run's log until the job ends, then how it ended (`launch --follow`, `logs -f`): a launcher's
+    own traceback is left out of the stream unless debug (the log keeps it)."""
+    stream_until_done(ssh, slurm, run, echo if debug else without_launcher_tracebacks(echo))
     return outcome(desc, slurm, run)
 
 

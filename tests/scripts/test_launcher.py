@@ -179,6 +179,10 @@ def test_a_failing_rank_sets_the_exit_status_and_is_named(cluster, cluster_file)
     # horovodrun's traceback stays in the run's log, off the console
     assert "Traceback" not in out and "[horovodrun] Process 1 exit with status code 3." in out
     assert "Traceback (most recent call last):" in (run_dir(cluster, "fail-run") / "output.log").read_text()
+    # `logs -f` shows what `launch --follow` shows
+    again = cli("logs", "--cluster", str(cluster_file), "fail-run", "-f")
+    assert again.returncode == 3 and "rank 1 on node-1 failed" in again.stderr
+    assert "Traceback" not in again.stdout + again.stderr, again.stdout[-3000:]
 
 
 # --- the queue -------------------------------------------------------------------------------------
