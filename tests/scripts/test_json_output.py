@@ -13,6 +13,9 @@ import subprocess
 import pytest
 
 from dtrain.__main__ import build_parser
+from dtrain.cli.jobs import job_rows
+from dtrain.cluster.slurm import QueuedJob
+from dtrain.jobs.runs import Run
 from dtrain.json_documents import CostDocument, Document, ErrorDocument, JobsDocument, StatusDocument
 from tests.polling import wait_for
 
@@ -97,3 +100,19 @@ def test_jobs_rows_of_a_running_and_an_ended_job_have_the_same_keys_and_types(cl
         assert (queued.job, queued.state, queued.nodes) == (running_job, "RUNNING", 2)
     finally:
         cli("cancel", "--cluster", str(cluster_file), running_job)
+
+
+def test_a_queued_and_an_ended_row_have_the_same_keys_and_types_without_a_cluster():
+    queued = QueuedJob("7", "run-a", "RUNNING", "alice", "2", "1-02:03:04", "node-[0-1]")
+    ended = Run(
+        "run-b",
+        "6",
+        "/shared/runs/run-b",
+        job={"nodes": 1, "submitted_by": "alice"},
+        status={"exit_code": 0, "finished_at": "2026-11-27T21:00:00+00:00"},
+        record={"attempts": [{"seconds": 12}], "node_hours": 0.003, "estimated_cost_usd": None},
+    )
+    rows = [dict(row) for row in job_rows([queued], [ended])]
+    JobsDocument.model_validate({"jobs": rows}, strict=True)
+    shown = [(row["nodes"], row["elapsed_seconds"], row["in_queue"]) for row in rows]
+    assert shown == [(2, 93784, True), (1, 12, False)]
