@@ -14,7 +14,9 @@ import pytest
 
 from dtrain.__main__ import build_parser
 from dtrain.cli.jobs import job_rows
+from dtrain.cli_common import CLIParser, run_cli
 from dtrain.cluster.slurm import QueuedJob
+from dtrain.errors import ExitCode
 from dtrain.jobs.runs import Run
 from dtrain.json_documents import CostDocument, Document, ErrorDocument, JobsDocument, StatusDocument
 from tests.polling import wait_for
@@ -63,6 +65,24 @@ def test_a_failure_prints_an_error_document_and_keeps_its_exit_status_and_error_
     assert error.exit_status == scripted.returncode
     assert f"error: {error.message}\n" in scripted.stderr
     assert "Traceback" not in scripted.stdout + scripted.stderr
+
+
+@pytest.mark.parametrize(
+    ("raised", "code"),
+    [(KeyError("boom"), ExitCode.FAILED), (KeyboardInterrupt(), ExitCode.INTERRUPTED)],
+    ids=["unexpected", "interrupted"],
+)
+def test_an_unexpected_error_and_an_interrupt_print_the_error_document_too(raised, code, capsys):
+    parser = CLIParser(prog="tool")
+    parser.add_argument("--json", action="store_true")
+
+    def body(_args: argparse.Namespace) -> int:
+        raise raised
+
+    assert run_cli(parser, body, ["--json"]) == code
+    out, err = capsys.readouterr()
+    error = ErrorDocument.model_validate_json(out, strict=True).error
+    assert error.exit_status == code and f"error: {error.message}" in err
 
 
 def test_cost_prints_its_document():
