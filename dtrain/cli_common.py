@@ -1,7 +1,8 @@
 """What every operator CLI shares: the parser (--debug on every command, the exit-status table in
 --help), argparse validators, checks of input files, directories and tools, and `run_cli`, the one
 path every error takes to the terminal: `error: <message>` on stderr and a status from
-`ExitCode`, with a traceback only under --debug (or SCRIPTS_DEBUG=1).
+`ExitCode` (under --json also the error document on stdout), with a traceback only under --debug (or
+SCRIPTS_DEBUG=1).
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ EXIT_STATUS_HELP = (
 T = TypeVar("T")
 
 
+class UsageError(SystemExit):
+    """A bad command line, as argparse ends on it (exit 2), with the message kept for `--json`."""
+
+    def __init__(self, message: str):
+        super().__init__(ExitCode.BAD_INPUT)
+        self.message = message
+
+
 class CLIParser(argparse.ArgumentParser):
     """argparse with --debug on every (sub)command, the exit-status table in --help, and usage
     errors printed as `error: ...` like every other error (exit 2)."""
@@ -48,14 +57,6 @@ class CLIParser(argparse.ArgumentParser):
         self.print_usage(sys.stderr)
         print(f"error: {message}", file=sys.stderr)
         raise UsageError(message)
-
-
-class UsageError(SystemExit):
-    """A bad command line, as argparse ends on it (exit 2), with the message kept for `--json`."""
-
-    def __init__(self, message: str):
-        super().__init__(ExitCode.BAD_INPUT)
-        self.message = message
 
 
 CLUSTER_HELP = "cluster description file (default: $CLUSTER_DESCRIPTION, else the local cluster's)"

@@ -600,7 +600,11 @@ def configure(commands: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help=f"with --refresh: also write the prices read to FILE (default: {DEFAULT_CACHE}) for a later --prices",
     )
-    parser.add_argument("--json", action="store_true", help="print JSON (amounts as exact decimal strings)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document (amounts as exact decimal strings; an error document on failure)",
+    )
     parser.set_defaults(handler=run_cost)
 
 

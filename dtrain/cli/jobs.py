@@ -72,7 +72,11 @@ def configure(commands: argparse._SubParsersAction) -> None:
         add_cluster_option(parser)
         parser.set_defaults(handler=handler)
     for parser in (jobs, status):
-        parser.add_argument("--json", action="store_true", help="print JSON on stdout instead of the tables")
+        parser.add_argument(
+            "--json",
+            action="store_true",
+            help="print one JSON document on stdout instead of the tables (an error document on failure)",
+        )
 
 
 def _connect(args: argparse.Namespace) -> tuple[ClusterDescription, SSH, Slurm]:
