@@ -1,7 +1,8 @@
 """What every operator CLI shares: the parser (--debug on every command, the exit-status table in
 --help), argparse validators, checks of input files, directories and tools, and `run_cli`, the one
 path every error takes to the terminal: `error: <message>` on stderr and a status from
-`ExitCode`, with a traceback only under --debug (or SCRIPTS_DEBUG=1).
+`ExitCode` (under --json also the error document on stdout), with a traceback only under --debug (or
+SCRIPTS_DEBUG=1).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, NoReturn, TypeVar
 from pydantic import ValidationError
 
 from dtrain.errors import ExitCode, OperatorError, explain_os_error
+from dtrain.json_documents import ErrorDocument, Failure
 
 DEBUG_ENV = "SCRIPTS_DEBUG"
 DEBUG_HINT = "(run again with --debug for the traceback)"
@@ -30,6 +32,14 @@ EXIT_STATUS_HELP = (
     "3 environment not ready (tool missing, unreachable, access refused); 4 timed out; 130 interrupted."
 )
 T = TypeVar("T")
+
+
+class UsageError(SystemExit):
+    """A bad command line, as argparse ends on it (exit 2), with the message kept for `--json`."""
+
+    def __init__(self, message: str):
+        super().__init__(ExitCode.BAD_INPUT)
+        self.message = message
 
 
 class CLIParser(argparse.ArgumentParser):
@@ -45,7 +55,8 @@ class CLIParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
-        self.exit(ExitCode.BAD_INPUT, f"error: {message}\n")
+        print(f"error: {message}", file=sys.stderr)
+        raise UsageError(message)
 
 
 CLUSTER_HELP = "cluster description file (default: $CLUSTER_DESCRIPTION, else the local cluster's)"
@@ -72,16 +83,24 @@ def debugging(args: argparse.Namespace | None) -> bool:
 def run_cli(
     parser: argparse.ArgumentParser, body: Callable[[argparse.Namespace], int], argv: Sequence[str] | None = None
 ) -> int:
-    """Parse argv and run body; every failure becomes `error: ...` on stderr and its exit status."""
+    """Parse argv and run body; every failure becomes `error: ...` on stderr and its exit status, and
+    under --json also an error document on stdout (dtrain/json_documents.py)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     debug = debugging(None)
+    # until the command line is parsed, --json is what it says before `--` (after it: a job's own words)
+    as_json = "--json" in argv[: argv.index("--") if "--" in argv else len(argv)]
     try:
         args = parser.parse_args(argv)
-        debug = debugging(args)
+        debug, as_json = debugging(args), bool(getattr(args, "json", False))
         return int(body(args))
+    except UsageError as exc:
+        if as_json:
+            _error_document(exc.message, int(exc.code or 0))
+        raise
     except OperatorError as exc:
-        return _report(str(exc), exc.exit_code, debug)
+        return _report(str(exc), exc.exit_code, debug, as_json)
     except KeyboardInterrupt:
-        return _report("interrupted", ExitCode.INTERRUPTED, debug)
+        return _report("interrupted", ExitCode.INTERRUPTED, debug, as_json)
     except BrokenPipeError:
         # The reader went away (`... | head`): say nothing more, and keep Python from printing
         # its own complaint when it flushes stdout at exit.
@@ -89,7 +108,7 @@ def run_cli(
         return int(ExitCode.FAILED)
     except Exception as exc:  # the safety net: whatever slipped past the checks gets a message too
         message, code = _describe_unexpected(exc)
-        return _report(message if debug else f"{message} {DEBUG_HINT}", code, debug)
+        return _report(message if debug else f"{message} {DEBUG_HINT}", code, debug, as_json)
 
 
 def end_on_termination() -> None:
@@ -107,11 +126,17 @@ def end_on_termination() -> None:
         signal.signal(number, end)
 
 
-def _report(message: str, code: int, debug: bool) -> int:
+def _report(message: str, code: int, debug: bool, as_json: bool) -> int:
     if debug:
         traceback.print_exc()
     print(f"error: {message}", file=sys.stderr)
+    if as_json:
+        _error_document(message, int(code))
     return int(code)
+
+
+def _error_document(message: str, code: int) -> None:
+    ErrorDocument(error=Failure(message=message, exit_status=code)).print()
 
 
 def _describe_unexpected(exc: Exception) -> tuple[str, int]:

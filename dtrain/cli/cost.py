@@ -57,6 +57,7 @@ from dtrain.cluster.slurm import NodeInfo, Slurm
 from dtrain.cluster.ssh import SSH
 from dtrain.errors import ExitCode, OperatorError, explain_os_error
 from dtrain.fileio import atomic_write
+from dtrain.json_documents import CostDocument, CostItem, CostPrices
 from dtrain.ui import make_console
 from infra.config import ConfigError, StackConfig, parse_config
 from infra.contract import REGISTRY_SKU
@@ -599,7 +600,11 @@ def configure(commands: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help=f"with --refresh: also write the prices read to FILE (default: {DEFAULT_CACHE}) for a later --prices",
     )
-    parser.add_argument("--json", action="store_true", help="print JSON (amounts as exact decimal strings)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document (amounts as exact decimal strings; an error document on failure)",
+    )
     parser.set_defaults(handler=run_cost)
 
 
@@ -618,7 +623,7 @@ def run_cost(args: argparse.Namespace) -> int:
     live = count_nodes(cfg, read_live_nodes(getattr(args, "cluster", None))) if args.live else None
     estimate = estimate_cost(cfg, table, args.running_nodes, live)
     if args.json:
-        print(json.dumps(_as_json(estimate, stack_file), indent=2))
+        _as_document(estimate, stack_file).print()
     else:
         _print_table(estimate, stack_file)
     return 0
@@ -649,31 +654,31 @@ def _print_table(estimate: CostEstimate, stack_file: Path) -> None:
     out.print(f"Not included: {'; '.join(NOT_INCLUDED)}.", highlight=False)
 
 
-def _as_json(estimate: CostEstimate, stack_file: Path) -> dict[str, Any]:
+def _as_document(estimate: CostEstimate, stack_file: Path) -> CostDocument:
     prices = estimate.table
-    return {
-        "stack_file": str(stack_file),
-        "region": estimate.region,
-        "currency": "USD",
-        "prices": {
-            "table": prices.origin,
-            "as_of": str(prices.as_of),
-            "price_type": prices.price_type,
-            "source": prices.source,
-            "query": prices.query,
-        },
-        "rows": [
-            {
-                "item": row.item,
-                "size": row.size,
-                "count": row.count,
-                "basis": row.basis,
-                "usd_per_hour": str(row.usd_per_hour),
-                "source": prices.describe_source(row.quote.source) if row.quote else None,
-                "estimate": row.quote.estimate if row.quote else None,
-            }
+    return CostDocument(
+        stack_file=str(stack_file),
+        region=estimate.region,
+        currency="USD",
+        prices=CostPrices(
+            table=prices.origin,
+            as_of=str(prices.as_of),
+            price_type=prices.price_type,
+            source=prices.source,
+            query=prices.query,
+        ),
+        rows=[
+            CostItem(
+                item=row.item,
+                size=row.size,
+                count=row.count,
+                basis=row.basis,
+                usd_per_hour=str(row.usd_per_hour),
+                source=prices.describe_source(row.quote.source) if row.quote else None,
+                estimate=row.quote.estimate if row.quote else None,
+            )
             for row in estimate.rows
         ],
-        "total_usd_per_hour": str(estimate.total),
-        "not_included": list(NOT_INCLUDED),
-    }
+        total_usd_per_hour=str(estimate.total),
+        not_included=list(NOT_INCLUDED),
+    )

@@ -10,12 +10,10 @@ by node-setup, even when slurmd could not start).
 from __future__ import annotations
 
 import argparse
-import json
 import posixpath
+import re
 from collections.abc import Sequence
-from dataclasses import asdict
 from datetime import UTC, datetime
-from typing import Any
 
 from rich.table import Table
 
@@ -26,11 +24,13 @@ from dtrain.cluster.ssh import SSH, q
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.jobs.follow import cancel_and_wait, follow
 from dtrain.jobs.runs import Run, list_runs, resolve
+from dtrain.json_documents import JobRow, JobsDocument, NodeRow, StatusDocument
 from dtrain.ui import make_console
 from infra.contract import BOOT_REPORT_DIR, HEALTH_REPORT_DIR
 
 # the nodes' reports on the shared file system, each kind in its folder: <folder>/<node>, key=value lines
 REPORT_DIRS = {"health": HEALTH_REPORT_DIR, "boot": BOOT_REPORT_DIR}
+ELAPSED = re.compile(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)")  # squeue's %M
 console = make_console()
 out = make_console(stderr=False)
 
@@ -72,7 +72,11 @@ def configure(commands: argparse._SubParsersAction) -> None:
         add_cluster_option(parser)
         parser.set_defaults(handler=handler)
     for parser in (jobs, status):
-        parser.add_argument("--json", action="store_true", help="print JSON on stdout instead of the tables")
+        parser.add_argument(
+            "--json",
+            action="store_true",
+            help="print one JSON document on stdout instead of the tables (an error document on failure)",
+        )
 
 
 def _connect(args: argparse.Namespace) -> tuple[ClusterDescription, SSH, Slurm]:
@@ -87,59 +91,94 @@ def run_jobs(args: argparse.Namespace) -> int:
     with ssh:
         queue = slurm.queue()
         runs = list_runs(desc, slurm, limit=args.limit)
+    rows = job_rows(queue, runs)
     if args.json:
-        print(json.dumps(job_rows(queue, runs), indent=2))
+        JobsDocument(jobs=rows).print()
     else:
-        out.print(jobs_table(queue, runs))
+        out.print(jobs_table(rows))
     return 0
 
 
-def job_rows(queue: Sequence[QueuedJob], runs: Sequence[Run]) -> list[dict[str, Any]]:
+def job_rows(queue: Sequence[QueuedJob], runs: Sequence[Run]) -> list[JobRow]:
     """One row per job: those Slurm holds, then the ended runs (newest first); what `jobs` shows."""
-    live = {job.job_id: job for job in queue}
-    rows = [
-        {"job": j.job_id, "run": j.name, "state": j.state, "nodes": j.nodes, "time": j.elapsed, "note": j.reason}
-        for j in queue
-    ]
-    for run in runs:
-        if run.job_id in live:
-            continue
-        state, note = _ended_state(run)
-        record = run.record or {}
-        rows.append(
-            {
-                "job": run.job_id,
-                "run": run.run_id,
-                "state": state,
-                "nodes": (run.job or {}).get("nodes"),
-                "time": (run.status or {}).get("finished_at"),
-                "exit_code": run.exit_code,
-                "node_hours": record.get("node_hours"),
-                "estimated_cost_usd": record.get("estimated_cost_usd"),
-                "note": note,
-            }
-        )
-    return rows
+    live = {job.job_id for job in queue}
+    return [queued_row(job) for job in queue] + [ended_row(run) for run in runs if run.job_id not in live]
 
 
-def jobs_table(queue: Sequence[QueuedJob], runs: Sequence[Run]) -> Table:
+def queued_row(job: QueuedJob) -> JobRow:
+    return JobRow(
+        job=job.job_id,
+        run=job.name,
+        state=job.state,
+        in_queue=True,
+        user=job.user,
+        nodes=int(job.nodes) if job.nodes.isdigit() else None,
+        elapsed_seconds=slurm_seconds(job.elapsed),
+        finished_at=None,
+        exit_code=None,
+        node_hours=None,
+        estimated_cost_usd=None,
+        note=job.reason,
+    )
+
+
+def ended_row(run: Run) -> JobRow:
+    state, note = _ended_state(run)
+    record, job = run.record or {}, run.job or {}
+    attempts = record.get("attempts") or [{}]
+    return JobRow(
+        job=run.job_id,
+        run=run.run_id,
+        state=state,
+        in_queue=False,
+        user=job.get("submitted_by"),
+        nodes=job.get("nodes"),
+        elapsed_seconds=attempts[-1].get("seconds"),
+        finished_at=(run.status or {}).get("finished_at"),
+        exit_code=run.exit_code,
+        node_hours=record.get("node_hours"),
+        estimated_cost_usd=record.get("estimated_cost_usd"),
+        note=note,
+    )
+
+
+def slurm_seconds(text: str) -> int | None:
+    """Slurm's elapsed time ([D-][H:]M:SS) in seconds; None for anything else (INVALID)."""
+    found = ELAPSED.fullmatch(text.strip())
+    if found is None:
+        return None
+    days, hours, minutes, seconds = (int(part or 0) for part in found.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def jobs_table(rows: Sequence[JobRow]) -> Table:
     table = Table(title="jobs")
     for column in ("job", "run", "state", "nodes", "time", "exit", "node-h", "est. cost", "note"):
         table.add_column(column)
-    for row in job_rows(queue, runs):
-        hours, cost = row.get("node_hours"), row.get("estimated_cost_usd")
+    for row in rows:
+        hours, cost = row.node_hours, row.estimated_cost_usd
         table.add_row(
-            row["job"] or "-",
-            row["run"] or "-",
-            row["state"],
-            "" if row["nodes"] is None else str(row["nodes"]),
-            row["time"] or "",
-            "" if row.get("exit_code") is None else str(row["exit_code"]),
+            row.job or "-",
+            row.run or "-",
+            row.state,
+            "" if row.nodes is None else str(row.nodes),
+            row.finished_at or ("" if row.elapsed_seconds is None else _clock(row.elapsed_seconds)),
+            "" if row.exit_code is None else str(row.exit_code),
             "" if hours is None else f"{hours:.3f}",
             "" if cost is None else f"${cost:.2f}",
-            row["note"],
+            row.note,
         )
     return table
+
+
+def _clock(seconds: int) -> str:
+    """Seconds as squeue writes an elapsed time: D-HH:MM:SS, H:MM:SS, or M:SS under an hour."""
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, seconds = divmod(rest, 60)
+    if days:
+        return f"{days}-{hours:02}:{minutes:02}:{seconds:02}"
+    return f"{hours}:{minutes:02}:{seconds:02}" if hours else f"{minutes}:{seconds:02}"
 
 
 def _ended_state(run: Run) -> tuple[str, str]:
@@ -218,26 +257,31 @@ def run_status(args: argparse.Namespace) -> int:
         reports = read_reports(desc, slurm)
     health, boot = reports["health"], reports["boot"]
     if args.json:
-        document = {
-            "nodes": [
-                {
-                    **asdict(n),
-                    "powered_down": n.powered_down,
-                    "unregistered": n.unregistered,
-                    "health": health.get(n.name),
-                    "boot": boot.get(n.name),
-                }
-                for n in nodes
-            ],
-            "queue": [asdict(job) for job in queue],
-            "summary": summary(nodes, queue),
-        }
-        print(json.dumps(document, indent=2))
+        StatusDocument(
+            nodes=[node_row(n, health.get(n.name), boot.get(n.name)) for n in nodes],
+            queue=[queued_row(job) for job in queue],
+            summary=summary(nodes, queue),
+        ).print()
     else:
         out.print(nodes_table(nodes, health, boot))
         out.print(summary(nodes, queue))
     usable = [n for n in nodes if not any(word in n.state for word in ("drain", "down", "fail"))]
     return 0 if usable else int(ExitCode.NOT_READY)
+
+
+def node_row(node: NodeInfo, health: dict[str, str] | None, boot: dict[str, str] | None) -> NodeRow:
+    return NodeRow(
+        name=node.name,
+        state=node.state,
+        base_state=node.base_state,
+        reason=node.reason,
+        cpus=int(node.cpus) if node.cpus.isdigit() else None,
+        gres=node.gres,
+        powered_down=node.powered_down,
+        unregistered=node.unregistered,
+        health=health,
+        boot=boot,
+    )
 
 
 def read_reports(desc: ClusterDescription, slurm: Slurm) -> dict[str, dict[str, dict[str, str]]]:

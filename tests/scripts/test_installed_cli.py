@@ -39,7 +39,7 @@ def test_the_installed_command_runs_from_any_directory_and_prints_json(dtrain, c
     assert shown.returncode == 0 and shown.stdout.startswith("usage: dtrain "), shown.stderr
     pipeline = f"{dtrain} jobs --cluster {cluster_file} --json | {sys.executable} -m json.tool"
     proc = subprocess.run(pipeline, shell=True, cwd="/tmp", env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and isinstance(json.loads(proc.stdout), list), proc.stderr
+    assert proc.returncode == 0 and isinstance(json.loads(proc.stdout)["jobs"], list), proc.stderr
     status = subprocess.run(
         [str(dtrain), "status", "--cluster", str(cluster_file), "--json"], cwd="/tmp", env=env, capture_output=True
     )

@@ -77,7 +77,7 @@ def test_a_job_ended_by_its_time_limit_is_named_so(cluster, cluster_file, tmp_pa
     assert "(run own-timeout): its time limit (1) ended it; ask for more with --time" in proc.stderr, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     assert status_of(cluster, "own-timeout")["ended_by"] == "time_limit"
-    rows = json.loads(cli("jobs", "--cluster", str(cluster_file), "--json").stdout)
+    rows = json.loads(cli("jobs", "--cluster", str(cluster_file), "--json").stdout)["jobs"]
     row = next(row for row in rows if row["run"] == "own-timeout")
     assert (row["state"], row["note"]) == ("TIMEOUT", "its time limit (1) ended it")
 

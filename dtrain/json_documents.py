@@ -1,0 +1,102 @@
+"""The schemas of what `--json` prints: one pydantic model per command (`jobs`, `status`, `cost`) and
+the error document every one of them prints instead when it fails. Runs on the operator's machine.
+
+Every field has one type, whichever row or case it comes from; a value that is absent is null, never
+a missing key. A script reads one JSON document on stdout: the command's on success, `ErrorDocument`
+on failure (with the exit status the command returns). `Model.model_json_schema()` gives the JSON
+Schema of each (docs/operator.md).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Document(BaseModel):
+    """A --json document: no key beyond the schema's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def print(self) -> None:
+        print(self.model_dump_json(indent=2), flush=True)
+
+
+# --- failure: every command --------------------------------------------------------------------
+class Failure(Document):
+    message: str  # the text of the `error:` line on stderr
+    exit_status: int  # the command's exit status (dtrain/errors.py ExitCode)
+
+
+class ErrorDocument(Document):
+    error: Failure
+
+
+# --- jobs (and the queue of status) -----------------------------------------------------------
+class JobRow(Document):
+    """A job Slurm holds (pending, running) or a run that has ended; the same keys for both."""
+
+    job: str | None  # Slurm's job id; null for a run whose id was not recorded
+    run: str | None  # the run id (the Slurm job's name)
+    state: str  # Slurm's state while it holds the job; COMPLETED, FAILED, CANCELLED, TIMEOUT or ENDED after
+    in_queue: bool  # Slurm holds it (pending, running, completing)
+    user: str | None  # who submitted it
+    nodes: int | None  # nodes asked for (pending) or allocated
+    elapsed_seconds: int | None  # how long it has run (in the queue), or its last attempt ran (ended)
+    finished_at: str | None  # ISO 8601, once it has ended
+    exit_code: int | None  # once it has ended
+    node_hours: float | None  # every attempt's, once it has ended (run.json)
+    estimated_cost_usd: float | None  # of those node-hours at the list price, where one is known
+    note: str  # why it waits or where it runs (in the queue); why it ended so (ended)
+
+
+class JobsDocument(Document):
+    jobs: list[JobRow]  # those Slurm holds, then the ended runs, newest first
+
+
+# --- status -------------------------------------------------------------------------------------
+class NodeRow(Document):
+    name: str
+    state: str  # sinfo's long state, flags included (`idle~`: powered down)
+    base_state: str  # the state without the flags
+    reason: str  # the drain or down reason; "none" when there is none
+    cpus: int | None
+    gres: str  # sinfo's generic resources (`gpu:8`), "(null)" for none
+    powered_down: bool
+    unregistered: bool  # deallocated by the head node's reaper: it never registered with Slurm
+    health: dict[str, str] | None  # its last health check report (key=value lines), if any
+    boot: dict[str, str] | None  # its last boot report (node-setup's steps), if any
+
+
+class StatusDocument(Document):
+    nodes: list[NodeRow]
+    queue: list[JobRow]
+    summary: str  # the line the table ends with
+
+
+# --- cost ----------------------------------------------------------------------------------------
+class CostPrices(Document):
+    table: str  # where the prices were read: the table's file and date, or the live API
+    as_of: str  # ISO date
+    price_type: str
+    source: str
+    query: str  # the Retail Prices API's $filter the figures answer
+
+
+class CostItem(Document):
+    item: str
+    size: str
+    count: int
+    basis: str  # the unit price as the table gives it
+    usd_per_hour: str  # an exact decimal string
+    source: str | None  # the price's source (null for a row that costs nothing)
+    estimate: str | None  # why the figure is not a direct reading of the API
+
+
+class CostDocument(Document):
+    stack_file: str
+    region: str
+    currency: str
+    prices: CostPrices
+    rows: list[CostItem]
+    total_usd_per_hour: str  # the exact sum of the rows, a decimal string
+    not_included: list[str]
