@@ -15,19 +15,28 @@ from collections.abc import Callable
 
 # dtrain/remote/job/annotate_output.py's prefix of a launcher's own line: [horovodrun], [torchrun@node-1]
 _LAUNCHER_LINE = re.compile(r"^(\[(?:horovodrun|torchrun)(?:@[^\]]+)?\]) ?(.*)$")
+# A traceback that torch's elastic agent logs instead of raising (while it stops at a SIGTERM, for
+# example): every line of it carries the same logging header, `E1127 21:37:22.981000 55 file.py:154] `.
+_LOGGED = re.compile(r"^([EWIF]\d{4} [\d:.]+ +\d+ \S+:\d+\] )(.*)$")
 _TRACEBACK = "Traceback (most recent call last):"
 
 
 def without_launcher_tracebacks(echo: Callable[[str], None]) -> Callable[[str], None]:
-    """echo, except for the lines of a launcher from its traceback on."""
+    """echo, except for the lines of a launcher from its traceback on, and the lines of a traceback a
+    launcher logged (those with that traceback's logging header)."""
     raised: set[str] = set()
+    logged: set[tuple[str, str]] = set()  # (launcher, logging header) of a logged traceback
 
     def show(line: str) -> None:
         launcher = _LAUNCHER_LINE.match(line.rstrip("\n"))
         if launcher is not None:
-            if launcher[2].startswith(_TRACEBACK):
-                raised.add(launcher[1])
-            if launcher[1] in raised:
+            who, text = launcher[1], launcher[2]
+            if text.startswith(_TRACEBACK):
+                raised.add(who)
+            header = _LOGGED.match(text)
+            if header is not None and header[2].startswith(_TRACEBACK):
+                logged.add((who, header[1]))
+            if who in raised or (header is not None and (who, header[1]) in logged):
                 return
         echo(line)
 

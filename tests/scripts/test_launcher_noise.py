@@ -32,3 +32,20 @@ def test_a_launchers_lines_from_its_traceback_on_are_hidden_and_nothing_else():
         "[torchrun] srun: error: node-0: task 0: Exited with exit code 1",
         "[job] exit status 2",
     ]
+
+
+def test_a_traceback_that_a_launcher_logs_is_hidden_and_its_later_lines_are_not():
+    header = "E1127 21:37:22.981000 55 torch/distributed/elastic/multiprocessing/tail_log.py:154] "
+    log = [
+        f"[torchrun@node-0] {header}error in log tailor for default0. SignalException: Process 55 got signal: 15",
+        f"[torchrun@node-0] {header}Traceback (most recent call last):",
+        f'[torchrun@node-0] {header}  File "tail_log.py", line 152, in stop',
+        f"[torchrun@node-0] {header}SignalException: Process 55 got signal: 15",
+        "[torchrun@node-0] W1127 21:37:23.100000 55 api.py:753] Received 15 death signal, shutting down workers",
+        "[job] exit status 143",
+    ]
+    shown: list[str] = []
+    echo = without_launcher_tracebacks(shown.append)
+    for line in log:
+        echo(line)
+    assert shown == [log[0], log[4], log[5]]
