@@ -1,4 +1,5 @@
-"""`cost`: what the Azure stack costs per hour, from its stack file and a dated price table.
+"""What the Azure stack costs per hour, from its stack file and a dated price table (on the operator's
+machine; `dtrain/cli/cost.py` is the `cost` command over it).
 
 The rows are what `pulumi up` deploys: the GPU nodes Slurm keeps running (power-saved nodes are
 deallocated and cost nothing), the head node, the NFS server and its Premium SSD data disks, the
@@ -23,12 +24,10 @@ For a run's record, `node_hour_price(sku, region)` is the price of one GPU node-
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import http.client
 import json
 import os
-import sys
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -41,14 +40,10 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_serializer, model_validator
-from rich.table import Table
 
 from dtrain.cli_common import (
-    add_cluster_option,
     describe_validation_error,
     ensure_directory,
-    int_between,
-    non_empty,
     read_json_file,
     read_text_file,
 )
@@ -57,13 +52,11 @@ from dtrain.cluster.slurm import NodeInfo, Slurm
 from dtrain.cluster.ssh import SSH
 from dtrain.errors import ExitCode, OperatorError, explain_os_error
 from dtrain.fileio import atomic_write
-from dtrain.json_documents import CostDocument, CostItem, CostPrices
-from dtrain.ui import make_console
 from infra.config import ConfigError, StackConfig, parse_config
 from infra.contract import REGISTRY_SKU
 from infra.skus import GPU_SKUS
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 PRICES_FILE = REPO_ROOT / "infra" / "data" / "prices.json"
 DEFAULT_STACK_FILE = REPO_ROOT / "Pulumi.dev.yaml"
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "azure-horovod" / "prices.json"
@@ -196,7 +189,7 @@ def load_price_table(path: Path = PRICES_FILE) -> PriceTable:
         table = PriceTable.model_validate(raw)
     except ValidationError as exc:
         raise OperatorError(f"price table {path} is not valid: {describe_validation_error(exc)}") from None
-    table._origin = f"price table {_shown_path(path)} (as of {table.as_of})"
+    table._origin = f"price table {shown_path(path)} (as of {table.as_of})"
     return table
 
 
@@ -501,7 +494,7 @@ def fetch_items(base: str, odata_filter: str, timeout: float = 30) -> list[dict[
 
 def _get_page(url: str, base: str, timeout: float) -> dict[str, Any]:
     failed = f"cannot read prices from the Azure Retail Prices API at {base}"
-    fallback = f"run without --refresh to use the shipped price table ({_shown_path(PRICES_FILE)})"
+    fallback = f"run without --refresh to use the shipped price table ({shown_path(PRICES_FILE)})"
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             page = json.loads(response.read(), parse_float=Decimal)  # exact prices, never binary floats
@@ -518,7 +511,7 @@ def _get_page(url: str, base: str, timeout: float) -> dict[str, Any]:
     raise OperatorError(f"{failed}: {reason}; {fallback}", ExitCode.NOT_READY)
 
 
-def _wanted(cfg: StackConfig, full_table: bool) -> tuple[list[str], dict[Section, list[str]]]:
+def wanted_prices(cfg: StackConfig, full_table: bool) -> tuple[list[str], dict[Section, list[str]]]:
     """Regions and names to refresh: this stack's, or everything the shipped table covers."""
     sizes = [cfg.gpu_sku, cfg.head_vm_size, cfg.nfs_vm_size, cfg.jumpbox_vm_size]
     if not full_table:
@@ -532,153 +525,5 @@ def _wanted(cfg: StackConfig, full_table: bool) -> tuple[list[str], dict[Section
     }
 
 
-def _shown_path(path: Path) -> str:
+def shown_path(path: Path) -> str:
     return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
-
-
-# --- the `cost` command ----------------------------------------------------------------------------
-DESCRIPTION = """\
-The hourly cost of the Azure stack that a Pulumi stack file describes, before or after `pulumi up`:
-GPU nodes (those Slurm has power-saved are deallocated and cost $0), the head node, the NFS server
-and its Premium SSD data disks, the jumpbox and the container registry. Prices are Azure's
-pay-as-you-go Linux list prices in USD from a dated table (infra/data/prices.json), or live from
-the Azure Retail Prices API with --refresh. Blob storage, egress and OS disks are not included."""
-EXAMPLES = """\
-examples:
-  python -m dtrain cost                                   # Pulumi.dev.yaml, every GPU node running
-  python -m dtrain cost --running-nodes 0                 # all GPU nodes power-saved (idle cluster)
-  python -m dtrain cost --live                            # the GPU nodes as the cluster's Slurm holds them now
-  python -m dtrain cost --stack-file Pulumi.prod.yaml --json
-  python -m dtrain cost --refresh --save                  # live prices, kept in ~/.cache/azure-horovod
-  python -m dtrain cost --prices ~/.cache/azure-horovod/prices.json
-"""
-PRICES_HELP = f"price table to read (default: {_shown_path(PRICES_FILE)})"
-
-
-def configure(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "cost",
-        help="the stack's hourly cost, from its stack file and a dated price table",
-        description=DESCRIPTION,
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--stack-file",
-        type=non_empty,
-        default=str(DEFAULT_STACK_FILE),
-        metavar="FILE",
-        help=f"Pulumi stack file (default: {_shown_path(DEFAULT_STACK_FILE)})",
-    )
-    nodes = parser.add_mutually_exclusive_group()
-    nodes.add_argument(
-        "--running-nodes",
-        type=int_between(0),
-        metavar="N",
-        help="GPU nodes up (default: all, nodeCount); the rest are power-saved at $0",
-    )
-    nodes.add_argument(
-        "--live",
-        action="store_true",
-        help="count the GPU nodes as the cluster's Slurm holds them now (the cluster description: --cluster FILE): "
-        "running, power-saved, and deallocated for never registering",
-    )
-    add_cluster_option(parser)
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--prices", type=non_empty, metavar="FILE", help=PRICES_HELP)
-    source.add_argument("--refresh", action="store_true", help="read live prices from the Azure Retail Prices API")
-    parser.add_argument(
-        "--full-table",
-        action="store_true",
-        help="with --refresh: every size, tier and common region the shipped table covers, not only this stack's",
-    )
-    parser.add_argument(
-        "--save",
-        nargs="?",
-        const=str(DEFAULT_CACHE),
-        type=non_empty,
-        metavar="FILE",
-        help=f"with --refresh: also write the prices read to FILE (default: {DEFAULT_CACHE}) for a later --prices",
-    )
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON document (amounts as exact decimal strings; an error document on failure)",
-    )
-    parser.set_defaults(handler=run_cost)
-
-
-def run_cost(args: argparse.Namespace) -> int:
-    if (args.save or args.full_table) and not args.refresh:
-        raise OperatorError("--save and --full-table go with --refresh (they keep or widen what it reads)")
-    stack_file = Path(args.stack_file).expanduser()
-    cfg = read_stack_config(stack_file)
-    running_nodes(cfg, args.running_nodes)  # bad input is refused before any request goes out
-    if args.refresh:
-        table = refresh_prices(*_wanted(cfg, args.full_table))
-        if args.save:
-            print(f"wrote {save_price_table(table, Path(args.save).expanduser())}", file=sys.stderr)
-    else:
-        table = load_price_table(Path(args.prices).expanduser() if args.prices else PRICES_FILE)
-    live = count_nodes(cfg, read_live_nodes(getattr(args, "cluster", None))) if args.live else None
-    estimate = estimate_cost(cfg, table, args.running_nodes, live)
-    if args.json:
-        _as_document(estimate, stack_file).print()
-    else:
-        _print_table(estimate, stack_file)
-    return 0
-
-
-def _money(value: Decimal) -> str:
-    return f"${value:,.4f}"
-
-
-def _print_table(estimate: CostEstimate, stack_file: Path) -> None:
-    table = Table(title=f"Hourly cost of {_shown_path(stack_file)} in {estimate.region} (USD)")
-    for column in ("item", "size", "count", "unit price"):
-        table.add_column(column, justify="right" if column == "count" else "left")
-    table.add_column("per hour", justify="right")
-    for row in estimate.rows:
-        table.add_row(row.item, row.size, str(row.count), row.basis, _money(row.usd_per_hour))
-    table.add_section()
-    table.add_row("total", "", "", "", _money(estimate.total), style="bold")
-    out = make_console(stderr=False)
-    out.print(table)
-    prices = estimate.table
-    out.print(f"Prices: {prices.origin}, {prices.price_type}, USD: {prices.source}.", highlight=False)
-    for row in estimate.rows:
-        if row.quote and row.quote.estimate:
-            out.print(f"  estimated: {row.item}, {row.size}: {row.quote.estimate}", highlight=False)
-    for key in estimate.sources:
-        out.print(f"  [{key}] {prices.describe_source(key)}", highlight=False, markup=False)
-    out.print(f"Not included: {'; '.join(NOT_INCLUDED)}.", highlight=False)
-
-
-def _as_document(estimate: CostEstimate, stack_file: Path) -> CostDocument:
-    prices = estimate.table
-    return CostDocument(
-        stack_file=str(stack_file),
-        region=estimate.region,
-        currency="USD",
-        prices=CostPrices(
-            table=prices.origin,
-            as_of=str(prices.as_of),
-            price_type=prices.price_type,
-            source=prices.source,
-            query=prices.query,
-        ),
-        rows=[
-            CostItem(
-                item=row.item,
-                size=row.size,
-                count=row.count,
-                basis=row.basis,
-                usd_per_hour=str(row.usd_per_hour),
-                source=prices.describe_source(row.quote.source) if row.quote else None,
-                estimate=row.quote.estimate if row.quote else None,
-            )
-            for row in estimate.rows
-        ],
-        total_usd_per_hour=str(estimate.total),
-        not_included=list(NOT_INCLUDED),
-    )

@@ -23,7 +23,8 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from dtrain.cli import cost, stage
+from dtrain import pricing
+from dtrain.cli import stage
 from dtrain.cli_common import arg_type, int_between, non_empty
 from dtrain.cluster.description import DEFAULT_LOCAL_STATE, ClusterDescription
 from dtrain.cluster.slurm import Slurm
@@ -221,8 +222,8 @@ def _present(result: DemoResult, name: str, note: str) -> str:
 def azure_reference_price() -> tuple[str, str, float] | None:
     """The GPU size, region and node-hour price of the repository's example stack (Pulumi.dev.yaml)."""
     try:
-        cfg = cost.read_stack_config(cost.DEFAULT_STACK_FILE)
-        price = cost.node_hour_price(cfg.gpu_sku, cfg.location)
+        cfg = pricing.read_stack_config(pricing.DEFAULT_STACK_FILE)
+        price = pricing.node_hour_price(cfg.gpu_sku, cfg.location)
     except OperatorError:
         return None
     return None if price is None else (cfg.gpu_sku, cfg.location, float(price.usd_per_hour))

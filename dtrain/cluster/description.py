@@ -209,7 +209,7 @@ class ClusterDescription(_Model):
     node_count: int = Field(ge=1)
     gpus_per_node: int = Field(ge=0)
     gpu_sku: str | None = None
-    region: str | None = None  # with gpu_sku, what prices a run (dtrain/cli/cost.py); None locally
+    region: str | None = None  # with gpu_sku, what prices a run (dtrain/pricing.py); None locally
     expect_infiniband: bool = False
     node_ssh_port: int = 22
     # shared file system, as the nodes see it, and as the NFS server sees it

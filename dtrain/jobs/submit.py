@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from dtrain.cli import cost
+from dtrain import pricing
 from dtrain.cluster.description import REPO_ROOT, ClusterDescription, SlurmAccess
 from dtrain.cluster.slurm import Slurm, parse_job_id, require_slurm
 from dtrain.cluster.ssh import SSH, q
@@ -263,7 +263,7 @@ def node_hour_price(desc: ClusterDescription, spot: bool = False) -> tuple[float
         return 0.0, "local cluster: no charge"
     if desc.gpu_sku is None or desc.region is None:
         return None, "the cluster description names no GPU size or region (write it again with `cluster from-stack`)"
-    price = cost.node_hour_price(desc.gpu_sku, desc.region, spot=spot)
+    price = pricing.node_hour_price(desc.gpu_sku, desc.region, spot=spot)
     kind = "Spot price" if spot else "price"
     if price is None:
         return None, f"no {kind} for {desc.gpu_sku} in {desc.region} in the price table (`dtrain cost`)"

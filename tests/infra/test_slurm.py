@@ -34,10 +34,10 @@ import pytest
 import yaml
 from rich.console import Console
 
-from dtrain.cli.cost import count_nodes, estimate_cost, load_price_table
 from dtrain.cli.jobs import nodes_table, summary
 from dtrain.cluster.slurm import NODE_FIELDS, parse_nodes
 from dtrain.local.slurm import CLOUD_REG_ADDRS, PRIVATE_DATA, conf_value, override
+from dtrain.pricing import count_nodes, estimate_cost, load_price_table
 from infra.cloud_init import render_cgroup_conf, render_gres_conf, render_health_check
 from infra.cloud_init._common import MUNGE_KEY_FETCH_PATH, MUNGE_KEY_PATH
 from infra.cloud_init.head_node import POWER_ACTIONS, POWER_CONFIG_PATH, POWER_LOG_PATH, POWER_PROGRAM_PATH

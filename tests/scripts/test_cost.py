@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 import pytest
 import yaml
 
+from dtrain import pricing
 from dtrain.__main__ import main
-from dtrain.cli import cost
 from dtrain.errors import ExitCode
 from dtrain.local.daemons import free_port
 from infra.config import StackConfig, parse_config
@@ -34,7 +34,7 @@ from .conftest import FIXTURES, REPO
 
 DEV_STACK = REPO / "Pulumi.dev.yaml"
 PROJECT = yaml.safe_load((REPO / "Pulumi.yaml").read_text())["name"]
-TABLE = json.loads(cost.PRICES_FILE.read_text(), parse_float=Decimal)
+TABLE = json.loads(pricing.PRICES_FILE.read_text(), parse_float=Decimal)
 RECORDED = FIXTURES / "retail_prices"
 RECORDED_BASE = "https://prices.azure.com:443/api/retail/prices"
 CENTS = Decimal("0.0001")
@@ -52,7 +52,7 @@ def per_hour(amount: Decimal, hours: int = 1) -> Decimal:
 def expected_rows(cfg: StackConfig, running: int) -> dict[str, Decimal]:
     """Each row's USD per hour, from the shipped table's own numbers."""
     vm, region = TABLE["vm_hourly"], cfg.location
-    tier = next(tier for tier, capacity in cost.PREMIUM_SSD_TIERS if cfg.nfs_disk_size_gb <= capacity)
+    tier = next(tier for tier, capacity in pricing.PREMIUM_SSD_TIERS if cfg.nfs_disk_size_gb <= capacity)
     return {
         "GPU nodes, running": per_hour(running * vm[cfg.gpu_sku][region]["usd"]),
         "GPU nodes, power-saved": Decimal(0),
@@ -206,9 +206,9 @@ def test_bad_flags_are_refused(capsys, args, message):
     ("content", "message"),
     [
         ("{", "is not JSON"),
-        (json.dumps({**json.loads(cost.PRICES_FILE.read_text()), "currency": "EUR"}), "currency"),
+        (json.dumps({**json.loads(pricing.PRICES_FILE.read_text()), "currency": "EUR"}), "currency"),
         (
-            json.dumps({**json.loads(cost.PRICES_FILE.read_text()), "sources": {}}),
+            json.dumps({**json.loads(pricing.PRICES_FILE.read_text()), "sources": {}}),
             "quotes name sources not listed under `sources`",
         ),
     ],
@@ -258,7 +258,7 @@ def api(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.setenv("no_proxy", "*")  # never through a proxy: the server is on loopback
     with serving(RetailPrices) as server:
         base = f"{server}/api/retail/prices"
-        monkeypatch.setenv(cost.RETAIL_PRICES_URL_ENV, base)
+        monkeypatch.setenv(pricing.RETAIL_PRICES_URL_ENV, base)
         yield base
 
 
@@ -293,10 +293,10 @@ def test_refresh_saves_what_it_read_for_a_later_run_without_network(capsys, api,
     saved = tmp_path / "cache" / "prices.json"
     code, live, err = run_cost(capsys, "--refresh", "--save", str(saved), "--json")
     assert code == 0 and f"wrote {saved}" in err
-    table = cost.load_price_table(saved)
+    table = pricing.load_price_table(saved)
     assert set(table.sources) == {"retail-prices-api"} and table.sources["retail-prices-api"].url == api
     assert table.vm_hourly["Standard_ND96isr_H100_v5"] == {
-        "eastus": cost.Quote(usd=Decimal("98.32"), source="retail-prices-api")
+        "eastus": pricing.Quote(usd=Decimal("98.32"), source="retail-prices-api")
     }
     RetailPrices.requests.clear()
     code, offline, err = run_cost(capsys, "--prices", str(saved), "--json")
@@ -310,16 +310,16 @@ def test_refresh_full_table_asks_for_every_size_tier_and_common_region(capsys, a
     assert code == 0, err
     filters = [query["$filter"][0] for query in RetailPrices.requests]
     regions = {re.search(r"armRegionName eq '([^']+)'", f).group(1) for f in filters}
-    assert regions == set(cost.COMMON_REGIONS)
+    assert regions == set(pricing.COMMON_REGIONS)
     vm_filter = next(f for f in filters if "Virtual Machines" in f)
     assert set(re.findall(r"armSkuName eq '([^']+)'", vm_filter)) == {
-        *cost.GPU_SKUS,
+        *pricing.GPU_SKUS,
         *(str(StackConfig.model_fields[f"{role}_vm_size"].default) for role in ("jumpbox", "head", "nfs")),
     }
     disk_filter = next(f for f in filters if "Storage" in f)
-    assert re.findall(r"meterName eq '(P\d+) LRS Disk'", disk_filter) == [t for t, _ in cost.PREMIUM_SSD_TIERS]
+    assert re.findall(r"meterName eq '(P\d+) LRS Disk'", disk_filter) == [t for t, _ in pricing.PREMIUM_SSD_TIERS]
     # The recorded answers are eastus items, so only eastus prices are kept, whatever region was asked.
-    table = cost.load_price_table(saved)
+    table = pricing.load_price_table(saved)
     assert {region for regions in table.vm_hourly.values() for region in regions} == {"eastus"}
 
 
@@ -330,7 +330,7 @@ def test_bad_input_is_refused_before_any_request(capsys, api):
 
 
 def test_refresh_without_the_api_says_to_use_the_shipped_table_and_exits_3(capsys, monkeypatch):
-    monkeypatch.setenv(cost.RETAIL_PRICES_URL_ENV, f"http://127.0.0.1:{free_port()}/api/retail/prices")
+    monkeypatch.setenv(pricing.RETAIL_PRICES_URL_ENV, f"http://127.0.0.1:{free_port()}/api/retail/prices")
     monkeypatch.setenv("no_proxy", "*")
     code, out, err = run_cost(capsys, "--refresh")
     assert code == ExitCode.NOT_READY and out == ""
@@ -339,51 +339,55 @@ def test_refresh_without_the_api_says_to_use_the_shipped_table_and_exits_3(capsy
 
 
 def test_refresh_with_a_failing_api_exits_3(capsys, api, monkeypatch):
-    monkeypatch.setenv(cost.RETAIL_PRICES_URL_ENV, api.replace("/api/retail/prices", "/broken"))
+    monkeypatch.setenv(pricing.RETAIL_PRICES_URL_ENV, api.replace("/api/retail/prices", "/broken"))
     code, _, err = run_cost(capsys, "--refresh")
     assert code == ExitCode.NOT_READY and "HTTP 500" in err and "run without --refresh" in err
 
 
 # --- the pieces the launcher and the table use ----------------------------------------------------
 def test_node_hour_price_is_the_tables_price_with_its_date_and_source():
-    price = cost.node_hour_price("Standard_ND96isr_H100_v5", "eastus")
+    price = pricing.node_hour_price("Standard_ND96isr_H100_v5", "eastus")
     assert price is not None
     assert price.usd_per_hour == TABLE["vm_hourly"]["Standard_ND96isr_H100_v5"]["eastus"]["usd"]
     assert str(price.as_of) == TABLE["as_of"] and "2026-09-16" in price.source and price.estimate is None
     assert price.cost_of(2.5) == Decimal("245.8000")
-    estimated = cost.node_hour_price("Standard_ND96isr_H100_v5", "westeurope")
+    estimated = pricing.node_hour_price("Standard_ND96isr_H100_v5", "westeurope")
     assert estimated is not None and "Windows" in (estimated.estimate or "")
 
 
 @pytest.mark.parametrize(("sku", "region"), [("Standard_NC6", "eastus"), ("Standard_ND96isr_H100_v5", "mars")])
 def test_node_hour_price_is_none_where_the_table_has_no_price(sku, region):
-    assert cost.node_hour_price(sku, region) is None
+    assert pricing.node_hour_price(sku, region) is None
 
 
 @pytest.mark.parametrize(
     ("size", "tier"), [(32, "P4"), (128, "P10"), (1023, "P30"), (1024, "P30"), (1025, "P40"), (32767, "P80")]
 )
 def test_a_disk_is_billed_at_the_smallest_premium_tier_that_holds_it(size, tier):
-    assert cost.premium_ssd_tier(size) == tier
+    assert pricing.premium_ssd_tier(size) == tier
 
 
 def test_every_quote_in_the_shipped_table_is_a_known_size_region_and_source():
-    table = cost.load_price_table()
-    assert set(table.vm_hourly) <= set(cost.GPU_SKUS) | {"Standard_B2s", "Standard_D4s_v5", "Standard_D16s_v5"}
-    assert set(table.premium_ssd_monthly) <= {tier for tier, _ in cost.PREMIUM_SSD_TIERS}
+    table = pricing.load_price_table()
+    assert set(table.vm_hourly) <= set(pricing.GPU_SKUS) | {"Standard_B2s", "Standard_D4s_v5", "Standard_D16s_v5"}
+    assert set(table.premium_ssd_monthly) <= {tier for tier, _ in pricing.PREMIUM_SSD_TIERS}
     for section in ("vm_hourly", "premium_ssd_monthly", "registry_daily"):
         for regions in getattr(table, section).values():
-            assert set(regions) <= set(cost.COMMON_REGIONS)
+            assert set(regions) <= set(pricing.COMMON_REGIONS)
 
 
 def test_spot_nodes_are_priced_at_the_spot_price_or_at_most_on_demand() -> None:
     cfg = dev_config().model_copy(update={"spot_node_count": 3})
-    rows = {row.item: row for row in cost.estimate_cost(cfg, cost.load_price_table()).rows}
+    rows = {row.item: row for row in pricing.estimate_cost(cfg, pricing.load_price_table()).rows}
     spot, on_demand = TABLE["vm_spot_hourly"][cfg.gpu_sku][cfg.location]["usd"], TABLE["vm_hourly"][cfg.gpu_sku]
     assert rows["Spot GPU nodes, running"].usd_per_hour == per_hour(3 * spot)
     assert rows["GPU nodes, running"].basis == f"${on_demand[cfg.location]['usd']}/h"  # both prices side by side
     elsewhere = cfg.model_copy(update={"location": "eastus2"})  # no Spot price there in the table
-    row = next(r for r in cost.estimate_cost(elsewhere, cost.load_price_table()).rows if r.item.startswith("Spot"))
+    row = next(
+        r for r in pricing.estimate_cost(elsewhere, pricing.load_price_table()).rows if r.item.startswith("Spot")
+    )
     assert row.usd_per_hour == per_hour(3 * on_demand["eastus2"]["usd"])
     assert row.basis.endswith("(no Spot price in the table)")
-    assert "Spot" not in {r.item.split()[0] for r in cost.estimate_cost(dev_config(), cost.load_price_table()).rows}
+    assert "Spot" not in {
+        r.item.split()[0] for r in pricing.estimate_cost(dev_config(), pricing.load_price_table()).rows
+    }

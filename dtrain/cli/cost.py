@@ -1,0 +1,179 @@
+"""The `cost` command: its flags, the table and the JSON document, over dtrain/pricing.py (the price
+table, the estimate, the Azure Retail Prices API)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from decimal import Decimal
+from pathlib import Path
+
+from rich.table import Table
+
+from dtrain.cli_common import add_cluster_option, int_between, non_empty
+from dtrain.errors import OperatorError
+from dtrain.json_documents import CostDocument, CostItem, CostPrices
+from dtrain.pricing import (
+    DEFAULT_CACHE,
+    DEFAULT_STACK_FILE,
+    NOT_INCLUDED,
+    PRICES_FILE,
+    CostEstimate,
+    count_nodes,
+    estimate_cost,
+    load_price_table,
+    read_live_nodes,
+    read_stack_config,
+    refresh_prices,
+    running_nodes,
+    save_price_table,
+    shown_path,
+    wanted_prices,
+)
+from dtrain.ui import make_console
+
+DESCRIPTION = """\
+The hourly cost of the Azure stack that a Pulumi stack file describes, before or after `pulumi up`:
+GPU nodes (those Slurm has power-saved are deallocated and cost $0), the head node, the NFS server
+and its Premium SSD data disks, the jumpbox and the container registry. Prices are Azure's
+pay-as-you-go Linux list prices in USD from a dated table (infra/data/prices.json), or live from
+the Azure Retail Prices API with --refresh. Blob storage, egress and OS disks are not included."""
+EXAMPLES = """\
+examples:
+  python -m dtrain cost                                   # Pulumi.dev.yaml, every GPU node running
+  python -m dtrain cost --running-nodes 0                 # all GPU nodes power-saved (idle cluster)
+  python -m dtrain cost --live                            # the GPU nodes as the cluster's Slurm holds them now
+  python -m dtrain cost --stack-file Pulumi.prod.yaml --json
+  python -m dtrain cost --refresh --save                  # live prices, kept in ~/.cache/azure-horovod
+  python -m dtrain cost --prices ~/.cache/azure-horovod/prices.json
+"""
+PRICES_HELP = f"price table to read (default: {shown_path(PRICES_FILE)})"
+
+
+def configure(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "cost",
+        help="the stack's hourly cost, from its stack file and a dated price table",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--stack-file",
+        type=non_empty,
+        default=str(DEFAULT_STACK_FILE),
+        metavar="FILE",
+        help=f"Pulumi stack file (default: {shown_path(DEFAULT_STACK_FILE)})",
+    )
+    nodes = parser.add_mutually_exclusive_group()
+    nodes.add_argument(
+        "--running-nodes",
+        type=int_between(0),
+        metavar="N",
+        help="GPU nodes up (default: all, nodeCount); the rest are power-saved at $0",
+    )
+    nodes.add_argument(
+        "--live",
+        action="store_true",
+        help="count the GPU nodes as the cluster's Slurm holds them now (the cluster description: --cluster FILE): "
+        "running, power-saved, and deallocated for never registering",
+    )
+    add_cluster_option(parser)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--prices", type=non_empty, metavar="FILE", help=PRICES_HELP)
+    source.add_argument("--refresh", action="store_true", help="read live prices from the Azure Retail Prices API")
+    parser.add_argument(
+        "--full-table",
+        action="store_true",
+        help="with --refresh: every size, tier and common region the shipped table covers, not only this stack's",
+    )
+    parser.add_argument(
+        "--save",
+        nargs="?",
+        const=str(DEFAULT_CACHE),
+        type=non_empty,
+        metavar="FILE",
+        help=f"with --refresh: also write the prices read to FILE (default: {DEFAULT_CACHE}) for a later --prices",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document (amounts as exact decimal strings; an error document on failure)",
+    )
+    parser.set_defaults(handler=run_cost)
+
+
+def run_cost(args: argparse.Namespace) -> int:
+    if (args.save or args.full_table) and not args.refresh:
+        raise OperatorError("--save and --full-table go with --refresh (they keep or widen what it reads)")
+    stack_file = Path(args.stack_file).expanduser()
+    cfg = read_stack_config(stack_file)
+    running_nodes(cfg, args.running_nodes)  # bad input is refused before any request goes out
+    if args.refresh:
+        table = refresh_prices(*wanted_prices(cfg, args.full_table))
+        if args.save:
+            print(f"wrote {save_price_table(table, Path(args.save).expanduser())}", file=sys.stderr)
+    else:
+        table = load_price_table(Path(args.prices).expanduser() if args.prices else PRICES_FILE)
+    live = count_nodes(cfg, read_live_nodes(getattr(args, "cluster", None))) if args.live else None
+    estimate = estimate_cost(cfg, table, args.running_nodes, live)
+    if args.json:
+        _as_document(estimate, stack_file).print()
+    else:
+        _print_table(estimate, stack_file)
+    return 0
+
+
+def _money(value: Decimal) -> str:
+    return f"${value:,.4f}"
+
+
+def _print_table(estimate: CostEstimate, stack_file: Path) -> None:
+    table = Table(title=f"Hourly cost of {shown_path(stack_file)} in {estimate.region} (USD)")
+    for column in ("item", "size", "count", "unit price"):
+        table.add_column(column, justify="right" if column == "count" else "left")
+    table.add_column("per hour", justify="right")
+    for row in estimate.rows:
+        table.add_row(row.item, row.size, str(row.count), row.basis, _money(row.usd_per_hour))
+    table.add_section()
+    table.add_row("total", "", "", "", _money(estimate.total), style="bold")
+    out = make_console(stderr=False)
+    out.print(table)
+    prices = estimate.table
+    out.print(f"Prices: {prices.origin}, {prices.price_type}, USD: {prices.source}.", highlight=False)
+    for row in estimate.rows:
+        if row.quote and row.quote.estimate:
+            out.print(f"  estimated: {row.item}, {row.size}: {row.quote.estimate}", highlight=False)
+    for key in estimate.sources:
+        out.print(f"  [{key}] {prices.describe_source(key)}", highlight=False, markup=False)
+    out.print(f"Not included: {'; '.join(NOT_INCLUDED)}.", highlight=False)
+
+
+def _as_document(estimate: CostEstimate, stack_file: Path) -> CostDocument:
+    prices = estimate.table
+    return CostDocument(
+        stack_file=str(stack_file),
+        region=estimate.region,
+        currency="USD",
+        prices=CostPrices(
+            table=prices.origin,
+            as_of=str(prices.as_of),
+            price_type=prices.price_type,
+            source=prices.source,
+            query=prices.query,
+        ),
+        rows=[
+            CostItem(
+                item=row.item,
+                size=row.size,
+                count=row.count,
+                basis=row.basis,
+                usd_per_hour=str(row.usd_per_hour),
+                source=prices.describe_source(row.quote.source) if row.quote else None,
+                estimate=row.quote.estimate if row.quote else None,
+            )
+            for row in estimate.rows
+        ],
+        total_usd_per_hour=str(estimate.total),
+        not_included=list(NOT_INCLUDED),
+    )
