@@ -64,6 +64,7 @@ from dtrain.local import link as local_link
 from dtrain.local import metadata as local_metadata
 from dtrain.local import network as net
 from dtrain.local import power as local_power
+from dtrain.local import reconcile as local_reconcile
 from dtrain.local import slurm as local_slurm
 from dtrain.local.daemons import free_port, wait_port, wait_socket_file
 from dtrain.local.network import check_subnet_free
@@ -444,6 +445,9 @@ def _start_slurm(state: LocalState, settings: LocalSlurmSettings) -> None:
     for node in state.nodes:
         start_slurmd(state, node)
         start_spot_agent(state, node)
+    # the head node's periodic reconcile (on Azure: slurm-power-reap.timer) of nodes Slurm lost
+    module = [sys.executable, "-m", "dtrain.local.reconcile", "--state-dir", state.state_dir]
+    start_daemon(state, local_reconcile.ROLE, ["env", f"PYTHONPATH={REPO_ROOT}", *module], "dtrain.local.reconcile")
     local_slurm.wait_until_idle(files.conf, names, SLURM_READY_TIMEOUT_S, state.logs)
 
 
