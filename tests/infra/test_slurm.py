@@ -1011,15 +1011,17 @@ def test_reap_powers_down_through_slurm_the_lost_nodes_that_azure_deallocated(
 ) -> None:
     """A Spot eviction that the node's agent missed: Azure deallocated the instance, Slurm lost its slurmd
     and holds it DOWN for ever (it never suspends a node it believes on). The reaper asks Azure for each
-    lost node's state and powers the deallocated ones down through Slurm, which starts them again for
+    DOWN node's state and powers the deallocated ones down through Slurm, which starts them again for
     the next job; a lost node that Azure still runs, and a node an operator drained, are left."""
     stub_slurm(
         sandbox,
         shown("hvd-gpu-000000", "DOWN+CLOUD+NOT_RESPONDING", reason="Not responding")
-        + shown("hvd-gpu-000001", "IDLE+DRAIN+CLOUD+NOT_RESPONDING", reason="spot eviction 4F2A")  # 1 s notice
+        + shown("hvd-gpu-000001", "DOWN+DRAIN+CLOUD+NOT_RESPONDING", reason="spot eviction 4F2A")  # 1 s notice
         + shown("hvd-gpu-000002", "DOWN+CLOUD+NOT_RESPONDING", reason="Not responding")  # Azure runs it
         + shown("hvd-gpu-000003", "DOWN+DRAIN+CLOUD+NOT_RESPONDING", reason="operator: bad DIMM")
-        + shown("hvd-gpu-000004", "MIXED+CLOUD"),
+        + shown("hvd-gpu-000004", "MIXED+CLOUD")
+        # not given up yet (SlurmdTimeout): Slurm's own node-failure handling (the requeue) goes first
+        + shown("hvd-gpu-000005", "MIXED+CLOUD+NOT_RESPONDING"),
     )
     azure.answers["GET /virtualMachines/0/instanceView"] = [(200, started(3, power="deallocated"))]
     azure.answers["GET /virtualMachines/1/instanceView"] = [(200, started(3, power="deallocating"))]

@@ -10,8 +10,8 @@ and a systemd timer runs `slurm-power reap` every few minutes (slurm-power-reap.
 Azure runs but Slurm holds as powered down (it never registered: a first boot that failed, an
 instance started outside Slurm) is marked DOWN with the reason and deallocated once it has run
 longer than a first boot may take to register (register_timeout_s). The same run reconciles the
-other way: a node that Slurm holds as on but lost (DOWN or not responding: a Spot eviction that the
-node's agent did not see in time) while Azure has deallocated it is powered down through Slurm
+other way: a node that Slurm holds as on but lost (DOWN after SlurmdTimeout: a Spot eviction that
+the node's agent did not see in time) while Azure has deallocated it is powered down through Slurm
 (POWER_DOWN_FORCE), so that Slurm starts it again (ResumeProgram) when a job needs it, instead of
 leaving it DOWN for ever.
 Slurm itself never suspends such a node: it believes it is off. With power_down_unused (autostop
@@ -276,13 +276,14 @@ def held_off(flags: set[str]) -> bool:
 
 
 def lost(flags: set[str], reason: str) -> bool:
-    """Slurm holds the node as on but cannot reach it (DOWN, or its slurmd not responding), and is not
-    changing its power. A node drained by someone else than the Spot agent is theirs to return."""
+    """Slurm holds the node as on but has given it up (DOWN: SlurmdTimeout passed, its jobs were requeued),
+    and is not changing its power. A node drained by someone else than the Spot agent is theirs to return.
+    A node only not responding yet is left to Slurm's own node-failure handling until then."""
     if flags & {"POWERED_DOWN", "POWERING_UP", "POWERING_DOWN", "POWER_DOWN"}:
         return False
     if "DRAIN" in flags and not reason.startswith(SPOT_EVICTION):
         return False
-    return bool(flags & {"DOWN", "NOT_RESPONDING"})
+    return "DOWN" in flags
 
 
 def powered_off(view: dict[str, Any]) -> bool:
