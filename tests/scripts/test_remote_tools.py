@@ -753,7 +753,8 @@ def test_an_attempt_lost_with_its_node_is_recorded_by_the_next_one(tmp_path):
     record = json.loads((tmp_path / "run.json").read_text())
     lost, last = record["attempts"]
     assert (lost["attempt"], lost["lost"], lost["exit_code"], lost["preempted"]) == (1, True, None, False)
-    assert (lost["seconds"], lost["partition"], lost["estimated_cost_usd"]) == (1200, "spot", pytest.approx(6.667, abs=0.001))
+    assert (lost["seconds"], lost["partition"]) == (1200, "spot")
+    assert lost["estimated_cost_usd"] == pytest.approx(6.667, abs=0.001)  # 2 nodes x 20 min at the Spot price
     assert (last["attempt"], last["exit_code"], "lost" in last) == (2, 0, False)
     assert record["exit_code"] == 0
 
