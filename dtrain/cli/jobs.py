@@ -341,7 +341,10 @@ def nodes_table(nodes: Sequence[NodeInfo], health: dict[str, dict[str, str]], bo
 def power_column(node: NodeInfo) -> str:
     if node.unregistered:
         return "[red]deallocated, never registered[/red]"
-    return "powered down" if node.powered_down else "on"
+    if node.powered_down:
+        return "powered down"
+    # lost: an eviction or a failure; the reaper powers it down once Azure says it is deallocated
+    return "[red]not responding[/red]" if node.not_responding else "on"
 
 
 def _age(stamp: str | None) -> str:

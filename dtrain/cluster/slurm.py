@@ -86,6 +86,11 @@ class NodeInfo:
         return self.state.endswith("~") or "POWERED_DOWN" in self.state.upper()
 
     @property
+    def not_responding(self) -> bool:
+        """Its slurmd does not answer: off or gone for all Slurm knows (the head node's reaper asks Azure)."""
+        return "*" in self.state
+
+    @property
     def unregistered(self) -> bool:
         """Deallocated by the head node's reaper: Azure ran it, and it never registered with Slurm."""
         return self.powered_down and self.reason.startswith(UNREGISTERED_REASON)

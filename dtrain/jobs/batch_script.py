@@ -144,6 +144,8 @@ def _prologue(spec: JobSpec) -> list[str]:
         'scontrol show hostnames "$SLURM_JOB_NODELIST" >"$RUN_DIR/nodes"',
         'HOSTS=$(paste -sd, "$RUN_DIR/nodes")',
         "readonly ATTEMPT=$((${SLURM_RESTART_COUNT:-0} + 1))",
+        # on the shared run directory: an attempt whose node is lost with its record is still in run.json
+        'echo "$ATTEMPT $ATTEMPT_STARTED_AT $SLURM_JOB_PARTITION" >>"$RUN_DIR/attempts.started"',
         # When the time limit ends the attempt (Slurm's EndTime of a running job): a SIGTERM from then on
         # is the time limit's, not a cancel (SLURM_JOB_END_TIME only exists from Slurm 23.02)
         'JOB_ENDS_AT=$(date -d "$(squeue -h -j "$SLURM_JOB_ID" -o %e)" +%s 2>/dev/null) || JOB_ENDS_AT=0',

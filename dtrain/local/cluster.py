@@ -64,6 +64,7 @@ from dtrain.local import link as local_link
 from dtrain.local import metadata as local_metadata
 from dtrain.local import network as net
 from dtrain.local import power as local_power
+from dtrain.local import reconcile as local_reconcile
 from dtrain.local import slurm as local_slurm
 from dtrain.local.daemons import free_port, wait_port, wait_socket_file
 from dtrain.local.network import check_subnet_free
@@ -444,6 +445,9 @@ def _start_slurm(state: LocalState, settings: LocalSlurmSettings) -> None:
     for node in state.nodes:
         start_slurmd(state, node)
         start_spot_agent(state, node)
+    # the head node's periodic reconcile (on Azure: slurm-power-reap.timer) of nodes Slurm lost
+    module = [sys.executable, "-m", "dtrain.local.reconcile", "--state-dir", state.state_dir]
+    start_daemon(state, local_reconcile.ROLE, ["env", f"PYTHONPATH={REPO_ROOT}", *module], "dtrain.local.reconcile")
     local_slurm.wait_until_idle(files.conf, names, SLURM_READY_TIMEOUT_S, state.logs)
 
 
@@ -681,6 +685,7 @@ examples:
   python -m dtrain local up --nodes 2                       # then: launch, jobs, logs, ...
   python -m dtrain local up --autostop-seconds 300          # idle nodes are suspended after 5 min
   python -m dtrain local status                             # exit 0 when everything runs
+  python -m dtrain local preempt node-0                     # a Spot eviction of node-0 in 30 s
   python -m dtrain local down                               # stops and removes all of it
 """
 
@@ -689,7 +694,7 @@ def configure(commands: argparse._SubParsersAction) -> None:
     raw = argparse.RawDescriptionHelpFormatter  # the examples keep their lines
     parser = commands.add_parser(
         "local",
-        help="the embedded local cluster: up, status, down",
+        help="the embedded local cluster: up, status, down, preempt",
         description=DESCRIPTION,
         epilog=EXAMPLES,
         formatter_class=raw,
@@ -730,7 +735,25 @@ def configure(commands: argparse._SubParsersAction) -> None:
         formatter_class=raw,
     )
     p_rate.add_argument("rate", help="a tc rate such as 100mbit, 1gbit, 512kbit; or full")
-    for sub, handler in ((p_down, _run_down), (p_status, _run_status), (p_rate, _run_link_rate)):
+    p_preempt = actions.add_parser(
+        "preempt",
+        help="announce a Spot eviction of a node (Azure's Scheduled Events Preempt)",
+        description="Announce that Azure evicts NODE in --notice seconds: its metadata endpoint lists a Preempt,\n"
+        "its Spot agent checkpoints and requeues the node's jobs, and the node is switched off once the\n"
+        "agent acknowledges the event or the notice runs out. Prints the event's id.",
+        epilog="examples:\n  python -m dtrain local preempt node-0\n"
+        "  python -m dtrain local preempt node-1 --notice 1\n",
+        formatter_class=raw,
+    )
+    p_preempt.add_argument("node", help="the node to evict (a node of the cluster: node-0, node-1, ...)")
+    p_preempt.add_argument(
+        "--notice",
+        type=int_between(1, 3600),
+        default=local_metadata.PREEMPT_NOTICE_S,
+        help="seconds before the eviction (%(default)s, Azure's minimum)",
+    )
+    subs = ((p_down, _run_down), (p_status, _run_status), (p_rate, _run_link_rate), (p_preempt, _run_preempt))
+    for sub, handler in subs:
         _add_state_dir(sub)
         sub.set_defaults(handler=handler)
 
@@ -832,6 +855,11 @@ def _run_down(args: argparse.Namespace) -> int:
 def _run_link_rate(args: argparse.Namespace) -> int:
     rate = set_link_rate(args.state_dir, args.rate)
     console.print(f"link rate between nodes: {rate or local_link.FULL_SPEED}")
+    return 0
+
+
+def _run_preempt(args: argparse.Namespace) -> int:
+    print(local_metadata.preempt(args.state_dir, args.node, args.notice))
     return 0
 
 

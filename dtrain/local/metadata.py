@@ -11,12 +11,13 @@ asks Azure, with Azure's JSON:
 
 The events are the cluster's, STATE/metadata/events.json, the same document for every node (Azure
 delivers a scale set's events to all of its VMs; each event names the VMs it affects). A test makes
-one announce a `Preempt` with :func:`announce_preempt`; the affected node's server then plays the
-platform: once the event is acknowledged (EventStatus `Started`) or its NotBefore has passed, it
-switches the node off (dtrain/local/power.py) and removes the event.
+one announce a `Preempt` with :func:`announce_preempt` (the operator: `dtrain local preempt NODE`,
+through :func:`preempt`, which refuses a node the cluster does not have); the affected node's server
+then plays the platform: once the event is acknowledged (EventStatus `Started`) or its NotBefore has
+passed, it switches the node off (dtrain/local/power.py) and removes the event. An event that no
+server removed (its node's server was gone) expires EVENT_EXPIRY_S after its NotBefore, as Azure's do.
 
   python -m dtrain.local.metadata --state-dir STATE serve node-0        # what `up` starts per node
-  python -m dtrain.local.metadata --state-dir STATE preempt node-0      # announce an eviction
 """
 
 from __future__ import annotations
@@ -38,14 +39,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from dtrain.cli_common import CLIParser, int_between, non_empty, run_cli
-from dtrain.cluster.description import DEFAULT_LOCAL_STATE
+from dtrain.cli_common import CLIParser, non_empty, run_cli
+from dtrain.errors import OperatorError
 from dtrain.local import power as local_power
+from dtrain.local.state import load_state
 
 METADATA_ADDRESS = "169.254.169.254"  # Azure's, link-local: it exists only inside the node namespaces
 EVENTS_PATH = "/metadata/scheduledevents"
 NAME_PATH = "/metadata/instance/compute/name"
 PREEMPT_NOTICE_S = 30  # Azure's minimum notice for a Spot eviction
+EVENT_EXPIRY_S = 300  # a Preempt still listed this long after its NotBefore is dropped
 EVICTION_CHECK_S = 0.5
 log = logging.getLogger("local-metadata")
 
@@ -64,12 +67,31 @@ def events_document(state_dir: Path) -> Iterator[dict[str, Any]]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         document = json.loads(path.read_text()) if path.exists() else {"DocumentIncarnation": 0, "Events": []}
         before = json.dumps(document, sort_keys=True)
+        document["Events"] = [event for event in document["Events"] if not _expired(event)]
         yield document
         if json.dumps(document, sort_keys=True) != before:
             document["DocumentIncarnation"] += 1
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(document, indent=2))
             tmp.replace(path)
+
+
+def _expired(event: dict[str, Any]) -> bool:
+    expiry = parsedate_to_datetime(event["NotBefore"]) + timedelta(seconds=EVENT_EXPIRY_S)
+    return expiry <= datetime.now(UTC)
+
+
+def preempt(state_dir: str | Path, node: str, notice_s: int = PREEMPT_NOTICE_S) -> str:
+    """The operator's announcement: a Preempt of one of the cluster's Slurm nodes; returns the event's id."""
+    state_dir = Path(state_dir).resolve()
+    state = load_state(state_dir)
+    if state is None:
+        raise OperatorError(f"no local cluster recorded in {state_dir} (--state-dir names the one `local up` made)")
+    names = [known.hostname for known in state.nodes]
+    if node not in names or state.slurm_conf is None:
+        have = f"its nodes are {', '.join(names)}" if state.slurm_conf else "it has no Slurm (localhost mode)"
+        raise OperatorError(f"no node {node!r} to evict in the local cluster in {state_dir}: {have}")
+    return announce_preempt(state_dir, node, notice_s)
 
 
 def announce_preempt(state_dir: str | Path, node: str, notice_s: int = PREEMPT_NOTICE_S) -> str:
@@ -196,32 +218,20 @@ def serve(state_dir: Path, node: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    state_dir = Path(args.state_dir).resolve()
-    if args.action == "serve":
-        serve(state_dir, args.node)
-    else:
-        print(announce_preempt(state_dir, args.node, args.notice))
+    serve(Path(args.state_dir).resolve(), args.node)
     return 0
 
 
 def build_parser() -> CLIParser:
     parser = CLIParser(
         prog="python -m dtrain.local.metadata",
-        description="The local cluster's instance metadata (Azure Scheduled Events): serve it, or announce "
-        "a Spot eviction (Preempt) of a node.",
-        epilog="example: python -m dtrain.local.metadata preempt node-0",
+        description="Serve a local node's instance metadata (Azure Scheduled Events); `local up` starts one per "
+        "node. To announce an eviction: dtrain local preempt NODE.",
+        epilog="example: python -m dtrain.local.metadata --state-dir STATE serve node-0",
     )
-    parser.add_argument(
-        "--state-dir",
-        type=non_empty,
-        default=str(DEFAULT_LOCAL_STATE),
-        help="the local cluster's state directory (default %(default)s)",
-    )
-    parser.add_argument("action", choices=("serve", "preempt"), help="serve a node's endpoint; announce a Preempt")
+    parser.add_argument("--state-dir", type=non_empty, required=True, help="the local cluster's state directory")
+    parser.add_argument("action", choices=("serve",), help="serve the node's endpoint")
     parser.add_argument("node", help="the node (its hostname)")
-    parser.add_argument(
-        "--notice", type=int_between(1), default=PREEMPT_NOTICE_S, help="seconds before the eviction (%(default)s)"
-    )
     return parser
 
 
@@ -230,5 +240,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_cli(build_parser(), _run, argv)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # what `local up` starts in each node's namespace
     raise SystemExit(main())

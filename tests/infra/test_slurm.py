@@ -1001,6 +1001,41 @@ def test_reap_leaves_idle_nodes_up_when_autostop_is_off(sandbox: Sandbox, azure:
     assert [call for call in sandbox.calls("scontrol") if "update" in call] == []
 
 
+def test_reap_powers_down_through_slurm_the_lost_nodes_that_azure_deallocated(
+    sandbox: Sandbox, azure: FakeAzure
+) -> None:
+    """A Spot eviction that the node's agent missed: Azure deallocated the instance, Slurm lost its slurmd
+    and holds it DOWN for ever (it never suspends a node it believes on). The reaper asks Azure for each
+    DOWN node's state and powers the deallocated ones down through Slurm, which starts them again for
+    the next job; a lost node that Azure still runs, and a node an operator drained, are left."""
+    stub_slurm(
+        sandbox,
+        shown("hvd-gpu-000000", "DOWN+CLOUD+NOT_RESPONDING", reason="Not responding")
+        + shown("hvd-gpu-000001", "DOWN+DRAIN+CLOUD+NOT_RESPONDING", reason="spot eviction 4F2A")  # 1 s notice
+        + shown("hvd-gpu-000002", "DOWN+CLOUD+NOT_RESPONDING", reason="Not responding")  # Azure runs it
+        + shown("hvd-gpu-000003", "DOWN+DRAIN+CLOUD+NOT_RESPONDING", reason="operator: bad DIMM")
+        + shown("hvd-gpu-000004", "MIXED+CLOUD")
+        # not given up yet (SlurmdTimeout): Slurm's own node-failure handling (the requeue) goes first
+        + shown("hvd-gpu-000005", "MIXED+CLOUD+NOT_RESPONDING"),
+    )
+    azure.answers["GET /virtualMachines/0/instanceView"] = [(200, started(3, power="deallocated"))]
+    azure.answers["GET /virtualMachines/1/instanceView"] = [(200, started(3, power="deallocating"))]
+    azure.answers["GET /virtualMachines/2/instanceView"] = [(200, started(3, power="running"))]
+    result = run_power(sandbox, azure, "reap")
+    assert result.returncode == 0, result.stderr + power_log(sandbox)
+    assert [(call.method, call.path.removeprefix(SCALE_SET_ID)) for call in azure.arm_calls()] == [
+        ("GET", f"/virtualMachines/{instance}/instanceView") for instance in (0, 1, 2)
+    ]  # Slurm's SuspendProgram deallocates them (again), not the reaper
+    updates = [call for call in sandbox.calls("scontrol") if "update" in call]
+    assert updates == [
+        f"scontrol update nodename=hvd-gpu-00000{n} state=power_down_force reason=spot eviction or stop outside "
+        f"Slurm: Azure deallocated it (ProvisioningState/succeeded, PowerState/{power})"
+        for n, power in ((0, "deallocated"), (1, "deallocating"))
+    ]
+    assert "hvd-gpu-000000 lost by Slurm (CLOUD+DOWN+NOT_RESPONDING)" in power_log(sandbox)
+    assert_token_kept_secret(sandbox, result)
+
+
 @dataclass
 class Controller:
     """A real slurmctld (with its munged) for the Azure-rendered slurm.conf, on loopback, no slurmd."""

@@ -346,8 +346,9 @@ def test_status_lists_nodes_and_queue(cluster_file):
 
 # --- a node fails --------------------------------------------------------------------------------
 def test_requeued_job_resumes_from_its_checkpoint_after_a_node_fails(tmp_path):
-    """--requeue: node-1 is switched off mid-job; Slurm marks it DOWN and requeues the job, which runs
-    again once the node is back and resumes from the run's newest checkpoint, ending at the right step."""
+    """--requeue: node-1 is switched off mid-job; Slurm loses it and the job is requeued; the head node's
+    reconcile powers the node down through Slurm, which starts it again for the job, and the job resumes
+    from the run's newest checkpoint, ending at the right step."""
     steps = 400
     with own_cluster(tmp_path, "r") as desc:
         state_dir = local_state_dir(desc)
@@ -365,7 +366,6 @@ def test_requeued_job_resumes_from_its_checkpoint_after_a_node_fails(tmp_path):
         local_power.stop_node(state_dir, "node-1")
         job_id = proc.stdout.strip()
         wait_for(lambda: squeue_state(desc, job_id) == "PENDING", 120, "Slurm to requeue the job", interval=1)
-        local_power.start_node(state_dir, "node-1")
         status = wait_for(
             lambda: (s := status_of(desc, "requeue-run")) and s["attempt"] == 2 and s,
             300,

@@ -740,6 +740,25 @@ def test_each_attempt_adds_its_node_hours_and_the_cost_uses_the_price_launch_rec
     assert not [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]  # written atomically
 
 
+def test_an_attempt_lost_with_its_node_is_recorded_by_the_next_one(tmp_path):
+    """Attempt 1's first node was evicted unseen: its batch script never recorded it. Attempt 2 adds it,
+    charged from its start to attempt 2's, from the line job.sh wrote as each attempt started."""
+    prices = {"spot": 10.0, "gpu": 100.0}
+    (tmp_path / "job.json").write_text(json.dumps({"run_id": "r-3", "prices_per_node_hour_usd": prices}))
+    now = int(time.time())
+    (tmp_path / "attempts.started").write_text(f"1 {now - 1800} spot\n2 {now - 600} spot\n")
+    done = record_run(tmp_path, "--nodes", "2", "--attempt", "2", "--started-at", str(now - 600), "--exit-code", "0",
+                      "--partition", "spot")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    record = json.loads((tmp_path / "run.json").read_text())
+    lost, last = record["attempts"]
+    assert (lost["attempt"], lost["lost"], lost["exit_code"], lost["preempted"]) == (1, True, None, False)
+    assert (lost["seconds"], lost["partition"]) == (1200, "spot")
+    assert lost["estimated_cost_usd"] == pytest.approx(6.667, abs=0.001)  # 2 nodes x 20 min at the Spot price
+    assert (last["attempt"], last["exit_code"], "lost" in last) == (2, 0, False)
+    assert record["exit_code"] == 0
+
+
 def test_without_a_price_the_record_has_node_hours_but_no_cost_and_without_a_job_it_refuses(tmp_path):
     (tmp_path / "job.json").write_text(json.dumps({"run_id": "r-2", "price_per_node_hour_usd": None}))
     started = str(int(time.time()) - 360)

@@ -13,8 +13,13 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from dtrain.cluster.description import ClusterDescription
 from dtrain.local import metadata as local_metadata
+from dtrain.local.nodes import spot_agent_role
+from dtrain.local.state import load_state
+from dtrain.processes import descendants, stop_pids
 from tests.polling import wait_for
 from training.checkpoint.files import read_checkpoint
 
@@ -151,6 +156,62 @@ def test_evicted_spot_jobs_checkpoint_are_requeued_and_resume_and_a_frozen_one_f
     assert record["attempts"][1]["exit_code"] != 0
     assert {a["price_per_node_hour_usd"] for a in record["attempts"]} == {0.0}  # the local cluster's price
     assert [(e["node"], e["job_id"]) for e in record["evictions"]] == [(first, job_id), (second, job_id)]
+
+
+def stop_spot_agent(desc: ClusterDescription, node: str) -> None:
+    """The node's agent gone (crashed, or too slow to see the notice): nothing on the node reacts."""
+    state = load_state(local_state_dir(desc))
+    assert state is not None
+    record = state.record(spot_agent_role(node))
+    assert record is not None and record.alive()
+    stop_pids([record.pid, *descendants(record.pid)], signals=(signal.SIGKILL,))
+
+
+def node_states(desc: ClusterDescription) -> dict[str, str]:
+    text = slurm_command(desc, "sinfo", "--noheader", "--Node", "--format=%N %T").stdout
+    return dict(line.split() for line in text.splitlines())
+
+
+@pytest.mark.parametrize("agent", ["running, 1 s notice", "stopped"])
+def test_a_node_evicted_before_its_agent_could_act_comes_back_and_the_two_node_job_finishes(
+    cluster, cluster_file, agent
+):
+    """The batch host of a 2-node Spot job is evicted with a 1-second notice (its agent drains the node and
+    has no time for the rest), or with its agent stopped (nothing on the node sees the notice). Slurm
+    loses the node and requeues the job, which needs both nodes again: the head node's reconcile finds
+    the node switched off and powers it down through Slurm, which starts it again for the job. The
+    job finishes, both nodes are back, and run.json has the lost attempt."""
+    run_id = f"spot-missed-{agent.split(',')[0]}"
+    base = ["launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--nodes", "2", "--spot"]
+    proc = cli(*base, "--run-id", run_id, "--detach", "--", *with_steps(60))
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip()
+    node_of(cluster, job_id)
+    batch_host = slurm_command(cluster, "squeue", "--noheader", f"--jobs={job_id}", "--format=%B").stdout.strip()
+    run = run_dir(cluster, run_id)
+    wait_for_step(run / "output.log", 20)
+    if agent == "stopped":
+        stop_spot_agent(cluster, batch_host)
+    local_metadata.announce_preempt(local_state_dir(cluster), batch_host, notice_s=1)
+
+    try:
+        status = wait_for(lambda: (s := status_of(cluster, run_id)) and s["exit_code"] == 0 and s, 420,
+                          "the requeued job to finish", 1)  # fmt: skip
+    except AssertionError as exc:
+        logs = local_state_dir(cluster) / "logs"
+        said = (logs / "reconcile.log").read_text()[-2000:] if (logs / "reconcile.log").exists() else "no log"
+        raise AssertionError(f"{exc}\n{node_states(cluster)}\nreconcile:\n{said}\n{agents_said(cluster)}") from None
+    assert status["attempt"] >= 2
+    record = json.loads((run / "run.json").read_text())
+    first, *_, last = record["attempts"]
+    assert first["attempt"] == 1 and first["exit_code"] != 0, record
+    assert last["exit_code"] == 0 and len(record["attempts"]) == status["attempt"]
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["steps"] == 60 and metrics["resumed_from_step"] >= 20, metrics
+    back = wait_for(lambda: (states := node_states(cluster)) and all(
+        state.rstrip("~") in ("idle", "mixed", "allocated") for state in states.values()) and states, 120,
+        "both nodes back", 1)  # fmt: skip
+    assert set(back) == {"node-0", "node-1"}
 
 
 def test_a_run_resumes_on_a_fresh_cluster_from_the_checkpoint_it_kept_in_blob_storage(tmp_path):

@@ -22,6 +22,7 @@ from dtrain.cluster.description import SlurmAccess, SSHEndpoint
 from dtrain.errors import OperatorError
 from dtrain.jobs.submit import LaunchOptions, choose_partition
 from dtrain.local import metadata as local_metadata
+from dtrain.local.state import LocalState, NodeState
 from tests.polling import wait_for
 
 from .test_remote_tools import record_run
@@ -79,6 +80,44 @@ def test_an_unacknowledged_preempt_evicts_at_its_not_before(tmp_path):
     time.sleep(1.1)
     local_metadata.evict_when_due(tmp_path, "node-1", lambda _, node: powered_off.append(node))
     assert powered_off == ["node-1"]
+
+
+def dtrain_local(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dtrain", "local", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_preempt_is_a_local_verb_that_announces_only_for_the_clusters_nodes(tmp_path):
+    state = LocalState(name="hvd", mode="netns", state_dir=str(tmp_path), slurm_conf=str(tmp_path / "slurm.conf"))
+    state.nodes = [NodeState(hostname=f"node-{i}", address=f"10.0.0.{i + 2}", ssh_port=22) for i in range(2)]
+    state.save()
+    done = dtrain_local("preempt", "node-1", "--notice", "1", "--state-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    [event] = json.loads((tmp_path / "metadata" / "events.json").read_text())["Events"]
+    assert (event["EventId"], event["Resources"]) == (done.stdout.strip(), ["node-1"])
+
+    unknown = dtrain_local("--state-dir", str(tmp_path), "preempt", "node-9")
+    assert unknown.returncode == 2 and unknown.stdout == ""
+    assert unknown.stderr.strip().splitlines() == [
+        f"error: no node 'node-9' to evict in the local cluster in {tmp_path}: its nodes are node-0, node-1"
+    ]
+    for wrong in (tmp_path / "nothing-here", tmp_path / "metadata" / "events.json"):
+        refused = dtrain_local("preempt", "node-0", "--state-dir", str(wrong))
+        assert refused.returncode == 2, refused.stderr
+        [line] = refused.stderr.strip().splitlines()
+        assert line.startswith("error: ") and str(wrong) in line and "unexpected" not in line
+    assert len(json.loads((tmp_path / "metadata" / "events.json").read_text())["Events"]) == 1
+
+
+def test_a_preempt_that_no_platform_removed_expires(tmp_path, monkeypatch):
+    """An event whose node's endpoint was gone (no platform to evict it) does not stay for ever."""
+    local_metadata.announce_preempt(tmp_path, "node-0", notice_s=1)
+    with local_metadata.events_document(tmp_path) as document:
+        assert len(document["Events"]) == 1
+    monkeypatch.setattr(local_metadata, "EVENT_EXPIRY_S", -5)  # as if the expiry had passed
+    with local_metadata.events_document(tmp_path) as document:
+        assert document["Events"] == []
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "metadata" / "events.json").read_text())["Events"] == []
 
 
 def test_each_attempt_is_priced_by_the_partition_it_ran_in(tmp_path):

@@ -60,3 +60,20 @@ def test_no_boot_column_where_no_node_wrote_a_boot_report() -> None:
     console = Console(width=400, record=True)
     console.print(nodes_table([NodeInfo("node-0", "idle", "none", "2", "")], {}, {}))
     assert "boot" not in console.export_text()
+
+
+def test_a_node_slurm_lost_is_not_shown_as_on() -> None:
+    """A node evicted unseen: its slurmd stopped answering (down*, drained* under the agent's drain). Until the
+    head node's reaper has asked Azure and powered it down, its power is not known to be on."""
+    console = Console(width=400, record=True)
+    nodes = [
+        NodeInfo("node-0", "down*", "Not responding", "2", ""),
+        NodeInfo("node-1", "drained*", "spot eviction 4F2A", "2", ""),
+        NodeInfo("node-2", "idle~", "none", "2", ""),
+        NodeInfo("node-3", "allocated", "none", "2", ""),
+    ]
+    console.print(nodes_table(nodes, {}, {}))
+    power = {
+        line.split()[1]: line.split("│")[3].strip() for line in console.export_text().splitlines() if "node-" in line
+    }
+    assert power == {"node-0": "not responding", "node-1": "not responding", "node-2": "powered down", "node-3": "on"}

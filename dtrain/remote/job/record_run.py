@@ -13,7 +13,10 @@ no network and no table of its own: each attempt is priced at its own partition'
 runs the batch script again: each attempt is kept under its number, and the totals add every attempt's
 node-hours and cost, because every attempt held its nodes. An attempt that ended with status 75 was
 preempted (a Spot eviction: it saved a checkpoint and the node agent requeued it); the evictions the
-agent noted in the run directory (evictions.json) are listed too. The cost is an estimate: list price
+agent noted in the run directory (evictions.json) are listed too. An attempt whose first node was lost
+(a Spot eviction that the agent missed: its batch script ended with the machine) recorded nothing; the
+next attempt to end adds it, from the line job.sh wrote as it started (attempts.started), with
+"lost": true, no exit status, and its time up to the start of the attempt after it. The cost is an estimate: list price
 times the allocation's wall time, without the minutes a node spends starting or being power-saved
 (a Spot VM's actual price moves under its max price; the table's is the list price when it was read).
 
@@ -30,6 +33,7 @@ from datetime import datetime, timezone
 RECORD = "run.json"
 JOB = "job.json"
 EVICTIONS = "evictions.json"  # written by the Spot agent (spot_agent.py)
+STARTED = "attempts.started"  # job.sh appends "ATTEMPT STARTED_AT PARTITION" as each attempt starts
 PREEMPTED_EXIT_CODE = 75  # training.exit_status.ExitCode.PREEMPTED (stands alone; tests/test_layout.py checks)
 
 
@@ -69,6 +73,30 @@ def attempt_entry(nodes, attempt, started_at, finished_at, exit_code, partition=
     }
 
 
+def lost_attempts(run_dir, job, nodes, attempt, started_at, recorded):
+    """Entries for the attempts before this one that started (attempts.started) and never recorded
+    themselves: each is charged from its start to the next attempt's start."""
+    starts = {}
+    try:
+        with open(os.path.join(run_dir, STARTED)) as handle:
+            for line in handle:
+                fields = line.split()
+                if len(fields) == 3 and fields[0].isdigit() and fields[1].isdigit():
+                    starts[int(fields[0])] = (int(fields[1]), fields[2])
+    except OSError:
+        return []
+    starts.setdefault(attempt, (started_at, None))
+    entries = []
+    for number in sorted(starts):
+        if number >= attempt or number in recorded:
+            continue
+        begun, partition = starts[number]
+        ended = min(start for later, (start, _) in starts.items() if later > number)
+        entry = attempt_entry(nodes, number, begun, ended, None, partition, partition_price(job, partition))
+        entries.append({**entry, "lost": True})
+    return entries
+
+
 def _total_cost(attempts, fallback_price, node_hours):
     """The sum of the attempts' costs; records of older jobs, without a price per attempt, use the run's."""
     costs = [a.get("estimated_cost_usd") for a in attempts]
@@ -77,10 +105,13 @@ def _total_cost(attempts, fallback_price, node_hours):
     return None if fallback_price is None else round(node_hours * fallback_price, 4)
 
 
-def build_record(job, previous, entry, evictions=()):
-    """The run record: the request's identity, every attempt so far, its evictions, and their totals."""
-    attempts = [a for a in (previous or {}).get("attempts", []) if a.get("attempt") != entry["attempt"]]
-    attempts = sorted([*attempts, entry], key=lambda a: a["attempt"])
+def build_record(job, previous, entry, evictions=(), lost=()):
+    """The run record: the request's identity, every attempt so far (lost ones too), its evictions, and their
+    totals."""
+    added = [entry, *lost]
+    numbers = {a["attempt"] for a in added}
+    attempts = [a for a in (previous or {}).get("attempts", []) if a.get("attempt") not in numbers]
+    attempts = sorted([*attempts, *added], key=lambda a: a["attempt"])
     node_hours = round(sum(a["node_hours"] for a in attempts), 6)
     price = job.get("price_per_node_hour_usd")
     return {
@@ -136,7 +167,9 @@ def main(argv=None):
         evictions = _read(os.path.join(args.run_dir, EVICTIONS)) or []
     except (OSError, ValueError):
         evictions = []  # the agent's note is a bonus: a damaged one does not lose the record
-    record = build_record(job, previous, entry, evictions)
+    recorded = {a.get("attempt") for a in (previous or {}).get("attempts", [])}
+    lost = lost_attempts(args.run_dir, job, args.nodes, args.attempt, args.started_at, recorded)
+    record = build_record(job, previous, entry, evictions, lost)
     try:
         write_atomically(path, record)
     except OSError as exc:

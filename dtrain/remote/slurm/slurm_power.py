@@ -9,7 +9,11 @@ the wrappers slurm-suspend, slurm-resume and slurm-resume-fail, with the nodes a
 and a systemd timer runs `slurm-power reap` every few minutes (slurm-power-reap.timer): a node that
 Azure runs but Slurm holds as powered down (it never registered: a first boot that failed, an
 instance started outside Slurm) is marked DOWN with the reason and deallocated once it has run
-longer than a first boot may take to register (register_timeout_s).
+longer than a first boot may take to register (register_timeout_s). The same run reconciles the
+other way: a node that Slurm holds as on but lost (DOWN after SlurmdTimeout: a Spot eviction that
+the node's agent did not see in time) while Azure has deallocated it is powered down through Slurm
+(POWER_DOWN_FORCE), so that Slurm starts it again (ResumeProgram) when a job needs it, instead of
+leaving it DOWN for ever.
 Slurm itself never suspends such a node: it believes it is off. With power_down_unused (autostop
 on), a node that came up outside Slurm (the scale set's creation: Azure starts every instance) and
 registered is powered down through Slurm at once, unless a job waits; a node that Slurm started for
@@ -37,6 +41,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -51,6 +56,8 @@ RETRY_SECONDS = 15
 HTTP_TIMEOUT_SECONDS = 60
 # How a node's reason begins once the reaper has deallocated it (dtrain/cluster/slurm.py reads it).
 UNREGISTERED = "not registered"
+# How the Spot agent's drain reason begins (dtrain/remote/boot/spot_agent.py), and the reconciler's.
+SPOT_EVICTION = "spot eviction"
 # The comment resume leaves on the nodes it starts; suspend clears it (the reaper reads it).
 STARTED_BY_SLURM = "started-by-slurm"
 RETRIED_STATUSES = frozenset({409, 429, 500, 502, 503, 504})  # conflicts (a deallocation still running) and throttling
@@ -118,6 +125,8 @@ def describe(view: dict[str, Any]) -> str:
     return ", ".join(status.get("code", "?") for status in view.get("statuses", [])) or "no status"
 
 
+# Power states of an instance that Azure has taken off its host (a Spot eviction with the Deallocate policy).
+OFF_POWER_STATES = frozenset({"PowerState/deallocated", "PowerState/deallocating"})
 # Power states in which Azure bills the VM: allocated to a host (a VM stopped from inside is, until deallocated).
 BILLED_POWER_STATES = frozenset(
     {"PowerState/running", "PowerState/starting", "PowerState/stopping", "PowerState/stopped"}
@@ -244,24 +253,42 @@ def _give_up_on(scale_set: ScaleSet, nodes: list[str]) -> None:
     scale_set.deallocate(list(ids.values()))
 
 
-def slurm_nodes(nodes: list[str] | None = None) -> dict[str, tuple[set[str], str]]:
-    """node -> (its state flags, e.g. {'IDLE', 'CLOUD', 'POWERED_DOWN'}, its comment), for every node or those named."""
+def slurm_nodes(nodes: list[str] | None = None) -> dict[str, tuple[set[str], str, str]]:
+    """node -> (its state flags, e.g. {'IDLE', 'CLOUD', 'POWERED_DOWN'}, its comment, its reason), for every
+    node or those named."""
     which = [",".join(nodes)] if nodes else []
     shown = subprocess.run(
         ["scontrol", "--oneliner", "show", "node", *which], capture_output=True, text=True, check=True
     )
     found = {}
     for line in shown.stdout.splitlines():
-        line = line.split(" Reason=", 1)[0]  # free text, last on the line: nothing after it is read
+        line, _, reason = line.partition(" Reason=")  # free text, last on the line: read apart
         fields = dict(word.split("=", 1) for word in line.split() if "=" in word)
         if "NodeName" in fields:
-            found[fields["NodeName"]] = (set(fields.get("State", "").split("+")), fields.get("Comment", ""))
+            state, comment = set(fields.get("State", "").split("+")), fields.get("Comment", "")
+            found[fields["NodeName"]] = (state, comment, reason)
     return found
 
 
 def held_off(flags: set[str]) -> bool:
     """Slurm holds the node as powered down, and is not changing its power itself."""
     return "POWERED_DOWN" in flags and not flags & {"POWERING_UP", "POWERING_DOWN", "POWER_DOWN"}
+
+
+def lost(flags: set[str], reason: str) -> bool:
+    """Slurm holds the node as on but has given it up (DOWN: SlurmdTimeout passed, its jobs were requeued),
+    and is not changing its power. A node drained by someone else than the Spot agent is theirs to return.
+    A node only not responding yet is left to Slurm's own node-failure handling until then."""
+    if flags & {"POWERED_DOWN", "POWERING_UP", "POWERING_DOWN", "POWER_DOWN"}:
+        return False
+    if "DRAIN" in flags and not reason.startswith(SPOT_EVICTION):
+        return False
+    return "DOWN" in flags
+
+
+def powered_off(view: dict[str, Any]) -> bool:
+    """Azure has deallocated the instance (or is deallocating it): a Spot eviction, or a stop outside Slurm."""
+    return bool(OFF_POWER_STATES & {status.get("code", "") for status in view.get("statuses", [])})
 
 
 def unused(flags: set[str], comment: str) -> bool:
@@ -276,7 +303,8 @@ def reap(sets: list[ScaleSet], bound_s: int, power_down_unused: bool) -> None:
     came up outside Slurm (a first boot) and sit idle while no job waits."""
     now = datetime.now(UTC)
     nodes = slurm_nodes()
-    for scale_set, names in group_nodes(sets, [node for node, (flags, _) in nodes.items() if held_off(flags)]):
+    reconcile_lost(nodes, lambda node: _view_by_name(sets, node))
+    for scale_set, names in group_nodes(sets, [node for node, (flags, _, _) in nodes.items() if held_off(flags)]):
         unregistered: dict[str, str] = {}
         for node in names:
             try:
@@ -296,10 +324,40 @@ def reap(sets: list[ScaleSet], bound_s: int, power_down_unused: bool) -> None:
             mark_down(node, unregistered[node][:200])
         if still:
             scale_set.deallocate([scale_set.instance_id(node) for node in still])
-    idle = [node for node, (flags, comment) in nodes.items() if unused(flags, comment)]
+    idle = [node for node, (flags, comment, _) in nodes.items() if unused(flags, comment)]
     if power_down_unused and idle and not pending_jobs():
         log.info("%s came up outside Slurm and no job waits: powering down", ",".join(idle))
         subprocess.run(["scontrol", "update", f"nodename={','.join(idle)}", "state=power_down"], check=True)
+
+
+def reconcile_lost(nodes: dict[str, tuple[set[str], str, str]], view_of: Callable[[str], dict[str, Any]]) -> list[str]:
+    """Power down, through Slurm, the nodes that Slurm lost and Azure holds deallocated (view_of: a node's
+    instance view); returns them. POWER_DOWN_FORCE clears DOWN and the agent's drain once the
+    SuspendProgram has run (a deallocation of a deallocated instance changes nothing): the node is then
+    powered down and free, and Slurm starts it again for the next job that needs it."""
+    found = []
+    for node, (flags, _, reason) in nodes.items():
+        if not lost(flags, reason):
+            continue
+        try:
+            view = view_of(node)
+        except PowerError as error:
+            log.warning("%s: lost by Slurm, and no instance view: %s", node, error)
+            continue
+        if not powered_off(view):
+            continue  # Azure runs it: Slurm takes it back when its slurmd registers (ReturnToService=2)
+        why = f"{SPOT_EVICTION} or stop outside Slurm: Azure deallocated it ({describe(view)})"
+        log.warning("%s lost by Slurm (%s): %s; powering it down", node, "+".join(sorted(flags)), why)
+        subprocess.run(
+            ["scontrol", "update", f"nodename={node}", "state=power_down_force", f"reason={why}"[:200]], check=True
+        )
+        found.append(node)
+    return found
+
+
+def _view_by_name(sets: list[ScaleSet], node: str) -> dict[str, Any]:
+    ((scale_set, _),) = group_nodes(sets, [node])
+    return scale_set.instance_view(scale_set.instance_id(node))
 
 
 def pending_jobs() -> bool:
