@@ -62,6 +62,7 @@ class NodeRow(Document):
     cpus: int | None
     gres: str  # sinfo's generic resources (`gpu:8`), "(null)" for none
     powered_down: bool
+    not_responding: bool  # its slurmd does not answer (`*`): off for all anyone knows until the reaper asks Azure
     unregistered: bool  # deallocated by the head node's reaper: it never registered with Slurm
     health: dict[str, str] | None  # its last health check report (key=value lines), if any
     boot: dict[str, str] | None  # its last boot report (node-setup's steps), if any

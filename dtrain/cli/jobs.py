@@ -278,6 +278,7 @@ def node_row(node: NodeInfo, health: dict[str, str] | None, boot: dict[str, str]
         cpus=int(node.cpus) if node.cpus.isdigit() else None,
         gres=node.gres,
         powered_down=node.powered_down,
+        not_responding=node.not_responding,
         unregistered=node.unregistered,
         health=health,
         boot=boot,
