@@ -23,6 +23,10 @@ declare -A wanted=(
   [busybox]=busybox-static     # that VM's initramfs
   [udevadm]=udev               # assembles the array at the VM's boot, as on a node
   [modprobe]=kmod              # orders the VM kernel's modules
+  [mmdebstrap]=mmdebstrap      # the boot test's VM image (tools/build_boot_image.sh)
+  [qemu-img]=qemu-utils        # its VMs' copy-on-write disks (tests/boot/vms.py)
+  [genisoimage]=genisoimage    # their cloud-init NoCloud seeds (tests/boot/seed.py)
+  [dpkg-scanpackages]=dpkg-dev # their local package repository
 )
 missing=()
 for command in "${!wanted[@]}"; do
