@@ -25,6 +25,10 @@ IMDS_ADDRESS = "169.254.169.254"
 NODE_ADDRESSES = ("10.40.0.4", "10.40.0.5")  # Azure hands these out by DHCP in the cluster subnet
 GPUS = 8  # Standard_ND96isr_H100_v5's, as slurm.conf and gres.conf say
 NVME_DISKS = 8
+# What the image carries for other roles that each role's Azure image does not run: plain Ubuntu (head,
+# NFS server) has no docker; only the NFS server serves NFS.
+_DOCKER = ("docker.service", "docker.socket", "containerd.service")
+ABSENT_SERVICES = {"head": (*_DOCKER, "nfs-server.service"), "nfs": _DOCKER, "node": ("nfs-server.service",)}
 
 
 @dataclass
@@ -110,13 +114,17 @@ def boot_cluster(work: Path, *, forbid_vault_s: dict[int, float]) -> Iterator[Bo
         **{spec.address: hostnames[role] for role, spec in specs.items()},
     }
     repository = seed.make_flat_repository(work / "repo")
-    vendor = seed.vendor_data(
-        admin_user=rendered.admin_user,
-        ssh_public_key=rendered.ssh_public_key,
-        ca_certificate=ca.certificate,
-        hosts=hosts,
-        sources=seed.package_sources(HOST_ADDRESS),
-    )
+
+    def vendor(role: str) -> str:
+        return seed.vendor_data(
+            admin_user=rendered.admin_user,
+            ssh_public_key=rendered.ssh_public_key,
+            ca_certificate=ca.certificate,
+            hosts=hosts,
+            sources=seed.package_sources(HOST_ADDRESS),
+            absent_services=ABSENT_SERVICES.get(role, ()),
+        )
+
     azure = endpoints.Azure(
         names={spec.address: hostnames[role] for role, spec in specs.items()},
         secrets={rendered.munge_secret_name: base64.b64encode(os.urandom(1024)).decode()},
@@ -137,7 +145,7 @@ def boot_cluster(work: Path, *, forbid_vault_s: dict[int, float]) -> Iterator[Bo
                 instance_id=f"boot-test-{role}",
                 hostname=hostnames[role],
                 user_data=document,
-                vendor=vendor,
+                vendor=vendor("node" if role in rendered.node_names else role),
                 network=seed.network_config(
                     mac=spec.mac, address=spec.address, prefixlen=PREFIXLEN, gateway=HOST_ADDRESS
                 ),

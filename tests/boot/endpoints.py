@@ -52,7 +52,8 @@ class Azure:
     scale_set_id: str
     power: Callable[[str, list[str]], None]  # ("start" | "deallocate", instance ids)
     tokens: dict[str, tuple[str, str]] = field(default_factory=dict)  # token -> (resource, client id)
-    forbidden_until: dict[str, float] = field(default_factory=dict)  # VM address -> Key Vault says 403 until
+    forbidden_for: dict[str, float] = field(default_factory=dict)  # VM address -> seconds of 403 from its first read
+    first_read: dict[str, float] = field(default_factory=dict)  # VM address -> when it first read a secret
     calls: list[str] = field(default_factory=list)  # "start 0,1", "deallocate 1": the ARM calls, in order
     refusals: dict[str, int] = field(default_factory=dict)  # VM address -> Key Vault's 403s to it
 
@@ -66,8 +67,15 @@ class Azure:
         return scheme == "Bearer" and self.tokens.get(token, ("", ""))[0] == resource.rstrip("/")
 
     def forbid(self, address: str, seconds: float) -> None:
-        """Key Vault refuses the VM at address for the next seconds (RBAC still propagating)."""
-        self.forbidden_until[address] = time.monotonic() + seconds
+        """Key Vault refuses the VM at address for its first seconds of asking (RBAC still propagating)."""
+        self.forbidden_for[address] = seconds
+
+    def forbidden(self, address: str) -> bool:
+        started = self.first_read.setdefault(address, time.monotonic())
+        if time.monotonic() - started < self.forbidden_for.get(address, 0):
+            self.refusals[address] = self.refusals.get(address, 0) + 1
+            return True
+        return False
 
 
 def _reply(handler: BaseHTTPRequestHandler, status: int, body: object | None) -> None:
@@ -179,8 +187,7 @@ class AzureHandler(BaseHTTPRequestHandler):
         match = _SECRET.fullmatch(path)
         if not azure.token_for(self.headers.get("Authorization"), VAULT_RESOURCE):
             _error(self, HTTPStatus.UNAUTHORIZED, "Unauthorized", "AKV10000: Request is missing a Bearer token.")
-        elif time.monotonic() < azure.forbidden_until.get(self.client_address[0], 0):
-            azure.refusals[self.client_address[0]] = azure.refusals.get(self.client_address[0], 0) + 1
+        elif azure.forbidden(self.client_address[0]):
             _error(self, HTTPStatus.FORBIDDEN, "Forbidden", "Caller is not authorized to perform action on resource.")
         elif match is None or match[1] not in azure.secrets:
             _error(self, HTTPStatus.NOT_FOUND, "SecretNotFound", path)

@@ -31,9 +31,6 @@ STOP_WAIT_S = 10
 # (SeaBIOS runs; the kernel never prints): software emulation is the default that works.
 # DTRAIN_BOOT_ACCEL=kvm where KVM boots Linux.
 ACCEL = os.environ.get("DTRAIN_BOOT_ACCEL", "tcg")
-# Sparse; cloud-init's resizefs grows the root file system to it at first boot, as on Azure. The
-# nodes' health check wants 50 GB free (infra/contract.py).
-OS_DISK_GIB = 64
 
 
 class Namespace:
@@ -119,7 +116,6 @@ class Vm:
                 "-b",
                 str(self.image / "rootfs.img"),
                 str(self.overlay),
-                f"{OS_DISK_GIB}G",
             ],
             check=True,
         )
