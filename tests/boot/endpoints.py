@@ -1,0 +1,232 @@
+"""Azure's endpoints for the boot test's VMs, as real servers on the test's bridge (runs on the host).
+
+- IMDS at 169.254.169.254:80: the local cluster's metadata server (dtrain/local/metadata.py: Scheduled
+  Events, the VM's name), plus managed-identity tokens, the VM told apart by its address.
+- Key Vault and Azure Resource Manager on one HTTPS server at 443, told apart by the Host header;
+  the VMs resolve `<vault>.vault.azure.net` and `management.azure.com` to it (/etc/hosts, from the
+  seed's vendor data) and trust its certificate through the test CA (tests/boot/tls.py).
+  Key Vault answers a secret read with a token that IMDS issued for Key Vault, or 403, as Azure does
+  before a role assignment has propagated (`forbid`). The registry exchanges an ARM token for a
+  refresh token and accepts it as `docker login`'s password (acr-login.sh's path). ARM takes the
+  scale-set start and deallocate calls of the power program (dtrain/remote/slurm/slurm_power.py)
+  and hands them to the test's VMs.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import secrets
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from dtrain.local.metadata import NAME_PATH, MetadataHandler, MetadataServer
+
+TOKEN_PATH = "/metadata/identity/oauth2/token"
+VAULT_RESOURCE = "https://vault.azure.net"
+ARM_HOST = "management.azure.com"
+ARM_RESOURCE = f"https://{ARM_HOST}/"
+ACR_TOKEN_USER = "00000000-0000-0000-0000-000000000000"  # the user name ACR's token login takes
+_SECRET = re.compile(r"/secrets/([A-Za-z0-9-]+)/?")
+_SCALE_SET_CALL = re.compile(r"(?P<scale_set>/subscriptions/.+)/(?P<action>start|deallocate)")
+_INSTANCE_VIEW = re.compile(r"(?P<scale_set>/subscriptions/.+)/virtualMachines/(?P<id>\d+)/instanceView")
+
+
+@dataclass
+class Azure:
+    """What the emulated Azure knows: the VMs by address, the tokens it issued, the vault's secrets,
+    and what a scale set's start and deallocate do (the test's VM control)."""
+
+    names: dict[str, str]  # VM address -> its name, as IMDS reports it
+    secrets: dict[str, str]  # Key Vault secret name -> value
+    scale_set_id: str
+    power: Callable[[str, list[str]], None]  # ("start" | "deallocate", instance ids)
+    tokens: dict[str, tuple[str, str]] = field(default_factory=dict)  # token -> (resource, client id)
+    forbidden_for: dict[str, float] = field(default_factory=dict)  # VM address -> seconds of 403 from its first read
+    first_read: dict[str, float] = field(default_factory=dict)  # VM address -> when it first read a secret
+    calls: list[str] = field(default_factory=list)  # "start 0,1", "deallocate 1": the ARM calls, in order
+    refusals: dict[str, int] = field(default_factory=dict)  # VM address -> Key Vault's 403s to it
+
+    def issue(self, resource: str, client_id: str) -> str:
+        token = secrets.token_urlsafe(24)
+        self.tokens[token] = (resource.rstrip("/"), client_id)
+        return token
+
+    def token_for(self, header: str | None, resource: str) -> bool:
+        scheme, _, token = (header or "").partition(" ")
+        return scheme == "Bearer" and self.tokens.get(token, ("", ""))[0] == resource.rstrip("/")
+
+    def forbid(self, address: str, seconds: float) -> None:
+        """Key Vault refuses the VM at address for its first seconds of asking (RBAC still propagating)."""
+        self.forbidden_for[address] = seconds
+
+    def forbidden(self, address: str) -> bool:
+        started = self.first_read.setdefault(address, time.monotonic())
+        if time.monotonic() - started < self.forbidden_for.get(address, 0):
+            self.refusals[address] = self.refusals.get(address, 0) + 1
+            return True
+        return False
+
+
+def _reply(handler: BaseHTTPRequestHandler, status: int, body: object | None) -> None:
+    data = b"" if body is None else json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
+def _error(handler: BaseHTTPRequestHandler, status: int, code: str, message: str) -> None:
+    _reply(handler, status, {"error": {"code": code, "message": message}})
+
+
+class ImdsHandler(MetadataHandler):
+    """The local cluster's IMDS, with tokens, and every VM's own name."""
+
+    server: ImdsServer
+
+    def do_GET(self) -> None:
+        url = urlsplit(self.path)
+        if url.path == TOKEN_PATH and self.headers.get("Metadata", "").lower() == "true":
+            query = {key: values[0] for key, values in parse_qs(url.query).items()}
+            if "resource" not in query or "api-version" not in query:
+                _reply(self, HTTPStatus.BAD_REQUEST, {"error": "invalid_request"})
+                return
+            token = self.server.azure.issue(query["resource"], query.get("client_id", ""))
+            body = {"access_token": token, "expires_in": "86399", "token_type": "Bearer", "resource": query["resource"]}
+            _reply(self, HTTPStatus.OK, body)
+        elif url.path == NAME_PATH:
+            self.server.node = self.server.azure.names.get(self.client_address[0], "")
+            super().do_GET()
+        else:
+            super().do_GET()
+
+
+class ImdsServer(MetadataServer):
+    def __init__(self, azure: Azure, state_dir: Path, address: str) -> None:
+        self.azure = azure
+        ThreadingHTTPServer.__init__(self, (address, 80), ImdsHandler)
+        self.state_dir, self.node = state_dir, ""
+
+
+class AzureHandler(BaseHTTPRequestHandler):
+    """Key Vault's secret read and ARM's scale-set calls, on one HTTPS port."""
+
+    server: AzureServer
+
+    def do_GET(self) -> None:
+        azure, host, path = self.server.azure, self.headers.get("Host", ""), urlsplit(self.path).path
+        if host.endswith(".vault.azure.net"):
+            self._secret(azure, path)
+        elif host.endswith(".azurecr.io") and path == "/v2/":
+            self._registry_login(azure)
+        elif host == ARM_HOST and (match := _INSTANCE_VIEW.fullmatch(path)) and self._arm_allowed(match["scale_set"]):
+            code = "PowerState/running" if match["id"] in self.server.running() else "PowerState/deallocated"
+            _reply(self, HTTPStatus.OK, {"statuses": [{"code": "ProvisioningState/succeeded"}, {"code": code}]})
+        else:
+            _error(self, HTTPStatus.NOT_FOUND, "NotFound", f"{host}{path}")
+
+    def do_POST(self) -> None:
+        azure, host, path = self.server.azure, self.headers.get("Host", ""), urlsplit(self.path).path
+        if host.endswith(".azurecr.io") and path == "/oauth2/exchange":
+            self._registry_exchange(azure)
+            return
+        match = _SCALE_SET_CALL.fullmatch(path) if host == ARM_HOST else None
+        if match is None:
+            _error(self, HTTPStatus.NOT_FOUND, "NotFound", f"{host}{path}")
+            return
+        if not self._arm_allowed(match["scale_set"]):
+            return
+        ids = [str(i) for i in json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))["instanceIds"]]
+        azure.calls.append(f"{match['action']} {','.join(ids)}")
+        # Azure answers 202 at once and powers the instances in the background.
+        threading.Thread(target=azure.power, args=(match["action"], ids), daemon=True).start()
+        _reply(self, HTTPStatus.ACCEPTED, None)
+
+    def _arm_allowed(self, scale_set: str) -> bool:
+        azure = self.server.azure
+        if not azure.token_for(self.headers.get("Authorization"), ARM_RESOURCE):
+            _error(self, HTTPStatus.UNAUTHORIZED, "InvalidAuthenticationToken", "no token for ARM")
+            return False
+        if scale_set.lower() != azure.scale_set_id.lower():
+            _error(self, HTTPStatus.NOT_FOUND, "ResourceNotFound", scale_set)
+            return False
+        return True
+
+    def _registry_exchange(self, azure: Azure) -> None:
+        form = parse_qs(self.rfile.read(int(self.headers.get("Content-Length", 0))).decode())
+        if not azure.token_for(f"Bearer {form.get('access_token', [''])[0]}", ARM_RESOURCE):
+            _error(self, HTTPStatus.UNAUTHORIZED, "UNAUTHORIZED", "not an ARM token")
+            return
+        _reply(self, HTTPStatus.OK, {"refresh_token": azure.issue("acr-refresh", ACR_TOKEN_USER)})
+
+    def _registry_login(self, azure: Azure) -> None:
+        scheme, _, encoded = self.headers.get("Authorization", "").partition(" ")
+        user, _, password = base64.b64decode(encoded or "").decode(errors="replace").partition(":")
+        if scheme == "Basic" and user == ACR_TOKEN_USER and azure.token_for(f"Bearer {password}", "acr-refresh"):
+            _reply(self, HTTPStatus.OK, {})
+            return
+        self.send_response(HTTPStatus.UNAUTHORIZED)
+        self.send_header("WWW-Authenticate", 'Basic realm="boot-test registry"')
+        self.send_header("Docker-Distribution-Api-Version", "registry/2.0")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def _secret(self, azure: Azure, path: str) -> None:
+        match = _SECRET.fullmatch(path)
+        if not azure.token_for(self.headers.get("Authorization"), VAULT_RESOURCE):
+            _error(self, HTTPStatus.UNAUTHORIZED, "Unauthorized", "AKV10000: Request is missing a Bearer token.")
+        elif azure.forbidden(self.client_address[0]):
+            _error(self, HTTPStatus.FORBIDDEN, "Forbidden", "Caller is not authorized to perform action on resource.")
+        elif match is None or match[1] not in azure.secrets:
+            _error(self, HTTPStatus.NOT_FOUND, "SecretNotFound", path)
+        else:
+            _reply(self, HTTPStatus.OK, {"value": azure.secrets[match[1]], "id": f"{path}/1"})
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class AzureServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, azure: Azure, address: str, tls: ssl.SSLContext, running: Callable[[], set[str]]) -> None:
+        super().__init__((address, 443), AzureHandler)
+        self.socket = tls.wrap_socket(self.socket, server_side=True)
+        self.azure, self.running = azure, running
+
+
+@contextmanager
+def serving(
+    azure: Azure,
+    *,
+    address: str,
+    imds_address: str,
+    tls: ssl.SSLContext,
+    state_dir: Path,
+    running: Callable[[], set[str]],
+) -> Iterator[None]:
+    """IMDS and the HTTPS endpoints, each in a thread, for the length of the block."""
+    servers: list[ThreadingHTTPServer] = [
+        ImdsServer(azure, state_dir, imds_address),
+        AzureServer(azure, address, tls, running),
+    ]
+    with ExitStack() as stack:
+        for server in servers:
+            thread = threading.Thread(target=server.serve_forever, daemon=True)
+            thread.start()
+            stack.callback(thread.join)
+            stack.callback(server.server_close)
+            stack.callback(server.shutdown)
+        yield
