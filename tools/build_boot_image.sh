@@ -8,16 +8,6 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
-source_dir=$here/boot_image
-cache=${XDG_CACHE_HOME:-$HOME/.cache}/boot-vm
-base_key=$(grep -v "^#" "$source_dir/packages" | sha256sum | cut -c1-16)  # comments aside
-base=$cache/rootfs-$base_key.tar
-key=$( (echo "$base_key" && cat "$0" && cd "$source_dir" && find rootfs -type f | sort | xargs sha256sum) | sha256sum | cut -c1-16)
-target=$cache/image-$key
-if [ -f "$target/.complete" ]; then
-  echo "$target"
-  exit 0
-fi
 # What only the boot test uses, so not in tools/setup_system.sh (CI does not run the boot test yet):
 # the image (mmdebstrap), the VMs' overlay disks (qemu-img), their NoCloud seeds (genisoimage), their
 # local package repository (dpkg-scanpackages).
@@ -28,6 +18,16 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "installing the boot test's tools: ${missing[*]}" >&2
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+source_dir=$here/boot_image
+cache=${XDG_CACHE_HOME:-$HOME/.cache}/boot-vm
+base_key=$(grep -v "^#" "$source_dir/packages" | sha256sum | cut -c1-16)  # comments aside
+base=$cache/rootfs-$base_key.tar
+key=$( (echo "$base_key" && cat "$0" && cd "$source_dir" && find rootfs -type f | sort | xargs sha256sum) | sha256sum | cut -c1-16)
+target=$cache/image-$key
+if [ -f "$target/.complete" ]; then
+  echo "$target"
+  exit 0
 fi
 mkdir -p "$cache"
 work=$(mktemp -d "$cache/work.XXXXXX")
