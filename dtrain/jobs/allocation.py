@@ -99,7 +99,8 @@ def plan_allocation(
         advice = (
             f"ask for --nodes {more} --gpus-per-node {desc.gpus_per_node}"
             if more <= desc.node_count
-            else f"it has {desc.node_count} nodes, {desc.node_count * desc.gpus_per_node} GPUs in all"
+            else f"it has {desc.node_count} node{'s' if desc.node_count > 1 else ''}, "
+            f"{desc.node_count * desc.gpus_per_node} GPUs in all"
         )
         raise OperatorError(
             f"{flag} asks for {per_node} GPUs on a node, and a node of cluster {desc.name} has "

@@ -41,8 +41,9 @@ def test_two_one_gpu_jobs_share_a_node_each_seeing_only_its_own_gpu(tmp_path):
         too_many = cli(*launch[:-1], "3", "--run-id", "gpu-c", *command[:3])
         assert too_many.returncode == 2 and not run_dir(desc, "gpu-c").exists()
         assert too_many.stderr.strip().splitlines() == [
-            f"error: --gpus 3 asks for 3 GPUs on a node, and a node of cluster {desc.name} has 2: ask for "
-            "--nodes 2 --gpus-per-node 2"
+            # the cluster has one node: no advice to ask for two
+            f"error: --gpus 3 asks for 3 GPUs on a node, and a node of cluster {desc.name} has 2: it has 1 node, "
+            "2 GPUs in all"
         ]
         whole = cli(*launch[:-1], "2", "--dry-run", *command)
         assert whole.returncode == 0 and "#SBATCH --exclusive\n#SBATCH --gres=gpu:2\n" in whole.stdout
