@@ -1252,8 +1252,10 @@ def test_munge_key_comes_from_key_vault_with_the_nodes_identity(sandbox: Sandbox
     with serving(KeyVault) as endpoint:
         script = with_value(script_of(node_doc(), MUNGE_KEY_FETCH_PATH), "VAULT_URI", endpoint)
         script = with_value(script, "KEY_PATH", str(key_path))
-        # two attempts: the second 1 s after the first, and the next would come after the 2 s allowed
-        env = {"IMDS_ENDPOINT": f"{endpoint}/metadata/identity/oauth2/token", "MUNGE_KEY_RETRY_FOR_SECONDS": "2"}
+        # refused twice: two attempts, the second 1 s after the first, and the next would come after the
+        # 2 s allowed; refused once or never: time enough for the second attempt however slow the machine
+        retry_for = "2" if not written else "60"
+        env = {"IMDS_ENDPOINT": f"{endpoint}/metadata/identity/oauth2/token", "MUNGE_KEY_RETRY_FOR_SECONDS": retry_for}
         result = sandbox.run(script, {**env, "MUNGE_KEY_RETRY_SECONDS": "1"})
     assert (result.returncode == 0) is written, result.stderr
     if refused:  # why it waits is in the log: Key Vault's answer while the role assignment propagates
