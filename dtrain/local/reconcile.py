@@ -15,6 +15,7 @@ platform evicts that way). Every outcome is a line of STATE/logs/reconcile.log.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import time
@@ -25,7 +26,7 @@ from typing import Any
 from dtrain.cli_common import CLIParser, int_between, non_empty, run_cli
 from dtrain.errors import OperatorError
 from dtrain.local.nodes import running_init_pid
-from dtrain.local.state import load_state
+from dtrain.local.state import LocalState, load_state
 from dtrain.remote.slurm import slurm_power
 
 ROLE = "reconcile"  # its record in the cluster's state, and its log's name
@@ -33,11 +34,8 @@ INTERVAL_S = 5  # the Azure timer's 5 minutes, scaled to the local cluster's 10 
 log = logging.getLogger("local-reconcile")
 
 
-def instance_view(state_dir: Path, node: str) -> dict[str, Any]:
+def instance_view(state: LocalState, node: str) -> dict[str, Any]:
     """What Azure's instance view would say of a local node: deallocated once it was switched off."""
-    state = load_state(state_dir)
-    if state is None:
-        raise slurm_power.PowerError(f"no local cluster recorded in {state_dir}")
     try:
         running = running_init_pid(state, state.node(node)) is not None
     except OperatorError as exc:
@@ -46,8 +44,17 @@ def instance_view(state_dir: Path, node: str) -> dict[str, Any]:
 
 
 def reconcile_once(state_dir: Path) -> list[str]:
-    """The nodes Slurm lost that were switched off, powered down through Slurm; returns them."""
-    return slurm_power.reconcile_lost(slurm_power.slurm_nodes(), lambda node: instance_view(state_dir, node))
+    """The nodes Slurm lost that were switched off, powered down through Slurm; returns them. The
+    cluster's record is read at most once a round, for the first node Slurm has lost."""
+
+    @functools.cache
+    def recorded() -> LocalState:
+        state = load_state(state_dir)
+        if state is None:
+            raise slurm_power.PowerError(f"no local cluster recorded in {state_dir}")
+        return state
+
+    return slurm_power.reconcile_lost(slurm_power.slurm_nodes(), lambda node: instance_view(recorded(), node))
 
 
 def _run(args: argparse.Namespace) -> int:
