@@ -44,8 +44,9 @@ class JobRow(Document):
     elapsed_seconds: int | None  # how long it has run (in the queue), or its last attempt ran (ended)
     finished_at: str | None  # ISO 8601, once it has ended
     exit_code: int | None  # once it has ended
-    node_hours: float | None  # every attempt's, once it has ended (run.json)
-    estimated_cost_usd: float | None  # of those node-hours at the list price, where one is known
+    node_hours: float | None  # every attempt's nodes x time, once it has ended (run.json)
+    billed_node_hours: float | None  # what it is charged for: its share of those nodes (GPUs held) x time
+    estimated_cost_usd: float | None  # of the billed node-hours at the list price, where one is known
     note: str  # why it waits or where it runs (in the queue); why it ended so (ended)
 
 
@@ -72,6 +73,8 @@ class StatusDocument(Document):
     nodes: list[NodeRow]
     queue: list[JobRow]
     summary: str  # the line the table ends with
+    idle_usd_per_hour: str | None  # what the cluster bills per hour with no job running; null: unknown
+    idle_cost: str  # the line saying so: standing part, GPU nodes on, until autostop
 
 
 # --- cost ----------------------------------------------------------------------------------------
@@ -93,6 +96,17 @@ class CostItem(Document):
     estimate: str | None  # why the figure is not a direct reading of the API
 
 
+class CostIdle(Document):
+    """What the stack bills per hour with no job running, and its running GPU nodes until autostop."""
+
+    standing_usd_per_hour: str  # head node, NFS server and disks, jumpbox, registry (exact decimal string)
+    gpu_node_usd_per_hour: str  # one on-demand GPU node
+    gpu_nodes_on: int  # on-demand GPU nodes running (the estimate's; --live: Slurm's)
+    usd_per_hour: str  # standing plus the nodes on
+    autostop_minutes: int  # idle minutes before Slurm deallocates a node; 0: never
+    until_autostop_usd: str | None  # the nodes on, idle until autostop; null when autostop is off
+
+
 class CostDocument(Document):
     stack_file: str
     region: str
@@ -100,4 +114,5 @@ class CostDocument(Document):
     prices: CostPrices
     rows: list[CostItem]
     total_usd_per_hour: str  # the exact sum of the rows, a decimal string
+    idle: CostIdle  # the standing cluster with no job running
     not_included: list[str]

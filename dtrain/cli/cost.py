@@ -12,7 +12,8 @@ from rich.table import Table
 
 from dtrain.cli_common import add_cluster_option, int_between, non_empty
 from dtrain.errors import OperatorError
-from dtrain.json_documents import CostDocument, CostItem, CostPrices
+from dtrain.idle_cost import IdleCost, from_estimate
+from dtrain.json_documents import CostDocument, CostIdle, CostItem, CostPrices
 from dtrain.pricing import (
     DEFAULT_CACHE,
     DEFAULT_STACK_FILE,
@@ -31,13 +32,17 @@ from dtrain.pricing import (
     wanted_prices,
 )
 from dtrain.ui import make_console
+from infra.skus import GPU_SKUS
 
 DESCRIPTION = """\
 The hourly cost of the Azure stack that a Pulumi stack file describes, before or after `pulumi up`:
 GPU nodes (those Slurm has power-saved are deallocated and cost $0), the head node, the NFS server
 and its Premium SSD data disks, the jumpbox and the container registry. Prices are Azure's
 pay-as-you-go Linux list prices in USD from a dated table (infra/data/prices.json), or live from
-the Azure Retail Prices API with --refresh. Blob storage, egress and OS disks are not included."""
+the Azure Retail Prices API with --refresh. Blob storage, egress and OS disks are not included.
+It ends with the idle cost: what the standing cluster bills per hour with no job running (the head node,
+NFS, jumpbox and registry always; the GPU nodes running until Slurm deallocates them after
+autostopMinutes idle), and what those nodes cost until then."""
 EXAMPLES = """\
 examples:
   python -m dtrain cost                                   # Pulumi.dev.yaml, every GPU node running
@@ -117,11 +122,25 @@ def run_cost(args: argparse.Namespace) -> int:
         table = load_price_table(Path(args.prices).expanduser() if args.prices else PRICES_FILE)
     live = count_nodes(cfg, read_live_nodes(getattr(args, "cluster", None))) if args.live else None
     estimate = estimate_cost(cfg, table, args.running_nodes, live)
+    idle = from_estimate(cfg, estimate)
     if args.json:
-        _as_document(estimate, stack_file).print()
+        _as_document(estimate, stack_file, idle).print()
     else:
         _print_table(estimate, stack_file)
+        out = make_console(stderr=False)
+        out.print(idle.describe(), highlight=False)
+        out.print(_gpu_hour_line(cfg.gpu_sku, idle), highlight=False)
     return 0
+
+
+def _gpu_hour_line(sku: str, idle: IdleCost) -> str:
+    """What a job pays: its share of a node, as `launch` quotes it and run.json charges it."""
+    gpus = GPU_SKUS[sku].gpus_per_node
+    per_gpu = (idle.node_usd_per_hour or Decimal(0)) / gpus
+    return (
+        f"a job pays for the GPUs it holds: ${idle.node_usd_per_hour:,.2f}/node-hour / {gpus} GPUs = "
+        f"${per_gpu:,.4f}/GPU-hour (what `launch` quotes and run.json charges; whole nodes for --exclusive)"
+    )
 
 
 def _money(value: Decimal) -> str:
@@ -149,7 +168,7 @@ def _print_table(estimate: CostEstimate, stack_file: Path) -> None:
     out.print(f"Not included: {'; '.join(NOT_INCLUDED)}.", highlight=False)
 
 
-def _as_document(estimate: CostEstimate, stack_file: Path) -> CostDocument:
+def _as_document(estimate: CostEstimate, stack_file: Path, idle: IdleCost) -> CostDocument:
     prices = estimate.table
     return CostDocument(
         stack_file=str(stack_file),
@@ -175,5 +194,13 @@ def _as_document(estimate: CostEstimate, stack_file: Path) -> CostDocument:
             for row in estimate.rows
         ],
         total_usd_per_hour=str(estimate.total),
+        idle=CostIdle(
+            standing_usd_per_hour=str(idle.standing_usd_per_hour),
+            gpu_node_usd_per_hour=str(idle.node_usd_per_hour),
+            gpu_nodes_on=idle.nodes_on,
+            usd_per_hour=str(idle.per_hour),
+            autostop_minutes=idle.autostop_minutes or 0,
+            until_autostop_usd=None if idle.tail_usd is None else str(idle.tail_usd),
+        ),
         not_included=list(NOT_INCLUDED),
     )

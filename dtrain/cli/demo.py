@@ -23,7 +23,7 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from dtrain import pricing
+from dtrain import idle_cost, pricing
 from dtrain.cli import stage
 from dtrain.cli_common import arg_type, int_between, non_empty
 from dtrain.cluster.description import DEFAULT_LOCAL_STATE, ClusterDescription
@@ -230,7 +230,9 @@ def azure_reference_price() -> tuple[str, str, float] | None:
 
 
 def cost_line(record: dict) -> str:
-    """Node-hours and the estimated cost; for the local cluster, what the same node-hours cost on Azure."""
+    """Node-hours and the estimated cost; for the local cluster, what the same job costs on Azure: its own
+    charge, and what starting the example stack's nodes cold for it costs (boot, the idle tail until
+    autostop, the head node, NFS and jumpbox meanwhile)."""
     hours = record.get("node_hours") or 0.0
     cost = record.get("estimated_cost_usd")
     line = f"{hours:.4f} node-hours, " + (f"${cost:.2f}" if cost is not None else "no price known")
@@ -238,8 +240,25 @@ def cost_line(record: dict) -> str:
     reference = azure_reference_price()
     if record.get("gpu_sku") is None and reference is not None:
         sku, region, price = reference
-        line += f"; on Azure ({sku}, {region}, ${price:.2f}/node-hour): ${hours * price:.2f}"
+        line += f"; on Azure ({sku}, {region}, ${price:.2f}/node-hour): {_azure_cold_start(record)}"
     return line
+
+
+def _azure_cold_start(record: dict) -> str:
+    attempts = record.get("attempts") or [{}]
+    nodes = int(attempts[-1].get("nodes") or 1)
+    seconds = sum(a.get("seconds") or 0 for a in attempts)
+    billed = record.get("billed_node_hours", record.get("node_hours")) or 0.0
+    idle = idle_cost.for_stack_file(pricing.DEFAULT_STACK_FILE, nodes)
+    cold = None if idle is None else idle_cost.cold_start(idle, billed, seconds)
+    if idle is None or cold is None:
+        return "no price for a cold start"
+    return (
+        f"${cold.job_usd:,.2f} for the job alone; ${cold.total:,.2f} with a cold start of its {nodes} "
+        f"nodes (boot, about {idle_cost.COLD_START_MINUTES} min: ${cold.boot_usd:,.2f}; idle until autostop, "
+        f"{idle.autostop_minutes} min: ${cold.tail_usd:,.2f}; head node, NFS, jumpbox and registry: "
+        f"${cold.standing_usd:,.2f})"
+    )
 
 
 def configure(commands: argparse._SubParsersAction) -> None:

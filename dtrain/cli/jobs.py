@@ -22,6 +22,7 @@ from dtrain.cluster.description import ClusterDescription, load
 from dtrain.cluster.slurm import NodeInfo, QueuedJob, Slurm, patiently
 from dtrain.cluster.ssh import SSH, q
 from dtrain.errors import ExitCode, OperatorError
+from dtrain.idle_cost import for_cluster
 from dtrain.jobs.follow import cancel_and_wait, follow
 from dtrain.jobs.runs import Run, list_runs, resolve
 from dtrain.json_documents import JobRow, JobsDocument, NodeRow, StatusDocument
@@ -117,6 +118,7 @@ def queued_row(job: QueuedJob) -> JobRow:
         finished_at=None,
         exit_code=None,
         node_hours=None,
+        billed_node_hours=None,
         estimated_cost_usd=None,
         note=job.reason,
     )
@@ -137,6 +139,7 @@ def ended_row(run: Run) -> JobRow:
         finished_at=(run.status or {}).get("finished_at"),
         exit_code=run.exit_code,
         node_hours=record.get("node_hours"),
+        billed_node_hours=record.get("billed_node_hours", record.get("node_hours")),
         estimated_cost_usd=record.get("estimated_cost_usd"),
         note=note,
     )
@@ -153,10 +156,10 @@ def slurm_seconds(text: str) -> int | None:
 
 def jobs_table(rows: Sequence[JobRow]) -> Table:
     table = Table(title="jobs")
-    for column in ("job", "run", "state", "nodes", "time", "exit", "node-h", "est. cost", "note"):
+    for column in ("job", "run", "state", "nodes", "time", "exit", "billed node-h", "est. cost", "note"):
         table.add_column(column)
     for row in rows:
-        hours, cost = row.node_hours, row.estimated_cost_usd
+        hours, cost = row.billed_node_hours, row.estimated_cost_usd
         table.add_row(
             row.job or "-",
             row.run or "-",
@@ -256,15 +259,19 @@ def run_status(args: argparse.Namespace) -> int:
         queue = slurm.queue()
         reports = read_reports(desc, slurm)
     health, boot = reports["health"], reports["boot"]
+    idle = for_cluster(desc, sum(not n.powered_down and not n.unregistered for n in nodes))
     if args.json:
         StatusDocument(
             nodes=[node_row(n, health.get(n.name), boot.get(n.name)) for n in nodes],
             queue=[queued_row(job) for job in queue],
             summary=summary(nodes, queue),
+            idle_usd_per_hour=None if idle.per_hour is None else str(idle.per_hour),
+            idle_cost=idle.describe(),
         ).print()
     else:
         out.print(nodes_table(nodes, health, boot))
         out.print(summary(nodes, queue))
+        out.print(idle.describe(), highlight=False)
     usable = [n for n in nodes if not any(word in n.state for word in ("drain", "down", "fail"))]
     return 0 if usable else int(ExitCode.NOT_READY)
 

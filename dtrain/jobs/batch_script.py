@@ -149,6 +149,11 @@ def _prologue(spec: JobSpec) -> list[str]:
         # When the time limit ends the attempt (Slurm's EndTime of a running job): a SIGTERM from then on
         # is the time limit's, not a cancel (SLURM_JOB_END_TIME only exists from Slurm 23.02)
         'JOB_ENDS_AT=$(date -d "$(squeue -h -j "$SLURM_JOB_ID" -o %e)" +%s 2>/dev/null) || JOB_ENDS_AT=0',
+        # what run.json charges: the allocation (GPUs, CPUs), and a node's CPUs to price a share of a CPU node
+        'ALLOC_TRES=$(squeue -h -j "$SLURM_JOB_ID" -O tres-alloc:500 2>/dev/null)',  # AllocTRES, in every version
+        # without slurmdbd, AllocTRES has no gres/gpu: the GPUs Slurm gave this node, the same on each node
+        'ALLOC_GPUS=$(($(tr , "\\n" <<<"${SLURM_JOB_GPUS:-}" | grep -c .) * ${SLURM_JOB_NUM_NODES:-1}))',
+        'NODE_CPUS=$(scontrol show node -o "${SLURMD_NODENAME:-}" 2>/dev/null | grep -o "CPUTot=[0-9]*" | cut -d= -f2)',
         "ENDED_BY=",
         'echo "[job] job $SLURM_JOB_ID, attempt $ATTEMPT, on $HOSTS (partition $SLURM_JOB_PARTITION)"',
         IGNORE_USR1.rstrip(";"),  # the signal is for the ranks (see IGNORING_USR1)
@@ -200,7 +205,8 @@ def _finish_function(spec: JobSpec) -> list[str]:
         '  echo "[job] exit status $code${ENDED_BY:+ (ended by its time limit)}"',
         '  write_status "$code" uploading',
         f'  "$PY" "$TOOLS/record_run.py" --run-dir "$RUN_DIR" --nodes {spec.nodes} --attempt "$ATTEMPT" '
-        '--started-at "$ATTEMPT_STARTED_AT" --exit-code "$code" --partition "$SLURM_JOB_PARTITION" 2>&1 '
+        '--started-at "$ATTEMPT_STARTED_AT" --exit-code "$code" --partition "$SLURM_JOB_PARTITION" '
+        '--alloc-tres "$ALLOC_TRES" --alloc-gpus "$ALLOC_GPUS" --node-cpus "$NODE_CPUS" 2>&1 '
         "| sed 's/^/[job] /'",
         f"  {' '.join(upload)} 2>&1 | sed 's/^/[job] /' || echo '[job] results upload incomplete: see status.json'",
         '  exit "$code"',

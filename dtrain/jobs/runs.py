@@ -24,15 +24,18 @@ class Run:
     job: dict[str, Any] | None = None  # job.json
     status: dict[str, Any] | None = None  # status.json: the exit, once the job has ended
     verdict: dict[str, Any] | None = None  # verdict.json: which rank failed, and why
-    record: dict[str, Any] | None = None  # run.json: attempts, node-hours, estimated cost
+    record: dict[str, Any] | None = None  # run.json: attempts, node-hours, billed node-hours, estimated cost
 
     @property
     def cost_summary(self) -> str | None:
-        """'0.0123 node-hours, estimated $1.23' once the job has ended (no price: node-hours alone)."""
+        """'0.0123 node-hours, billed 0.0015 (its GPUs), estimated $1.23' once the job has ended (no price:
+        node-hours alone)."""
         if not self.record or self.record.get("node_hours") is None:
             return None
+        hours, billed = self.record["node_hours"], self.record.get("billed_node_hours")
         cost = self.record.get("estimated_cost_usd")
-        return f"{self.record['node_hours']:.4f} node-hours" + ("" if cost is None else f", estimated ${cost:.2f}")
+        share = "" if billed is None or billed == hours else f", billed {billed:.4f} (the GPUs it held)"
+        return f"{hours:.4f} node-hours{share}" + ("" if cost is None else f", estimated ${cost:.2f}")
 
     @property
     def label(self) -> str:

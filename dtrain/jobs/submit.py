@@ -369,6 +369,7 @@ def _run_files(
         "price_per_node_hour_usd": price,  # record_run.py prices the run's node-hours with it
         "price_source": price_source,
         "prices_per_node_hour_usd": partition_prices(desc, access),  # per attempt, by its partition
+        "node_gpus": desc.gpus_per_node,  # record_run.py charges the job's GPUs as this share of a node
         "submitted_by": getpass.getuser(),
         "submitted_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "job_args": opts.job_args,

@@ -131,6 +131,29 @@ def test_running_nodes_lowers_the_gpu_row_and_power_saved_nodes_cost_nothing(cap
     assert total == sum(rows.values()) == full - (cfg.node_count - running) * node
 
 
+# --- the idle cost: what the standing cluster bills with no job running ----------------------------
+@pytest.mark.parametrize(("running", "autostop"), [(2, "30"), (0, "30"), (1, "0")])
+def test_idle_cost_is_every_row_but_the_gpu_nodes_plus_the_nodes_on_until_autostop(capsys, tmp_path, running, autostop):
+    path = stack_file(tmp_path, autostopMinutes=autostop)
+    code, out, err = run_cost(capsys, "--json", "--stack-file", str(path), "--running-nodes", str(running))
+    assert code == 0, err
+    _, total, document = json_rows(out)
+    cfg = dev_config()
+    node = TABLE["vm_hourly"][cfg.gpu_sku][cfg.location]["usd"]
+    idle = document["idle"]
+    assert Decimal(idle["standing_usd_per_hour"]) == total - running * node > 0  # head, NFS, jumpbox, registry
+    assert Decimal(idle["usd_per_hour"]) == total and Decimal(idle["gpu_node_usd_per_hour"]) == node
+    assert (idle["gpu_nodes_on"], idle["autostop_minutes"]) == (running, int(autostop))
+    tail = None if autostop == "0" else str(per_hour(running * node * int(autostop) / 60).quantize(Decimal("0.01")))
+    assert idle["until_autostop_usd"] == tail
+    code, out, err = run_cost(capsys, "--stack-file", str(path), "--running-nodes", str(running))
+    text = " ".join(out.split())
+    assert code == 0 and f"idle cost: ${total:,.2f}/hour" in text
+    assert ("autostop is off" in text) == (autostop == "0" and running > 0)
+    # a job's share, as launch quotes it: the node price over the node's GPUs
+    assert f"/ 8 GPUs = ${node / 8:,.4f}/GPU-hour" in text
+
+
 # --- bad input: a clear error and exit status 2, before anything is fetched ---------------------
 def test_a_missing_stack_file_is_named(capsys, tmp_path):
     missing = tmp_path / "Pulumi.nope.yaml"

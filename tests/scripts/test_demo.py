@@ -76,3 +76,20 @@ def test_job_flags_point_at_the_staged_data(cluster, steps):
     flags = demo.job_flags(cluster, steps, 8, 64, "resnet50")
     assert flags[flags.index("--data-dir") + 1] == f"{cluster.data_path}/{demo.DATASET}"
     assert flags[flags.index("--data") + 1] == "imagenet" and flags[flags.index("--steps") + 1] == str(steps)
+
+
+def test_the_azure_figure_of_the_demo_includes_the_cold_start_and_the_idle_tail():
+    """The issue measured a real cold start at over $100 where the demo printed $3.88 (the job alone)."""
+    record = {
+        "node_hours": 0.0394, "billed_node_hours": 0.0394, "estimated_cost_usd": 0.0,
+        "price_source": "local cluster: no charge", "attempts": [{"nodes": 2, "seconds": 71}],
+    }  # fmt: skip
+    line = demo.cost_line(record)
+    alone = re.search(r"\$([\d.]+) for the job alone; \$([\d,.]+) with a cold start of its 2 nodes", line)
+    assert alone, line
+    assert float(alone.group(1)) == round(0.0394 * 98.32, 2)  # the example stack's node price
+    parts = [float(x.replace(",", "")) for x in re.findall(r": \$([\d,.]+)", line.split("cold start")[1])]
+    boot, tail, standing = parts
+    assert boot == round(2 * 98.32 / 4, 2) and tail == round(2 * 98.32 / 2, 2) and standing > 0  # 15 min, 30 min
+    assert float(alone.group(2).replace(",", "")) == pytest.approx(float(alone.group(1)) + sum(parts), abs=0.011)
+    assert float(alone.group(2).replace(",", "")) > 100

@@ -31,6 +31,10 @@ def test_two_one_gpu_jobs_share_a_node_each_seeing_only_its_own_gpu(tmp_path):
             status = wait_for(lambda r=run_id: status_of(desc, r), 120, f"{run_id} to end", interval=0.5)
             assert status["exit_code"] == 0, (run_dir(desc, run_id) / "output.log").read_text()[-2000:]
             seen[run_id] = json.loads((run_dir(desc, run_id) / "output" / "probe.json").read_text())
+            # charged its one GPU of the node's two (Slurm's allocation), not the whole node
+            attempt = json.loads((run_dir(desc, run_id) / "run.json").read_text())["attempts"][-1]
+            assert attempt["billed_by"] == "1 GPUs of 2 a node (allocated)" and attempt["billed_nodes"] == 0.5, attempt
+            assert "node=1" in attempt["alloc_tres"], attempt
         assert all(probe["together"] for probe in seen.values()), seen  # both held node-0 at once
         assert sorted(probe["job_gpus"] for probe in seen.values()) == ["0", "1"], seen
         for probe in seen.values():  # its own GPU (no driver: ENXIO); the other job's is denied by its cgroup

@@ -740,6 +740,35 @@ def test_each_attempt_adds_its_node_hours_and_the_cost_uses_the_price_launch_rec
     assert not [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]  # written atomically
 
 
+@pytest.mark.parametrize(
+    ("job", "tres", "share"),
+    [
+        ({"node_gpus": 8, "gpus_per_node": 1}, "cpu=12,mem=100G,node=1,billing=12,gres/gpu=1", 1 / 8),
+        ({"node_gpus": 8, "gpus_per_node": 2}, "cpu=4,node=2,gres/gpu=4", 4 / 8),  # 2 nodes x 2 GPUs
+        ({"node_gpus": 8, "gpus_per_node": 1, "exclusive": True}, "cpu=96,node=1,gres/gpu=1", 1),  # holds the node
+        ({"node_gpus": 8, "gpus_per_node": 1}, "", 1 / 8),  # squeue unreachable: the request launch quoted
+        ({"node_gpus": 8, "gpus_per_node": 3}, "cpu=3,node=1 gpus=3", 3 / 8),  # no slurmdbd: SLURM_JOB_GPUS
+        ({"node_gpus": 0, "gpus_per_node": 0}, "cpu=24,mem=1G,node=1", 24 / 96),  # a CPU-only node: its CPUs
+        ({}, "cpu=1,node=1,gres/gpu=1", 1),  # a job.json from before shares: whole nodes, as then
+    ],
+)
+def test_a_job_is_charged_the_gpus_it_was_allocated_not_its_whole_nodes(tmp_path, job, tres, share):
+    """A 1-GPU job on an 8-GPU node costs 1/8 of the node's price for the same time (AllocTRES)."""
+    (tmp_path / "job.json").write_text(json.dumps({"run_id": "r-4", "price_per_node_hour_usd": 96.0, **job}))
+    nodes = "2" if "node=2" in tres else "1"
+    started = str(int(time.time()) - 3600)
+    tres, _, gpus = tres.partition(" gpus=")
+    args = ("--nodes", nodes, "--attempt", "1", "--started-at", started, "--exit-code", "0", "--alloc-tres", tres)
+    proc = record_run(tmp_path, *args, "--node-cpus", "96", "--alloc-gpus", gpus)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads((tmp_path / "run.json").read_text())
+    attempt = record["attempts"][0]
+    assert record["node_hours"] == pytest.approx(int(nodes), abs=0.01)  # the time its nodes were held
+    assert attempt["billed_nodes"] == pytest.approx(share)
+    assert record["billed_node_hours"] == pytest.approx(share, abs=0.01)
+    assert record["estimated_cost_usd"] == pytest.approx(96.0 * share, abs=0.1)
+
+
 def test_an_attempt_lost_with_its_node_is_recorded_by_the_next_one(tmp_path):
     """Attempt 1's first node was evicted unseen: its batch script never recorded it. Attempt 2 adds it,
     charged from its start to attempt 2's, from the line job.sh wrote as each attempt started."""

@@ -5,7 +5,15 @@ Standard library only, Python 3.10+: the batch script (job.sh) runs it on the fi
 ends, before the run directory is uploaded.
 
   python3 record_run.py --run-dir RUN_DIR --nodes 2 --attempt 1 --started-at EPOCH_SECONDS --exit-code 0 \
-      --partition gpu
+      --partition gpu --alloc-tres cpu=4,mem=8G,node=2,billing=4 --alloc-gpus 2 --node-cpus 96
+
+A job is charged what it was allocated, not its whole nodes: its GPUs over the GPUs of a node (job.json's
+node_gpus), or on nodes without GPUs its CPUs over a node's (--node-cpus), in node-equivalents ("billed
+nodes"). The allocation is Slurm's AllocTRES (job.sh reads it with squeue); its GPUs come from
+SLURM_JOB_GPUS times the job's nodes (--alloc-gpus), as AllocTRES counts gres/gpu only with slurmdbd.
+A job that holds its nodes exclusively (job.json's exclusive: every GPU of a node, or --exclusive) is
+charged whole nodes. Where the allocation cannot be read, the request launch wrote in job.json stands in
+for it, which is what `launch` quoted.
 
 The price comes from the run's job.json, where `launch` wrote the price per node-hour of each partition
 the job may run in (on-demand, Spot; from the price table of `python -m dtrain cost`), so the job needs
@@ -55,9 +63,41 @@ def partition_price(job, partition):
     return prices.get(partition, job.get("price_per_node_hour_usd"))
 
 
-def attempt_entry(nodes, attempt, started_at, finished_at, exit_code, partition=None, price=None):
+def parse_tres(text):
+    """Slurm's TRES string (cpu=4,mem=8G,node=2,billing=4,gres/gpu=2) -> {name: count} of its whole numbers."""
+    counts = {}
+    for item in (text or "").strip().split(","):
+        name, _, value = item.partition("=")
+        if value.isdigit():
+            counts[name.strip()] = int(value)
+    return counts
+
+
+def billed_nodes(job, nodes, alloc_tres=None, node_cpus=None, alloc_gpus=None):
+    """The node-equivalents an attempt is charged, and why: a share of its nodes by what it was allocated."""
+    node_gpus = job.get("node_gpus") or 0
+    # whole nodes; so is a job.json from before node_gpus, as such jobs were charged then
+    if job.get("exclusive") or "node_gpus" not in job:
+        return float(nodes), "whole nodes"
+    tres = parse_tres(alloc_tres)
+    if str(alloc_gpus or "").isdigit() and int(alloc_gpus):  # Slurm's own list of the job's GPUs
+        tres["gres/gpu"] = int(alloc_gpus)
+    if node_gpus and "gres/gpu" in tres:
+        return tres["gres/gpu"] / node_gpus, f"{tres['gres/gpu']} GPUs of {node_gpus} a node (allocated)"
+    cpus = int(node_cpus) if str(node_cpus or "").isdigit() and int(node_cpus) else None
+    if not node_gpus and cpus and "cpu" in tres:
+        return tres["cpu"] / cpus, f"{tres['cpu']} CPUs of {cpus} a node (allocated)"
+    asked = job.get("gpus_per_node") or 0
+    if node_gpus and asked:  # the allocation could not be read: the request, as launch quoted it
+        return nodes * asked / node_gpus, f"{nodes * asked} GPUs of {node_gpus} a node (as asked)"
+    return float(nodes), "whole nodes"
+
+
+def attempt_entry(nodes, attempt, started_at, finished_at, exit_code, partition=None, price=None, billed=None):
     seconds = max(0, finished_at - started_at)
     node_hours = round(nodes * seconds / 3600, 6)
+    share, basis = billed or (float(nodes), "whole nodes")
+    billed_hours = round(share * seconds / 3600, 6)
     return {
         "attempt": attempt,
         "started_at": _iso(started_at),
@@ -65,17 +105,21 @@ def attempt_entry(nodes, attempt, started_at, finished_at, exit_code, partition=
         "seconds": seconds,
         "nodes": nodes,
         "node_hours": node_hours,
+        "billed_nodes": round(share, 6),
+        "billed_by": basis,
+        "billed_node_hours": billed_hours,
         "exit_code": exit_code,
         "preempted": exit_code == PREEMPTED_EXIT_CODE,
         "partition": partition,
         "price_per_node_hour_usd": price,
-        "estimated_cost_usd": None if price is None else round(node_hours * price, 4),
+        "estimated_cost_usd": None if price is None else round(billed_hours * price, 4),
     }
 
 
-def lost_attempts(run_dir, job, nodes, attempt, started_at, recorded):
+def lost_attempts(run_dir, job, nodes, attempt, started_at, recorded, billed=None):
     """Entries for the attempts before this one that started (attempts.started) and never recorded
-    themselves: each is charged from its start to the next attempt's start."""
+        themselves: each is charged from its start to the next attempt's start, for this attempt's allocation
+    (the same request)."""
     starts = {}
     try:
         with open(os.path.join(run_dir, STARTED)) as handle:
@@ -92,17 +136,18 @@ def lost_attempts(run_dir, job, nodes, attempt, started_at, recorded):
             continue
         begun, partition = starts[number]
         ended = min(start for later, (start, _) in starts.items() if later > number)
-        entry = attempt_entry(nodes, number, begun, ended, None, partition, partition_price(job, partition))
+        price = partition_price(job, partition)
+        entry = attempt_entry(nodes, number, begun, ended, None, partition, price, billed)
         entries.append({**entry, "lost": True})
     return entries
 
 
-def _total_cost(attempts, fallback_price, node_hours):
+def _total_cost(attempts, fallback_price, billed_hours):
     """The sum of the attempts' costs; records of older jobs, without a price per attempt, use the run's."""
     costs = [a.get("estimated_cost_usd") for a in attempts]
     if all(cost is not None for cost in costs):
         return round(sum(costs), 4)
-    return None if fallback_price is None else round(node_hours * fallback_price, 4)
+    return None if fallback_price is None else round(billed_hours * fallback_price, 4)
 
 
 def build_record(job, previous, entry, evictions=(), lost=()):
@@ -113,6 +158,7 @@ def build_record(job, previous, entry, evictions=(), lost=()):
     attempts = [a for a in (previous or {}).get("attempts", []) if a.get("attempt") not in numbers]
     attempts = sorted([*attempts, *added], key=lambda a: a["attempt"])
     node_hours = round(sum(a["node_hours"] for a in attempts), 6)
+    billed_hours = round(sum(a.get("billed_node_hours", a["node_hours"]) for a in attempts), 6)
     price = job.get("price_per_node_hour_usd")
     return {
         "run_id": job.get("run_id"),
@@ -123,9 +169,10 @@ def build_record(job, previous, entry, evictions=(), lost=()):
         "attempts": attempts,
         "exit_code": entry["exit_code"],
         "node_hours": node_hours,
+        "billed_node_hours": billed_hours,
         "price_per_node_hour_usd": price,
         "price_source": job.get("price_source"),
-        "estimated_cost_usd": _total_cost(attempts, price, node_hours),
+        "estimated_cost_usd": _total_cost(attempts, price, billed_hours),
         "evictions": list(evictions),
     }
 
@@ -146,6 +193,9 @@ def main(argv=None):
     parser.add_argument("--started-at", type=int, required=True, help="the attempt's start, in seconds since 1970")
     parser.add_argument("--exit-code", type=int, required=True)
     parser.add_argument("--partition", help="the Slurm partition the attempt ran in (prices it)")
+    parser.add_argument("--alloc-tres", help="the job's AllocTRES (squeue -O tres-alloc): what it is charged for")
+    parser.add_argument("--alloc-gpus", help="the GPUs allocated on all its nodes (where AllocTRES lacks gres/gpu)")
+    parser.add_argument("--node-cpus", help="CPUs of a node (CPUTot): prices a share of a CPU node")
     args = parser.parse_args(argv)
     try:
         job = _read(os.path.join(args.run_dir, JOB))
@@ -162,13 +212,17 @@ def main(argv=None):
         previous = None  # a damaged record: this attempt starts a new one rather than failing the upload
     price = partition_price(job, args.partition)
     finished_at = int(time.time())
-    entry = attempt_entry(args.nodes, args.attempt, args.started_at, finished_at, args.exit_code, args.partition, price)
+    billed = billed_nodes(job, args.nodes, args.alloc_tres, args.node_cpus, args.alloc_gpus)
+    entry = attempt_entry(
+        args.nodes, args.attempt, args.started_at, finished_at, args.exit_code, args.partition, price, billed
+    )
+    entry["alloc_tres"] = (args.alloc_tres or "").strip() or None  # what Slurm allocated, as it said it
     try:
         evictions = _read(os.path.join(args.run_dir, EVICTIONS)) or []
     except (OSError, ValueError):
         evictions = []  # the agent's note is a bonus: a damaged one does not lose the record
     recorded = {a.get("attempt") for a in (previous or {}).get("attempts", [])}
-    lost = lost_attempts(args.run_dir, job, args.nodes, args.attempt, args.started_at, recorded)
+    lost = lost_attempts(args.run_dir, job, args.nodes, args.attempt, args.started_at, recorded, billed)
     record = build_record(job, previous, entry, evictions, lost)
     try:
         write_atomically(path, record)
@@ -176,7 +230,10 @@ def main(argv=None):
         print(f"record-run: cannot write {path}: {exc}", file=sys.stderr)
         return 1
     cost = record["estimated_cost_usd"]
-    print(f"{record['node_hours']:.4f} node-hours" + ("" if cost is None else f", estimated ${cost:.2f}"))
+    print(
+        f"{record['node_hours']:.4f} node-hours, billed {record['billed_node_hours']:.4f} ({billed[1]})"
+        + ("" if cost is None else f", estimated ${cost:.2f}")
+    )
     return 0
 
 
