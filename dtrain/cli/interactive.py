@@ -39,8 +39,9 @@ def configure(commands: argparse._SubParsersAction) -> None:
         "ssh",
         help="a shell (or a command) on a node, or on a running job's first node",
         description="SSH to a node through the jump host. TARGET is a node name, or a job (Slurm job id or run "
-        "id): the first node of its allocation, while it runs.",
-        epilog=examples("ssh node-0", "ssh 42 -- nvidia-smi", "ssh 20261125T101500Z-ddp-1a2b"),
+        "id): the first node of its allocation, while it runs. The words after `--` are one line for the "
+        "node's shell, joined with spaces as ssh joins them.",
+        epilog=examples("ssh node-0", "ssh 42 -- nvidia-smi", "ssh node-0 -- 'free -g; df -h /nvme'"),
         formatter_class=raw,
     )
     ssh.add_argument("target", type=non_empty, metavar="NODE|JOB")
@@ -72,11 +73,13 @@ def configure(commands: argparse._SubParsersAction) -> None:
         parser.set_defaults(handler=handler)
 
 
-def _command(words: list[str], what: str, required: bool) -> str:
+def _command(words: list[str], what: str, required: bool, shell_line: bool = False) -> str:
+    """The words after `--`, each quoted (an argv for srun, salloc); or, with shell_line, joined with spaces
+    into one line for the remote shell, as ssh joins them (`ssh NODE -- 'a; b'` runs a, then b)."""
     words = words[1:] if words[:1] == ["--"] else words
     if required and not words:
         raise OperatorError(f"{what} needs a command after `--`, e.g. -- nvidia-smi")
-    return " ".join(q(word) for word in words)
+    return " ".join(words if shell_line else (q(word) for word in words))
 
 
 def _interactive(ssh: SSH, target: Target, command: str) -> int:
@@ -100,7 +103,7 @@ def _running_job(desc: ClusterDescription, slurm: Slurm, text: str, run: Run | N
 
 def run_ssh(args: argparse.Namespace) -> int:
     desc = load(args.cluster)
-    command = _command(args.command, "ssh", required=False)
+    command = _command(args.command, "ssh", required=False, shell_line=True)
     with SSH(desc) as ssh:
         slurm = Slurm(desc, ssh)
         addresses = slurm.node_addresses()

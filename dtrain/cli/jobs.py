@@ -1,4 +1,4 @@
-"""The run lifecycle after `launch`: `jobs`, `logs JOB [-f]`, `cancel JOB`, `status`.
+"""The run lifecycle after `launch`: `jobs`, `logs JOB [-f]`, `cancel JOB...`, `status`.
 
 JOB is a Slurm job id (digits) or a run id. Live state comes from Slurm (squeue, sinfo); what Slurm
 has forgotten (it keeps no history without an accounting database, which this deployment does not
@@ -56,11 +56,12 @@ def configure(commands: argparse._SubParsersAction) -> None:
     cancel = commands.add_parser(
         "cancel",
         help="stop a job on every node (scancel)",
-        description="Cancel a pending or running job and wait until Slurm has stopped all its processes "
-        "(up to 30 s). The job still uploads its logs to the results container as it ends.",
-        epilog="example: python -m dtrain cancel 42.",
+        description="Cancel pending or running jobs and wait until Slurm has stopped all their processes "
+        "(up to 30 s each). Every JOB is looked up before any is cancelled. A job still uploads its logs to "
+        "the results container as it ends.",
+        epilog="examples: python -m dtrain cancel 42; python -m dtrain cancel 42 43 20261122T101500Z-pytorch-1a2b.",
     )
-    cancel.add_argument("job", type=non_empty, metavar="JOB", help="Slurm job id or run id")
+    cancel.add_argument("job", type=non_empty, nargs="+", metavar="JOB", help="Slurm job ids or run ids")
     status = commands.add_parser(
         "status",
         help="nodes (state, drain reason, power saving, boot, health checks) and the queue",
@@ -234,21 +235,30 @@ def _with_run_dir(run: Run) -> Run:
 def run_cancel(args: argparse.Namespace) -> int:
     desc, ssh, slurm = _connect(args)
     with ssh:
-        run = patiently(lambda: resolve(desc, slurm, args.job), f"about {args.job}")
-        job_id = run.job_id
-        if job_id is None or patiently(lambda: slurm.job_state(job_id), f"about job {job_id}") is None:
-            console.print(f"{run.label} has already ended" + (f" (exit {run.exit_code})" if run.status else ""))
-            return 0
-        if not cancel_and_wait(slurm, job_id):
-            raise OperatorError(
-                f"{run.label} was cancelled but Slurm still holds it after 30 s: its processes may still be "
-                "ending on its nodes",
-                ExitCode.TIMED_OUT,
-            )
+        # all of them first: a mistyped id cancels nothing
+        runs = [patiently(lambda t=text: resolve(desc, slurm, t), f"about {text}") for text in dict.fromkeys(args.job)]
+        stuck = [run.label for run in runs if not _cancel_one(slurm, run)]
+    if stuck:
+        raise OperatorError(
+            f"{', '.join(stuck)} {'was' if len(stuck) == 1 else 'were'} cancelled but Slurm still holds "
+            f"{'it' if len(stuck) == 1 else 'them'} after 30 s: processes may still be ending on the nodes",
+            ExitCode.TIMED_OUT,
+        )
+    return 0
+
+
+def _cancel_one(slurm: Slurm, run: Run) -> bool:
+    """Cancel one job and wait for its end; False if Slurm still holds it after the wait."""
+    job_id = run.job_id
+    if job_id is None or patiently(lambda: slurm.job_state(job_id), f"about job {job_id}") is None:
+        console.print(f"{run.label} has already ended" + (f" (exit {run.exit_code})" if run.status else ""))
+        return True
+    if not cancel_and_wait(slurm, job_id):
+        return False
     # Slurm lets a job go only once the epilog has run on its nodes (and cancel_and_wait checked that
     # none of them failed): the epilog kills what Slurm's process tracking lost
     console.print(f"{run.label} cancelled: no process of it is left on any node")
-    return 0
+    return True
 
 
 # --- status --------------------------------------------------------------------------------------

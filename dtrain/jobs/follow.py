@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from dtrain.cluster.description import ClusterDescription
-from dtrain.cluster.slurm import ACTIVE_STATES, NodeInfo, Slurm, patiently
+from dtrain.cluster.slurm import ACTIVE_STATES, NodeInfo, QueuedJob, Slurm, patiently
 from dtrain.cluster.ssh import SSH, q
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.jobs.launcher_noise import without_launcher_tracebacks
@@ -88,13 +88,19 @@ def _wait_for_end(slurm: Slurm, job_id: str, tail: LogTail) -> None:
         found = [job for job in patiently(lambda: slurm.queue(job_id), f"about job {job_id}") if job.job_id == job_id]
         if not found or found[0].state not in ACTIVE_STATES:
             return
-        job = found[0]
-        news = f"{job.state} {job.reason}" if job.state == "PENDING" else job.state  # squeue's "(Resources)"
+        news = queue_news(found[0])
         if news != said:
             console.print(f"job {job_id}: {news}", style="dim", markup=False)
             said = news
         tail.keep_alive()
         time.sleep(POLL_S)
+
+
+def queue_news(job: QueuedJob) -> str:
+    """The job's state, with why it waits while pending (squeue's "(Resources)"); none when Slurm gives
+    none (`(None)`: it has not looked at the job yet)."""
+    reason = job.reason.strip().strip("()")
+    return f"{job.state} ({reason})" if job.state == "PENDING" and reason not in ("", "None", "null") else job.state
 
 
 def outcome(desc: ClusterDescription, slurm: Slurm, run: Run) -> int:

@@ -244,17 +244,27 @@ def plan_local_copy(desc: ClusterDescription, opts: LaunchOptions) -> LocalCopy 
     return LocalCopy(source=posixpath.normpath(source), dest=posixpath.join(desc.local_data_path, relative))
 
 
-def git_revision() -> str | None:
-    """The commit of the checkout that submits (with '-dirty' when it has uncommitted changes), or None
-    outside a git checkout: recorded in the model export, so a model can be traced to its code."""
+def git_revision(root: Path = REPO_ROOT) -> str | None:
+    """The commit of the checkout at root, this tool's by default (with '-dirty' when it has uncommitted
+    changes), or None outside a git checkout: recorded in the model export, so a model can be traced to
+    its code."""
     try:
-        head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
         if head.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "diff", "--quiet", "HEAD"], capture_output=True)
+        dirty = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD"], capture_output=True)
     except OSError:  # no git
         return None
     return head.stdout.strip() + ("-dirty" if dirty.returncode == 1 else "")
+
+
+def workdir_revision(workdir: str | None) -> dict[str, str | bool] | None:
+    """The git commit of the user's --workdir where it is in a git checkout, and whether its tracked files
+    differ from it (dirty): job.json's `workdir_git`, beside this tool's own `git_revision`."""
+    revision = git_revision(Path(workdir).expanduser().resolve()) if workdir else None
+    if revision is None:
+        return None
+    return {"commit": revision.removesuffix("-dirty"), "dirty": revision.endswith("-dirty")}
 
 
 def node_hour_price(desc: ClusterDescription, spot: bool = False) -> tuple[float | None, str]:
@@ -374,6 +384,7 @@ def _run_files(
         "submitted_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "job_args": opts.job_args,
         "workdir": opts.workdir and str(Path(opts.workdir).expanduser().resolve()),
+        "workdir_git": workdir_revision(opts.workdir),  # the user's project's revision (git_revision: ours)
         "results_url": f"{desc.results.url}/{spec.run_id}/",
         **{k: v for k, v in asdict(spec).items() if k not in ("results", "env")},
     }

@@ -10,6 +10,9 @@ import subprocess
 import sys
 import time
 
+from dtrain.cluster.slurm import QueuedJob
+from dtrain.jobs.follow import queue_news
+
 ASK = """
 from dtrain.jobs.follow import ask_cancel_or_detach
 from dtrain.jobs.runs import Run
@@ -45,3 +48,12 @@ def test_the_ctrl_c_prompt_shows_its_choices_on_a_terminal() -> None:
     finally:
         child.kill()
         os.close(controller)
+
+
+def test_a_pending_job_says_why_it_waits_and_nothing_where_slurm_gives_no_reason():
+    def job(state: str, reason: str) -> QueuedJob:
+        return QueuedJob("7", "run-1", state, "root", "2", "0:00", reason)
+
+    assert queue_news(job("PENDING", "(Resources)")) == "PENDING (Resources)"
+    assert queue_news(job("PENDING", "(None)")) == "PENDING"  # not `PENDING (None)`
+    assert queue_news(job("RUNNING", "node-[0-1]")) == "RUNNING"

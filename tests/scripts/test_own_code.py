@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -105,16 +107,33 @@ def test_dry_run_prints_the_batch_script_and_submits_nothing(cluster, cluster_fi
     assert not run_dir(cluster, "dry").exists()
 
 
+def git_commit(project: Path) -> str:
+    """Make project a git checkout with its files committed; the commit."""
+    git = ["git", "-C", str(project), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    for step in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "the user's project"]):
+        subprocess.run([*git, *step], check=True, capture_output=True)
+    return subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+
+
 def test_ssh_exec_and_alloc_reach_the_nodes_and_a_running_allocation(cluster, cluster_file, tmp_path):
     (tmp_path / "wait.py").write_text("import time\ntime.sleep(60)\n")
+    commit = git_commit(tmp_path)
+    (tmp_path / "wait.py").write_text("import time\ntime.sleep(61)\n")  # a change not committed: dirty
     launch = ["launch", "--cluster", str(cluster_file), "--workdir", str(tmp_path), "--nodes", "2", "--detach"]
     started = cli(*launch, "--run-id", "held", "--", "python", "wait.py")
     assert started.returncode == 0, started.stderr
     job = started.stdout.strip()
+    queued = cli(*launch, "--run-id", "held-2", "--", "python", "wait.py")  # waits for the nodes
+    assert queued.returncode == 0, queued.stderr
+    # job.json records the user's project's revision beside this tool's
+    recorded = json.loads((run_dir(cluster, "held") / "job.json").read_text())
+    assert recorded["workdir_git"] == {"commit": commit, "dirty": True} and recorded["git_revision"]
     try:
         wait_for(lambda: (run_dir(cluster, "held") / "nodes").exists(), 60, "the job to start", interval=0.5)
         on_node = cli("ssh", "--cluster", str(cluster_file), "node-1", "--", "hostname")
         assert (on_node.returncode, on_node.stdout) == (0, "node-1\n"), on_node.stderr
+        line = cli("ssh", "--cluster", str(cluster_file), "node-1", "--", "hostname; echo $((6 * 7))")
+        assert (line.returncode, line.stdout) == (0, "node-1\n42\n"), line.stderr  # one shell line, as ssh runs it
         first = cli("ssh", "--cluster", str(cluster_file), "held", "--", "hostname")  # a job: its first node
         assert (first.returncode, first.stdout) == (0, "node-0\n"), first.stderr
         inside = cli("exec", "--cluster", str(cluster_file), job, "--", "sh", "-c", 'echo "$SLURM_JOB_ID $(hostname)"')
@@ -123,7 +142,9 @@ def test_ssh_exec_and_alloc_reach_the_nodes_and_a_running_allocation(cluster, cl
             f"1: {job} node-1",
         ], inside.stderr
     finally:
-        cli("cancel", "--cluster", str(cluster_file), job)
+        cancelled = cli("cancel", "--cluster", str(cluster_file), job, "held-2")  # several at once
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert f"job {job} (run held) cancelled" in cancelled.stderr and "(run held-2) cancelled" in cancelled.stderr
     ended = cli("exec", "--cluster", str(cluster_file), job, "--", "true")
     assert ended.returncode == 2 and "is not running" in ended.stderr
     nowhere = cli("ssh", "--cluster", str(cluster_file), "node-9", "--", "true")
