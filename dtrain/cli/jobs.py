@@ -10,7 +10,6 @@ by node-setup, even when slurmd could not start).
 from __future__ import annotations
 
 import argparse
-import posixpath
 import re
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -19,6 +18,7 @@ from rich.table import Table
 
 from dtrain.cli_common import add_cluster_option, debugging, int_between, non_empty
 from dtrain.cluster.description import ClusterDescription, load
+from dtrain.cluster.node_reports import boot_verdict, read_reports
 from dtrain.cluster.slurm import NodeInfo, QueuedJob, Slurm, patiently
 from dtrain.cluster.ssh import SSH, q
 from dtrain.errors import ExitCode, OperatorError
@@ -27,10 +27,7 @@ from dtrain.jobs.follow import cancel_and_wait, follow
 from dtrain.jobs.runs import Run, list_runs, resolve
 from dtrain.json_documents import JobRow, JobsDocument, NodeRow, StatusDocument
 from dtrain.ui import make_console
-from infra.contract import BOOT_REPORT_DIR, HEALTH_REPORT_DIR
 
-# the nodes' reports on the shared file system, each kind in its folder: <folder>/<node>, key=value lines
-REPORT_DIRS = {"health": HEALTH_REPORT_DIR, "boot": BOOT_REPORT_DIR}
 ELAPSED = re.compile(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)")  # squeue's %M
 console = make_console()
 out = make_console(stderr=False)
@@ -300,38 +297,6 @@ def node_row(node: NodeInfo, health: dict[str, str] | None, boot: dict[str, str]
         health=health,
         boot=boot,
     )
-
-
-def read_reports(desc: ClusterDescription, slurm: Slurm) -> dict[str, dict[str, dict[str, str]]]:
-    """kind (REPORT_DIRS) -> node -> its last report of that kind (key=value lines), for the nodes that
-    wrote one; in one round trip."""
-    loops = [
-        f"for f in {q(posixpath.join(desc.shared_mount_path, folder))}/*; "
-        f'do [ -f "$f" ] && {{ echo "@@ {kind} ${{f##*/}}"; cat "$f"; }}; done'
-        for kind, folder in REPORT_DIRS.items()
-    ]
-    reports: dict[str, dict[str, dict[str, str]]] = {kind: {} for kind in REPORT_DIRS}
-    current: dict[str, str] | None = None
-    for line in slurm.run_unchecked("; ".join([*loops, "true"])).stdout.splitlines():
-        if line.startswith("@@ "):
-            kind, node = line[3:].split(" ", 1)
-            current = reports[kind].setdefault(node, {})
-        elif current is not None and "=" in line:
-            key, value = line.split("=", 1)
-            current[key] = value
-    return reports
-
-
-def boot_verdict(report: dict[str, str]) -> str:
-    """What a node's boot report says: each failed setup step with its reason, ok, or still running."""
-    failed = [
-        f"{step}: {value.removeprefix('failed: ')}" for step, value in report.items() if value.startswith("failed")
-    ]
-    if failed:
-        return "[red]failed[/red] " + "; ".join(failed)
-    if not report:
-        return ""
-    return "[green]ok[/green]" if report.get("ok") == "1" else "in progress"
 
 
 def nodes_table(nodes: Sequence[NodeInfo], health: dict[str, dict[str, str]], boot: dict[str, dict[str, str]]) -> Table:

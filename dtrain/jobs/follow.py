@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from dtrain.cluster.description import ClusterDescription
+from dtrain.cluster.node_reports import boot_verdict, read_reports
 from dtrain.cluster.slurm import ACTIVE_STATES, NodeInfo, QueuedJob, Slurm, patiently
 from dtrain.cluster.ssh import SSH, q
 from dtrain.errors import ExitCode, OperatorError
@@ -34,13 +35,16 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
-def stream_until_done(ssh: SSH, slurm: Slurm, run: Run, echo: Callable[[str], None] = _print) -> None:
+def stream_until_done(
+    ssh: SSH, slurm: Slurm, run: Run, echo: Callable[[str], None] = _print, desc: ClusterDescription | None = None
+) -> None:
     """Print the run's log from the start, and new lines as they come, until the job leaves the queue.
     An outage of SSH or of slurmctld is waited out (up to OUTAGE_PATIENCE_S at a time): the log is
-    read again from the first line not yet printed, and the queue asked again."""
+    read again from the first line not yet printed, and the queue asked again. With desc, while the job's
+    nodes start (CONFIGURING), the boot step each of them is in."""
     tail = LogTail(ssh, f"{run.run_dir}/output.log", echo)
     try:
-        _wait_for_end(slurm, str(run.job_id), tail)
+        _wait_for_end(slurm, str(run.job_id), tail, desc)
         time.sleep(TAIL_SETTLE_S)
     finally:
         tail.stop()
@@ -82,18 +86,28 @@ class LogTail:
             self.reader.join(timeout=5)
 
 
-def _wait_for_end(slurm: Slurm, job_id: str, tail: LogTail) -> None:
+def _wait_for_end(slurm: Slurm, job_id: str, tail: LogTail, desc: ClusterDescription | None = None) -> None:
     said = ""
     while True:
         found = [job for job in patiently(lambda: slurm.queue(job_id), f"about job {job_id}") if job.job_id == job_id]
         if not found or found[0].state not in ACTIVE_STATES:
             return
         news = queue_news(found[0])
+        if found[0].state == "CONFIGURING" and desc is not None:  # its nodes are starting: where each is
+            news += patiently(lambda: nodes_booting(desc, slurm, job_id), f"about job {job_id}'s nodes")
         if news != said:
             console.print(f"job {job_id}: {news}", style="dim", markup=False)
             said = news
         tail.keep_alive()
         time.sleep(POLL_S)
+
+
+def nodes_booting(desc: ClusterDescription, slurm: Slurm, job_id: str) -> str:
+    """': node-1 step 3 of 7, slurmd (running since ...); ...' for the job's nodes that are booting, from
+    their boot reports; empty where none has reported yet."""
+    boot = read_reports(desc, slurm)["boot"]
+    nodes = [node for node in slurm.job_nodes(job_id) if node in boot and boot[node].get("ok") != "1"]
+    return "".join(f"; {node} {boot_verdict(boot[node], markup=False)}" for node in nodes)
 
 
 def queue_news(job: QueuedJob) -> str:
@@ -154,7 +168,7 @@ def follow(
 ) -> int:
     """The run's log until the job ends, then how it ended (`launch --follow`, `logs -f`): a launcher's
     own traceback is left out of the stream unless debug (the log keeps it)."""
-    stream_until_done(ssh, slurm, run, echo if debug else without_launcher_tracebacks(echo))
+    stream_until_done(ssh, slurm, run, echo if debug else without_launcher_tracebacks(echo), desc)
     return outcome(desc, slurm, run)
 
 

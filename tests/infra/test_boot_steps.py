@@ -79,6 +79,20 @@ def test_a_failed_nvme_and_registry_login_do_not_keep_slurmd_from_starting_and_a
     assert report(shared, "hvd-gpu-00000a")["ok"] == "1" and done.exists()
 
 
+def test_the_report_names_the_step_that_is_running_while_it_runs(sandbox: Sandbox) -> None:
+    """Boot progress for `status` and `launch --follow`: a step's report says `running since` before it ends."""
+    script, shared, _ = setup_in(sandbox, node_doc(), "/usr/local/sbin/node-setup")
+    for name in ("nfs-mount", "usermod", "systemctl"):
+        sandbox.stub(name)
+    during = sandbox.root / "during"
+    sandbox.stub("slurmd-setup", f'cp "{shared}/.boot/hvd-gpu-00000a" "{during}"')
+    assert sandbox.run(script).returncode == 0
+    seen = dict(line.split("=", 1) for line in during.read_text().splitlines())
+    assert seen["slurmd"].startswith("running since 20") and seen["ok"] == "0"
+    assert (seen["nfs-mount"], seen["spot-agent"]) == ("ok", "pending")
+    assert report(shared, "hvd-gpu-00000a")["slurmd"] == "ok"
+
+
 def test_a_late_shared_file_system_does_not_keep_slurmctld_from_starting(sandbox: Sandbox) -> None:
     script, shared, done = setup_in(sandbox, head_doc(), "/usr/local/sbin/head-setup")
     assert shell_value(script, "NFS_MOUNT") == NFS_MOUNT_PATH and NFS_MOUNT_PATH in files_of(head_doc())

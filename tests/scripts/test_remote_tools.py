@@ -15,6 +15,7 @@ import http.server
 import io
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -395,7 +396,11 @@ def test_a_run_directory_lands_under_its_prefix_without_checkpoints_tools_or_sec
         "data/checkpoints/kept.txt",
     }
     size = sum((run / name).stat().st_size for name in expected)
-    assert result.stdout.decode() == f"uploaded 6 files ({size / 1e6:.1f} MB) to {url}/results/run-1/\n"
+    *progress, summary = result.stdout.decode().splitlines()
+    assert summary == f"uploaded 6 files ({size / 1e6:.1f} MB) to {url}/results/run-1/"
+    # progress with the totals and the rate, the last at 100%
+    mb = re.escape(f"{size / 1e6:.1f}")
+    assert re.fullmatch(rf"uploading results: 6/6 files, {mb}/{mb} MB \(100%\), [\d.]+ MB/s", progress[-1]), progress
     assert sas.split("sig=")[1] not in (result.stdout + result.stderr).decode()
     container = azurite.get_container_client("results")
     blobs = {b.name: b for b in container.list_blobs(name_starts_with="run-1/")}

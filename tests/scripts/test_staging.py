@@ -6,6 +6,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import signal
 import time
 from datetime import UTC, datetime, timedelta
@@ -261,6 +262,11 @@ def test_blob_pull_takes_the_sas_from_stdin_never_argv(cluster, tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert '"listed": 25' in proc.stdout and len(list(dest.rglob("*.JPEG"))) == 24
+    # progress: blobs and bytes out of the totals listed, and the rate
+    summary = json.loads(proc.stdout.splitlines()[-1])
+    assert summary["present_bytes"] == summary["listed_bytes"] > 0
+    mb = re.escape(f"{summary['listed_bytes'] / 1e6:.1f}")
+    assert re.search(rf"^blob-pull: 25/25 blobs, {mb}/{mb} MB \(100%\), [\d.]+ MB/s, 0 failed$", proc.stderr, re.M)
     options = set(blob_pull.build_parser()._option_string_actions)
     assert not {"--sas", "--sas-token", "--token"} & options and "--sas-env" in options  # names a variable only
 

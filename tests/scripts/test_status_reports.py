@@ -11,6 +11,7 @@ from rich.console import Console
 
 from dtrain.cli.jobs import nodes_table, read_reports
 from dtrain.cluster.slurm import NodeInfo
+from dtrain.jobs.follow import nodes_booting
 
 NVME_FAILED = "failed: nvme-raid: found 0 local NVMe disks (), expected 8 (0: one or more)"
 
@@ -77,3 +78,27 @@ def test_a_node_slurm_lost_is_not_shown_as_on() -> None:
         line.split()[1]: line.split("│")[3].strip() for line in console.export_text().splitlines() if "node-" in line
     }
     assert power == {"node-0": "not responding", "node-1": "not responding", "node-2": "powered down", "node-3": "on"}
+
+
+def test_a_booting_node_shows_the_step_it_is_in_in_status_and_in_launch_follow(tmp_path: Path) -> None:
+    """Boot progress from the boot steps' own reports: which step of how many, since when."""
+    boot = tmp_path / ".boot"
+    boot.mkdir()
+    since = "running since 2026-11-28T00:01:02Z"
+    (boot / "hvd-gpu-000001").write_text(f"nfs-mount=ok\nnvme-raid=ok\nslurmd={since}\nspot-agent=pending\nok=0\n")
+    (boot / "hvd-gpu-000002").write_text("nfs-mount=ok\nslurmd=ok\nok=1\n")
+    desc = SimpleNamespace(shared_mount_path=str(tmp_path))
+    reports = read_reports(desc, HereSlurm())  # type: ignore[arg-type]
+    console = Console(width=400, record=True)
+    nodes = [NodeInfo(name=f"hvd-gpu-00000{n}", state="idle#", reason="none", cpus="96", gres="gpu:8") for n in (1, 2)]
+    console.print(nodes_table(nodes, {}, reports["boot"]))
+    rows = {line.split()[1]: line for line in console.export_text().splitlines() if "hvd-gpu-" in line}
+    assert f"step 3 of 4, slurmd ({since}); 2 done" in rows["hvd-gpu-000001"]
+
+    class JobSlurm(HereSlurm):
+        def job_nodes(self, job_id: str) -> list[str]:
+            return ["hvd-gpu-000001", "hvd-gpu-000002"]
+
+    # `launch --follow` while the job is CONFIGURING: the node still booting, not the one that is up
+    news = nodes_booting(desc, JobSlurm(), "7")  # type: ignore[arg-type]
+    assert news == f"; hvd-gpu-000001 step 3 of 4, slurmd ({since}); 2 done"

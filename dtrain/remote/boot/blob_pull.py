@@ -17,6 +17,7 @@ interruption fetches only what is missing or different. Every download is checke
 Content-MD5 before it is moved into place (written to a temporary name, then renamed).
 With --unpack-tars, downloaded `*.tar` shards are also extracted into DEST (once per shard content).
 
+Progress on stderr every 2 s and at the end: blobs and bytes present out of those listed, and the rate.
 The last line on stdout is a JSON summary: listed, downloaded, skipped, present, failed, bytes, ...
 (or {"error": ...}). Exit status: 0 all present and verified; 1 some blobs failed (or an internal
 error); 2 bad arguments, destination or container URL; 3 storage unreachable or access refused
@@ -346,6 +347,8 @@ def pull(container_url, sas, dest, prefix="", workers=8, unpack_tars=False, prog
         "unverified": 0,
         "unpacked_files": 0,
         "bytes": 0,
+        "listed_bytes": sum(blob["size"] for blob in blobs),  # the totals progress is measured against
+        "present_bytes": 0,
         "errors": [],
     }
     lock = threading.Lock()
@@ -376,6 +379,7 @@ def pull(container_url, sas, dest, prefix="", workers=8, unpack_tars=False, prog
             summary[outcome] += 1
             summary["present"] += 1
             summary["bytes"] += size
+            summary["present_bytes"] += blob["size"]
             if not verified:
                 summary["unverified"] += 1
             if unpack_tars and blob["name"].endswith(".tar"):
@@ -428,20 +432,33 @@ def build_parser():
     return parser
 
 
+def progress_line(summary, seconds):
+    """Blobs and bytes present out of those listed, and the download rate so far."""
+    done, total = summary["present_bytes"], summary["listed_bytes"]
+    share = 100 * done / total if total else 100
+    return (
+        f"blob-pull: {summary['present']}/{summary['listed']} blobs, {done / 1e6:.1f}/{total / 1e6:.1f} MB "
+        f"({share:.0f}%), {summary['bytes'] / 1e6 / max(seconds, 1e-6):.1f} MB/s, {summary['failed']} failed"
+    )
+
+
 def run(args):
     """Check the arguments, pull, print the summary; returns the exit status."""
-    last = [time.time()]
+    started = time.time()
+    last = [started]
 
     def progress(summary):
         now = time.time()
         if not args.quiet and now - last[0] > 2:
             last[0] = now
-            sys.stderr.write(f"blob-pull: {summary['present']} present, {summary['failed']} failed\n")
+            sys.stderr.write(progress_line(summary, now - started) + "\n")
 
     split_container_url(args.container_url)  # argument errors first, before asking for the SAS
     prepare_dest(args.dest)
     sas = read_sas(args.sas_env)
     summary = pull(args.container_url, sas, args.dest, args.prefix, args.workers, args.unpack_tars, progress)
+    if not args.quiet:  # the totals reached, whatever the pace of the lines before
+        sys.stderr.write(progress_line(summary, summary["seconds"]) + "\n")
     for error in summary["errors"][:20]:
         sys.stderr.write(f"blob-pull: {error}\n")
     sys.stderr.write(

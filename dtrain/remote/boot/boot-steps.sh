@@ -12,6 +12,9 @@ step() {
     return 0
   fi
   log "$name: starting"
+  # the report says which step the boot is in, and since when (`dtrain status`, `launch --follow`)
+  printf 'running since %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$STEPS_DIR/$name"
+  write_report
   if "$@" 2>"$STEPS_DIR/$name.err"; then
     result=ok
   else
@@ -25,7 +28,7 @@ step() {
 }
 
 # The boot report, key=value lines: ok (1 once every step succeeded), each step's result (`pending`
-# before it ran), updated_at. Kept in STEPS_DIR, and copied to the shared file system (REPORT_DIR/<this
+# before it ran, `running since <time>` while it runs), updated_at. Kept in STEPS_DIR, and copied to the shared file system (REPORT_DIR/<this
 # machine's Slurm name>, 0644) whenever that is mounted, so that `dtrain status` shows it even when
 # slurmd could not start.
 write_report() {

@@ -57,6 +57,7 @@ BLOCK_SIZE = 16 * 1024 * 1024
 TRIES = 3
 TIMEOUT_S = 120
 UPLOAD_THREADS = 8  # files in flight at once: a run's upload must fit in KillWait after a cancel
+PROGRESS_EVERY_S = 5  # a progress line at most this often: a large checkpoint takes minutes
 IMDS_TOKEN_URL = "http://169.254.169.254/metadata/identity/oauth2/token"
 STORAGE_RESOURCE = "https://storage.azure.com/"
 SKIPPED_DIRS = ("checkpoints", "remote", "code")  # at the top of the run directory
@@ -306,6 +307,34 @@ def newest_checkpoint(run_dir):
     return [(path, os.path.relpath(path, run_dir).replace(os.sep, "/")) for path in paths if os.path.isfile(path)]
 
 
+class Progress:
+    """Files and bytes done out of the totals, with the rate, on stdout every `every` seconds (job.sh
+    prefixes them [job], so `launch --follow` and the log show them) and once at the end."""
+
+    def __init__(self, files, total_bytes, every=PROGRESS_EVERY_S):
+        self.files, self.total, self.every = files, total_bytes, every
+        self.done_files = self.done_bytes = 0
+        self.started = self.said = time.monotonic()
+        self.lock = threading.Lock()
+
+    def add(self, size):
+        with self.lock:
+            self.done_files += 1
+            self.done_bytes += size
+            now = time.monotonic()
+            if now - self.said >= self.every or self.done_files == self.files:
+                self.said = now
+                print(self.line(now), flush=True)
+
+    def line(self, now):
+        seconds = max(now - self.started, 1e-6)
+        share = 100 * self.done_bytes / self.total if self.total else 100
+        return (
+            f"uploading results: {self.done_files}/{self.files} files, {self.done_bytes / 1e6:.1f}/"
+            f"{self.total / 1e6:.1f} MB ({share:.0f}%), {self.done_bytes / 1e6 / seconds:.1f} MB/s"
+        )
+
+
 def upload_run(run_dir, container, prefix, exclude=(), threads=UPLOAD_THREADS, with_checkpoint=False):
     """Upload the run directory under prefix/ (with its newest checkpoint), but the relative paths in
     exclude; returns (files, bytes, failures), failures mapping each relative path that did not make it
@@ -320,7 +349,9 @@ def upload_run(run_dir, container, prefix, exclude=(), threads=UPLOAD_THREADS, w
     if not files:
         return 0, 0, {}
     first, rest = files[0], sorted(files[1:], key=lambda item: (os.path.getsize(item[0]), item[1]))
+    progress = Progress(len(files), sum(os.path.getsize(path) for path, _ in files))
     total = upload_file(container, first[0], f"{prefix}/{first[1]}")
+    progress.add(total)
     failures = {}
     local = threading.local()  # a connection per thread: http.client's are not shared
 
@@ -329,7 +360,9 @@ def upload_run(run_dir, container, prefix, exclude=(), threads=UPLOAD_THREADS, w
         if not hasattr(local, "container"):
             local.container = container.clone()
         try:
-            return upload_file(local.container, path, f"{prefix}/{relative}")
+            size = upload_file(local.container, path, f"{prefix}/{relative}")
+            progress.add(size)
+            return size
         except UploadError as exc:
             if exc.exit_code != EXIT_FAILED:
                 raise
