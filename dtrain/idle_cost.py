@@ -57,8 +57,10 @@ class IdleCost:
         if self.node_usd_per_hour is not None:
             word = "node" if self.nodes_on == 1 else "nodes"
             parts.append(f"${self.nodes_on * self.node_usd_per_hour:,.2f}/hour for {self.nodes_on} GPU {word} on")
+        if self.standing_usd_per_hour is None:
+            parts.append("the head node, NFS, jumpbox and registry (`dtrain cost --stack-file` prices them)")
         total = "" if self.per_hour is None else f"${self.per_hour:,.2f}/hour: "
-        line = f"idle cost: {total}{' + '.join(parts) or 'unknown'}"
+        line = f"idle cost: {total}{' + '.join(parts)}"
         if self.nodes_on and self.autostop_minutes == 0:
             return line + " (autostop is off: the nodes bill until they are stopped)"
         if self.nodes_on and self.tail_usd is not None:

@@ -18,12 +18,13 @@ import urllib.parse
 from collections.abc import Iterator
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
 import yaml
 
-from dtrain import pricing
+from dtrain import idle_cost, pricing
 from dtrain.__main__ import main
 from dtrain.errors import ExitCode
 from dtrain.local.daemons import free_port
@@ -152,6 +153,22 @@ def test_idle_cost_is_every_row_but_the_gpu_nodes_plus_the_nodes_on_until_autost
     assert ("autostop is off" in text) == (autostop == "0" and running > 0)
     # a job's share, as launch quotes it: the node price over the node's GPUs
     assert f"/ 8 GPUs = ${node / 8:,.4f}/GPU-hour" in text
+
+
+def test_status_states_the_idle_cost_of_the_cluster_from_its_stack_file_where_it_is_at_hand():
+    cfg = dev_config()
+    node = TABLE["vm_hourly"][cfg.gpu_sku][cfg.location]["usd"]
+    azure = {"provider": "azure", "gpu_sku": cfg.gpu_sku, "region": cfg.location}
+    dev = idle_cost.for_cluster(SimpleNamespace(name="dev", **azure), nodes_on=1)  # type: ignore[arg-type]
+    standing = sum(expected_rows(cfg, running=0).values())
+    assert (dev.standing_usd_per_hour, dev.per_hour) == (standing, standing + node)
+    assert f"idle cost: ${standing + node:,.2f}/hour" in dev.describe() and "until they stop after 30" in dev.describe()
+    # no stack file for it here: the GPU nodes' part alone, and where to get the rest
+    other = idle_cost.for_cluster(SimpleNamespace(name="elsewhere", **azure), nodes_on=2)  # type: ignore[arg-type]
+    assert other.per_hour is None and other.describe().startswith(f"idle cost: ${2 * node:,.2f}/hour for 2 GPU nodes")
+    assert "`dtrain cost --stack-file` prices them" in other.describe()
+    local = idle_cost.for_cluster(SimpleNamespace(provider="local", name="hvd"), nodes_on=2)  # type: ignore[arg-type]
+    assert local.describe() == "idle cost: $0 (local cluster: no charge)"
 
 
 # --- bad input: a clear error and exit status 2, before anything is fetched ---------------------
