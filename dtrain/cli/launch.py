@@ -24,6 +24,7 @@ from dtrain.jobs.batch_script import render_job_script
 from dtrain.jobs.follow import ask_cancel_or_detach, follow
 from dtrain.jobs.runs import Run
 from dtrain.jobs.submit import LaunchOptions, Plan, Submission, build_spec, check_run_id, node_hour_price, submit
+from dtrain.jobs.task_file import add_task_arguments, from_task_file, is_task_file
 from dtrain.jobs.workdir import MAX_WORKDIR_MB
 from dtrain.ui import make_console
 from infra.contract import FRAMEWORKS
@@ -158,11 +159,16 @@ def configure(commands: argparse._SubParsersAction) -> None:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--follow", action="store_true", default=None, help="stream the output (default on a terminal)")
     mode.add_argument("--detach", action="store_true", help="print the job id and return")
-    parser.add_argument("job_args", nargs=argparse.REMAINDER, help="-- then the job's own flags")
-    parser.set_defaults(handler=run)
+    add_task_arguments(parser)
+    parser.add_argument(
+        "job_args", nargs=argparse.REMAINDER, help="TASK.yaml (then more flags), or -- then the job's own flags"
+    )
+    parser.set_defaults(handler=run, launch_parser=parser)
 
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
+    if args.job_args and is_task_file(args.job_args[0]):  # `launch task.yaml [flags] [-- command]`
+        from_task_file(args, args.launch_parser)
     job_args = list(args.job_args)
     if job_args and job_args[0] == "--":
         job_args = job_args[1:]
@@ -188,6 +194,11 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         spot=args.spot,
         spot_fallback=args.spot_fallback,
         resume_from=args.resume_from,
+        name=args.name,
+        mode=args.mode,
+        setup=args.setup,
+        envs=dict(args.envs or {}),
+        secrets=list(dict.fromkeys(args.secrets or [])),
     )
 
 
