@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from dtrain.cli_common import describe_validation_error
 from dtrain.cluster.slurm_time import check_time_limit
@@ -34,8 +34,8 @@ from dtrain.jobs.launcher_guard import check_launcher_mode
 TASK_SUFFIXES = (".yaml", ".yml")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 Mode = Literal["per-rank", "per-node"]
-EnvName = Annotated[str, Field(pattern=ENV_NAME.pattern)]
-RunName = Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,60}$")]
+EnvName = Annotated[str, StringConstraints(pattern=f"^{ENV_NAME.pattern}$")]
+RunName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,60}$")]
 
 
 class _Strict(BaseModel):
@@ -52,7 +52,10 @@ class Resources(_Strict):
     @field_validator("time")
     @classmethod
     def _time(cls, value: str | int | None) -> str | None:
-        return None if value is None else check_time_limit(str(value))
+        try:
+            return None if value is None else check_time_limit(str(value))
+        except OperatorError as exc:
+            raise ValueError(str(exc)) from None
 
 
 class Task(_Strict):
@@ -60,15 +63,35 @@ class Task(_Strict):
     workdir: Annotated[str, Field(min_length=1)] | None = None
     setup: str | None = None
     run: Annotated[str, Field(min_length=1)] | None = None
-    envs: dict[EnvName, str | int | float | bool] = {}
-    secrets: list[EnvName] | dict[EnvName, None] = []
+    envs: dict[EnvName, str] = {}
+    secrets: list[EnvName] = []
     mode: Mode | None = None
     resources: Resources = Resources()
 
-    @field_validator("envs")
+    @field_validator("envs", mode="before")
     @classmethod
-    def _env_text(cls, envs: dict[str, str | int | float | bool]) -> dict[str, str]:
+    def _env_text(cls, envs: object) -> object:
+        """Numbers and booleans as the shell will see them (true, not True)."""
+        if not isinstance(envs, dict):
+            return envs
+        for key, value in envs.items():
+            if not isinstance(value, str | int | float | bool):
+                raise ValueError(f"{key}: a value must be text, a number or true/false")
         return {key: str(value).lower() if isinstance(value, bool) else str(value) for key, value in envs.items()}
+
+    @field_validator("secrets", mode="before")
+    @classmethod
+    def _secret_names(cls, secrets: object) -> object:
+        """SkyPilot's map form, `NAME: null`, is a list of names: a value in the file is refused."""
+        if not isinstance(secrets, dict):
+            return secrets
+        given = [name for name, value in secrets.items() if value is not None]
+        if given:
+            raise ValueError(
+                f"{given[0]}: leave the value empty (null): a secret's value is read from your environment at "
+                "launch, never from the task file"
+            )
+        return list(secrets)
 
 
 class _Yaml12Loader(yaml.SafeLoader):
