@@ -244,7 +244,10 @@ def show_line(line: str) -> None:
 
 def announce(submitted: Submission) -> None:
     spec = submitted.spec
+    how = (
+        "your command once per node" if spec.mode == "per-node" else f"{spec.world_size} processes with {spec.launcher}"
+    )
     console.print(
-        f"submitted job {submitted.job_id} (run {submitted.run_id}): {spec.world_size} processes with "
-        f"{spec.launcher} on {spec.nodes} nodes; run directory {submitted.run_dir}"
+        f"submitted job {submitted.job_id} (run {submitted.run_id}): {how} on {spec.nodes} nodes; "
+        f"run directory {submitted.run_dir}"
     )
