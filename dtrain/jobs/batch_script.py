@@ -103,7 +103,7 @@ class JobSpec:
 
 
 def render_job_script(spec: JobSpec) -> str:
-    requeue = _requeue_on_node_failure() if spec.requeue else []
+    requeue = _requeue_on_node_failure(keeps_secrets=bool(spec.secrets)) if spec.requeue else []
     copy = _local_copy(spec.local_copy) if spec.local_copy else []
     setup = task_steps.setup_lines(spec, EVERY_NODE_STEP, _user_runner(spec))
     return "\n".join([*_header(spec), *_prologue(spec), *copy, *setup, *_launch(spec), *_epilogue(requeue), ""])
@@ -366,7 +366,7 @@ def _epilogue(requeue: list[str]) -> list[str]:
     ]
 
 
-def _requeue_on_node_failure() -> list[str]:
+def _requeue_on_node_failure(keeps_secrets: bool) -> list[str]:
     """--requeue: Slurm requeues a job whose node it finds dead (after SlurmdTimeout), but the ranks see
     a lost peer within seconds and end the job first. So when the launch fails, ask every node of the
     allocation for an empty job step; if one cannot run it, requeue the job ourselves: it runs again
@@ -378,7 +378,7 @@ def _requeue_on_node_failure() -> list[str]:
         "  while read -r node; do",
         f"    {probe} && continue",
         '    echo "[job] node $node does not answer: requeueing the job (--requeue)"',
-        "    REQUEUED=1  # finish() keeps what the next attempt needs (the secrets)",
+        *(["    REQUEUED=1  # finish() keeps the secrets for the next attempt"] if keeps_secrets else []),
         '    scontrol requeue "$SLURM_JOB_ID" && { sleep infinity & wait $!; }  # Slurm ends this attempt',
         '  done <"$RUN_DIR/nodes"',
         "fi",
