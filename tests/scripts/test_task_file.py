@@ -245,3 +245,21 @@ def test_a_failing_setup_fails_the_job_naming_setup(cluster, cluster_file, tmp_p
     assert proc.returncode == 3, out[-3000:]
     assert "(run task-setup-fails): failed: setup failed on node-0 (exit status 3)" in out, out[-3000:]
     assert "hello" not in out  # the run never started
+
+
+def test_a_secret_reaches_every_rank_under_horovodrun_and_nothing_else(cluster, cluster_file, tmp_path):
+    """Per-rank mode under horovodrun, which copies its own environment onto its workers' ssh command
+    lines: the secret is sourced by each rank, below horovodrun, so no command line holds it."""
+    (tmp_path / "check.py").write_text(
+        "import hashlib, os\nprint('token', hashlib.sha256(os.environ['HF_TOKEN'].encode()).hexdigest()[:12])\n"
+    )
+    secret = f"s3cr3t-{secrets.token_hex(8)}"
+    env = {"HF_TOKEN": secret, OPERATOR.decode().split("=")[0]: "1"}
+    flags = ("--workdir", str(tmp_path), "--launcher", "horovodrun", "--nodes", "2", "--secret", "HF_TOKEN")
+    proc = launch(
+        "--cluster", str(cluster_file), *flags, "--run-id", "task-hvd", "--follow", "--", "python", "check.py", env=env
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert out.count(f"token {hashlib.sha256(secret.encode()).hexdigest()[:12]}") == 2, out[-3000:]  # both ranks
+    assert _files_holding(run_dir(cluster, "task-hvd"), secret.encode()) == []
