@@ -42,7 +42,13 @@ Your own code: --workdir DIR sends DIR (its .gitignore honoured) to the run dire
 after `--` is the command, run there as written on every rank under torchrun (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or, with --launcher horovodrun, under horovodrun. Whatever it
 writes to $OUTPUT_DIR reaches the results container with the run's logs; $CHECKPOINT_DIR stays on the
-shared file system. Nothing is added to its arguments.
+shared file system. Nothing is added to its arguments. A command that starts a launcher itself
+(torchrun, accelerate launch, deepspeed) is refused there: --mode per-node runs it once per node, with
+DTRAIN_NODE_RANK, DTRAIN_NUM_NODES, DTRAIN_NODE_LIST, DTRAIN_PROCESSES_PER_NODE, MASTER_ADDR, MASTER_PORT.
+
+A task file (TASK.yaml: workdir, setup, run, envs, secrets, mode, resources; docs/operator.md) holds all
+of it; flags given with it win over its keys. --env KEY=VALUE and --secret NAME (read from this
+environment, never written down) reach the command and setup.
 
 A job asks for 1 node and its GPUs one by one (it shares the node, seeing only its own GPUs) unless it
 asks for every GPU of a node or --exclusive; its time limit is --time, else the cluster's default.
@@ -50,6 +56,7 @@ The allocation and its estimated hourly cost are shown before submission; --dry-
 prints the batch script.
 
 examples:
+  HF_TOKEN=... python -m dtrain launch examples/torchrun/task.yaml      # a task file: your torchrun per node
   python -m dtrain launch --workdir examples/ddp --gpus 1 -- python train.py --epochs 2
   python -m dtrain launch --workdir examples/horovod --launcher horovodrun --nodes 2 -- python train.py
   python -m dtrain launch --workdir examples/fsdp --nodes 2 --gpus-per-node 8 --time 4:00:00 -- \\
