@@ -9,6 +9,7 @@ import json
 import secrets
 import shutil
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -263,3 +264,33 @@ def test_a_secret_reaches_every_rank_under_horovodrun_and_nothing_else(cluster, 
     assert proc.returncode == 0, out[-3000:]
     assert out.count(f"token {hashlib.sha256(secret.encode()).hexdigest()[:12]}") == 2, out[-3000:]  # both ranks
     assert _files_holding(run_dir(cluster, "task-hvd"), secret.encode()) == []
+
+
+def test_setup_runs_once_per_code_and_setup_as_the_clusters_non_root_user():
+    """setup_once.py as Azure runs it: as the admin user, not root, with its markers on a 1777 disk."""
+    tool = REPO / "dtrain" / "remote" / "job" / "setup_once.py"
+    root = Path(tempfile.mkdtemp(prefix="dtrain-setup-", dir="/tmp"))
+    try:
+        root.chmod(0o755)
+        (root / "code").mkdir()
+        (root / "code" / "train.py").write_text("print('v1')\n")
+        (root / "setup.sh").write_text("echo setup\n")
+        for shared in ("cache", "out"):
+            (root / shared).mkdir(mode=0o1777)
+            (root / shared).chmod(0o1777)
+
+        def setup(cache: str = "cache") -> str:
+            argv = [str(tool), "--code", str(root / "code"), "--setup", str(root / "setup.sh"), "--cache-dir"]
+            argv += [str(root / cache), "--", "sh", "-c", f"echo ran >>{root}/out/log"]
+            proc = subprocess.run(["runuser", "-u", "nobody", "--", "python3", *argv], capture_output=True, text=True)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            return proc.stdout
+
+        assert "running setup" in setup() and "skipped, done before" in setup()
+        assert list((root / "cache").glob("*/nobody/*/done"))  # the marker: per host, per user, per key
+        (root / "code" / "train.py").write_text("print('v2')\n")  # new code: setup again
+        assert "running setup" in setup()
+        assert "setup runs every time" in setup(cache="code/cannot")  # a cache it cannot make: no skipping
+        assert (root / "out" / "log").read_text() == "ran\n" * 3
+    finally:
+        shutil.rmtree(root)
