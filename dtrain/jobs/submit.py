@@ -173,8 +173,9 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
     check_model_parallel(opts)
     check_own_code(opts)
     check_task_request(
-        workdir=opts.workdir, command=opts.job_args, mode=opts.mode, launcher=opts.launcher, setup=opts.setup
-    )
+        workdir=opts.workdir, command=opts.job_args, mode=opts.mode, launcher=opts.launcher, setup=opts.setup,
+        envs=opts.envs, secrets=opts.secrets,
+    )  # fmt: skip
     read_secrets(opts.secrets)  # a missing one is named before anything is sent
     workdir = check_workdir(opts.workdir, opts.workdir_max_mb) if opts.workdir else None
     if opts.image and desc.runtime.kind != "docker":

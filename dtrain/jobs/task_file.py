@@ -34,6 +34,11 @@ from dtrain.jobs.launcher_guard import check_launcher_mode
 TASK_SUFFIXES = (".yaml", ".yml")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 Mode = Literal["per-rank", "per-node"]
+# What job.sh and the launchers set, and what its own tools need (PATH): not for envs or secrets
+RESERVED_NAMES = frozenset(
+    ("PATH", "RUN_DIR", "RUN_ID", "OUTPUT_DIR", "CHECKPOINT_DIR", "GIT_REVISION", "MASTER_ADDR", "MASTER_PORT")
+)
+RESERVED_PREFIXES = ("DTRAIN_", "SLURM_", "TORCHELASTIC_")
 EnvName = Annotated[str, StringConstraints(pattern=f"^{ENV_NAME.pattern}$")]
 RunName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,60}$")]
 
@@ -194,10 +199,22 @@ def secrets_env_file(values: dict[str, str]) -> bytes:
 
 
 def check_task_request(
-    *, workdir: str | None, command: list[str], mode: str | None, launcher: str | None, setup: str | None
+    *,
+    workdir: str | None,
+    command: list[str],
+    mode: str | None,
+    launcher: str | None,
+    setup: str | None,
+    envs: dict[str, str],
+    secrets: list[str],
 ) -> None:
-    """What a task's keys (or their flags) need: your own code for per-node mode and setup, and a
-    command that does not start a launcher per rank."""
+    """What a task's keys (or their flags) need: your own code for per-node mode and setup, variables
+    that do not replace the job's own, and a command that does not start a launcher per rank."""
+    for name in [*envs, *secrets]:
+        if name in RESERVED_NAMES or name.startswith(RESERVED_PREFIXES):
+            raise OperatorError(f"{name}: the job sets this variable itself (docs/operator.md): choose another name")
+    if both := sorted(set(envs) & set(secrets)):
+        raise OperatorError(f"{both[0]}: both an env and a secret: keep one")
     if not workdir:
         for given, what in ((mode == "per-node", "--mode per-node"), (setup, "setup")):
             if given:

@@ -73,6 +73,11 @@ BAD_TASKS = {
     "- run\n": "expected a mapping of keys",
     "run: python train.py\n": "workdir: needed",
 }
+MAPPING_CHECKS = {  # checked with the flags that add to them, so named without the file
+    MAPPING + "envs: {MASTER_PORT: 1}\n": "MASTER_PORT: the job sets this variable itself",
+    MAPPING + "secrets: [SLURM_JOB_ID]\n": "SLURM_JOB_ID: the job sets this variable itself",
+    MAPPING + "envs: {A: 1}\nsecrets: [A]\n": "A: both an env and a secret: keep one",
+}
 
 
 @pytest.mark.parametrize("text", BAD_TASKS)
@@ -83,6 +88,14 @@ def test_each_mistake_in_a_task_file_is_one_error_line_naming_the_key(text, tmp_
     assert code == 2 and len(lines) == 1, err
     assert lines[0].startswith(f"error: {path}: {BAD_TASKS[text]}"), lines[0]
     assert out == ""  # no batch script: nothing planned
+
+
+@pytest.mark.parametrize("text", MAPPING_CHECKS)
+def test_variables_the_job_sets_itself_are_refused(text, tmp_path, azure_file, capsys, monkeypatch):
+    monkeypatch.setenv("A", "x")
+    monkeypatch.setenv("SLURM_JOB_ID", "1")
+    code, out, err = checked(capsys, "--cluster", str(azure_file), str(task(tmp_path, text)), "--dry-run")
+    assert code == 2 and out == "" and err.startswith(f"error: {MAPPING_CHECKS[text]}") and err.count("\n") == 1, err
 
 
 def test_flags_win_over_the_file_and_a_secret_reaches_no_output(tmp_path, azure_file, capsys, monkeypatch):
