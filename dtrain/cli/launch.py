@@ -24,6 +24,7 @@ from dtrain.jobs.batch_script import render_job_script
 from dtrain.jobs.follow import ask_cancel_or_detach, follow
 from dtrain.jobs.runs import Run
 from dtrain.jobs.submit import LaunchOptions, Plan, Submission, build_spec, check_run_id, node_hour_price, submit
+from dtrain.jobs.task_file import add_task_arguments, from_task_file, is_task_file
 from dtrain.jobs.workdir import MAX_WORKDIR_MB
 from dtrain.ui import make_console
 from infra.contract import FRAMEWORKS
@@ -41,7 +42,13 @@ Your own code: --workdir DIR sends DIR (its .gitignore honoured) to the run dire
 after `--` is the command, run there as written on every rank under torchrun (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or, with --launcher horovodrun, under horovodrun. Whatever it
 writes to $OUTPUT_DIR reaches the results container with the run's logs; $CHECKPOINT_DIR stays on the
-shared file system. Nothing is added to its arguments.
+shared file system. Nothing is added to its arguments. A command that starts a launcher itself
+(torchrun, accelerate launch, deepspeed) is refused there: --mode per-node runs it once per node, with
+DTRAIN_NODE_RANK, DTRAIN_NUM_NODES, DTRAIN_NODE_LIST, DTRAIN_PROCESSES_PER_NODE, MASTER_ADDR, MASTER_PORT.
+
+A task file (TASK.yaml: workdir, setup, run, envs, secrets, mode, resources; docs/operator.md) holds all
+of it; flags given with it win over its keys. --env KEY=VALUE and --secret NAME (read from this
+environment, never written down) reach the command and setup.
 
 A job asks for 1 node and its GPUs one by one (it shares the node, seeing only its own GPUs) unless it
 asks for every GPU of a node or --exclusive; its time limit is --time, else the cluster's default.
@@ -49,6 +56,7 @@ The allocation and its estimated hourly cost are shown before submission; --dry-
 prints the batch script.
 
 examples:
+  HF_TOKEN=... python -m dtrain launch examples/torchrun/task.yaml      # a task file: your torchrun per node
   python -m dtrain launch --workdir examples/ddp --gpus 1 -- python train.py --epochs 2
   python -m dtrain launch --workdir examples/horovod --launcher horovodrun --nodes 2 -- python train.py
   python -m dtrain launch --workdir examples/fsdp --nodes 2 --gpus-per-node 8 --time 4:00:00 -- \\
@@ -158,11 +166,16 @@ def configure(commands: argparse._SubParsersAction) -> None:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--follow", action="store_true", default=None, help="stream the output (default on a terminal)")
     mode.add_argument("--detach", action="store_true", help="print the job id and return")
-    parser.add_argument("job_args", nargs=argparse.REMAINDER, help="-- then the job's own flags")
-    parser.set_defaults(handler=run)
+    add_task_arguments(parser)
+    parser.add_argument(
+        "job_args", nargs=argparse.REMAINDER, help="TASK.yaml (then more flags), or -- then the job's own flags"
+    )
+    parser.set_defaults(handler=run, launch_parser=parser)
 
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
+    if args.job_args and is_task_file(args.job_args[0]):  # `launch task.yaml [flags] [-- command]`
+        from_task_file(args, args.launch_parser)
     job_args = list(args.job_args)
     if job_args and job_args[0] == "--":
         job_args = job_args[1:]
@@ -188,6 +201,11 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         spot=args.spot,
         spot_fallback=args.spot_fallback,
         resume_from=args.resume_from,
+        name=args.name,
+        mode=args.mode,
+        setup=args.setup,
+        envs=dict(args.envs or {}),
+        secrets=list(dict.fromkeys(args.secrets or [])),
     )
 
 
@@ -233,7 +251,10 @@ def show_line(line: str) -> None:
 
 def announce(submitted: Submission) -> None:
     spec = submitted.spec
+    how = (
+        "your command once per node" if spec.mode == "per-node" else f"{spec.world_size} processes with {spec.launcher}"
+    )
     console.print(
-        f"submitted job {submitted.job_id} (run {submitted.run_id}): {spec.world_size} processes with "
-        f"{spec.launcher} on {spec.nodes} nodes; run directory {submitted.run_dir}"
+        f"submitted job {submitted.job_id} (run {submitted.run_id}): {how} on {spec.nodes} nodes; "
+        f"run directory {submitted.run_dir}"
     )

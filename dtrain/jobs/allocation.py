@@ -21,7 +21,7 @@ from infra.slurm_time import exceeds, is_unlimited
 
 def add_allocation_arguments(parser: argparse.ArgumentParser) -> None:
     """--nodes, --gpus | --gpus-per-node, --exclusive, --time: what `launch` and `alloc` ask Slurm for."""
-    parser.add_argument("--nodes", type=int_between(1), default=1, help="nodes to use (default: %(default)s)")
+    parser.add_argument("--nodes", type=int_between(1), help="nodes to use (default: 1)")  # None: unset
     gpus = parser.add_mutually_exclusive_group()
     gpus.add_argument(
         "--gpus", type=int_between(1), metavar="N", help="GPUs in all, spread evenly over --nodes (one process each)"

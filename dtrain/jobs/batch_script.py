@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dtrain.cluster.ssh import q
+from dtrain.jobs import task_steps
 from dtrain.remote.job.annotate_output import TORCHRUN_PREFIX_TEMPLATE
 from infra.contract import CONTAINER_SSH_PORT, PREEMPTED_EXIT_CODE
 
@@ -30,12 +31,15 @@ Launcher = Literal["horovodrun", "torchrun"]
 NODE_PROBE_S = 60  # how long a node may take to run an empty job step before it counts as failed
 RDZV_PORT_BASE = 29400  # torchrun's rendezvous on the first node: this plus the job id modulo 1000
 OUTPUT_SUBDIR = "output"  # $OUTPUT_DIR of a run: uploaded to the results container with the run's logs
-REMOTE_TOOLS = ("annotate_output.py", "record_run.py", "upload_results.py", "srun_ssh.py", "nvme_copy.py")
+REMOTE_TOOLS = (
+    "annotate_output.py", "record_run.py", "upload_results.py", "srun_ssh.py", "nvme_copy.py", "setup_once.py",
+)  # fmt: skip
 # --ntasks too: the allocation's SLURM_NTASKS (nodes x processes) would otherwise win over per-node
 DOCKER_RUN_WITH_JOB_GPUS = (
     "sh -c " + q('exec docker run --gpus "\\"device=${SLURM_STEP_GPUS:-$SLURM_JOB_GPUS}\\"" "$@"') + " docker-run"
 )
 ONE_TASK_PER_NODE = '--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1'
+EVERY_NODE_STEP = f"srun --label --overlap --kill-on-bad-exit=1 {ONE_TASK_PER_NODE}"  # once per node, one fails all
 # torchrun prefixes each line of a rank with this (it has no flag for it): the global rank, which
 # annotate_output.py turns into [rank|host]. Quoted: torchrun, not bash, fills in ${rank}.
 TORCHRUN_PREFIX = f"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE={q(TORCHRUN_PREFIX_TEMPLATE)}"
@@ -89,6 +93,9 @@ class JobSpec:
     git_revision: str | None = None  # of the operator's checkout: recorded in the model export
     env: dict[str, str] = field(default_factory=dict)  # NCCL settings and the like, for every rank
     local_copy: LocalCopy | None = None
+    mode: Literal["per-rank", "per-node"] = "per-rank"  # per-node: the command is the user's own launcher
+    setup_cache_dir: str | None = None  # a task's setup runs once per node, its markers kept here (task_steps.py)
+    secrets: tuple[str, ...] = ()  # the names of the secrets in <run>/secrets/env (their values are never here)
 
     @property
     def world_size(self) -> int:
@@ -96,9 +103,10 @@ class JobSpec:
 
 
 def render_job_script(spec: JobSpec) -> str:
-    requeue = _requeue_on_node_failure() if spec.requeue else []
+    requeue = _requeue_on_node_failure(keeps_secrets=bool(spec.secrets)) if spec.requeue else []
     copy = _local_copy(spec.local_copy) if spec.local_copy else []
-    return "\n".join([*_header(spec), *_prologue(spec), *copy, *_launch(spec), *_epilogue(requeue), ""])
+    setup = task_steps.setup_lines(spec, EVERY_NODE_STEP, _user_runner(spec))
+    return "\n".join([*_header(spec), *_prologue(spec), *copy, *setup, *_launch(spec), *_epilogue(requeue), ""])
 
 
 def _header(spec: JobSpec) -> list[str]:
@@ -201,6 +209,7 @@ def _finish_function(spec: JobSpec) -> list[str]:
         "finish() {",
         "  local code=$?",
         "  trap - EXIT TERM INT",
+        *task_steps.forget_secrets(spec),
         "  FINISHED_AT=$(date -u +%Y-%m-%dT%H:%M:%SZ)",
         '  echo "[job] exit status $code${ENDED_BY:+ (ended by its time limit)}"',
         '  write_status "$code" uploading',
@@ -230,7 +239,10 @@ def _launch(spec: JobSpec) -> list[str]:
         f'"$PY" "$TOOLS/annotate_output.py" --launcher {spec.launcher} --hosts "$HOSTS" '
         f'--slots {spec.processes_per_node} --logs-dir "$RUN_DIR/logs" --verdict "$RUN_DIR/verdict.json"'
     )
-    *setup, launcher = _horovod_lines(spec) if spec.launcher == "horovodrun" else _torchrun_lines(spec)
+    if spec.mode == "per-node":
+        *setup, launcher = _per_node_lines(spec)
+    else:
+        *setup, launcher = _horovod_lines(spec) if spec.launcher == "horovodrun" else _torchrun_lines(spec)
     # in the background, so that a TERM from scancel is handled at once, not when the pipeline ends
     return [*setup, f"{launcher} 2>&1 | {annotate} &", "LAUNCH_PID=$!", 'wait "$LAUNCH_PID"']
 
@@ -244,7 +256,7 @@ def _horovod_lines(spec: JobSpec) -> list[str]:
         argv += ["--network-interface", spec.network_interface]
     if spec.image:
         argv += ["-p", str(CONTAINER_SSH_PORT)]
-    run = " ".join(_word(arg) for arg in [*argv, *spec.command])
+    run = " ".join(_word(arg) for arg in [*argv, *task_steps.user_command(spec, spec.command)])
     if not spec.image:
         bindir = spec.python.rsplit("/", 1)[0] if "/" in spec.python else ""
         path = '"$TOOLS/bin:' + (f"{bindir}:" if bindir else "") + '$PATH"'
@@ -259,7 +271,7 @@ def _torchrun_lines(spec: JobSpec) -> list[str]:
     argv = ["torchrun", "--nnodes", str(spec.nodes), "--nproc-per-node", str(spec.processes_per_node)]
     argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", '"$RDZV"', "--rdzv-id", '"$SLURM_JOB_ID"', "--tee", "3"]
     argv += ["--no-python"]  # the command starts with the interpreter (or a .py entry point run by it)
-    run = " ".join(_word(arg) for arg in [*argv, *spec.command])
+    run = " ".join(_word(arg) for arg in [*argv, *task_steps.user_command(spec, spec.command)])
     rdzv = f'RDZV="$(head -n1 "$RUN_DIR/nodes"):$(({RDZV_PORT_BASE} + SLURM_JOB_ID % 1000))" && export RDZV'
     step = f"srun --label --overlap --kill-on-bad-exit=1 {ONE_TASK_PER_NODE}"
     if not spec.image:
@@ -269,6 +281,24 @@ def _torchrun_lines(spec: JobSpec) -> list[str]:
     docker = " ".join(_docker_run(spec, detach=False))
     # docker run passes the signals it gets on to the container's first process: that shell ignores USR1
     return [prefix, rdzv, f"{step} {docker} sh -c {q(f'{IGNORE_USR1} cd {q(spec.workdir)} && {run}')}"]
+
+
+def _per_node_lines(spec: JobSpec) -> list[str]:
+    """Per-node mode: the user's command (their own launcher) once per node, in the code directory."""
+    port = f"{RDZV_PORT_BASE} + SLURM_JOB_ID % 1000"
+    *exports, run = task_steps.per_node_lines(spec, EVERY_NODE_STEP, _user_runner(spec), port)
+    cd = [] if spec.image else [f"cd {q(spec.workdir)} || exit 1"]
+    return [f"export {TORCHRUN_PREFIX}", *exports, *cd, run]
+
+
+def _user_runner(spec: JobSpec) -> list[str]:
+    """What starts the user's own command on a node (setup, per-node mode): the training environment's
+    bin first on PATH on the host runtime; the job's image, in the code directory, on the docker runtime."""
+    if not spec.image:
+        bindir = spec.python.rsplit("/", 1)[0] if "/" in spec.python else ""
+        return [IGNORING_USR1, "env", *([f'PATH="{bindir}:$PATH"'] if bindir else [])]
+    inside = f'{IGNORE_USR1} cd {q(spec.workdir)} && exec "$@"'
+    return [*_docker_run(spec, detach=False), "sh", "-c", q(inside), "dtrain-run"]
 
 
 def _containers(spec: JobSpec) -> list[str]:
@@ -305,7 +335,7 @@ def _docker_run(spec: JobSpec, detach: bool) -> list[str]:
     argv += ["-e", "RUN_DIR", "-e", "RUN_ID", "-e", "GIT_REVISION", "-e", "RDZV", "-e", "SLURM_JOB_ID"]
     argv += ["-e", "OUTPUT_DIR", "-e", "CHECKPOINT_DIR"]
     argv += ["-e", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"]
-    argv += [arg for key in ("PYTHONUNBUFFERED", *spec.env) for arg in ("-e", key)]
+    argv += [arg for key in ("PYTHONUNBUFFERED", *spec.env, *task_steps.docker_env(spec)) for arg in ("-e", key)]
     if spec.infiniband:
         argv += ["--device", "/dev/infiniband"]
     if topology := spec.env.get("NCCL_TOPO_FILE"):
@@ -342,7 +372,7 @@ def _epilogue(requeue: list[str]) -> list[str]:
     ]
 
 
-def _requeue_on_node_failure() -> list[str]:
+def _requeue_on_node_failure(keeps_secrets: bool) -> list[str]:
     """--requeue: Slurm requeues a job whose node it finds dead (after SlurmdTimeout), but the ranks see
     a lost peer within seconds and end the job first. So when the launch fails, ask every node of the
     allocation for an empty job step; if one cannot run it, requeue the job ourselves: it runs again
@@ -354,6 +384,7 @@ def _requeue_on_node_failure() -> list[str]:
         "  while read -r node; do",
         f"    {probe} && continue",
         '    echo "[job] node $node does not answer: requeueing the job (--requeue)"',
+        *(["    REQUEUED=1  # finish() keeps the secrets for the next attempt"] if keeps_secrets else []),
         '    scontrol requeue "$SLURM_JOB_ID" && { sleep infinity & wait $!; }  # Slurm ends this attempt',
         '  done <"$RUN_DIR/nodes"',
         "fi",

@@ -31,6 +31,8 @@ from dtrain.jobs.batch_script import REMOTE_TOOLS, JobSpec, Launcher, LocalCopy,
 from dtrain.jobs.kept_checkpoints import newest_kept_checkpoint
 from dtrain.jobs.preflight import ProcessRequest, dataset_under_data_path, plan_preflight
 from dtrain.jobs.preflight import flag_value as _flag_value
+from dtrain.jobs.task_file import check_task_request, read_secrets, secrets_env_file
+from dtrain.jobs.task_steps import SECRETS_SUBDIR, SETUP_FILE, setup_cache_dir
 from dtrain.jobs.workdir import CODE_SUBDIR, MAX_WORKDIR_MB, Workdir, check_workdir, send_workdir
 from infra.contract import FRAMEWORKS, RUNS_DIR
 from training.world.backend_choice import AUTO, DDP, HOROVOD
@@ -66,6 +68,11 @@ class LaunchOptions:
     spot: bool = False  # the Spot partition; evictions checkpoint and requeue the job
     spot_fallback: bool = False  # the Spot partition where Slurm can start it there, else on demand
     resume_from: str | None = None  # a run whose newest kept checkpoint (results container) this one starts from
+    name: str | None = None  # a task's name: the run id's prefix
+    mode: str | None = None  # per-rank (default: the command runs on every rank) or per-node (it is the launcher)
+    setup: str | None = None  # a task's setup script: once per node, cached (dtrain/jobs/task_steps.py)
+    envs: dict[str, str] = field(default_factory=dict)  # for the user's command (and setup), in job.sh
+    secrets: list[str] = field(default_factory=list)  # names, read from the operator's environment at launch
 
     @property
     def requeued(self) -> bool:
@@ -165,6 +172,11 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
         raise OperatorError(f"--framework must be one of {', '.join(FRAMEWORKS)}")
     check_model_parallel(opts)
     check_own_code(opts)
+    check_task_request(
+        workdir=opts.workdir, command=opts.job_args, mode=opts.mode, launcher=opts.launcher, setup=opts.setup,
+        envs=opts.envs, secrets=opts.secrets,
+    )  # fmt: skip
+    read_secrets(opts.secrets)  # a missing one is named before anything is sent
     workdir = check_workdir(opts.workdir, opts.workdir_max_mb) if opts.workdir else None
     if opts.image and desc.runtime.kind != "docker":
         raise OperatorError(
@@ -178,15 +190,18 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
         exclusive=opts.exclusive,
         time_limit=opts.time_limit,
     )
-    launcher = choose_launcher(opts)
-    check_backend(opts, launcher)
+    # per-node: the command is the launcher; its output comes through srun --label, read as torchrun's is
+    launcher = "torchrun" if opts.mode == "per-node" else choose_launcher(opts)
+    if opts.mode != "per-node":
+        check_backend(opts, launcher)
     image = None
     if desc.runtime.kind == "docker":
         image = opts.image or desc.image_for(opts.framework)
         if not image:
             raise OperatorError(f"no image for {opts.framework} in the cluster description: pass --image")
     local_copy = plan_local_copy(desc, opts)
-    run_id = check_run_id(opts.run_id) if opts.run_id else new_run_id(workdir.name if workdir else opts.framework)
+    prefix = opts.name or (workdir.name if workdir else opts.framework)
+    run_id = check_run_id(opts.run_id) if opts.run_id else new_run_id(prefix)
     run_dir = posixpath.join(runs_dir(desc), run_id)
     spec = JobSpec(
         run_id=run_id,
@@ -209,8 +224,11 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
         time_limit=alloc.time_limit,
         exclusive=alloc.exclusive,
         git_revision=git_revision(),
-        env=dict(desc.nccl_env),
+        env=dict(desc.nccl_env) | opts.envs,
         local_copy=local_copy,
+        mode="per-node" if opts.mode == "per-node" else "per-rank",
+        setup_cache_dir=setup_cache_dir(desc.local_data_path, runs_dir(desc)) if opts.setup else None,
+        secrets=tuple(opts.secrets),
     )
     return Plan(spec, alloc, workdir)
 
@@ -383,6 +401,7 @@ def _run_files(
         "submitted_by": getpass.getuser(),
         "submitted_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "job_args": opts.job_args,
+        "envs": opts.envs,
         "workdir": opts.workdir and str(Path(opts.workdir).expanduser().resolve()),
         "workdir_git": workdir_revision(opts.workdir),  # the user's project's revision (git_revision: ours)
         "results_url": f"{desc.results.url}/{spec.run_id}/",
@@ -397,6 +416,10 @@ def _run_files(
     cred = desc.results_upload
     if cred.kind == "sas" and cred.secret is not None:
         files[SAS_FILE] = (cred.secret.get_secret_value().encode(), 0o600)
+    if opts.setup:
+        files[SETUP_FILE] = (opts.setup.encode(), 0o600)
+    if opts.secrets:  # over SSH's stdin with the rest, never in argv; removed when the job ends
+        files[f"{SECRETS_SUBDIR}/env"] = (secrets_env_file(read_secrets(opts.secrets)), 0o600)
     if opts.resume_from:
         kept = newest_kept_checkpoint(desc, check_run_id(opts.resume_from))
         files.update({path: (data, 0o600) for path, data in kept.items()})

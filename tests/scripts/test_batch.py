@@ -35,6 +35,14 @@ VARIANTS = {
     "torchrun-docker": replace(BASE, launcher="torchrun", requeue=True, time_limit="90"),
     "torchrun-host": replace(BASE, launcher="torchrun", image=None, python="/opt/venv/bin/python"),
     "local-copy": replace(BASE, local_copy=LocalCopy("/shared/data/my set", "/nvme/data/my set")),
+    # a task file's parts (dtrain/jobs/task_steps.py): setup, secrets, per-node mode
+    "task-per-node-docker": replace(
+        BASE, mode="per-node", setup_cache_dir="/nvme/data/.dtrain-setup", secrets=("HF_TOKEN",), requeue=True
+    ),
+    "task-per-node-host": replace(
+        BASE, mode="per-node", image=None, python="/opt/venv/bin/python", setup_cache_dir="/x", secrets=("A",)
+    ),
+    "task-horovod-secrets": replace(BASE, image=None, secrets=("A", "B"), requeue=True),
     "local-sas": replace(
         BASE, image=None, results=ResultsTarget("http://127.0.0.1:1/devstoreaccount1", "results", sas_file="r.sas")
     ),

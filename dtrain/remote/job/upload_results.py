@@ -13,7 +13,7 @@ Every file under RUN_DIR goes to the block blob <prefix>/<relative path> (8 at a
 after a first one alone that tests the credential), except the directories `checkpoints/` (large;
 they stay on the shared file system, but for the newest checkpoint with --with-newest-checkpoint,
 which a new cluster resumes from: `launch --resume-from`), `remote/` (copies of these tools) and
-`code/` (the user's --workdir, which stays on the share beside the run),
+`code/` (the user's --workdir, which stays on the share beside the run), `secrets/` (a task's secrets),
 any `*.sas` file (secrets never leave) and symbolic links. Files up to 64 MiB are sent with one
 Put Blob, larger ones in blocks (Put Block, then Put Block List); every request carries the MD5 of
 its body, and the blob keeps the MD5 of the whole file.
@@ -60,7 +60,7 @@ UPLOAD_THREADS = 8  # files in flight at once: a run's upload must fit in KillWa
 PROGRESS_EVERY_S = 5  # a progress line at most this often: a large checkpoint takes minutes
 IMDS_TOKEN_URL = "http://169.254.169.254/metadata/identity/oauth2/token"
 STORAGE_RESOURCE = "https://storage.azure.com/"
-SKIPPED_DIRS = ("checkpoints", "remote", "code")  # at the top of the run directory
+SKIPPED_DIRS = ("checkpoints", "remote", "code", "secrets")  # at the top of the run directory
 SECRET_SUFFIX = ".sas"
 RETRIED_STATUSES = (408, 429)  # and every 5xx
 EXIT_FAILED = 1

@@ -1,0 +1,255 @@
+"""`dtrain launch task.yaml`: a task file (SkyPilot's keys) read, checked against a schema, and merged
+with the command line. Runs on the operator's machine.
+
+    name: my-model                 # the run id's prefix
+    workdir: .                     # relative to the task file's directory
+    setup: pip install -r requirements.txt   # once per node, skipped when the code and setup are unchanged
+    run: torchrun --nproc-per-node "$DTRAIN_PROCESSES_PER_NODE" ... train.py
+    envs: {EPOCHS: 2}
+    secrets: [HF_TOKEN]            # values from the operator's environment at launch, never written down
+    mode: per-node                 # run once per node (your launcher), or per-rank (ours)
+    resources: {nodes: 2, gpus: 8, time: "4:00:00", spot: false, image: null}
+
+Flags given on the command line win over the file's keys; `--env` and `--secret` add to its `envs` and
+`secrets`. PyYAML reads it with YAML 1.2's numbers, so `time: 1:00:00` stays a time, not 3600.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+
+from dtrain.cli_common import describe_validation_error
+from dtrain.cluster.slurm_time import check_time_limit
+from dtrain.errors import OperatorError, explain_os_error
+from dtrain.jobs.launcher_guard import check_launcher_mode
+
+TASK_SUFFIXES = (".yaml", ".yml")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+Mode = Literal["per-rank", "per-node"]
+# What job.sh and the launchers set, and what its own tools need (PATH): not for envs or secrets
+RESERVED_NAMES = frozenset(
+    ("PATH", "RUN_DIR", "RUN_ID", "OUTPUT_DIR", "CHECKPOINT_DIR", "GIT_REVISION", "MASTER_ADDR", "MASTER_PORT")
+)
+RESERVED_PREFIXES = ("DTRAIN_", "SLURM_", "TORCHELASTIC_")
+EnvName = Annotated[str, StringConstraints(pattern=f"^{ENV_NAME.pattern}$")]
+RunName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,60}$")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Resources(_Strict):
+    nodes: Annotated[int, Field(ge=1)] | None = None
+    gpus: Annotated[int, Field(ge=1)] | None = None  # per node, as SkyPilot's accelerators count
+    time: str | int | None = None  # Slurm's --time syntax; a bare number is minutes
+    spot: bool = False
+    image: Annotated[str, Field(min_length=1)] | None = None
+
+    @field_validator("time")
+    @classmethod
+    def _time(cls, value: str | int | None) -> str | None:
+        try:
+            return None if value is None else check_time_limit(str(value))
+        except OperatorError as exc:
+            raise ValueError(str(exc)) from None
+
+
+class Task(_Strict):
+    name: RunName | None = None
+    workdir: Annotated[str, Field(min_length=1)] | None = None
+    setup: str | None = None
+    run: Annotated[str, Field(min_length=1)] | None = None
+    envs: dict[EnvName, str] = {}
+    secrets: list[EnvName] = []
+    mode: Mode | None = None
+    resources: Resources = Resources()
+
+    @field_validator("envs", mode="before")
+    @classmethod
+    def _env_text(cls, envs: object) -> object:
+        """Numbers and booleans as the shell will see them (true, not True)."""
+        if not isinstance(envs, dict):
+            return envs
+        for key, value in envs.items():
+            if not isinstance(value, str | int | float | bool):
+                raise ValueError(f"{key}: a value must be text, a number or true/false")
+        return {key: str(value).lower() if isinstance(value, bool) else str(value) for key, value in envs.items()}
+
+    @field_validator("secrets", mode="before")
+    @classmethod
+    def _secret_names(cls, secrets: object) -> object:
+        """SkyPilot's map form, `NAME: null`, is a list of names: a value in the file is refused."""
+        if not isinstance(secrets, dict):
+            return secrets
+        given = [name for name, value in secrets.items() if value is not None]
+        if given:
+            raise ValueError(
+                f"{given[0]}: leave the value empty (null): a secret's value is read from your environment at "
+                "launch, never from the task file"
+            )
+        return list(secrets)
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2's integers and floats: YAML 1.1 reads `1:00:00` as 3600 (base 60)."""
+
+
+_NUMBERS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _NUMBERS]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?([0-9]+\.[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$"), list("-+.0123456789")
+)
+
+
+def is_task_file(word: str) -> bool:
+    return word.endswith(TASK_SUFFIXES)
+
+
+def load_task(path: str) -> Task:
+    """The task file, checked: one `error: FILE: key: problem` line for what is wrong, nothing else done."""
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except OSError as exc:
+        raise explain_os_error(exc, "read the task file") from None
+    except UnicodeDecodeError:
+        raise OperatorError(f"{path}: not UTF-8 text") from None
+    try:
+        data = yaml.load(text, Loader=_Yaml12Loader)  # a SafeLoader
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise OperatorError(f"{path}: not YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
+    if not isinstance(data, dict):
+        raise OperatorError(f"{path}: expected a mapping of keys (name, workdir, setup, run, envs, ...)")
+    try:
+        return Task.model_validate(data)
+    except ValidationError as exc:
+        raise OperatorError(f"{path}: {describe_validation_error(exc)}") from None
+
+
+def parse_env(text: str) -> tuple[str, str]:
+    """--env KEY=VALUE."""
+    key, sep, value = text.partition("=")
+    if not sep or not ENV_NAME.fullmatch(key):
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE with KEY a variable name, got {text!r}")
+    return key, value
+
+
+def env_name(text: str) -> str:
+    """--secret NAME."""
+    if not ENV_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected a variable name (letters, digits, _), got {text!r}")
+    return text
+
+
+def fill_from_task(args: argparse.Namespace, task: Task, path: str) -> None:
+    """The task's keys where the command line left a flag unset: flags win, --env/--secret add."""
+    base = Path(path).expanduser().resolve().parent
+    given = {
+        "workdir": task.workdir and str(base / task.workdir),
+        "nodes": task.resources.nodes,
+        "gpus_per_node": None if args.gpus is not None else task.resources.gpus,
+        "time_limit": task.resources.time,
+        "image": task.resources.image,
+        "mode": task.mode,
+        "name": task.name,
+        "setup": task.setup,
+    }
+    for key, value in given.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.spot = args.spot or (task.resources.spot and not args.spot_fallback)
+    args.envs = {**task.envs, **dict(args.envs or [])}
+    args.secrets = list(dict.fromkeys([*task.secrets, *(args.secrets or [])]))
+    if not args.job_args and task.run:
+        args.job_args = ["bash", "-c", task.run]
+    if not args.workdir:
+        raise OperatorError(f"{path}: workdir: needed (the directory your code is in, relative to the task file)")
+    if not args.job_args:
+        raise OperatorError(f"{path}: run: needed (the command that starts your code), or a command after --")
+
+
+def read_secrets(names: list[str]) -> dict[str, str]:
+    """The secrets' values from the operator's environment; a missing one is an error naming it."""
+    missing = [name for name in names if name not in os.environ]
+    if missing:
+        raise OperatorError(
+            f"secret {', '.join(missing)}: not set in this environment (export {missing[0]}=... before launch; "
+            "secrets are read from the operator's environment, never from a file or the command line)"
+        )
+    return {name: os.environ[name] for name in names}
+
+
+def secrets_env_file(values: dict[str, str]) -> bytes:
+    """`NAME='value'` lines that sh sources (set -a) into the user's command."""
+    return "".join(f"{name}={shlex.quote(value)}\n" for name, value in values.items()).encode()
+
+
+def check_task_request(
+    *,
+    workdir: str | None,
+    command: list[str],
+    mode: str | None,
+    launcher: str | None,
+    setup: str | None,
+    envs: dict[str, str],
+    secrets: list[str],
+) -> None:
+    """What a task's keys (or their flags) need: your own code for per-node mode and setup, variables
+    that do not replace the job's own, and a command that does not start a launcher per rank."""
+    for name in [*envs, *secrets]:
+        if name in RESERVED_NAMES or name.startswith(RESERVED_PREFIXES):
+            raise OperatorError(f"{name}: the job sets this variable itself (docs/operator.md): choose another name")
+    if both := sorted(set(envs) & set(secrets)):
+        raise OperatorError(f"{both[0]}: both an env and a secret: keep one")
+    if not workdir:
+        for given, what in ((mode == "per-node", "--mode per-node"), (setup, "setup")):
+            if given:
+                raise OperatorError(f"{what} runs your own code: add --workdir (task file: workdir)")
+        return
+    if mode == "per-node" and launcher:
+        raise OperatorError(f"--mode per-node runs your command as the launcher: leave out --launcher {launcher}")
+    check_launcher_mode(command, mode or "per-rank", "--mode per-node (task file: mode: per-node)")
+
+
+def add_task_arguments(parser: argparse.ArgumentParser) -> None:
+    """`launch`'s flags that mirror a task file's keys (envs, secrets, mode)."""
+    parser.add_argument(
+        "--env", dest="envs", action="append", type=parse_env, metavar="KEY=VALUE",
+        help="an environment variable for your command and setup (repeatable; adds to a task file's envs)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--secret", dest="secrets", action="append", type=env_name, metavar="NAME",
+        help="pass the variable NAME from this environment to your command and setup, never written to argv, "
+        "job.json, job.sh or a log (repeatable; adds to a task file's secrets)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--mode", choices=("per-rank", "per-node"),
+        help="per-rank (default): your command runs on every rank under our launcher; per-node: once per node, "
+        "as your own launcher (torchrun, accelerate launch, deepspeed), with DTRAIN_NODE_RANK, MASTER_ADDR, ...",
+    )  # fmt: skip
+    parser.set_defaults(name=None, setup=None)  # a task file's only
+
+
+def from_task_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """`launch TASK.yaml [flags] [-- command]`: the flags after the file parsed too, then the file's keys
+    filled in where no flag was given."""
+    path, *rest = args.job_args
+    args.job_args = []
+    parser.parse_args(rest, namespace=args)
+    if args.job_args[:1] == ["--"]:
+        args.job_args = args.job_args[1:]
+    fill_from_task(args, load_task(path), path)

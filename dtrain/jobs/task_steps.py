@@ -1,0 +1,96 @@
+"""The batch script's lines for a task's parts (dtrain/jobs/task_file.py): its secrets, its setup once per
+node, and per-node mode, where the user's command (their own torchrun, accelerate, deepspeed) runs once
+per node with the rendezvous in its environment. Pure functions of a JobSpec; run on the operator's machine.
+
+Secrets: `launch` sends them in the same tar over SSH's stdin as job.sh (never in argv), to
+`<run>/secrets/env` (0600, in the 0700 run directory, owned by the submitting user). Only the user's own
+processes read them: the batch script, srun, slurmstepd, the launchers and our tools do not hold them in
+their environment; a wrapper sources the file just before it execs the user's command (setup, run, or
+each rank under our torchrun/horovodrun, whose own environment horovodrun would put on its ssh command
+lines). The file is removed when the job ends, unless Slurm is to run it again (a requeue).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from dtrain.cluster.ssh import q
+from infra.contract import PREEMPTED_EXIT_CODE
+
+if TYPE_CHECKING:
+    from dtrain.jobs.batch_script import JobSpec
+
+SECRETS_SUBDIR = "secrets"  # in the run directory; never uploaded (upload_results.py SKIPPED_DIRS)
+SETUP_FILE = "setup.sh"  # in the run directory: the task's setup text
+SETUP_CACHE = ".dtrain-setup"  # under a node's local disk (or the runs directory): setup_once.py's markers
+# What per-node mode gives the command on every node (docs/operator.md); DTRAIN_NODE_RANK is per node.
+PER_NODE_ENV = (
+    "DTRAIN_NODE_RANK", "DTRAIN_NUM_NODES", "DTRAIN_NODE_LIST", "DTRAIN_GPUS_PER_NODE", "DTRAIN_PROCESSES_PER_NODE",
+    "MASTER_ADDR", "MASTER_PORT",
+)  # fmt: skip
+
+
+def secrets_file(run_dir: str) -> str:
+    return posixpath.join(run_dir, SECRETS_SUBDIR, "env")
+
+
+def user_command(spec: JobSpec, command: Sequence[str], per_node: bool = False) -> list[str]:
+    """command, preceded where needed by a wrapper that exports the node rank and sources the secrets
+    in the process that then execs it (so that nothing above it holds them)."""
+    script = 'DTRAIN_NODE_RANK="$SLURM_NODEID"; export DTRAIN_NODE_RANK; ' if per_node else ""
+    if spec.secrets:
+        script += f"set -a; . {q(secrets_file(spec.run_dir))}; set +a; "
+    if not script:
+        return list(command)
+    return ["sh", "-c", script + 'exec "$@"', "dtrain-env", *command]
+
+
+def forget_secrets(spec: JobSpec) -> list[str]:
+    """For finish(): remove the secrets unless Slurm runs the job again (a Spot eviction, our requeue)."""
+    if not spec.secrets:
+        return []
+    remove = f"rm -rf {q(posixpath.join(spec.run_dir, SECRETS_SUBDIR))}"
+    if not spec.requeue:
+        return [f"  {remove}"]
+    return [f'  [ "$code" -eq {PREEMPTED_EXIT_CODE} ] || [ -n "${{REQUEUED:-}}" ] || {remove}']
+
+
+def docker_env(spec: JobSpec) -> list[str]:
+    """The variables a container must be given (-e NAME) for this spec's per-node mode."""
+    return ["SLURM_NODEID", *PER_NODE_ENV[1:]] if spec.mode == "per-node" else []
+
+
+def setup_lines(spec: JobSpec, step: str, runner: Sequence[str]) -> list[str]:
+    """Setup on every node through setup_once.py, before the run; a failure ends the job (the verdict
+    names setup). runner: what starts a command in the job's environment (env PATH=..., or docker run)."""
+    if spec.setup_cache_dir is None:
+        return []
+    setup = posixpath.join(spec.run_dir, SETUP_FILE)
+    command = [*runner, *(q(word) for word in user_command(spec, ["bash", setup]))]
+    tool = [
+        '"$PY"', '"$TOOLS/setup_once.py"', "--code", q(spec.workdir), "--setup", q(setup),
+        "--cache-dir", q(spec.setup_cache_dir), "--salt", q(spec.image or ""), "--", *command,
+    ]  # fmt: skip
+    return [
+        "echo '[job] setup on every node (skipped where it ran before for this code and setup)'",
+        f"{step} {' '.join(tool)} || {{ code=$?; echo '[job] setup failed: run not started'; exit $code; }}",
+    ]
+
+
+def per_node_lines(spec: JobSpec, step: str, runner: Sequence[str], rendezvous_port: str) -> list[str]:
+    """Per-node mode: the exports of the rendezvous, then the user's command once per node (the last line)."""
+    exports = [
+        f"export DTRAIN_NUM_NODES={spec.nodes} DTRAIN_GPUS_PER_NODE={spec.gpus_per_node} "
+        f"DTRAIN_PROCESSES_PER_NODE={spec.processes_per_node}",
+        'DTRAIN_NODE_LIST=$(cat "$RUN_DIR/nodes") MASTER_ADDR=$(head -n1 "$RUN_DIR/nodes") '
+        f"MASTER_PORT=$(({rendezvous_port})) && export DTRAIN_NODE_LIST MASTER_ADDR MASTER_PORT",
+    ]
+    command = " ".join(q(word) for word in user_command(spec, spec.command, per_node=True))
+    return [*exports, f"{step} {' '.join(runner)} {command}"]
+
+
+def setup_cache_dir(local_data_path: str | None, runs_dir: str) -> str:
+    """Where setup_once.py keeps its markers: the nodes' own disk (wiped with the node), else the share."""
+    return posixpath.join(local_data_path or runs_dir, SETUP_CACHE)
