@@ -47,6 +47,9 @@ class JobRow(Document):
     node_hours: float | None  # every attempt's, once it has ended (run.json)
     estimated_cost_usd: float | None  # of those node-hours at the list price, where one is known
     note: str  # why it waits or where it runs (in the queue); why it ended so (ended)
+    # running and holding GPUs: whether all of them stayed idle through the idle window (Prometheus's
+    # DCGM_FI_DEV_GPU_UTIL at most 5 %); null when unknown, not running that long, or not a GPU job
+    gpus_idle: bool | None = None
 
 
 class JobsDocument(Document):

@@ -21,6 +21,7 @@ from dtrain.cli_common import add_cluster_option, debugging, int_between, non_em
 from dtrain.cluster.description import ClusterDescription, load
 from dtrain.cluster.slurm import NodeInfo, QueuedJob, Slurm, patiently
 from dtrain.cluster.ssh import SSH, q
+from dtrain.cluster.telemetry import TelemetryUnavailable, idle_jobs
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.jobs.follow import cancel_and_wait, follow
 from dtrain.jobs.runs import Run, list_runs, resolve
@@ -31,6 +32,7 @@ from infra.contract import BOOT_REPORT_DIR, HEALTH_REPORT_DIR
 # the nodes' reports on the shared file system, each kind in its folder: <folder>/<node>, key=value lines
 REPORT_DIRS = {"health": HEALTH_REPORT_DIR, "boot": BOOT_REPORT_DIR}
 ELAPSED = re.compile(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)")  # squeue's %M
+IDLE_NOTE = "[red]GPUs idle[/red]"  # every GPU of the job, through the whole idle window
 console = make_console()
 out = make_console(stderr=False)
 
@@ -43,6 +45,13 @@ def configure(commands: argparse._SubParsersAction) -> None:
         epilog="example: python -m dtrain jobs --limit 50.",
     )
     jobs.add_argument("--limit", type=int_between(1, 1000), default=20, help="recent runs to show (%(default)s)")
+    jobs.add_argument(
+        "--idle-window",
+        type=int_between(10, 86400),
+        metavar="SECONDS",
+        help="mark a running job whose GPUs have all been idle this long (default: the cluster description's "
+        "telemetry.idle_gpu_window_s, 600)",
+    )
     logs = commands.add_parser(
         "logs",
         help="a job's output, every rank's line prefixed [rank|host]",
@@ -91,12 +100,27 @@ def run_jobs(args: argparse.Namespace) -> int:
     with ssh:
         queue = slurm.queue()
         runs = list_runs(desc, slurm, limit=args.limit)
-    rows = job_rows(queue, runs)
+        window_s = args.idle_window or (desc.telemetry.idle_gpu_window_s if desc.telemetry else 0)
+        idle = idle_gpu_jobs(desc, slurm, queue, window_s)
+    rows = [row.model_copy(update={"gpus_idle": idle.get(row.job or "")}) for row in job_rows(queue, runs)]
     if args.json:
         JobsDocument(jobs=rows).print()
     else:
         out.print(jobs_table(rows))
     return 0
+
+
+def idle_gpu_jobs(desc: ClusterDescription, slurm: Slurm, queue: Sequence[QueuedJob], window_s: int) -> dict[str, bool]:
+    """job id -> whether its GPUs were all idle over the last window_s (Prometheus), for the running jobs that
+    hold GPUs and have run that long; a warning and nothing when Prometheus does not answer."""
+    running = [job.job_id for job in queue if job.state == "RUNNING" and (slurm_seconds(job.elapsed) or 0) >= window_s]
+    if desc.telemetry is None or not running:
+        return {}
+    try:
+        return idle_jobs(desc, slurm, running, window_s)
+    except TelemetryUnavailable as exc:
+        console.print(f"[yellow]warning: GPU activity unknown ({exc}): no job is marked idle[/yellow]")
+        return {}
 
 
 def job_rows(queue: Sequence[QueuedJob], runs: Sequence[Run]) -> list[JobRow]:
@@ -166,7 +190,7 @@ def jobs_table(rows: Sequence[JobRow]) -> Table:
             "" if row.exit_code is None else str(row.exit_code),
             "" if hours is None else f"{hours:.3f}",
             "" if cost is None else f"${cost:.2f}",
-            row.note,
+            "; ".join(part for part in (IDLE_NOTE if row.gpus_idle else "", row.note) if part),
         )
     return table
 
