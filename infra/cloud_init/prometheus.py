@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import Any
 
-from infra.contract import DCGM_EXPORTER_PORT, NODE_EXPORTER_PORT
+from infra.cloud_init._common import write_file
+from infra.contract import DCGM_EXPORTER_PORT, NODE_EXPORTER_PORT, PROMETHEUS_PORT
 
 SCRAPE_JOB = "nodes"
 NODE_LABEL = "node"  # every target's Slurm node name
@@ -55,3 +57,33 @@ def render_scrape_targets(nodes: Sequence[tuple[str, str]], *, dcgm_exporter: bo
         for exporter, port in exporters
     ]
     return json.dumps(groups, indent=2) + "\n"
+
+
+# --- Azure: the head node's Prometheus, from Ubuntu's packages --------------------------------------
+PROMETHEUS_PACKAGE = "prometheus"  # Ubuntu 22.04's (universe): prometheus.service, reading the paths below
+NODE_EXPORTER_PACKAGE = "prometheus-node-exporter"  # every node's; its package starts it on port 9100
+CONFIG_PATH = "/etc/prometheus/prometheus.yml"
+TARGETS_PATH = "/etc/prometheus/targets.json"
+DEFAULTS_PATH = "/etc/default/prometheus"  # the unit's $ARGS
+SCRAPE_INTERVAL_S = 15
+# Bounded by size, not only by age: the head's OS disk also holds slurmctld's state. 10 GB keeps weeks of
+# a 100-node cluster's series at a 15 s interval; the oldest blocks go first.
+RETENTION_SIZE = "10GB"
+# The package starts Prometheus with its own example configuration before ours is written (deferred).
+RESTART = ["systemctl", "restart", "prometheus.service"]
+
+
+def head_prometheus_files(node_names: Sequence[str]) -> list[dict[str, Any]]:
+    """write_files entries for the head node: the configuration, the targets (node_exporter and the DCGM
+    exporter of every node Slurm knows, Spot nodes too) and the retention. Listening on every address is
+    safe: the head has no public address, and the network rules admit the VNet only."""
+    if not node_names:
+        raise ValueError("node_names: at least one node")
+    args = f'ARGS="--storage.tsdb.retention.size={RETENTION_SIZE} --web.listen-address=:{PROMETHEUS_PORT}"\n'
+    return [
+        write_file(CONFIG_PATH, render_prometheus_config(TARGETS_PATH, SCRAPE_INTERVAL_S), "0644", defer=True),
+        write_file(
+            TARGETS_PATH, render_scrape_targets([(n, n) for n in node_names], dcgm_exporter=True), "0644", defer=True
+        ),
+        write_file(DEFAULTS_PATH, args, "0644", defer=True),
+    ]
