@@ -9,7 +9,7 @@ Schema of each (docs/operator.md).
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Document(BaseModel):
@@ -69,6 +69,7 @@ class NodeRow(Document):
     unregistered: bool  # deallocated by the head node's reaper: it never registered with Slurm
     health: dict[str, str] | None  # its last health check report (key=value lines), if any
     boot: dict[str, str] | None  # its last boot report (node-setup's steps), if any
+    gpu_alerts: list[str] = Field(default_factory=list)  # XID errors and throttling of its GPUs (Prometheus)
 
 
 class StatusDocument(Document):

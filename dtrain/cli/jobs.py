@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import posixpath
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
+from typing import TypeVar
 
 from rich.table import Table
 
@@ -21,7 +22,7 @@ from dtrain.cli_common import add_cluster_option, debugging, int_between, non_em
 from dtrain.cluster.description import ClusterDescription, load
 from dtrain.cluster.slurm import NodeInfo, QueuedJob, Slurm, patiently
 from dtrain.cluster.ssh import SSH, q
-from dtrain.cluster.telemetry import TelemetryUnavailable, idle_jobs
+from dtrain.cluster.telemetry import TelemetryUnavailable, alert_queries, gpu_alerts, idle_jobs, run_sections
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.jobs.follow import cancel_and_wait, follow
 from dtrain.jobs.runs import Run, list_runs, resolve
@@ -32,6 +33,7 @@ from infra.contract import BOOT_REPORT_DIR, HEALTH_REPORT_DIR
 # the nodes' reports on the shared file system, each kind in its folder: <folder>/<node>, key=value lines
 REPORT_DIRS = {"health": HEALTH_REPORT_DIR, "boot": BOOT_REPORT_DIR}
 ELAPSED = re.compile(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)")  # squeue's %M
+T = TypeVar("T")
 IDLE_NOTE = "[red]GPUs idle[/red]"  # every GPU of the job, through the whole idle window
 console = make_console()
 out = make_console(stderr=False)
@@ -116,10 +118,23 @@ def idle_gpu_jobs(desc: ClusterDescription, slurm: Slurm, queue: Sequence[Queued
     running = [job.job_id for job in queue if job.state == "RUNNING" and (slurm_seconds(job.elapsed) or 0) >= window_s]
     if desc.telemetry is None or not running:
         return {}
+    return _from_prometheus(lambda: idle_jobs(desc, slurm, running, window_s), "no job is marked idle")
+
+
+def node_gpu_alerts(desc: ClusterDescription, slurm: Slurm) -> dict[str, list[str]]:
+    """node -> its GPUs' XID errors and throttling, as Prometheus has them now."""
+    if desc.telemetry is None:
+        return {}
+    return _from_prometheus(lambda: gpu_alerts(run_sections(slurm, alert_queries(desc))), "no GPU alert is shown")
+
+
+def _from_prometheus(ask: Callable[[], dict[str, T]], without: str) -> dict[str, T]:
+    """What ask() gets from Prometheus; a warning and nothing when Prometheus does not answer (the rest of
+    the command's answer is still true)."""
     try:
-        return idle_jobs(desc, slurm, running, window_s)
+        return ask()
     except TelemetryUnavailable as exc:
-        console.print(f"[yellow]warning: GPU activity unknown ({exc}): no job is marked idle[/yellow]")
+        console.print(f"[yellow]warning: no telemetry ({exc}): {without}[/yellow]")
         return {}
 
 
@@ -279,21 +294,24 @@ def run_status(args: argparse.Namespace) -> int:
         nodes = slurm.nodes()
         queue = slurm.queue()
         reports = read_reports(desc, slurm)
+        alerts = node_gpu_alerts(desc, slurm)
     health, boot = reports["health"], reports["boot"]
     if args.json:
         StatusDocument(
-            nodes=[node_row(n, health.get(n.name), boot.get(n.name)) for n in nodes],
+            nodes=[node_row(n, health.get(n.name), boot.get(n.name), alerts.get(n.name, [])) for n in nodes],
             queue=[queued_row(job) for job in queue],
             summary=summary(nodes, queue),
         ).print()
     else:
-        out.print(nodes_table(nodes, health, boot))
+        out.print(nodes_table(nodes, health, boot, alerts))
         out.print(summary(nodes, queue))
     usable = [n for n in nodes if not any(word in n.state for word in ("drain", "down", "fail"))]
     return 0 if usable else int(ExitCode.NOT_READY)
 
 
-def node_row(node: NodeInfo, health: dict[str, str] | None, boot: dict[str, str] | None) -> NodeRow:
+def node_row(
+    node: NodeInfo, health: dict[str, str] | None, boot: dict[str, str] | None, gpu_alerts: list[str]
+) -> NodeRow:
     return NodeRow(
         name=node.name,
         state=node.state,
@@ -306,6 +324,7 @@ def node_row(node: NodeInfo, health: dict[str, str] | None, boot: dict[str, str]
         unregistered=node.unregistered,
         health=health,
         boot=boot,
+        gpu_alerts=gpu_alerts,
     )
 
 
@@ -341,11 +360,18 @@ def boot_verdict(report: dict[str, str]) -> str:
     return "[green]ok[/green]" if report.get("ok") == "1" else "in progress"
 
 
-def nodes_table(nodes: Sequence[NodeInfo], health: dict[str, dict[str, str]], boot: dict[str, dict[str, str]]) -> Table:
+def nodes_table(
+    nodes: Sequence[NodeInfo],
+    health: dict[str, dict[str, str]],
+    boot: dict[str, dict[str, str]],
+    alerts: dict[str, list[str]] | None = None,
+) -> Table:
+    alerts = alerts or {}
     table = Table(title="nodes")
     # no boot column where no node wrote a boot report (the local cluster's nodes run no node-setup)
     boot_column = ["boot"] if boot else []
-    for column in ("node", "state", "power", "reason", *boot_column, "health check", "checked"):
+    alert_column = ["GPU alerts"] if alerts else []  # none where no GPU has an XID error or throttles
+    for column in ("node", "state", "power", "reason", *boot_column, "health check", "checked", *alert_column):
         table.add_column(column)
     for node in nodes:
         report = health.get(node.name, {})
@@ -359,6 +385,7 @@ def nodes_table(nodes: Sequence[NodeInfo], health: dict[str, dict[str, str]], bo
             *([boot_verdict(boot.get(node.name, {}))] if boot else []),
             f"{verdict} {checks}".strip(),
             _age(report.get("checked_at")),
+            *(["[red]" + "; ".join(alerts.get(node.name, [])) + "[/red]"] if alerts else []),
         )
     return table
 

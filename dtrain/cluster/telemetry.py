@@ -20,7 +20,10 @@ from infra.cloud_init.prometheus import NODE_LABEL
 
 IDLE_UTIL_PERCENT = 5  # at most this busy, at every sample of the window: idle (a waiting GPU reads 0-2 %)
 QUERY_TIMEOUT_S = 10
-_GPUS_MARK, _PROM_MARK = "@@gpus", "@@prometheus"
+_MARK = "@@section "
+READING_METRICS = ("DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE")
+# DCGM's clock throttle (event) reasons that slow a working GPU down; idle and application clocks are not among them
+THROTTLE_REASONS = {0x4: "power cap", 0x8: "HW slowdown", 0x40: "SW thermal", 0x80: "HW thermal", 0x100: "power brake"}
 
 
 class TelemetryUnavailable(Exception):
@@ -95,19 +98,92 @@ def parse_vector(text: str) -> list[tuple[dict[str, str], float]]:
         raise TelemetryUnavailable("Prometheus gave no usable answer") from None
 
 
+def run_sections(slurm: Slurm, sections: Mapping[str, str]) -> dict[str, str]:
+    """Several shell commands on the login host in one round trip: name -> what each printed."""
+    # the mark on a line of its own, whether or not what came before ended its line (curl's JSON does not)
+    script = "; ".join(f"echo; echo {_MARK}{name}; {{ {command}; }}" for name, command in sections.items())
+    found: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in slurm.run_unchecked(script, timeout=60).stdout.splitlines():
+        if line.startswith(_MARK) and line[len(_MARK) :] in sections:
+            current = found.setdefault(line[len(_MARK) :], [])
+        elif current is not None:
+            current.append(line)
+    return {name: "\n".join(lines) for name, lines in found.items()}
+
+
 def idle_jobs(desc: ClusterDescription, slurm: Slurm, job_ids: Sequence[str], window_s: int) -> dict[str, bool]:
     """job id -> whether its GPUs were idle over the last window_s, for those of the (running) jobs that hold
     GPUs (one round trip to the login host). Raises TelemetryUnavailable."""
     if not job_ids:
         return {}
-    script = f"echo {_GPUS_MARK}; {job_gpus_script(job_ids)}; echo {_PROM_MARK}; "
-    answer = slurm.run_unchecked(script + query_script(desc, busiest_query(window_s)), timeout=60).stdout
-    gpu_text, _, prom_text = answer.partition(f"{_PROM_MARK}\n")
-    if not prom_text.strip():
-        raise TelemetryUnavailable("Prometheus did not answer")
-    busiest = {
-        (labels.get(NODE_LABEL, ""), int(labels.get("gpu", -1))): value for labels, value in parse_vector(prom_text)
-    }
+    answers = run_sections(
+        slurm, {"gpus": job_gpus_script(job_ids), "busiest": query_script(desc, busiest_query(window_s))}
+    )
+    busiest = {(labels.get(NODE_LABEL, ""), int(labels.get("gpu", -1))): v for labels, v in _vector(answers, "busiest")}
     activity = GpuActivity(window_s, busiest)
-    verdicts = {job: activity.idle(gpus) for job, gpus in parse_job_gpus(gpu_text.removeprefix(_GPUS_MARK)).items()}
+    verdicts = {job: activity.idle(gpus) for job, gpus in parse_job_gpus(answers.get("gpus", "")).items()}
     return {job: verdict for job, verdict in verdicts.items() if verdict is not None}
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """A GPU as Prometheus has it now (the DCGM exporter's series)."""
+
+    node: str
+    gpu: int
+    util_percent: float
+    used_mib: float
+    total_mib: float
+
+
+def gpu_queries(desc: ClusterDescription) -> dict[str, str]:
+    """The sections (run_sections) that gpu_readings reads."""
+    return {name: query_script(desc, f"max by ({NODE_LABEL}, gpu) ({name})") for name in READING_METRICS}
+
+
+def gpu_readings(answers: Mapping[str, str]) -> list[GpuReading]:
+    """Every GPU's reading from the answers to gpu_queries, by node then index."""
+    values: dict[tuple[str, int], dict[str, float]] = {}
+    for name in READING_METRICS:
+        for labels, value in _vector(answers, name):
+            values.setdefault((labels.get(NODE_LABEL, ""), int(labels.get("gpu", -1))), {})[name] = value
+    return [
+        GpuReading(
+            node,
+            gpu,
+            got.get("DCGM_FI_DEV_GPU_UTIL", 0.0),
+            got.get("DCGM_FI_DEV_FB_USED", 0.0),
+            got.get("DCGM_FI_DEV_FB_USED", 0.0) + got.get("DCGM_FI_DEV_FB_FREE", 0.0),
+        )
+        for (node, gpu), got in sorted(values.items())
+    ]
+
+
+def gpu_alerts(answers: Mapping[str, str]) -> dict[str, list[str]]:
+    """node -> what is wrong with its GPUs (an XID error, clocks throttled by heat or power), from the answer
+    to alert_queries."""
+    alerts: dict[str, list[str]] = {}
+    for labels, value in _vector(answers, "xid"):
+        if value > 0:
+            alerts.setdefault(labels.get(NODE_LABEL, ""), []).append(f"gpu {labels.get('gpu', '?')}: XID {value:g}")
+    for labels, value in _vector(answers, "throttle"):
+        reasons = [why for bit, why in THROTTLE_REASONS.items() if int(value) & bit]
+        if reasons:
+            text = f"gpu {labels.get('gpu', '?')}: throttled ({', '.join(reasons)})"
+            alerts.setdefault(labels.get(NODE_LABEL, ""), []).append(text)
+    return alerts
+
+
+def alert_queries(desc: ClusterDescription) -> dict[str, str]:
+    """The sections (run_sections) that gpu_alerts reads: the DCGM exporter's last XID, and its throttle
+    reasons (the name DCGM 4 gives them, and the older one)."""
+    throttle = '{__name__=~"DCGM_FI_DEV_CLOCK_THROTTLE_REASONS|DCGM_FI_DEV_CLOCKS_EVENT_REASONS"}'
+    return {"xid": query_script(desc, "DCGM_FI_DEV_XID_ERRORS"), "throttle": query_script(desc, throttle)}
+
+
+def _vector(answers: Mapping[str, str], name: str) -> list[tuple[dict[str, str], float]]:
+    text = answers.get(name, "")
+    if not text.strip():
+        raise TelemetryUnavailable("Prometheus did not answer")
+    return parse_vector(text)

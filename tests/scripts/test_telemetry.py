@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -15,9 +17,11 @@ from dtrain.cluster.description import ClusterDescription
 from dtrain.cluster.telemetry import GpuActivity, parse_indices, parse_job_gpus
 from dtrain.local import gpu_exporter
 from dtrain.local import power as local_power
+from dtrain.local.state import load_state
+from dtrain.local.telemetry import textfile_dir
 from tests.polling import wait_for
 
-from .conftest import FIXTURES, local_state_dir, own_cluster
+from .conftest import FIXTURES, live_pids_mentioning, local_state_dir, own_cluster, start_module
 from .test_launcher import cli
 
 IDLE_WINDOW_S = 10
@@ -51,9 +55,10 @@ def ranks_of(run_id: str) -> list[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if f"RUN_ID={run_id}".encode() in environ and Path(argv[0].decode()).name.startswith("python"):
-            if [arg for arg in argv[1:] if not arg.startswith(b"-")][:1] == [b"busy.py"]:
-                found.append(int(entry.name))
+        python = Path(argv[0].decode()).name.startswith("python")
+        script = [arg for arg in argv[1:] if not arg.startswith(b"-")][:1] == [b"busy.py"]
+        if f"RUN_ID={run_id}".encode() in environ and python and script:
+            found.append(int(entry.name))
     return found
 
 
@@ -90,6 +95,9 @@ def test_prometheus_holds_every_node_and_gpu_and_jobs_marks_a_stopped_job_idle(t
             lambda: (row := job_row(cluster_file, job["job"]))["gpus_idle"] is not None and row, 60, "a verdict"
         )
         assert busy["gpus_idle"] is False, busy
+        # `top --once`: the job's last logged step and the GPUs' readings
+        frame = wait_for(lambda: re.search(r"\b\d+/300\b", (t := top(cluster_file))) and t, 60, "a step in top")
+        assert re.search(r"node-0 +│ 0 +│ +\d+ %", frame) and re.search(r"node-1 +│ 0", frame), frame
         ranks = ranks_of("busy")
         assert len(ranks) == 2, ranks
         for pid in ranks:
@@ -103,11 +111,62 @@ def test_prometheus_holds_every_node_and_gpu_and_jobs_marks_a_stopped_job_idle(t
             os.kill(pid, signal.SIGCONT)
         assert cli("cancel", "--cluster", str(cluster_file), job["job"]).returncode == 0
 
+        # an XID error on node-1's GPU (the stand-in's report of the driver's): `status` names the node
+        (textfile_dir(load_state(local_state_dir(desc)), "node-1") / "xid-0").write_text("79\n")
+        alerts = wait_for(lambda: node_alerts(cluster_file).get("node-1"), 30, "node-1's XID in status")
+        assert alerts == ["gpu 0: XID 79"] and node_alerts(cluster_file)["node-0"] == []
+
+        # `ui`: local URLs through SSH tunnels, Prometheus and TensorBoard answering there, until Ctrl-C
+        ui = start_module("dtrain", "ui", "--cluster", str(cluster_file), interruptible=True)
+        try:
+            urls = dict(wait_for(lambda: ui_urls(ui), 60, "the UI's URLs"))
+            assert set(urls) == {"MLflow", "TensorBoard", "Prometheus"}
+            assert all(url.startswith("http://127.0.0.1:") for url in urls.values())
+            with urllib.request.urlopen(urls["Prometheus"] + "-/ready", timeout=10) as answer:
+                assert answer.status == 200
+            wait_for(lambda: answers(urls["TensorBoard"]), 120, "TensorBoard through its tunnel", interval=1)
+        finally:
+            ui.send_signal(signal.SIGINT)
+            assert ui.wait(timeout=30) == 0
+        assert not live_pids_mentioning("tensorboard.main")
+
         # a node switched off and on again (power saving) comes back with its exporters
         state_dir = local_state_dir(desc)
         local_power.stop_node(state_dir, "node-1")
         local_power.start_node(state_dir, "node-1")
         wait_for(lambda: len(prometheus(desc, up)) == 2 and len(gpu_util(desc)) == 2, 30, "node-1's exporters again")
+
+
+def top(cluster_file: Path) -> str:
+    proc = cli("top", "--cluster", str(cluster_file), "--once")
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def node_alerts(cluster_file: Path) -> dict[str, list[str]]:
+    proc = cli("status", "--cluster", str(cluster_file), "--json")
+    return {node["name"]: node["gpu_alerts"] for node in json.loads(proc.stdout)["nodes"]}
+
+
+def ui_urls(ui: subprocess.Popen) -> list[tuple[str, str]] | None:
+    """The `name  URL` lines `ui` printed, once it printed all three (None before)."""
+    found = []
+    assert ui.stdout is not None
+    while len(found) < 3:
+        line = ui.stdout.readline()
+        if not line:
+            return None
+        if match := re.fullmatch(r"(\w+) +(http://\S+)", line.strip()):
+            found.append((match[1], match[2]))
+    return found
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
 
 
 def test_the_gpu_stand_in_splits_cpu_time_over_the_gpus_a_process_holds():
