@@ -33,6 +33,7 @@ SRUN_PORTS = "{}-{}".format(*SRUN_PORT_RANGE)  # as slurm.conf and the network r
 PROMETHEUS_PORT = 9090
 NODE_EXPORTER_PORT = 9100
 DCGM_EXPORTER_PORT = 9400
+PROMETHEUS_NODE_LABEL = "node"  # every scrape target's Slurm node name: how a query names a job's nodes
 
 SLURM_PARTITION = "gpu"
 # Spot nodes' partition (`launch --spot`): their jobs are requeued, and resume, after an eviction.

@@ -3,7 +3,7 @@ reaches it inside the private network: no port of it is open to the operator), a
 say about jobs: which running job's GPUs have been idle.
 
 A job's GPUs are the ones Slurm gave it, per node (`scontrol -d show job`: `Nodes=... GRES=gpu:N(IDX:..)`),
-matched to the DCGM exporter's series by the scrape target's `node` label (infra/cloud_init/prometheus.py)
+matched to the DCGM exporter's series by the scrape target's `node` label (contract.PROMETHEUS_NODE_LABEL)
 and the series' `gpu` index. Runs on the operator's machine.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from dtrain.cluster.description import ClusterDescription
 from dtrain.cluster.slurm import Slurm
 from dtrain.cluster.ssh import q
-from infra.cloud_init.prometheus import NODE_LABEL
+from infra.contract import PROMETHEUS_NODE_LABEL as NODE_LABEL
 
 IDLE_UTIL_PERCENT = 5  # at most this busy, at every sample of the window: idle (a waiting GPU reads 0-2 %)
 QUERY_TIMEOUT_S = 10

@@ -14,6 +14,7 @@ machine sees it). Every process it starts is stopped by pid at the end.
 
 from __future__ import annotations
 
+import posixpath
 import socket
 import subprocess
 import time
@@ -23,8 +24,8 @@ from dataclasses import dataclass
 from dtrain.cluster.description import ClusterDescription
 from dtrain.cluster.ssh import SSH, q
 from dtrain.errors import ExitCode, OperatorError
-from dtrain.jobs.submit import runs_dir
 from dtrain.processes import stop_pids
+from infra.contract import RUNS_DIR
 
 MLFLOW_PORT = 5000  # the MLflow tracking server on the head node
 TUNNEL_WAIT_S = 20
@@ -54,8 +55,8 @@ def tensorboard_command(desc: ClusterDescription, port: int) -> str | None:
     """The login host's TensorBoard over every run (host runtime only: that Python has tensorboard)."""
     if desc.runtime.kind != "host":
         return None
-    python = desc.runtime.python
-    return f"exec {q(python)} -m tensorboard.main --logdir {q(runs_dir(desc))} --host 127.0.0.1 --port {port}"
+    logdir = posixpath.join(desc.shared_mount_path, RUNS_DIR)
+    return f"exec {q(desc.runtime.python)} -m tensorboard.main --logdir {q(logdir)} --host 127.0.0.1 --port {port}"
 
 
 def free_remote_port(ssh: SSH) -> int:

@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from infra.cloud_init._common import write_file
-from infra.contract import DCGM_EXPORTER_PORT, NODE_EXPORTER_PORT, PROMETHEUS_PORT
+from infra.contract import DCGM_EXPORTER_PORT, NODE_EXPORTER_PORT, PROMETHEUS_NODE_LABEL, PROMETHEUS_PORT
 
 SCRAPE_JOB = "nodes"
-NODE_LABEL = "node"  # every target's Slurm node name
+NODE_LABEL = PROMETHEUS_NODE_LABEL
 EXPORTER_LABEL = "exporter"  # node_exporter or dcgm-exporter
 
 
