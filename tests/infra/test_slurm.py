@@ -1199,6 +1199,7 @@ def test_head_node_installs_the_controller_and_its_files_after_the_packages() ->
         ["systemctl", "daemon-reload"],
         ["systemctl", "enable", "--now", "slurm-power-reap.timer"],
         ["systemctl", "enable", "--now", "--no-block", "head-setup.service"],
+        ["systemctl", "restart", "prometheus.service"],  # with our configuration, not the package's example
     ]
     assert "ExecStart=/usr/local/sbin/head-setup" in files["/etc/systemd/system/head-setup.service"]["content"]
 
