@@ -11,13 +11,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dtrain.cli import cluster, cost, demo, images, interactive, jobs, launch, local, results, stage
+from dtrain.cli import cluster, cost, demo, images, interactive, jobs, launch, local, results, stage, watch
 from dtrain.cli_common import CLIParser, add_cluster_option, end_on_termination, run_cli
 
 # In the order a user meets them: a cluster, data and images on it, jobs and what they leave, then the
 # local cluster.
 CONSOLE_SCRIPT = "dtrain"  # pyproject.toml's [project.scripts]
-COMMAND_MODULES = (cluster, stage, images, launch, jobs, interactive, results, cost, local, demo)
+COMMAND_MODULES = (cluster, stage, images, launch, jobs, watch, interactive, results, cost, local, demo)
 
 DESCRIPTION = """\
 Distributed training on a Slurm GPU cluster: the Azure stack (`pulumi up`), or the embedded local
@@ -29,6 +29,7 @@ typical session:
   python -m dtrain stage all /tmp/imagenet-mini --dataset mini
   python -m dtrain launch --framework pytorch --nodes 2 -- --data synthetic --steps 50
   python -m dtrain jobs                               # the queue and recent runs
+  python -m dtrain top                                # live: each job's step, loss, speed; each GPU's use
   python -m dtrain logs JOB -f                        # JOB: a Slurm job id or a run id
   python -m dtrain cancel JOB
   python -m dtrain status                             # nodes, drain reasons, health, queue

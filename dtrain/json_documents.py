@@ -9,7 +9,7 @@ Schema of each (docs/operator.md).
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Document(BaseModel):
@@ -48,6 +48,9 @@ class JobRow(Document):
     billed_node_hours: float | None  # what it is charged for: its share of those nodes (GPUs held) x time
     estimated_cost_usd: float | None  # of the billed node-hours at the list price, where one is known
     note: str  # why it waits or where it runs (in the queue); why it ended so (ended)
+    # running and holding GPUs: whether all of them stayed idle through the idle window (Prometheus's
+    # DCGM_FI_DEV_GPU_UTIL at most 5 %); null when unknown, not running that long, or not a GPU job
+    gpus_idle: bool | None = None
 
 
 class JobsDocument(Document):
@@ -67,6 +70,7 @@ class NodeRow(Document):
     unregistered: bool  # deallocated by the head node's reaper: it never registered with Slurm
     health: dict[str, str] | None  # its last health check report (key=value lines), if any
     boot: dict[str, str] | None  # its last boot report (node-setup's steps), if any
+    gpu_alerts: list[str] = Field(default_factory=list)  # XID errors and throttling of its GPUs (Prometheus)
 
 
 class StatusDocument(Document):

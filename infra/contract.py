@@ -29,6 +29,11 @@ SLURMD_PORT = 6818
 # srun listens on ports from this range (slurm.conf SrunPortRange), so that a firewall can name them.
 SRUN_PORT_RANGE = (60001, 63000)
 SRUN_PORTS = "{}-{}".format(*SRUN_PORT_RANGE)  # as slurm.conf and the network rules write it
+# Telemetry (infra/cloud_init/prometheus.py): Prometheus on the head node scrapes the exporters on every node.
+PROMETHEUS_PORT = 9090
+NODE_EXPORTER_PORT = 9100
+DCGM_EXPORTER_PORT = 9400
+PROMETHEUS_NODE_LABEL = "node"  # every scrape target's Slurm node name: how a query names a job's nodes
 
 SLURM_PARTITION = "gpu"
 # Spot nodes' partition (`launch --spot`): their jobs are requeued, and resume, after an eviction.

@@ -138,6 +138,7 @@ class HeadNode(pulumi.ComponentResource):
                         if spot
                         else None
                     ),
+                    telemetry_nodes=[*args.node_names, *(spot.names if spot else [])],
                 )
             )
         )

@@ -23,6 +23,8 @@ declare -A wanted=(
   [busybox]=busybox-static     # that VM's initramfs
   [udevadm]=udev               # assembles the array at the VM's boot, as on a node
   [modprobe]=kmod              # orders the VM kernel's modules
+  [prometheus]=prometheus      # the local cluster's telemetry, in its head namespace (dtrain/local/telemetry.py)
+  [prometheus-node-exporter]=prometheus-node-exporter  # one per local node
 )
 missing=()
 for command in "${!wanted[@]}"; do

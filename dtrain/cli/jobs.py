@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
+from typing import TypeVar
 
 from rich.table import Table
 
@@ -21,6 +22,7 @@ from dtrain.cluster.description import ClusterDescription, load
 from dtrain.cluster.node_reports import boot_verdict, read_reports
 from dtrain.cluster.slurm import NodeInfo, QueuedJob, Slurm, patiently
 from dtrain.cluster.ssh import SSH, q
+from dtrain.cluster.telemetry import TelemetryUnavailable, alert_queries, gpu_alerts, idle_jobs, run_sections
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.idle_cost import for_cluster
 from dtrain.jobs.follow import cancel_and_wait, follow
@@ -29,6 +31,8 @@ from dtrain.json_documents import JobRow, JobsDocument, NodeRow, StatusDocument
 from dtrain.ui import make_console
 
 ELAPSED = re.compile(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)")  # squeue's %M
+T = TypeVar("T")
+IDLE_NOTE = "[red]GPUs idle[/red]"  # every GPU of the job, through the whole idle window
 console = make_console()
 out = make_console(stderr=False)
 
@@ -41,6 +45,13 @@ def configure(commands: argparse._SubParsersAction) -> None:
         epilog="example: python -m dtrain jobs --limit 50.",
     )
     jobs.add_argument("--limit", type=int_between(1, 1000), default=20, help="recent runs to show (%(default)s)")
+    jobs.add_argument(
+        "--idle-window",
+        type=int_between(10, 86400),
+        metavar="SECONDS",
+        help="mark a running job whose GPUs have all been idle this long (default: the cluster description's "
+        "telemetry.idle_gpu_window_s, 600)",
+    )
     logs = commands.add_parser(
         "logs",
         help="a job's output, every rank's line prefixed [rank|host]",
@@ -90,12 +101,40 @@ def run_jobs(args: argparse.Namespace) -> int:
     with ssh:
         queue = slurm.queue()
         runs = list_runs(desc, slurm, limit=args.limit)
-    rows = job_rows(queue, runs)
+        window_s = args.idle_window or (desc.telemetry.idle_gpu_window_s if desc.telemetry else 0)
+        idle = idle_gpu_jobs(desc, slurm, queue, window_s)
+    rows = [row.model_copy(update={"gpus_idle": idle.get(row.job or "")}) for row in job_rows(queue, runs)]
     if args.json:
         JobsDocument(jobs=rows).print()
     else:
         out.print(jobs_table(rows))
     return 0
+
+
+def idle_gpu_jobs(desc: ClusterDescription, slurm: Slurm, queue: Sequence[QueuedJob], window_s: int) -> dict[str, bool]:
+    """job id -> whether its GPUs were all idle over the last window_s (Prometheus), for the running jobs that
+    hold GPUs and have run that long; a warning and nothing when Prometheus does not answer."""
+    running = [job.job_id for job in queue if job.state == "RUNNING" and (slurm_seconds(job.elapsed) or 0) >= window_s]
+    if desc.telemetry is None or not running:
+        return {}
+    return _from_prometheus(lambda: idle_jobs(desc, slurm, running, window_s), "no job is marked idle")
+
+
+def node_gpu_alerts(desc: ClusterDescription, slurm: Slurm) -> dict[str, list[str]]:
+    """node -> its GPUs' XID errors and throttling, as Prometheus has them now."""
+    if desc.telemetry is None:
+        return {}
+    return _from_prometheus(lambda: gpu_alerts(run_sections(slurm, alert_queries(desc))), "no GPU alert is shown")
+
+
+def _from_prometheus(ask: Callable[[], dict[str, T]], without: str) -> dict[str, T]:
+    """What ask() gets from Prometheus; a warning and nothing when Prometheus does not answer (the rest of
+    the command's answer is still true)."""
+    try:
+        return ask()
+    except TelemetryUnavailable as exc:
+        console.print(f"[yellow]warning: no telemetry ({exc}): {without}[/yellow]")
+        return {}
 
 
 def job_rows(queue: Sequence[QueuedJob], runs: Sequence[Run]) -> list[JobRow]:
@@ -167,7 +206,7 @@ def jobs_table(rows: Sequence[JobRow]) -> Table:
             "" if row.exit_code is None else str(row.exit_code),
             "" if hours is None else f"{hours:.3f}",
             "" if cost is None else f"${cost:.2f}",
-            row.note,
+            "; ".join(part for part in (IDLE_NOTE if row.gpus_idle else "", row.note) if part),
         )
     return table
 
@@ -265,25 +304,28 @@ def run_status(args: argparse.Namespace) -> int:
         nodes = slurm.nodes()
         queue = slurm.queue()
         reports = read_reports(desc, slurm)
+        alerts = node_gpu_alerts(desc, slurm)
     health, boot = reports["health"], reports["boot"]
     idle = for_cluster(desc, sum(not n.powered_down and not n.unregistered for n in nodes))
     if args.json:
         StatusDocument(
-            nodes=[node_row(n, health.get(n.name), boot.get(n.name)) for n in nodes],
+            nodes=[node_row(n, health.get(n.name), boot.get(n.name), alerts.get(n.name, [])) for n in nodes],
             queue=[queued_row(job) for job in queue],
             summary=summary(nodes, queue),
             idle_usd_per_hour=None if idle.per_hour is None else str(idle.per_hour),
             idle_cost=idle.describe(),
         ).print()
     else:
-        out.print(nodes_table(nodes, health, boot))
+        out.print(nodes_table(nodes, health, boot, alerts))
         out.print(summary(nodes, queue))
         out.print(idle.describe(), highlight=False)
     usable = [n for n in nodes if not any(word in n.state for word in ("drain", "down", "fail"))]
     return 0 if usable else int(ExitCode.NOT_READY)
 
 
-def node_row(node: NodeInfo, health: dict[str, str] | None, boot: dict[str, str] | None) -> NodeRow:
+def node_row(
+    node: NodeInfo, health: dict[str, str] | None, boot: dict[str, str] | None, gpu_alerts: list[str]
+) -> NodeRow:
     return NodeRow(
         name=node.name,
         state=node.state,
@@ -296,14 +338,22 @@ def node_row(node: NodeInfo, health: dict[str, str] | None, boot: dict[str, str]
         unregistered=node.unregistered,
         health=health,
         boot=boot,
+        gpu_alerts=gpu_alerts,
     )
 
 
-def nodes_table(nodes: Sequence[NodeInfo], health: dict[str, dict[str, str]], boot: dict[str, dict[str, str]]) -> Table:
+def nodes_table(
+    nodes: Sequence[NodeInfo],
+    health: dict[str, dict[str, str]],
+    boot: dict[str, dict[str, str]],
+    alerts: dict[str, list[str]] | None = None,
+) -> Table:
+    alerts = alerts or {}
     table = Table(title="nodes")
     # no boot column where no node wrote a boot report (the local cluster's nodes run no node-setup)
     boot_column = ["boot"] if boot else []
-    for column in ("node", "state", "power", "reason", *boot_column, "health check", "checked"):
+    alert_column = ["GPU alerts"] if alerts else []  # none where no GPU has an XID error or throttles
+    for column in ("node", "state", "power", "reason", *boot_column, "health check", "checked", *alert_column):
         table.add_column(column)
     for node in nodes:
         report = health.get(node.name, {})
@@ -317,6 +367,7 @@ def nodes_table(nodes: Sequence[NodeInfo], health: dict[str, dict[str, str]], bo
             *([boot_verdict(boot.get(node.name, {}))] if boot else []),
             f"{verdict} {checks}".strip(),
             _age(report.get("checked_at")),
+            *(["[red]" + "; ".join(alerts.get(node.name, [])) + "[/red]"] if alerts else []),
         )
     return table
 

@@ -44,7 +44,7 @@ from dtrain.cluster.slurm_time import check_max_time, check_time_limit
 from dtrain.errors import ExitCode, OperatorError, explain_os_error
 from dtrain.fileio import atomic_write
 from infra import slurm_time
-from infra.contract import CONTAINER_SSH_PORT
+from infra.contract import CONTAINER_SSH_PORT, PROMETHEUS_PORT
 from infra.slurm_time import DEFAULT_JOB_TIME, UNLIMITED, exceeds
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -64,6 +64,7 @@ IMAGE_REPOSITORIES = {"pytorch": "hvd-pytorch", "tensorflow": "hvd-tensorflow", 
 # Version 2: the node registry went (Slurm knows the nodes), `results_upload` came, `storage_python`
 # became `remote_python`.
 SCHEMA_VERSION = 2
+DEFAULT_IDLE_GPU_WINDOW_S = 600  # 10 minutes: long enough for a checkpoint or an evaluation, short against the cost
 DOCKER_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # Docker's grammar for an image tag
 
 
@@ -195,6 +196,14 @@ class SlurmAccess(_Model):
     conf: str | None = None  # SLURM_CONF on the login host; None: Slurm's default, /etc/slurm/slurm.conf
 
 
+class Telemetry(_Model):
+    """The cluster's Prometheus (infra/cloud_init/prometheus.py), and when `jobs` calls a running job idle."""
+
+    prometheus_url: str  # as the Slurm login host reaches it
+    # `jobs` marks a running job whose GPUs have all been idle this long (`jobs --idle-window` overrides)
+    idle_gpu_window_s: int = Field(default=DEFAULT_IDLE_GPU_WINDOW_S, ge=10, le=86400)
+
+
 class ClusterDescription(_Model):
     schema_version: Literal[2] = SCHEMA_VERSION
     name: str
@@ -235,6 +244,7 @@ class ClusterDescription(_Model):
     # before these came from the stack has the stack's defaults, which its slurm.conf has too.
     default_time_limit: str = DEFAULT_JOB_TIME
     max_time_limit: str = UNLIMITED
+    telemetry: Telemetry | None = None  # None: no Prometheus (the local cluster's fallback mode)
 
     @model_validator(mode="after")
     def _paths(self) -> ClusterDescription:
@@ -407,6 +417,7 @@ def from_stack_outputs(
             # jobs write their results from the nodes with the cluster's identity: no secret on the cluster
             results_upload=BlobCredential(kind="managed_identity", client_id=out.cluster_identity_client_id),
             slurm=_stack_slurm(out),
+            telemetry=Telemetry(prometheus_url=f"http://{out.head_private_ip}:{PROMETHEUS_PORT}"),
             runtime=_stack_runtime(out, runtime, image_tag),
             nccl_env=out.nccl_env,
             min_free_disk_gb=50.0,

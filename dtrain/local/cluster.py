@@ -56,6 +56,7 @@ from dtrain.cluster.description import (
     Runtime,
     SlurmAccess,
     SSHEndpoint,
+    Telemetry,
 )
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.fileio import atomic_write
@@ -66,6 +67,7 @@ from dtrain.local import network as net
 from dtrain.local import power as local_power
 from dtrain.local import reconcile as local_reconcile
 from dtrain.local import slurm as local_slurm
+from dtrain.local import telemetry as local_telemetry
 from dtrain.local.daemons import free_port, wait_port, wait_socket_file
 from dtrain.local.network import check_subnet_free
 from dtrain.local.nodes import (
@@ -267,6 +269,7 @@ def _check_tools(mode: str) -> Path:
     if mode == "netns":
         for tool in (*SLURM_TOOLS, "nsenter"):
             require_tool(tool, "run tools/setup_system.sh (apt-get install munge slurmctld slurmd slurm-client)")
+        local_telemetry.require_tools()
     azurite = REPO_ROOT / "node_modules" / ".bin" / "azurite-blob"
     if not azurite.exists():
         raise OperatorError(f"Azurite is not installed: run `npm ci` in {REPO_ROOT}", ExitCode.NOT_READY)
@@ -300,6 +303,7 @@ def _up(
     storage = _azurite_storage(str(state.azurite_endpoint))
     if state.mode == "netns":
         _start_slurm(state, slurm)
+        local_telemetry.start(state)
     desc = _describe(state, python, key, known_hosts, storage)
     desc.save(root / "cluster.json")
     return desc
@@ -498,6 +502,7 @@ def _describe(state: LocalState, python: Path, key: Path, known_hosts: Path, sto
         min_free_disk_gb=1.0,
         default_time_limit=local_slurm.JOB_TIME.default,  # as its slurm.conf says
         max_time_limit=local_slurm.JOB_TIME.maximum,
+        telemetry=Telemetry(prometheus_url=local_telemetry.prometheus_url(state)) if state.head else None,
     )
 
 

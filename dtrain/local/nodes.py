@@ -125,13 +125,23 @@ def start_spot_agent(state: LocalState, node: NodeState) -> None:
     """The node's Spot agent (dtrain/remote/boot/spot_agent.py), inside the node's namespaces like its slurmd:
     it reaches the node's metadata endpoint, and goes when the node is switched off."""
     assert state.slurm_conf is not None
-    enter = ["nsenter", f"--target={node_init_pid(state, node)}", "--net", "--uts", "--pid", "--mount"]
-    argv = [*enter, "env", f"SLURM_CONF={state.slurm_conf}", SYSTEM_PYTHON, str(SPOT_AGENT), "--node", node.hostname]
-    start_daemon(state, spot_agent_role(node.hostname), argv, str(SPOT_AGENT))
+    argv = [*enter_node(state, node), "env", f"SLURM_CONF={state.slurm_conf}", SYSTEM_PYTHON, str(SPOT_AGENT)]
+    start_daemon(state, spot_agent_role(node.hostname), [*argv, "--node", node.hostname], str(SPOT_AGENT))
+
+
+def enter_node(state: LocalState, node: NodeState) -> list[str]:
+    """The argv prefix that runs a command inside the node (its network, hostname, processes and mounts),
+    where it ends when the node is switched off."""
+    return ["nsenter", f"--target={node_init_pid(state, node)}", "--net", "--uts", "--pid", "--mount"]
 
 
 def spot_agent_role(node: str) -> str:
     return f"spot-agent-{node}"
+
+
+def exporter_roles(node: str) -> tuple[str, str]:
+    """The roles of a node's telemetry daemons (dtrain/local/telemetry.py): node_exporter, the GPU stand-in."""
+    return f"node-exporter-{node}", f"gpu-exporter-{node}"
 
 
 def node_init_pid(state: LocalState, node: NodeState) -> int:
@@ -151,5 +161,5 @@ def running_init_pid(state: LocalState, node: NodeState) -> int | None:
 
 
 def node_roles(node: str) -> tuple[str, ...]:
-    """The roles of a node's daemons in the state record: its sshd, its slurmd, its Spot agent."""
-    return node, local_slurm.slurmd_role(node), spot_agent_role(node)
+    """The roles of a node's daemons in the state record: its sshd, its slurmd, its Spot agent, its exporters."""
+    return node, local_slurm.slurmd_role(node), spot_agent_role(node), *exporter_roles(node)

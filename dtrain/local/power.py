@@ -35,6 +35,7 @@ from dtrain.cli_common import CLIParser, non_empty, run_cli
 from dtrain.cluster.description import REPO_ROOT
 from dtrain.errors import OperatorError
 from dtrain.fileio import atomic_write
+from dtrain.local import telemetry as local_telemetry
 from dtrain.local.daemons import wait_port
 from dtrain.local.nodes import (
     SSHD_WAIT_S,
@@ -99,6 +100,7 @@ def start_nodes(state_dir: str | Path, nodes: Sequence[str], requested_at: float
             agent = state.record(spot_agent_role(target.hostname))
             if agent is None or not agent.alive():
                 start_spot_agent(state, target)
+            local_telemetry.start_node(state, target)
             target.stopped = False
         state.save()
 

@@ -31,6 +31,7 @@ from infra.cloud_init._common import (
     write_file,
 )
 from infra.cloud_init.nccl import check_nccl_env
+from infra.cloud_init.prometheus import NODE_EXPORTER_PACKAGE
 from infra.cloud_init.slurm import MAX_GPUS_PER_NODE, render_health_check
 from infra.cloud_init.slurm_packages import (
     MUNGE_PACKAGE,
@@ -62,6 +63,7 @@ UNITS = (
     NODE_SETUP_UNIT,
     "nvme-raid.service",
     "spot-agent.service",
+    "dcgm-exporter.service",
 )
 # The group of the docker daemon's socket (the image's docker package makes it): the admin user joins it.
 DOCKER_GROUP = "docker"
@@ -69,7 +71,8 @@ SLURMD_DROP_IN = f"{UNITS_DIR}/slurmd.service.d/configless.conf"
 # Where framework images land: the disk the health check keeps free space on.
 DOCKER_DATA_PATH = "/var/lib/docker"
 # Besides Slurm's own (slurm_packages.SLURMD_PACKAGES, versioned): mdadm and xfsprogs, the NVMe volume.
-PACKAGES = ["nfs-common", MUNGE_PACKAGE, "mdadm", "xfsprogs"]
+# prometheus-node-exporter: the node's metrics for the head node's Prometheus (infra/cloud_init/prometheus.py).
+PACKAGES = ["nfs-common", MUNGE_PACKAGE, "mdadm", "xfsprogs", NODE_EXPORTER_PACKAGE]
 # Azure has at most 8 local NVMe disks on the sizes in infra/skus.py; 0 stands for "not stated".
 MAX_NVME_DISKS = 8
 

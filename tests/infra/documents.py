@@ -106,6 +106,7 @@ def head_doc(**overrides: object) -> str:
         "admin_user": "hpcadmin",
         "register_timeout_s": 1800,
         "power_down_unused": True,
+        "telemetry_nodes": ["hvd-gpu-000000", "hvd-gpu-000001"],
     }
     return render_head_node(**{**args, **overrides})  # type: ignore[arg-type]
 

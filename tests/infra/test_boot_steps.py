@@ -66,6 +66,7 @@ def test_a_failed_nvme_and_registry_login_do_not_keep_slurmd_from_starting_and_a
         "registry-login": f"failed: {ACR_REASON}",
         "slurmd": "ok",
         "spot-agent": "ok",
+        "gpu-metrics": "ok",
         "ok": "0",
         "updated_at": report(shared, "hvd-gpu-00000a")["updated_at"],
     }

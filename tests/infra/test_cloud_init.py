@@ -79,6 +79,7 @@ def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     assert sorted(Path(unit).name for unit in units) == [
         "acr-login.service",
         "acr-login.timer",
+        "dcgm-exporter.service",
         "nccl-conf.service",
         "node-setup.service",
         "nvme-raid.service",

@@ -1183,6 +1183,7 @@ def test_head_node_installs_the_controller_and_its_files_after_the_packages() ->
         ["slurm-smd", "25.11.5-1"],
         ["slurm-smd-client", "25.11.5-1"],  # sbatch and friends: the head node is the login node
         ["slurm-smd-slurmctld", "25.11.5-1"],
+        "prometheus",  # the cluster's telemetry (infra/cloud_init/prometheus.py)
     ]
     files = files_of(document)
     for path, expected in (
@@ -1198,6 +1199,7 @@ def test_head_node_installs_the_controller_and_its_files_after_the_packages() ->
         ["systemctl", "daemon-reload"],
         ["systemctl", "enable", "--now", "slurm-power-reap.timer"],
         ["systemctl", "enable", "--now", "--no-block", "head-setup.service"],
+        ["systemctl", "restart", "prometheus.service"],  # with our configuration, not the package's example
     ]
     assert "ExecStart=/usr/local/sbin/head-setup" in files["/etc/systemd/system/head-setup.service"]["content"]
 

@@ -15,7 +15,15 @@ import yaml
 
 from infra.azure_limits import COMPUTER_NAME_PREFIX, LINUX_COMPUTER_NAME, RESOURCE_NAME_RULES
 from infra.config import AUTONAME_SUFFIX, MAX_NODES, parse_config
-from infra.contract import SLURMCTLD_PORT, SLURMD_PORT, SRUN_PORT_RANGE, StackOutput
+from infra.contract import (
+    DCGM_EXPORTER_PORT,
+    NODE_EXPORTER_PORT,
+    PROMETHEUS_PORT,
+    SLURMCTLD_PORT,
+    SLURMD_PORT,
+    SRUN_PORT_RANGE,
+    StackOutput,
+)
 from infra.identity import ACR_PULL, SCALE_SET_POWER_ACTIONS, STORAGE_BLOB_DATA_CONTRIBUTOR
 from infra.key_vault import KEY_VAULT_SECRETS_USER, MUNGE_KEY_CONTENT_TYPE, MUNGE_KEY_LIFETIME, munge_key_expiry
 from infra.network import DENY_ALL_PRIORITY, SERVICE_ENDPOINTS
@@ -614,9 +622,22 @@ def _covers(port_ranges: list[str], port: int) -> bool:
     return any(low <= port <= high for low, high in map(span, port_ranges))
 
 
-@pytest.mark.parametrize("port", [SLURMCTLD_PORT, SLURMD_PORT, SRUN_PORT_RANGE[0], SRUN_PORT_RANGE[1]])
+# Slurm's, and the telemetry's: Prometheus on the head node, the exporters it scrapes on every node
+INTERNAL_PORTS = [
+    SLURMCTLD_PORT,
+    SLURMD_PORT,
+    *SRUN_PORT_RANGE,
+    PROMETHEUS_PORT,
+    NODE_EXPORTER_PORT,
+    DCGM_EXPORTER_PORT,
+]
+
+
+@pytest.mark.parametrize("port", INTERNAL_PORTS)
 @pytest.mark.parametrize("role", ["cluster", "nfs", "jumpbox"])
-def test_slurm_ports_are_closed_outside_the_cluster_subnet(deployment: Deployment, role: str, port: int) -> None:
+def test_slurm_and_telemetry_ports_are_closed_outside_the_cluster_subnet(
+    deployment: Deployment, role: str, port: int
+) -> None:
     admitting = [
         rule
         for rule in _rules(deployment, role)
@@ -679,3 +700,26 @@ def test_config_checks_the_names_the_stack_makes(overrides: dict[str, str]) -> N
             made[f"the {label} nodes' computer name prefix"] = prefix
             made[f"a {label} node's host name"] = prefix + "000000"
     assert made == derived
+
+
+def test_head_node_runs_prometheus_over_every_slurm_nodes_exporters_with_retention_bounded_by_size(
+    deployment: Deployment,
+) -> None:
+    head = yaml.safe_load(head_document(deployment))
+    assert "prometheus" in head["packages"]
+    targets = json.loads(head_file(deployment, "/etc/prometheus/targets.json"))
+    # every node slurm.conf names, each with node_exporter and the DCGM exporter, labelled with its Slurm name
+    assert sorted((t["labels"]["node"], t["targets"][0]) for t in targets) == sorted(
+        (name, f"{name}:{port}") for name in NODE_NAMES for port in (NODE_EXPORTER_PORT, DCGM_EXPORTER_PORT)
+    )
+    assert slurm_settings(deployment)["NodeName"].split()[0] == ",".join(NODE_NAMES)
+    config = yaml.safe_load(head_file(deployment, "/etc/prometheus/prometheus.yml"))
+    assert config["scrape_configs"][0]["file_sd_configs"][0]["files"] == ["/etc/prometheus/targets.json"]
+    assert "--storage.tsdb.retention.size=10GB" in head_file(deployment, "/etc/default/prometheus")
+    assert ["systemctl", "restart", "prometheus.service"] in head["runcmd"]  # ours, not the package's example
+    # the nodes: node_exporter from Ubuntu's package, NVIDIA's DCGM exporter (pinned) started by node-setup
+    node = yaml.safe_load(node_document(deployment))
+    assert "prometheus-node-exporter" in node["packages"]
+    units = {e["path"]: e["content"] for e in node["write_files"]}
+    assert "dcgm-exporter:4.2.3-4.1.3-ubuntu22.04" in units["/etc/systemd/system/dcgm-exporter.service"]
+    assert "systemctl enable --now dcgm-exporter.service" in units["/usr/local/sbin/node-setup"]

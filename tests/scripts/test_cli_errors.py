@@ -502,6 +502,8 @@ COMMANDS = (
     "logs",
     "cancel",
     "status",
+    "ui",
+    "top",
     "ssh",
     "exec",
     "alloc",

@@ -14,7 +14,7 @@ ADMIN_USER=@ADMIN_USER@
 DOCKER_GROUP=@DOCKER_GROUP@
 readonly STEPS_DIR=/run/node-setup
 readonly DONE_FILE=/var/lib/node-setup/done
-readonly STEPS=(nfs-mount nccl-conf nvme-raid docker-group registry-login slurmd spot-agent)
+readonly STEPS=(nfs-mount nccl-conf nvme-raid docker-group registry-login slurmd spot-agent gpu-metrics)
 # Slurm's name for this machine: Azure may write the scale set's base-36 digits in upper case.
 NODE_NAME=$(hostname -s | tr '[:upper:]' '[:lower:]')
 
@@ -44,6 +44,8 @@ registry=$!
 step slurmd slurmd-setup
 # Turns a Spot eviction notice (Scheduled Events) into a checkpoint and a requeue; idle on on-demand nodes.
 step spot-agent systemctl enable --now spot-agent.service
+# The GPUs' metrics for the head node's Prometheus (node_exporter's package started it at install).
+step gpu-metrics systemctl enable --now dcgm-exporter.service
 wait "$registry"
 if all_steps_ok; then
   touch "$DONE_FILE"
