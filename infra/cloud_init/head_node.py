@@ -23,6 +23,8 @@ from infra.cloud_init._common import (
     start_setup_unit,
     write_file,
 )
+from infra.cloud_init.mlflow import PACKAGES as MLFLOW_PACKAGES
+from infra.cloud_init.mlflow import mlflow_commands, mlflow_files
 from infra.cloud_init.slurm_packages import (
     MUNGE_PACKAGE,
     SLURM_USER,
@@ -86,6 +88,7 @@ def render_head_node(
     register_timeout_s: int,
     power_down_unused: bool,
     spot_scale_set: dict[str, str] | None = None,
+    tracking: dict[str, str] | None = None,
 ) -> str:
     """cloud-config that installs slurmctld at slurm_version (the nodes' slurmd's) with slurm_conf,
     gres_conf and cgroup_conf (slurmd fetches all three, configless), the program that fetches
@@ -96,7 +99,8 @@ def render_head_node(
     registering before the timer deallocates it. power_down_unused: the timer also powers down, at
     once, registered nodes that came up outside Slurm and sit idle (autostop on; off, idle nodes stay
     up as asked). spot_scale_set: the Spot nodes' scale set (scale_set_id, node_prefix and the
-    identity_client_id that powers it), powered the same way."""
+    identity_client_id that powers it), powered the same way. tracking: the MLflow server's listen_ip,
+    results_endpoint, container and identity_client_id (infra/cloud_init/mlflow.py)."""
     _check_scale_set(scale_set_id, node_prefix)
     check_user("admin_user", admin_user)
     if not isinstance(power_down_unused, bool):
@@ -132,7 +136,11 @@ def render_head_node(
         {
             "package_update": True,
             "bootcmd": account_commands(),
-            "packages": [*PACKAGES, *versioned(SLURMCTLD_PACKAGES, slurm_version)],
+            "packages": [
+                *PACKAGES,
+                *versioned(SLURMCTLD_PACKAGES, slurm_version),
+                *(MLFLOW_PACKAGES if tracking else []),
+            ],
             "write_files": [
                 *apt_files(slurm_version),
                 nfs_mount_file(server_ip=nfs_server_ip, export_path=nfs_export_path, mount_path=mount_path),
@@ -148,9 +156,15 @@ def render_head_node(
                 write_file(POWER_CONFIG_PATH, json.dumps(power_config, indent=2) + "\n", "0644", defer=True),
                 munge_key_fetch_file(vault_uri=key_vault_uri, identity_client_id=identity_client_id),
                 *(write_file(f"{UNITS_DIR}/{unit}", remote_file(f"slurm/{unit}"), "0644") for unit in REAP_UNITS),
+                *(mlflow_files(tracking) if tracking else []),
             ],
             # The reaper's timer before the setup: a head-setup that fails or waits must not leave nodes
             # billing unseen.
-            "runcmd": [setup_start[0], ["systemctl", "enable", "--now", REAP_UNITS[1]], *setup_start[1:]],
+            "runcmd": [
+                setup_start[0],
+                ["systemctl", "enable", "--now", REAP_UNITS[1]],
+                *setup_start[1:],
+                *(mlflow_commands() if tracking else []),
+            ],
         }
     )
