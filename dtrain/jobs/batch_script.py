@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dtrain.cluster.ssh import q
+from dtrain.jobs import tracking
 from dtrain.remote.job.annotate_output import TORCHRUN_PREFIX_TEMPLATE
 from infra.contract import CONTAINER_SSH_PORT, PREEMPTED_EXIT_CODE
 
@@ -30,7 +31,10 @@ Launcher = Literal["horovodrun", "torchrun"]
 NODE_PROBE_S = 60  # how long a node may take to run an empty job step before it counts as failed
 RDZV_PORT_BASE = 29400  # torchrun's rendezvous on the first node: this plus the job id modulo 1000
 OUTPUT_SUBDIR = "output"  # $OUTPUT_DIR of a run: uploaded to the results container with the run's logs
-REMOTE_TOOLS = ("annotate_output.py", "record_run.py", "upload_results.py", "srun_ssh.py", "nvme_copy.py")
+REMOTE_TOOLS = (
+    *("annotate_output.py", "record_run.py", "upload_results.py", "srun_ssh.py", "nvme_copy.py"),
+    "mlflow_run.py",
+)
 # --ntasks too: the allocation's SLURM_NTASKS (nodes x processes) would otherwise win over per-node
 DOCKER_RUN_WITH_JOB_GPUS = (
     "sh -c " + q('exec docker run --gpus "\\"device=${SLURM_STEP_GPUS:-$SLURM_JOB_GPUS}\\"" "$@"') + " docker-run"
@@ -89,6 +93,7 @@ class JobSpec:
     git_revision: str | None = None  # of the operator's checkout: recorded in the model export
     env: dict[str, str] = field(default_factory=dict)  # NCCL settings and the like, for every rank
     local_copy: LocalCopy | None = None
+    tracking: tracking.Tracking | None = None  # the MLflow server of the run (dtrain/jobs/tracking.py)
 
     @property
     def world_size(self) -> int:
@@ -154,6 +159,7 @@ def _prologue(spec: JobSpec) -> list[str]:
         IGNORE_USR1.rstrip(";"),  # the signal is for the ranks (see IGNORING_USR1)
         *_finish_function(spec),
         "trap finish EXIT",
+        *(tracking.open_run_lines(spec.tracking) if spec.tracking else []),
         # scancel signals the whole step: the launcher ends, and its last lines (and the verdict) reach
         # the log before finish() uploads it. A status goes first: should the launcher take longer than
         # KillWait to end, SIGKILL leaves that (finish() replaces it with the full one).
@@ -202,6 +208,7 @@ def _finish_function(spec: JobSpec) -> list[str]:
         f'  "$PY" "$TOOLS/record_run.py" --run-dir "$RUN_DIR" --nodes {spec.nodes} --attempt "$ATTEMPT" '
         '--started-at "$ATTEMPT_STARTED_AT" --exit-code "$code" --partition "$SLURM_JOB_PARTITION" 2>&1 '
         "| sed 's/^/[job] /'",
+        *([tracking.CLOSE_RUN_LINE] if spec.tracking else []),
         f"  {' '.join(upload)} 2>&1 | sed 's/^/[job] /' || echo '[job] results upload incomplete: see status.json'",
         '  exit "$code"',
         "}",
@@ -299,6 +306,8 @@ def _docker_run(spec: JobSpec, detach: bool) -> list[str]:
     argv += ["-e", "RUN_DIR", "-e", "RUN_ID", "-e", "GIT_REVISION", "-e", "RDZV", "-e", "SLURM_JOB_ID"]
     argv += ["-e", "OUTPUT_DIR", "-e", "CHECKPOINT_DIR"]
     argv += ["-e", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"]
+    if spec.tracking:
+        argv += [arg for key in tracking.CONTAINER_ENV for arg in ("-e", key)]
     argv += [arg for key in ("PYTHONUNBUFFERED", *spec.env) for arg in ("-e", key)]
     if spec.infiniband:
         argv += ["--device", "/dev/infiniband"]

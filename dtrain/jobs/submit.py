@@ -31,6 +31,7 @@ from dtrain.jobs.batch_script import REMOTE_TOOLS, JobSpec, Launcher, LocalCopy,
 from dtrain.jobs.kept_checkpoints import newest_kept_checkpoint
 from dtrain.jobs.preflight import ProcessRequest, dataset_under_data_path, plan_preflight
 from dtrain.jobs.preflight import flag_value as _flag_value
+from dtrain.jobs.tracking import plan_tracking
 from dtrain.jobs.workdir import CODE_SUBDIR, MAX_WORKDIR_MB, Workdir, check_workdir, send_workdir
 from infra.contract import FRAMEWORKS, RUNS_DIR
 from training.world.backend_choice import AUTO, DDP, HOROVOD
@@ -66,6 +67,8 @@ class LaunchOptions:
     spot: bool = False  # the Spot partition; evictions checkpoint and requeue the job
     spot_fallback: bool = False  # the Spot partition where Slurm can start it there, else on demand
     resume_from: str | None = None  # a run whose newest kept checkpoint (results container) this one starts from
+    tracking_uri: str | None = None  # MLflow server instead of the cluster's ("none": untracked)
+    experiment: str | None = None  # MLflow experiment (default: dtrain/jobs/tracking.py's)
 
     @property
     def requeued(self) -> bool:
@@ -211,6 +214,7 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
         git_revision=git_revision(),
         env=dict(desc.nccl_env),
         local_copy=local_copy,
+        tracking=plan_tracking(desc.tracking_uri, opts.tracking_uri, opts.experiment),
     )
     return Plan(spec, alloc, workdir)
 

@@ -62,6 +62,7 @@ from dtrain.fileio import atomic_write
 from dtrain.local import gpus as local_gpus
 from dtrain.local import link as local_link
 from dtrain.local import metadata as local_metadata
+from dtrain.local import mlflow_server as local_mlflow
 from dtrain.local import network as net
 from dtrain.local import power as local_power
 from dtrain.local import reconcile as local_reconcile
@@ -299,6 +300,7 @@ def _up(
     _wait_for_sshds_and_azurite(state)
     storage = _azurite_storage(str(state.azurite_endpoint))
     if state.mode == "netns":
+        local_mlflow.start(state, storage.connection_string)  # not waited for: it comes up beside Slurm
         _start_slurm(state, slurm)
     desc = _describe(state, python, key, known_hosts, storage)
     desc.save(root / "cluster.json")
@@ -498,6 +500,7 @@ def _describe(state: LocalState, python: Path, key: Path, known_hosts: Path, sto
         min_free_disk_gb=1.0,
         default_time_limit=local_slurm.JOB_TIME.default,  # as its slurm.conf says
         max_time_limit=local_slurm.JOB_TIME.maximum,
+        tracking_uri=local_mlflow.tracking_uri(state),
     )
 
 
