@@ -23,6 +23,7 @@ declare -A wanted=(
   [busybox]=busybox-static     # that VM's initramfs
   [udevadm]=udev               # assembles the array at the VM's boot, as on a node
   [modprobe]=kmod              # orders the VM kernel's modules
+  [chromium]=chromium          # renders MLflow's UI headless (tests/scripts/test_mlflow.py)
 )
 missing=()
 for command in "${!wanted[@]}"; do

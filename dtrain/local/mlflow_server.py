@@ -19,13 +19,11 @@ from pathlib import Path
 from dtrain.cluster.description import REPO_ROOT
 from dtrain.local.nodes import start_daemon
 from dtrain.local.state import AZURITE_ACCOUNT, LocalState
-from infra.contract import MLFLOW_PORT
+from infra.contract import MLFLOW_PORT, MLFLOW_SERVER_ENV
 
 ROLE = "mlflow"
 ENVIRONMENT = REPO_ROOT / ".venv-mlflow"
 ARTIFACTS = f"wasbs://results@{AZURITE_ACCOUNT}.blob.core.windows.net/mlflow"
-# MLflow 3 reports usage to its maintainers unless told not to; a cluster's server must not call out
-QUIET = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
 
 
 def server_argv(mlflow: Path, host: str, store: Path, artifacts: str) -> list[str]:
@@ -48,7 +46,7 @@ def start(state: LocalState, azurite_connection_string: str) -> None:
     store = Path(state.state_dir) / "mlflow"
     store.mkdir(mode=0o700, exist_ok=True)
     argv = server_argv(mlflow, state.head.address, store / "mlflow.db", ARTIFACTS)
-    env = {"AZURE_STORAGE_CONNECTION_STRING": azurite_connection_string, **QUIET}
+    env = {"AZURE_STORAGE_CONNECTION_STRING": azurite_connection_string, **MLFLOW_SERVER_ENV}
     start_daemon(state, ROLE, ["ip", "netns", "exec", state.head.namespace, *argv], str(store), env=env)
 
 

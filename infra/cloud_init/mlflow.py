@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.cloud_init._common import check_client_id, read_unit, write_file
-from infra.contract import MLFLOW_PORT
+from infra.contract import MLFLOW_PORT, MLFLOW_SERVER_ENV
 
 REQUIREMENTS = Path(__file__).resolve().parents[2] / "requirements-mlflow.txt"
 UNITS = ("mlflow-setup.service", "mlflow.service")
@@ -51,8 +51,7 @@ def server_env(listen_ip: str, results_endpoint: str, container: str, identity_c
         "MLFLOW_ARTIFACTS": artifacts_uri(results_endpoint, container),
         # azure-identity's DefaultAzureCredential: the user-assigned identity of this client id (IMDS)
         "AZURE_CLIENT_ID": check_client_id("tracking identity_client_id", identity_client_id),
-        "MLFLOW_DISABLE_TELEMETRY": "true",  # MLflow 3 reports usage unless told not to
-        "DO_NOT_TRACK": "true",
+        **MLFLOW_SERVER_ENV,
     }
     return "".join(f"{key}={value}\n" for key, value in values.items())
 

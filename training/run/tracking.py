@@ -97,7 +97,8 @@ class Tracker:
         self.client, self.run_id = client, run_id
         self.dropped = 0  # values lost: a full buffer, or a batch the server did not take
         self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue(buffer)
-        self._failing = False
+        self._failing = False  # the last request failed: the next gets one attempt, not ATTEMPTS
+        self._warned = False  # this outage was reported
         self._thread = threading.Thread(target=self._send_all, name="mlflow-tracking", daemon=True)
         self._thread.start()
 
@@ -132,7 +133,7 @@ class Tracker:
         try:
             self._queue.put_nowait((kind, item))
         except queue.Full:
-            self._lost(len(item) if isinstance(item, list) else 1, "the buffer is full")
+            self._drop(len(item) if isinstance(item, list) else 1, "the buffer is full")
 
     def _send_all(self) -> None:
         while True:
@@ -180,18 +181,18 @@ class Tracker:
                 if attempt + 1 < attempts:
                     time.sleep(RETRY_WAIT_S * 2**attempt)
                 continue
-            if self._failing:
-                log.warning("MLflow: %s answers again; tracking resumed", self.client.uri)
-            self._failing = False
+            if self._warned:
+                log.warning("MLflow: %s takes values again; tracking resumed", self.client.uri)
+            self._failing = self._warned = False
             return
-        if not self._failing:
-            log.warning("MLflow: dropping values until %s answers again (training goes on): %s", self.client.uri, error)
         self._failing = True
-        self.dropped += count
+        self._drop(count, str(error))
 
-    def _lost(self, count: int, why: str) -> None:
-        if not self.dropped:
-            log.warning("MLflow: dropping values, %s (training goes on)", why)
+    def _drop(self, count: int, why: str) -> None:
+        """One warning per outage (a server that fails, or one too slow for the buffer), not per value."""
+        if not self._warned:
+            log.warning("MLflow: dropping values until %s answers (training goes on): %s", self.client.uri, why)
+            self._warned = True
         self.dropped += count
 
     def _upload(self, directory: Path) -> None:
