@@ -9,7 +9,6 @@ DevTools client to install or keep in step with the browser's version, and each 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
 import re
@@ -35,9 +34,7 @@ from .test_launcher import cli, job_id_of, run_dir, squeue_state, status_of
 
 SERVER_START_S = 240  # `up` does not wait for it; on a loaded 2-core machine it takes up to a minute or more
 LOSS = "train/loss"
-# between two of rank 0's steps after the kill: a step of this tiny job takes well under a second, a
-# sender that blocked the loop would add its retries (3 attempts, 5 s timeouts) to one
-STEP_GAP_BOUND_S = 10
+END_STALL_BOUND_S = 15  # the job's end, waiting for a sender whose server is gone (refused connections)
 
 
 def api(uri: str, endpoint: str, **params: str) -> dict:
@@ -120,14 +117,14 @@ def stop_server(cluster) -> None:
 def test_killing_mlflow_mid_run_neither_fails_nor_stalls_the_job(cluster, cluster_file):
     uri = server(cluster)
     data = tiny_imagenet(cluster, "mlflow-imagenet")
-    proc = cli(*pytorch_launch(cluster_file, data, "mlflow-killed", "--detach", steps=40))
+    proc = cli(*pytorch_launch(cluster_file, data, "mlflow-killed", "--detach", steps=12))
     assert proc.returncode == 0, proc.stderr
     job_id = job_id_of(proc)
     mlflow_run = mlflow_run_of(cluster, "mlflow-killed")
     try:
         wait_for(lambda: loss_history(uri, mlflow_run), 180, "the first loss point", interval=0.5)
         stop_server(cluster)
-        killed_at, killed_wall = time.monotonic(), time.time()
+        killed_at = time.monotonic()
         wait_for(lambda: squeue_state(cluster, job_id) == "", 240, "the job to end", interval=0.5)
         after_kill = time.monotonic() - killed_at
     finally:
@@ -135,20 +132,21 @@ def test_killing_mlflow_mid_run_neither_fails_nor_stalls_the_job(cluster, cluste
         local_mlflow.start(state, cluster.staging_credential.secret.get_secret_value())
     log = (run_dir(cluster, "mlflow-killed") / "output.log").read_text()
     assert status_of(cluster, "mlflow-killed")["exit_code"] == 0, log[-3000:]
-    assert "[0|node-0]" in log and re.search(r"step 40/40", log), log[-3000:]
+    assert "[0|node-0]" in log and re.search(r"step 12/12", log), log[-3000:]
     # one warning for the outage, not one per step; the end of the job says what was lost
     assert len(re.findall(r"MLflow: dropping values until", log)) == 1, log[-3000:]
     assert "values were not recorded" in log, log[-3000:]
     assert "MLflow at" in log and "its MLflow run stays open" in log  # the job script's end: one line
-    # Not stalled: rank 0's steps go on at their pace (the sender retries in its own thread), and the
-    # job's end waits for the sender at most FINISH_WAIT_S (30 s).
-    after = [stamp for stamp in step_times(log) if stamp >= killed_wall - 1]
-    gaps = [later - earlier for earlier, later in itertools.pairwise(after)]
-    assert after and max(gaps, default=0) < STEP_GAP_BOUND_S, gaps
+    # Not stalled: the job's end waited for the sender a bounded time (FINISH_WAIT_S at most; a refused
+    # connection costs less), from rank 0's metrics line to its report of what was lost
+    ending = stamp_of(log, "metrics: "), stamp_of(log, "values were not recorded")
+    assert ending[1] - ending[0] < END_STALL_BOUND_S, ending
     assert after_kill < 180, after_kill
 
 
-def step_times(log: str) -> list[float]:
-    """When rank 0 logged each step (its log lines' own time stamps)."""
-    found = re.findall(r"^\[0\|node-0\]!? (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank0 .* step \d+/", log, re.M)
-    return [datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp() for text in found]
+def stamp_of(log: str, text: str) -> float:
+    """When rank 0 logged the first line with ``text`` (its log lines' own time stamps)."""
+    pattern = r"^\[0\|node-0\]!? (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank0 .*" + re.escape(text)
+    found = re.search(pattern, log, re.M)
+    assert found, text
+    return datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
