@@ -24,6 +24,7 @@ What `up` creates (all of it recorded in STATE_DIR/state.json, all of it removed
   * blob storage: Azurite (from this repository's node_modules) on the bridge (127.0.0.1 in localhost
     mode), where the host and the nodes reach it, with `data` and
     `results` containers, a read-only SAS for `data` and a write SAS for `results`;
+  * MLflow's tracking server in the head namespace (dtrain/local/mlflow_server.py), artifacts in Azurite;
   * a freshly generated SSH key (and host keys, pre-registered in a known_hosts file).
 Processes are stopped by pid (with the descendants they forked), never by name.
 """
@@ -640,6 +641,8 @@ def _addresses(state: LocalState) -> dict[str, str]:
     addresses.update({role: f"127.0.0.1:{port}" for role, port in state.ports.items()})
     if state.azurite_endpoint:
         addresses["azurite"] = state.azurite_endpoint
+    if tracking_uri := local_mlflow.tracking_uri(state):
+        addresses[local_mlflow.ROLE] = tracking_uri
     if state.slurm_conf and state.head:
         addresses["munged"] = str(local_slurm.SlurmFiles(Path(state.state_dir)).munge_socket)
         addresses["slurmctld"] = f"{state.head.address}:{SLURMCTLD_PORT}"

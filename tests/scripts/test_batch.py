@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from dtrain.jobs.batch_script import DOCKER_RUN_WITH_JOB_GPUS, JobSpec, LocalCopy, ResultsTarget, render_job_script
+from dtrain.jobs.tracking import Tracking
 
 BASE = JobSpec(
     run_id="r-1",
@@ -35,6 +36,7 @@ VARIANTS = {
     "torchrun-docker": replace(BASE, launcher="torchrun", requeue=True, time_limit="90"),
     "torchrun-host": replace(BASE, launcher="torchrun", image=None, python="/opt/venv/bin/python"),
     "local-copy": replace(BASE, local_copy=LocalCopy("/shared/data/my set", "/nvme/data/my set")),
+    "tracked": replace(BASE, tracking=Tracking("http://10.40.63.254:5000", "my experiment")),
     "local-sas": replace(
         BASE, image=None, results=ResultsTarget("http://127.0.0.1:1/devstoreaccount1", "results", sas_file="r.sas")
     ),

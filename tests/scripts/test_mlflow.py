@@ -19,16 +19,21 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import replace
 from datetime import datetime
 
+import pytest
 from PIL import Image
 
+from dtrain.jobs.batch_script import REMOTE_TOOLS, render_job_script
+from dtrain.jobs.tracking import CONTAINER_ENV, OFF, Tracking, plan_tracking
 from dtrain.local import mlflow_server as local_mlflow
 from dtrain.local.state import load_state
 from dtrain.processes import descendants
 from tests.polling import wait_for
 
 from .conftest import local_state_dir
+from .test_batch import BASE
 from .test_job_reliability import pytorch_launch, tiny_imagenet
 from .test_launcher import cli, job_id_of, run_dir, squeue_state, status_of
 
@@ -72,6 +77,48 @@ def chromium(*args: str, url: str) -> subprocess.CompletedProcess:
     argv = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--hide-scrollbars"]
     argv += ["--window-size=1280,1600", "--virtual-time-budget=20000", *args, url]
     return subprocess.run(argv, capture_output=True, text=True, timeout=90)
+
+
+def test_job_script_opens_the_run_exports_it_to_every_rank_and_closes_it():
+    tracked = replace(BASE, tracking=Tracking("http://10.40.63.254:5000", "my experiment"))
+    text = render_job_script(tracked)
+    lines = text.splitlines()
+    assert "export MLFLOW_TRACKING_URI=http://10.40.63.254:5000" in lines
+    opening = next(line for line in lines if 'mlflow_run.py" start' in line)
+    assert "--experiment 'my experiment'" in opening and '--run-name "$RUN_ID"' in opening
+    assert opening.startswith("MLFLOW_RUN_ID=$(") and "&& export MLFLOW_RUN_ID" in opening
+    assert lines.index(opening) < next(i for i, line in enumerate(lines) if "horovodrun" in line)
+    assert any('mlflow_run.py" end --run-dir "$RUN_DIR" --exit-code "$code"' in line for line in lines)
+    for name in CONTAINER_ENV:  # into the containers by name: the token's value is never in the script
+        assert f"-e {name} " in text
+    assert "mlflow_run.py" in REMOTE_TOOLS
+    untracked = render_job_script(BASE)
+    assert "MLFLOW" not in untracked and "mlflow_run.py" not in untracked
+
+
+@pytest.mark.parametrize(
+    ("cluster_uri", "flag", "expected"),
+    [
+        ("http://10.0.0.4:5000", None, "http://10.0.0.4:5000"),
+        (
+            "http://10.0.0.4:5000",
+            "https://example.azureml.ms/mlflow/v1.0/x",
+            "https://example.azureml.ms/mlflow/v1.0/x",
+        ),
+        ("http://10.0.0.4:5000", OFF, None),
+        (None, None, None),
+    ],
+)
+def test_a_run_is_tracked_by_the_clusters_server_unless_told_otherwise(cluster_uri, flag, expected):
+    plan = plan_tracking(cluster_uri, flag, None)
+    assert (plan.uri if plan else None) == expected
+
+
+@pytest.mark.parametrize("value", ["ftp://host", "10.0.0.4:5000", "http://", "http://a b"])
+def test_a_tracking_uri_that_is_not_an_http_url_is_refused_before_anything_is_sent(tmp_path, value):
+    cluster_file = tmp_path / "cluster.json"  # never read: the flag is refused first
+    proc = cli("launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--tracking-uri", value, "--dry-run")
+    assert proc.returncode == 2 and "--tracking-uri" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_a_running_jobs_loss_curve_is_in_mlflow_and_its_ui(cluster, cluster_file, tmp_path):
