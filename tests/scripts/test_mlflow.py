@@ -87,7 +87,7 @@ def test_job_script_opens_the_run_exports_it_to_every_rank_and_closes_it():
     opening = next(line for line in lines if 'mlflow_run.py" start' in line)
     assert "--experiment 'my experiment'" in opening and '--run-name "$RUN_ID"' in opening
     assert opening.startswith("MLFLOW_RUN_ID=$(") and "&& export MLFLOW_RUN_ID" in opening
-    assert lines.index(opening) < next(i for i, line in enumerate(lines) if "horovodrun" in line)
+    assert lines.index(opening) < next(i for i, line in enumerate(lines) if "horovodrun --gloo" in line)
     assert any('mlflow_run.py" end --run-dir "$RUN_DIR" --exit-code "$code"' in line for line in lines)
     for name in CONTAINER_ENV:  # into the containers by name: the token's value is never in the script
         assert f"-e {name} " in text
