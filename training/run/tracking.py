@@ -176,7 +176,7 @@ class Tracker:
         for attempt in range(attempts):
             try:
                 send()
-            except TrackingError as exc:
+            except Exception as exc:  # an odd answer, an unreadable file: a drop, never the sender's end
                 error = exc
                 if attempt + 1 < attempts:
                     time.sleep(RETRY_WAIT_S * 2**attempt)
