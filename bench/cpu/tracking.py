@@ -20,13 +20,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench.harness import proc, steps
-from bench.harness.results import Figure
+from bench.harness.results import Figure, median
 from infra.contract import MLFLOW_SERVER_ENV
+from training.run.tracking import MlflowRest, Tracker
 
 MLFLOW = proc.REPO_ROOT / ".venv-mlflow" / "bin" / "mlflow"
 OPEN_RUN = proc.REPO_ROOT / "dtrain" / "remote" / "job" / "mlflow_run.py"
 SERVER_START_S = 300  # two processes importing MLflow: a minute or more on 2 loaded cores
 KEY, GOAL = "tracking", 0.99
+LOG_POINTS = 500  # within the sender's buffer: what a step pays, not what a full buffer drops
 
 
 @contextlib.contextmanager
@@ -81,9 +83,27 @@ def measure(shape: steps.Shape, rounds: int, threads: int) -> Figure:
             )
             for run in pair if i % 2 == 0 else reversed(pair):
                 run()
-    return Figure.from_rounds(
+        cost_s = log_point_cost_s(uri, open_run(uri, "bench-log-points"))
+    figure = Figure.from_rounds(
         KEY, title, "images/s", ours, off, goal=GOAL, ours_label="tracking on", baseline_label="tracking off"
     )
+    step_s = shape.batch / median(off)
+    share = 100 * cost_s / step_s
+    figure.note = f"a log point costs the loop {cost_s * 1e6:.0f} us, {share:.3f}% of a {step_s * 1000:.0f} ms step"
+    return figure
+
+
+def log_point_cost_s(uri: str, run_id: str, points: int = LOG_POINTS) -> float:
+    """What the loop pays per log point, measured where the rate's noise cannot hide it: the mean time of
+    ``points`` calls of the job's own sender (training/run/tracking.py) with a log step's values."""
+    tracker = Tracker(MlflowRest(uri, None), run_id)
+    values = {"train/loss": 1.0, "train/lr": 0.1, "train/images_per_sec": 30.0}
+    started = time.perf_counter()
+    for step in range(points):
+        tracker.metrics(step, values)
+    cost = (time.perf_counter() - started) / points
+    tracker.finish()
+    return cost
 
 
 def _rate(shape: steps.Shape, threads: int, extra: tuple[str, ...], env: dict[str, str]) -> float:
