@@ -5,6 +5,7 @@ PYTHON ?= python3
 PIP_VERSION := 25.2
 OPS := .venv
 TRAIN := .venv-train
+MLFLOW := .venv-mlflow
 # The GPU targets run on a GPU machine's own torch when the training venv is not there
 # (`make bench-gpu GPU_PYTHON=python3`); they need neither Horovod nor `make setup`.
 GPU_PYTHON ?= $(if $(wildcard $(TRAIN)/bin/python),$(TRAIN)/bin/python,python3)
@@ -16,7 +17,7 @@ BENCH_GPU_ARGS ?=
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
-setup: system $(OPS)/.installed $(TRAIN)/.installed $(TRAIN)/.checkout-on-path node_modules/.installed  ## install everything (both venvs, Horovod, Azurite)
+setup: system $(OPS)/.installed $(TRAIN)/.installed $(TRAIN)/.checkout-on-path $(MLFLOW)/.installed node_modules/.installed  ## install everything (the venvs, Horovod, Azurite, MLflow)
 
 system:  ## apt packages (cloud-init, shellcheck, openssh, iproute2, npm, Slurm, munge, QEMU...) and the test VM's kernel
 	@tools/setup_system.sh
@@ -43,6 +44,13 @@ $(TRAIN)/.installed: requirements-train.txt tools/build_horovod.sh
 # not `pip install -e .`, which would add the operator CLI and its dependencies to this environment)
 $(TRAIN)/.checkout-on-path: $(TRAIN)/.installed
 	$(TRAIN)/bin/python -c 'import site, sys; open(site.getsitepackages()[0] + "/azure-horovod.pth", "w").write(sys.argv[1] + "\n")' "$(CURDIR)"
+	touch $@
+
+# The local cluster's MLflow server, in an environment of its own (requirements-mlflow.txt says why)
+$(MLFLOW)/.installed: requirements-mlflow.txt
+	test -x $(MLFLOW)/bin/python || $(PYTHON) -m venv $(MLFLOW)
+	$(MLFLOW)/bin/pip install -q --disable-pip-version-check pip==$(PIP_VERSION)
+	$(MLFLOW)/bin/pip install -q -r requirements-mlflow.txt
 	touch $@
 
 node_modules/.installed: package.json package-lock.json
@@ -89,5 +97,5 @@ format: $(OPS)/.installed
 	$(OPS)/bin/ruff format .
 	$(OPS)/bin/ruff check --fix .
 
-clean:  ## remove both environments and caches (the Horovod wheel cache stays)
-	rm -rf $(OPS) $(TRAIN) node_modules .pytest_cache .ruff_cache
+clean:  ## remove the environments and caches (the Horovod wheel cache stays)
+	rm -rf $(OPS) $(TRAIN) $(MLFLOW) node_modules .pytest_cache .ruff_cache

@@ -24,13 +24,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench.cpu import allreduce, comm, frameworks, local_sgd, overhead, parallel, pipeline
+from bench.cpu import allreduce, comm, frameworks, local_sgd, overhead, parallel, pipeline, tracking
 from bench.harness import jpegs, proc, report, steps
 from bench.harness.plot import write_png
 from bench.harness.results import BELOW, Figure, markdown_table, median, to_json
 from training.data.transcode import transcode_tree
 
-SECTIONS = ("allreduce", "overhead", "comm", "pipeline", "staging", "frameworks", "parallel", "local_sgd")
+SECTIONS = ("allreduce", "overhead", "comm", "pipeline", "staging", "frameworks", "parallel", "local_sgd", "tracking")
 console = Console()
 
 
@@ -73,7 +73,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "staging (stage upload vs a sequential loop, Azurite), frameworks (TF and Keras vs PyTorch), "
         "parallel (FSDP memory per rank vs one process, pipeline bubble vs theory, FSDP vs DDP step time), "
         "local_sgd (time to every-step's loss with local-sgd and hierarchical, 2 local-cluster nodes, full speed "
-        "and 100 Mbit/s; also local_sgd.json and local_sgd.png). "
+        "and 100 Mbit/s; also local_sgd.json and local_sgd.png), "
+        "tracking (the job logging every step to a real mlflow server vs tracking off). "
         "See docs/performance.md for the method.",
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (a smoke test, not numbers)")
@@ -164,6 +165,7 @@ def run(args: argparse.Namespace, work: Path) -> tuple[list[Figure], dict, list[
         ),
         "parallel": ("Model parallelism", lambda: parallel.measure(rounds, args.quick)),
         "local_sgd": ("Local SGD over a slow link", lambda: local_sgd.measure(args.ops_python, args.out, args.quick)),
+        "tracking": ("MLflow tracking overhead", lambda: [tracking.measure(plan.shape, rounds, args.threads)]),
     }
     columns = (TextColumn("[bold]bench[/bold] {task.description}"), BarColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:

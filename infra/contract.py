@@ -26,6 +26,14 @@ SSH_PORT = 22
 CONTAINER_SSH_PORT = 12345  # sshd inside the training containers (horovodrun between nodes)
 SLURMCTLD_PORT = 6817
 SLURMD_PORT = 6818
+MLFLOW_PORT = 5000  # the head node's MLflow tracking server (VNet only), and the local head namespace's
+# Every `mlflow server` of ours: MLflow 3 reports usage to its maintainers unless told not to, and starts 7
+# job-runner processes (each importing MLflow, ~200 MB) for GenAI features that experiment tracking never uses.
+MLFLOW_SERVER_ENV = {
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "DO_NOT_TRACK": "true",
+    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+}
 # srun listens on ports from this range (slurm.conf SrunPortRange), so that a firewall can name them.
 SRUN_PORT_RANGE = (60001, 63000)
 SRUN_PORTS = "{}-{}".format(*SRUN_PORT_RANGE)  # as slurm.conf and the network rules write it

@@ -57,6 +57,17 @@ class SpotNodes:
 
 
 @dataclass
+class TrackingServer:
+    """The head node's MLflow server: its artifacts go to the results container, written with an identity
+    of its own (infra/tracking.py: Storage Blob Data Contributor on that container alone)."""
+
+    results_endpoint: pulumi.Input[str]
+    container: str
+    identity_id: pulumi.Input[str]
+    identity_client_id: pulumi.Input[str]
+
+
+@dataclass
 class HeadNodeArgs(MachineArgs):
     private_ip: str
     cluster_name: str
@@ -74,6 +85,7 @@ class HeadNodeArgs(MachineArgs):
     slurm_version: str  # slurmctld's, the nodes' slurmd's (slurmVersion)
     image: ImageReference  # the nodes' (ubuntu-hpc): Microsoft's Slurm repository, its key and the apt pin
     spot: SpotNodes | None = None  # the `spot` partition's scale set, if the stack has one
+    tracking: TrackingServer | None = None  # MLflow on this node (infra/cloud_init/mlflow.py)
 
 
 def slurm_conf(name: str, args: HeadNodeArgs) -> str:
@@ -113,8 +125,10 @@ class HeadNode(pulumi.ComponentResource):
         # No secret in it: the munge key is fetched from Key Vault at boot (infra/key_vault.py).
         spot = args.spot
         spot_inputs = [spot.scale_set_id, spot.identity_client_id] if spot else []
+        tracking = args.tracking
+        tracking_inputs = [tracking.results_endpoint, tracking.identity_client_id] if tracking else []
         self.custom_data = pulumi.Output.all(
-            args.scale_set_id, args.identity_client_id, args.key_vault_uri, *spot_inputs
+            args.scale_set_id, args.identity_client_id, args.key_vault_uri, *spot_inputs, *tracking_inputs
         ).apply(
             lambda values: encode_custom_data(
                 render_head_node(
@@ -139,6 +153,7 @@ class HeadNode(pulumi.ComponentResource):
                         else None
                     ),
                     telemetry_nodes=[*args.node_names, *(spot.names if spot else [])],
+                    tracking=_tracking_values(args, values[-2:]) if tracking else None,
                 )
             )
         )
@@ -149,7 +164,11 @@ class HeadNode(pulumi.ComponentResource):
                 image=args.image,
                 private_ip=args.private_ip,
                 custom_data=self.custom_data,
-                identity_ids=[args.identity_id, *([spot.identity_id] if spot else [])],
+                identity_ids=[
+                    args.identity_id,
+                    *([spot.identity_id] if spot else []),
+                    *([tracking.identity_id] if tracking else []),
+                ],
                 # Slurm's control traffic is small, and not every size a user may pick supports it.
                 accelerated_networking=False,
                 # cloud-init applies custom data at the first boot only: a new slurm.conf (another
@@ -161,3 +180,15 @@ class HeadNode(pulumi.ComponentResource):
         self.private_ip = args.private_ip
         self.hostname = name  # LinuxVm names the computer after the component
         self.register_outputs({"private_ip": self.private_ip, "hostname": self.hostname})
+
+
+def _tracking_values(args: HeadNodeArgs, resolved: list[str]) -> dict[str, str]:
+    """render_head_node's tracking: the resolved endpoint and client id, and where the server listens."""
+    assert args.tracking is not None
+    endpoint, client_id = resolved
+    return {
+        "listen_ip": args.private_ip,
+        "results_endpoint": endpoint,
+        "container": args.tracking.container,
+        "identity_client_id": client_id,
+    }

@@ -12,7 +12,7 @@ from infra.cloud_init.slurm import JobTimeLimits
 from infra.cluster import GpuCluster, GpuClusterArgs, SpotPolicy
 from infra.config import StackConfig
 from infra.contract import DATA_PATH, SHARED_MOUNT_PATH, SLURM_PARTITION, SPOT_PARTITION, StackOutput
-from infra.head import HeadNode, HeadNodeArgs, SpotNodes
+from infra.head import HeadNode, HeadNodeArgs, SpotNodes, TrackingServer
 from infra.identity import (
     ClusterIdentity,
     ClusterIdentityArgs,
@@ -29,6 +29,7 @@ from infra.network import Network, NetworkArgs
 from infra.nfs import NfsServer, NfsServerArgs
 from infra.registry import Registry, RegistryArgs
 from infra.storage import DATA_CONTAINER, RESULTS_CONTAINER, Storage, StorageArgs
+from infra.tracking import TrackingIdentity, TrackingIdentityArgs
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class _DataSide:
     registry: Registry
     identity: ClusterIdentity  # the nodes': pulls images, writes results, reads the munge key
     results_endpoint: pulumi.Input[str]  # the blob endpoint of the account that holds `results`
+    tracking: TrackingIdentity  # the head node's MLflow server: writes its artifacts to `results`
 
 
 @dataclass(frozen=True)
@@ -118,18 +120,14 @@ def _data_side(base: _Base) -> _DataSide:
             ),
         )
         results_endpoint = kept.blob_endpoint
+    results_id = containers[f"kept-{RESULTS_CONTAINER}" if cfg.kept_results_account else RESULTS_CONTAINER]
     identity = ClusterIdentity(
         f"{prefix}-cluster",
-        ClusterIdentityArgs(
-            registry_id=registry.registry.id,
-            results_container_id=containers[
-                f"kept-{RESULTS_CONTAINER}" if cfg.kept_results_account else RESULTS_CONTAINER
-            ],
-            **common,
-        ),
+        ClusterIdentityArgs(registry_id=registry.registry.id, results_container_id=results_id, **common),
     )
+    tracking = TrackingIdentity(f"{prefix}-mlflow", TrackingIdentityArgs(results_container_id=results_id, **common))
     OperatorAccess(f"{prefix}-operator", OperatorAccessArgs(container_ids=containers))
-    return _DataSide(data_group, store, registry, identity, results_endpoint)
+    return _DataSide(data_group, store, registry, identity, results_endpoint, tracking)
 
 
 def _nfs_server(base: _Base) -> NfsServer:
@@ -203,6 +201,9 @@ def _slurm_side(base: _Base, data: _DataSide, nfs: NfsServer) -> _SlurmSide:
             identity_id=power.identity.id,
             identity_client_id=power.identity.client_id,
             spot=spot,
+            tracking=TrackingServer(
+                data.results_endpoint, RESULTS_CONTAINER, data.tracking.identity.id, data.tracking.identity.client_id
+            ),
             key_vault_uri=vault.vault_uri,
             nfs_server_ip=nfs.private_ip,
             nfs_export_path=nfs.export_path,

@@ -25,6 +25,7 @@ declare -A wanted=(
   [modprobe]=kmod              # orders the VM kernel's modules
   [prometheus]=prometheus      # the local cluster's telemetry, in its head namespace (dtrain/local/telemetry.py)
   [prometheus-node-exporter]=prometheus-node-exporter  # one per local node
+  [chromium]=chromium          # renders MLflow's UI headless (tests/scripts/test_mlflow.py)
 )
 missing=()
 for command in "${!wanted[@]}"; do

@@ -63,7 +63,7 @@ from training.data.imagenet import synthetic_batch
 from training.data.text import TokenSource, replica_rows, token_source
 from training.errors import BadInput, CheckpointRefused, JobError
 from training.pytorch import DDPBackend
-from training.run import curves
+from training.run import curves, tracking
 from training.run.job import run_job
 from training.run.metrics import RateWindow, StepTimer, throughput, write_metrics
 from training.run.outputs import output_error
@@ -465,7 +465,9 @@ class Run:
             "tokens" if self.cfg else "images",
         )
         # The same on every rank: memory per rank is gathered (a collective) only for the curves.
-        self.memory_curves = settings.tensorboard_dir is not None or settings.summary_png is not None
+        self.memory_curves = (
+            settings.tensorboard_dir is not None or settings.summary_png is not None or tracking.enabled()
+        )
 
     def train(self) -> dict[str, Any]:
         settings = self.settings

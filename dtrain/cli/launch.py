@@ -25,6 +25,7 @@ from dtrain.jobs.follow import ask_cancel_or_detach, follow
 from dtrain.jobs.runs import Run
 from dtrain.jobs.submit import LaunchOptions, Plan, Submission, build_spec, check_run_id, node_hour_price, submit
 from dtrain.jobs.task_file import add_task_arguments, from_task_file, is_task_file
+from dtrain.jobs.tracking import add_arguments as add_tracking_arguments
 from dtrain.jobs.workdir import MAX_WORKDIR_MB
 from dtrain.ui import make_console
 from infra.contract import FRAMEWORKS
@@ -160,6 +161,7 @@ def configure(commands: argparse._SubParsersAction) -> None:
         help="docker runtime: image to run instead of the framework's (public, or in the cluster's registry; "
         "see docs/operator.md for what it must contain)",
     )
+    add_tracking_arguments(parser)
     parser.add_argument(
         "--dry-run", action="store_true", help="print the allocation and job.sh, and submit nothing (exit 0)"
     )
@@ -206,6 +208,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         setup=args.setup,
         envs=dict(args.envs or {}),
         secrets=list(dict.fromkeys(args.secrets or [])),
+        tracking_uri=args.tracking_uri,
+        experiment=args.experiment,
     )
 
 

@@ -44,7 +44,7 @@ from dtrain.cluster.slurm_time import check_max_time, check_time_limit
 from dtrain.errors import ExitCode, OperatorError, explain_os_error
 from dtrain.fileio import atomic_write
 from infra import slurm_time
-from infra.contract import CONTAINER_SSH_PORT, PROMETHEUS_PORT
+from infra.contract import CONTAINER_SSH_PORT, MLFLOW_PORT, PROMETHEUS_PORT
 from infra.slurm_time import DEFAULT_JOB_TIME, UNLIMITED, exceeds
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -238,6 +238,7 @@ class ClusterDescription(_Model):
     slurm: SlurmAccess | None = None  # None: no Slurm (the local cluster's fallback mode)
     runtime: Runtime
     nccl_env: dict[str, str] = Field(default_factory=dict)
+    tracking_uri: str | None = None  # the cluster's MLflow server, as the nodes reach it (None: none)
     min_free_disk_gb: float = 20.0
     # the time limit of a job that names none (`launch --time`), in Slurm's --time syntax, and the
     # longest a job may ask for (the partitions' MaxTime; INFINITE: no cap). A description written
@@ -423,6 +424,7 @@ def from_stack_outputs(
             min_free_disk_gb=50.0,
             default_time_limit=default_time_limit or out.default_job_time,
             max_time_limit=out.max_job_time,
+            tracking_uri=f"http://{out.head_private_ip}:{MLFLOW_PORT}",  # the head's MLflow (infra/head.py)
         )
     except ValidationError as exc:
         raise OperatorError(

@@ -3,7 +3,7 @@
 network. Runs on the operator's machine.
 
   * Prometheus: where the cluster description's telemetry says (the head node);
-  * MLflow: the tracking server on the head node (port MLFLOW_PORT);
+  * MLflow: where the cluster description's tracking_uri says (the head node's server);
   * TensorBoard: started for the session on the login host over every run's event files, where the cluster
     runs jobs with a Python of its own (the host runtime: the local cluster); with docker images (Azure)
     the event files come with `dtrain results RUN`.
@@ -27,7 +27,6 @@ from dtrain.errors import ExitCode, OperatorError
 from dtrain.processes import stop_pids
 from infra.contract import RUNS_DIR
 
-MLFLOW_PORT = 5000  # the MLflow tracking server on the head node
 TUNNEL_WAIT_S = 20
 
 
@@ -42,13 +41,18 @@ def services(desc: ClusterDescription, tensorboard_port: int | None) -> list[Ser
     """What `ui` tunnels to, for this cluster."""
     if desc.slurm is None:
         raise OperatorError(f"the cluster {desc.name!r} has no head node (no Slurm): no UI to open", ExitCode.NOT_READY)
-    found = [Service("MLflow", desc.slurm.controller_address, MLFLOW_PORT)]
+    found = [url_service("MLflow", desc.tracking_uri)] if desc.tracking_uri else []
     if tensorboard_port is not None:
         found.append(Service("TensorBoard", "127.0.0.1", tensorboard_port))
     if desc.telemetry is not None:
-        url = urllib.parse.urlsplit(desc.telemetry.prometheus_url)
-        found.append(Service("Prometheus", url.hostname or "", url.port or 80))
+        found.append(url_service("Prometheus", desc.telemetry.prometheus_url))
     return found
+
+
+def url_service(name: str, url: str) -> Service:
+    """The service behind an http(s) URL, as the login host reaches it."""
+    parts = urllib.parse.urlsplit(url)
+    return Service(name, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
 
 
 def tensorboard_command(desc: ClusterDescription, port: int) -> str | None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dtrain.cluster.ssh import q
-from dtrain.jobs import task_steps
+from dtrain.jobs import task_steps, tracking
 from dtrain.remote.job.annotate_output import TORCHRUN_PREFIX_TEMPLATE
 from infra.contract import CONTAINER_SSH_PORT, PREEMPTED_EXIT_CODE
 
@@ -32,8 +32,9 @@ NODE_PROBE_S = 60  # how long a node may take to run an empty job step before it
 RDZV_PORT_BASE = 29400  # torchrun's rendezvous on the first node: this plus the job id modulo 1000
 OUTPUT_SUBDIR = "output"  # $OUTPUT_DIR of a run: uploaded to the results container with the run's logs
 REMOTE_TOOLS = (
-    "annotate_output.py", "record_run.py", "upload_results.py", "srun_ssh.py", "nvme_copy.py", "setup_once.py",
-)  # fmt: skip
+    *("annotate_output.py", "record_run.py", "upload_results.py", "srun_ssh.py", "nvme_copy.py"),
+    *("setup_once.py", "mlflow_run.py"),
+)
 # --ntasks too: the allocation's SLURM_NTASKS (nodes x processes) would otherwise win over per-node
 DOCKER_RUN_WITH_JOB_GPUS = (
     "sh -c " + q('exec docker run --gpus "\\"device=${SLURM_STEP_GPUS:-$SLURM_JOB_GPUS}\\"" "$@"') + " docker-run"
@@ -96,6 +97,7 @@ class JobSpec:
     mode: Literal["per-rank", "per-node"] = "per-rank"  # per-node: the command is the user's own launcher
     setup_cache_dir: str | None = None  # a task's setup runs once per node, its markers kept here (task_steps.py)
     secrets: tuple[str, ...] = ()  # the names of the secrets in <run>/secrets/env (their values are never here)
+    tracking: tracking.Tracking | None = None  # the MLflow server of the run (dtrain/jobs/tracking.py)
 
     @property
     def world_size(self) -> int:
@@ -167,6 +169,7 @@ def _prologue(spec: JobSpec) -> list[str]:
         IGNORE_USR1.rstrip(";"),  # the signal is for the ranks (see IGNORING_USR1)
         *_finish_function(spec),
         "trap finish EXIT",
+        *(tracking.open_run_lines(spec.tracking) if spec.tracking else []),
         # scancel signals the whole step: the launcher ends, and its last lines (and the verdict) reach
         # the log before finish() uploads it. A status goes first: should the launcher take longer than
         # KillWait to end, SIGKILL leaves that (finish() replaces it with the full one).
@@ -217,6 +220,7 @@ def _finish_function(spec: JobSpec) -> list[str]:
         '--started-at "$ATTEMPT_STARTED_AT" --exit-code "$code" --partition "$SLURM_JOB_PARTITION" '
         '--alloc-tres "$ALLOC_TRES" --alloc-gpus "$ALLOC_GPUS" --node-cpus "$NODE_CPUS" 2>&1 '
         "| sed 's/^/[job] /'",
+        *([tracking.CLOSE_RUN_LINE] if spec.tracking else []),
         f"  {' '.join(upload)} 2>&1 | sed 's/^/[job] /' || echo '[job] results upload incomplete: see status.json'",
         '  exit "$code"',
         "}",
@@ -335,6 +339,8 @@ def _docker_run(spec: JobSpec, detach: bool) -> list[str]:
     argv += ["-e", "RUN_DIR", "-e", "RUN_ID", "-e", "GIT_REVISION", "-e", "RDZV", "-e", "SLURM_JOB_ID"]
     argv += ["-e", "OUTPUT_DIR", "-e", "CHECKPOINT_DIR"]
     argv += ["-e", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"]
+    if spec.tracking:
+        argv += [arg for key in tracking.CONTAINER_ENV for arg in ("-e", key)]
     argv += [arg for key in ("PYTHONUNBUFFERED", *spec.env, *task_steps.docker_env(spec)) for arg in ("-e", key)]
     if spec.infiniband:
         argv += ["--device", "/dev/infiniband"]

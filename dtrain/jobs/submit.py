@@ -33,6 +33,7 @@ from dtrain.jobs.preflight import ProcessRequest, dataset_under_data_path, plan_
 from dtrain.jobs.preflight import flag_value as _flag_value
 from dtrain.jobs.task_file import check_task_request, read_secrets, secrets_env_file
 from dtrain.jobs.task_steps import SECRETS_SUBDIR, SETUP_FILE, setup_cache_dir
+from dtrain.jobs.tracking import plan_tracking
 from dtrain.jobs.workdir import CODE_SUBDIR, MAX_WORKDIR_MB, Workdir, check_workdir, send_workdir
 from infra.contract import FRAMEWORKS, RUNS_DIR
 from training.world.backend_choice import AUTO, DDP, HOROVOD
@@ -73,6 +74,8 @@ class LaunchOptions:
     setup: str | None = None  # a task's setup script: once per node, cached (dtrain/jobs/task_steps.py)
     envs: dict[str, str] = field(default_factory=dict)  # for the user's command (and setup), in job.sh
     secrets: list[str] = field(default_factory=list)  # names, read from the operator's environment at launch
+    tracking_uri: str | None = None  # MLflow server instead of the cluster's ("none": untracked)
+    experiment: str | None = None  # MLflow experiment (default: dtrain/jobs/tracking.py's)
 
     @property
     def requeued(self) -> bool:
@@ -229,6 +232,7 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
         mode="per-node" if opts.mode == "per-node" else "per-rank",
         setup_cache_dir=setup_cache_dir(desc.local_data_path, runs_dir(desc)) if opts.setup else None,
         secrets=tuple(opts.secrets),
+        tracking=plan_tracking(desc.tracking_uri, opts.tracking_uri, opts.experiment),
     )
     return Plan(spec, alloc, workdir)
 

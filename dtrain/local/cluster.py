@@ -24,6 +24,7 @@ What `up` creates (all of it recorded in STATE_DIR/state.json, all of it removed
   * blob storage: Azurite (from this repository's node_modules) on the bridge (127.0.0.1 in localhost
     mode), where the host and the nodes reach it, with `data` and
     `results` containers, a read-only SAS for `data` and a write SAS for `results`;
+  * MLflow's tracking server in the head namespace (dtrain/local/mlflow_server.py), artifacts in Azurite;
   * a freshly generated SSH key (and host keys, pre-registered in a known_hosts file).
 Processes are stopped by pid (with the descendants they forked), never by name.
 """
@@ -63,6 +64,7 @@ from dtrain.fileio import atomic_write
 from dtrain.local import gpus as local_gpus
 from dtrain.local import link as local_link
 from dtrain.local import metadata as local_metadata
+from dtrain.local import mlflow_server as local_mlflow
 from dtrain.local import network as net
 from dtrain.local import power as local_power
 from dtrain.local import reconcile as local_reconcile
@@ -302,6 +304,7 @@ def _up(
     _wait_for_sshds_and_azurite(state)
     storage = _azurite_storage(str(state.azurite_endpoint))
     if state.mode == "netns":
+        local_mlflow.start(state, storage.connection_string)  # not waited for: it comes up beside Slurm
         _start_slurm(state, slurm)
         local_telemetry.start(state)
     desc = _describe(state, python, key, known_hosts, storage)
@@ -503,6 +506,7 @@ def _describe(state: LocalState, python: Path, key: Path, known_hosts: Path, sto
         default_time_limit=local_slurm.JOB_TIME.default,  # as its slurm.conf says
         max_time_limit=local_slurm.JOB_TIME.maximum,
         telemetry=Telemetry(prometheus_url=local_telemetry.prometheus_url(state)) if state.head else None,
+        tracking_uri=local_mlflow.tracking_uri(state),
     )
 
 
@@ -642,6 +646,8 @@ def _addresses(state: LocalState) -> dict[str, str]:
     addresses.update({role: f"127.0.0.1:{port}" for role, port in state.ports.items()})
     if state.azurite_endpoint:
         addresses["azurite"] = state.azurite_endpoint
+    if tracking_uri := local_mlflow.tracking_uri(state):
+        addresses[local_mlflow.ROLE] = tracking_uri
     if state.slurm_conf and state.head:
         addresses["munged"] = str(local_slurm.SlurmFiles(Path(state.state_dir)).munge_socket)
         addresses["slurmctld"] = f"{state.head.address}:{SLURMCTLD_PORT}"

@@ -70,12 +70,21 @@ def sshd_config_path(state: LocalState, role: str) -> Path:
     return Path(state.state_dir) / "sshd" / f"{role}.conf"
 
 
-def start_daemon(state: LocalState, role: str, argv: list[str], marker: str, *, umask: int = -1) -> int:
+def start_daemon(
+    state: LocalState, role: str, argv: list[str], marker: str, *, umask: int = -1, env: dict[str, str] | None = None
+) -> int:
     """Start a daemon in its own session, output to STATE/logs/<role>.log (0600), and record its pid.
-    umask: the daemon's (-1: this process's), for one that creates files without choosing their mode."""
+    umask: the daemon's (-1: this process's), for one that creates files without choosing their mode;
+    env: added to this process's environment (a secret it needs, never in its argv)."""
     with open(os.open(state.logs / f"{role}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
         proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, umask=umask
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            umask=umask,
+            env={**os.environ, **env} if env else None,
         )
     state.add_process(ProcessRecord(role=role, pid=proc.pid, marker=marker))
     state.save()

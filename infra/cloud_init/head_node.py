@@ -24,6 +24,8 @@ from infra.cloud_init._common import (
     start_setup_unit,
     write_file,
 )
+from infra.cloud_init.mlflow import PACKAGES as MLFLOW_PACKAGES
+from infra.cloud_init.mlflow import mlflow_commands, mlflow_files
 from infra.cloud_init.prometheus import PROMETHEUS_PACKAGE, head_prometheus_files
 from infra.cloud_init.prometheus import RESTART as PROMETHEUS_RESTART
 from infra.cloud_init.slurm_packages import (
@@ -90,6 +92,7 @@ def render_head_node(
     power_down_unused: bool,
     spot_scale_set: dict[str, str] | None = None,
     telemetry_nodes: Sequence[str] = (),
+    tracking: dict[str, str] | None = None,
 ) -> str:
     """cloud-config that installs slurmctld at slurm_version (the nodes' slurmd's) with slurm_conf,
     gres_conf and cgroup_conf (slurmd fetches all three, configless), the program that fetches
@@ -101,7 +104,9 @@ def render_head_node(
     once, registered nodes that came up outside Slurm and sit idle (autostop on; off, idle nodes stay
     up as asked). spot_scale_set: the Spot nodes' scale set (scale_set_id, node_prefix and the
     identity_client_id that powers it), powered the same way. telemetry_nodes: Slurm's nodes, whose
-    exporters Prometheus scrapes (infra/cloud_init/prometheus.py); none: no Prometheus."""
+    exporters Prometheus scrapes (infra/cloud_init/prometheus.py); none: no Prometheus. tracking: the
+    MLflow server's listen_ip, results_endpoint, container and identity_client_id
+    (infra/cloud_init/mlflow.py)."""
     _check_scale_set(scale_set_id, node_prefix)
     check_user("admin_user", admin_user)
     if not isinstance(power_down_unused, bool):
@@ -141,6 +146,7 @@ def render_head_node(
                 *PACKAGES,
                 *versioned(SLURMCTLD_PACKAGES, slurm_version),
                 *([PROMETHEUS_PACKAGE] if telemetry_nodes else []),
+                *(MLFLOW_PACKAGES if tracking else []),
             ],
             "write_files": [
                 *apt_files(slurm_version),
@@ -158,6 +164,7 @@ def render_head_node(
                 munge_key_fetch_file(vault_uri=key_vault_uri, identity_client_id=identity_client_id),
                 *(write_file(f"{UNITS_DIR}/{unit}", remote_file(f"slurm/{unit}"), "0644") for unit in REAP_UNITS),
                 *(head_prometheus_files(telemetry_nodes) if telemetry_nodes else []),
+                *(mlflow_files(tracking) if tracking else []),
             ],
             # The reaper's timer before the setup: a head-setup that fails or waits must not leave nodes
             # billing unseen.
@@ -166,6 +173,7 @@ def render_head_node(
                 ["systemctl", "enable", "--now", REAP_UNITS[1]],
                 *setup_start[1:],
                 *([PROMETHEUS_RESTART] if telemetry_nodes else []),
+                *(mlflow_commands() if tracking else []),
             ],
         }
     )

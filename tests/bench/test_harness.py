@@ -86,5 +86,6 @@ def test_cli_help_names_every_section_and_quick_mode() -> None:
         "frameworks",
         "parallel",
         "local_sgd",
+        "tracking",
     ):
         assert word in out

@@ -107,6 +107,12 @@ def head_doc(**overrides: object) -> str:
         "register_timeout_s": 1800,
         "power_down_unused": True,
         "telemetry_nodes": ["hvd-gpu-000000", "hvd-gpu-000001"],
+        "tracking": {
+            "listen_ip": "10.40.63.254",
+            "results_endpoint": "https://hvdsa.blob.core.windows.net/",
+            "container": "results",
+            "identity_client_id": "44444444-4444-4444-4444-444444444444",
+        },
     }
     return render_head_node(**{**args, **overrides})  # type: ignore[arg-type]
 

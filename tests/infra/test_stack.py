@@ -64,7 +64,8 @@ def test_declares_the_whole_deployment(deployment: Deployment) -> None:
     assert counts["Subnet"] >= 3
     assert counts["NetworkSecurityGroup"] >= 2
     assert counts["StorageAccount"] == 1 and counts["BlobContainer"] == 2
-    assert counts["Registry"] == 1 and counts["UserAssignedIdentity"] == 2  # the nodes' and the head node's
+    # the nodes', the head node's (power) and its MLflow server's (results)
+    assert counts["Registry"] == 1 and counts["UserAssignedIdentity"] == 3
     assert counts["RoleAssignment"] >= 3 and counts["RoleDefinition"] == 1
     assert counts["VirtualMachine"] == 3  # jumpbox, NFS server, head node
     assert counts["PublicIPAddress"] == 1
@@ -247,6 +248,7 @@ def test_registry_admin_disabled(deployment: Deployment) -> None:
 def test_role_assignment_scopes(deployment: Deployment) -> None:
     identity = by_name(deployment, ":UserAssignedIdentity", "-cluster-")
     head = by_name(deployment, ":UserAssignedIdentity", "-head-")
+    mlflow = by_name(deployment, ":UserAssignedIdentity", "-mlflow-")
     power_role = one(deployment, ":RoleDefinition").outputs["name"]
     scale_set = one(deployment, ":VirtualMachineScaleSet")
     registry = one(deployment, ":Registry")
@@ -265,6 +267,8 @@ def test_role_assignment_scopes(deployment: Deployment) -> None:
         # the munge key: the head node's and the nodes' identities read that one secret, nobody else
         (principal, KEY_VAULT_SECRETS_USER, one(deployment, ":Secret").id),
         (head.outputs["principalId"], KEY_VAULT_SECRETS_USER, one(deployment, ":Secret").id),
+        # the head node's MLflow server writes its artifacts (the runs' models) to `results` alone
+        (mlflow.outputs["principalId"], STORAGE_BLOB_DATA_CONTRIBUTOR, containers["results"]),
     }
     # Nothing at account, group or subscription scope.
     assert not any(scope.endswith(("StorageAccount/hvdsa", "ResourceGroup/hvd-rg")) for *_, scope in grants)
@@ -272,7 +276,7 @@ def test_role_assignment_scopes(deployment: Deployment) -> None:
 
 def test_role_definitions_are_subscription_qualified(deployment: Deployment) -> None:
     client_config_calls = [token for token, _ in deployment.mocks.calls if token.endswith(":getClientConfig")]
-    assert len(client_config_calls) == 4  # once per component that grants roles, not once per grant
+    assert len(client_config_calls) == 5  # once per component that grants roles, not once per grant
     for assignment in deployment.mocks.of_type(":RoleAssignment"):
         assert assignment.inputs["roleDefinitionId"].startswith(
             "/subscriptions/00000000-0000-0000-0000-0000000000aa/providers/Microsoft.Authorization/roleDefinitions/"
@@ -454,7 +458,9 @@ def test_head_node_is_private_in_the_cluster_subnet_with_its_own_identity(deploy
     assert nic["subnet"]["id"] == by_name(deployment, ":Subnet", "-cluster").id
     assert (nic["privateIPAllocationMethod"], nic["privateIPAddress"]) == ("Static", HEAD_IP)
     head_identity = by_name(deployment, ":UserAssignedIdentity", "-head-")
-    assert vm.inputs["identity"] == {"type": "UserAssigned", "userAssignedIdentities": [head_identity.id]}
+    mlflow_identity = by_name(deployment, ":UserAssignedIdentity", "-mlflow-")
+    identities = [head_identity.id, mlflow_identity.id]
+    assert vm.inputs["identity"] == {"type": "UserAssigned", "userAssignedIdentities": identities}
     assert vm.inputs["osProfile"]["computerName"] == "hvd-head"
     # The nodes' image: Microsoft's Slurm repository, its key and the apt pin, as on the nodes.
     image = vm.inputs["storageProfile"]["imageReference"]

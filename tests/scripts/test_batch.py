@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from dtrain.jobs.batch_script import DOCKER_RUN_WITH_JOB_GPUS, JobSpec, LocalCopy, ResultsTarget, render_job_script
+from dtrain.jobs.tracking import Tracking
 
 BASE = JobSpec(
     run_id="r-1",
@@ -43,6 +44,7 @@ VARIANTS = {
         BASE, mode="per-node", image=None, python="/opt/venv/bin/python", setup_cache_dir="/x", secrets=("A",)
     ),
     "task-horovod-secrets": replace(BASE, image=None, secrets=("A", "B"), requeue=True),
+    "tracked": replace(BASE, tracking=Tracking("http://10.40.63.254:5000", "my experiment")),
     "local-sas": replace(
         BASE, image=None, results=ResultsTarget("http://127.0.0.1:1/devstoreaccount1", "results", sas_file="r.sas")
     ),

@@ -44,12 +44,13 @@ def test_up_status_down_leaves_nothing(tmp_path):
         # --state-dir before the action works as well as after it
         status = run_module("dtrain", "local", "--state-dir", str(state), "status")
         # 4 sshds, Azurite, munged, slurmctld, 2 slurmds, 2 Spot agents, 2 metadata endpoints, the reconcile
-        # of lost nodes, 2 node_exporters, Prometheus; 3 namespaces (the head and the nodes)
+        # of lost nodes, 2 node_exporters, Prometheus, the MLflow server; 3 namespaces (the head and the nodes)
         assert status.returncode == 0 and "azurite" in status.stdout, status.stdout
-        assert status.stdout.count("running") == 20, status.stdout
+        assert status.stdout.count("running") == 21, status.stdout
         assert f"slurm: SLURM_CONF={state.resolve()}/slurm/slurm.conf sinfo" in status.stdout
         roles = {p.role for p in recorded.processes}
         expected = {"munged", "slurmctld", "slurmd-node-0", "slurmd-node-1", "spot-agent-node-0", "metadata-node-1"}
+        expected.add("mlflow")
         assert expected <= roles
         assert all(p.alive() for p in recorded.processes)
     finally:

@@ -116,7 +116,7 @@ def test_prometheus_holds_every_node_and_gpu_and_jobs_marks_a_stopped_job_idle(t
         alerts = wait_for(lambda: node_alerts(cluster_file).get("node-1"), 30, "node-1's XID in status")
         assert alerts == ["gpu 0: XID 79"] and node_alerts(cluster_file)["node-0"] == []
 
-        # `ui`: local URLs through SSH tunnels, Prometheus and TensorBoard answering there, until Ctrl-C
+        # `ui`: local URLs through SSH tunnels, Prometheus, TensorBoard and MLflow answering there, until Ctrl-C
         ui = start_module("dtrain", "ui", "--cluster", str(cluster_file), interruptible=True)
         try:
             urls = dict(wait_for(lambda: ui_urls(ui), 60, "the UI's URLs"))
@@ -125,6 +125,7 @@ def test_prometheus_holds_every_node_and_gpu_and_jobs_marks_a_stopped_job_idle(t
             with urllib.request.urlopen(urls["Prometheus"] + "-/ready", timeout=10) as answer:
                 assert answer.status == 200
             wait_for(lambda: answers(urls["TensorBoard"]), 120, "TensorBoard through its tunnel", interval=1)
+            wait_for(lambda: answers(urls["MLflow"] + "health"), 120, "MLflow through its tunnel", interval=1)
         finally:
             ui.send_signal(signal.SIGINT)
             assert ui.wait(timeout=30) == 0

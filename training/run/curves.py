@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from training.run import tracking
 from training.run.outputs import output_error
 
 if TYPE_CHECKING:
@@ -122,6 +123,7 @@ class RunCurves:
             log.info("TensorBoard events: %s", self.curves.events.path)
 
     def record(self, step: int, values: Mapping[str, float | None]) -> None:
+        tracking.metrics(step, values)  # MLflow, from rank 0, when the run is tracked; never blocks
         if self.curves is None:
             return
         try:

@@ -33,6 +33,7 @@ import psutil
 from training.checkpoint.writer import finish_writes
 from training.config.settings import parse_settings
 from training.errors import BadInput, ExitCode, JobError, first_line
+from training.run import tracking
 from training.run.loop import configure_logging
 from training.run.outputs import check_output_paths
 from training.world import preemption
@@ -69,9 +70,11 @@ def _run(settings: Flags, start: Callable[[Flags], B], train: Callable[[Flags, B
     try:
         if launcher_rank() == 0:
             check_output_paths(settings)
+            tracking.start(settings)  # MLflow, when the job's environment names a run
         backend = start(settings)
         liveness = Liveness(backend)
-        train(settings, backend)
+        result = train(settings, backend)
+        tracking.finish(settings, result)  # a bounded wait, however the server is
         backend.shutdown()
         finish_writes()  # rank 0's last checkpoint: no peer waits for it any more
         return ExitCode.OK

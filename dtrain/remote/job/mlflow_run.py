@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Open and close a job's MLflow run: run by the batch script on the first node of the allocation.
+
+  mlflow_run.py start --run-dir DIR --experiment NAME --run-name NAME   # prints the MLflow run id
+  mlflow_run.py end --run-dir DIR --exit-code N
+
+The server is ``$MLFLOW_TRACKING_URI``; ``$MLFLOW_TRACKING_TOKEN``, when set, goes as a bearer token
+(never on a command line). ``start`` keeps the id in DIR/mlflow_run_id, so a requeued attempt goes on
+logging to the same run; the job exports it as ``MLFLOW_RUN_ID`` for the ranks (training/run/tracking.py)
+and for the user's own code. A server that does not answer costs the job at most a few seconds: start
+exits 1 with one line (the job runs untracked), end gives up.
+
+Standard library only: the nodes' system python runs it, outside the training image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+RUN_ID_FILE = "mlflow_run_id"
+TIMEOUT_S = 10.0
+# the job's exit status -> the run's status (143: scancel or the time limit, 130: interrupted)
+STATUS = {0: "FINISHED", 143: "KILLED", 130: "KILLED"}
+
+
+def request(endpoint: str, body: dict, method: str = "POST") -> dict:
+    uri = os.environ["MLFLOW_TRACKING_URI"].rstrip("/")
+    headers = {"Content-Type": "application/json"}
+    if token := os.environ.get("MLFLOW_TRACKING_TOKEN"):
+        headers["Authorization"] = f"Bearer {token}"
+    url, data = f"{uri}/api/2.0/mlflow/{endpoint}", json.dumps(body).encode()
+    if method == "GET":
+        url, data = f"{url}?{urllib.parse.urlencode(body)}", None
+    with urllib.request.urlopen(urllib.request.Request(url, data, headers, method=method), timeout=TIMEOUT_S) as r:
+        return json.loads(r.read() or b"{}")
+
+
+def experiment_id(name: str) -> str:
+    try:
+        return request("experiments/get-by-name", {"experiment_name": name}, "GET")["experiment"]["experiment_id"]
+    except urllib.error.HTTPError as exc:
+        if exc.code != 404:
+            raise
+    try:
+        return request("experiments/create", {"name": name})["experiment_id"]
+    except urllib.error.HTTPError as exc:  # another job made it meanwhile
+        if exc.code != 400:
+            raise
+        return request("experiments/get-by-name", {"experiment_name": name}, "GET")["experiment"]["experiment_id"]
+
+
+def start(run_dir: Path, experiment: str, run_name: str) -> str:
+    kept = run_dir / RUN_ID_FILE
+    if kept.exists():  # a requeued attempt: the same run, running again
+        run_id = kept.read_text().strip()
+        request("runs/update", {"run_id": run_id, "status": "RUNNING"})
+        return run_id
+    body = {
+        "experiment_id": experiment_id(experiment),
+        "run_name": run_name,
+        "start_time": int(time.time() * 1000),
+        "tags": [
+            {"key": "dtrain.run_id", "value": run_name},
+            {"key": "slurm.job_id", "value": os.environ.get("SLURM_JOB_ID", "")},
+        ],
+    }
+    run_id = request("runs/create", body)["run"]["info"]["run_id"]
+    kept.write_text(run_id + "\n")
+    return run_id
+
+
+def end(run_dir: Path, exit_code: int) -> None:
+    run_id = (run_dir / RUN_ID_FILE).read_text().strip()
+    status = STATUS.get(exit_code, "FAILED")
+    request("runs/update", {"run_id": run_id, "status": status, "end_time": int(time.time() * 1000)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    opening = sub.add_parser("start")
+    opening.add_argument("--experiment", required=True)
+    opening.add_argument("--run-name", required=True)
+    closing = sub.add_parser("end")
+    closing.add_argument("--exit-code", type=int, required=True)
+    for command in (opening, closing):
+        command.add_argument("--run-dir", type=Path, required=True)
+    args = parser.parse_args(argv)
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    try:
+        if args.command == "start":
+            print(start(args.run_dir, args.experiment, args.run_name))
+        else:
+            end(args.run_dir, args.exit_code)
+    except (OSError, ValueError, KeyError) as exc:  # URLError and HTTPError are OSErrors
+        what = "the run is not tracked" if args.command == "start" else "its MLflow run stays open"
+        print(f"[job] MLflow at {uri} did not answer ({exc}): {what}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

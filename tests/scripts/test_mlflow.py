@@ -1,0 +1,199 @@
+"""MLflow on the local cluster (the real `mlflow server` in the head namespace, real Slurm, Horovod across
+two node namespaces): a running 2-node job's loss curve is read through MLflow's REST API mid-run and shown
+by MLflow's UI in headless Chromium; killing the server mid-run neither fails nor stalls the job.
+
+The browser is Debian's chromium on its command line (--dump-dom, then --screenshot): no driver or
+DevTools client to install or keep in step with the browser's version, and each call ends on its own
+(--virtual-time-budget lets the UI's requests finish first)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import replace
+from datetime import datetime
+
+import pytest
+from PIL import Image
+
+from dtrain.jobs.batch_script import REMOTE_TOOLS, render_job_script
+from dtrain.jobs.tracking import CONTAINER_ENV, OFF, Tracking, plan_tracking
+from dtrain.local import mlflow_server as local_mlflow
+from dtrain.local.state import load_state
+from dtrain.processes import descendants
+from tests.polling import wait_for
+
+from .conftest import local_state_dir
+from .test_batch import BASE
+from .test_job_reliability import pytorch_launch, tiny_imagenet
+from .test_launcher import cli, job_id_of, run_dir, squeue_state, status_of
+
+SERVER_START_S = 240  # `up` does not wait for it; on a loaded 2-core machine it takes up to a minute or more
+LOSS = "train/loss"
+END_STALL_BOUND_S = 15  # the job's end, waiting for a sender whose server is gone (refused connections)
+
+
+def api(uri: str, endpoint: str, **params: str) -> dict:
+    url = f"{uri}/api/2.0/mlflow/{endpoint}?{urllib.parse.urlencode(params)}"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def healthy(uri: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{uri}/health", timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def server(cluster) -> str:
+    assert cluster.tracking_uri, "the local cluster names its MLflow server (.venv-mlflow: make setup)"
+    wait_for(lambda: healthy(cluster.tracking_uri), SERVER_START_S, "MLflow to answer", interval=1)
+    return cluster.tracking_uri
+
+
+def mlflow_run_of(cluster, run_id: str) -> str:
+    kept = run_dir(cluster, run_id) / "mlflow_run_id"
+    return wait_for(lambda: kept.exists() and kept.read_text().strip(), 120, "the job's MLflow run", interval=0.5)
+
+
+def loss_history(uri: str, mlflow_run: str) -> list[dict]:
+    return api(uri, "metrics/get-history", run_id=mlflow_run, metric_key=LOSS).get("metrics", [])
+
+
+def chromium(*args: str, url: str) -> subprocess.CompletedProcess:
+    browser = shutil.which("chromium")
+    assert browser, "chromium (Debian's package) is installed by tools/setup_system.sh"
+    argv = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--hide-scrollbars"]
+    argv += ["--window-size=1280,1600", "--virtual-time-budget=20000", *args, url]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=90)
+
+
+def test_job_script_opens_the_run_exports_it_to_every_rank_and_closes_it():
+    tracked = replace(BASE, tracking=Tracking("http://10.40.63.254:5000", "my experiment"))
+    text = render_job_script(tracked)
+    lines = text.splitlines()
+    assert "export MLFLOW_TRACKING_URI=http://10.40.63.254:5000" in lines
+    opening = next(line for line in lines if 'mlflow_run.py" start' in line)
+    assert "--experiment 'my experiment'" in opening and '--run-name "$RUN_ID"' in opening
+    assert opening.startswith("MLFLOW_RUN_ID=$(") and "&& export MLFLOW_RUN_ID" in opening
+    assert lines.index(opening) < next(i for i, line in enumerate(lines) if "horovodrun --gloo" in line)
+    assert any('mlflow_run.py" end --run-dir "$RUN_DIR" --exit-code "$code"' in line for line in lines)
+    for name in CONTAINER_ENV:  # into the containers by name: the token's value is never in the script
+        assert f"-e {name} " in text
+    assert "mlflow_run.py" in REMOTE_TOOLS
+    untracked = render_job_script(BASE)
+    assert "MLFLOW" not in untracked and "mlflow_run.py" not in untracked
+
+
+@pytest.mark.parametrize(
+    ("cluster_uri", "flag", "expected"),
+    [
+        ("http://10.0.0.4:5000", None, "http://10.0.0.4:5000"),
+        (
+            "http://10.0.0.4:5000",
+            "https://example.azureml.ms/mlflow/v1.0/x",
+            "https://example.azureml.ms/mlflow/v1.0/x",
+        ),
+        ("http://10.0.0.4:5000", OFF, None),
+        (None, None, None),
+    ],
+)
+def test_a_run_is_tracked_by_the_clusters_server_unless_told_otherwise(cluster_uri, flag, expected):
+    plan = plan_tracking(cluster_uri, flag, None)
+    assert (plan.uri if plan else None) == expected
+
+
+@pytest.mark.parametrize("value", ["ftp://host", "10.0.0.4:5000", "http://", "http://a b"])
+def test_a_tracking_uri_that_is_not_an_http_url_is_refused_before_anything_is_sent(tmp_path, value):
+    cluster_file = tmp_path / "cluster.json"  # never read: the flag is refused first
+    proc = cli("launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--tracking-uri", value, "--dry-run")
+    assert proc.returncode == 2 and "--tracking-uri" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_running_jobs_loss_curve_is_in_mlflow_and_its_ui(cluster, cluster_file, tmp_path):
+    uri = server(cluster)
+    data = tiny_imagenet(cluster, "mlflow-imagenet")
+    proc = cli(*pytorch_launch(cluster_file, data, "mlflow-live", "--detach", steps=100_000))
+    assert proc.returncode == 0, proc.stderr
+    job_id = job_id_of(proc)
+    try:
+        mlflow_run = mlflow_run_of(cluster, "mlflow-live")
+        points = wait_for(lambda: len(loss_history(uri, mlflow_run)) >= 3, 180, "3 loss points", interval=1)
+        assert points and squeue_state(cluster, job_id) == "RUNNING"  # read while the job runs
+        history = loss_history(uri, mlflow_run)
+        assert sorted(point["step"] for point in history)[:3] == [1, 2, 3]  # --log-every 1: every step
+        run = api(uri, "runs/get", run_id=mlflow_run)["run"]
+        params = {p["key"]: p["value"] for p in run["data"]["params"]}
+        assert (params["batch_size"], params["steps"], params["model"]) == ("4", "100000", "resnet_tiny")
+        assert run["info"]["status"] == "RUNNING" and run["info"]["run_name"] == "mlflow-live"
+        experiment = run["info"]["experiment_id"]
+        page = f"{uri}/#/experiments/{experiment}/runs/{mlflow_run}"
+        dom = chromium("--dump-dom", url=page)
+        assert LOSS in dom.stdout and "mlflow-live" in dom.stdout, dom.stdout[-2000:] + dom.stderr[-2000:]
+        shot = tmp_path / "run.png"
+        chromium(f"--screenshot={shot}", url=f"{page}/model-metrics")
+        with Image.open(shot) as image:
+            colors = image.convert("RGB").getcolors(maxcolors=1 << 20)
+        assert colors is not None and len(colors) > 50, "the screenshot is blank"  # a rendered page, not one color
+    finally:
+        cli("cancel", "--cluster", str(cluster_file), job_id)
+    ended = wait_for(lambda: api(uri, "runs/get", run_id=mlflow_run)["run"]["info"]["status"] != "RUNNING", 120, "")
+    assert ended and api(uri, "runs/get", run_id=mlflow_run)["run"]["info"]["status"] == "KILLED"
+
+
+def stop_server(cluster) -> None:
+    record = load_state(local_state_dir(cluster)).record(local_mlflow.ROLE)
+    assert record is not None and record.alive()
+    for pid in [record.pid, *descendants(record.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not record.alive(), 30, "MLflow to stop", interval=0.2)
+
+
+def test_killing_mlflow_mid_run_neither_fails_nor_stalls_the_job(cluster, cluster_file):
+    uri = server(cluster)
+    data = tiny_imagenet(cluster, "mlflow-imagenet")
+    proc = cli(*pytorch_launch(cluster_file, data, "mlflow-killed", "--detach", steps=12))
+    assert proc.returncode == 0, proc.stderr
+    job_id = job_id_of(proc)
+    mlflow_run = mlflow_run_of(cluster, "mlflow-killed")
+    try:
+        wait_for(lambda: loss_history(uri, mlflow_run), 180, "the first loss point", interval=0.5)
+        stop_server(cluster)
+        killed_at = time.monotonic()
+        wait_for(lambda: squeue_state(cluster, job_id) == "", 240, "the job to end", interval=0.5)
+        after_kill = time.monotonic() - killed_at
+    finally:
+        state = load_state(local_state_dir(cluster))
+        local_mlflow.start(state, cluster.staging_credential.secret.get_secret_value())
+    log = (run_dir(cluster, "mlflow-killed") / "output.log").read_text()
+    assert status_of(cluster, "mlflow-killed")["exit_code"] == 0, log[-3000:]
+    assert "[0|node-0]" in log and re.search(r"step 12/12", log), log[-3000:]
+    # one warning for the outage, not one per step; the end of the job says what was lost
+    assert len(re.findall(r"MLflow: dropping values until", log)) == 1, log[-3000:]
+    assert "values were not recorded" in log, log[-3000:]
+    assert "MLflow at" in log and "its MLflow run stays open" in log  # the job script's end: one line
+    # Not stalled: the job's end waited for the sender a bounded time (FINISH_WAIT_S at most; a refused
+    # connection costs less), from rank 0's metrics line to its report of what was lost
+    ending = stamp_of(log, "metrics: "), stamp_of(log, "values were not recorded")
+    assert ending[1] - ending[0] < END_STALL_BOUND_S, ending
+    assert after_kill < 180, after_kill
+
+
+def stamp_of(log: str, text: str) -> float:
+    """When rank 0 logged the first line with ``text`` (its log lines' own time stamps)."""
+    pattern = r"^\[0\|node-0\]!? (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank0 .*" + re.escape(text)
+    found = re.search(pattern, log, re.M)
+    assert found, text
+    return datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
