@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dtrain.cluster.ssh import q
+from dtrain.jobs import checkpoint_sync, time_warning
 from dtrain.remote.job.annotate_output import TORCHRUN_PREFIX_TEMPLATE
 from infra.contract import CONTAINER_SSH_PORT, PREEMPTED_EXIT_CODE
 
@@ -31,6 +32,9 @@ NODE_PROBE_S = 60  # how long a node may take to run an empty job step before it
 RDZV_PORT_BASE = 29400  # torchrun's rendezvous on the first node: this plus the job id modulo 1000
 OUTPUT_SUBDIR = "output"  # $OUTPUT_DIR of a run: uploaded to the results container with the run's logs
 REMOTE_TOOLS = ("annotate_output.py", "record_run.py", "upload_results.py", "srun_ssh.py", "nvme_copy.py")
+REMOTE_TOOLS += ("checkpoint_mirror.py", "fetch_checkpoint.py", "time_warning.py")
+# from dtrain/remote/boot/, beside them: time_warning.py finds the ranks to signal the Spot agent's way
+REMOTE_BOOT_TOOLS = ("spot_agent.py",)
 # --ntasks too: the allocation's SLURM_NTASKS (nodes x processes) would otherwise win over per-node
 DOCKER_RUN_WITH_JOB_GPUS = (
     "sh -c " + q('exec docker run --gpus "\\"device=${SLURM_STEP_GPUS:-$SLURM_JOB_GPUS}\\"" "$@"') + " docker-run"
@@ -89,6 +93,8 @@ class JobSpec:
     git_revision: str | None = None  # of the operator's checkout: recorded in the model export
     env: dict[str, str] = field(default_factory=dict)  # NCCL settings and the like, for every rank
     local_copy: LocalCopy | None = None
+    resume_from: str | None = None  # a run whose kept checkpoint the job fetches first (dtrain/jobs/checkpoint_sync.py)
+    warn_before_s: int = 0  # SIGUSR1 this long before the time limit (dtrain/jobs/time_warning.py); 0: none
 
     @property
     def world_size(self) -> int:
@@ -98,7 +104,9 @@ class JobSpec:
 def render_job_script(spec: JobSpec) -> str:
     requeue = _requeue_on_node_failure() if spec.requeue else []
     copy = _local_copy(spec.local_copy) if spec.local_copy else []
-    return "\n".join([*_header(spec), *_prologue(spec), *copy, *_launch(spec), *_epilogue(requeue), ""])
+    checkpoints = checkpoint_sync.before_launch(spec.run_id, spec.results, spec.resume_from)
+    body = [*_prologue(spec), *copy, *checkpoints, *_launch(spec), *_epilogue(requeue)]
+    return "\n".join([*_header(spec), *body, ""])
 
 
 def _header(spec: JobSpec) -> list[str]:
@@ -122,7 +130,7 @@ def _header(spec: JobSpec) -> list[str]:
         lines.append(f"#SBATCH --gres=gpu:{spec.gpus_per_node}")
     if spec.time_limit:
         lines.append(f"#SBATCH --time={spec.time_limit}")
-    return lines
+    return lines + time_warning.header(spec.warn_before_s)
 
 
 def _prologue(spec: JobSpec) -> list[str]:
@@ -172,16 +180,9 @@ TIME_LIMIT_TEST = '[ "$JOB_ENDS_AT" -gt 0 ] && [ "$(date +%s)" -ge $((JOB_ENDS_A
 def _finish_function(spec: JobSpec) -> list[str]:
     upload = [
         '"$PY" "$TOOLS/upload_results.py" --dir "$RUN_DIR"',
-        f"--account-url {q(spec.results.account_url)} --container {q(spec.results.container)}",
         f"--prefix {q(spec.run_id)} --status status.json",
-        "--with-newest-checkpoint",  # kept in blob storage: a new cluster resumes from it (launch --resume-from)
+        checkpoint_sync.container_flags(spec.results),
     ]
-    if spec.results.sas_file:
-        upload.append(f'--sas-file "$RUN_DIR"/{q(spec.results.sas_file)}')
-    else:
-        upload.append(
-            "--managed-identity" + (f" --client-id {q(spec.results.client_id)}" if spec.results.client_id else "")
-        )
     # results: "uploading" until upload_results.py sets the outcome, and uploads status.json last
     status = (
         'printf \'{"job_id": "%s", "run_id": "%s", "exit_code": %d, "attempt": %d, "finished_at": "%s", '
@@ -195,13 +196,15 @@ def _finish_function(spec: JobSpec) -> list[str]:
         "# shellcheck disable=SC2317",
         "finish() {",
         "  local code=$?",
-        "  trap - EXIT TERM INT",
+        "  trap - EXIT TERM INT USR1",
         "  FINISHED_AT=$(date -u +%Y-%m-%dT%H:%M:%SZ)",
+        time_warning.ENDED_BY_WARNING,
         '  echo "[job] exit status $code${ENDED_BY:+ (ended by its time limit)}"',
         '  write_status "$code" uploading',
         f'  "$PY" "$TOOLS/record_run.py" --run-dir "$RUN_DIR" --nodes {spec.nodes} --attempt "$ATTEMPT" '
         '--started-at "$ATTEMPT_STARTED_AT" --exit-code "$code" --partition "$SLURM_JOB_PARTITION" 2>&1 '
         "| sed 's/^/[job] /'",
+        *checkpoint_sync.final_sync(spec.run_id, spec.results),
         f"  {' '.join(upload)} 2>&1 | sed 's/^/[job] /' || echo '[job] results upload incomplete: see status.json'",
         '  exit "$code"',
         "}",
@@ -226,7 +229,8 @@ def _launch(spec: JobSpec) -> list[str]:
     )
     *setup, launcher = _horovod_lines(spec) if spec.launcher == "horovodrun" else _torchrun_lines(spec)
     # in the background, so that a TERM from scancel is handled at once, not when the pipeline ends
-    return [*setup, f"{launcher} 2>&1 | {annotate} &", "LAUNCH_PID=$!", 'wait "$LAUNCH_PID"']
+    launch = [*setup, f"{launcher} 2>&1 | {annotate} &", "LAUNCH_PID=$!"]
+    return [*launch, *time_warning.trap(spec.warn_before_s), *time_warning.wait_for_launch()]
 
 
 def _horovod_lines(spec: JobSpec) -> list[str]:

@@ -27,10 +27,19 @@ from dtrain.cluster.slurm import Slurm, parse_job_id, require_slurm
 from dtrain.cluster.ssh import SSH, q
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.jobs.allocation import Allocation, plan_allocation
-from dtrain.jobs.batch_script import REMOTE_TOOLS, JobSpec, Launcher, LocalCopy, ResultsTarget, render_job_script
-from dtrain.jobs.kept_checkpoints import newest_kept_checkpoint
+from dtrain.jobs.batch_script import (
+    REMOTE_BOOT_TOOLS,
+    REMOTE_TOOLS,
+    JobSpec,
+    Launcher,
+    LocalCopy,
+    ResultsTarget,
+    render_job_script,
+)
+from dtrain.jobs.kept_checkpoints import require_kept_checkpoint
 from dtrain.jobs.preflight import ProcessRequest, dataset_under_data_path, plan_preflight
 from dtrain.jobs.preflight import flag_value as _flag_value
+from dtrain.jobs.time_warning import warning_lead
 from dtrain.jobs.workdir import CODE_SUBDIR, MAX_WORKDIR_MB, Workdir, check_workdir, send_workdir
 from infra.contract import FRAMEWORKS, RUNS_DIR
 from training.world.backend_choice import AUTO, DDP, HOROVOD
@@ -66,6 +75,7 @@ class LaunchOptions:
     spot: bool = False  # the Spot partition; evictions checkpoint and requeue the job
     spot_fallback: bool = False  # the Spot partition where Slurm can start it there, else on demand
     resume_from: str | None = None  # a run whose newest kept checkpoint (results container) this one starts from
+    warn_before: int | None = None  # seconds of SIGUSR1 before the time limit; default: time_warning.DEFAULT_S
 
     @property
     def requeued(self) -> bool:
@@ -211,6 +221,8 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
         git_revision=git_revision(),
         env=dict(desc.nccl_env),
         local_copy=local_copy,
+        resume_from=opts.resume_from,
+        warn_before_s=warning_lead(opts.warn_before, alloc.time_limit),
     )
     return Plan(spec, alloc, workdir)
 
@@ -295,8 +307,9 @@ def training_command(
     # deployable model and curves
     defaults = {"--metrics-json": f"{run_dir}/metrics.json"}
     defaults |= {f"--{name}": f"{run_dir}/{path}" for name, path in RUN_OUTPUTS.items()}
-    # a requeued job starts again from the top: its checkpoints are what makes it resume
-    if opts.requeued or opts.resume_from:
+    # a requeued job starts again from the top: its checkpoints are what makes it resume; the time limit's
+    # warning (on unless --warn-before 0) saves one
+    if opts.requeued or opts.resume_from or opts.warn_before != 0:
         defaults["--checkpoint-dir"] = f"{run_dir}/checkpoints"
     for flag, value in defaults.items():
         if _flag_value(args, flag) is None:
@@ -333,6 +346,8 @@ def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH, plan: Plan |
     checks = plan_preflight(
         desc, job_args, entrypoint=opts.entrypoint, model_parallel=opts.model_parallel, processes=processes
     )
+    if spec.resume_from:  # the job fetches it (fetch_checkpoint.py): here only whether there is one
+        require_kept_checkpoint(desc, spec.resume_from)
     files = _run_files(desc, opts, spec, slurm.access)
     code = ""
     if plan.workdir:  # the last upload of this directory, copied: the job runs a snapshot, whatever changes next
@@ -382,12 +397,11 @@ def _run_files(
     }
     for tool in REMOTE_TOOLS:
         files[f"remote/{tool}"] = ((REMOTE_DIR / "job" / tool).read_bytes(), 0o700)
+    for tool in REMOTE_BOOT_TOOLS:
+        files[f"remote/{tool}"] = ((REMOTE_DIR / "boot" / tool).read_bytes(), 0o700)
     cred = desc.results_upload
     if cred.kind == "sas" and cred.secret is not None:
         files[SAS_FILE] = (cred.secret.get_secret_value().encode(), 0o600)
-    if opts.resume_from:
-        kept = newest_kept_checkpoint(desc, check_run_id(opts.resume_from))
-        files.update({path: (data, 0o600) for path, data in kept.items()})
     return files
 
 

@@ -35,6 +35,7 @@ VARIANTS = {
     "torchrun-docker": replace(BASE, launcher="torchrun", requeue=True, time_limit="90"),
     "torchrun-host": replace(BASE, launcher="torchrun", image=None, python="/opt/venv/bin/python"),
     "local-copy": replace(BASE, local_copy=LocalCopy("/shared/data/my set", "/nvme/data/my set")),
+    "resume-and-warn": replace(BASE, launcher="torchrun", resume_from="old-run", warn_before_s=300, time_limit="60"),
     "local-sas": replace(
         BASE, image=None, results=ResultsTarget("http://127.0.0.1:1/devstoreaccount1", "results", sas_file="r.sas")
     ),
