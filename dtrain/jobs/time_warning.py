@@ -53,12 +53,15 @@ def header(lead_s: int) -> list[str]:
     return [f"#SBATCH --signal=B:USR1@{lead_s}"] if lead_s else []
 
 
-def trap(lead_s: int) -> list[str]:
+def trap(lead_s: int, container: str | None = None, python: str = "") -> list[str]:
     """After the launch started (which keeps USR1 ignored, see batch_script.IGNORING_USR1): the warning's
     trap. A Spot agent signals this shell too (it catches USR1 now): only a USR1 within the lead (and
-    Slurm's minute) of the end counts as the time limit's."""
+    Slurm's minute) of the end counts as the time limit's. With the docker runtime the ranks run as
+    root in the job's container, whose processes the job's user cannot read: the tool runs in there
+    (docker exec, the image's python; the run directory is mounted)."""
     if not lead_s:
         return []
+    tool = f"docker exec {container} {q(python)}" if container else '"$PY"'
     near = f'[ "$JOB_ENDS_AT" -gt 0 ] && [ "$(date +%s)" -ge $((JOB_ENDS_AT - {lead_s + SLURM_EARLY_S})) ] || return 0'
     say = f"[job] the time limit is {lead_s} s away or less: asking the job to save a checkpoint (SIGUSR1)"
     return [
@@ -67,7 +70,7 @@ def trap(lead_s: int) -> list[str]:
         f"  {near}",
         "  TIME_WARNED=1",
         f"  echo {q(say)}",
-        f'  "$PY" "$TOOLS/time_warning.py" --job "$SLURM_JOB_ID" --skip $$ --within {lead_s} &',
+        f'  {tool} "$TOOLS/time_warning.py" --job "$SLURM_JOB_ID" --skip $$ --within {lead_s} &',
         "}",
         "trap time_warning USR1",
     ]
