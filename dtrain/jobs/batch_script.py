@@ -196,7 +196,8 @@ def _finish_function(spec: JobSpec) -> list[str]:
         "# shellcheck disable=SC2317",
         "finish() {",
         "  local code=$?",
-        "  trap - EXIT TERM INT USR1",
+        "  trap - EXIT TERM INT",
+        f"  {IGNORE_USR1.rstrip(';')}",  # a late time-limit warning must not end the upload
         "  FINISHED_AT=$(date -u +%Y-%m-%dT%H:%M:%SZ)",
         time_warning.ENDED_BY_WARNING,
         '  echo "[job] exit status $code${ENDED_BY:+ (ended by its time limit)}"',
