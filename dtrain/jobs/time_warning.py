@@ -70,7 +70,8 @@ def trap(lead_s: int, container: str | None = None, python: str = "") -> list[st
         f"  {near}",
         "  TIME_WARNED=1",
         f"  echo {q(say)}",
-        f'  {tool} "$TOOLS/time_warning.py" --job "$SLURM_JOB_ID" --skip $$ --within {lead_s} &',
+        # until the limit at the latest (a slow start: the ranks may not catch it yet)
+        f'  {tool} "$TOOLS/time_warning.py" --job "$SLURM_JOB_ID" --skip $$ --within {lead_s + SLURM_EARLY_S} &',
         "}",
         "trap time_warning USR1",
     ]

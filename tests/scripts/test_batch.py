@@ -157,7 +157,7 @@ def test_the_time_warning_reaches_the_ranks_on_the_host_or_inside_the_job_contai
     """The ranks of the docker runtime run as root in the container: the forwarder runs in there too."""
     host = render_job_script(VARIANTS["warn-host"])
     assert "#SBATCH --signal=B:USR1@30\n" in host
-    assert '  "$PY" "$TOOLS/time_warning.py" --job "$SLURM_JOB_ID" --skip $$ --within 30 &' in host
+    assert '  "$PY" "$TOOLS/time_warning.py" --job "$SLURM_JOB_ID" --skip $$ --within 90 &' in host
     docker = render_job_script(VARIANTS["resume-and-warn"])
     assert '  docker exec "hvd-$SLURM_JOB_ID" python3 "$TOOLS/time_warning.py" --job' in docker
     # set once the launch has started (its processes keep ignoring USR1), before the job is waited for

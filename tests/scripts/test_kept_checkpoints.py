@@ -94,9 +94,10 @@ def test_a_job_warned_of_its_time_limit_saves_a_checkpoint_before_it_ends(cluste
     job_args = ["--data", "synthetic", "--model", "simple_cnn", "--image-size", "32", "--batch-size", "8"]
     job_args += ["--steps", "1000000", "--checkpoint-every", "1000000", "--log-every", "50", "--warmup-epochs", "0"]
     launch = ["launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--nodes", "1", "--run-id", "warned"]
-    proc = cli(*launch, "--time", "1", "--warn-before", "30s", "--follow", "--", *job_args)
+    # the warning comes up to a minute early: --time 2, so that the job has started by then on a busy machine
+    proc = cli(*launch, "--time", "2", "--warn-before", "60s", "--follow", "--", *job_args)
     out = proc.stdout + proc.stderr
-    assert "#SBATCH --signal=B:USR1@30" in (run_dir(cluster, "warned") / "job.sh").read_text()
+    assert "#SBATCH --signal=B:USR1@60" in (run_dir(cluster, "warned") / "job.sh").read_text()
     assert "asking the job to save a checkpoint (SIGUSR1)" in out, out[-3000:]
     match = re.search(r"error: preempted \(SIGUSR1: [^)]*\) after step (\d+): saved the checkpoint", out)
     assert match, out[-3000:]
@@ -107,8 +108,8 @@ def test_a_job_warned_of_its_time_limit_saves_a_checkpoint_before_it_ends(cluste
     assert container_client(cluster.results).get_blob_client(f"warned/checkpoints/{saved.name}").exists()
     # and the run reads as ended by its time limit, as one that the limit killed does
     assert proc.returncode == 75, out[-3000:]
-    assert "(run warned): its time limit (1) ended it; ask for more with --time" in proc.stderr, out[-3000:]
+    assert "(run warned): its time limit (2) ended it; ask for more with --time" in proc.stderr, out[-3000:]
     assert status_of(cluster, "warned")["ended_by"] == "time_limit"
     rows = json.loads(cli("jobs", "--cluster", str(cluster_file), "--json").stdout)["jobs"]
     row = next(row for row in rows if row["run"] == "warned")
-    assert (row["state"], row["note"]) == ("TIMEOUT", "its time limit (1) ended it")
+    assert (row["state"], row["note"]) == ("TIMEOUT", "its time limit (2) ended it")
