@@ -180,7 +180,7 @@ TIME_LIMIT_TEST = '[ "$JOB_ENDS_AT" -gt 0 ] && [ "$(date +%s)" -ge $((JOB_ENDS_A
 def _finish_function(spec: JobSpec) -> list[str]:
     upload = [
         '"$PY" "$TOOLS/upload_results.py" --dir "$RUN_DIR"',
-        f"--prefix {q(spec.run_id)} --status status.json",
+        f"--prefix {q(spec.run_id)} --status status.json --with-checkpoints",
         checkpoint_sync.container_flags(spec.results),
     ]
     # results: "uploading" until upload_results.py sets the outcome, and uploads status.json last
@@ -205,7 +205,7 @@ def _finish_function(spec: JobSpec) -> list[str]:
         f'  "$PY" "$TOOLS/record_run.py" --run-dir "$RUN_DIR" --nodes {spec.nodes} --attempt "$ATTEMPT" '
         '--started-at "$ATTEMPT_STARTED_AT" --exit-code "$code" --partition "$SLURM_JOB_PARTITION" 2>&1 '
         "| sed 's/^/[job] /'",
-        *checkpoint_sync.final_sync(spec.run_id, spec.results),
+        checkpoint_sync.stop_mirror(),
         f"  {' '.join(upload)} 2>&1 | sed 's/^/[job] /' || echo '[job] results upload incomplete: see status.json'",
         '  exit "$code"',
         "}",

@@ -53,10 +53,7 @@ def before_launch(run_id: str, results: ResultsTarget, resume_from: str | None) 
     return [*lines, f"{_mirror(run_id, results)} &", "MIRROR_PID=$!"]
 
 
-def final_sync(run_id: str, results: ResultsTarget) -> list[str]:
-    """In finish(): stop the mirror (Slurm's TERM may have done so), then one last pass over every new file."""
-    return [
-        '  [ -n "${MIRROR_PID:-}" ] && { kill "$MIRROR_PID" 2>/dev/null; wait "$MIRROR_PID"; }',
-        f"  {_mirror(run_id, results)} --once 2>&1 | sed 's/^/[job] /' "
-        "|| echo '[job] checkpoint mirror incomplete: see above'",
-    ]
+def stop_mirror() -> str:
+    """In finish(), before the results upload makes the mirror's last pass (upload_results.py
+    --with-checkpoints): the mirror stops first (Slurm's TERM may have stopped it already)."""
+    return '  [ -n "${MIRROR_PID:-}" ] && { kill "$MIRROR_PID" 2>/dev/null; wait "$MIRROR_PID"; }'

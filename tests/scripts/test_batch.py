@@ -174,6 +174,7 @@ def test_a_resumed_job_fetches_its_checkpoint_first_and_the_mirror_runs_beside_i
     fetch, mirror = script.index('fetch_checkpoint.py" --run old-run'), script.index("MIRROR_PID=$!")
     assert script.index("finish() {") < fetch < mirror < script.index("torchrun --nnodes")
     assert "--managed-identity --client-id 0000-1111" in script[fetch : script.index("\n", fetch)]
-    # at the end: the mirror's last pass before the results upload
-    assert script.index("--once 2>&1") < script.index('upload_results.py" --dir')
+    # at the end: the mirror stops, and the results upload makes its last pass
+    assert script.index('kill "$MIRROR_PID"') < script.index('upload_results.py" --dir')
+    assert "--status status.json --with-checkpoints" in script
     assert "fetch_checkpoint.py" not in render_job_script(BASE)

@@ -5,13 +5,13 @@ late; and `launch --warn-before`'s rules."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from azure.storage.blob import ContainerSasPermissions
@@ -30,7 +30,27 @@ def blob_names(service, prefix: str) -> set[str]:
     return {b.name for b in service.get_container_client("results").list_blobs(name_starts_with=prefix)}
 
 
-def test_the_mirror_uploads_complete_files_only_and_each_version_once(azurite, tmp_path):  # noqa: F811
+def test_a_file_is_mirrored_once_it_stops_changing_and_each_version_once(azurite, tmp_path, monkeypatch):  # noqa: F811
+    """Scan by scan, in process (the pass the daemon runs every 10 s)."""
+    monkeypatch.syspath_prepend(str(REMOTE))  # as on the cluster: the tools import each other by file name
+    checkpoint_mirror = importlib.import_module("checkpoint_mirror")
+    upload_results = importlib.import_module("upload_results")
+    container = upload_results.Container(azurite.url.rstrip("/"), "results")
+    container.sas = container_sas(WRITE_ONLY)
+    ckpt = tmp_path / "checkpoints"
+    ckpt.mkdir()
+    mirror = checkpoint_mirror.Mirror(str(ckpt), "m0", lambda: container)
+    growing = ckpt / "growing.bin"
+    for size in (1000, 2000):  # still being written: changed since the scan before
+        growing.write_bytes(b"x" * size)
+        assert mirror.run_pass() == {} and blob_names(azurite, "m0/") == set()
+    assert mirror.run_pass() == {} and blob_names(azurite, "m0/") == {"m0/growing.bin"}  # stable: sent
+    mirror.run_pass()  # the same version is not sent again
+    assert azurite.get_container_client("results").download_blob("m0/growing.bin").readall() == b"x" * 2000
+    assert checkpoint_mirror.load_state(str(ckpt)) == {"growing.bin": mirror.uploaded["growing.bin"]}
+
+
+def test_the_mirror_daemon_copies_renamed_files_never_temporary_ones(azurite, tmp_path):  # noqa: F811
     ckpt = tmp_path / "checkpoints"
     ckpt.mkdir()
     flags = ["--dir", str(ckpt), "--prefix", "m1/checkpoints", "--account-url", azurite.url.rstrip("/")]
@@ -45,30 +65,20 @@ def test_the_mirror_uploads_complete_files_only_and_each_version_once(azurite, t
         text=True,
     )
     try:
-        growing = ckpt / "growing.bin"
-        for _ in range(8):  # a file still being written (in place) is not copied while it changes
-            with growing.open("ab") as handle:
-                handle.write(b"x" * 1000)
-            time.sleep(0.15)
-            assert "m1/checkpoints/growing.bin" not in blob_names(azurite, "m1/")
         os.replace(ckpt / ".state.pt.tmp", ckpt / "state.pt")  # renamed into place: complete
-        wanted = {"m1/checkpoints/state.pt", "m1/checkpoints/growing.bin"}
-        wait_for(lambda: blob_names(azurite, "m1/") == wanted, 30, "both files mirrored", interval=0.2)
+        wait_for(lambda: blob_names(azurite, "m1/") == {"m1/checkpoints/state.pt"}, 30, "state.pt", interval=0.2)
     finally:
         mirror.send_signal(signal.SIGTERM)
         out = mirror.communicate(timeout=30)[0]
     assert mirror.returncode == 0, out
-    assert "state.pt (0.0 MB) is in the results container" in out
-    container = azurite.get_container_client("results")
-    assert container.download_blob("m1/checkpoints/growing.bin").readall() == b"x" * 8000
-    # the job's end: --once sends what is new since (stable or not), and nothing sent before
+    assert "[job] checkpoint mirror: state.pt (0.0 MB) is in the results container" in out
+    # --once sends what is new since (stable or not), and nothing sent before; temporary names never
     (ckpt / "sub").mkdir()
     (ckpt / "sub" / "last.pt").write_bytes(b"last")
     once = run_tool("checkpoint_mirror.py", *flags, "--once")
     assert once.returncode == 0, once.stderr
     assert once.stdout.decode().count("is in the results container") == 1
-    assert blob_names(azurite, "m1/") == {*wanted, "m1/checkpoints/sub/last.pt"}
-    assert set(json.loads((ckpt / ".mirrored.json").read_text())) == {"state.pt", "growing.bin", "sub/last.pt"}
+    assert blob_names(azurite, "m1/") == {"m1/checkpoints/state.pt", "m1/checkpoints/sub/last.pt"}
 
 
 def test_a_refused_credential_is_reported_per_file_and_the_job_goes_on(azurite, tmp_path):  # noqa: F811
@@ -149,3 +159,17 @@ def test_warn_before_reads_units_and_stays_inside_the_time_limit():
     assert warning_lead(None, "INFINITE") == 300 and warning_lead(600, "2:00:00") == 600
     with pytest.raises(OperatorError, match=r"--warn-before 600s is not shorter than the time limit \(10\)"):
         warning_lead(600, "10")
+
+
+def test_the_results_upload_makes_the_mirrors_last_pass_before_the_status(azurite, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.pt").write_bytes(b"last")
+    (run / "status.json").write_text('{"exit_code": 0, "results": "uploading"}\n')
+    flags = ["--dir", str(run), "--prefix", "u1", "--account-url", azurite.url.rstrip("/"), "--container", "results"]
+    sas = ["--sas-file", str(sas_file(tmp_path, container_sas(WRITE_ONLY)))]
+    done = run_tool("upload_results.py", *flags, *sas, "--status", "status.json", "--with-checkpoints")
+    assert done.returncode == 0, done.stderr
+    assert blob_names(azurite, "u1/") == {"u1/checkpoints/last.pt", "u1/status.json"}
+    assert "checkpoint last.pt (0.0 MB) is in the results container" in done.stdout.decode()
+    assert json.loads((run / "status.json").read_text())["results"] == "uploaded"

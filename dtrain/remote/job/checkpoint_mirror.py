@@ -3,8 +3,9 @@
 
 Standard library only, Python 3.10+: job.sh starts it in the background on the first node, beside the
 launcher, from the run's `remote/` directory (with upload_results.py, whose blob client it uses), and
-runs it once more with --once when the job ends. Any code's checkpoints so reach storage that outlives
-the cluster (`launch --resume-from RUN` starts a new run from them), not only our jobs' file names.
+stops it when the job ends, when upload_results.py --with-checkpoints makes the last pass (as --once
+does here, by hand). Any code's checkpoints so reach storage that outlives the cluster
+(`launch --resume-from RUN` starts a new run from them), not only our jobs' file names.
 
   python3 checkpoint_mirror.py --dir RUN_DIR/checkpoints --prefix RUN_ID/checkpoints \\
       --account-url URL --container results (--sas-file FILE | --managed-identity [--client-id ID])
@@ -14,7 +15,7 @@ and uploads each regular file that is new or changed since its last upload and c
 modification time are the same as at the scan before (closed and stable), whole files only, to the
 block blob PREFIX/<relative path>. Names starting with `.` (a file or a directory on the way) are
 temporary by convention, ours included (write to `.name.tmp`, then rename into place), and never
-copied. What was uploaded is remembered in DIR/.mirrored.json, so that --once (the job's end: every
+copied. What was uploaded is remembered in DIR/.mirrored.json, so that the last pass (the job's end: every
 file, stable or not, as the job has stopped writing) and a requeued attempt send only what is new.
 Files deleted from DIR stay in the container (a run's older checkpoints, for a resume from before).
 
@@ -50,6 +51,7 @@ from upload_results import (
 STATE = ".mirrored.json"  # in DIR: relative path -> [size, mtime_ns] of its last upload
 INTERVAL_S = 10.0
 TOKEN_TTL_S = 1800  # an IMDS token lasts hours; take a new one well before
+LABEL = "[job] checkpoint mirror: "  # its lines in output.log (job.sh does not pipe it through sed)
 
 
 def scan(directory):
@@ -88,8 +90,8 @@ def save_state(directory, state):
 class Mirror:
     """What was uploaded and what the last scan saw; one pass uploads what is due."""
 
-    def __init__(self, directory, prefix, connect):
-        self.directory, self.prefix, self.connect = directory, prefix, connect
+    def __init__(self, directory, prefix, connect, label=LABEL):
+        self.directory, self.prefix, self.connect, self.label = directory, prefix, connect, label
         self.uploaded = load_state(directory)
         self.seen = {}
         self.container, self.connected_at = None, 0.0
@@ -118,7 +120,7 @@ class Mirror:
                 continue
             self.uploaded[name] = seen
             save_state(self.directory, self.uploaded)
-            print(f"[job] checkpoint mirror: {name} ({size / 1e6:.1f} MB) is in the results container", flush=True)
+            print(f"{self.label}{name} ({size / 1e6:.1f} MB) is in the results container", flush=True)
         self.seen = now
         return failures
 
@@ -158,10 +160,10 @@ def main(argv=None):
             return EXIT_FAILED if failures else 0
         while not stopping:
             for name, why in mirror.run_pass(stopping=stopping).items():
-                print(f"[job] checkpoint mirror: {name} not uploaded yet: {why}", flush=True)
+                print(f"{LABEL}{name} not uploaded yet: {why}", flush=True)
             deadline = time.monotonic() + args.interval
             while not stopping and time.monotonic() < deadline:
-                time.sleep(min(0.5, args.interval))
+                time.sleep(min(0.2, args.interval))  # job.sh's finish() waits for it to stop
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     return 0

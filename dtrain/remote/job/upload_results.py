@@ -58,7 +58,8 @@ TIMEOUT_S = 120
 UPLOAD_THREADS = 8  # files in flight at once: a run's upload must fit in KillWait after a cancel
 IMDS_TOKEN_URL = "http://169.254.169.254/metadata/identity/oauth2/token"
 STORAGE_RESOURCE = "https://storage.azure.com/"
-SKIPPED_DIRS = ("checkpoints", "remote", "code")  # at the top of the run directory
+CHECKPOINTS = "checkpoints"  # $CHECKPOINT_DIR: checkpoint_mirror.py's, not uploaded with the rest
+SKIPPED_DIRS = (CHECKPOINTS, "remote", "code")  # at the top of the run directory
 SECRET_SUFFIX = ".sas"
 RETRIED_STATUSES = (408, 429)  # and every 5xx
 EXIT_FAILED = 1
@@ -399,7 +400,27 @@ def build_parser():
         help="the job's status file, relative to --dir (e.g. status.json): uploaded last, after its "
         '"results" is set to uploaded, incomplete (not_uploaded lists the files) or failed (results_error)',
     )
+    parser.add_argument(
+        "--with-checkpoints",
+        action="store_true",
+        help="also the last pass of checkpoint_mirror.py over DIR/checkpoints (what it has not sent yet), "
+        "before --status",
+    )
     return parser
+
+
+def final_checkpoint_pass(run_dir, container, prefix):
+    """The checkpoint mirror's last pass, in this process (job.sh's time after a cancel is short);
+    returns (files, bytes, failures by path in the run directory)."""
+    from checkpoint_mirror import Mirror  # beside this file in the run's remote/; it imports this module
+
+    directory = os.path.join(run_dir, CHECKPOINTS)
+    mirror = Mirror(directory, f"{prefix}/{CHECKPOINTS}", lambda: container, label="checkpoint ")
+    before = dict(mirror.uploaded)
+    failures = mirror.run_pass(every=True)
+    sent = [name for name, seen in mirror.uploaded.items() if before.get(name) != seen]
+    size = sum(mirror.uploaded[name][0] for name in sent)
+    return len(sent), size, {f"{CHECKPOINTS}/{name}": why for name, why in failures.items()}
 
 
 def main(argv=None):
@@ -412,6 +433,9 @@ def main(argv=None):
         container = open_container(args)
         exclude = [args.status] if args.status else []
         count, size, failures = upload_run(args.dir, container, args.prefix, exclude=exclude)
+        if args.with_checkpoints:
+            more, more_size, missed = final_checkpoint_pass(args.dir, container, args.prefix)
+            count, size, failures = count + more, size + more_size, {**failures, **missed}
         if args.status:  # last, and with the truth: what the other files' upload came to
             status = os.path.join(args.dir, args.status)
             finish_status(status, failures)
