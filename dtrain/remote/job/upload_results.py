@@ -11,9 +11,9 @@ node's python3, from the run's `remote/` directory, whether or not the operator 
 
 Every file under RUN_DIR goes to the block blob <prefix>/<relative path> (8 at a time, smallest first,
 after a first one alone that tests the credential), except the directories `checkpoints/` (which
-checkpoint_mirror.py copies while the job runs: `launch --resume-from` starts from them), `remote/`
-(copies of these tools) and
-`code/` (the user's --workdir, which stays on the share beside the run),
+checkpoint_mirror.py copies while the job runs, and --with-checkpoints here makes its last pass over,
+in this process, before --status: `launch --resume-from` starts from them), `remote/` (copies of these
+tools) and `code/` (the user's --workdir, which stays on the share beside the run),
 any `*.sas` file (secrets never leave) and symbolic links. Files up to 64 MiB are sent with one
 Put Blob, larger ones in blocks (Put Block, then Put Block List); every request carries the MD5 of
 its body, and the blob keeps the MD5 of the whole file.
