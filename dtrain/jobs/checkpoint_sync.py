@@ -18,7 +18,11 @@ if TYPE_CHECKING:
     from dtrain.jobs.batch_script import ResultsTarget
 
 CHECKPOINTS = "checkpoints"  # RUN/checkpoints/ in the results container, as $CHECKPOINT_DIR is RUN_DIR/checkpoints
-RESUMED_MARKER = ".resumed"  # in $CHECKPOINT_DIR: a requeued attempt does not fetch the old run's checkpoint again
+# In the run's remote/ directory, not the job's checkpoint directory (its code may list it): what the mirror
+# sent (checkpoint_mirror.STATE, which upload_results.py reads too), and that the resume's fetch was done
+# (a requeued attempt does not fetch the old run's checkpoint again)
+MIRROR_STATE = '"$TOOLS/checkpoints-mirrored.json"'
+RESUMED_MARKER = '"$TOOLS/resumed"'
 
 
 def container_flags(results: ResultsTarget) -> str:
@@ -31,7 +35,8 @@ def container_flags(results: ResultsTarget) -> str:
 
 def _mirror(run_id: str, results: ResultsTarget) -> str:
     prefix = q(f"{run_id}/{CHECKPOINTS}")
-    return f'"$PY" "$TOOLS/checkpoint_mirror.py" --dir "$CHECKPOINT_DIR" --prefix {prefix} {container_flags(results)}'
+    where = f'--dir "$CHECKPOINT_DIR" --prefix {prefix} --state {MIRROR_STATE}'
+    return f'"$PY" "$TOOLS/checkpoint_mirror.py" {where} {container_flags(results)}'
 
 
 def before_launch(run_id: str, results: ResultsTarget, resume_from: str | None) -> list[str]:
@@ -43,10 +48,10 @@ def before_launch(run_id: str, results: ResultsTarget, resume_from: str | None) 
         why = f"[job] the checkpoint of {resume_from} could not be fetched: training not started"
         failed = f"echo {q(why)}; exit 1"
         lines += [
-            f'if [ ! -e "$CHECKPOINT_DIR/{RESUMED_MARKER}" ]; then',
+            f"if [ ! -e {RESUMED_MARKER} ]; then",
             f"  {fetch} 2>&1 | sed 's/^/[job] /'",
             f'  [ "${{PIPESTATUS[0]}}" -eq 0 ] || {{ {failed}; }}',
-            f'  touch "$CHECKPOINT_DIR/{RESUMED_MARKER}"',
+            f"  touch {RESUMED_MARKER}",
             "fi",
         ]
     # in the background, with USR1 still ignored (a Spot agent or time warning signals only who catches it)

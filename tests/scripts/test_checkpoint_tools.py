@@ -39,7 +39,8 @@ def test_a_file_is_mirrored_once_it_stops_changing_and_each_version_once(azurite
     container.sas = container_sas(WRITE_ONLY)
     ckpt = tmp_path / "checkpoints"
     ckpt.mkdir()
-    mirror = checkpoint_mirror.Mirror(str(ckpt), "m0", lambda: container)
+    state = tmp_path / "state.json"
+    mirror = checkpoint_mirror.Mirror(str(ckpt), "m0", lambda: container, str(state))
     growing = ckpt / "growing.bin"
     for size in (1000, 2000):  # still being written: changed since the scan before
         growing.write_bytes(b"x" * size)
@@ -47,13 +48,15 @@ def test_a_file_is_mirrored_once_it_stops_changing_and_each_version_once(azurite
     assert mirror.run_pass() == {} and blob_names(azurite, "m0/") == {"m0/growing.bin"}  # stable: sent
     mirror.run_pass()  # the same version is not sent again
     assert azurite.get_container_client("results").download_blob("m0/growing.bin").readall() == b"x" * 2000
-    assert checkpoint_mirror.load_state(str(ckpt)) == {"growing.bin": mirror.uploaded["growing.bin"]}
+    assert checkpoint_mirror.load_state(str(state)) == {"growing.bin": mirror.uploaded["growing.bin"]}
+    assert sorted(p.name for p in ckpt.iterdir()) == ["growing.bin"]  # nothing of ours in the job's directory
 
 
 def test_the_mirror_daemon_copies_renamed_files_never_temporary_ones(azurite, tmp_path):  # noqa: F811
     ckpt = tmp_path / "checkpoints"
     ckpt.mkdir()
-    flags = ["--dir", str(ckpt), "--prefix", "m1/checkpoints", "--account-url", azurite.url.rstrip("/")]
+    flags = ["--dir", str(ckpt), "--prefix", "m1/checkpoints", "--state", str(tmp_path / "sent.json")]
+    flags += ["--account-url", azurite.url.rstrip("/")]
     flags += ["--container", "results", "--sas-file", str(sas_file(tmp_path, container_sas(WRITE_ONLY)))]
     (ckpt / ".state.pt.tmp").write_bytes(b"half")  # on its way: a hidden name
     (ckpt / ".step-0000000001.tmp-x").mkdir()
@@ -85,7 +88,8 @@ def test_a_refused_credential_is_reported_per_file_and_the_job_goes_on(azurite, 
     ckpt = tmp_path / "checkpoints"
     ckpt.mkdir()
     (ckpt / "a.pt").write_bytes(b"a")
-    flags = ["--dir", str(ckpt), "--prefix", "m2", "--account-url", azurite.url.rstrip("/"), "--container", "results"]
+    flags = ["--dir", str(ckpt), "--prefix", "m2", "--state", str(tmp_path / "sent.json")]
+    flags += ["--account-url", azurite.url.rstrip("/"), "--container", "results"]
     sas = ["--sas-file", str(sas_file(tmp_path, container_sas(READ_ONLY)))]
     once = run_tool("checkpoint_mirror.py", *flags, *sas, "--once")
     error = once.stderr.decode()

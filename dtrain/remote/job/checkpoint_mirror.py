@@ -7,7 +7,7 @@ stops it when the job ends, when upload_results.py --with-checkpoints makes the 
 does here, by hand). Any code's checkpoints so reach storage that outlives the cluster
 (`launch --resume-from RUN` starts a new run from them), not only our jobs' file names.
 
-  python3 checkpoint_mirror.py --dir RUN_DIR/checkpoints --prefix RUN_ID/checkpoints \\
+  python3 checkpoint_mirror.py --dir RUN_DIR/checkpoints --prefix RUN_ID/checkpoints --state FILE \\
       --account-url URL --container results (--sas-file FILE | --managed-identity [--client-id ID])
 
 Every INTERVAL seconds it lists the directory (the shared file system, where every node's ranks write)
@@ -15,7 +15,7 @@ and uploads each regular file that is new or changed since its last upload and c
 modification time are the same as at the scan before (closed and stable), whole files only, to the
 block blob PREFIX/<relative path>. Names starting with `.` (a file or a directory on the way) are
 temporary by convention, ours included (write to `.name.tmp`, then rename into place), and never
-copied. What was uploaded is remembered in DIR/.mirrored.json, so that the last pass (the job's end: every
+copied. What was uploaded is remembered in --state FILE, so that the last pass (the job's end: every
 file, stable or not, as the job has stopped writing) and a requeued attempt send only what is new.
 Files deleted from DIR stay in the container (a run's older checkpoints, for a resume from before).
 
@@ -48,7 +48,9 @@ from upload_results import (
     upload_file,
 )
 
-STATE = ".mirrored.json"  # in DIR: relative path -> [size, mtime_ns] of its last upload
+# relative path -> [size, mtime_ns] of its last upload; in the run's remote/ directory (job.sh's --state), not
+# in the job's own checkpoint directory, which its code may list
+STATE = "checkpoints-mirrored.json"
 INTERVAL_S = 10.0
 TOKEN_TTL_S = 1800  # an IMDS token lasts hours; take a new one well before
 LABEL = "[job] checkpoint mirror: "  # its lines in output.log (job.sh does not pipe it through sed)
@@ -72,16 +74,16 @@ def scan(directory):
     return found
 
 
-def load_state(directory):
+def load_state(path):
     try:
-        with open(os.path.join(directory, STATE), encoding="utf-8") as handle:
+        with open(path, encoding="utf-8") as handle:
             return {name: tuple(seen) for name, seen in json.load(handle).items()}
     except (OSError, ValueError, TypeError):
         return {}
 
 
-def save_state(directory, state):
-    path = os.path.join(directory, STATE)
+def save_state(path, state):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(f"{path}.tmp", "w", encoding="utf-8") as handle:
         json.dump(state, handle)
     os.replace(f"{path}.tmp", path)
@@ -90,9 +92,10 @@ def save_state(directory, state):
 class Mirror:
     """What was uploaded and what the last scan saw; one pass uploads what is due."""
 
-    def __init__(self, directory, prefix, connect, label=LABEL):
+    def __init__(self, directory, prefix, connect, state, label=LABEL):
         self.directory, self.prefix, self.connect, self.label = directory, prefix, connect, label
-        self.uploaded = load_state(directory)
+        self.state = state
+        self.uploaded = load_state(state)
         self.seen = {}
         self.container, self.connected_at = None, 0.0
 
@@ -119,7 +122,7 @@ class Mirror:
                 failures[name] = f"cannot read it: {exc.strerror or exc}"
                 continue
             self.uploaded[name] = seen
-            save_state(self.directory, self.uploaded)
+            save_state(self.state, self.uploaded)
             print(f"{self.label}{name} ({size / 1e6:.1f} MB) is in the results container", flush=True)
         self.seen = now
         return failures
@@ -137,6 +140,7 @@ def build_parser():
     )
     parser.add_argument("--dir", required=True, help="the job's checkpoint directory ($CHECKPOINT_DIR)")
     parser.add_argument("--prefix", required=True, type=blob_prefix, help="blob names start with PREFIX/")
+    parser.add_argument("--state", required=True, help=f"where it remembers what it sent (job.sh: remote/{STATE})")
     add_container_arguments(parser)
     parser.add_argument("--interval", type=float, default=INTERVAL_S, help="seconds between scans (default 10)")
     parser.add_argument("--once", action="store_true", help="one pass that uploads every new file, then exit")
@@ -151,7 +155,7 @@ def main(argv=None):
         parser.error("--interval must be above 0")
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    mirror = Mirror(args.dir, args.prefix, lambda: open_container(args))
+    mirror = Mirror(args.dir, args.prefix, lambda: open_container(args), args.state)
     try:
         if args.once:
             failures = mirror.run_pass(every=True)

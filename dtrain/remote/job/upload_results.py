@@ -412,10 +412,11 @@ def build_parser():
 def final_checkpoint_pass(run_dir, container, prefix):
     """The checkpoint mirror's last pass, in this process (job.sh's time after a cancel is short);
     returns (files, bytes, failures by path in the run directory)."""
-    from checkpoint_mirror import Mirror  # beside this file in the run's remote/; it imports this module
+    from checkpoint_mirror import STATE, Mirror  # beside this file in the run's remote/; it imports this module
 
     directory = os.path.join(run_dir, CHECKPOINTS)
-    mirror = Mirror(directory, f"{prefix}/{CHECKPOINTS}", lambda: container, label="checkpoint ")
+    state = os.path.join(run_dir, "remote", STATE)  # where job.sh's mirror kept it
+    mirror = Mirror(directory, f"{prefix}/{CHECKPOINTS}", lambda: container, state, label="checkpoint ")
     before = dict(mirror.uploaded)
     failures = mirror.run_pass(every=True)
     sent = [name for name, seen in mirror.uploaded.items() if before.get(name) != seen]
