@@ -25,6 +25,7 @@ from dtrain.jobs.follow import ask_cancel_or_detach, follow
 from dtrain.jobs.runs import Run
 from dtrain.jobs.submit import LaunchOptions, Plan, Submission, build_spec, check_run_id, node_hour_price, submit
 from dtrain.jobs.task_file import add_task_arguments, from_task_file, is_task_file
+from dtrain.jobs.time_warning import parse_lead
 from dtrain.jobs.tracking import add_arguments as add_tracking_arguments
 from dtrain.jobs.workdir import MAX_WORKDIR_MB
 from dtrain.ui import make_console
@@ -145,6 +146,13 @@ def configure(commands: argparse._SubParsersAction) -> None:
         "resume on a new one); the job's flags must fit it (same model)",
     )
     parser.add_argument(
+        "--warn-before",
+        type=arg_type(parse_lead),
+        metavar="LEAD",
+        help="SIGUSR1 this long before the time limit (90s, 5m, 1h; 0: none): our jobs save a checkpoint and "
+        "end, your code may catch it (default 5m, at most half the time limit)",
+    )
+    parser.add_argument(
         "--local-copy",
         action="store_true",
         help="copy --data-dir to each node's local disk first, and train from there",
@@ -210,6 +218,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         secrets=list(dict.fromkeys(args.secrets or [])),
         tracking_uri=args.tracking_uri,
         experiment=args.experiment,
+        warn_before=args.warn_before,
     )
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dtrain.cluster.ssh import q
-from dtrain.jobs import task_steps, tracking
+from dtrain.jobs import checkpoint_sync, task_steps, time_warning, tracking
 from dtrain.remote.job.annotate_output import TORCHRUN_PREFIX_TEMPLATE
 from infra.contract import CONTAINER_SSH_PORT, PREEMPTED_EXIT_CODE
 
@@ -31,10 +31,10 @@ Launcher = Literal["horovodrun", "torchrun"]
 NODE_PROBE_S = 60  # how long a node may take to run an empty job step before it counts as failed
 RDZV_PORT_BASE = 29400  # torchrun's rendezvous on the first node: this plus the job id modulo 1000
 OUTPUT_SUBDIR = "output"  # $OUTPUT_DIR of a run: uploaded to the results container with the run's logs
-REMOTE_TOOLS = (
-    *("annotate_output.py", "record_run.py", "upload_results.py", "srun_ssh.py", "nvme_copy.py"),
-    *("setup_once.py", "mlflow_run.py"),
-)
+REMOTE_TOOLS = ("annotate_output.py", "record_run.py", "upload_results.py", "srun_ssh.py", "nvme_copy.py")
+REMOTE_TOOLS += ("checkpoint_mirror.py", "fetch_checkpoint.py", "time_warning.py", "setup_once.py", "mlflow_run.py")
+# from dtrain/remote/boot/, beside them: time_warning.py finds the ranks to signal the Spot agent's way
+REMOTE_BOOT_TOOLS = ("spot_agent.py",)
 # --ntasks too: the allocation's SLURM_NTASKS (nodes x processes) would otherwise win over per-node
 DOCKER_RUN_WITH_JOB_GPUS = (
     "sh -c " + q('exec docker run --gpus "\\"device=${SLURM_STEP_GPUS:-$SLURM_JOB_GPUS}\\"" "$@"') + " docker-run"
@@ -98,6 +98,8 @@ class JobSpec:
     setup_cache_dir: str | None = None  # a task's setup runs once per node, its markers kept here (task_steps.py)
     secrets: tuple[str, ...] = ()  # the names of the secrets in <run>/secrets/env (their values are never here)
     tracking: tracking.Tracking | None = None  # the MLflow server of the run (dtrain/jobs/tracking.py)
+    resume_from: str | None = None  # a run whose kept checkpoint the job fetches first (dtrain/jobs/checkpoint_sync.py)
+    warn_before_s: int = 0  # SIGUSR1 this long before the time limit (dtrain/jobs/time_warning.py); 0: none
 
     @property
     def world_size(self) -> int:
@@ -107,8 +109,10 @@ class JobSpec:
 def render_job_script(spec: JobSpec) -> str:
     requeue = _requeue_on_node_failure(keeps_secrets=bool(spec.secrets)) if spec.requeue else []
     copy = _local_copy(spec.local_copy) if spec.local_copy else []
+    checkpoints = checkpoint_sync.before_launch(spec.run_id, spec.results, spec.resume_from)
     setup = task_steps.setup_lines(spec, EVERY_NODE_STEP, _user_runner(spec))
-    return "\n".join([*_header(spec), *_prologue(spec), *copy, *setup, *_launch(spec), *_epilogue(requeue), ""])
+    body = [*_prologue(spec), *copy, *checkpoints, *setup, *_launch(spec), *_epilogue(requeue)]
+    return "\n".join([*_header(spec), *body, ""])
 
 
 def _header(spec: JobSpec) -> list[str]:
@@ -132,7 +136,7 @@ def _header(spec: JobSpec) -> list[str]:
         lines.append(f"#SBATCH --gres=gpu:{spec.gpus_per_node}")
     if spec.time_limit:
         lines.append(f"#SBATCH --time={spec.time_limit}")
-    return lines
+    return lines + time_warning.header(spec.warn_before_s)
 
 
 def _prologue(spec: JobSpec) -> list[str]:
@@ -188,16 +192,9 @@ TIME_LIMIT_TEST = '[ "$JOB_ENDS_AT" -gt 0 ] && [ "$(date +%s)" -ge $((JOB_ENDS_A
 def _finish_function(spec: JobSpec) -> list[str]:
     upload = [
         '"$PY" "$TOOLS/upload_results.py" --dir "$RUN_DIR"',
-        f"--account-url {q(spec.results.account_url)} --container {q(spec.results.container)}",
-        f"--prefix {q(spec.run_id)} --status status.json",
-        "--with-newest-checkpoint",  # kept in blob storage: a new cluster resumes from it (launch --resume-from)
+        f"--prefix {q(spec.run_id)} --status status.json --with-checkpoints",
+        checkpoint_sync.container_flags(spec.results),
     ]
-    if spec.results.sas_file:
-        upload.append(f'--sas-file "$RUN_DIR"/{q(spec.results.sas_file)}')
-    else:
-        upload.append(
-            "--managed-identity" + (f" --client-id {q(spec.results.client_id)}" if spec.results.client_id else "")
-        )
     # results: "uploading" until upload_results.py sets the outcome, and uploads status.json last
     status = (
         'printf \'{"job_id": "%s", "run_id": "%s", "exit_code": %d, "attempt": %d, "finished_at": "%s", '
@@ -213,7 +210,9 @@ def _finish_function(spec: JobSpec) -> list[str]:
         "  local code=$?",
         "  trap - EXIT TERM INT",
         *task_steps.forget_secrets(spec),
+        f"  {IGNORE_USR1.rstrip(';')}",  # a late time-limit warning must not end the upload
         "  FINISHED_AT=$(date -u +%Y-%m-%dT%H:%M:%SZ)",
+        time_warning.ENDED_BY_WARNING,
         '  echo "[job] exit status $code${ENDED_BY:+ (ended by its time limit)}"',
         '  write_status "$code" uploading',
         f'  "$PY" "$TOOLS/record_run.py" --run-dir "$RUN_DIR" --nodes {spec.nodes} --attempt "$ATTEMPT" '
@@ -221,6 +220,7 @@ def _finish_function(spec: JobSpec) -> list[str]:
         '--alloc-tres "$ALLOC_TRES" --alloc-gpus "$ALLOC_GPUS" --node-cpus "$NODE_CPUS" 2>&1 '
         "| sed 's/^/[job] /'",
         *([tracking.CLOSE_RUN_LINE] if spec.tracking else []),
+        checkpoint_sync.stop_mirror(),
         f"  {' '.join(upload)} 2>&1 | sed 's/^/[job] /' || echo '[job] results upload incomplete: see status.json'",
         '  exit "$code"',
         "}",
@@ -248,7 +248,9 @@ def _launch(spec: JobSpec) -> list[str]:
     else:
         *setup, launcher = _horovod_lines(spec) if spec.launcher == "horovodrun" else _torchrun_lines(spec)
     # in the background, so that a TERM from scancel is handled at once, not when the pipeline ends
-    return [*setup, f"{launcher} 2>&1 | {annotate} &", "LAUNCH_PID=$!", 'wait "$LAUNCH_PID"']
+    launch = [*setup, f"{launcher} 2>&1 | {annotate} &", "LAUNCH_PID=$!"]
+    warning = time_warning.trap(spec.warn_before_s, _container() if spec.image else None, spec.python)
+    return [*launch, *warning, *time_warning.wait_for_launch()]
 
 
 def _horovod_lines(spec: JobSpec) -> list[str]:

@@ -1,45 +1,33 @@
-"""`launch --resume-from RUN`: the newest checkpoint a run kept in the results container, for a new run.
+"""`launch --resume-from RUN`, operator side: whether RUN kept a checkpoint in the results container.
 
-Every attempt of a run uploads its newest checkpoint with its results (job.sh, upload_results.py
---with-newest-checkpoint), under RUN/checkpoints/ in the results container, which outlives the cluster
-(Azure: a resource group that `pulumi destroy` keeps; locally: `local up --storage-dir`). A new run on
-any cluster starts from it: `launch` reads the newest one with the operator's access to the container
-and ships it into the new run's checkpoint directory with the job's other files, where the job's own
-resume finds it (and checks that it fits the model).
+A job's $CHECKPOINT_DIR is mirrored to RUN/checkpoints/ in the results container while it runs
+(dtrain/remote/job/checkpoint_mirror.py), which outlives the cluster (Azure: a resource group that
+`pulumi destroy` keeps; locally: `local up --storage-dir`). A new run on any cluster fetches it on the
+cluster side (dtrain/remote/job/fetch_checkpoint.py, a step of its job.sh), into its own checkpoint
+directory, where the job's resume finds it: the operator only lists the blobs, to refuse a run that
+kept none before anything is submitted, and never holds a byte of the checkpoint.
 """
 
 from __future__ import annotations
-
-import re
 
 from azure.core.exceptions import AzureError
 
 from dtrain.cluster.blobs import container_client
 from dtrain.cluster.description import ClusterDescription
 from dtrain.errors import ExitCode, OperatorError
-
-CHECKPOINTS = "checkpoints"
-# ckpt-<step>.ckpt (data parallel) or step-<step>/<file> (model parallel, torch.distributed.checkpoint)
-_KEPT = re.compile(r"^checkpoints/(?:ckpt-(\d{10})\.ckpt|step-(\d{10})/[^/]+)$")
+from dtrain.jobs.checkpoint_sync import CHECKPOINTS
 
 
-def newest_kept_checkpoint(desc: ClusterDescription, run_id: str) -> dict[str, bytes]:
-    """{path in the run directory: content} of the newest checkpoint run_id kept; refused when it kept none."""
+def require_kept_checkpoint(desc: ClusterDescription, run_id: str) -> None:
+    """Refused when run_id kept no checkpoint file in the results container (names only are read)."""
     container = container_client(desc.results)
-    prefix = f"{run_id}/"
     try:
-        steps: dict[int, list[str]] = {}
-        for blob in container.list_blobs(name_starts_with=f"{prefix}{CHECKPOINTS}/"):
-            match = _KEPT.match(blob.name[len(prefix) :])
-            if match:
-                steps.setdefault(int(match.group(1) or match.group(2)), []).append(blob.name)
-        if not steps:
-            raise OperatorError(
-                f"--resume-from {run_id}: the results container ({desc.results.url}) holds no checkpoint of that run"
-            )
-        newest = steps[max(steps)]
-        return {name[len(prefix) :]: container.download_blob(name).readall() for name in newest}
+        kept = next(iter(container.list_blobs(name_starts_with=f"{run_id}/{CHECKPOINTS}/")), None)
     except AzureError as exc:
         raise OperatorError(
             f"--resume-from {run_id}: reading {desc.results.url} failed: {str(exc).splitlines()[0]}", ExitCode.NOT_READY
         ) from None
+    if kept is None:
+        raise OperatorError(
+            f"--resume-from {run_id}: the results container ({desc.results.url}) holds no checkpoint of that run"
+        )

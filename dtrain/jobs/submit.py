@@ -27,12 +27,21 @@ from dtrain.cluster.slurm import Slurm, parse_job_id, require_slurm
 from dtrain.cluster.ssh import SSH, q
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.jobs.allocation import Allocation, plan_allocation
-from dtrain.jobs.batch_script import REMOTE_TOOLS, JobSpec, Launcher, LocalCopy, ResultsTarget, render_job_script
-from dtrain.jobs.kept_checkpoints import newest_kept_checkpoint
+from dtrain.jobs.batch_script import (
+    REMOTE_BOOT_TOOLS,
+    REMOTE_TOOLS,
+    JobSpec,
+    Launcher,
+    LocalCopy,
+    ResultsTarget,
+    render_job_script,
+)
+from dtrain.jobs.kept_checkpoints import require_kept_checkpoint
 from dtrain.jobs.preflight import ProcessRequest, dataset_under_data_path, plan_preflight
 from dtrain.jobs.preflight import flag_value as _flag_value
 from dtrain.jobs.task_file import check_task_request, read_secrets, secrets_env_file
 from dtrain.jobs.task_steps import SECRETS_SUBDIR, SETUP_FILE, setup_cache_dir
+from dtrain.jobs.time_warning import warning_lead
 from dtrain.jobs.tracking import plan_tracking
 from dtrain.jobs.workdir import CODE_SUBDIR, MAX_WORKDIR_MB, Workdir, check_workdir, send_workdir
 from infra.contract import FRAMEWORKS, RUNS_DIR
@@ -76,6 +85,7 @@ class LaunchOptions:
     secrets: list[str] = field(default_factory=list)  # names, read from the operator's environment at launch
     tracking_uri: str | None = None  # MLflow server instead of the cluster's ("none": untracked)
     experiment: str | None = None  # MLflow experiment (default: dtrain/jobs/tracking.py's)
+    warn_before: int | None = None  # seconds of SIGUSR1 before the time limit; default: time_warning.DEFAULT_S
 
     @property
     def requeued(self) -> bool:
@@ -233,6 +243,8 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
         setup_cache_dir=setup_cache_dir(desc.local_data_path, runs_dir(desc)) if opts.setup else None,
         secrets=tuple(opts.secrets),
         tracking=plan_tracking(desc.tracking_uri, opts.tracking_uri, opts.experiment),
+        resume_from=opts.resume_from,
+        warn_before_s=warning_lead(opts.warn_before, alloc.time_limit),
     )
     return Plan(spec, alloc, workdir)
 
@@ -327,8 +339,9 @@ def training_command(
     # deployable model and curves
     defaults = {"--metrics-json": f"{run_dir}/metrics.json"}
     defaults |= {f"--{name}": f"{run_dir}/{path}" for name, path in RUN_OUTPUTS.items()}
-    # a requeued job starts again from the top: its checkpoints are what makes it resume
-    if opts.requeued or opts.resume_from:
+    # a requeued job starts again from the top: its checkpoints are what makes it resume; the time limit's
+    # warning (on unless --warn-before 0) saves one
+    if opts.requeued or opts.resume_from or opts.warn_before != 0:
         defaults["--checkpoint-dir"] = f"{run_dir}/checkpoints"
     for flag, value in defaults.items():
         if _flag_value(args, flag) is None:
@@ -365,6 +378,8 @@ def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH, plan: Plan |
     checks = plan_preflight(
         desc, job_args, entrypoint=opts.entrypoint, model_parallel=opts.model_parallel, processes=processes
     )
+    if spec.resume_from:  # the job fetches it (fetch_checkpoint.py): here only whether there is one
+        require_kept_checkpoint(desc, spec.resume_from)
     files = _run_files(desc, opts, spec, slurm.access)
     code = ""
     if plan.workdir:  # the last upload of this directory, copied: the job runs a snapshot, whatever changes next
@@ -417,6 +432,8 @@ def _run_files(
     }
     for tool in REMOTE_TOOLS:
         files[f"remote/{tool}"] = ((REMOTE_DIR / "job" / tool).read_bytes(), 0o700)
+    for tool in REMOTE_BOOT_TOOLS:
+        files[f"remote/{tool}"] = ((REMOTE_DIR / "boot" / tool).read_bytes(), 0o700)
     cred = desc.results_upload
     if cred.kind == "sas" and cred.secret is not None:
         files[SAS_FILE] = (cred.secret.get_secret_value().encode(), 0o600)
@@ -424,9 +441,6 @@ def _run_files(
         files[SETUP_FILE] = (opts.setup.encode(), 0o600)
     if opts.secrets:  # over SSH's stdin with the rest, never in argv; removed when the job ends
         files[f"{SECRETS_SUBDIR}/env"] = (secrets_env_file(read_secrets(opts.secrets)), 0o600)
-    if opts.resume_from:
-        kept = newest_kept_checkpoint(desc, check_run_id(opts.resume_from))
-        files.update({path: (data, 0o600) for path, data in kept.items()})
     return files
 
 

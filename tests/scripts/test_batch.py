@@ -45,6 +45,8 @@ VARIANTS = {
     ),
     "task-horovod-secrets": replace(BASE, image=None, secrets=("A", "B"), requeue=True),
     "tracked": replace(BASE, tracking=Tracking("http://10.40.63.254:5000", "my experiment")),
+    "resume-and-warn": replace(BASE, launcher="torchrun", resume_from="old-run", warn_before_s=300, time_limit="60"),
+    "warn-host": replace(BASE, image=None, warn_before_s=30, time_limit="1"),
     "local-sas": replace(
         BASE, image=None, results=ResultsTarget("http://127.0.0.1:1/devstoreaccount1", "results", sas_file="r.sas")
     ),
@@ -159,3 +161,30 @@ def test_the_nodes_nccl_topology_file_is_mounted_read_only_where_nccl_is_told_to
         script = render_job_script(replace(spec, launcher=launcher))
         assert f"-v {topology}:{topology}:ro" in script and "-e NCCL_TOPO_FILE" in script
     assert "/opt/microsoft" not in render_job_script(BASE)  # only when the SKU names one
+
+
+def test_the_time_warning_reaches_the_ranks_on_the_host_or_inside_the_job_container():
+    """The ranks of the docker runtime run as root in the container: the forwarder runs in there too."""
+    host = render_job_script(VARIANTS["warn-host"])
+    assert "#SBATCH --signal=B:USR1@30\n" in host
+    assert '  "$PY" "$TOOLS/time_warning.py" --job "$SLURM_JOB_ID" --skip $$ --within 90 &' in host
+    docker = render_job_script(VARIANTS["resume-and-warn"])
+    assert '  docker exec "hvd-$SLURM_JOB_ID" python3 "$TOOLS/time_warning.py" --job' in docker
+    # set once the launch has started (its processes keep ignoring USR1), before the job is waited for
+    assert (
+        docker.index("LAUNCH_PID=$!")
+        < docker.index("trap time_warning USR1")
+        < docker.index('until wait "$LAUNCH_PID"')
+    )
+    assert "--signal" not in render_job_script(BASE)
+
+
+def test_a_resumed_job_fetches_its_checkpoint_first_and_the_mirror_runs_beside_it():
+    script = render_job_script(VARIANTS["resume-and-warn"])
+    fetch, mirror = script.index('fetch_checkpoint.py" --run old-run'), script.index("MIRROR_PID=$!")
+    assert script.index("finish() {") < fetch < mirror < script.index("torchrun --nnodes")
+    assert "--managed-identity --client-id 0000-1111" in script[fetch : script.index("\n", fetch)]
+    # at the end: the mirror stops, and the results upload makes its last pass
+    assert script.index('kill "$MIRROR_PID"') < script.index('upload_results.py" --dir')
+    assert "--status status.json --with-checkpoints" in script
+    assert "fetch_checkpoint.py" not in render_job_script(BASE)

@@ -352,6 +352,11 @@ LAUNCH = [
         f"{RUN} --time 7-00:00:01 --dry-run",
         message="error: --time 7-00:00:01 is longer than cluster dev allows, 7-00:00:00 (maxJobTime in its stack's",
     ),
+    case(f"{RUN} --warn-before soon --dry-run", message="argument --warn-before: invalid --warn-before 'soon'"),
+    case(
+        f"{RUN} --time 5 --warn-before 10m --dry-run",
+        message="error: --warn-before 600s is not shorter than the time limit (5): pass a shorter one, or 0 for none",
+    ),
     case("--cluster {desc}", message="launch needs --framework (our training jobs) or --workdir (your own code)"),
     case("--cluster {desc} --workdir {tmp}", message="--workdir runs the command after `--`: add it"),
     case("--cluster {desc} --workdir {tmp}/nope -- python x.py", message="--workdir {tmp}/nope: no such directory"),

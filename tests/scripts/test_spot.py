@@ -34,7 +34,7 @@ JOB_ARGS = (
     "--steps", str(STEPS), "--checkpoint-every", "20", "--log-every", "20", "--warmup-epochs", "0",
     "--keep-checkpoints", "100",
 )  # fmt: skip
-PREEMPTED = re.compile(r"error: preempted \(SIGUSR1: a Spot eviction\) after step (\d+): saved the checkpoint")
+PREEMPTED = re.compile(r"error: preempted \(SIGUSR1: a Spot eviction[^)]*\) after step (\d+): saved the checkpoint")
 
 
 def launch_spot(cluster_file: Path, run_id: str, *extra: str) -> str:

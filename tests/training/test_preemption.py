@@ -17,7 +17,7 @@ from training.checkpoint.files import read_checkpoint
 from training.checkpoint.sharded import ShardedCheckpoints
 from training.errors import ExitCode
 
-PREEMPTED = re.compile(r"error: preempted \(SIGUSR1: a Spot eviction\) after step (\d+): saved the checkpoint")
+PREEMPTED = re.compile(r"error: preempted \(SIGUSR1: a Spot eviction[^)]*\) after step (\d+): saved the checkpoint")
 MODEL_PARALLEL = ("--model", "gpt-tiny", "--seq-len", "16", "--batch-size", "2", "--log-every", "1")
 
 

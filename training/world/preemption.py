@@ -1,5 +1,7 @@
 """Spot evictions, job side: SIGUSR1 means "save a checkpoint at the next step boundary, then stop".
 
+The job script sends the same signal shortly before the job's time limit (`launch --warn-before`).
+
 When Azure announces that a Spot node will be evicted, the node agent (dtrain/remote/boot/spot_agent.py)
 sends SIGUSR1 to the job's ranks on that node (the job's processes there that catch it); srun may
 forward it to others, which the batch script and the launchers ignore (job.sh sets that up). Every
@@ -82,4 +84,5 @@ def stop(step: int, saved: bool) -> Preempted:
         if saved
         else "no --checkpoint-dir, nothing saved: a requeued job starts from step 0"
     )
-    return Preempted(f"preempted (SIGUSR1: a Spot eviction) after step {step}: {kept}", every_rank=True)
+    why = "SIGUSR1: a Spot eviction, or the time limit's warning"  # dtrain/jobs/time_warning.py
+    return Preempted(f"preempted ({why}) after step {step}: {kept}", every_rank=True)

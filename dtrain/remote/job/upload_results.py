@@ -10,10 +10,10 @@ node's python3, from the run's `remote/` directory, whether or not the operator 
       --container results --prefix RUN_ID --sas-file RUN_DIR/results.sas
 
 Every file under RUN_DIR goes to the block blob <prefix>/<relative path> (8 at a time, smallest first,
-after a first one alone that tests the credential), except the directories `checkpoints/` (large;
-they stay on the shared file system, but for the newest checkpoint with --with-newest-checkpoint,
-which a new cluster resumes from: `launch --resume-from`), `remote/` (copies of these tools) and
-`code/` (the user's --workdir, which stays on the share beside the run), `secrets/` (a task's secrets),
+after a first one alone that tests the credential), except the directories `checkpoints/` (which
+checkpoint_mirror.py copies while the job runs, and --with-checkpoints here makes its last pass over,
+in this process, before --status: `launch --resume-from` starts from them), `remote/` (copies of these
+tools) and `code/` (the user's --workdir, which stays on the share beside the run), `secrets/` (a task's secrets),
 any `*.sas` file (secrets never leave) and symbolic links. Files up to 64 MiB are sent with one
 Put Blob, larger ones in blocks (Put Block, then Put Block List); every request carries the MD5 of
 its body, and the blob keeps the MD5 of the whole file.
@@ -44,7 +44,6 @@ import http.client
 import json
 import mimetypes
 import os
-import re
 import sys
 import threading
 import time
@@ -60,7 +59,8 @@ UPLOAD_THREADS = 8  # files in flight at once: a run's upload must fit in KillWa
 PROGRESS_EVERY_S = 5  # a progress line at most this often: a large checkpoint takes minutes
 IMDS_TOKEN_URL = "http://169.254.169.254/metadata/identity/oauth2/token"
 STORAGE_RESOURCE = "https://storage.azure.com/"
-SKIPPED_DIRS = ("checkpoints", "remote", "code", "secrets")  # at the top of the run directory
+CHECKPOINTS = "checkpoints"  # $CHECKPOINT_DIR: checkpoint_mirror.py's, not uploaded with the rest
+SKIPPED_DIRS = (CHECKPOINTS, "remote", "code", "secrets")  # at the top of the run directory
 SECRET_SUFFIX = ".sas"
 RETRIED_STATUSES = (408, 429)  # and every 5xx
 EXIT_FAILED = 1
@@ -191,21 +191,27 @@ class Container:
     def credential(self):
         return "the SAS" if self.sas else "the managed identity"
 
-    def put(self, blob, query, body, headers):
-        """PUT to a blob (query: its operation, e.g. comp=block); raises UploadError unless 201."""
-        path = f"{self.endpoint.path}/{self.name}/{urllib.parse.quote(blob, safe='/')}"
+    def send(self, method, blob, query, headers, body=b""):
+        """One authorized request to a blob (blob None: the container; query: e.g. comp=block) ->
+        (status, body bytes)."""
+        path = f"{self.endpoint.path}/{self.name}"
+        if blob is not None:
+            path += f"/{urllib.parse.quote(blob, safe='/')}"
         parts = [p for p in (query, self.sas) if p]
         if parts:
             path += "?" + "&".join(parts)
         headers = {
             "x-ms-version": API_VERSION,
             "x-ms-date": time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime()),
-            "Content-MD5": md5_base64(body),
             **headers,
         }
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        status, data = self.endpoint.request("PUT", path, headers, body)
+        return self.endpoint.request(method, path, headers, body)
+
+    def put(self, blob, query, body, headers):
+        """PUT to a blob (query: its operation, e.g. comp=block); raises UploadError unless 201."""
+        status, data = self.send("PUT", blob, query, {"Content-MD5": md5_base64(body), **headers}, body)
         if status != 201:
             raise self.explain(status, data, blob)
 
@@ -287,26 +293,6 @@ def files_to_upload(run_dir):
     return sorted(found, key=lambda item: item[1])
 
 
-_CHECKPOINT = re.compile(r"^(?:ckpt-(\d{10})\.ckpt|step-(\d{10}))$")
-
-
-def newest_checkpoint(run_dir):
-    """(path, relative POSIX path) of the files of the newest checkpoint in RUN_DIR/checkpoints: a
-    data-parallel job's ckpt-<step>.ckpt, or a model-parallel job's committed step-<step>/ directory."""
-    directory = os.path.join(run_dir, "checkpoints")
-    found = []
-    for name in os.listdir(directory) if os.path.isdir(directory) else []:
-        match = _CHECKPOINT.match(name)
-        path = os.path.join(directory, name)
-        if match and (os.path.isfile(path) or os.path.isfile(os.path.join(path, "COMMITTED.json"))):
-            found.append((int(match.group(1) or match.group(2)), path))
-    if not found:
-        return []
-    _, newest = max(found)
-    paths = [newest] if os.path.isfile(newest) else [os.path.join(newest, n) for n in sorted(os.listdir(newest))]
-    return [(path, os.path.relpath(path, run_dir).replace(os.sep, "/")) for path in paths if os.path.isfile(path)]
-
-
 class Progress:
     """Files and bytes done out of the totals, with the rate, on stdout every `every` seconds (job.sh
     prefixes them [job], so `launch --follow` and the log show them) and once at the end."""
@@ -335,17 +321,15 @@ class Progress:
         )
 
 
-def upload_run(run_dir, container, prefix, exclude=(), threads=UPLOAD_THREADS, with_checkpoint=False):
-    """Upload the run directory under prefix/ (with its newest checkpoint), but the relative paths in
-    exclude; returns (files, bytes, failures), failures mapping each relative path that did not make it
-    to why.
+def upload_run(run_dir, container, prefix, exclude=(), threads=UPLOAD_THREADS):
+    """Upload the run directory under prefix/, but the relative paths in exclude; returns (files, bytes,
+    failures), failures mapping each relative path that did not make it to why.
 
     The first file goes alone: a refused credential or a missing container fails it, and the whole
     upload, at once. The rest go in parallel, smallest first, so that logs and metrics are up before
     the model's weights when the time runs out (KillWait after a cancel); a file that fails after its
     retries is reported, and the others still go."""
-    found = files_to_upload(run_dir) + (newest_checkpoint(run_dir) if with_checkpoint else [])
-    files = [item for item in found if item[1] not in exclude]
+    files = [item for item in files_to_upload(run_dir) if item[1] not in exclude]
     if not files:
         return 0, 0, {}
     first, rest = files[0], sorted(files[1:], key=lambda item: (os.path.getsize(item[0]), item[1]))
@@ -404,6 +388,36 @@ def blob_prefix(text):
     return prefix
 
 
+def add_container_arguments(parser):
+    """--account-url, --container and the credential: what every job tool that reaches the container takes."""
+    parser.add_argument("--account-url", required=True, help="the storage account's blob endpoint, no SAS in it")
+    parser.add_argument("--container", required=True, help="the container (e.g. results)")
+    auth = parser.add_mutually_exclusive_group(required=True)
+    auth.add_argument("--sas-file", help="a file whose first line is a SAS on the container")
+    auth.add_argument("--managed-identity", action="store_true", help="authenticate with the VM's managed identity")
+    parser.add_argument("--client-id", help="with --managed-identity: which user-assigned identity")
+
+
+def check_container_arguments(parser, args):
+    if args.client_id and not args.managed_identity:
+        parser.error("--client-id goes with --managed-identity")
+
+
+def open_container(args):
+    """The container of add_container_arguments' flags, with its credential (a SAS, or an IMDS token)."""
+    container = Container(args.account_url, args.container)  # checked before IMDS is asked
+    if args.sas_file:
+        container.sas = read_sas(args.sas_file)
+    elif container.endpoint.scheme != "https":
+        raise UploadError(
+            "--managed-identity needs an https --account-url: a token never goes in clear",
+            EXIT_BAD_INPUT,
+        )
+    else:
+        container.token = imds_token(args.client_id)
+    return container
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="upload_results.py",
@@ -412,50 +426,50 @@ def build_parser():
         "https://ACCOUNT.blob.core.windows.net --container results --prefix r1 --managed-identity --client-id ID",
     )
     parser.add_argument("--dir", required=True, help="the run directory")
-    parser.add_argument("--account-url", required=True, help="the storage account's blob endpoint, no SAS in it")
-    parser.add_argument("--container", required=True, help="the container to write (e.g. results)")
     parser.add_argument("--prefix", required=True, type=blob_prefix, help="blob names start with PREFIX/ (the run id)")
-    auth = parser.add_mutually_exclusive_group(required=True)
-    auth.add_argument("--sas-file", help="a file whose first line is a SAS with create + write on the container")
-    auth.add_argument("--managed-identity", action="store_true", help="authenticate with the VM's managed identity")
-    parser.add_argument("--client-id", help="with --managed-identity: which user-assigned identity")
+    add_container_arguments(parser)
     parser.add_argument(
         "--status",
         help="the job's status file, relative to --dir (e.g. status.json): uploaded last, after its "
         '"results" is set to uploaded, incomplete (not_uploaded lists the files) or failed (results_error)',
     )
     parser.add_argument(
-        "--with-newest-checkpoint",
+        "--with-checkpoints",
         action="store_true",
-        help="also upload the newest checkpoint in DIR/checkpoints (kept, so that a new cluster resumes the run)",
+        help="also the last pass of checkpoint_mirror.py over DIR/checkpoints (what it has not sent yet), "
+        "before --status",
     )
     return parser
+
+
+def final_checkpoint_pass(run_dir, container, prefix):
+    """The checkpoint mirror's last pass, in this process (job.sh's time after a cancel is short);
+    returns (files, bytes, failures by path in the run directory)."""
+    from checkpoint_mirror import STATE, Mirror  # beside this file in the run's remote/; it imports this module
+
+    directory = os.path.join(run_dir, CHECKPOINTS)
+    state = os.path.join(run_dir, "remote", STATE)  # where job.sh's mirror kept it
+    mirror = Mirror(directory, f"{prefix}/{CHECKPOINTS}", lambda: container, state, label="checkpoint ")
+    before = dict(mirror.uploaded)
+    failures = mirror.run_pass(every=True)
+    sent = [name for name, seen in mirror.uploaded.items() if before.get(name) != seen]
+    size = sum(mirror.uploaded[name][0] for name in sent)
+    return len(sent), size, {f"{CHECKPOINTS}/{name}": why for name, why in failures.items()}
 
 
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.client_id and not args.managed_identity:
-        parser.error("--client-id goes with --managed-identity")
+    check_container_arguments(parser, args)
     try:
         if not os.path.isdir(args.dir):
             raise UploadError(f"--dir {args.dir} is not a directory", EXIT_BAD_INPUT)
-        container = Container(args.account_url, args.container)  # checked before IMDS is asked
-        if args.sas_file:
-            container.sas = read_sas(args.sas_file)
-        elif container.endpoint.scheme != "https":
-            raise UploadError(
-                "--managed-identity needs an https --account-url: a token never goes in clear", EXIT_BAD_INPUT
-            )
-        else:
-            container.token = imds_token(args.client_id)
-        count, size, failures = upload_run(
-            args.dir,
-            container,
-            args.prefix,
-            exclude=[args.status] if args.status else [],
-            with_checkpoint=args.with_newest_checkpoint,
-        )
+        container = open_container(args)
+        exclude = [args.status] if args.status else []
+        count, size, failures = upload_run(args.dir, container, args.prefix, exclude=exclude)
+        if args.with_checkpoints:
+            more, more_size, missed = final_checkpoint_pass(args.dir, container, args.prefix)
+            count, size, failures = count + more, size + more_size, {**failures, **missed}
         if args.status:  # last, and with the truth: what the other files' upload came to
             status = os.path.join(args.dir, args.status)
             finish_status(status, failures)

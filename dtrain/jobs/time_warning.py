@@ -1,0 +1,89 @@
+"""`launch --warn-before`: a signal some minutes before the job's time limit, so that it saves a checkpoint.
+
+The job is submitted with `sbatch --signal=B:USR1@SECONDS`: Slurm signals the batch script that long
+before the limit (up to a minute earlier: it checks limits periodically), and the script passes
+SIGUSR1 on to the training processes (dtrain/remote/job/time_warning.py), the signal a Spot eviction
+sends: our jobs save a checkpoint at the next step boundary and end; the user's own code may catch it.
+A job that ends so is recorded as ended by its time limit (status.json `ended_by`, TIMEOUT in `jobs`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from dtrain.cluster.slurm_time import time_limit_seconds
+from dtrain.cluster.ssh import q
+from dtrain.errors import OperatorError
+from infra.contract import PREEMPTED_EXIT_CODE
+from infra.slurm_time import is_unlimited
+
+DEFAULT_S = 300  # long enough to write a large model's checkpoint, short against a training run
+MAX_S = 65535  # sbatch --signal's largest
+SLURM_EARLY_S = 60  # how much earlier than asked Slurm may send it
+_LEAD = re.compile(r"(\d+)([smh]?)")
+_UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600}
+
+
+def parse_lead(text: str) -> int:
+    """Seconds in a --warn-before value: 90, 90s, 5m or 1h; 0 turns the warning off."""
+    match = _LEAD.fullmatch(text.strip())
+    if not match:
+        raise OperatorError(f"invalid --warn-before {text!r}: use seconds, or a number with s, m or h (90s, 5m, 1h)")
+    seconds = int(match.group(1)) * _UNIT_S[match.group(2)]
+    if seconds > MAX_S:
+        raise OperatorError(f"--warn-before {text} is too long: Slurm signals at most {MAX_S} s before the limit")
+    return seconds
+
+
+def warning_lead(asked: int | None, time_limit: str) -> int:
+    """The lead for a job with this time limit: asked (checked against the limit), or the default, at
+    most half the limit (a 1-minute job is warned 30 s before its end)."""
+    limit = None if is_unlimited(time_limit) else time_limit_seconds(time_limit)
+    if asked is None:
+        return DEFAULT_S if limit is None else min(DEFAULT_S, limit // 2)
+    if limit is not None and asked >= limit:
+        raise OperatorError(
+            f"--warn-before {asked}s is not shorter than the time limit ({time_limit}): "
+            "pass a shorter one, or 0 for none"
+        )
+    return asked
+
+
+def header(lead_s: int) -> list[str]:
+    return [f"#SBATCH --signal=B:USR1@{lead_s}"] if lead_s else []
+
+
+def trap(lead_s: int, container: str | None = None, python: str = "") -> list[str]:
+    """After the launch started (which keeps USR1 ignored, see batch_script.IGNORING_USR1): the warning's
+    trap. A Spot agent signals this shell too (it catches USR1 now): only a USR1 within the lead (and
+    Slurm's minute) of the end counts as the time limit's. With the docker runtime the ranks run as
+    root in the job's container, whose processes the job's user cannot read: the tool runs in there
+    (docker exec, the image's python; the run directory is mounted)."""
+    if not lead_s:
+        return []
+    tool = f"docker exec {container} {q(python)}" if container else '"$PY"'
+    near = f'[ "$JOB_ENDS_AT" -gt 0 ] && [ "$(date +%s)" -ge $((JOB_ENDS_AT - {lead_s + SLURM_EARLY_S})) ] || return 0'
+    say = f"[job] the time limit is {lead_s} s away or less: asking the job to save a checkpoint (SIGUSR1)"
+    return [
+        "# shellcheck disable=SC2317  # run by the USR1 trap",
+        "time_warning() {",
+        f"  {near}",
+        "  TIME_WARNED=1",
+        f"  echo {q(say)}",
+        # until the limit at the latest (a slow start: the ranks may not catch it yet)
+        f'  {tool} "$TOOLS/time_warning.py" --job "$SLURM_JOB_ID" --skip $$ --within {lead_s + SLURM_EARLY_S} &',
+        "}",
+        "trap time_warning USR1",
+    ]
+
+
+def wait_for_launch() -> list[str]:
+    """Wait for the launch; a trapped signal interrupts `wait` (status > 128) while it still runs."""
+    return [
+        'until wait "$LAUNCH_PID"; code=$?; [ "$code" -le 128 ] || ! kill -0 "$LAUNCH_PID" 2>/dev/null; do :; done',
+        '(exit "$code")',
+    ]
+
+
+# In finish(): our jobs end with 75 (PREEMPTED) after the warning's checkpoint: that is the time limit's doing
+ENDED_BY_WARNING = f'  [ -n "${{TIME_WARNED:-}}" ] && [ "$code" -eq {PREEMPTED_EXIT_CODE} ] && ENDED_BY=time_limit'
