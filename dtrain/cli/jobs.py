@@ -289,7 +289,7 @@ def _cancel_one(slurm: Slurm, run: Run) -> bool:
     if job_id is None or patiently(lambda: slurm.job_state(job_id), f"about job {job_id}") is None:
         console.print(f"{run.label} has already ended" + (f" (exit {run.exit_code})" if run.status else ""))
         return True
-    if not cancel_and_wait(slurm, job_id):
+    if not cancel_and_wait(slurm, job_id, run_dir=run.run_dir):
         return False
     # Slurm lets a job go only once the epilog has run on its nodes (and cancel_and_wait checked that
     # none of them failed): the epilog kills what Slurm's process tracking lost

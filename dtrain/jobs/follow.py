@@ -22,6 +22,7 @@ from dtrain.cluster.ssh import SSH, q
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.jobs.launcher_noise import without_launcher_tracebacks
 from dtrain.jobs.runs import Run, list_runs
+from dtrain.jobs.task_steps import secrets_dir
 from dtrain.processes import stop_process_group
 from dtrain.ui import make_console
 
@@ -183,7 +184,7 @@ def ask_cancel_or_detach(slurm: Slurm, run: Run) -> int:
         except (EOFError, KeyboardInterrupt):
             answer = "d"
     if answer == "c":
-        if cancel_and_wait(slurm, str(run.job_id)):
+        if cancel_and_wait(slurm, str(run.job_id), run_dir=run.run_dir):
             console.print(f"{run.label} cancelled: no process of it is left on any node")
         else:
             console.print(f"{run.label} cancelled, but Slurm still holds it after {CANCEL_WAIT_S:.0f} s", style="red")
@@ -192,10 +193,11 @@ def ask_cancel_or_detach(slurm: Slurm, run: Run) -> int:
     return int(ExitCode.INTERRUPTED)
 
 
-def cancel_and_wait(slurm: Slurm, job_id: str, timeout: float = CANCEL_WAIT_S) -> bool:
+def cancel_and_wait(slurm: Slurm, job_id: str, run_dir: str | None = None, timeout: float = CANCEL_WAIT_S) -> bool:
     """scancel, then wait until Slurm has ended every step (KillWait) and run the epilog on each of the
     job's nodes (it kills what Slurm lost track of): False if Slurm still holds the job. Raises if the
-    epilog of a node failed (Slurm drained it: something of the job may be left there)."""
+    epilog of a node failed (Slurm drained it: something of the job may be left there). The run's
+    secrets go with it: a job cancelled before it started never ran the script that removes them."""
     nodes = patiently(lambda: slurm.job_nodes(job_id), f"about job {job_id}")
     patiently(lambda: slurm.cancel(job_id), f"to cancel job {job_id}")
     deadline = time.time() + timeout
@@ -203,6 +205,8 @@ def cancel_and_wait(slurm: Slurm, job_id: str, timeout: float = CANCEL_WAIT_S) -
         if time.time() > deadline:
             return False
         time.sleep(0.5)
+    if run_dir:
+        slurm.run_unchecked(f"rm -rf {q(secrets_dir(run_dir))}")
     failed = [n for n in patiently(slurm.nodes, "about the nodes") if n.name in nodes and _epilog_failed(n)]
     if failed:
         names = ", ".join(node.name for node in failed)

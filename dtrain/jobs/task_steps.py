@@ -32,8 +32,12 @@ PER_NODE_ENV = (
 )  # fmt: skip
 
 
+def secrets_dir(run_dir: str) -> str:
+    return posixpath.join(run_dir, SECRETS_SUBDIR)
+
+
 def secrets_file(run_dir: str) -> str:
-    return posixpath.join(run_dir, SECRETS_SUBDIR, "env")
+    return posixpath.join(secrets_dir(run_dir), "env")
 
 
 def user_command(spec: JobSpec, command: Sequence[str], per_node: bool = False) -> list[str]:
@@ -51,7 +55,7 @@ def forget_secrets(spec: JobSpec) -> list[str]:
     """For finish(): remove the secrets unless Slurm runs the job again (a Spot eviction, our requeue)."""
     if not spec.secrets:
         return []
-    remove = f"rm -rf {q(posixpath.join(spec.run_dir, SECRETS_SUBDIR))}"
+    remove = f"rm -rf {q(secrets_dir(spec.run_dir))}"
     if not spec.requeue:
         return [f"  {remove}"]
     return [f'  [ "$code" -eq {PREEMPTED_EXIT_CODE} ] || [ -n "${{REQUEUED:-}}" ] || {remove}']

@@ -115,7 +115,7 @@ def git_commit(project: Path) -> str:
     return subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
 
 
-def test_ssh_exec_and_alloc_reach_the_nodes_and_a_running_allocation(cluster, cluster_file, tmp_path):
+def test_ssh_exec_and_alloc_reach_the_nodes_and_a_running_allocation(cluster, cluster_file, tmp_path, monkeypatch):
     (tmp_path / "wait.py").write_text("import time\ntime.sleep(60)\n")
     commit = git_commit(tmp_path)
     (tmp_path / "wait.py").write_text("import time\ntime.sleep(61)\n")  # a change not committed: dirty
@@ -123,8 +123,10 @@ def test_ssh_exec_and_alloc_reach_the_nodes_and_a_running_allocation(cluster, cl
     started = cli(*launch, "--run-id", "held", "--", "python", "wait.py")
     assert started.returncode == 0, started.stderr
     job = started.stdout.strip()
-    queued = cli(*launch, "--run-id", "held-2", "--", "python", "wait.py")  # waits for the nodes
+    monkeypatch.setenv("HELD_TOKEN", "never-kept")
+    queued = cli(*launch, "--run-id", "held-2", "--secret", "HELD_TOKEN", "--", "python", "wait.py")  # waits
     assert queued.returncode == 0, queued.stderr
+    assert (run_dir(cluster, "held-2") / "secrets" / "env").is_file()
     # job.json records the user's project's revision beside this tool's
     recorded = json.loads((run_dir(cluster, "held") / "job.json").read_text())
     assert recorded["workdir_git"] == {"commit": commit, "dirty": True} and recorded["git_revision"]
@@ -145,6 +147,7 @@ def test_ssh_exec_and_alloc_reach_the_nodes_and_a_running_allocation(cluster, cl
         cancelled = cli("cancel", "--cluster", str(cluster_file), job, "held-2")  # several at once
     assert cancelled.returncode == 0, cancelled.stderr
     assert f"job {job} (run held) cancelled" in cancelled.stderr and "(run held-2) cancelled" in cancelled.stderr
+    assert not (run_dir(cluster, "held-2") / "secrets").exists()  # cancelled before it started: no job.sh ran
     ended = cli("exec", "--cluster", str(cluster_file), job, "--", "true")
     assert ended.returncode == 2 and "is not running" in ended.stderr
     nowhere = cli("ssh", "--cluster", str(cluster_file), "node-9", "--", "true")

@@ -163,7 +163,8 @@ OPERATOR = b"DTRAIN_TEST_OPERATOR=1"  # in the environment of `launch` and its s
 
 def _holders(secret: bytes, allowed: tuple[str, ...]) -> list[str]:
     """Processes whose argv holds the secret, or whose environment does and that are neither the
-    operator's (who exported it) nor the user's own on the cluster."""
+    operator's (who exported it) nor the user's own on the cluster (an allowed process or one it
+    started: pip runs `rustc --version` for its user agent, say)."""
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
@@ -172,10 +173,24 @@ def _holders(secret: bytes, allowed: tuple[str, ...]) -> list[str]:
             continue
         words = cmdline.replace(b"\0", b" ").decode(errors="replace")
         if secret in cmdline or (
-            secret in environ and OPERATOR not in environ and not any(word in words for word in allowed)
+            secret in environ and OPERATOR not in environ and not _started_by(entry.name, allowed)
         ):
             found.append(f"{entry.name}: {words[:200]}")
     return found
+
+
+def _started_by(pid: str, allowed: tuple[str, ...]) -> bool:
+    """Whether the process or one of its ancestors runs one of the allowed commands."""
+    while pid not in ("0", "1"):
+        try:
+            words = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:  # it ended between the reads: nothing to judge
+            return True
+        if any(word in words for word in allowed):
+            return True
+        pid = next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:"))
+    return False
 
 
 def _files_holding(root: Path, secret: bytes) -> list[str]:
