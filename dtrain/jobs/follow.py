@@ -28,6 +28,12 @@ console = make_console()
 POLL_S = 2.0
 TAIL_SETTLE_S = 1.5  # tail -F looks at the file every second: time for the last lines to arrive
 CANCEL_WAIT_S = 30.0
+# A COMPLETING job that cannot be requeued has ended (cancelled, failed or done); Slurm is only
+# waiting for its nodes to finish the epilog. A node that is not responding, or still powering up for
+# a job cancelled before it started, can hold the job there for many minutes (SlurmdTimeout,
+# ResumeTimeout): follow reports the end after this long instead of waiting that out. (squeue shows a
+# job being requeued as COMPLETING too: a --requeue/--spot job is followed until Slurm lets it go.)
+COMPLETING_WAIT_S = 30.0
 
 
 def _print(line: str) -> None:
@@ -40,7 +46,7 @@ def stream_until_done(ssh: SSH, slurm: Slurm, run: Run, echo: Callable[[str], No
     read again from the first line not yet printed, and the queue asked again."""
     tail = LogTail(ssh, f"{run.run_dir}/output.log", echo)
     try:
-        _wait_for_end(slurm, str(run.job_id), tail)
+        _wait_for_end(slurm, str(run.job_id), tail, may_requeue=bool((run.job or {}).get("requeue", True)))
         time.sleep(TAIL_SETTLE_S)
     finally:
         tail.stop()
@@ -82,13 +88,22 @@ class LogTail:
             self.reader.join(timeout=5)
 
 
-def _wait_for_end(slurm: Slurm, job_id: str, tail: LogTail) -> None:
-    said = ""
+def _wait_for_end(slurm: Slurm, job_id: str, tail: LogTail, *, may_requeue: bool) -> None:
+    said, completing_since = "", None
     while True:
         found = [job for job in patiently(lambda: slurm.queue(job_id), f"about job {job_id}") if job.job_id == job_id]
         if not found or found[0].state not in ACTIVE_STATES:
             return
         job = found[0]
+        if job.state == "COMPLETING" and not may_requeue:
+            completing_since = completing_since or time.monotonic()
+            if time.monotonic() - completing_since >= COMPLETING_WAIT_S:
+                console.print(
+                    f"job {job_id} has ended; Slurm is still cleaning up on {job.reason or 'its nodes'}",
+                    style="dim",
+                    markup=False,
+                )
+                return
         news = f"{job.state} {job.reason}" if job.state == "PENDING" else job.state  # squeue's "(Resources)"
         if news != said:
             console.print(f"job {job_id}: {news}", style="dim", markup=False)
