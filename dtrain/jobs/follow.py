@@ -127,6 +127,8 @@ def outcome(desc: ClusterDescription, slurm: Slurm, run: Run) -> int:
     if done.ended_by_time_limit:
         limit = (done.job or {}).get("time_limit") or "?"
         console.print(f"{done.label}: its time limit ({limit}) ended it; ask for more with --time", style="red")
+    elif done.cancelled:  # the ranks' own errors then are the cancel's echo, not a cause
+        console.print(f"{done.label}: cancelled", style="red", markup=False)
     elif code != 0 and (verdict.get("failed_rank") is not None or verdict.get("job_error")):
         why = (
             "failed"

@@ -1,6 +1,7 @@
 """`logs -f` and `launch --follow` end when the job has: a job that Slurm keeps COMPLETING (a node not
 responding, or still powering up for a job cancelled before it started) is reported after a bounded
-wait, unless it may yet be requeued. Slurm and SSH are stand-ins here: the state is what is tested."""
+wait, unless it may yet be requeued; a cancelled job is reported as cancelled. Slurm and SSH are stand-ins
+here: the state is what is tested."""
 
 from __future__ import annotations
 
@@ -66,3 +67,12 @@ def test_a_job_that_may_be_requeued_is_followed_until_slurm_lets_it_go() -> None
     slurm.released.set()
     thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+def test_a_cancelled_job_is_reported_as_cancelled_not_as_a_failed_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    # what scancel of a running Horovod job leaves: exit 143, and the launcher blaming the first rank it lost
+    verdict = {"failed_rank": 0, "failed_host": "node-0", "job_error": "RuntimeError: Horovod detected that one"}
+    run = Run(None, "7", "/runs/run-1", job={}, status={"exit_code": 143, "results": "uploaded"}, verdict=verdict)
+    assert follow.outcome(None, None, run) == 143  # type: ignore[arg-type]
+    shown = capsys.readouterr().err
+    assert "job 7: cancelled" in shown and "failed" not in shown, shown
