@@ -4,31 +4,30 @@
 # take about the longer one's time instead of the sum (CI's limit is the reason). The operator suite
 # prints as it goes; the training suite's output is kept in a log and printed whole when both are done,
 # so each summary reads in one piece. Exits 1 if either failed, after both have finished.
+#
+# The operator suite (tests/test_layout.py, tests/scripts, tests/infra) is one pytest session spread
+# over $OPS_WORKERS worker processes by pytest-xdist, a whole file to a worker at a time (--dist
+# loadfile: a file's tests keep their order and its module fixtures): its files mostly wait, so two of
+# them at once take about the time of one. Each worker is a session of its own, with its own local
+# cluster (tests/scripts/conftest.py names clusters by process and claims each subnet). The slowest
+# tests of each suite are listed above its summary, to rebalance by. OPS_WORKERS=1: the old single lane.
 set -uo pipefail
 ops_python=$1 train_python=$2
+ops_workers=${OPS_WORKERS:-2}
 
-# The second lane also takes the Pulumi program's tests (tests/infra, the operator's environment): the
-# two lanes then take about as long as each other (measured: operator workflow 40 min against training
-# 32 min when infra ran in the first lane).
 log=$(mktemp -t training-suite.XXXXXX.log)
-{
-  "$train_python" -m pytest tests/training tests/bench
-  training_status=$?
-  "$ops_python" -m pytest tests/infra
-  infra_status=$?
-  exit $((training_status || infra_status))
-} >"$log" 2>&1 &
+"$train_python" -m pytest --durations=15 tests/training tests/bench >"$log" 2>&1 &
 second_lane=$!
 trap 'kill "$second_lane" 2>/dev/null; rm -f "$log"' EXIT
 
-"$ops_python" -m pytest tests/test_layout.py tests/scripts
+"$ops_python" -m pytest --durations=15 -n "$ops_workers" --dist loadfile tests/test_layout.py tests/scripts tests/infra
 ops_status=$?
 wait "$second_lane"
 second_status=$?
 
 echo
-echo "=============== training and infrastructure: tests/training tests/bench, then tests/infra ==============="
+echo "=============== training: tests/training tests/bench ==============="
 cat "$log"
 echo
-echo "operator workflow (tests/scripts): exit $ops_status; training and infrastructure: exit $second_status"
+echo "operator workflow and infrastructure (tests/test_layout.py tests/scripts tests/infra, $ops_workers workers): exit $ops_status; training: exit $second_status"
 ((ops_status == 0 && second_status == 0))

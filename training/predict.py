@@ -338,8 +338,15 @@ def as_text(predictions: Sequence[Prediction]) -> str:
     return "\n".join(f"{p.path}\n" + "\n".join(f"  {name} {prob:.4f}" for name, prob in p.top) for p in predictions)
 
 
+class _PredictParser(Parser):
+    """A bad command line is BadInput (exit 2) like any other bad input, so that --json reports it too."""
+
+    def error(self, message: str) -> NoReturn:
+        raise BadInput(f"{message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(
+    parser = _PredictParser(
         prog="python -m training.predict",
         description="Classify images with a model exported by a training run (--export-dir): "
         "print the top classes and their probabilities.",
@@ -374,9 +381,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(argv: Sequence[str] | None = None, env: Mapping[str, str] = os.environ) -> int:
-    """The command; returns its exit status."""
-    args = build_parser().parse_args(argv)  # a bad flag exits 2 here
+    """The command; returns its exit status. A failure is one `error:` line on stderr and, under
+    --json, also a JSON document on stdout: {"error": {"message", "exit_status"}} (the operator
+    CLI's error document, dtrain/json_documents.py)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    flags = argv[: argv.index("--")] if "--" in argv else argv  # after `--`: image paths
+    json_out, debug = "--json" in flags, "--debug" in flags
     try:
+        args = build_parser().parse_args(argv)
         images, has_directory = find_images(args.images)
         with export_directory(args.model, args.sas_file, env) as (directory, source):
             card, classify = load_export(directory, source)
@@ -392,21 +404,21 @@ def run(argv: Sequence[str] | None = None, env: Mapping[str, str] = os.environ) 
             print(as_text(predictions))
         return ExitCode.OK
     except KeyboardInterrupt:
-        _print_error("interrupted")
-        return ExitCode.INTERRUPTED
+        return _fail("interrupted", ExitCode.INTERRUPTED, json_out)
     except JobError as exc:
-        if args.debug:
+        if debug:
             traceback.print_exception(exc)
-        _print_error(str(exc))
-        return exc.exit_code
+        return _fail(str(exc), exc.exit_code, json_out)
     except Exception as exc:  # a bug: its traceback is the report
         traceback.print_exception(exc)
-        _print_error(f"{type(exc).__name__}: {first_line(exc)}")
-        return ExitCode.FAILED
+        return _fail(f"{type(exc).__name__}: {first_line(exc)}", ExitCode.FAILED, json_out)
 
 
-def _print_error(message: str) -> None:
+def _fail(message: str, code: int, json_out: bool) -> int:
     print(f"error: {message}", file=sys.stderr, flush=True)
+    if json_out:
+        print(json.dumps({"error": {"message": message, "exit_status": int(code)}}, indent=2), flush=True)
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -229,7 +229,7 @@ def _ended_state(run: Run) -> tuple[str, str]:
         return "COMPLETED", ""
     if run.ended_by_time_limit:
         return "TIMEOUT", f"its time limit ({(run.job or {}).get('time_limit') or '?'}) ended it"
-    if code in (130, 143):
+    if run.cancelled:
         return "CANCELLED", ""
     verdict = run.verdict or {}
     where = (

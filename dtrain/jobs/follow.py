@@ -30,6 +30,12 @@ console = make_console()
 POLL_S = 2.0
 TAIL_SETTLE_S = 1.5  # tail -F looks at the file every second: time for the last lines to arrive
 CANCEL_WAIT_S = 30.0
+# A COMPLETING job that cannot be requeued has ended (cancelled, failed or done); Slurm is only
+# waiting for its nodes to finish the epilog. A node that is not responding, or still powering up for
+# a job cancelled before it started, can hold the job there for many minutes (SlurmdTimeout,
+# ResumeTimeout): follow reports the end after this long instead of waiting that out. (squeue shows a
+# job being requeued as COMPLETING too: a --requeue/--spot job is followed until Slurm lets it go.)
+COMPLETING_WAIT_S = 30.0
 
 
 def _print(line: str) -> None:
@@ -45,7 +51,8 @@ def stream_until_done(
     nodes start (CONFIGURING), the boot step each of them is in."""
     tail = LogTail(ssh, f"{run.run_dir}/output.log", echo)
     try:
-        _wait_for_end(slurm, str(run.job_id), tail, desc)
+        may_requeue = bool((run.job or {}).get("requeue", True))
+        _wait_for_end(slurm, str(run.job_id), tail, desc, may_requeue=may_requeue)
         time.sleep(TAIL_SETTLE_S)
     finally:
         tail.stop()
@@ -87,14 +94,26 @@ class LogTail:
             self.reader.join(timeout=5)
 
 
-def _wait_for_end(slurm: Slurm, job_id: str, tail: LogTail, desc: ClusterDescription | None = None) -> None:
-    said = ""
+def _wait_for_end(
+    slurm: Slurm, job_id: str, tail: LogTail, desc: ClusterDescription | None = None, *, may_requeue: bool
+) -> None:
+    said, completing_since = "", None
     while True:
         found = [job for job in patiently(lambda: slurm.queue(job_id), f"about job {job_id}") if job.job_id == job_id]
         if not found or found[0].state not in ACTIVE_STATES:
             return
-        news = queue_news(found[0])
-        if found[0].state == "CONFIGURING" and desc is not None:  # its nodes are starting: where each is
+        job = found[0]
+        if job.state == "COMPLETING" and not may_requeue:
+            completing_since = completing_since or time.monotonic()
+            if time.monotonic() - completing_since >= COMPLETING_WAIT_S:
+                console.print(
+                    f"job {job_id} has ended; Slurm is still cleaning up on {job.reason or 'its nodes'}",
+                    style="dim",
+                    markup=False,
+                )
+                return
+        news = queue_news(job)
+        if job.state == "CONFIGURING" and desc is not None:  # its nodes are starting: where each is
             news += patiently(lambda: nodes_booting(desc, slurm, job_id), f"about job {job_id}'s nodes")
         if news != said:
             console.print(f"job {job_id}: {news}", style="dim", markup=False)
@@ -133,6 +152,8 @@ def outcome(desc: ClusterDescription, slurm: Slurm, run: Run) -> int:
     if done.ended_by_time_limit:
         limit = (done.job or {}).get("time_limit") or "?"
         console.print(f"{done.label}: its time limit ({limit}) ended it; ask for more with --time", style="red")
+    elif done.cancelled:  # the ranks' own errors then are the cancel's echo, not a cause
+        console.print(f"{done.label}: cancelled", style="red", markup=False)
     elif code != 0 and (verdict.get("failed_rank") is not None or verdict.get("job_error")):
         why = (
             "failed"

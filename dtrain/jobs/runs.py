@@ -50,6 +50,11 @@ class Run:
         """Whether Slurm ended the last attempt at its time limit (job.sh's TERM trap tells it from a cancel)."""
         return (self.status or {}).get("ended_by") == "time_limit"
 
+    @property
+    def cancelled(self) -> bool:
+        """Whether the last attempt was cancelled: ended by SIGTERM or SIGINT (scancel, Ctrl-C), not by its limit."""
+        return self.exit_code in (130, 143) and not self.ended_by_time_limit
+
 
 def list_runs(
     desc: ClusterDescription, slurm: Slurm, *, job: str | None = None, run: str | None = None, limit: int = 20

@@ -7,11 +7,13 @@ suite is the Pulumi CLI (a stand-in executable on PATH, see fixtures/bin/pulumi)
 
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,10 +39,15 @@ def cluster_name(letter: str) -> str:
     return f"t{_TAG}{letter}"  # 7 characters: interface names stay within 15
 
 
+# A /24 stays unused on the machine until its cluster is up: two sessions started at the same time
+# (make test's lanes) would both see it free. Each claims it first with a file of its own.
+_CLAIMS = Path(tempfile.gettempdir()) / "dtrain-test-subnets"
+
+
 def free_subnet() -> str:
     for third in range(16, 251):
         subnet = f"10.213.{third}.0/24"
-        if subnet in _HANDED_OUT:
+        if subnet in _HANDED_OUT or not _claim(third):
             continue
         try:
             local_network.check_subnet_free(ipaddress.ip_network(subnet))
@@ -49,6 +56,30 @@ def free_subnet() -> str:
         _HANDED_OUT.add(subnet)
         return subnet
     raise RuntimeError("no free /24 in 10.213.16.0-10.213.250.0")
+
+
+def _claim(third: int) -> bool:
+    """Whether this session now holds the claim on 10.213.<third>.0/24 (it may take over the claim of
+    a session that has ended)."""
+    _CLAIMS.mkdir(mode=0o700, exist_ok=True)
+    claim = _CLAIMS / str(third)
+    for _ in range(2):
+        try:
+            fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            try:
+                holder = int(claim.read_text() or 0)
+            except (OSError, ValueError):
+                return False  # being written by its claimant
+            if holder == os.getpid() or Path(f"/proc/{holder}").exists():
+                return False
+            claim.unlink(missing_ok=True)  # its session has ended
+            continue
+        with os.fdopen(fd, "w") as out:
+            out.write(str(os.getpid()))
+        atexit.register(claim.unlink, missing_ok=True)
+        return True
+    return False
 
 
 def address(subnet: str, host: int) -> str:

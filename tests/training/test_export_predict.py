@@ -10,6 +10,7 @@ import csv
 import http.server
 import json
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -385,10 +386,44 @@ def test_predict_refuses_bad_input_in_one_line(
     assert (code, line) == (2, "error: --sas-file is only used when --model is a blob URL")
     code, line = refusal(capsys, "--model", tiny_export, "--csv", tmp_path / "ok.jpg" / "out.csv", image)
     assert code == 2 and line.startswith(f"error: cannot write --csv {tmp_path / 'ok.jpg' / 'out.csv'}: ")
-    with pytest.raises(SystemExit) as exited:
-        predict.run(["--model", str(tiny_export), "--top-k", "0", str(image)])
-    assert exited.value.code == 2
-    assert capsys.readouterr().err.startswith("error: argument --top-k: must be a positive integer, got 0")
+    code, line = refusal(capsys, "--model", tiny_export, "--top-k", "0", image)
+    assert (code, line[:59]) == (2, "error: argument --top-k: must be a positive integer, got 0 ")
+
+
+def test_a_damaged_model_card_is_refused_before_any_image_is_decoded(
+    tiny_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # OpenCV and the crop arithmetic took these for sizes: a traceback, exit 1 (or an allocation of 3 TB)
+    image = tmp_path / "ok.jpg"
+    Image.new("RGB", (20, 20), "red").save(image)
+    card = json.loads((tiny_export / MODEL_JSON).read_text())
+    changes = {"x": "image_size 'x' is not", 0: "image_size 0 is not", -4: "image_size -4 is not", 10**6: "image_size"}
+    for value, expected in {**changes, "empty": "classes is not a non-empty list"}.items():
+        damaged = tmp_path / f"card-{value}"
+        shutil.copytree(tiny_export, damaged)
+        change = {"classes": []} if value == "empty" else {"image_size": value}
+        (damaged / MODEL_JSON).write_text(json.dumps({**card, **change}))
+        code, line = refusal(capsys, "--model", damaged, image)
+        assert code == 2 and f"model.json is not readable as an export's ({expected}" in line, line
+
+
+def test_predict_json_prints_an_error_document_on_failure(
+    tiny_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    image = tmp_path / "ok.jpg"
+    Image.new("RGB", (20, 20), "red").save(image)
+    (tmp_path / "notes.jpg").write_text("not an image at all\n")
+    failures = [
+        ("--model", tmp_path / "none", image),  # a bad model path
+        ("--model", tiny_export, tmp_path / "notes.jpg"),  # bad input
+        ("--model", tiny_export, "--top-k", "x", image),  # a bad flag, refused by the parser
+    ]
+    for argv in failures:
+        code = predict.run(["--json", *map(str, argv)], env={})
+        captured = capsys.readouterr()
+        document = json.loads(captured.out)  # one document, the whole of stdout
+        message = captured.err.removeprefix("error: ").strip()
+        assert document == {"error": {"message": message, "exit_status": 2}} and code == 2, captured
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from training.config.args import MAX_IMAGE_SIZE, MIN_IMAGE_SIZE
 from training.config.settings import TrainingSettings
 from training.data.imagenet import MEAN, STD, VAL_RESIZE_RATIO, DataPlan
 from training.errors import OutputPathError
@@ -227,4 +228,10 @@ def read_model_card(directory: Path) -> dict[str, Any]:
     missing = [key for key in required if key not in card]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}")
+    if "image_size" in card:  # the crop size: a bad one would reach OpenCV's resize
+        size = card["image_size"]
+        if type(size) is not int or not MIN_IMAGE_SIZE <= size <= MAX_IMAGE_SIZE:
+            raise ValueError(f"image_size {size!r} is not a whole number in {MIN_IMAGE_SIZE}..{MAX_IMAGE_SIZE}")
+    if "classes" in card and not (isinstance(card["classes"], list) and card["classes"]):
+        raise ValueError("classes is not a non-empty list")
     return card
