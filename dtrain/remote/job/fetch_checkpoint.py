@@ -39,6 +39,7 @@ from upload_results import (
     add_container_arguments,
     blob_prefix,
     check_container_arguments,
+    error_code,
     open_container,
 )
 
@@ -47,10 +48,7 @@ OURS = re.compile(r"^(?:ckpt-(\d{10})\.ckpt|step-(\d{10})/[^/]+)$")  # training/
 
 
 def refused(what, status, data):
-    try:
-        code = (ET.fromstring(data).findtext("Code") or "").strip()
-    except ET.ParseError:
-        code = ""
+    code = error_code(data)
     text = f"{what}: HTTP {status}" + (f" {code}" if code else "")
     if status in (401, 403):
         return UploadError(f"{text}: the credential cannot read the results container", EXIT_NOT_READY)

@@ -217,10 +217,7 @@ class Container:
 
     def explain(self, status, data, blob):
         """A refused request as one sentence that names the blob, the HTTP status and what to do."""
-        try:
-            code = (ET.fromstring(data).findtext("Code") or "").strip()
-        except ET.ParseError:
-            code = ""
+        code = error_code(data)
         what = f"cannot upload {blob} to {self.url}: HTTP {status}" + (f" {code}" if code else "")
         if status in (401, 403):
             return UploadError(
@@ -278,6 +275,14 @@ def _upload_blocks(container, handle, head, blob, kind, block_size):
 
 
 # --- the run directory -------------------------------------------------------------------------
+def error_code(data):
+    """The storage error's Code from an error response's XML body, or ''."""
+    try:
+        return (ET.fromstring(data).findtext("Code") or "").strip()
+    except ET.ParseError:
+        return ""
+
+
 def files_to_upload(run_dir):
     """(path, relative POSIX path) of every regular file to upload, sorted; see the module's docstring."""
     found = []
