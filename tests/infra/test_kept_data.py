@@ -92,9 +92,11 @@ def test_the_nodes_and_the_operator_write_the_kept_results_container_only(kept: 
         if r.inputs["roleDefinitionId"].endswith(STORAGE_BLOB_DATA_CONTRIBUTOR)
     }
     nodes = by_name(kept, ":UserAssignedIdentity", "-cluster-").outputs["principalId"]
+    tracking = by_name(kept, ":UserAssignedIdentity", "-mlflow-").outputs["principalId"]  # the runs' models
     own = {r.inputs["containerName"]: r.id for r in kept.mocks.of_type(":BlobContainer")}
     assert storage_grants == {
         (nodes, container),  # not the new, empty results container
+        (tracking, container),
         (OPERATOR_OBJECT_ID, container),
         (OPERATOR_OBJECT_ID, own["data"]),
         (OPERATOR_OBJECT_ID, own["results"]),

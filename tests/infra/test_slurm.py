@@ -41,6 +41,7 @@ from dtrain.pricing import count_nodes, estimate_cost, load_price_table
 from infra.cloud_init import render_cgroup_conf, render_gres_conf, render_health_check
 from infra.cloud_init._common import MUNGE_KEY_FETCH_PATH, MUNGE_KEY_PATH
 from infra.cloud_init.head_node import POWER_ACTIONS, POWER_CONFIG_PATH, POWER_LOG_PATH, POWER_PROGRAM_PATH
+from infra.cloud_init.mlflow import mlflow_commands
 from infra.cloud_init.slurm import JobTimeLimits, NodeSet
 from infra.config import parse_config
 from infra.contract import HEALTH_REPORT_DIR, SRUN_PORTS
@@ -1184,6 +1185,7 @@ def test_head_node_installs_the_controller_and_its_files_after_the_packages() ->
         ["slurm-smd-client", "25.11.5-1"],  # sbatch and friends: the head node is the login node
         ["slurm-smd-slurmctld", "25.11.5-1"],
         "prometheus",  # the cluster's telemetry (infra/cloud_init/prometheus.py)
+        "python3-venv",  # the MLflow server's environment (infra/cloud_init/mlflow.py)
     ]
     files = files_of(document)
     for path, expected in (
@@ -1200,6 +1202,7 @@ def test_head_node_installs_the_controller_and_its_files_after_the_packages() ->
         ["systemctl", "enable", "--now", "slurm-power-reap.timer"],
         ["systemctl", "enable", "--now", "--no-block", "head-setup.service"],
         ["systemctl", "restart", "prometheus.service"],  # with our configuration, not the package's example
+        *mlflow_commands(),  # tests/infra/test_mlflow_server.py
     ]
     assert "ExecStart=/usr/local/sbin/head-setup" in files["/etc/systemd/system/head-setup.service"]["content"]
 

@@ -62,6 +62,10 @@ UBUNTU = Repository(
         Package("mdadm", "4.2-0ubuntu1"),
         Package("xfsprogs", "5.13.0-1ubuntu2"),
         Package("bash-completion", "1:2.11-5ubuntu1"),
+        # the telemetry and the MLflow server's environment (infra/cloud_init/prometheus.py, mlflow.py)
+        Package("prometheus", "2.31.2+ds1-1ubuntu1.22.04.2"),
+        Package("prometheus-node-exporter", "1.3.1-1ubuntu0.22.04.2"),
+        Package("python3-venv", "3.10.6-1~22.04.1"),
         Package("slurm-wlm-basic-plugins", UBUNTU_SLURM),
         *(
             Package(name, UBUNTU_SLURM, depends=f"slurm-wlm-basic-plugins (= {UBUNTU_SLURM}), munge")

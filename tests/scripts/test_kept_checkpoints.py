@@ -12,8 +12,10 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from dtrain.cluster.blobs import container_client
+from dtrain.cluster.description import ClusterDescription
 from tests.polling import wait_for
 from training.checkpoint.files import read_checkpoint
 
@@ -61,33 +63,49 @@ def metered_cli(*args: str) -> tuple[subprocess.CompletedProcess, dict[str, int]
 def test_own_code_checkpoints_reach_storage_while_it_runs_and_a_new_run_resumes_from_them(
     cluster, cluster_file, tmp_path
 ):
-    (tmp_path / "ckpt.py").write_text(OWN_JOB)
-    launch = ["launch", "--cluster", str(cluster_file), "--workdir", str(tmp_path)]
-    first = cli(*launch, "--run-id", "kept-own", "--detach", "--", "python", "ckpt.py")
-    assert first.returncode == 0, first.stderr
-    container = container_client(cluster.results)
-    blob = "kept-own/checkpoints/state.bin"
-    wait_for(lambda: container.get_blob_client(blob).exists(), 180, "the checkpoint in the results container", 1)
-    assert status_of(cluster, "kept-own") is None  # the job still runs: it waits for `release`
-    kept = container.download_blob(blob).readall()
-    assert len(kept) == SIZE
-    assert not [b.name for b in container.list_blobs(name_starts_with="kept-own/checkpoints/.")]  # no temp file
-    (run_dir(cluster, "kept-own") / "release").touch()
-    ended = wait_for(lambda: status_of(cluster, "kept-own"), 120, "the first run to end", 1)
-    assert ended["exit_code"] == 0, ended
+    kept = keep_own_checkpoint(cluster, cluster_file, tmp_path, "kept-own")
     # the cluster keeps no copy: what the new run finds comes from the results container
     shutil.rmtree(run_dir(cluster, "kept-own") / "checkpoints")
-    proc, io = metered_cli(
-        *launch, "--run-id", "kept-own-2", "--resume-from", "kept-own", "--detach", "--", "python", "ckpt.py"
-    )
+    resume_own_checkpoint(cluster, cluster_file, tmp_path, "kept-own", "kept-own-2", kept)
+    # a new cluster sharing the storage: test_spot.py's test_a_run_resumes_on_a_fresh_cluster_...
+
+
+def keep_own_checkpoint(desc: ClusterDescription, cluster_file: Path, workdir: Path, run_id: str) -> bytes:
+    """Run OWN_JOB until its checkpoint is in the results container (while it still runs), then let it
+    end; the checkpoint's bytes."""
+    (workdir / "ckpt.py").write_text(OWN_JOB)
+    launch = ["launch", "--cluster", str(cluster_file), "--workdir", str(workdir)]
+    first = cli(*launch, "--run-id", run_id, "--detach", "--", "python", "ckpt.py")
+    assert first.returncode == 0, first.stderr
+    container = container_client(desc.results)
+    blob = f"{run_id}/checkpoints/state.bin"
+    wait_for(lambda: container.get_blob_client(blob).exists(), 180, "the checkpoint in the results container", 1)
+    assert status_of(desc, run_id) is None  # the job still runs: it waits for `release`
+    kept = container.download_blob(blob).readall()
+    assert len(kept) == SIZE
+    assert not [b.name for b in container.list_blobs(name_starts_with=f"{run_id}/checkpoints/.")]  # no temp file
+    (run_dir(desc, run_id) / "release").touch()
+    ended = wait_for(lambda: status_of(desc, run_id), 120, "the first run to end", 1)
+    assert ended["exit_code"] == 0, ended
+    return kept
+
+
+def resume_own_checkpoint(
+    desc: ClusterDescription, cluster_file: Path, workdir: Path, old: str, new: str, kept: bytes
+) -> None:
+    """`launch --resume-from old`: OWN_JOB in run new finds the checkpoint kept, which went from storage
+    to the cluster without passing through the operator's process."""
+    (workdir / "ckpt.py").write_text(OWN_JOB)
+    launch = ["launch", "--cluster", str(cluster_file), "--workdir", str(workdir)]
+    proc, io = metered_cli(*launch, "--run-id", new, "--resume-from", old, "--detach", "--", "python", "ckpt.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert io["rchar"] < SIZE // 2 and io["wchar"] < SIZE // 2, io  # the checkpoint did not pass through
-    resumed = wait_for(lambda: status_of(cluster, "kept-own-2"), 180, "the resumed run to end", 1)
-    log = (run_dir(cluster, "kept-own-2") / "output.log").read_text()
+    resumed = wait_for(lambda: status_of(desc, new), 180, "the resumed run to end", 1)
+    log = (run_dir(desc, new) / "output.log").read_text()
     assert resumed["exit_code"] == 0, log[-3000:]
-    found = json.loads((run_dir(cluster, "kept-own-2") / "output" / "resumed.json").read_text())
+    found = json.loads((run_dir(desc, new) / "output" / "resumed.json").read_text())
     assert found["sha256"] == hashlib.sha256(kept).hexdigest()
-    assert "fetched 1 files (100.7 MB) of kept-own's checkpoints" in log, log[-3000:]
+    assert f"fetched 1 files (100.7 MB) of {old}'s checkpoints" in log, log[-3000:]
 
 
 def test_a_job_warned_of_its_time_limit_saves_a_checkpoint_before_it_ends(cluster, cluster_file):

@@ -206,7 +206,8 @@ def test_autostop_suspends_idle_nodes_and_a_job_resumes_them(tmp_path):
         info = local_cluster.status(state_dir)
         stopped = {c["component"] for c in info["components"] if c["state"] == "stopped"}
         nodes = ("node-0", "node-1")
-        assert stopped == {*nodes, *(f"{role}-{node}" for node in nodes for role in ("slurmd", "spot-agent"))}
+        roles = ("slurmd", "spot-agent", "node-exporter")
+        assert stopped == {*nodes, *(f"{role}-{node}" for node in nodes for role in roles)}
         assert info["up"]
 
         # a job that needs both: the ResumeProgram starts them, and the job runs; each node, started
@@ -276,7 +277,8 @@ def test_health_check_drains_a_node_whose_shared_directory_is_hidden(tmp_path):
             assert proc.returncode == 0 and proc.stdout.split() == ["node-0"], proc.stderr
             assert report(reports / "node-0")["ok"] == "1"  # type: ignore[index]
             # the operator's view: `status` names the drained node and why, and exits 0 (node-0 takes jobs)
-            shown = run_module("dtrain", "status", "--cluster", str(state_dir / "cluster.json"))
+            # wide enough that the reason (a temporary path, longer under pytest-xdist) is not wrapped
+            shown = run_module("dtrain", "status", "--cluster", str(state_dir / "cluster.json"), env={"COLUMNS": "400"})
             assert shown.returncode == 0, shown.stderr
             assert re.search(rf"node-1\s.*drained.*health-check: {re.escape(str(shared))}", shown.stdout), shown.stdout
             assert "1 drained" in shown.stdout and "1 idle" in shown.stdout

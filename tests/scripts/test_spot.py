@@ -24,6 +24,7 @@ from tests.polling import wait_for
 from training.checkpoint.files import read_checkpoint
 
 from .conftest import local_state_dir, own_cluster, slurm_command
+from .test_kept_checkpoints import keep_own_checkpoint, resume_own_checkpoint
 from .test_launcher import cli, run_dir, status_of
 
 STEPS = 300
@@ -217,8 +218,10 @@ def test_a_node_evicted_before_its_agent_could_act_comes_back_and_the_two_node_j
 def test_a_run_resumes_on_a_fresh_cluster_from_the_checkpoint_it_kept_in_blob_storage(tmp_path):
     """Every attempt keeps its newest checkpoint in the results container; the storage outlives the cluster
     (`local up --storage-dir`, as Azure's storage outlives `pulumi destroy`), and a run on a new cluster
-    starts from it (`launch --resume-from`)."""
-    storage = tmp_path / "kept-storage"
+    starts from it (`launch --resume-from`): ours, and your own code's ($CHECKPOINT_DIR, mirrored while it
+    runs; the new cluster fetches it from storage, not through the operator's machine)."""
+    storage, workdir = tmp_path / "kept-storage", tmp_path / "own-code"
+    workdir.mkdir()
     runs = (("k", "kept-a", ["--requeue"], 40), ("l", "kept-b", ["--resume-from", "kept-a"], 80))
     for letter, run_id, extra, steps in runs:
         with own_cluster(tmp_path, letter, nodes=1, storage_dir=storage) as desc:
@@ -227,6 +230,10 @@ def test_a_run_resumes_on_a_fresh_cluster_from_the_checkpoint_it_kept_in_blob_st
             proc = cli(*args, "--follow", "--", *with_steps(steps), timeout=300)
             assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
             metrics = json.loads((run_dir(desc, run_id) / "metrics.json").read_text())
+            if letter == "k":
+                kept = keep_own_checkpoint(desc, cluster_file, workdir, "kept-own-a")
+            else:
+                resume_own_checkpoint(desc, cluster_file, workdir, "kept-own-a", "kept-own-b", kept)
     assert metrics["steps"] == 80 and metrics["resumed_from_step"] == 40, metrics
 
 
