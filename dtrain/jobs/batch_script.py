@@ -209,7 +209,6 @@ def _finish_function(spec: JobSpec) -> list[str]:
         "finish() {",
         "  local code=$?",
         "  trap - EXIT TERM INT",
-        *task_steps.forget_secrets(spec),
         f"  {IGNORE_USR1.rstrip(';')}",  # a late time-limit warning must not end the upload
         "  FINISHED_AT=$(date -u +%Y-%m-%dT%H:%M:%SZ)",
         time_warning.ENDED_BY_WARNING,
@@ -220,6 +219,7 @@ def _finish_function(spec: JobSpec) -> list[str]:
         '--alloc-tres "$ALLOC_TRES" --alloc-gpus "$ALLOC_GPUS" --node-cpus "$NODE_CPUS" 2>&1 '
         "| sed 's/^/[job] /'",
         *([tracking.CLOSE_RUN_LINE] if spec.tracking else []),
+        *task_steps.forget_secrets(spec),  # after the run's close: it may need the MLflow token
         checkpoint_sync.stop_mirror(),
         f"  {' '.join(upload)} 2>&1 | sed 's/^/[job] /' || echo '[job] results upload incomplete: see status.json'",
         '  exit "$code"',

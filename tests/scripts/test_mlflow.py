@@ -9,12 +9,14 @@ DevTools client to install or keep in step with the browser's version, and each 
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -30,9 +32,10 @@ from dtrain.jobs.tracking import CONTAINER_ENV, OFF, Tracking, plan_tracking
 from dtrain.local import mlflow_server as local_mlflow
 from dtrain.local.state import load_state
 from dtrain.processes import descendants
+from tests.local_http import reply_json, serving
 from tests.polling import wait_for
 
-from .conftest import local_state_dir
+from .conftest import REPO, local_state_dir
 from .test_batch import BASE
 from .test_job_reliability import pytorch_launch, tiny_imagenet
 from .test_launcher import cli, job_id_of, run_dir, squeue_state, status_of
@@ -197,3 +200,39 @@ def stamp_of(log: str, text: str) -> float:
     found = re.search(pattern, log, re.M)
     assert found, text
     return datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def test_the_job_script_opens_and_closes_the_run_with_a_token_kept_among_the_runs_secrets(tmp_path):
+    """A server of the user's own that needs a token (an Azure ML workspace): the token is a task file's
+    secret, which only the user's command sources; mlflow_run.py reads that one name from the run's
+    secrets itself, and finish() closes the run before it removes them."""
+    token, seen = "tok-3n", []
+
+    class Server(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _answer(self) -> None:
+            seen.append((self.path.split("?")[0], self.headers.get("Authorization")))
+            if self.headers.get("Authorization") != f"Bearer {token}":
+                reply_json(self, 401, {"error_code": "UNAUTHENTICATED"})
+            elif "get-by-name" in self.path:
+                reply_json(self, 200, {"experiment": {"experiment_id": "1"}})
+            else:
+                reply_json(self, 200, {"run": {"info": {"run_id": "r1"}}})
+
+        do_GET = do_POST = _answer
+
+    (tmp_path / "secrets").mkdir()
+    (tmp_path / "secrets" / "env").write_text(f"OTHER='x'\nMLFLOW_TRACKING_TOKEN='{token}'\n")
+    tool = REPO / "dtrain" / "remote" / "job" / "mlflow_run.py"
+    with serving(Server) as uri:
+        env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_TOKEN"} | {"MLFLOW_TRACKING_URI": uri}
+        for args in (["start", "--experiment", "e", "--run-name", "n"], ["end", "--exit-code", "0"]):
+            proc = subprocess.run(
+                [sys.executable, str(tool), *args, "--run-dir", str(tmp_path)], env=env, capture_output=True, text=True
+            )
+            assert proc.returncode == 0, proc.stderr
+    assert seen and all(auth == f"Bearer {token}" for _, auth in seen), seen
+    finish = render_job_script(replace(BASE, tracking=Tracking("https://ml.example", "e"), secrets=("A",)))
+    assert finish.index('mlflow_run.py" end') < finish.index("rm -rf /shared/runs/")

@@ -5,7 +5,9 @@
   mlflow_run.py end --run-dir DIR --exit-code N
 
 The server is ``$MLFLOW_TRACKING_URI``; ``$MLFLOW_TRACKING_TOKEN``, when set, goes as a bearer token
-(never on a command line). ``start`` keeps the id in DIR/mlflow_run_id, so a requeued attempt goes on
+(never on a command line): from the environment, else from the run's secrets (a task file's `secrets`,
+DIR/secrets/env, which only the user's command sources: this process reads that one name itself).
+``start`` keeps the id in DIR/mlflow_run_id, so a requeued attempt goes on
 logging to the same run; the job exports it as ``MLFLOW_RUN_ID`` for the ranks (training/run/tracking.py)
 and for the user's own code. A server that does not answer costs the job at most a few seconds: start
 exits 1 with one line (the job runs untracked), end gives up.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 import urllib.error
@@ -26,6 +29,8 @@ import urllib.request
 from pathlib import Path
 
 RUN_ID_FILE = "mlflow_run_id"
+TOKEN = "MLFLOW_TRACKING_TOKEN"
+SECRETS_FILE = "secrets/env"  # dtrain/jobs/task_steps.py: NAME='value' lines, as sh sources them
 TIMEOUT_S = 10.0
 # the job's exit status -> the run's status (143: scancel or the time limit, 130: interrupted)
 STATUS = {0: "FINISHED", 143: "KILLED", 130: "KILLED"}
@@ -34,7 +39,7 @@ STATUS = {0: "FINISHED", 143: "KILLED", 130: "KILLED"}
 def request(endpoint: str, body: dict, method: str = "POST") -> dict:
     uri = os.environ["MLFLOW_TRACKING_URI"].rstrip("/")
     headers = {"Content-Type": "application/json"}
-    if token := os.environ.get("MLFLOW_TRACKING_TOKEN"):
+    if token := os.environ.get(TOKEN):
         headers["Authorization"] = f"Bearer {token}"
     url, data = f"{uri}/api/2.0/mlflow/{endpoint}", json.dumps(body).encode()
     if method == "GET":
@@ -83,6 +88,19 @@ def end(run_dir: Path, exit_code: int) -> None:
     request("runs/update", {"run_id": run_id, "status": status, "end_time": int(time.time() * 1000)})
 
 
+def token_from_secrets(run_dir: Path) -> str | None:
+    """The run's MLflow token among its secrets, or None."""
+    try:
+        lines = (run_dir / SECRETS_FILE).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        words = shlex.split(line)
+        if len(words) == 1 and words[0].startswith(f"{TOKEN}="):
+            return words[0].split("=", 1)[1]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--run-dir", type=Path, required=True)
     args = parser.parse_args(argv)
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not os.environ.get(TOKEN) and (token := token_from_secrets(args.run_dir)):
+        os.environ[TOKEN] = token  # this process's own: it starts none
     try:
         if args.command == "start":
             print(start(args.run_dir, args.experiment, args.run_name))
