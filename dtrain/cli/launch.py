@@ -223,8 +223,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
 
 
 def run(args: argparse.Namespace) -> int:
+    opts = options_from_args(args)  # first: flags after a task file (--cluster too) are read there
     desc = load(args.cluster)
-    opts = options_from_args(args)
     plan = build_spec(desc, opts)
     show_request(desc, plan)
     if args.dry_run:

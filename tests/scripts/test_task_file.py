@@ -105,7 +105,8 @@ def test_flags_win_over_the_file_and_a_secret_reaches_no_output(tmp_path, azure_
         "workdir: code\nsetup: echo ready\nrun: python train.py\nenvs: {EPOCHS: 3, DEBUG: true}\n"
         "secrets: [HF_TOKEN]\nresources: {nodes: 2, gpus: 4, time: 1:00:00}\n",
     )
-    args = ("--cluster", str(azure_file), str(path), "--nodes", "1", "--env", "EPOCHS=5", "--dry-run")
+    # every flag after the task file counts, --cluster too
+    args = (str(path), "--cluster", str(azure_file), "--nodes", "1", "--env", "EPOCHS=5", "--dry-run")
     monkeypatch.delenv("HF_TOKEN", raising=False)
     code, _, err = checked(capsys, *args)
     assert code == 2 and err.startswith("error: secret HF_TOKEN: not set in this environment"), err
