@@ -20,6 +20,18 @@ def tool(name: str) -> str:
     return path
 
 
+def systemd_verify(directory: Path, units: Sequence[str]) -> subprocess.CompletedProcess:
+    """`systemd-analyze verify` of the unit files named, in directory (their search path, drop-ins too)."""
+    return subprocess.run(
+        [tool("systemd-analyze"), "verify", *(f"./{unit}" for unit in units)],
+        cwd=directory,
+        env={"SYSTEMD_UNIT_PATH": f"{directory}:", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
 def shell_value(script: str, name: str) -> str | list[str]:
     """Value of a top-level `NAME=...` (or `readonly NAME=...`) assignment; arrays as lists."""
     match = re.search(rf"^(?:readonly )?{name}=(.*)$", script, re.MULTILINE)

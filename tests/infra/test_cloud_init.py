@@ -38,7 +38,7 @@ from tests.infra.documents import (
     node_doc,
     script_of,
 )
-from tests.infra.sandbox import Sandbox, shell_value, tool, with_value
+from tests.infra.sandbox import Sandbox, shell_value, systemd_verify, tool, with_value
 
 AAD_TOKEN = "AAD-SECRET-eyJ0eXAiOiJKV1Qi"
 ACR_REFRESH_TOKEN = "ACR-SECRET-refresh-token"
@@ -95,15 +95,8 @@ def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     drop_in.parent.mkdir()
     content = files["/etc/systemd/system/slurmd.service.d/configless.conf"]["content"]
     drop_in.write_text(re.sub(r"^ExecStart=/.*$", "ExecStart=/bin/true", content, flags=re.MULTILINE))
-    result = subprocess.run(
-        [tool("systemd-analyze"), "verify", *(f"./{Path(unit).name}" for unit in units), "./slurmd.service"],
-        cwd=tmp_path,
-        # Drop-in directories are read from the unit search path only.
-        env={"SYSTEMD_UNIT_PATH": f"{tmp_path}:", "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    # drop-in directories are read from the unit search path only: systemd_verify sets it to tmp_path
+    result = systemd_verify(tmp_path, [*(Path(unit).name for unit in units), "slurmd.service"])
     assert result.returncode == 0, result.stderr
     # Unknown keys are only warnings: any mention of our units is a finding.
     found = [

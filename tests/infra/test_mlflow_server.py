@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ipaddress
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from infra.contract import MLFLOW_PORT
 from infra.identity import STORAGE_BLOB_DATA_CONTRIBUTOR
 from infra.network import DENY_ALL_PRIORITY
 from tests.infra.conftest import VALID_CONFIG, Deployment
-from tests.infra.sandbox import tool
+from tests.infra.sandbox import systemd_verify
 from tests.infra.test_stack import HEAD_IP, _rules, by_name, head_document
 
 CLIENT_ID = "33333333-3333-3333-3333-333333333333"
@@ -105,13 +104,6 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     for unit in UNITS:
         text = re.sub(r"^ExecStart=/.*(\n  .*)*$", "ExecStart=/bin/true", read_unit(unit), flags=re.M)
         (tmp_path / unit).write_text(text.replace("EnvironmentFile=/etc/mlflow/server.env\n", ""))
-    result = subprocess.run(
-        [tool("systemd-analyze"), "verify", *(f"./{unit}" for unit in UNITS)],
-        cwd=tmp_path,
-        env={"SYSTEMD_UNIT_PATH": f"{tmp_path}:", "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    result = systemd_verify(tmp_path, UNITS)
     assert result.returncode == 0, result.stderr
     assert not [line for line in result.stderr.splitlines() if "mlflow" in line], result.stderr
