@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from training.data.imagenet import MEAN, STD
 from training.pytorch import DDPBackend
-from training.torch.models import build_model
+from training.torch.models import Normalize, build_model
 from training.torch.parallel.sharding import AC_MODES, apply_activation_checkpointing, blocks
 from training.torch.profiling import PROFILED_STEPS, StepProfiler
 from training.torch.transformer import GPT_CONFIGS, build_gpt
@@ -24,6 +26,32 @@ def test_ddp_backend_does_not_wrap_a_single_process() -> None:
     assert wrapped is model and same_optimizer is optimizer
     conv = model[1].weight
     assert conv.is_contiguous(memory_format=torch.channels_last)  # the layout DDP would have set
+
+
+class ComputingOps(TorchDispatchMode):
+    """The aten operators that run, views left out (they move no data)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_normalize_is_one_pass_over_the_batch_and_equals_the_plain_form() -> None:
+    images = torch.randint(0, 256, (4, 16, 16, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    normalize = Normalize()
+    with ComputingOps() as ops:
+        normalized = normalize(images)
+    assert ops.names == ["addcmul.default"]  # no float copy of the batch before it
+    plain = (images.permute(0, 3, 1, 2).float() - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(
+        1, 3, 1, 1
+    )
+    assert normalized.dtype == torch.float32 and normalized.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(normalized, plain, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", AC_MODES)
