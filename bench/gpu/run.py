@@ -31,6 +31,7 @@ from typing import Any
 from bench.gpu import decode_e2e as gpu_decode_e2e
 from bench.gpu import sections as gpu_sections
 from bench.gpu.report import Row, Scale, Section, failed_row, markdown, skipped_row, write
+from training.config.args import Parser, seconds_arg
 
 # Adding a section is one line: Section(name, title, function(scratch directory, scale) -> rows,
 # estimated seconds at full size on one H100, estimated seconds of its smoke run). The estimates are
@@ -48,7 +49,7 @@ EXIT_NO_CUDA = 3  # environment not ready (the project's exit statuses)
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m bench.gpu",
         description=__doc__.splitlines()[0],
         epilog="Example: python -m bench.gpu --only transformer. Sections: "
@@ -64,7 +65,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--budget-s",
-        type=float,
+        type=seconds_arg,
         default=BUDGET_S,
         help="seconds the run may take: a section whose estimate no longer fits is skipped, "
         "and a process still running at the end is stopped (default: %(default)s)",
@@ -77,6 +78,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         args.out = (
             Path(tempfile.gettempdir()) / "bench-gpu-smoke" if args.smoke else Path(__file__).parents[1] / "results"
         )
+    try:  # before any section runs: a result that cannot be written is a run wasted
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--out {args.out}: cannot make it: {exc.strerror}")
+    if not os.access(args.out, os.W_OK | os.X_OK):
+        parser.error(f"--out {args.out}: not writable")
     return args
 
 

@@ -132,3 +132,21 @@ def test_no_measured_process_runs_past_the_end_of_the_budget() -> None:
     with pytest.raises(proc.BenchError, match=r"^ran past its limit of 2 s"):
         proc.run([sys.executable, "-c", "import time; time.sleep(120)"], proc.thread_env(1), scale.timeout(420))
     assert time.monotonic() - started < proc.STOP_GRACE_S
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--budget-s", "0"], "--budget-s: must be a number of seconds, at least 1, got 0"),
+        (["--budget-s", "nan"], "--budget-s: must be a number of seconds, at least 1, got nan"),
+        (["--out", "/proc/bench-gpu"], "--out /proc/bench-gpu: cannot make it"),
+    ],
+)
+def test_bad_flags_are_one_error_line_and_exit_2_before_a_section_runs(
+    flags: list[str], said: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gpu, "SECTIONS", [Section("first", "never run", never, 1, 0)])
+    with pytest.raises(SystemExit) as exited:
+        gpu.main(["--smoke", *flags])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and said in err

@@ -67,6 +67,11 @@ def non_negative_float_arg(text: str) -> float:
     return _number(text, float, 0.0, "a number, 0 or more")
 
 
+def seconds_arg(text: str) -> float:
+    """A duration in seconds: at least one (a budget or a timeout of zero would do nothing)."""
+    return _number(text, float, 1.0, "a number of seconds, at least 1")
+
+
 def _epoch_list(text: str) -> tuple[float, ...]:
     if not text.strip():
         return ()
