@@ -12,6 +12,9 @@ set -uo pipefail
 out=${1:?usage: bench/gpu/window.sh OUT_DIR [smoke] [bench] [tests]}
 shift
 stages=${*:-smoke bench tests}
+for stage in $stages; do  # before the lease's minutes go to installing anything
+  case $stage in smoke | bench | tests) ;; *) echo "error: unknown stage $stage (smoke, bench or tests)" >&2; exit 2 ;; esac
+done
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -29,7 +32,6 @@ for stage in $stages; do
     bench) python3 -m bench.gpu --out "$out" "${bench_args[@]}" 2>&1 | tee "$out/bench.log" | tail -60 ;;
     tests) timeout --signal INT "${TESTS_TIMEOUT_S:-240}" python3 -m pytest -m gpu -rs -q -p no:cacheprovider \
       tests/training/test_gpu_decode_cuda.py tests/training/test_gpu_speed.py 2>&1 | tee "$out/test-gpu.log" | tail -25 ;;
-    *) echo "error: unknown stage $stage (smoke, bench or tests)" >&2; exit 2 ;;
   esac
   echo "== $stage: $((SECONDS - started)) s"
 done
