@@ -91,9 +91,17 @@ class GpuCluster(pulumi.ComponentResource):
         self.nccl_env = dict(args.sku.nccl_env)
         self.computer_name_prefix = f"{name}-"
         self.node_names = scale_set_node_names(self.computer_name_prefix, args.node_count)
+        self.placement_group = self._placement_group(name, args, child)
+        self.custom_data = self._custom_data(args)
+        self.scale_set = self._scale_set(name, args, child)
+        self.register_outputs({"scale_set_name": self.scale_set.name, "placement_group_id": self.placement_group.id})
 
-        # Keeps the nodes physically close: lowest latency on the InfiniBand fabric.
-        self.placement_group = compute.ProximityPlacementGroup(
+    @staticmethod
+    def _placement_group(
+        name: str, args: GpuClusterArgs, child: pulumi.ResourceOptions
+    ) -> compute.ProximityPlacementGroup:
+        """Keeps the nodes physically close: lowest latency on the InfiniBand fabric."""
+        return compute.ProximityPlacementGroup(
             f"{name}-ppg",
             resource_group_name=args.resource_group_name,
             location=args.location,
@@ -101,8 +109,11 @@ class GpuCluster(pulumi.ComponentResource):
             tags=args.tags,
             opts=child,
         )
-        # No secret in it: the munge key is fetched from Key Vault at boot (infra/key_vault.py).
-        self.custom_data = pulumi.Output.all(args.acr_login_server, args.identity_client_id, args.key_vault_uri).apply(
+
+    def _custom_data(self, args: GpuClusterArgs) -> pulumi.Output[str]:
+        """The nodes' cloud-config, encoded. No secret in it: the munge key is fetched from Key Vault at boot
+        (infra/key_vault.py)."""
+        return pulumi.Output.all(args.acr_login_server, args.identity_client_id, args.key_vault_uri).apply(
             lambda values: encode_custom_data(
                 render_cluster_node(
                     nfs_server_ip=args.nfs_server_ip,
@@ -121,7 +132,12 @@ class GpuCluster(pulumi.ComponentResource):
                 )
             )
         )
-        self.scale_set = compute.VirtualMachineScaleSet(
+
+    def _scale_set(
+        self, name: str, args: GpuClusterArgs, child: pulumi.ResourceOptions
+    ) -> compute.VirtualMachineScaleSet:
+        """The Uniform scale set of the nodes, in the placement group, with the identity that they act as."""
+        return compute.VirtualMachineScaleSet(
             f"{name}-vmss",
             resource_group_name=args.resource_group_name,
             location=args.location,
@@ -137,44 +153,52 @@ class GpuCluster(pulumi.ComponentResource):
             identity=compute.VirtualMachineScaleSetIdentityArgs(
                 type="UserAssigned", user_assigned_identities=[args.identity_id]
             ),
-            virtual_machine_profile=compute.VirtualMachineScaleSetVMProfileArgs(
-                os_profile=compute.VirtualMachineScaleSetOSProfileArgs(
-                    computer_name_prefix=self.computer_name_prefix,
-                    admin_username=args.admin_user,
-                    custom_data=self.custom_data,
-                    linux_configuration=linux_configuration(args.admin_user, args.ssh_public_key),
-                ),
-                storage_profile=compute.VirtualMachineScaleSetStorageProfileArgs(
-                    image_reference=image_reference(args.image),
-                    os_disk=compute.VirtualMachineScaleSetOSDiskArgs(
-                        create_option="FromImage",
-                        caching="ReadWrite",
-                        disk_size_gb=256,  # room for framework images
-                        managed_disk=compute.VirtualMachineScaleSetManagedDiskParametersArgs(
-                            storage_account_type="Premium_LRS"
-                        ),
-                    ),
-                ),
-                network_profile=compute.VirtualMachineScaleSetNetworkProfileArgs(
-                    network_interface_configurations=[
-                        compute.VirtualMachineScaleSetNetworkConfigurationArgs(
-                            name="eth0",
-                            primary=True,
-                            enable_accelerated_networking=True,
-                            ip_configurations=[
-                                compute.VirtualMachineScaleSetIPConfigurationArgs(
-                                    name="ipconfig1",
-                                    primary=True,
-                                    subnet=compute.ApiEntityReferenceArgs(id=args.subnet_id),
-                                )
-                            ],
-                        )
-                    ]
-                ),
-                security_profile=security_profile(args.encryption_at_host),
-                **_priority(args.spot),
-            ),
+            virtual_machine_profile=self._vm_profile(args),
             tags=args.tags,
             opts=child,
         )
-        self.register_outputs({"scale_set_name": self.scale_set.name, "placement_group_id": self.placement_group.id})
+
+    def _vm_profile(self, args: GpuClusterArgs) -> compute.VirtualMachineScaleSetVMProfileArgs:
+        """Every node's VM: SSH keys only, the image and its disk, the cluster subnet, encryption at host, Spot."""
+        return compute.VirtualMachineScaleSetVMProfileArgs(
+            os_profile=compute.VirtualMachineScaleSetOSProfileArgs(
+                computer_name_prefix=self.computer_name_prefix,
+                admin_username=args.admin_user,
+                custom_data=self.custom_data,
+                linux_configuration=linux_configuration(args.admin_user, args.ssh_public_key),
+            ),
+            storage_profile=compute.VirtualMachineScaleSetStorageProfileArgs(
+                image_reference=image_reference(args.image),
+                os_disk=compute.VirtualMachineScaleSetOSDiskArgs(
+                    create_option="FromImage",
+                    caching="ReadWrite",
+                    disk_size_gb=256,  # room for framework images
+                    managed_disk=compute.VirtualMachineScaleSetManagedDiskParametersArgs(
+                        storage_account_type="Premium_LRS"
+                    ),
+                ),
+            ),
+            network_profile=_network_profile(args.subnet_id),
+            security_profile=security_profile(args.encryption_at_host),
+            **_priority(args.spot),
+        )
+
+
+def _network_profile(subnet_id: pulumi.Input[str]) -> compute.VirtualMachineScaleSetNetworkProfileArgs:
+    """One accelerated NIC on the cluster subnet, without a public IP."""
+    return compute.VirtualMachineScaleSetNetworkProfileArgs(
+        network_interface_configurations=[
+            compute.VirtualMachineScaleSetNetworkConfigurationArgs(
+                name="eth0",
+                primary=True,
+                enable_accelerated_networking=True,
+                ip_configurations=[
+                    compute.VirtualMachineScaleSetIPConfigurationArgs(
+                        name="ipconfig1",
+                        primary=True,
+                        subnet=compute.ApiEntityReferenceArgs(id=subnet_id),
+                    )
+                ],
+            )
+        ]
+    )

@@ -76,6 +76,7 @@ examples:
 
 
 def configure(commands: argparse._SubParsersAction) -> None:
+    """Add `launch` and its arguments, in the order --help lists them."""
     parser = commands.add_parser(
         "launch",
         help="submit a training job to Slurm and follow its output",
@@ -88,6 +89,22 @@ def configure(commands: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_cluster_option(parser)
+    _add_code_arguments(parser)
+    add_allocation_arguments(parser)
+    _add_launcher_arguments(parser)
+    _add_run_arguments(parser)
+    _add_job_source_arguments(parser)
+    add_tracking_arguments(parser)
+    _add_follow_arguments(parser)
+    add_task_arguments(parser)
+    parser.add_argument(
+        "job_args", nargs=argparse.REMAINDER, help="TASK.yaml (then more flags), or -- then the job's own flags"
+    )
+    parser.set_defaults(handler=run, launch_parser=parser)
+
+
+def _add_code_arguments(parser: argparse.ArgumentParser) -> None:
+    """What runs: one of our training jobs (--framework), or your own code (--workdir)."""
     parser.add_argument(
         "--framework",
         choices=FRAMEWORKS,
@@ -108,7 +125,10 @@ def configure(commands: argparse._SubParsersAction) -> None:
         metavar="MB",
         help="refuse a --workdir larger than this after its excludes (default: %(default)s)",
     )
-    add_allocation_arguments(parser)
+
+
+def _add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the ranks are started: horovodrun or torchrun, data or model parallel."""
     parser.add_argument(
         "--launcher",
         choices=("horovodrun", "torchrun"),
@@ -120,6 +140,10 @@ def configure(commands: argparse._SubParsersAction) -> None:
         help="PyTorch only: run training.model_parallel (FSDP2, pipeline, tensor parallel; --tp/--pp/--dp-shard "
         "among the job's flags) under torchrun",
     )
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The run's id, and how it survives node failures, Spot evictions and its time limit."""
     parser.add_argument("--run-id", type=arg_type(check_run_id), help="default: <UTC time>-<framework>-<random>")
     parser.add_argument(
         "--requeue", action="store_true", help="if a node fails, Slurm requeues the job and it resumes from its "
@@ -152,6 +176,10 @@ def configure(commands: argparse._SubParsersAction) -> None:
         help="SIGUSR1 this long before the time limit (90s, 5m, 1h; 0: none): our jobs save a checkpoint and "
         "end, your code may catch it (default 5m, at most half the time limit)",
     )
+
+
+def _add_job_source_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the job's data, program and image come from, where not the defaults."""
     parser.add_argument(
         "--local-copy",
         action="store_true",
@@ -169,18 +197,16 @@ def configure(commands: argparse._SubParsersAction) -> None:
         help="docker runtime: image to run instead of the framework's (public, or in the cluster's registry; "
         "see docs/operator.md for what it must contain)",
     )
-    add_tracking_arguments(parser)
+
+
+def _add_follow_arguments(parser: argparse.ArgumentParser) -> None:
+    """What this command does once the job is ready: print it (--dry-run), follow it, or detach."""
     parser.add_argument(
         "--dry-run", action="store_true", help="print the allocation and job.sh, and submit nothing (exit 0)"
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--follow", action="store_true", default=None, help="stream the output (default on a terminal)")
     mode.add_argument("--detach", action="store_true", help="print the job id and return")
-    add_task_arguments(parser)
-    parser.add_argument(
-        "job_args", nargs=argparse.REMAINDER, help="TASK.yaml (then more flags), or -- then the job's own flags"
-    )
-    parser.set_defaults(handler=run, launch_parser=parser)
 
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:

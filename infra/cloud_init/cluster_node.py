@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Mapping
+from typing import Any
 
 from infra.cloud_init._common import (
     check_client_id,
@@ -107,12 +108,43 @@ def render_cluster_node(
     gpus = check_int("expected_gpus", expected_gpus, 1, MAX_GPUS_PER_NODE)
     admin = check_user("admin_user", admin_user)
     controller = f"{check_ipv4('slurmctld_address', slurmctld_address)}:{SLURMCTLD_PORT}"
-    nvme = {
+    nvme = _nvme_settings(nvme_disks, nvme_mount)
+    programs = _programs(
+        mount=mount, acr=acr, client_id=client_id, admin=admin, controller=controller, nvme=nvme, gpus=gpus
+    )
+    return cloud_config(
+        {
+            "package_update": True,
+            # Never upgrade on the HPC image: its kernel, OFED and GPU drivers are a tested set.
+            "package_upgrade": False,
+            "bootcmd": account_commands(),
+            "packages": [*PACKAGES, *versioned(SLURMD_PACKAGES, slurm_version)],
+            "write_files": [
+                *apt_files(slurm_version),
+                nfs_mount_file(server_ip=nfs_server_ip, export_path=nfs_export_path, mount_path=mount),
+                *(write_file(path, text, "0755") for path, text in programs),
+                *_unit_files(),
+                *_nccl_files(env),
+                munge_key_fetch_file(vault_uri=key_vault_uri, identity_client_id=identity_client_id),
+            ],
+            "runcmd": start_setup_unit(NODE_SETUP_UNIT),
+        }
+    )
+
+
+def _nvme_settings(nvme_disks: int | None, nvme_mount: str) -> dict[str, str | int]:
+    """nvme-raid's settings, checked: where the RAID 0 is mounted, and how many disks make it (0: all found)."""
+    return {
         "MOUNT_PATH": check_path("nvme_mount", nvme_mount),
         "EXPECTED_DISKS": 0 if nvme_disks is None else check_int("nvme_disks", nvme_disks, 1, MAX_NVME_DISKS),
     }
 
-    scripts = [
+
+def _programs(
+    *, mount: str, acr: str, client_id: str, admin: str, controller: str, nvme: dict[str, str | int], gpus: int
+) -> list[tuple[str, str]]:
+    """(path, text) of every program a node installs, from checked values: boot steps, Slurm's hooks, the Spot agent."""
+    return [
         (
             ACR_LOGIN_PATH,
             render_script(
@@ -148,27 +180,20 @@ def render_cluster_node(
         (EPILOG_PATH, render_script("slurm/slurm-epilog.sh", {})),
         (SPOT_AGENT_PATH, remote_file("boot/spot_agent.py")),
     ]
+
+
+def _unit_files() -> list[dict[str, Any]]:
+    """Our systemd units, and the drop-in that makes slurmd configless."""
+    return [
+        *(write_file(f"{UNITS_DIR}/{unit}", read_unit(unit), "0644") for unit in UNITS),
+        write_file(SLURMD_DROP_IN, read_unit("slurmd-configless.conf"), "0644"),
+    ]
+
+
+def _nccl_files(env: Mapping[str, str]) -> list[dict[str, Any]]:
+    """The checked NCCL settings twice: nccl.conf's master copy, and a login shell's profile."""
     nccl_conf = "".join(f"{key}={value}\n" for key, value in env.items())
     nccl_profile = "# NCCL/UCX settings of this cluster, as in /etc/nccl.conf; written by cloud-init.\n" + "".join(
         f"export {key}={shlex.quote(value)}\n" for key, value in env.items()
     )
-    return cloud_config(
-        {
-            "package_update": True,
-            # Never upgrade on the HPC image: its kernel, OFED and GPU drivers are a tested set.
-            "package_upgrade": False,
-            "bootcmd": account_commands(),
-            "packages": [*PACKAGES, *versioned(SLURMD_PACKAGES, slurm_version)],
-            "write_files": [
-                *apt_files(slurm_version),
-                nfs_mount_file(server_ip=nfs_server_ip, export_path=nfs_export_path, mount_path=mount),
-                *(write_file(path, text, "0755") for path, text in scripts),
-                *(write_file(f"{UNITS_DIR}/{unit}", read_unit(unit), "0644") for unit in UNITS),
-                write_file(SLURMD_DROP_IN, read_unit("slurmd-configless.conf"), "0644"),
-                write_file(NCCL_CONF_SOURCE, nccl_conf, "0644"),
-                write_file(NCCL_PROFILE_PATH, nccl_profile, "0644"),
-                munge_key_fetch_file(vault_uri=key_vault_uri, identity_client_id=identity_client_id),
-            ],
-            "runcmd": start_setup_unit(NODE_SETUP_UNIT),
-        }
-    )
+    return [write_file(NCCL_CONF_SOURCE, nccl_conf, "0644"), write_file(NCCL_PROFILE_PATH, nccl_profile, "0644")]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from infra.azure_limits import COMPUTER_NAME_PREFIX
 from infra.cloud_init._common import (
@@ -107,13 +108,66 @@ def render_head_node(
     exporters Prometheus scrapes (infra/cloud_init/prometheus.py); none: no Prometheus. tracking: the
     MLflow server's listen_ip, results_endpoint, container and identity_client_id
     (infra/cloud_init/mlflow.py)."""
+    _check_head_inputs(
+        scale_set_id=scale_set_id,
+        node_prefix=node_prefix,
+        admin_user=admin_user,
+        power_down_unused=power_down_unused,
+        slurm_files={"slurm_conf": slurm_conf, "gres_conf": gres_conf, "cgroup_conf": cgroup_conf},
+    )
+    power_config = _power_config(
+        scale_set_id=scale_set_id,
+        identity_client_id=identity_client_id,
+        node_prefix=node_prefix,
+        register_timeout_s=register_timeout_s,
+        power_down_unused=power_down_unused,
+        spot_scale_set=spot_scale_set,
+    )
+    setup = _head_setup_script(mount_path, admin_user)
+    return cloud_config(
+        {
+            "package_update": True,
+            "bootcmd": account_commands(),
+            "packages": _packages(slurm_version, telemetry_nodes, tracking),
+            "write_files": [
+                *apt_files(slurm_version),
+                nfs_mount_file(server_ip=nfs_server_ip, export_path=nfs_export_path, mount_path=mount_path),
+                write_file(HEAD_SETUP_PATH, setup, "0755"),
+                write_file(f"/etc/systemd/system/{HEAD_SETUP_UNIT}", read_unit(HEAD_SETUP_UNIT), "0644"),
+                *_power_program_files(),
+                *_deferred_slurm_files(slurm_conf, gres_conf, cgroup_conf, power_config),
+                munge_key_fetch_file(vault_uri=key_vault_uri, identity_client_id=identity_client_id),
+                *(write_file(f"{UNITS_DIR}/{unit}", remote_file(f"slurm/{unit}"), "0644") for unit in REAP_UNITS),
+                *_service_files(telemetry_nodes, tracking),
+            ],
+            "runcmd": _run_commands(telemetry_nodes, tracking),
+        }
+    )
+
+
+def _check_head_inputs(
+    *, scale_set_id: str, node_prefix: str, admin_user: str, power_down_unused: bool, slurm_files: dict[str, str]
+) -> None:
+    """The refusals that come before anything is rendered (the rest come with what they render)."""
     _check_scale_set(scale_set_id, node_prefix)
     check_user("admin_user", admin_user)
     if not isinstance(power_down_unused, bool):
         raise ValueError(f"power_down_unused: {power_down_unused!r} is not a bool")
-    for key, text in (("slurm_conf", slurm_conf), ("gres_conf", gres_conf), ("cgroup_conf", cgroup_conf)):
+    for key, text in slurm_files.items():
         if not isinstance(text, str) or not text.endswith("\n"):
             raise ValueError(f"{key}: must be the file's text, ending in a newline")
+
+
+def _power_config(
+    *,
+    scale_set_id: str,
+    identity_client_id: str,
+    node_prefix: str,
+    register_timeout_s: int,
+    power_down_unused: bool,
+    spot_scale_set: dict[str, str] | None,
+) -> dict[str, object]:
+    """slurm-power's configuration (POWER_CONFIG_PATH): the scale sets it powers and how."""
     power_config: dict[str, object] = {
         "scale_set_id": scale_set_id,
         "identity_client_id": check_client_id("identity_client_id", identity_client_id),
@@ -126,7 +180,12 @@ def render_head_node(
         _check_scale_set(spot_scale_set["scale_set_id"], spot_scale_set["node_prefix"])
         check_client_id("spot identity_client_id", spot_scale_set["identity_client_id"])
         power_config["spot"] = dict(spot_scale_set)
-    setup = render_script(
+    return power_config
+
+
+def _head_setup_script(mount_path: str, admin_user: str) -> str:
+    """head-setup (HEAD_SETUP_PATH), which head-setup.service runs at every boot until it has succeeded."""
+    return render_script(
         "boot/head-setup.sh",
         {
             "SLURM_USER": SLURM_USER,
@@ -137,43 +196,57 @@ def render_head_node(
             "REPORT_DIR": BOOT_REPORT_DIR,
         },
     )
+
+
+def _packages(slurm_version: str, telemetry_nodes: Sequence[str], tracking: dict[str, str] | None) -> list[str]:
+    """Ours, slurmctld's at slurm_version, and Prometheus's and MLflow's where they run."""
+    return [
+        *PACKAGES,
+        *versioned(SLURMCTLD_PACKAGES, slurm_version),
+        *([PROMETHEUS_PACKAGE] if telemetry_nodes else []),
+        *(MLFLOW_PACKAGES if tracking else []),
+    ]
+
+
+def _power_program_files() -> list[dict[str, Any]]:
+    """slurm-power and the suspend, resume and resume-fail programs that slurm.conf names, which run it."""
+    return [
+        write_file(POWER_PROGRAM_PATH, render_script("slurm/slurm_power.py", {}), "0755"),
+        *(write_file(path, _power_wrapper(action), "0755") for path, action in POWER_ACTIONS.items()),
+    ]
+
+
+def _deferred_slurm_files(
+    slurm_conf: str, gres_conf: str, cgroup_conf: str, power_config: dict[str, object]
+) -> list[dict[str, Any]]:
+    """Slurm's configuration and slurm-power's, written after the packages are installed."""
+    # Deferred: /etc/slurm is the packages' directory, and slurmctld must not start on
+    # the package's install before head-setup (its unit waits for slurm.conf).
+    return [
+        write_file(SLURM_CONF_PATH, slurm_conf, "0644", defer=True),
+        write_file(GRES_CONF_PATH, gres_conf, "0644", defer=True),
+        write_file(CGROUP_CONF_PATH, cgroup_conf, "0644", defer=True),
+        write_file(POWER_CONFIG_PATH, json.dumps(power_config, indent=2) + "\n", "0644", defer=True),
+    ]
+
+
+def _service_files(telemetry_nodes: Sequence[str], tracking: dict[str, str] | None) -> list[dict[str, Any]]:
+    """Prometheus's files where telemetry_nodes are scraped, MLflow's where tracking is on."""
+    return [
+        *(head_prometheus_files(telemetry_nodes) if telemetry_nodes else []),
+        *(mlflow_files(tracking) if tracking else []),
+    ]
+
+
+def _run_commands(telemetry_nodes: Sequence[str], tracking: dict[str, str] | None) -> list[list[str]]:
+    """runcmd: the reaper's timer, head-setup, then Prometheus and MLflow where they run."""
     setup_start = start_setup_unit(HEAD_SETUP_UNIT)
-    return cloud_config(
-        {
-            "package_update": True,
-            "bootcmd": account_commands(),
-            "packages": [
-                *PACKAGES,
-                *versioned(SLURMCTLD_PACKAGES, slurm_version),
-                *([PROMETHEUS_PACKAGE] if telemetry_nodes else []),
-                *(MLFLOW_PACKAGES if tracking else []),
-            ],
-            "write_files": [
-                *apt_files(slurm_version),
-                nfs_mount_file(server_ip=nfs_server_ip, export_path=nfs_export_path, mount_path=mount_path),
-                write_file(HEAD_SETUP_PATH, setup, "0755"),
-                write_file(f"/etc/systemd/system/{HEAD_SETUP_UNIT}", read_unit(HEAD_SETUP_UNIT), "0644"),
-                write_file(POWER_PROGRAM_PATH, render_script("slurm/slurm_power.py", {}), "0755"),
-                *(write_file(path, _power_wrapper(action), "0755") for path, action in POWER_ACTIONS.items()),
-                # Deferred: /etc/slurm is the packages' directory, and slurmctld must not start on
-                # the package's install before head-setup (its unit waits for slurm.conf).
-                write_file(SLURM_CONF_PATH, slurm_conf, "0644", defer=True),
-                write_file(GRES_CONF_PATH, gres_conf, "0644", defer=True),
-                write_file(CGROUP_CONF_PATH, cgroup_conf, "0644", defer=True),
-                write_file(POWER_CONFIG_PATH, json.dumps(power_config, indent=2) + "\n", "0644", defer=True),
-                munge_key_fetch_file(vault_uri=key_vault_uri, identity_client_id=identity_client_id),
-                *(write_file(f"{UNITS_DIR}/{unit}", remote_file(f"slurm/{unit}"), "0644") for unit in REAP_UNITS),
-                *(head_prometheus_files(telemetry_nodes) if telemetry_nodes else []),
-                *(mlflow_files(tracking) if tracking else []),
-            ],
-            # The reaper's timer before the setup: a head-setup that fails or waits must not leave nodes
-            # billing unseen.
-            "runcmd": [
-                setup_start[0],
-                ["systemctl", "enable", "--now", REAP_UNITS[1]],
-                *setup_start[1:],
-                *([PROMETHEUS_RESTART] if telemetry_nodes else []),
-                *(mlflow_commands() if tracking else []),
-            ],
-        }
-    )
+    # The reaper's timer before the setup: a head-setup that fails or waits must not leave nodes
+    # billing unseen.
+    return [
+        setup_start[0],
+        ["systemctl", "enable", "--now", REAP_UNITS[1]],
+        *setup_start[1:],
+        *([PROMETHEUS_RESTART] if telemetry_nodes else []),
+        *(mlflow_commands() if tracking else []),
+    ]
