@@ -249,7 +249,8 @@ def _launch(spec: JobSpec) -> list[str]:
         *setup, launcher = _horovod_lines(spec) if spec.launcher == "horovodrun" else _torchrun_lines(spec)
     # in the background, so that a TERM from scancel is handled at once, not when the pipeline ends
     launch = [*setup, f"{launcher} 2>&1 | {annotate} &", "LAUNCH_PID=$!"]
-    warning = time_warning.trap(spec.warn_before_s, _container() if spec.image else None, spec.python)
+    every_node = f"srun --overlap --quiet {ONE_TASK_PER_NODE} {IGNORING_USR1}"  # the warning's forwarder
+    warning = time_warning.trap(spec.warn_before_s, every_node, _container() if spec.image else None, spec.python)
     return [*launch, *warning, *time_warning.wait_for_launch()]
 
 

@@ -2,8 +2,9 @@
 
 The job is submitted with `sbatch --signal=B:USR1@SECONDS`: Slurm signals the batch script that long
 before the limit (up to a minute earlier: it checks limits periodically), and the script passes
-SIGUSR1 on to the training processes (dtrain/remote/job/time_warning.py), the signal a Spot eviction
-sends: our jobs save a checkpoint at the next step boundary and end; the user's own code may catch it.
+SIGUSR1 on to the training processes on every node of the job (dtrain/remote/job/time_warning.py, run
+as a job step on each), the signal a Spot eviction sends: our jobs save a checkpoint at the next step
+boundary and end; the user's own code may catch it.
 A job that ends so is recorded as ended by its time limit (status.json `ended_by`, TIMEOUT in `jobs`).
 """
 
@@ -20,6 +21,7 @@ from infra.slurm_time import is_unlimited
 DEFAULT_S = 300  # long enough to write a large model's checkpoint, short against a training run
 MAX_S = 65535  # sbatch --signal's largest
 SLURM_EARLY_S = 60  # how much earlier than asked Slurm may send it
+REPORT_BEFORE_END_S = 10  # each node's forwarder gives up that long before the limit, and reports
 _LEAD = re.compile(r"(\d+)([smh]?)")
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600}
 
@@ -53,25 +55,36 @@ def header(lead_s: int) -> list[str]:
     return [f"#SBATCH --signal=B:USR1@{lead_s}"] if lead_s else []
 
 
-def trap(lead_s: int, container: str | None = None, python: str = "") -> list[str]:
+def trap(lead_s: int, every_node: str, container: str | None = None, python: str = "") -> list[str]:
     """After the launch started (which keeps USR1 ignored, see batch_script.IGNORING_USR1): the warning's
     trap. A Spot agent signals this shell too (it catches USR1 now): only a USR1 within the lead (and
-    Slurm's minute) of the end counts as the time limit's. With the docker runtime the ranks run as
-    root in the job's container, whose processes the job's user cannot read: the tool runs in there
-    (docker exec, the image's python; the run directory is mounted)."""
+    Slurm's minute) of the end counts as the time limit's. Slurm signals this shell alone: the forwarder
+    runs on every node as one job step (every_node: srun, one task per node, its tasks ignoring USR1, so
+    that this step's srun, which catches USR1 and passes it on to its tasks, harms nothing when a Spot
+    agent signals it); on this node it skips this shell and that srun. With the docker runtime the ranks
+    run as root in the job's container on each node, whose processes the job's user cannot read: the
+    tool runs in there (docker exec, the image's python; the run directory is mounted)."""
     if not lead_s:
         return []
-    tool = f"docker exec {container} {q(python)}" if container else '"$PY"'
+    if container:
+        tool = f"docker exec -e SLURMD_NODENAME {container} {q(python)}"
+        skip = ""  # this shell and the step's srun are not in the container
+    else:
+        tool, skip = '"$PY"', '--skip $$ --skip "$BASHPID" --skip-on "$SLURMD_NODENAME" '
     near = f'[ "$JOB_ENDS_AT" -gt 0 ] && [ "$(date +%s)" -ge $((JOB_ENDS_AT - {lead_s + SLURM_EARLY_S})) ] || return 0'
     say = f"[job] the time limit is {lead_s} s away or less: asking the job to save a checkpoint (SIGUSR1)"
+    # until shortly before the limit (a slow start: the ranks may not catch it yet), so that every node
+    # reports and the step ends before the limit ends the job; exec: $BASHPID is srun's
+    within = f'"$((JOB_ENDS_AT - $(date +%s) - {REPORT_BEFORE_END_S}))"'
+    forward = f'{tool} "$TOOLS/time_warning.py" --job "$SLURM_JOB_ID" {skip}--within {within}'
+    summarize = '"$PY" "$TOOLS/time_warning.py" --summarize "$SLURM_JOB_NUM_NODES"'
     return [
         "# shellcheck disable=SC2317  # run by the USR1 trap",
         "time_warning() {",
         f"  {near}",
         "  TIME_WARNED=1",
         f"  echo {q(say)}",
-        # until the limit at the latest (a slow start: the ranks may not catch it yet)
-        f'  {tool} "$TOOLS/time_warning.py" --job "$SLURM_JOB_ID" --skip $$ --within {lead_s + SLURM_EARLY_S} &',
+        f"  {{ exec {every_node} {forward}; }} | {summarize} &",
         "}",
         "trap time_warning USR1",
     ]

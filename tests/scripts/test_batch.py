@@ -9,7 +9,15 @@ from dataclasses import replace
 
 import pytest
 
-from dtrain.jobs.batch_script import DOCKER_RUN_WITH_JOB_GPUS, JobSpec, LocalCopy, ResultsTarget, render_job_script
+from dtrain.jobs.batch_script import (
+    DOCKER_RUN_WITH_JOB_GPUS,
+    IGNORING_USR1,
+    ONE_TASK_PER_NODE,
+    JobSpec,
+    LocalCopy,
+    ResultsTarget,
+    render_job_script,
+)
 from dtrain.jobs.tracking import Tracking
 
 BASE = JobSpec(
@@ -164,12 +172,17 @@ def test_the_nodes_nccl_topology_file_is_mounted_read_only_where_nccl_is_told_to
 
 
 def test_the_time_warning_reaches_the_ranks_on_the_host_or_inside_the_job_container():
-    """The ranks of the docker runtime run as root in the container: the forwarder runs in there too."""
+    """The forwarder runs on every node as one step whose tasks ignore USR1 (its srun passes the signal
+    on); the ranks of the docker runtime run as root in the container: the forwarder runs in there too."""
     host = render_job_script(VARIANTS["warn-host"])
     assert "#SBATCH --signal=B:USR1@30\n" in host
-    assert '  "$PY" "$TOOLS/time_warning.py" --job "$SLURM_JOB_ID" --skip $$ --within 90 &' in host
+    every_node = f"{{ exec srun --overlap --quiet {ONE_TASK_PER_NODE} {IGNORING_USR1} "
+    forward = '"$PY" "$TOOLS/time_warning.py" --job "$SLURM_JOB_ID" --skip $$ --skip "$BASHPID" --skip-on'
+    summary = '; } | "$PY" "$TOOLS/time_warning.py" --summarize "$SLURM_JOB_NUM_NODES" &\n'
+    assert f"  {every_node}{forward}" in host and summary in host
     docker = render_job_script(VARIANTS["resume-and-warn"])
-    assert '  docker exec "hvd-$SLURM_JOB_ID" python3 "$TOOLS/time_warning.py" --job' in docker
+    forward = 'docker exec -e SLURMD_NODENAME "hvd-$SLURM_JOB_ID" python3 "$TOOLS/time_warning.py" --job'
+    assert f"  {every_node}{forward}" in docker and summary in docker
     # set once the launch has started (its processes keep ignoring USR1), before the job is waited for
     assert (
         docker.index("LAUNCH_PID=$!")

@@ -140,16 +140,24 @@ def test_the_warning_reaches_a_process_of_the_job_that_catches_it_late(tmp_path)
     for tool in (REMOTE / "time_warning.py", REMOTE.parent / "boot" / "spot_agent.py"):
         shutil.copy(tool, tools)
     warn = [sys.executable, str(tools / "time_warning.py"), "--job", job]
+    here = {**os.environ, "SLURMD_NODENAME": "node-7"}
     rank = subprocess.Popen([sys.executable, "-c", CATCHES_LATE, str(marker)], env=env)
     try:
-        sent = subprocess.run([*warn, "--within", "10"], capture_output=True, timeout=60)
-        assert sent.returncode == 0, sent.stdout
+        # --skip names pids of another node (the batch script's): not this one's
+        elsewhere = ["--skip", str(rank.pid), "--skip-on", "node-0"]
+        sent = subprocess.run([*warn, *elsewhere, "--within", "10"], capture_output=True, timeout=60, env=here)
+        assert sent.returncode == 0 and sent.stdout == b"node-7 1\n", sent
         assert rank.wait(timeout=10) == 0 and marker.read_text() == "saved"
-        assert f"SIGUSR1 sent to 1 training processes (pids [{rank.pid}])" in sent.stdout.decode()
     finally:
         rank.kill()
-    nobody = subprocess.run([*warn, "--within", "0"], capture_output=True, timeout=60)
-    assert nobody.returncode == 1 and "no process of job" in nobody.stdout.decode()
+    nobody = subprocess.run([*warn, "--within", "0"], capture_output=True, timeout=60, env=here)
+    assert nobody.returncode == 0 and nobody.stdout == b"node-7 0\n", nobody
+    # the job log's one line, from the nodes' reports (node-2's never came)
+    summarize = [sys.executable, str(tools / "time_warning.py"), "--summarize", "3"]
+    some = subprocess.run(summarize, input=b"node-7 1\nnode-1 0\n", capture_output=True, timeout=60)
+    assert some.stdout.decode() == "[job] time warning: SIGUSR1 sent to 1 processes on 1 of 3 node(s) (node-7)\n"
+    none = subprocess.run(summarize, input=b"node-1 0\n", capture_output=True, timeout=60)
+    assert "no process catches SIGUSR1 on the job's 3 node(s)" in none.stdout.decode()
 
 
 def test_warn_before_reads_units_and_stays_inside_the_time_limit():

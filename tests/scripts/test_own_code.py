@@ -84,6 +84,32 @@ def test_a_job_ended_by_its_time_limit_is_named_so(cluster, cluster_file, tmp_pa
     assert (row["state"], row["note"]) == ("TIMEOUT", "its time limit (1) ended it")
 
 
+# a rank that catches the warning: leaves a marker named after its node in $OUTPUT_DIR and ends
+CATCHES_THE_WARNING = """
+import os, signal, socket, sys, time
+def warned(*_):
+    open(os.path.join(os.environ["OUTPUT_DIR"], "warned-" + socket.gethostname()), "w").close()
+    sys.exit(0)
+signal.signal(signal.SIGUSR1, warned)
+time.sleep(150)
+"""
+
+
+def test_the_time_limit_warning_reaches_the_ranks_that_catch_it_on_every_node(cluster, cluster_file, tmp_path):
+    (tmp_path / "warned.py").write_text(CATCHES_THE_WARNING)
+    launch = ["launch", "--cluster", str(cluster_file), "--workdir", str(tmp_path), "--run-id", "own-warned"]
+    # --time 1: the warning (30 s before the limit by default) comes within the first minute
+    proc = cli(*launch, "--nodes", "2", "--time", "1", "--follow", "--", "python", "warned.py")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    output = run_dir(cluster, "own-warned") / "output"
+    nodes = (run_dir(cluster, "own-warned") / "nodes").read_text().split()
+    assert sorted(p.name for p in output.glob("warned-*")) == [f"warned-{node}" for node in sorted(nodes)]
+    log = run_dir(cluster, "own-warned") / "output.log"
+    wait_for(lambda: "time warning: SIGUSR1 sent to" in log.read_text(), 10, "the warning's summary line")
+    assert "on 2 of 2 node(s)" in log.read_text(), log.read_text()[-3000:]
+
+
 def test_own_code_in_tensorflows_image_runs_under_horovodrun_unless_told_otherwise(tmp_path):
     from dtrain.jobs.submit import LaunchOptions, choose_launcher
 
