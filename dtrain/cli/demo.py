@@ -2,11 +2,12 @@
 
   python -m dtrain demo [--nodes 2] [--steps 6] [--keep]
 
-up a 2-node local cluster (Slurm, sshd, Azurite) -> generate a small synthetic ImageNet-layout JPEG
-dataset -> stage it to blob storage (Azurite) -> pull it onto the shared file system with the
-read-only SAS -> submit a 2-node Horovod PyTorch ResNet job to Slurm over SSH and follow it -> download
-what the job uploaded to the results container (its trained model, TensorBoard events, summary.png,
-run.json with node-hours and cost) to runs/<run-id>/ -> print a summary table -> tear the cluster
+up a 2-node local cluster (Slurm, sshd, Azurite, MLflow) -> generate a small synthetic ImageNet-layout
+JPEG dataset -> stage it to blob storage (Azurite) -> pull it onto the shared file system with the
+read-only SAS -> wait for the cluster's MLflow to answer -> submit a 2-node Horovod PyTorch ResNet job
+to Slurm over SSH and follow it, tracked in MLflow -> download what the job uploaded to the results
+container (its trained model, TensorBoard events, summary.png, run.json with node-hours and cost) to
+runs/<run-id>/ -> print a summary table -> tear the cluster
 down, always, even when a step fails (unless --keep).
 """
 
@@ -35,10 +36,12 @@ from dtrain.jobs.results import DEFAULT_DEST, Downloaded, download_run
 from dtrain.jobs.runs import Run
 from dtrain.jobs.submit import LaunchOptions, Submission, submit
 from dtrain.local import cluster as local_cluster
+from dtrain.local import mlflow_server as local_mlflow
 from dtrain.ui import make_console
 
 console = make_console()
 DATASET = "synthetic-imagenet"
+MLFLOW_WAIT_S = 90  # its first start on a busy 2-core machine took about 50 s
 
 
 @dataclass
@@ -128,6 +131,7 @@ def _steps(settings: DemoSettings, result: DemoResult) -> None:
     phase("cluster up")
     _stage(desc, settings)
     phase("stage")
+    _wait_for_tracking(desc)
     console.rule(f"4/6 launch: sbatch a Horovod PyTorch {settings.model} job on {settings.nodes} nodes, follow it")
     with SSH(desc) as ssh:
         opts = LaunchOptions(
@@ -147,6 +151,16 @@ def _steps(settings: DemoSettings, result: DemoResult) -> None:
         result.error = f"the job exited with status {result.exit_code}"
     elif not result.metrics:
         result.error, result.exit_code = "the job uploaded no metrics.json", ExitCode.FAILED
+
+
+def _wait_for_tracking(desc: ClusterDescription) -> None:
+    """The cluster's MLflow comes up beside Slurm and may still be starting (its first start makes its
+    database): the demo's job is there to be seen, so it waits, within a bound, rather than run untracked."""
+    if desc.tracking_uri is None or local_mlflow.wait_until_answers(desc.tracking_uri, 0):
+        return
+    console.print(f"waiting for MLflow at {desc.tracking_uri} to answer (at most {MLFLOW_WAIT_S} s)")
+    if not local_mlflow.wait_until_answers(desc.tracking_uri, MLFLOW_WAIT_S):
+        console.print(f"[yellow]MLflow did not answer within {MLFLOW_WAIT_S} s: the job runs untracked[/yellow]")
 
 
 def _stage(desc: ClusterDescription, settings: DemoSettings) -> None:

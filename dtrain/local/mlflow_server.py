@@ -8,12 +8,15 @@ requirements-mlflow.txt): the server's dependencies (SQLAlchemy, Flask, FastAPI,
 the operator's nor the training image's business.
 
 `up` starts it and does not wait: it takes 10 to 50 s to answer on a busy machine (two Python processes,
-each importing MLflow), while Slurm comes up beside it. A job that starts before it answers runs untracked
-(one line in its log says so); `dtrain local status` shows it.
+each importing MLflow; the first start also creates its database), while Slurm comes up beside it. A job
+that starts before it answers runs untracked (one line in its log says so); `dtrain local status` shows
+it. `dtrain demo`, whose one job is there to be seen, waits for it (:func:`wait_until_answers`).
 """
 
 from __future__ import annotations
 
+import time
+import urllib.request
 from pathlib import Path
 
 from dtrain.cluster.description import REPO_ROOT
@@ -55,3 +58,16 @@ def tracking_uri(state: LocalState) -> str | None:
     if state.head is None or not any(record.role == ROLE for record in state.processes):
         return None
     return f"http://{state.head.address}:{MLFLOW_PORT}"
+
+
+def wait_until_answers(uri: str, timeout_s: float) -> bool:
+    """Poll the server's ``/health`` until it answers (True) or ``timeout_s`` pass (False)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2):
+                return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)

@@ -36,6 +36,8 @@ def test_demo_flow_end_to_end(tmp_path):
     job_id = re.search(r"submitted job (\d+) \(run (\S+)\)", out)
     assert job_id, out[-3000:]
     assert re.search(r"^\[0\|node-0\]! .*step 6/6 .*loss", out, re.M)  # the job's log, prefixed with rank and host
+    # tracked: the demo waits for the cluster's MLflow, which starts beside Slurm (first start: its database)
+    assert re.search(r"^\[job\] MLflow run \w+ at http://", out, re.M), out[-3000:]
     # the summary table
     assert "demo summary" in proc.stdout
     assert re.search(rf"Slurm job\s+│ {job_id.group(1)} \(horovodrun, 2 nodes\)", proc.stdout)
