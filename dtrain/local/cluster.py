@@ -608,16 +608,20 @@ def down(state_dir: str | Path = DEFAULT_LOCAL_STATE, quiet: bool = False) -> bo
 # --- status ------------------------------------------------------------------------------------
 def status(state_dir: str | Path = DEFAULT_LOCAL_STATE) -> dict:
     """What runs: every recorded process and namespace. A stopped node's daemons (power saving)
-    show as stopped, and count as neither running nor failed."""
+    show as stopped, and count as neither running nor failed; MLflow, alive but not answering yet
+    (it comes up after `up` returns), as starting."""
     state_dir = Path(state_dir).resolve()
     state = load_state(state_dir)
     if state is None:
         return {"up": False, "state_dir": str(state_dir), "components": []}
     stopped_roles = {role for node in state.nodes if node.stopped for role in node_roles(node.hostname)}
     components = []
+    tracking_uri = local_mlflow.tracking_uri(state)
     for record in state.processes:
         running = record.alive()
         condition = "running" if running else "stopped" if record.role in stopped_roles else "down"
+        if running and record.role == local_mlflow.ROLE and not local_mlflow.wait_until_answers(str(tracking_uri), 0):
+            condition = "starting"  # alive, not answering yet: a job started now runs untracked
         components.append({"component": record.role, "pid": record.pid if running else None, "state": condition})
     for host in state.hosts():
         exists = net.namespace_exists(str(host.namespace))
@@ -656,7 +660,12 @@ def _addresses(state: LocalState) -> dict[str, str]:
     return addresses
 
 
-STATE_STYLE = {"running": "[green]running[/green]", "stopped": "[yellow]stopped[/yellow]", "down": "[red]down[/red]"}
+STATE_STYLE = {
+    "running": "[green]running[/green]",
+    "starting": "[yellow]starting[/yellow]",
+    "stopped": "[yellow]stopped[/yellow]",
+    "down": "[red]down[/red]",
+}
 
 
 def print_status(info: dict) -> None:
@@ -680,6 +689,8 @@ def print_status(info: dict) -> None:
         out.print(f"slurm: {NO_SLURM_NOTE}")
     if any(c["state"] == "stopped" for c in info["components"]):
         out.print("stopped: nodes Slurm powered down (they start again when a job needs them)")
+    if any(c["state"] == "starting" for c in info["components"]):
+        out.print("starting: MLflow does not answer yet (10 to 50 s after `up`); a job started now runs untracked")
 
 
 # --- the `local` command -----------------------------------------------------------------------

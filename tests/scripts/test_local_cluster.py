@@ -10,11 +10,12 @@ from dtrain.cluster.description import load
 from dtrain.cluster.ssh import SSH
 from dtrain.errors import OperatorError
 from dtrain.local import cluster as local_cluster
+from dtrain.local import mlflow_server as local_mlflow
 
 from .conftest import SESSION_SUBNET, address, cluster_name, free_subnet, leftovers, links, namespaces, run_module
 
 
-def test_up_status_down_leaves_nothing(tmp_path):
+def test_up_status_down_leaves_nothing(tmp_path, capsys):
     state, name, subnet = tmp_path / "lc", cluster_name("c"), free_subnet()
     a10, a11 = address(subnet, 10), address(subnet, 11)
     up = run_module(
@@ -41,6 +42,15 @@ def test_up_status_down_leaves_nothing(tmp_path):
         assert hostname == "node-1" and f"{a11}/24" in addr and hosts.split()[0] == a10
         assert int(procs) < 10  # only this node's sshd and our session, not the host's processes
         assert (state / "cluster.json").stat().st_mode & 0o077 == 0
+        # MLflow comes up after `up` returns: alive but not answering, it shows as starting, and says so
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(local_mlflow, "wait_until_answers", lambda uri, timeout_s: False)
+            early = local_cluster.status(state)
+            local_cluster.print_status(early)
+        assert [c["state"] for c in early["components"] if c["component"] == "mlflow"] == ["starting"]
+        assert "starting: MLflow does not answer yet" in capsys.readouterr().out
+        assert early["up"]  # starting is not down
+        assert local_mlflow.wait_until_answers(str(desc.tracking_uri), 90)
         # --state-dir before the action works as well as after it
         status = run_module("dtrain", "local", "--state-dir", str(state), "status")
         # 4 sshds, Azurite, munged, slurmctld, 2 slurmds, 2 Spot agents, 2 metadata endpoints, the reconcile
