@@ -8,7 +8,10 @@
 json_field() {
   python3 -c '
 import json, sys
-value = json.load(sys.stdin).get(sys.argv[1])
+try:
+    value = json.load(sys.stdin).get(sys.argv[1])
+except (ValueError, AttributeError):  # nothing (curl failed, its reason is above) or not an object
+    sys.exit("response is not a JSON object with " + sys.argv[1])
 if not value:
     sys.exit("response has no " + sys.argv[1])
 print(value)
