@@ -620,8 +620,9 @@ def status(state_dir: str | Path = DEFAULT_LOCAL_STATE) -> dict:
     for record in state.processes:
         running = record.alive()
         condition = "running" if running else "stopped" if record.role in stopped_roles else "down"
-        if running and record.role == local_mlflow.ROLE and not local_mlflow.wait_until_answers(str(tracking_uri), 0):
-            condition = "starting"  # alive, not answering yet: a job started now runs untracked
+        if running and record.role == local_mlflow.ROLE and tracking_uri:
+            # alive, not answering yet: a job started now runs untracked
+            condition = "running" if local_mlflow.wait_until_answers(tracking_uri, 0) else "starting"
         components.append({"component": record.role, "pid": record.pid if running else None, "state": condition})
     for host in state.hosts():
         exists = net.namespace_exists(str(host.namespace))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+import urllib.request
 from pathlib import Path
 
 from dtrain.errors import ExitCode, OperatorError
@@ -26,6 +27,19 @@ def wait_port(host: str, port: int, timeout: float, what: str, log: Path | None 
     raise OperatorError(
         f"{what} did not start listening on {host}:{port} within {timeout:.0f}s{log_tail(log)}", ExitCode.TIMED_OUT
     )
+
+
+def http_answers(url: str, timeout: float) -> bool:
+    """Poll ``url`` until it answers 2xx (True) or ``timeout`` seconds pass (False; 0: one try)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return True
+        except OSError:  # refused, not yet listening, or an HTTP error status while it starts
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
 
 
 def wait_socket_file(path: Path, timeout: float, what: str, log: Path | None = None) -> None:

@@ -15,11 +15,10 @@ it. `dtrain demo`, whose one job is there to be seen, waits for it (:func:`wait_
 
 from __future__ import annotations
 
-import time
-import urllib.request
 from pathlib import Path
 
 from dtrain.cluster.description import REPO_ROOT
+from dtrain.local.daemons import http_answers
 from dtrain.local.nodes import start_daemon
 from dtrain.local.state import AZURITE_ACCOUNT, LocalState
 from infra.contract import MLFLOW_PORT, MLFLOW_SERVER_ENV
@@ -61,13 +60,5 @@ def tracking_uri(state: LocalState) -> str | None:
 
 
 def wait_until_answers(uri: str, timeout_s: float) -> bool:
-    """Poll the server's ``/health`` until it answers (True) or ``timeout_s`` pass (False)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=2):
-                return True
-        except OSError:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.5)
+    """Whether the server at ``uri`` answers its health check within ``timeout_s`` (0: now)."""
+    return http_answers(f"{uri}/health", timeout_s)

@@ -13,15 +13,13 @@
 from __future__ import annotations
 
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 from dtrain.cli_common import require_tool
 from dtrain.cluster.description import REPO_ROOT
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.fileio import atomic_write
-from dtrain.local.daemons import log_tail, wait_port
+from dtrain.local.daemons import http_answers, log_tail, wait_port
 from dtrain.local.nodes import enter_node, exporter_roles, start_daemon
 from dtrain.local.state import LocalState, NodeState
 from infra.cloud_init.prometheus import render_prometheus_config, render_scrape_targets
@@ -82,18 +80,9 @@ def start(state: LocalState) -> None:
 
 def _wait_ready(state: LocalState) -> None:
     """Until Prometheus answers queries: it listens before its storage is open, and answers 503 meanwhile."""
-    deadline = time.monotonic() + START_WAIT_S
-    while True:
-        try:
-            with urllib.request.urlopen(f"{prometheus_url(state)}/-/ready", timeout=2):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                log = log_tail(state.logs / f"{ROLE}.log")
-                raise OperatorError(
-                    f"Prometheus was not ready within {START_WAIT_S}s{log}", ExitCode.TIMED_OUT
-                ) from None
-            time.sleep(0.1)
+    if not http_answers(f"{prometheus_url(state)}/-/ready", START_WAIT_S):
+        log = log_tail(state.logs / f"{ROLE}.log")
+        raise OperatorError(f"Prometheus was not ready within {START_WAIT_S}s{log}", ExitCode.TIMED_OUT)
 
 
 def start_node(state: LocalState, node: NodeState) -> None:
