@@ -1,25 +1,35 @@
-"""The boot test's Azure cluster in VMs (host side): the custom data of the Pulumi program
-(tests/boot/custom_data.py) booted on the NFS server, the head node and two GPU nodes
-(tests/boot/vms.py), with Azure's endpoints beside them (tests/boot/endpoints.py), the scale set's
-start and deallocate calls mapped to starting and stopping the node VMs.
+"""The boot test's Azure cluster (host side): the custom data of the Pulumi program
+(tests/boot/custom_data.py) booted on the head node and two GPU nodes, as system containers
+(tests/boot/containers.py, `make test-boot`) or, with the NFS server, as VMs under software emulation
+(tests/boot/vms.py, `make test-boot-vm`), with Azure's endpoints beside them on a hub namespace
+(tests/boot/endpoints.py), the scale set's start and deallocate calls mapped to starting and stopping
+the nodes, and the packages served where Azure's hosts take them (tests/boot/seed.py).
 """
 
 from __future__ import annotations
 
 import base64
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, Protocol
 
-from tests.boot import endpoints, seed, tls, vms
+from infra.cloud_init.slurm_packages import (
+    SLURM_REPOSITORY_COMPONENT,
+    SLURM_REPOSITORY_HOST,
+    SLURM_REPOSITORY_SUITE,
+)
+from tests.boot import containers, endpoints, seed, tls, vms
 from tests.boot.custom_data import Rendered, render
 
+Kind = Literal["container", "vm"]
 IMAGE_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "build_boot_image.sh"
-HOST_ADDRESS = "10.40.255.254"  # the host on the VMs' network: the endpoints, the package repository
+HOST_ADDRESS = "10.40.255.254"  # the hub on the hosts' network: the endpoints, the package repositories
 PREFIXLEN = 16  # the stack's VNet: every subnet's machines reach each other, as Azure routes them
 IMDS_ADDRESS = "169.254.169.254"
 NODE_ADDRESSES = ("10.40.0.4", "10.40.0.5")  # Azure hands these out by DHCP in the cluster subnet
@@ -29,25 +39,93 @@ NVME_DISKS = 8
 # NFS server) has no docker; only the NFS server serves NFS.
 _DOCKER = ("docker.service", "docker.socket", "containerd.service")
 ABSENT_SERVICES = {"head": (*_DOCKER, "nfs-server.service"), "nfs": _DOCKER, "node": ("nfs-server.service",)}
+# A container sees the host's CPUs and memory: slurm.conf says what slurmd will find, less a margin.
+CONTAINER_REAL_MEMORY_MB = 2048
+
+
+_NOT_READY = {"POWERED_DOWN", "POWERING_UP", "POWERING_DOWN", "DRAIN", "DOWN", "NOT_RESPONDING"}
+
+
+class Host(Protocol):
+    """A machine of the test: a container or a VM."""
+
+    @property
+    def console(self) -> Path: ...
+
+    def running(self) -> bool: ...
+
+    def start(self) -> None: ...
+
+    def request_start(self) -> None: ...
+
+    def stop(self) -> None: ...
 
 
 @dataclass
 class BootCluster:
+    kind: Kind
     rendered: Rendered
     azure: endpoints.Azure
-    namespace: vms.Namespace
-    vms: dict[str, vms.Vm]  # nfs, head, and the nodes by Slurm name
+    hub: vms.Namespace
+    hosts: dict[str, Host]  # head, the nodes by Slurm name, and (VMs) nfs
+    addresses: dict[str, str]
     key: Path  # the admin user's SSH private key
+    shared: Path | None  # the hub directory at /shared (containers)
+    power_calls: list[tuple[str, str]] = field(default_factory=list)  # (action, host), as ARM performed them
 
     def ssh(
-        self, vm: str, command: str, *, timeout: float = 60, check: bool = True
+        self, host: str, command: str, *, timeout: float = 60, check: bool = True
     ) -> subprocess.CompletedProcess[str]:
-        """command as the admin user on vm, over SSH, as an operator runs it."""
-        address = self.vms[vm].spec.address
+        """command as the admin user on host, over SSH, as an operator runs it."""
         argv = ["ssh", "-i", str(self.key), "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
                 "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR", "-o", "ConnectTimeout=5",
-                f"{self.rendered.admin_user}@{address}", command]  # fmt: skip
-        return self.namespace.run(argv, timeout=timeout, check=check)
+                f"{self.rendered.admin_user}@{self.addresses[host]}", command]  # fmt: skip
+        try:
+            return self.hub.run(argv, timeout=timeout, check=check)
+        except subprocess.TimeoutExpired as timed_out:
+            if check:
+                raise
+            return subprocess.CompletedProcess(argv, 255, "", f"timed out after {timed_out.timeout} s")
+
+    def nodes(self) -> dict[str, dict[str, str]]:
+        """slurmctld's view of the nodes (scontrol show node), by name; empty while it does not answer."""
+        out = self.ssh("head", "scontrol show node -o", check=False).stdout
+        nodes = {}
+        for line in out.splitlines():
+            fields = dict(re.findall(r"(\w+)=(\S*)", line))
+            if "NodeName" in fields:
+                nodes[fields["NodeName"]] = fields
+        return nodes
+
+    def registered(self, node: str) -> bool:
+        """node's slurmd has registered with slurmctld since it last booted or ever (it may be powered down since)."""
+        return self.nodes().get(node, {}).get("SlurmdStartTime", "None") not in ("None", "")
+
+    def ready(self, node: str) -> bool:
+        """node is registered and idle: powered up, responding, not drained."""
+        states = set(self.nodes().get(node, {}).get("State", "").split("+"))
+        return "IDLE" in states and not states & _NOT_READY
+
+    def sbatch(self, options: str, command: str, timeout: float) -> tuple[int, str]:
+        """A job submitted on the head node by the admin user over SSH; its exit status and output."""
+        out = f"/shared/runs/boot-test-{time.monotonic_ns()}.out"
+        submitted = self.ssh(
+            "head",
+            f"mkdir -p /shared/runs; sbatch --wait --parsable {options} -o {out} --wrap '{command}'; echo rc=$?; cat {out}",
+            timeout=timeout,
+            check=False,
+        )
+        match = re.search(r"^rc=(\d+)$", submitted.stdout, re.MULTILINE)
+        assert match, f"sbatch: {submitted.stdout}{submitted.stderr}"
+        return int(match[1]), submitted.stdout
+
+    def boot_report(self, host: str) -> dict[str, str]:
+        """The host's boot report (boot-steps.sh's key=value lines on the shared file system)."""
+        assert self.shared is not None, "the boot reports are read from the hub's /shared"
+        report = self.shared / ".boot" / (host if host != "head" else self.rendered.head_hostname)
+        if not report.exists():
+            return {}
+        return dict(line.split("=", 1) for line in report.read_text().splitlines() if "=" in line)
 
     def wait_for(self, what: str, probe: Callable[[], bool], timeout_s: float, every_s: float = 3) -> None:
         deadline = time.monotonic() + timeout_s
@@ -57,28 +135,30 @@ class BootCluster:
             time.sleep(every_s)
 
     def diagnostics(self) -> str:
-        """The last lines of every VM's console, for a failure's message."""
+        """The last lines of every host's console, for a failure's message."""
         parts = []
-        for name, vm in self.vms.items():
-            text = vm.console.read_text(errors="replace") if vm.console.exists() else "(no console)"
+        for name, host in self.hosts.items():
+            text = host.console.read_text(errors="replace") if host.console.exists() else "(no console)"
             parts.append(
-                f"--- {name} ({'running' if vm.running() else 'stopped'}), console:\n"
+                f"--- {name} ({'running' if host.running() else 'stopped'}), console:\n"
                 + "\n".join(text.splitlines()[-25:])
             )
         return "\n".join(parts)
 
     def power(self, action: str, instance_ids: list[str]) -> None:
-        """ARM's scale-set call, on the node VMs: instance id i is the node with suffix i in base 36."""
+        """ARM's scale-set call, on the nodes: instance id i is the node with suffix i in base 36."""
         for instance_id in instance_ids:
-            vm = self.vms[self.rendered.node_names[int(instance_id)]]
-            vm.start() if action == "start" else vm.stop()
+            name = self.rendered.node_names[int(instance_id)]
+            self.power_calls.append((action, name))
+            host = self.hosts[name]
+            host.request_start() if action == "start" else host.stop()
 
     def running_instances(self) -> set[str]:
-        return {str(index) for index, name in enumerate(self.rendered.node_names) if self.vms[name].running()}
+        return {str(index) for index, name in enumerate(self.rendered.node_names) if self.hosts[name].running()}
 
 
-def build_image() -> Path:
-    out = subprocess.run([str(IMAGE_SCRIPT)], check=True, capture_output=True, text=True)
+def build_image(kind: Kind) -> Path:
+    out = subprocess.run([str(IMAGE_SCRIPT), kind], check=True, stdout=subprocess.PIPE, text=True)
     return Path(out.stdout.strip().splitlines()[-1])
 
 
@@ -88,76 +168,124 @@ def _ssh_key(work: Path) -> Path:
     return key
 
 
+def _role(rendered: Rendered, host: str) -> str:
+    return "node" if host in rendered.node_names else host
+
+
+def _azure_hostname(node: str) -> str:
+    """The hostname Azure gives a scale-set instance: the prefix as given, the base-36 digits upper case."""
+    prefix, digits = node[:-6], node[-6:]
+    return prefix + digits.upper()
+
+
+def _served(work: Path, image: Path) -> Path:
+    """The hub's plain HTTP root: the distribution archive's stand-in and PyPI's."""
+    root = work / "www"
+    root.mkdir()
+    (root / seed.ARCHIVE_PATH).symlink_to(image / "archive")
+    (root / seed.WHEELS_PATH).symlink_to(image / "wheels")
+    return root
+
+
 @contextmanager
-def boot_cluster(work: Path, *, forbid_vault_s: dict[int, float]) -> Iterator[BootCluster]:
-    """Boot the cluster; forbid_vault_s: node index -> seconds its Key Vault reads are refused (403)."""
-    image = build_image()
+def boot_cluster(
+    work: Path,
+    *,
+    kind: Kind = "container",
+    forbid_vault_s: dict[int, float] | None = None,
+    host_files: dict[str, dict[str, bytes]] | None = None,
+    faults: Callable[[BootCluster], None] | None = None,
+) -> Iterator[BootCluster]:
+    """Boot the cluster. forbid_vault_s: node index -> seconds its Key Vault reads are refused (403);
+    host_files: host -> {path: content} laid into a container's file system before its first boot;
+    faults: called with the cluster before its first boot (the endpoints' faults)."""
+    image = build_image(kind)
     key = _ssh_key(work)
-    rendered = render(key.with_suffix(".pub").read_text().strip())
+    if kind == "container":
+        rendered = render(key.with_suffix(".pub").read_text().strip(), cpus=os.cpu_count() or 1,
+                          real_memory_mb=CONTAINER_REAL_MEMORY_MB)  # fmt: skip
+    else:
+        rendered = render(key.with_suffix(".pub").read_text().strip())
     ca = tls.make_ca(work / "ca")
-    specs = {
-        "nfs": vms.VmSpec(rendered.nfs_hostname, rendered.nfs_address, "52:54:00:40:00:01", data_disks=2),
-        "head": vms.VmSpec(rendered.head_hostname, rendered.head_address, "52:54:00:40:00:02"),
-    }
-    for index, (name, address) in enumerate(zip(rendered.node_names, NODE_ADDRESSES, strict=True)):
-        specs[name] = vms.VmSpec(
-            name, address, f"52:54:00:40:00:1{index}", gpus=GPUS, infiniband=True, nvme_disks=NVME_DISKS
-        )
-    hostnames = {
-        "nfs": rendered.nfs_hostname,
-        "head": rendered.head_hostname,
-        **{name: _azure_hostname(name) for name in rendered.node_names},
-    }
+    gnupg = seed.make_signing_key(work)
+    slurm_repository = seed.make_slurm_repository(
+        work / "slurm-repository", image / "slurm", gnupg, suite=SLURM_REPOSITORY_SUITE,
+        component=SLURM_REPOSITORY_COMPONENT,
+    )  # fmt: skip
+    roles = (["nfs"] if kind == "vm" else []) + ["head", *rendered.node_names]
+    addresses = {"nfs": rendered.nfs_address, "head": rendered.head_address,
+                 **dict(zip(rendered.node_names, NODE_ADDRESSES, strict=True))}  # fmt: skip
+    hostnames = {"nfs": rendered.nfs_hostname, "head": rendered.head_hostname,
+                 **{name: _azure_hostname(name) for name in rendered.node_names}}  # fmt: skip
+    macs = {"nfs": "52:54:00:40:00:01", "head": "52:54:00:40:00:02",
+            **{name: f"52:54:00:40:00:1{index}" for index, name in enumerate(rendered.node_names)}}  # fmt: skip
     vault_host = rendered.vault_uri.removeprefix("https://").rstrip("/")
-    hosts = {
-        HOST_ADDRESS: f"{vault_host} {endpoints.ARM_HOST} {rendered.acr_login_server}",
-        **{spec.address: hostnames[role] for role, spec in specs.items()},
+    hosts_lines = {
+        HOST_ADDRESS: f"{vault_host} {endpoints.ARM_HOST} {rendered.acr_login_server} {SLURM_REPOSITORY_HOST}",
+        **{addresses[role]: hostnames[role] for role in roles},
     }
-    repository = seed.make_flat_repository(work / "repo")
 
     def vendor(role: str) -> str:
         return seed.vendor_data(
             admin_user=rendered.admin_user,
             ssh_public_key=rendered.ssh_public_key,
             ca_certificate=ca.certificate,
-            hosts=hosts,
+            hosts=hosts_lines,
             sources=seed.package_sources(HOST_ADDRESS),
+            pip_find_links=f"http://{HOST_ADDRESS}:{seed.REPO_PORT}/{seed.WHEELS_PATH}/",
             absent_services=ABSENT_SERVICES.get(role, ()),
         )
 
     azure = endpoints.Azure(
-        names={spec.address: hostnames[role] for role, spec in specs.items()},
+        names={addresses[role]: hostnames[role] for role in roles},
         secrets={rendered.munge_secret_name: base64.b64encode(os.urandom(1024)).decode()},
         scale_set_id=rendered.scale_set_id,
         power=lambda action, ids: cluster.power(action, ids),
+        repository=slurm_repository,
     )
-    for index, seconds in forbid_vault_s.items():
+    for index, seconds in (forbid_vault_s or {}).items():
         azure.forbid(NODE_ADDRESSES[index], seconds)
-    namespace = vms.Namespace(f"dtrain-boot-{os.getpid()}", HOST_ADDRESS, PREFIXLEN, IMDS_ADDRESS)
+    hub = vms.Namespace(f"dtrain-boot-{os.getpid()}", HOST_ADDRESS, PREFIXLEN, IMDS_ADDRESS)
+    shared = work / "shared" if kind == "container" else None
     with ExitStack() as stack:
-        stack.callback(namespace.delete)
-        machines: dict[str, vms.Vm] = {}
-        stack.callback(lambda: [vm.stop() for vm in machines.values()])
-        for index, (role, spec) in enumerate(specs.items()):
-            document = rendered.documents["node" if role in rendered.node_names else role]
-            vm_seed = seed.make_seed(
-                work / role / "seed.iso",
+        stack.callback(hub.delete)
+        machines: dict[str, Host] = {}
+        stack.callback(lambda: [_remove(host) for host in machines.values()])
+        keyring = seed.public_keyring(gnupg)
+        for index, role in enumerate(roles):
+            seed_args = dict(
                 instance_id=f"boot-test-{role}",
                 hostname=hostnames[role],
-                user_data=document,
-                vendor=vendor("node" if role in rendered.node_names else role),
+                user_data=rendered.custom_data[_role(rendered, role)],
+                vendor=vendor(_role(rendered, role)),
                 network=seed.network_config(
-                    mac=spec.mac, address=spec.address, prefixlen=PREFIXLEN, gateway=HOST_ADDRESS
+                    mac=macs[role], address=addresses[role], prefixlen=PREFIXLEN, gateway=HOST_ADDRESS
                 ),
             )
-            machines[role] = vms.Vm(spec, image, work / role, vm_seed, namespace, f"tap{index}")
-        cluster = BootCluster(rendered, azure, namespace, machines, key)
+            is_node = role in rendered.node_names
+            if kind == "container":
+                assert shared is not None
+                shared.mkdir(exist_ok=True)
+                machines[role] = containers.Container(
+                    containers.ContainerSpec(role, addresses[role], macs[role], gpus=GPUS if is_node else 0,
+                                             infiniband=is_node, nvme=is_node),
+                    image, work / role, seed.write_seed(work / role / "seed", **seed_args), hub, index, shared,
+                    files={seed.MICROSOFT_KEYRING: keyring, **(host_files or {}).get(role, {})},
+                )  # fmt: skip
+            else:
+                spec = vms.VmSpec(role, addresses[role], macs[role], gpus=GPUS if is_node else 0,
+                                  infiniband=is_node, nvme_disks=NVME_DISKS if is_node else 0,
+                                  data_disks=2 if role == "nfs" else 0)  # fmt: skip
+                iso = seed.make_seed(work / role / "seed.iso", **seed_args)
+                machines[role] = vms.Vm(spec, image, work / role, iso, hub, f"tap{index}")
+        cluster = BootCluster(kind, rendered, azure, hub, machines, addresses, key, shared)
         imds_state = work / "imds"
         imds_state.mkdir()
-        with namespace.entered():
+        www = _served(work, image)
+        with hub.entered():
             repo_server = subprocess.Popen(
-                ["ip", "netns", "exec", namespace.name, "python3", "-m", "http.server", "--bind", HOST_ADDRESS,
-                 "--directory", str(repository), str(seed.REPO_PORT)],
+                ["ip", "netns", "exec", hub.name, "python3", "-m", "http.server", "--bind", HOST_ADDRESS,
+                 "--directory", str(www), str(seed.REPO_PORT)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
             stack.callback(repo_server.wait)
@@ -168,12 +296,13 @@ def boot_cluster(work: Path, *, forbid_vault_s: dict[int, float]) -> Iterator[Bo
                     state_dir=imds_state, running=cluster.running_instances,
                 )
             )  # fmt: skip
-        for vm in machines.values():
-            vm.start()
+        if faults is not None:
+            faults(cluster)
+        for host in machines.values():
+            host.start()
         yield cluster
 
 
-def _azure_hostname(node: str) -> str:
-    """The hostname Azure gives a scale-set instance: the prefix as given, the base-36 digits upper case."""
-    prefix, digits = node[:-6], node[-6:]
-    return prefix + digits.upper()
+def _remove(host: Host) -> None:
+    delete = getattr(host, "delete", None)
+    delete() if delete is not None else host.stop()

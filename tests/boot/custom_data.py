@@ -1,5 +1,6 @@
 """The custom data the boot test boots: taken from the Pulumi program under mocks, as Azure would
-receive it, with the few documented substitutions that a 1-vCPU VM and a test of minutes need.
+receive it (gzipped), with the few documented substitutions that the test's hosts (system containers
+or 1-vCPU VMs) and a test of minutes need.
 
 Each substitution is a (what, old, new) edit of one text; applying it fails when the old text is
 not there, so a change in the renderers shows up here instead of being silently skipped. The test
@@ -16,13 +17,17 @@ from typing import Any
 
 import yaml
 
-from infra.cloud_init._common import cloud_config
+from infra.cloud_init._common import cloud_config, custom_data_bytes
 from tests.infra.azure_mocks import Registered
 from tests.infra.conftest import VALID_CONFIG, deploy
 from tests.infra.documents import decode_custom_data
 
-# A small cluster of the default GPU size: two nodes, an NFS server of two data disks.
-BOOT_CONFIG: dict[str, Any] = {**VALID_CONFIG, "nodeCount": "2", "nfsDiskCount": "2", "autostopMinutes": "10"}
+# A small cluster of the default GPU size: two nodes, an NFS server of two data disks; the Slurm release
+# the test's repository serves (tools/build_slurm_packages.sh), one the renderer supports.
+SLURM_VERSION = "24.11.5"
+BOOT_CONFIG: dict[str, Any] = {
+    **VALID_CONFIG, "nodeCount": "2", "nfsDiskCount": "2", "autostopMinutes": "10", "slurmVersion": SLURM_VERSION,
+}  # fmt: skip
 SLURM_CONF = "/etc/slurm/slurm.conf"
 VM_CPUS = 1
 VM_REAL_MEMORY_MB = 768  # of the VMs' 1024 MiB, what slurmd finds free with room to spare
@@ -46,6 +51,7 @@ class Substitution:
 @dataclass(frozen=True)
 class Rendered:
     documents: dict[str, str]  # role -> custom data, substituted
+    custom_data: dict[str, bytes]  # role -> the same, gzipped as the customData property carries it
     substitutions: list[Substitution]
     admin_user: str
     ssh_public_key: str
@@ -70,8 +76,8 @@ def _node_line(slurm_conf: str) -> str:
     return line
 
 
-def substitutions(head: str) -> list[Substitution]:
-    """What the boot test changes, and why: nothing but what the VMs and the test's length need."""
+def substitutions(head: str, cpus: int, real_memory_mb: int) -> list[Substitution]:
+    """What the boot test changes, and why: nothing but what the test's hosts and its length need."""
     slurm_conf = _files(head)[SLURM_CONF]
     node = _node_line(slurm_conf)
     resources = re.search(r"CPUs=\d+ RealMemory=\d+", node)
@@ -80,12 +86,12 @@ def substitutions(head: str) -> list[Substitution]:
     suspend_timeout = re.search(r"^SuspendTimeout=\d+$", slurm_conf, re.MULTILINE)
     assert suspend is not None and suspend_timeout is not None, "autostop is on in BOOT_CONFIG"
     return [
-        Substitution("head", SLURM_CONF, resources[0], f"CPUs={VM_CPUS} RealMemory={VM_REAL_MEMORY_MB}",
-                     "the VMs' own: slurmd reports what it finds, and Slurm refuses less than slurm.conf says"),
+        Substitution("head", SLURM_CONF, resources[0], f"CPUs={cpus} RealMemory={real_memory_mb}",
+                     "the test hosts' own: slurmd reports what it finds, and Slurm refuses less than slurm.conf says"),
         Substitution("head", SLURM_CONF, suspend[0], f"SuspendTime={AUTOSTOP_S}",
                      "autostop within the test (autostopMinutes allows 10 at least)"),
         Substitution("head", SLURM_CONF, suspend_timeout[0], f"SuspendTimeout={SUSPEND_TIMEOUT_S}",
-                     "a stopped VM may be started again sooner; QEMU stops in a second"),
+                     "a stopped host may be started again sooner; a test host stops in seconds"),
     ]  # fmt: skip
 
 
@@ -118,8 +124,9 @@ def _script_value(script: str, name: str) -> str:
     return match[1].strip("'")
 
 
-def render(ssh_public_key: str) -> Rendered:
-    """The stack's custom data for a deployment whose admin key is ssh_public_key (the test's own)."""
+def render(ssh_public_key: str, *, cpus: int = VM_CPUS, real_memory_mb: int = VM_REAL_MEMORY_MB) -> Rendered:
+    """The stack's custom data for a deployment whose admin key is ssh_public_key (the test's own), for
+    hosts of cpus CPUs and real_memory_mb of memory that slurmd may count on."""
     deployment = deploy({**BOOT_CONFIG, "sshPublicKey": ssh_public_key})
     by_name = {resource.name: resource for resource in deployment.mocks.resources}
     raw = {
@@ -127,7 +134,7 @@ def render(ssh_public_key: str) -> Rendered:
         "head": _custom_data(by_name["hvd-head-vm"]),
         "node": _custom_data(by_name["hvd-gpu-vmss"]),
     }
-    edits = substitutions(raw["head"])
+    edits = substitutions(raw["head"], cpus, real_memory_mb)
     documents = {role: apply(text, role, edits) for role, text in raw.items()}
     outputs = {
         str(key.value if hasattr(key, "value") else key): value.value for key, value in deployment.outputs.items()
@@ -137,6 +144,7 @@ def render(ssh_public_key: str) -> Rendered:
     names = _node_line(_files(raw["head"])[SLURM_CONF]).split()[0].removeprefix("NodeName=").split(",")
     return Rendered(
         documents=documents,
+        custom_data={role: custom_data_bytes(text) for role, text in documents.items()},
         substitutions=edits,
         admin_user=outputs["admin_user"],
         ssh_public_key=ssh_public_key,

@@ -9,13 +9,18 @@
   before a role assignment has propagated (`forbid`). The registry exchanges an ARM token for a
   refresh token and accepts it as `docker login`'s password (acr-login.sh's path). ARM takes the
   scale-set start and deallocate calls of the power program (dtrain/remote/slurm/slurm_power.py)
-  and hands them to the test's VMs.
+  and hands them to the test's hosts.
+- Microsoft's Slurm repository at its own URL on the same server (its files from a directory:
+  tests/boot/seed.py makes it), out of service for a host's first seconds when the test asks
+  (`take_repository_down`), as a transient failure of packages.microsoft.com would be.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import math
+import mimetypes
 import re
 import secrets
 import ssl
@@ -31,6 +36,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from dtrain.local.metadata import NAME_PATH, MetadataHandler, MetadataServer
+from infra.cloud_init.slurm_packages import SLURM_REPOSITORY_HOST, SLURM_REPOSITORY_URL
 
 TOKEN_PATH = "/metadata/identity/oauth2/token"
 VAULT_RESOURCE = "https://vault.azure.net"
@@ -56,6 +62,10 @@ class Azure:
     first_read: dict[str, float] = field(default_factory=dict)  # VM address -> when it first read a secret
     calls: list[str] = field(default_factory=list)  # "start 0,1", "deallocate 1": the ARM calls, in order
     refusals: dict[str, int] = field(default_factory=dict)  # VM address -> Key Vault's 403s to it
+    repository: Path | None = None  # the Slurm repository's files (dists/, pool/)
+    repository_down_for: dict[str, float] = field(default_factory=dict)  # address -> seconds of 503 from its first request
+    repository_first: dict[str, float] = field(default_factory=dict)
+    repository_refusals: dict[str, int] = field(default_factory=dict)
 
     def issue(self, resource: str, client_id: str) -> str:
         token = secrets.token_urlsafe(24)
@@ -66,16 +76,36 @@ class Azure:
         scheme, _, token = (header or "").partition(" ")
         return scheme == "Bearer" and self.tokens.get(token, ("", ""))[0] == resource.rstrip("/")
 
-    def forbid(self, address: str, seconds: float) -> None:
-        """Key Vault refuses the VM at address for its first seconds of asking (RBAC still propagating)."""
+    def forbid(self, address: str, seconds: float = math.inf) -> None:
+        """Key Vault refuses the host at address for its first seconds of asking (RBAC still propagating),
+        or until `allow`."""
         self.forbidden_for[address] = seconds
 
+    def allow(self, address: str) -> None:
+        self.forbidden_for[address] = 0
+
     def forbidden(self, address: str) -> bool:
-        started = self.first_read.setdefault(address, time.monotonic())
-        if time.monotonic() - started < self.forbidden_for.get(address, 0):
-            self.refusals[address] = self.refusals.get(address, 0) + 1
-            return True
-        return False
+        return _within(address, self.forbidden_for, self.first_read, self.refusals)
+
+    def take_repository_down(self, address: str, seconds: float = math.inf) -> None:
+        """The Slurm repository answers the host at address 503 for its first seconds of asking, or
+        until `bring_repository_up`."""
+        self.repository_down_for[address] = seconds
+
+    def bring_repository_up(self, address: str) -> None:
+        self.repository_down_for[address] = 0
+
+    def repository_down(self, address: str) -> bool:
+        return _within(address, self.repository_down_for, self.repository_first, self.repository_refusals)
+
+
+def _within(address: str, window_s: dict[str, float], first: dict[str, float], counts: dict[str, int]) -> bool:
+    """True (and counted) while address is within window_s[address] seconds of its first request."""
+    started = first.setdefault(address, time.monotonic())
+    if time.monotonic() - started < window_s.get(address, 0):
+        counts[address] = counts.get(address, 0) + 1
+        return True
+    return False
 
 
 def _reply(handler: BaseHTTPRequestHandler, status: int, body: object | None) -> None:
@@ -127,7 +157,9 @@ class AzureHandler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         azure, host, path = self.server.azure, self.headers.get("Host", ""), urlsplit(self.path).path
-        if host.endswith(".vault.azure.net"):
+        if host == SLURM_REPOSITORY_HOST:
+            self._repository_file(azure, path)
+        elif host.endswith(".vault.azure.net"):
             self._secret(azure, path)
         elif host.endswith(".azurecr.io") and path == "/v2/":
             self._registry_login(azure)
@@ -182,6 +214,23 @@ class AzureHandler(BaseHTTPRequestHandler):
         self.send_header("Docker-Distribution-Api-Version", "registry/2.0")
         self.send_header("Content-Length", "0")
         self.end_headers()
+
+    def _repository_file(self, azure: Azure, path: str) -> None:
+        prefix = urlsplit(SLURM_REPOSITORY_URL).path
+        relative = Path(path.removeprefix(prefix))
+        inside = path.startswith(prefix) and ".." not in relative.parts and azure.repository is not None
+        file = azure.repository / relative if inside and azure.repository is not None else None
+        if azure.repository_down(self.client_address[0]):
+            _error(self, HTTPStatus.SERVICE_UNAVAILABLE, "ServiceUnavailable", "the repository is down (boot test)")
+        elif file is None or not file.is_file():
+            _error(self, HTTPStatus.NOT_FOUND, "NotFound", path)
+        else:
+            data = file.read_bytes()
+            self.send_response(HTTPStatus.OK)
+            self.send_header("Content-Type", mimetypes.guess_type(file.name)[0] or "application/octet-stream")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
 
     def _secret(self, azure: Azure, path: str) -> None:
         match = _SECRET.fullmatch(path)

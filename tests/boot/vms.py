@@ -165,6 +165,10 @@ class Vm:
         log = (self.work / "qemu.log").open("ab")
         self.process = self.namespace.popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
+    def request_start(self) -> None:
+        """ARM's start call."""
+        self.start()
+
     def stop(self) -> None:
         """Power off at once (Azure's deallocate): QEMU ends; the OS disk stays."""
         if self.process is None:
