@@ -22,7 +22,7 @@ from infra.identity import (
     ScaleSetPowerIdentityArgs,
 )
 from infra.jumpbox import Jumpbox, JumpboxArgs
-from infra.kept_results import KeptResults, KeptResultsArgs, results_container_id
+from infra.kept_results import KeptResults, KeptResultsArgs, approval_request, results_container_id
 from infra.key_vault import SlurmKeyVault, SlurmKeyVaultArgs
 from infra.munge import MungeKey
 from infra.network import Network, NetworkArgs
@@ -40,6 +40,7 @@ class _Base:
     net: Network
     common: dict[str, Any]  # resource group, location and tags
     machine: dict[str, Any]  # admin user, SSH key, encryption at host: every VM's
+    stack: str  # project/stack: who asks, in requests that others approve
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
         "ssh_public_key": cfg.ssh_public_key,
         "encryption_at_host": cfg.encryption_at_host,
     }
-    base = _Base(cfg, net, common, machine)
+    base = _Base(cfg, net, common, machine, f"{project}/{stack}")
     data = _data_side(base)
     jumpbox = Jumpbox(
         f"{cfg.name_prefix}-jumpbox",
@@ -114,6 +115,8 @@ def _data_side(base: _Base) -> _DataSide:
             f"{prefix}-kept-results",
             KeptResultsArgs(
                 account_id=cfg.kept_results_account,
+                approval=cfg.kept_results_approval,
+                request_message=approval_request(base.stack, cfg.owner),
                 vnet_id=base.net.vnet.id,
                 subnet_id=base.net.subnet_ids["cluster"],
                 **common,
