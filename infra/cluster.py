@@ -48,6 +48,26 @@ def scale_set_node_names(computer_name_prefix: str, count: int) -> list[str]:
 
 
 @dataclass(frozen=True)
+class ScaleSetNames:
+    """A scale set's names, fixed before it exists: the head node, created first, is configured with them."""
+
+    base: str  # the GpuCluster's name, e.g. hvd-gpu
+    node_count: int
+
+    @property
+    def scale_set(self) -> str:
+        return f"{self.base}-vmss"
+
+    @property
+    def computer_name_prefix(self) -> str:
+        return f"{self.base}-"
+
+    @property
+    def nodes(self) -> list[str]:
+        return scale_set_node_names(self.computer_name_prefix, self.node_count)
+
+
+@dataclass(frozen=True)
 class SpotPolicy:
     """Spot VMs: Azure evicts them (at least 30 s' notice, through Scheduled Events) when it needs the
     capacity back or the price rises above max_price_usd (-1: never for price, up to on-demand)."""
@@ -63,7 +83,7 @@ class GpuClusterArgs:
     subnet_id: pulumi.Input[str]
     sku_name: str
     sku: GpuSku
-    node_count: int
+    names: ScaleSetNames
     image: ImageReference
     admin_user: str
     ssh_public_key: str
@@ -77,6 +97,9 @@ class GpuClusterArgs:
     key_vault_uri: pulumi.Input[str]  # where the nodes fetch the munge key with the identity
     slurm_version: str  # slurmd's, the head node's slurmctld's (slurmVersion)
     tags: Mapping[str, str]
+    # Created before the scale set: its reaper deallocates instances that never register with Slurm, so
+    # no VM of the set may run, even after a failed `pulumi up`, without it.
+    head: pulumi.Resource
     spot: SpotPolicy | None = None  # None: regular (on-demand) VMs
 
 
@@ -89,8 +112,6 @@ class GpuCluster(pulumi.ComponentResource):
         super().__init__("hvd:infra:GpuCluster", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         self.nccl_env = dict(args.sku.nccl_env)
-        self.computer_name_prefix = f"{name}-"
-        self.node_names = scale_set_node_names(self.computer_name_prefix, args.node_count)
         self.placement_group = self._placement_group(name, args, child)
         self.custom_data = self._custom_data(args)
         self.scale_set = self._scale_set(name, args, child)
@@ -139,10 +160,11 @@ class GpuCluster(pulumi.ComponentResource):
         """The Uniform scale set of the nodes, in the placement group, with the identity that they act as."""
         return compute.VirtualMachineScaleSet(
             f"{name}-vmss",
+            vm_scale_set_name=args.names.scale_set,
             resource_group_name=args.resource_group_name,
             location=args.location,
             orchestration_mode="Uniform",
-            sku=compute.SkuArgs(name=args.sku_name, tier="Standard", capacity=args.node_count),
+            sku=compute.SkuArgs(name=args.sku_name, tier="Standard", capacity=args.names.node_count),
             # One placement group is one InfiniBand fabric; it also caps the set at 100 VMs.
             single_placement_group=True,
             # Extra VMs would take instance ids that Slurm's node names do not cover.
@@ -155,14 +177,14 @@ class GpuCluster(pulumi.ComponentResource):
             ),
             virtual_machine_profile=self._vm_profile(args),
             tags=args.tags,
-            opts=child,
+            opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(depends_on=[args.head])),
         )
 
     def _vm_profile(self, args: GpuClusterArgs) -> compute.VirtualMachineScaleSetVMProfileArgs:
         """Every node's VM: SSH keys only, the image and its disk, the cluster subnet, encryption at host, Spot."""
         return compute.VirtualMachineScaleSetVMProfileArgs(
             os_profile=compute.VirtualMachineScaleSetOSProfileArgs(
-                computer_name_prefix=self.computer_name_prefix,
+                computer_name_prefix=args.names.computer_name_prefix,
                 admin_username=args.admin_user,
                 custom_data=self.custom_data,
                 linux_configuration=linux_configuration(args.admin_user, args.ssh_public_key),

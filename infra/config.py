@@ -117,6 +117,10 @@ DERIVED_NAMES: tuple[tuple[str, Callable[[str], str], NameRule, bool], ...] = (
 )
 
 
+# keptResultsApproval: how the private endpoint to a kept results account is approved.
+KeptResultsApproval = Literal["auto", "manual"]
+
+
 class ConfigError(ValueError):
     """Raised with every invalid key listed, one line each."""
 
@@ -181,6 +185,10 @@ class StackConfig(BaseModel):
     # The resource id of a storage account kept by an earlier stack whose `results` container this
     # cluster writes instead of its own (infra/kept_results.py): None, the stack's own account.
     kept_results_account: str | None = None
+    # How the private endpoint to that account is approved: auto, at once, which Azure allows only to a
+    # deployer holding the account's privateEndpointConnectionsApproval/action; manual, a request that
+    # the account's owner approves after the deploy (infra/kept_results.py).
+    kept_results_approval: KeptResultsApproval = "auto"
     tags: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("location")
@@ -354,6 +362,7 @@ class StackConfig(BaseModel):
             *self._encryption_faults(),
             *self._job_time_faults(),
             *self._derived_name_faults(),
+            *self._kept_results_faults(),
         ]
         if faults:
             raise CrossFieldError(faults)
@@ -403,6 +412,12 @@ class StackConfig(BaseModel):
             "lower defaultJobTime or raise maxJobTime"
         )
         return [("defaultJobTime", self.default_job_time, reason)]
+
+    def _kept_results_faults(self) -> list[Fault]:
+        if self.kept_results_approval == "auto" or self.kept_results_account:
+            return []
+        reason = "approves the private endpoint to a kept account, and does nothing without keptResultsAccount"
+        return [("keptResultsApproval", self.kept_results_approval, reason)]
 
     def _derived_name_faults(self) -> list[Fault]:
         """Names made from namePrefix that Azure would refuse, found here rather than midway through

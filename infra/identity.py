@@ -133,40 +133,64 @@ class OperatorAccess(pulumi.ComponentResource):
 class ScaleSetPowerIdentityArgs:
     resource_group_name: pulumi.Input[str]
     location: str
-    scale_set_id: pulumi.Input[str]
+    scale_set_name: str  # the scale set it powers, which need not exist yet
     tags: Mapping[str, str]
 
 
+def scale_set_resource_id(
+    subscription_id: pulumi.Input[str], resource_group_name: pulumi.Input[str], scale_set_name: str
+) -> pulumi.Output[str]:
+    """A scale set's ARM id, from its names: known before the scale set is created."""
+    return pulumi.Output.concat(
+        "/subscriptions/",
+        subscription_id,
+        "/resourceGroups/",
+        resource_group_name,
+        "/providers/Microsoft.Compute/virtualMachineScaleSets/",
+        scale_set_name,
+    )
+
+
 class ScaleSetPowerIdentity(pulumi.ComponentResource):
-    """The head node's identity: a custom role with SCALE_SET_POWER_ACTIONS, assignable on one
-    scale set only, and its assignment there. Whoever holds it can power that scale set's nodes and
-    touch nothing else. (Azure discourages resource-level assignable scopes because custom roles
-    count against a tenant limit of 5000; one per deployment is the price of a role no wider.)"""
+    """The head node's identity for one scale set: a custom role with SCALE_SET_POWER_ACTIONS, assignable
+    on that scale set only, and its assignment there. Whoever holds it can power that scale set's nodes
+    and touch nothing else. (Azure discourages resource-level assignable scopes because custom roles
+    count against a tenant limit of 5000; one per scale set is the price of a role no wider.)
+
+    The identity, and the scale set's id (scale_set_id), come before the scale set: the head node that
+    holds them is created first. The role, defined and assigned on the scale set itself, comes after it
+    (grant_power).
+    """
 
     def __init__(self, name: str, args: ScaleSetPowerIdentityArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("hvd:infra:ScaleSetPowerIdentity", name, None, opts)
+        self._name = name
         self.identity = user_assigned_identity(name, args.resource_group_name, args.location, args.tags, self)
-        self.role = authorization.RoleDefinition(
-            f"{name}-role",
-            scope=args.scale_set_id,
-            assignable_scopes=[args.scale_set_id],
+        self._subscription_id = authorization.get_client_config_output().subscription_id
+        self.scale_set_id = scale_set_resource_id(self._subscription_id, args.resource_group_name, args.scale_set_name)
+        self.register_outputs(
+            {"id": self.identity.id, "client_id": self.identity.client_id, "scale_set_id": self.scale_set_id}
+        )
+
+    def grant_power(self, scale_set_id: pulumi.Input[str]) -> None:
+        """The role and its assignment, on the scale set: pass its id output, so that they wait for it."""
+        role = authorization.RoleDefinition(
+            f"{self._name}-role",
+            scope=scale_set_id,
+            assignable_scopes=[scale_set_id],
             # Custom role names must be unique in the tenant; the scale set's id is.
-            role_name=pulumi.Output.concat("Slurm power control for ", args.scale_set_id),
+            role_name=pulumi.Output.concat("Slurm power control for ", scale_set_id),
             description="Start and deallocate the instances of one VM scale set (Slurm power saving).",
             role_type="CustomRole",
             permissions=[authorization.PermissionArgs(actions=list(SCALE_SET_POWER_ACTIONS))],
             opts=pulumi.ResourceOptions(parent=self),
         )
-        subscription_id = authorization.get_client_config_output().subscription_id
-        self.assignment = grant(
-            f"{name}-assignment",
+        grant(
+            f"{self._name}-assignment",
             self.identity.principal_id,
             # The definition's name is its GUID; assignments take the subscription-level id.
-            role_definition_id(subscription_id, self.role.name),
-            args.scale_set_id,
+            role_definition_id(self._subscription_id, role.name),
+            scale_set_id,
             self,
             "ServicePrincipal",
-        )
-        self.register_outputs(
-            {"id": self.identity.id, "client_id": self.identity.client_id, "role_definition_id": self.role.id}
         )

@@ -17,12 +17,15 @@ from dataclasses import dataclass
 import pulumi
 from pulumi_azure_native import network, privatedns
 
+from infra.config import KeptResultsApproval
 from infra.storage import RESULTS_CONTAINER
 
 # Azure's zone for the blob service's private endpoints (public cloud): a storage account that has
 # one resolves through it, every other account as before.
 BLOB_PRIVATE_ZONE = "privatelink.blob.core.windows.net"
 BLOB_SUFFIX = "blob.core.windows.net"
+# Azure's limit on the message that comes with a manual connection request.
+REQUEST_MESSAGE_MAX = 140
 
 
 def results_container_id(account_id: str) -> str:
@@ -34,9 +37,17 @@ def blob_endpoint(account_id: str) -> str:
     return f"https://{account_id.rsplit('/', 1)[1]}.{BLOB_SUFFIX}/"
 
 
+def approval_request(stack: str, owner: str) -> str:
+    """What the kept account's owner reads with a manual connection request: who asks, and for what."""
+    request = f"Pulumi stack {stack} (owner {owner}): its cluster's nodes write results to `{RESULTS_CONTAINER}`"
+    return request[:REQUEST_MESSAGE_MAX]
+
+
 @dataclass
 class KeptResultsArgs:
     account_id: str  # the kept storage account's ARM id (validated by infra/config.py)
+    approval: KeptResultsApproval
+    request_message: str  # what the account's owner reads with a manual request (approval_request)
     resource_group_name: pulumi.Input[str]  # the cluster's group: the endpoint goes with the cluster
     location: str
     vnet_id: pulumi.Input[str]
@@ -46,9 +57,14 @@ class KeptResultsArgs:
 
 class KeptResults(pulumi.ComponentResource):
     """A private endpoint from the cluster subnet to the kept account's blob service, and the private DNS
-    zone, linked to the VNet, that holds its address. The endpoint is approved at once when whoever runs
-    `pulumi up` may approve it on that account (Contributor there); otherwise it waits for approval
-    (README, "What `pulumi destroy` removes and what it keeps")."""
+    zone, linked to the VNet, that holds its address.
+
+    With approval auto the endpoint asks to be approved at once, which Azure grants only to a deployer
+    holding Microsoft.Storage/storageAccounts/privateEndpointConnectionsApproval/action on that account
+    (Contributor there) and otherwise refuses (LinkedAuthorizationFailed: `pulumi up` fails). With manual
+    it is a request that stays Pending, unreached, until the account's owner approves it; the deploy does
+    not wait (README, "What `pulumi destroy` removes and what it keeps").
+    """
 
     def __init__(self, name: str, args: KeptResultsArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("hvd:infra:KeptResults", name, None, opts)
@@ -58,11 +74,7 @@ class KeptResults(pulumi.ComponentResource):
             resource_group_name=args.resource_group_name,
             location=args.location,
             subnet=network.SubnetArgs(id=args.subnet_id),
-            private_link_service_connections=[
-                network.PrivateLinkServiceConnectionArgs(
-                    name="kept-results-blob", private_link_service_id=args.account_id, group_ids=["blob"]
-                )
-            ],
+            **_connections(args),
             tags=args.tags,
             opts=child,
         )
@@ -81,6 +93,9 @@ class KeptResults(pulumi.ComponentResource):
             location="Global",
             virtual_network=privatedns.SubResourceArgs(id=args.vnet_id),
             registration_enabled=False,
+            # Blob accounts with private endpoints elsewhere have no record in this zone, yet Azure's CNAME
+            # sends their names here: without the fallback to public resolution they stop resolving in the VNet.
+            resolution_policy=privatedns.ResolutionPolicy.NX_DOMAIN_REDIRECT,
             tags=args.tags,
             opts=child,
         )
@@ -95,3 +110,19 @@ class KeptResults(pulumi.ComponentResource):
         )
         self.blob_endpoint = blob_endpoint(args.account_id)
         self.register_outputs({"blob_endpoint": self.blob_endpoint, "private_endpoint_id": self.endpoint.id})
+
+
+def _connections(args: KeptResultsArgs) -> dict[str, list[network.PrivateLinkServiceConnectionArgs]]:
+    """The endpoint's connection to the account's blob service: approved at once, or requested."""
+    if args.approval == "auto":
+        return {"private_link_service_connections": [_blob_connection(args.account_id)]}
+    return {"manual_private_link_service_connections": [_blob_connection(args.account_id, args.request_message)]}
+
+
+def _blob_connection(account_id: str, request_message: str | None = None) -> network.PrivateLinkServiceConnectionArgs:
+    return network.PrivateLinkServiceConnectionArgs(
+        name="kept-results-blob",
+        private_link_service_id=account_id,
+        group_ids=["blob"],
+        request_message=request_message,
+    )

@@ -9,7 +9,7 @@ import pulumi
 from pulumi_azure_native import resources
 
 from infra.cloud_init.slurm import JobTimeLimits
-from infra.cluster import GpuCluster, GpuClusterArgs, SpotPolicy
+from infra.cluster import GpuCluster, GpuClusterArgs, ScaleSetNames, SpotPolicy
 from infra.config import StackConfig
 from infra.contract import DATA_PATH, SHARED_MOUNT_PATH, SLURM_PARTITION, SPOT_PARTITION, StackOutput
 from infra.head import HeadNode, HeadNodeArgs, SpotNodes, TrackingServer
@@ -22,7 +22,7 @@ from infra.identity import (
     ScaleSetPowerIdentityArgs,
 )
 from infra.jumpbox import Jumpbox, JumpboxArgs
-from infra.kept_results import KeptResults, KeptResultsArgs, results_container_id
+from infra.kept_results import KeptResults, KeptResultsArgs, approval_request, results_container_id
 from infra.key_vault import SlurmKeyVault, SlurmKeyVaultArgs
 from infra.munge import MungeKey
 from infra.network import Network, NetworkArgs
@@ -40,6 +40,7 @@ class _Base:
     net: Network
     common: dict[str, Any]  # resource group, location and tags
     machine: dict[str, Any]  # admin user, SSH key, encryption at host: every VM's
+    stack: str  # project/stack: who asks, in requests that others approve
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
         "ssh_public_key": cfg.ssh_public_key,
         "encryption_at_host": cfg.encryption_at_host,
     }
-    base = _Base(cfg, net, common, machine)
+    base = _Base(cfg, net, common, machine, f"{project}/{stack}")
     data = _data_side(base)
     jumpbox = Jumpbox(
         f"{cfg.name_prefix}-jumpbox",
@@ -114,6 +115,8 @@ def _data_side(base: _Base) -> _DataSide:
             f"{prefix}-kept-results",
             KeptResultsArgs(
                 account_id=cfg.kept_results_account,
+                approval=cfg.kept_results_approval,
+                request_message=approval_request(base.stack, cfg.owner),
                 vnet_id=base.net.vnet.id,
                 subnet_id=base.net.subnet_ids["cluster"],
                 **common,
@@ -148,9 +151,13 @@ def _nfs_server(base: _Base) -> NfsServer:
 
 
 def _slurm_side(base: _Base, data: _DataSide, nfs: NfsServer) -> _SlurmSide:
-    """The GPU nodes (and Spot ones), the munge key in Key Vault, and the head node that runs slurmctld."""
+    """The munge key in Key Vault, the head node that runs slurmctld, then the GPU nodes (and Spot ones).
+
+    The head node comes first, and needs nothing from the scale sets (their names and ids are computed):
+    its reaper deallocates the instances that never register, so a scale set that fails (Spot capacity,
+    quota) after another was created leaves no GPU VM running without it.
+    """
     cfg, prefix, common, subnet_id = base.cfg, base.cfg.name_prefix, base.common, base.net.subnet_ids["cluster"]
-    slurm_cluster_name = prefix  # lower-case letters and digits, as Slurm's ClusterName wants
     munge = MungeKey(f"{prefix}-munge")
     vault = SlurmKeyVault(
         prefix,
@@ -163,6 +170,15 @@ def _slurm_side(base: _Base, data: _DataSide, nfs: NfsServer) -> _SlurmSide:
     )
     identity = data.identity.identity
     vault.grant_read("nodes", identity.principal_id)  # the on-demand and the Spot nodes' identity
+    on_demand = _ScaleSetPlan.of(f"{prefix}-gpu", cfg.node_count, f"{prefix}-head-power", common)
+    vault.grant_read("head", on_demand.power.identity.principal_id)
+    spot = (
+        _ScaleSetPlan.of(f"{prefix}-spot", cfg.spot_node_count, f"{prefix}-spot-power", common)
+        if cfg.spot_node_count
+        else None
+    )
+    spot_nodes = _spot_nodes(spot) if spot else None
+    head = _head_node(base, data, nfs, vault.vault_uri, on_demand, spot_nodes)
     nodes = {
         "subnet_id": subnet_id,
         "sku_name": cfg.gpu_sku,
@@ -176,45 +192,82 @@ def _slurm_side(base: _Base, data: _DataSide, nfs: NfsServer) -> _SlurmSide:
         "slurmctld_address": cfg.head_private_ip,
         "key_vault_uri": vault.vault_uri,
         "slurm_version": cfg.slurm_version,
+        "head": head,
         **base.machine,
         **common,
     }
-    cluster = GpuCluster(f"{prefix}-gpu", GpuClusterArgs(node_count=cfg.node_count, **nodes))
-    power = ScaleSetPowerIdentity(
-        f"{prefix}-head-power", ScaleSetPowerIdentityArgs(scale_set_id=cluster.scale_set.id, **common)
-    )
-    vault.grant_read("head", power.identity.principal_id)
-    spot = _spot_nodes(cfg, nodes) if cfg.spot_node_count else None
-    head = HeadNode(
-        f"{prefix}-head",
+    cluster = on_demand.build(nodes)
+    if spot:
+        spot.build(nodes, SpotPolicy(eviction_policy=cfg.spot_eviction_policy, max_price_usd=cfg.spot_max_price))
+    return _SlurmSide(_slurm_cluster_name(cfg), cluster, spot_nodes, head)
+
+
+def _head_node(
+    base: _Base,
+    data: _DataSide,
+    nfs: NfsServer,
+    key_vault_uri: pulumi.Input[str],
+    on_demand: _ScaleSetPlan,
+    spot: SpotNodes | None,
+) -> HeadNode:
+    """slurmctld, configured with the scale sets' names and ids before they exist, and the identities that
+    power them."""
+    cfg = base.cfg
+    return HeadNode(
+        f"{cfg.name_prefix}-head",
         HeadNodeArgs(
-            subnet_id=subnet_id,
+            subnet_id=base.net.subnet_ids["cluster"],
             vm_size=cfg.head_vm_size,
             private_ip=cfg.head_private_ip,
-            cluster_name=slurm_cluster_name,
-            node_names=cluster.node_names,
-            node_prefix=cluster.computer_name_prefix,
+            cluster_name=_slurm_cluster_name(cfg),
+            node_names=on_demand.names.nodes,
+            node_prefix=on_demand.names.computer_name_prefix,
             sku=cfg.sku,
             autostop_minutes=cfg.autostop_minutes,
             job_time=JobTimeLimits(default=cfg.default_job_time, maximum=cfg.max_job_time),
-            scale_set_id=cluster.scale_set.id,
-            identity_id=power.identity.id,
-            identity_client_id=power.identity.client_id,
+            scale_set_id=on_demand.power.scale_set_id,
+            identity_id=on_demand.power.identity.id,
+            identity_client_id=on_demand.power.identity.client_id,
             spot=spot,
             tracking=TrackingServer(
                 data.results_endpoint, RESULTS_CONTAINER, data.tracking.identity.id, data.tracking.identity.client_id
             ),
-            key_vault_uri=vault.vault_uri,
+            key_vault_uri=key_vault_uri,
             nfs_server_ip=nfs.private_ip,
             nfs_export_path=nfs.export_path,
             slurm_version=cfg.slurm_version,
             # The nodes' image: the same Slurm repository, signing key and apt pin as theirs.
             image=cfg.image_reference,
             **base.machine,
-            **common,
+            **base.common,
         ),
     )
-    return _SlurmSide(slurm_cluster_name, cluster, spot, head)
+
+
+def _slurm_cluster_name(cfg: StackConfig) -> str:
+    return cfg.name_prefix  # lower-case letters and digits, as Slurm's ClusterName wants
+
+
+@dataclass(frozen=True)
+class _ScaleSetPlan:
+    """A scale set to be, by its names, and the head node's identity that will power it."""
+
+    names: ScaleSetNames
+    power: ScaleSetPowerIdentity
+
+    @classmethod
+    def of(cls, base: str, node_count: int, power_name: str, common: dict[str, Any]) -> _ScaleSetPlan:
+        names = ScaleSetNames(base, node_count)
+        return cls(
+            names,
+            ScaleSetPowerIdentity(power_name, ScaleSetPowerIdentityArgs(scale_set_name=names.scale_set, **common)),
+        )
+
+    def build(self, nodes: dict[str, Any], spot: SpotPolicy | None = None) -> GpuCluster:
+        """The scale set, after the head node (nodes["head"]), then the identity's right to power it."""
+        cluster = GpuCluster(self.names.base, GpuClusterArgs(names=self.names, spot=spot, **nodes))
+        self.power.grant_power(cluster.scale_set.id)
+        return cluster
 
 
 def _outputs(
@@ -260,24 +313,12 @@ def _outputs(
     }
 
 
-def _spot_nodes(cfg: StackConfig, nodes: dict) -> SpotNodes:
-    """The Spot scale set (the same definition as the on-demand one) and the head node's right to power it."""
-    spot = GpuCluster(
-        f"{cfg.name_prefix}-spot",
-        GpuClusterArgs(
-            node_count=cfg.spot_node_count,
-            spot=SpotPolicy(eviction_policy=cfg.spot_eviction_policy, max_price_usd=cfg.spot_max_price),
-            **nodes,
-        ),
-    )
-    common = {key: nodes[key] for key in ("resource_group_name", "location", "tags")}
-    power = ScaleSetPowerIdentity(
-        f"{cfg.name_prefix}-spot-power", ScaleSetPowerIdentityArgs(scale_set_id=spot.scale_set.id, **common)
-    )
+def _spot_nodes(spot: _ScaleSetPlan) -> SpotNodes:
+    """The Spot scale set as the head node powers it: by its names and its own identity."""
     return SpotNodes(
-        names=spot.node_names,
-        prefix=spot.computer_name_prefix,
-        scale_set_id=spot.scale_set.id,
-        identity_id=power.identity.id,
-        identity_client_id=power.identity.client_id,
+        names=spot.names.nodes,
+        prefix=spot.names.computer_name_prefix,
+        scale_set_id=spot.power.scale_set_id,
+        identity_id=spot.power.identity.id,
+        identity_client_id=spot.power.identity.client_id,
     )

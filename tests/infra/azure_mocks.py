@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pulumi
+from pulumi.runtime.mocks import MockMonitor
 from pulumi.runtime.rpc import is_rpc_secret, unwrap_rpc_secret
 
 SUBSCRIPTION = "00000000-0000-0000-0000-0000000000aa"
@@ -38,13 +39,15 @@ class AzureMocks(pulumi.runtime.Mocks):
     def __init__(self) -> None:
         self.resources: list[Registered] = []
         self.calls: list[tuple[str, dict[str, Any]]] = []
+        # logical name -> the logical names of the resources it waits for (DependencyRecordingMonitor)
+        self.dependencies: dict[str, frozenset[str]] = {}
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs) -> tuple[str, dict[str, Any]]:
         secret = frozenset(key for key, value in args.inputs.items() if is_rpc_secret(value))
         inputs = {key: unwrap_rpc_secret(value) if key in secret else value for key, value in args.inputs.items()}
         outputs = dict(args.inputs)  # secrets stay secret in the echo, as with the provider
         outputs.setdefault("name", args.name)
-        resource_id = f"/subscriptions/{SUBSCRIPTION}/mock/{args.typ}/{args.name}"
+        resource_id = _resource_id(args.typ, args.name, inputs)
         outputs.update(_computed(args.typ, args.name, inputs))
         self.resources.append(Registered(args.typ, args.name, inputs, outputs, resource_id, secret))
         return resource_id, outputs
@@ -66,6 +69,39 @@ class AzureMocks(pulumi.runtime.Mocks):
     def of_type(self, suffix: str) -> list[Registered]:
         """Resources whose type ends with e.g. ':Subnet' (custom resources only)."""
         return [r for r in self.resources if r.type.startswith("azure-native:") and r.type.endswith(suffix)]
+
+    def waits_for(self, name: str) -> set[str]:
+        """Every resource that the engine creates before `name`: its dependencies, and theirs."""
+        waited: set[str] = set()
+        pending = set(self.dependencies.get(name, ()))
+        while pending:
+            dependency = pending.pop()
+            waited.add(dependency)
+            pending |= self.dependencies.get(dependency, frozenset()) - waited
+        return waited
+
+
+class DependencyRecordingMonitor(MockMonitor):
+    """Pulumi's mock monitor, recording each resource's dependencies (its depends_on and the resources its
+    inputs come from), which MockResourceArgs leaves out: the order in which the engine would create them."""
+
+    def __init__(self, mocks: AzureMocks) -> None:
+        super().__init__(mocks)
+        self.azure = mocks
+
+    def RegisterResource(self, request: Any) -> Any:
+        self.azure.dependencies[request.name] = frozenset(urn.rsplit("::", 1)[-1] for urn in request.dependencies)
+        return super().RegisterResource(request)
+
+
+def _resource_id(typ: str, name: str, inputs: dict[str, Any]) -> str:
+    """Azure's id for a scale set, which the program also computes from its names; a mock one for the rest."""
+    if typ == "azure-native:compute:VirtualMachineScaleSet" and "vmScaleSetName" in inputs:
+        return (
+            f"/subscriptions/{SUBSCRIPTION}/resourceGroups/{inputs['resourceGroupName']}"
+            f"/providers/Microsoft.Compute/virtualMachineScaleSets/{inputs['vmScaleSetName']}"
+        )
+    return f"/subscriptions/{SUBSCRIPTION}/mock/{typ}/{name}"
 
 
 def _computed(typ: str, name: str, inputs: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import pytest
 
 from infra.config import parse_config
 from infra.stack import build_stack
-from tests.infra.azure_mocks import AzureMocks, Resolved, resolve
+from tests.infra.azure_mocks import AzureMocks, DependencyRecordingMonitor, Resolved, resolve
 from tests.infra.sandbox import Sandbox
 from tests.infra.ssh_keys import ED25519
 
@@ -42,10 +42,11 @@ class Deployment:
     outputs: dict[str, Resolved]
 
 
-def deploy(raw: dict[str, Any]) -> Deployment:
+def deploy(raw: dict[str, Any], mocks: AzureMocks | None = None) -> Deployment:
     """Set the mocks first (resources built before them never resolve), then build and wait."""
-    mocks = AzureMocks()
-    pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=STACK, preview=False)
+    mocks = mocks or AzureMocks()
+    monitor = DependencyRecordingMonitor(mocks)
+    pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=STACK, preview=False, monitor=monitor)
     captured: dict[str, Resolved] = {}
 
     @pulumi.runtime.test

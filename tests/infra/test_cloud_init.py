@@ -12,6 +12,7 @@ import gzip
 import json
 import random
 import re
+import shlex
 import stat
 import subprocess
 import time
@@ -102,9 +103,31 @@ def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     found = [
         line
         for line in result.stderr.splitlines()
-        if re.search(r"acr-login|nccl-conf|node-setup|nvme-raid|configless", line)
+        if re.search(r"acr-login|dcgm-exporter|nccl-conf|node-setup|nvme-raid|configless", line)
     ]
     assert not found, result.stderr
+
+
+# The DCGM of the ubuntu-hpc image's host engine (nvidia-dcgm.service) at the time of writing.
+HOST_DCGM = (4, 5, 2)
+
+
+def test_dcgm_exporter_runs_its_own_embedded_engine_from_a_pinned_image() -> None:
+    """A client of the host engine must match its DCGM version, which a pinned image cannot follow: the
+    exporter runs the engine embedded in its image, with the GPUs and the capability NVIDIA's docs give it."""
+    unit = files_of(node_doc())["/etc/systemd/system/dcgm-exporter.service"]["content"]
+    (exec_start,) = re.findall(r"^ExecStart=(.*)$", unit, re.MULTILINE)
+    args = shlex.split(exec_start)
+    assert not [arg for arg in args if arg == "-r" or arg.startswith("--remote-hostengine-info")]
+    ordering = re.findall(r"^(?:After|Wants|Requires)=(.*)$", unit, re.MULTILINE)
+    assert not [line for line in ordering if "nvidia-dcgm.service" in line]  # it waits for no host engine
+    assert "--gpus all" in exec_start and "--cap-add SYS_ADMIN" in exec_start
+    image = re.search(r"^Environment=IMAGE=(\S+)$", unit, re.MULTILINE)[1]
+    repository, tag = image.rsplit(":", 1)
+    assert repository == "nvcr.io/nvidia/k8s/dcgm-exporter" and "${IMAGE}" in args
+    dcgm, exporter, base = tag.split("-", 2)  # <DCGM>-<exporter>-<base image>: a release, not a moving tag
+    assert re.fullmatch(r"\d+\.\d+\.\d+", exporter) and base == "ubuntu22.04"
+    assert tuple(int(part) for part in dcgm.split(".")) >= HOST_DCGM
 
 
 def test_slurmd_drop_in_runs_configless_under_the_node_name_that_setup_writes() -> None:

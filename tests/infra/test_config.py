@@ -178,6 +178,8 @@ NEW_BAD_VALUES = [
     ("keptResultsAccount", f"{KEPT_ACCOUNT_ID[:-6]}HVDSA1"),  # account names are lower case
     ("keptResultsAccount", KEPT_ACCOUNT_ID.replace("Microsoft.Storage", "Microsoft.KeyVault")),
     ("keptResultsAccount", f"{KEPT_ACCOUNT_ID}/blobServices/default/containers/results"),
+    ("keptResultsApproval", "Manual"),
+    ("keptResultsApproval", "later"),
 ]
 
 
@@ -209,6 +211,7 @@ def test_bad_value_names_key_and_value(key: str, value: object) -> None:
 
 
 BAD_COMBINATIONS = [
+    ({"keptResultsApproval": "manual"}, "keptResultsApproval", "without keptResultsAccount"),
     ({"nfsVmSize": "Standard_D2s_v5", "nfsDiskCount": "8"}, "nfsDiskCount", "holds at most 4 data disks"),
     ({"nfsVmSize": "Standard_B2s", "nfsDiskCount": "5"}, "nfsDiskCount", "holds at most 4 data disks"),
     ({"nfsVmSize": "Standard_L8s_v3", "nfsDiskCount": "17"}, "nfsDiskCount", "holds at most 16 data disks"),
@@ -260,6 +263,8 @@ def test_rules_across_keys_name_the_key_and_value(overrides: dict[str, str], key
         {"defaultJobTime": "90", "maxJobTime": "1-12"},
         {"keptResultsAccount": KEPT_ACCOUNT_ID},
         {"keptResultsAccount": KEPT_ACCOUNT_ID.lower()},  # Azure reads an id's fixed segments in any case
+        {"keptResultsAccount": KEPT_ACCOUNT_ID, "keptResultsApproval": "manual"},
+        {"keptResultsAccount": KEPT_ACCOUNT_ID, "keptResultsApproval": "auto"},
     ],
 )
 def test_valid_edges_are_accepted(accepted: dict[str, object]) -> None:

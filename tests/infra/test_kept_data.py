@@ -11,7 +11,7 @@ from pulumi.runtime import mocks
 from infra.identity import STORAGE_BLOB_DATA_CONTRIBUTOR
 from infra.storage import SOFT_DELETE_DAYS
 from tests.infra.azure_mocks import OPERATOR_OBJECT_ID
-from tests.infra.conftest import KEPT_ACCOUNT_ID, VALID_CONFIG, Deployment, deploy
+from tests.infra.conftest import KEPT_ACCOUNT_ID, PROJECT, STACK, VALID_CONFIG, Deployment, deploy
 from tests.infra.test_stack import by_name, one
 
 
@@ -75,6 +75,8 @@ def test_results_go_to_the_kept_account_through_a_private_endpoint(kept: Deploym
     assert zone.inputs["privateZoneName"] == "privatelink.blob.core.windows.net" and zone.inputs["location"] == "Global"
     link = one(kept, ":VirtualNetworkLink")
     assert link.inputs["virtualNetwork"] == {"id": one(kept, ":VirtualNetwork").id}
+    # other accounts' private endpoints, with no record in this zone, still resolve (publicly) in the VNet
+    assert link.inputs["resolutionPolicy"] == "NxDomainRedirect"
     assert link.inputs["privateZoneName"] == zone.outputs["name"] and link.inputs["registrationEnabled"] is False
     group = one(kept, ":PrivateDnsZoneGroup")
     assert group.inputs["privateEndpointName"] == endpoint.outputs["name"]
@@ -82,6 +84,17 @@ def test_results_go_to_the_kept_account_through_a_private_endpoint(kept: Deploym
     # the cluster's group holds them: they go with `pulumi destroy`, the kept account stays as it was
     cluster_group = kept.outputs["resource_group"].value
     assert {r.inputs["resourceGroupName"] for r in (endpoint, zone, link, group)} == {cluster_group}
+
+
+def test_a_manual_approval_asks_the_accounts_owner_with_a_message_naming_the_stack() -> None:
+    """Without the approval right on the kept account, an automatic connection is refused
+    (LinkedAuthorizationFailed): keptResultsApproval manual sends a request for its owner to approve."""
+    manual = deploy({**VALID_CONFIG, "keptResultsAccount": KEPT_ACCOUNT_ID, "keptResultsApproval": "manual"})
+    endpoint = one(manual, ":PrivateEndpoint")
+    assert "privateLinkServiceConnections" not in endpoint.inputs
+    (request,) = endpoint.inputs["manualPrivateLinkServiceConnections"]
+    assert request["privateLinkServiceId"] == KEPT_ACCOUNT_ID and request["groupIds"] == ["blob"]
+    assert f"{PROJECT}/{STACK}" in request["requestMessage"] and len(request["requestMessage"]) <= 140
 
 
 def test_the_nodes_and_the_operator_write_the_kept_results_container_only(kept: Deployment) -> None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pulumi
 import pytest
 import yaml
 
-from tests.infra.azure_mocks import Registered
+from tests.infra.azure_mocks import AzureMocks, Registered
 from tests.infra.conftest import VALID_CONFIG, Deployment, deploy
 from tests.infra.documents import decode_custom_data
 from tests.infra.test_stack import by_name, head_file, slurm_settings
@@ -42,6 +43,7 @@ def comparable(vmss: Registered) -> dict[str, Any]:
     """The scale set's inputs less its count, names and Spot settings; the custom data as its document."""
     inputs = json.loads(json.dumps(vmss.inputs))
     inputs["sku"].pop("capacity")
+    inputs.pop("vmScaleSetName")
     profile = inputs["virtualMachineProfile"]
     for key in SPOT_ONLY:
         profile.pop(key, None)
@@ -107,3 +109,31 @@ def test_without_spot_nodes_there_is_no_spot_scale_set_nor_partition(deployment:
     assert [r.name for r in deployment.mocks.of_type(":VirtualMachineScaleSet")] == ["hvd-gpu-vmss"]
     assert deployment.outputs["spot_partition"].value is None
     assert "PartitionName=spot" not in head_file(deployment, "/etc/slurm/slurm.conf")
+
+
+# --- the head node first: no GPU VM runs without the reaper that deallocates it --------------------------
+
+
+class SpotCapacityRefused(AzureMocks):
+    """Azure refusing the Spot scale set (no Spot capacity or quota), after the rest was accepted."""
+
+    def new_resource(self, args: pulumi.runtime.MockResourceArgs) -> tuple[str, dict[str, Any]]:
+        if args.typ.endswith(":VirtualMachineScaleSet") and "-spot-" in args.name:
+            raise RuntimeError("SkuNotAvailable: no Spot capacity for Standard_ND96isr_H100_v5")
+        return super().new_resource(args)
+
+
+def test_the_head_node_waits_for_no_scale_set_and_every_scale_set_waits_for_it(spot_deployment: Deployment) -> None:
+    mocks = spot_deployment.mocks
+    head = by_name(spot_deployment, ":VirtualMachine", "head").name
+    sets = {vmss.name for vmss in scale_sets(spot_deployment)}
+    assert not mocks.waits_for(head) & sets  # ids and names computed, not read from the scale sets
+    assert all(head in mocks.waits_for(vmss) for vmss in sets)
+
+
+def test_a_refused_spot_scale_set_leaves_the_head_node_standing() -> None:
+    mocks = SpotCapacityRefused()
+    with pytest.raises(Exception, match="no Spot capacity"):
+        deploy(SPOT_CONFIG, mocks)
+    created = {r.name for r in mocks.of_type(":VirtualMachine") + mocks.of_type(":VirtualMachineScaleSet")}
+    assert {"hvd-head-vm", "hvd-gpu-vmss"} <= created

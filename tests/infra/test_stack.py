@@ -727,5 +727,5 @@ def test_head_node_runs_prometheus_over_every_slurm_nodes_exporters_with_retenti
     node = yaml.safe_load(node_document(deployment))
     assert "prometheus-node-exporter" in node["packages"]
     units = {e["path"]: e["content"] for e in node["write_files"]}
-    assert "dcgm-exporter:4.2.3-4.1.3-ubuntu22.04" in units["/etc/systemd/system/dcgm-exporter.service"]
+    assert "dcgm-exporter:4.5.2-4.8.1-ubuntu22.04" in units["/etc/systemd/system/dcgm-exporter.service"]
     assert "systemctl enable --now dcgm-exporter.service" in units["/usr/local/sbin/node-setup"]
