@@ -859,6 +859,16 @@ def test_power_program_survives_slurmctlds_closed_descriptors(sandbox: Sandbox, 
     assert "deallocating hvd-gpu-000001" in power_log(sandbox)
 
 
+def test_power_program_runs_on_the_python_of_ubuntu_2204(sandbox: Sandbox, azure: FakeAzure) -> None:
+    """The head node's python3 is 3.10, which has no datetime.UTC (3.11): here, it is taken away."""
+    run_power(sandbox, azure, "reboot", "hvd-gpu-000000")  # writes the config and stubs
+    program = sandbox.root / "slurm-power"
+    program.write_text(script_of(head_doc(), POWER_PROGRAM_PATH))
+    as_on_3_10 = f"import datetime, runpy\ndel datetime.UTC\nrunpy.run_path({str(program)!r}, run_name='__main__')\n"
+    result = sandbox.run(as_on_3_10, argv=["usage"], interpreter=sys.executable)
+    assert result.returncode == 2 and "usage:" in result.stderr, result.stderr
+
+
 def test_power_program_usage(sandbox: Sandbox, azure: FakeAzure) -> None:
     result = run_power(sandbox, azure, "reboot", "hvd-gpu-000000")
     assert result.returncode == 2

@@ -42,8 +42,10 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
+
+UTC = timezone.utc  # noqa: UP017 (datetime.UTC is Python 3.11; Ubuntu 22.04's python3 is 3.10)
 
 CONFIG_PATH = os.environ.get("SLURM_POWER_CONFIG", "/etc/slurm/azure-power.json")
 ARM_ENDPOINT = "https://management.azure.com"
