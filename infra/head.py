@@ -39,6 +39,10 @@ RESUME_TIMEOUT_S = 30 * 60
 # ResumeTimeout: a first boot also installs packages and waits for the identity's new role
 # assignments, which Azure may take up to 30 minutes to propagate (the boot steps retry that long).
 REGISTER_TIMEOUT_S = 60 * 60
+# How long slurmctld may leave the reaper unanswered before it deallocates every node (Slurm failed on
+# the head node: nothing vouches for them). As long, for the same first boot: the head node's own
+# munge key waits for its role assignment before slurmctld can start.
+CONTROLLER_GRACE_S = REGISTER_TIMEOUT_S
 # Deallocating a large VM takes minutes; Slurm waits this long before it may start the node again.
 SUSPEND_TIMEOUT_S = 10 * 60
 HEALTH_CHECK_INTERVAL_S = 5 * 60
@@ -145,6 +149,7 @@ class HeadNode(pulumi.ComponentResource):
                     node_prefix=args.node_prefix,
                     admin_user=args.admin_user,
                     register_timeout_s=REGISTER_TIMEOUT_S,
+                    controller_grace_s=CONTROLLER_GRACE_S,
                     # autostopMinutes 0 keeps idle nodes up: those that came up on their own too
                     power_down_unused=args.autostop_minutes > 0,
                     spot_scale_set=(
