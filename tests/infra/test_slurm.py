@@ -118,6 +118,7 @@ def test_slurm_conf_has_one_gpu_partition_of_the_named_cloud_nodes() -> None:
         "State": "UP",
         "OverSubscribe": "NO",  # jobs hold the GPUs they ask for (gres), not whole nodes
         "DefCpuPerGPU": "12",  # with each GPU, its share of the node's cores
+        "DefMemPerGPU": "218880",  # and of its memory (MB): a job that names no --mem gets neither 0 nor all
     }
     assert settings["GresTypes"] == "gpu"
     assert settings["ClusterName"] == "hvd"
@@ -195,6 +196,17 @@ def test_slurm_conf_for_cpu_nodes_has_no_gres() -> None:
     assert "GresTypes" not in settings
     assert "Gres" not in lines["NodeName"]
     assert lines["NodeName"]["NodeName"] == "node-0,node-1"
+    # memory shared out per core where there are no GPUs to share it out by
+    assert lines["PartitionName"]["DefMemPerCPU"] == "512" and "DefCpuPerGPU" not in lines["PartitionName"]
+
+
+def test_memory_is_a_consumable_resource_that_cgroups_hold_each_job_to() -> None:
+    """Without memory among the consumable resources, ConstrainRAMSpace holds a job to the node's whole
+    RealMemory, whatever else runs there."""
+    settings, _ = parse_slurm_conf(slurm_conf())
+    assert settings["SelectType"] == "select/cons_tres"
+    assert settings["SelectTypeParameters"] == "CR_Core_Memory"
+    assert "ConstrainRAMSpace=yes" in render_cgroup_conf().splitlines()
 
 
 def test_every_partition_takes_the_clusters_job_time_limits() -> None:
