@@ -88,6 +88,7 @@ class HeadNodeArgs(MachineArgs):
     nfs_export_path: str
     slurm_version: str  # slurmctld's, the nodes' slurmd's (slurmVersion)
     image: ImageReference  # the nodes' (ubuntu-hpc): Microsoft's Slurm repository, its key and the apt pin
+    os_disk_size_gb: int  # headOsDiskSizeGb
     spot: SpotNodes | None = None  # the `spot` partition's scale set, if the stack has one
     tracking: TrackingServer | None = None  # MLflow on this node (infra/cloud_init/mlflow.py)
 
@@ -167,6 +168,7 @@ class HeadNode(pulumi.ComponentResource):
             LinuxVmArgs(
                 **args.machine_fields(),
                 image=args.image,
+                os_disk_size_gb=args.os_disk_size_gb,
                 private_ip=args.private_ip,
                 custom_data=self.custom_data,
                 identity_ids=[

@@ -210,6 +210,7 @@ def _slurm_side(base: _Base, data: _DataSide, nfs: NfsServer) -> _SlurmSide:
             slurm_version=cfg.slurm_version,
             # The nodes' image: the same Slurm repository, signing key and apt pin as theirs.
             image=cfg.image_reference,
+            os_disk_size_gb=cfg.head_os_disk_size_gb,
             **base.machine,
             **common,
         ),
