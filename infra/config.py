@@ -168,6 +168,10 @@ class StackConfig(BaseModel):
     vnet_cidr: str = "10.40.0.0/16"
     jumpbox_vm_size: str = "Standard_B2s"
     head_vm_size: str = "Standard_D4s_v5"
+    # The head node's OS disk holds the HPC image, Prometheus's 10 GB of retention, the MLflow
+    # server's environment and slurmctld's state: the image's own 64 GB leaves too little. Not below
+    # those 64 GB (Azure cannot shrink an image's disk); 4095 GB is Azure's largest OS disk.
+    head_os_disk_size_gb: int = Field(default=128, ge=64, le=4095)
     nfs_vm_size: str = "Standard_D16s_v5"
     nfs_disk_count: int = Field(default=4, ge=1, le=32)
     nfs_disk_size_gb: int = Field(default=1024, ge=32, le=32767)

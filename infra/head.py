@@ -39,6 +39,10 @@ RESUME_TIMEOUT_S = 30 * 60
 # ResumeTimeout: a first boot also installs packages and waits for the identity's new role
 # assignments, which Azure may take up to 30 minutes to propagate (the boot steps retry that long).
 REGISTER_TIMEOUT_S = 60 * 60
+# How long slurmctld may leave the reaper unanswered before it deallocates every node (Slurm failed on
+# the head node: nothing vouches for them). As long, for the same first boot: the head node's own
+# munge key waits for its role assignment before slurmctld can start.
+CONTROLLER_GRACE_S = REGISTER_TIMEOUT_S
 # Deallocating a large VM takes minutes; Slurm waits this long before it may start the node again.
 SUSPEND_TIMEOUT_S = 10 * 60
 HEALTH_CHECK_INTERVAL_S = 5 * 60
@@ -84,6 +88,7 @@ class HeadNodeArgs(MachineArgs):
     nfs_export_path: str
     slurm_version: str  # slurmctld's, the nodes' slurmd's (slurmVersion)
     image: ImageReference  # the nodes' (ubuntu-hpc): Microsoft's Slurm repository, its key and the apt pin
+    os_disk_size_gb: int  # headOsDiskSizeGb
     spot: SpotNodes | None = None  # the `spot` partition's scale set, if the stack has one
     tracking: TrackingServer | None = None  # MLflow on this node (infra/cloud_init/mlflow.py)
 
@@ -145,6 +150,7 @@ class HeadNode(pulumi.ComponentResource):
                     node_prefix=args.node_prefix,
                     admin_user=args.admin_user,
                     register_timeout_s=REGISTER_TIMEOUT_S,
+                    controller_grace_s=CONTROLLER_GRACE_S,
                     # autostopMinutes 0 keeps idle nodes up: those that came up on their own too
                     power_down_unused=args.autostop_minutes > 0,
                     spot_scale_set=(
@@ -162,6 +168,7 @@ class HeadNode(pulumi.ComponentResource):
             LinuxVmArgs(
                 **args.machine_fields(),
                 image=args.image,
+                os_disk_size_gb=args.os_disk_size_gb,
                 private_ip=args.private_ip,
                 custom_data=self.custom_data,
                 identity_ids=[

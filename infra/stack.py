@@ -238,6 +238,7 @@ def _head_node(
             slurm_version=cfg.slurm_version,
             # The nodes' image: the same Slurm repository, signing key and apt pin as theirs.
             image=cfg.image_reference,
+            os_disk_size_gb=cfg.head_os_disk_size_gb,
             **base.machine,
             **base.common,
         ),

@@ -72,6 +72,7 @@ class LinuxVmArgs(MachineArgs):
     private_ip: str | None = None  # static when set, else dynamic
     public_ip_id: pulumi.Input[str] | None = None
     data_disks: Sequence[compute.DataDiskArgs] = field(default_factory=list)
+    os_disk_size_gb: int | None = None  # None: the image's own size
     custom_data: pulumi.Input[str] | None = None  # base64 cloud-config
     accelerated_networking: bool = True
     identity_ids: Sequence[pulumi.Input[str]] = ()  # user-assigned managed identities
@@ -105,9 +106,12 @@ class LinuxVm(pulumi.ComponentResource):
         )
         vm_opts = child
         if args.rebuild_on_custom_data_change:
-            # Deleted first: the new VM takes over the NIC, which holds the static address.
+            # Deleted first: the new VM takes over the NIC, which holds the static address. A new OS
+            # disk size too: Azure grows a VM's OS disk only while the VM is deallocated.
             vm_opts = pulumi.ResourceOptions(
-                parent=self, replace_on_changes=["osProfile.customData"], delete_before_replace=True
+                parent=self,
+                replace_on_changes=["osProfile.customData", "storageProfile.osDisk.diskSizeGB"],
+                delete_before_replace=True,
             )
         self.vm = compute.VirtualMachine(
             f"{name}-vm",
@@ -125,6 +129,7 @@ class LinuxVm(pulumi.ComponentResource):
                 os_disk=compute.OSDiskArgs(
                     create_option="FromImage",
                     delete_option="Delete",
+                    disk_size_gb=args.os_disk_size_gb,
                     managed_disk=compute.ManagedDiskParametersArgs(storage_account_type="Premium_LRS"),
                 ),
                 data_disks=list(args.data_disks),

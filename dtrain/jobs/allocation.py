@@ -18,6 +18,11 @@ from dtrain.cluster.slurm_time import check_time_limit, time_limit_seconds
 from dtrain.errors import OperatorError
 from infra.slurm_time import exceeds, is_unlimited
 
+# A job's hold on whole nodes: every core and GPU (--exclusive), and all of each node's memory, which
+# --exclusive alone does not give where memory is consumable (a job without --mem would get the
+# partition's DefMemPerGPU for each GPU, or DefMemPerCPU on CPU nodes: infra/cloud_init/slurm.py).
+WHOLE_NODE_FLAGS = ("--exclusive", "--mem=0")
+
 
 def add_allocation_arguments(parser: argparse.ArgumentParser) -> None:
     """--nodes, --gpus | --gpus-per-node, --exclusive, --time: what `launch` and `alloc` ask Slurm for."""
@@ -151,6 +156,6 @@ def plan_from_args(desc: ClusterDescription, args: argparse.Namespace) -> Alloca
 def salloc_flags(alloc: Allocation, partition: str) -> list[str]:
     """The same request as sbatch's #SBATCH lines in job.sh (dtrain/jobs/batch_script.py), for salloc."""
     flags = [f"--partition={partition}", f"--nodes={alloc.nodes}", f"--ntasks-per-node={alloc.processes_per_node}"]
-    flags += ["--exclusive"] if alloc.exclusive else []
+    flags += WHOLE_NODE_FLAGS if alloc.exclusive else ()
     flags += [f"--gres=gpu:{alloc.gpus_per_node}"] if alloc.gpus_per_node else []
     return [*flags, f"--time={alloc.time_limit}"]

@@ -24,6 +24,7 @@ from typing import Literal
 
 from dtrain.cluster.ssh import q
 from dtrain.jobs import checkpoint_sync, task_steps, time_warning, tracking
+from dtrain.jobs.allocation import WHOLE_NODE_FLAGS
 from dtrain.remote.job.annotate_output import TORCHRUN_PREFIX_TEMPLATE
 from infra.contract import CONTAINER_SSH_PORT, PREEMPTED_EXIT_CODE
 
@@ -131,7 +132,7 @@ def _header(spec: JobSpec) -> list[str]:
         "#SBATCH --requeue" if spec.requeue else "#SBATCH --no-requeue",
     ]
     if spec.exclusive:
-        lines.append("#SBATCH --exclusive")
+        lines += [f"#SBATCH {flag}" for flag in WHOLE_NODE_FLAGS]
     if spec.gpus_per_node:
         lines.append(f"#SBATCH --gres=gpu:{spec.gpus_per_node}")
     if spec.time_limit:

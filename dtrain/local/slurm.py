@@ -40,7 +40,6 @@ from infra.cloud_init.slurm import (
     JobTimeLimits,
     NodeSet,
     PowerSaving,
-    cores_per_gpu,
     partition_line,
     render_health_check,
     render_slurm_conf,
@@ -219,7 +218,7 @@ def render_local_conf(
     run = files.root
     controller = conf_value(azure, "SlurmctldParameters")
     # Every node is in the Spot partition too: any of them may be "evicted" (dtrain/local/metadata.py)
-    spot = partition_line(SPOT_PARTITION, "ALL", default=False, share=cores_per_gpu(node_set), job_time=JOB_TIME)
+    spot = partition_line(SPOT_PARTITION, "ALL", node_set, default=False, job_time=JOB_TIME)
     conf = override(
         azure,
         {

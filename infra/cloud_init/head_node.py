@@ -49,6 +49,9 @@ SLURM_LOG_DIR = "/var/log/slurm"
 POWER_PROGRAM_PATH = "/usr/local/sbin/slurm-power"
 POWER_CONFIG_PATH = "/etc/slurm/azure-power.json"  # slurm_power.py's default
 POWER_LOG_PATH = f"{SLURM_LOG_DIR}/power.log"
+# Made by the reaper's first round that finds slurmctld silent; its time starts the grace. In the
+# reaper's RuntimeDirectory (slurm-power-reap.service): a reboot starts the count again.
+SILENCE_FILE_PATH = "/run/slurm-power/slurmctld-silent-since"
 # What slurm.conf names as its programs, and the slurm-power action each one runs.
 SUSPEND_PROGRAM = "/usr/local/sbin/slurm-suspend"
 RESUME_PROGRAM = "/usr/local/sbin/slurm-resume"
@@ -90,6 +93,7 @@ def render_head_node(
     node_prefix: str,
     admin_user: str,
     register_timeout_s: int,
+    controller_grace_s: int,
     power_down_unused: bool,
     spot_scale_set: dict[str, str] | None = None,
     telemetry_nodes: Sequence[str] = (),
@@ -101,7 +105,9 @@ def render_head_node(
     scale_set_id (both through the identity identity_client_id),
     mounts the NFS export at mount_path, and gives the runs directory there to admin_user (who
     submits the jobs). register_timeout_s: how long a node that Slurm did not start may run without
-    registering before the timer deallocates it. power_down_unused: the timer also powers down, at
+    registering before the timer deallocates it. controller_grace_s: how long slurmctld may leave the
+    timer unanswered before it deallocates every instance, Slurm being unable to vouch for any.
+    power_down_unused: the timer also powers down, at
     once, registered nodes that came up outside Slurm and sit idle (autostop on; off, idle nodes stay
     up as asked). spot_scale_set: the Spot nodes' scale set (scale_set_id, node_prefix and the
     identity_client_id that powers it), powered the same way. telemetry_nodes: Slurm's nodes, whose
@@ -120,6 +126,7 @@ def render_head_node(
         identity_client_id=identity_client_id,
         node_prefix=node_prefix,
         register_timeout_s=register_timeout_s,
+        controller_grace_s=controller_grace_s,
         power_down_unused=power_down_unused,
         spot_scale_set=spot_scale_set,
     )
@@ -164,6 +171,7 @@ def _power_config(
     identity_client_id: str,
     node_prefix: str,
     register_timeout_s: int,
+    controller_grace_s: int,
     power_down_unused: bool,
     spot_scale_set: dict[str, str] | None,
 ) -> dict[str, object]:
@@ -174,6 +182,8 @@ def _power_config(
         "node_prefix": node_prefix,
         "log_file": POWER_LOG_PATH,
         "register_timeout_s": check_int("register_timeout_s", register_timeout_s, 60, 86400),
+        "controller_grace_s": check_int("controller_grace_s", controller_grace_s, 60, 86400),
+        "silence_file": SILENCE_FILE_PATH,
         "power_down_unused": power_down_unused,
     }
     if spot_scale_set is not None:

@@ -250,12 +250,14 @@ def _scheduling_lines() -> list[str]:
         # A job's processes are the members of its cgroup (none escapes by daemonizing), and each
         # job is confined to its cores, memory and GPUs' device files (cgroup.conf): two jobs
         # sharing a node cannot touch each other's GPUs. Tasks are not bound to cores by default:
-        # launchers pin their own ranks.
+        # launchers pin their own ranks. Memory is consumable (CR_Core_Memory), or cgroup.conf's
+        # ConstrainRAMSpace would hold each job to nothing less than the node's whole RealMemory;
+        # each partition gives a job that names no --mem its share (_default_shares).
         "ProctrackType=proctrack/cgroup",
         "TaskPlugin=task/cgroup,task/affinity",
         "TaskPluginParam=None",
         "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_Core",
+        "SelectTypeParameters=CR_Core_Memory",
         "MpiDefault=none",
         # A job's supplementary groups are read on its node, not on the controller: docker-runtime
         # jobs need the admin user's membership of the nodes' docker group (node-setup.sh), which
@@ -271,16 +273,10 @@ def _scheduling_lines() -> list[str]:
 def _partition_lines(partition: str, nodes: NodeSet, spot_nodes: NodeSet | None, job_time: JobTimeLimits) -> list[str]:
     """The default partition (every node, or the on-demand ones beside Spot's) and the Spot partition."""
     if spot_nodes is None:
-        return [partition_line(partition, "ALL", default=True, share=cores_per_gpu(nodes), job_time=job_time)]
+        return [partition_line(partition, "ALL", nodes, default=True, job_time=job_time)]
     return [
-        partition_line(partition, ",".join(nodes.names), default=True, share=cores_per_gpu(nodes), job_time=job_time),
-        partition_line(
-            SPOT_PARTITION,
-            ",".join(spot_nodes.names),
-            default=False,
-            share=cores_per_gpu(spot_nodes),
-            job_time=job_time,
-        ),
+        partition_line(partition, ",".join(nodes.names), nodes, default=True, job_time=job_time),
+        partition_line(SPOT_PARTITION, ",".join(spot_nodes.names), spot_nodes, default=False, job_time=job_time),
     ]
 
 
@@ -289,23 +285,27 @@ def _node_line(nodes: NodeSet) -> str:
     return line + (f" Gres=gpu:{nodes.gpus}" if nodes.gpus else "") + " State=CLOUD"
 
 
-def cores_per_gpu(nodes: NodeSet) -> int | None:
-    """The cores that come with each GPU (DefCpuPerGPU): its share of the node, for its data loaders."""
-    return max(1, nodes.cpus // nodes.gpus) if nodes.gpus else None
+def _default_shares(nodes: NodeSet) -> str:
+    """What a job that names no --cpus-per-gpu or --mem gets of a node: with each GPU, its share of the
+    node's cores (for its data loaders) and of its memory; on CPU nodes, each core's share of the memory.
+    A job asking for every GPU thus gets all but a rounding of the memory; whole-node jobs ask --mem=0."""
+    if not nodes.gpus:
+        return f" DefMemPerCPU={nodes.real_memory_mb // nodes.cpus}"
+    return f" DefCpuPerGPU={max(1, nodes.cpus // nodes.gpus)} DefMemPerGPU={nodes.real_memory_mb // nodes.gpus}"
 
 
-def partition_line(name: str, nodes: str, *, default: bool, job_time: JobTimeLimits, share: int | None = None) -> str:
+def partition_line(name: str, node_names: str, nodes: NodeSet, *, default: bool, job_time: JobTimeLimits) -> str:
     """A partition whose jobs hold the GPUs they ask for (gres), not whole nodes: two small jobs share
     a node, each seeing only its own GPUs (CUDA_VISIBLE_DEVICES from gres, and docker's --gpus with the
     job's devices). A job that asks for every GPU of a node, or --exclusive, gets the node to itself
-    (launch does). share: DefCpuPerGPU. The Spot partition has a higher PriorityTier than the default
+    (launch does). nodes: what each of them offers, shared out by default (_default_shares). The Spot
+    partition has a higher PriorityTier than the default
     (1), so that a job submitted to both (`launch --spot-fallback`: --partition=spot,gpu) takes Spot
     nodes when Slurm can start it there. job_time: its DefaultTime and MaxTime."""
     tier = " PriorityTier=2" if name == SPOT_PARTITION else ""
-    cores = f" DefCpuPerGPU={share}" if share else ""
     return (
-        f"PartitionName={check_name('partition', name)} Nodes={nodes} Default={'YES' if default else 'NO'}{tier} "
-        f"DefaultTime={job_time.default} MaxTime={job_time.maximum} State=UP OverSubscribe=NO{cores}"
+        f"PartitionName={check_name('partition', name)} Nodes={node_names} Default={'YES' if default else 'NO'}{tier} "
+        f"DefaultTime={job_time.default} MaxTime={job_time.maximum} State=UP OverSubscribe=NO{_default_shares(nodes)}"
     )
 
 
@@ -320,8 +320,9 @@ def render_gres_conf(gpus: int, device_dir: str = "/dev") -> str:
 
 def render_cgroup_conf() -> str:
     """cgroup.conf: each job held to its allocation, as Azure's own Slurm stacks do. The plugin is
-    detected (cgroup v2 on Ubuntu 22.04); cores through cpuset, memory at the job's allocation (the
-    node's RealMemory when it asks for none, which leaves the system its share), and devices: only
+    detected (cgroup v2 on Ubuntu 22.04); cores through cpuset, memory at the job's allocation (its
+    --mem, else its partition's default share: slurm.conf's DefMemPerGPU; all of the node's RealMemory,
+    which leaves the system its part, with --mem=0), and devices: only
     the GPUs the job was given (gres.conf's File=) are open to it."""
     return "CgroupPlugin=autodetect\nConstrainCores=yes\nConstrainRAMSpace=yes\nConstrainDevices=yes\n"
 

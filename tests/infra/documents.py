@@ -105,6 +105,7 @@ def head_doc(**overrides: object) -> str:
         "node_prefix": "hvd-gpu-",
         "admin_user": "hpcadmin",
         "register_timeout_s": 1800,
+        "controller_grace_s": 3600,
         "power_down_unused": True,
         "telemetry_nodes": ["hvd-gpu-000000", "hvd-gpu-000001"],
         "tracking": {

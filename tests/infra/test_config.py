@@ -55,6 +55,9 @@ BAD_VALUES = [
     ("nfsDiskCount", "0"),
     ("nfsDiskCount", "33"),
     ("nfsDiskSizeGb", "16"),
+    ("headOsDiskSizeGb", "32"),  # below the HPC image's own disk
+    ("headOsDiskSizeGb", "4096"),  # above Azure's largest OS disk
+    ("headOsDiskSizeGb", "big"),
     ("nfsVmSize", "D16s_v5"),
     ("jumpboxVmSize", "small"),
     ("sasExpiry", "next tuesday"),
@@ -421,13 +424,14 @@ def test_load_config_reads_pulumi_config() -> None:
     assert cfg.node_count == 4 and cfg.tags == {"costCenter": "ml-research"}
 
 
-def test_bad_config_declares_nothing() -> None:
+@pytest.mark.parametrize(("key", "value"), [("nodeCount", "500"), ("headOsDiskSizeGb", "30")])
+def test_bad_config_declares_nothing(key: str, value: str) -> None:
     """Validation runs before the first resource: a failed `pulumi up` leaves nothing behind."""
     mocks = AzureMocks()
     pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=STACK, preview=False)
-    _set_pulumi_config({**VALID_CONFIG, "nodeCount": "500"})
+    _set_pulumi_config({**VALID_CONFIG, key: value})
     try:
-        with pytest.raises(ConfigError, match="nodeCount"):
+        with pytest.raises(ConfigError, match=key):
             build_stack(load_config(), PROJECT, STACK)
     finally:
         pulumi.runtime.set_all_config({})

@@ -40,9 +40,19 @@ from dtrain.local.slurm import CLOUD_REG_ADDRS, PRIVATE_DATA, conf_value, overri
 from dtrain.pricing import count_nodes, estimate_cost, load_price_table
 from infra.cloud_init import render_cgroup_conf, render_gres_conf, render_health_check
 from infra.cloud_init._common import MUNGE_KEY_FETCH_PATH, MUNGE_KEY_PATH
-from infra.cloud_init.head_node import POWER_ACTIONS, POWER_CONFIG_PATH, POWER_LOG_PATH, POWER_PROGRAM_PATH
+from infra.cloud_init.head_node import (
+    HEAD_SETUP_PATH,
+    POWER_ACTIONS,
+    POWER_CONFIG_PATH,
+    POWER_LOG_PATH,
+    POWER_PROGRAM_PATH,
+    REAP_UNITS,
+    SILENCE_FILE_PATH,
+    UNITS_DIR,
+)
 from infra.cloud_init.mlflow import mlflow_commands
 from infra.cloud_init.slurm import JobTimeLimits, NodeSet
+from infra.cloud_init.slurm_packages import SLURM_USER, account_commands
 from infra.config import parse_config
 from infra.contract import HEALTH_REPORT_DIR, SRUN_PORTS
 from tests.infra.conftest import PROJECT, VALID_CONFIG
@@ -60,13 +70,14 @@ from tests.infra.documents import (
     script_of,
     slurm_conf,
 )
-from tests.infra.sandbox import Sandbox, add_port, shell_value, tool, with_value
+from tests.infra.sandbox import Sandbox, add_port, shell_value, systemd_verify, tool, with_value
 from tests.local_http import reply_json, serving
 
 HEALTH_CHECK = "/usr/local/sbin/slurm-health-check"
 EPILOG = "/usr/local/sbin/slurm-epilog"
 NODE = "hvd-gpu-000001"
 TOKEN = "ARM-SECRET-eyJhbGciOiJSUzI1NiJ9"
+SPOT_SCALE_SET_ID = SCALE_SET_ID.replace("/vmss-1", "/vmss-spot")
 
 
 def parse_slurm_conf(text: str) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
@@ -107,6 +118,7 @@ def test_slurm_conf_has_one_gpu_partition_of_the_named_cloud_nodes() -> None:
         "State": "UP",
         "OverSubscribe": "NO",  # jobs hold the GPUs they ask for (gres), not whole nodes
         "DefCpuPerGPU": "12",  # with each GPU, its share of the node's cores
+        "DefMemPerGPU": "218880",  # and of its memory (MB): a job that names no --mem gets neither 0 nor all
     }
     assert settings["GresTypes"] == "gpu"
     assert settings["ClusterName"] == "hvd"
@@ -184,6 +196,17 @@ def test_slurm_conf_for_cpu_nodes_has_no_gres() -> None:
     assert "GresTypes" not in settings
     assert "Gres" not in lines["NodeName"]
     assert lines["NodeName"]["NodeName"] == "node-0,node-1"
+    # memory shared out per core where there are no GPUs to share it out by
+    assert lines["PartitionName"]["DefMemPerCPU"] == "512" and "DefCpuPerGPU" not in lines["PartitionName"]
+
+
+def test_memory_is_a_consumable_resource_that_cgroups_hold_each_job_to() -> None:
+    """Without memory among the consumable resources, ConstrainRAMSpace holds a job to the node's whole
+    RealMemory, whatever else runs there."""
+    settings, _ = parse_slurm_conf(slurm_conf())
+    assert settings["SelectType"] == "select/cons_tres"
+    assert settings["SelectTypeParameters"] == "CR_Core_Memory"
+    assert "ConstrainRAMSpace=yes" in render_cgroup_conf().splitlines()
 
 
 def test_every_partition_takes_the_clusters_job_time_limits() -> None:
@@ -685,7 +708,8 @@ class Call:
 
 @dataclass
 class FakeAzure:
-    """IMDS and Resource Manager for one scale set; `answers` queues (status, body) per 'METHOD /suffix'."""
+    """IMDS and Resource Manager for the scale sets (on-demand and Spot); `answers` queues (status, body)
+    per 'METHOD /suffix'."""
 
     calls: list[Call] = field(default_factory=list)
     answers: dict[str, list[tuple[int, Any]]] = field(default_factory=dict)
@@ -694,7 +718,7 @@ class FakeAzure:
     def answer(self, method: str, path: str) -> tuple[int, Any]:
         if path == "/metadata/identity/oauth2/token":
             return 200, {"access_token": TOKEN, "expires_in": "86399"}
-        suffix = path.removeprefix(SCALE_SET_ID)
+        suffix = path.removeprefix(SPOT_SCALE_SET_ID if path.startswith(SPOT_SCALE_SET_ID) else SCALE_SET_ID)
         queued = self.answers.get(f"{method} {suffix}")
         if queued:
             return queued.pop(0)
@@ -705,7 +729,7 @@ class FakeAzure:
         return 404, {"error": {"code": "NotFound", "message": path}}
 
     def arm_calls(self) -> list[Call]:
-        return [call for call in self.calls if call.path.startswith(SCALE_SET_ID)]
+        return [call for call in self.calls if call.path.startswith((SCALE_SET_ID, SPOT_SCALE_SET_ID))]
 
 
 @pytest.fixture
@@ -738,19 +762,26 @@ def azure() -> Iterator[FakeAzure]:
 
 
 def run_power(
-    sandbox: Sandbox, azure: FakeAzure, *argv: str, slurm_conf: Path | None = None, config: dict[str, Any] | None = None
+    sandbox: Sandbox,
+    azure: FakeAzure,
+    *argv: str,
+    slurm_conf: Path | None = None,
+    config: dict[str, Any] | None = None,
+    without_slurm: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """The power program against the fake Azure, with the head node's power config (and `config`'s
-    changes); with slurm_conf, against that real slurmctld instead of a stub scontrol."""
+    changes); with slurm_conf, against that real slurmctld instead of a stub scontrol; without_slurm,
+    with no scontrol at all (the Slurm packages failed to install)."""
     log = sandbox.root / "power.log"
     config = {
         **json.loads(script_of(head_doc(), POWER_CONFIG_PATH)),
         **(config or {}),
         **{"arm_endpoint": azure.endpoint, "imds_endpoint": azure.endpoint, "retry_seconds": 0, "log_file": str(log)},
+        "silence_file": str(silence_file(sandbox)),
     }
     path = sandbox.root / "azure-power.json"
     path.write_text(json.dumps(config))
-    if slurm_conf is None and not (sandbox.bin / "scontrol").exists():
+    if slurm_conf is None and not without_slurm and not (sandbox.bin / "scontrol").exists():
         # scontrol show hostnames: the nodes of a bracketed hostlist are in the state file.
         sandbox.stub(
             "scontrol",
@@ -758,7 +789,13 @@ def run_power(
         )
     program = script_of(head_doc(), POWER_PROGRAM_PATH)
     env = {"SLURM_POWER_CONFIG": str(path), **({"SLURM_CONF": str(slurm_conf)} if slurm_conf else {})}
+    if without_slurm:
+        env["PATH"] = str(sandbox.bin)
     return sandbox.run(program, env, argv=argv, interpreter=sys.executable)
+
+
+def silence_file(sandbox: Sandbox) -> Path:
+    return sandbox.root / "slurmctld-silent-since"
 
 
 def power_log(sandbox: Sandbox) -> str:
@@ -857,6 +894,16 @@ def test_power_program_survives_slurmctlds_closed_descriptors(sandbox: Sandbox, 
     assert result.returncode == 0
     assert azure.arm_calls()[0].body == {"instanceIds": ["1"]}
     assert "deallocating hvd-gpu-000001" in power_log(sandbox)
+
+
+def test_power_program_runs_on_the_python_of_ubuntu_2204(sandbox: Sandbox, azure: FakeAzure) -> None:
+    """The head node's python3 is 3.10, which has no datetime.UTC (3.11): here, it is taken away."""
+    run_power(sandbox, azure, "reboot", "hvd-gpu-000000")  # writes the config and stubs
+    program = sandbox.root / "slurm-power"
+    program.write_text(script_of(head_doc(), POWER_PROGRAM_PATH))
+    as_on_3_10 = f"import datetime, runpy\ndel datetime.UTC\nrunpy.run_path({str(program)!r}, run_name='__main__')\n"
+    result = sandbox.run(as_on_3_10, argv=["usage"], interpreter=sys.executable)
+    assert result.returncode == 2 and "usage:" in result.stderr, result.stderr
 
 
 def test_power_program_usage(sandbox: Sandbox, azure: FakeAzure) -> None:
@@ -1035,6 +1082,71 @@ def test_reap_powers_down_through_slurm_the_lost_nodes_that_azure_deallocated(
     ]
     assert "hvd-gpu-000000 lost by Slurm (CLOUD+DOWN+NOT_RESPONDING)" in power_log(sandbox)
     assert_token_kept_secret(sandbox, result)
+
+
+# --- the reaper without slurmctld: Slurm failed on the head node -------------------------------
+
+
+def silent_for(sandbox: Sandbox, seconds: float) -> None:
+    """As if the reaper had first found slurmctld silent `seconds` ago."""
+    since = time.time() - seconds
+    silence_file(sandbox).touch()
+    os.utime(silence_file(sandbox), (since, since))
+
+
+def conf_of_a_stopped_controller(tmp_path: Path) -> Path:
+    """The Azure slurm.conf, for a slurmctld that does not run (its port on loopback is free)."""
+    conf = tmp_path / "slurm.conf"
+    rendered = slurm_conf(controller_host="head", controller_address="127.0.0.1")
+    conf.write_text(override(rendered, {"SlurmctldPort": str(free_port()), "MessageTimeout": "2"}))
+    return conf
+
+
+@pytest.mark.parametrize("broken", ["slurmctld does not run", "Slurm is not installed"])
+def test_reap_without_slurmctld_deallocates_every_instance_once_the_grace_has_passed(
+    sandbox: Sandbox, azure: FakeAzure, tmp_path: Path, broken: str
+) -> None:
+    """Nothing vouches for any instance: the first round that finds slurmctld silent starts the count and
+    deallocates nothing; once the grace has passed since then, every round deallocates every instance of
+    both scale sets through Azure alone (instanceIds omitted), and power.log says why."""
+    spot = {"scale_set_id": SPOT_SCALE_SET_ID, "node_prefix": "hvd-spot-", "identity_client_id": CLIENT_ID}
+    config = {"controller_grace_s": 3600, "spot": spot}
+    if broken == "slurmctld does not run":
+        options: dict[str, Any] = {"slurm_conf": conf_of_a_stopped_controller(tmp_path)}
+    else:
+        options = {"without_slurm": True}
+
+    first = run_power(sandbox, azure, "reap", config=config, **options)
+    assert first.returncode == 0, first.stderr + power_log(sandbox)
+    assert azure.arm_calls() == [] and silence_file(sandbox).exists()
+    assert "slurmctld does not answer (" in power_log(sandbox)
+    assert "silent for 0 min; every instance is deallocated at 60 min" in power_log(sandbox)
+
+    silent_for(sandbox, 3600)
+    later = run_power(sandbox, azure, "reap", config=config, **options)
+    assert later.returncode == 0, later.stderr + power_log(sandbox)
+    assert [(call.method, call.path, call.body) for call in azure.arm_calls()] == [
+        ("POST", f"{SCALE_SET_ID}/deallocate", {}),
+        ("POST", f"{SPOT_SCALE_SET_ID}/deallocate", {}),
+    ]
+    for scale_set in ("vmss-1", "vmss-spot"):
+        assert f"deallocating every instance of {scale_set}" in power_log(sandbox)
+    assert "slurmctld has not answered for 60 min (" in power_log(sandbox)
+    assert_token_kept_secret(sandbox, later)
+
+
+def test_reap_with_slurmctld_answering_again_ends_the_silence(sandbox: Sandbox, azure: FakeAzure) -> None:
+    """slurmctld answers: the round is the usual one (a node it vouches for is not deallocated, whatever
+    the silence before), and the count starts anew at its next silence."""
+    silent_for(sandbox, 7200)
+    stub_slurm(sandbox, shown("hvd-gpu-000000", "IDLE+CLOUD+POWERED_DOWN") + shown("hvd-gpu-000001", "MIXED+CLOUD"))
+    azure.answers["GET /virtualMachines/0/instanceView"] = [(200, started(5))]  # within the bound
+    result = run_power(sandbox, azure, "reap", config={"controller_grace_s": 3600})
+    assert result.returncode == 0, result.stderr + power_log(sandbox)
+    assert [(call.method, call.path.removeprefix(SCALE_SET_ID)) for call in azure.arm_calls()] == [
+        ("GET", "/virtualMachines/0/instanceView")
+    ]
+    assert not silence_file(sandbox).exists()
 
 
 @dataclass
@@ -1289,6 +1401,28 @@ def test_the_reaper_runs_every_5_minutes_as_slurm_through_the_power_program() ->
     assert {"OnBootSec=5min", "OnUnitActiveSec=5min", "WantedBy=timers.target"} <= set(timer.splitlines())
 
 
+def test_the_reaper_runs_without_slurm_on_the_head_node(tmp_path: Path) -> None:
+    """It must deallocate the nodes when Slurm failed on the head node: its timer is enabled by cloud-init,
+    not by head-setup (which starts slurmctld); neither unit needs or binds to slurmctld; it runs as an
+    account made before any package; and the directories it writes in are its service's own."""
+    parsed = yaml.safe_load(head_doc())
+    files = files_of(head_doc())
+    assert ["systemctl", "enable", "--now", REAP_UNITS[1]] in parsed["runcmd"]
+    assert "slurm-power" not in files[HEAD_SETUP_PATH]["content"]
+    units = {unit: files[f"{UNITS_DIR}/{unit}"]["content"].splitlines() for unit in REAP_UNITS}
+    for lines in units.values():
+        assert not [line for line in lines if line.startswith(("Requires=", "BindsTo=", "Requisite=", "PartOf="))]
+    service = units[REAP_UNITS[0]]
+    assert f"User={SLURM_USER}" in service and account_commands() == parsed["bootcmd"]
+    assert {"LogsDirectory=slurm", "RuntimeDirectory=slurm-power", "RuntimeDirectoryPreserve=yes"} <= set(service)
+    assert Path(POWER_LOG_PATH).parent == Path("/var/log/slurm")
+    assert Path(SILENCE_FILE_PATH).parent == Path("/run/slurm-power")
+    for unit, lines in units.items():
+        (tmp_path / unit).write_text("\n".join(lines).replace(f"ExecStart={POWER_PROGRAM_PATH}", "ExecStart=/bin/true"))
+    result = systemd_verify(tmp_path, list(REAP_UNITS))
+    assert not [line for line in result.stderr.splitlines() if "slurm-power" in line], result.stderr
+
+
 def test_power_programs_are_wrappers_of_the_one_program() -> None:
     files = files_of(head_doc())
     for path, action in POWER_ACTIONS.items():
@@ -1303,6 +1437,8 @@ def test_power_programs_are_wrappers_of_the_one_program() -> None:
         "node_prefix": "hvd-gpu-",
         "log_file": POWER_LOG_PATH,
         "register_timeout_s": 1800,
+        "controller_grace_s": 3600,
+        "silence_file": SILENCE_FILE_PATH,
         "power_down_unused": True,
     }
 

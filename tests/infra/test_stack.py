@@ -415,6 +415,18 @@ def test_encryption_at_host_on_every_machine(deployment: Deployment) -> None:
     }
 
 
+@pytest.mark.parametrize(("raw", "size"), [({}, 128), ({"headOsDiskSizeGb": "256"}, 256)])
+def test_the_head_nodes_os_disk_takes_the_configured_size(raw: dict[str, str], size: int) -> None:
+    """The image's own disk is too small for the image, Prometheus, MLflow and slurmctld's state; a new
+    size rebuilds the head node (Azure grows an OS disk only while its VM is deallocated)."""
+    deployed = deploy({**VALID_CONFIG, **raw})
+    disks = {
+        vm.name: vm.inputs["storageProfile"]["osDisk"].get("diskSizeGB")
+        for vm in deployed.mocks.of_type(":VirtualMachine")
+    }
+    assert disks == {"hvd-jumpbox-vm": None, "hvd-nfs-vm": None, "hvd-head-vm": size}
+
+
 def test_encryption_at_host_opt_out_turns_it_off_everywhere() -> None:
     deployed = deploy({**VALID_CONFIG, "encryptionAtHost": "false"})
     profiles = _security_profiles(deployed)

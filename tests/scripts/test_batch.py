@@ -158,7 +158,9 @@ def test_a_container_gets_only_the_gpus_slurm_gave_the_job_on_its_node(tmp_path)
 def test_a_job_shares_its_nodes_unless_it_asks_for_whole_ones():
     shared = render_job_script(replace(BASE, gpus_per_node=2))
     assert "#SBATCH --gres=gpu:2" in shared and "--exclusive" not in shared
-    assert "#SBATCH --exclusive" in render_job_script(replace(BASE, exclusive=True))
+    assert "--mem" not in shared  # its GPUs' share of the memory: the partition's DefMemPerGPU
+    # a whole node's memory too: --exclusive alone gives only the default share where memory is consumable
+    assert "#SBATCH --exclusive\n#SBATCH --mem=0\n" in render_job_script(replace(BASE, exclusive=True))
     assert 'export OUTPUT_DIR="$RUN_DIR/output" CHECKPOINT_DIR="$RUN_DIR/checkpoints"' in shared
 
 

@@ -50,4 +50,4 @@ def test_two_one_gpu_jobs_share_a_node_each_seeing_only_its_own_gpu(tmp_path):
             "2 GPUs in all"
         ]
         whole = cli(*launch[:-1], "2", "--dry-run", *command)
-        assert whole.returncode == 0 and "#SBATCH --exclusive\n#SBATCH --gres=gpu:2\n" in whole.stdout
+        assert whole.returncode == 0 and "#SBATCH --exclusive\n#SBATCH --mem=0\n#SBATCH --gres=gpu:2\n" in whole.stdout

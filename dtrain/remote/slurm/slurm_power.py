@@ -18,6 +18,12 @@ Slurm itself never suspends such a node: it believes it is off. With power_down_
 on), a node that came up outside Slurm (the scale set's creation: Azure starts every instance) and
 registered is powered down through Slurm at once, unless a job waits; a node that Slurm started for
 a job (its resume leaves a comment on it) keeps the autostop time after its jobs.
+When slurmctld does not answer the reaper at all (Slurm failed to install, the munge key never came,
+slurm.conf is broken, slurmctld crash-loops), nothing can vouch for any instance: once it has been
+silent for controller_grace_s, counted from the first round that found it so since the head node
+booted (silence_file's time), every round deallocates every instance of the scale sets through
+Azure alone. Slurm, once back, starts the nodes that its jobs need (ResumeProgram); one that it held
+as on is lost (DOWN) and then powered down by the reconcile above.
 
 It acts through the head node's user-assigned identity (an IMDS token for Azure Resource Manager),
 whose only rights are a custom role on the scale set: start, deallocate, read an instance's view.
@@ -42,8 +48,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from datetime import UTC, datetime
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
+
+UTC = timezone.utc  # noqa: UP017 (datetime.UTC is Python 3.11; Ubuntu 22.04's python3 is 3.10)
 
 CONFIG_PATH = os.environ.get("SLURM_POWER_CONFIG", "/etc/slurm/azure-power.json")
 ARM_ENDPOINT = "https://management.azure.com"
@@ -67,6 +77,10 @@ log = logging.getLogger("slurm-power")
 
 class PowerError(RuntimeError):
     """An Azure call that failed for good, in words for the Slurm node reason and the log."""
+
+
+class SlurmSilent(RuntimeError):
+    """slurmctld could not be asked (not running, not installed, or refusing us), in words for the log."""
 
 
 class ScaleSet:
@@ -112,6 +126,14 @@ class ScaleSet:
 
     def deallocate(self, instance_ids: list[str]) -> None:
         self.call("POST", "/deallocate", {"instanceIds": instance_ids})
+
+    def deallocate_all(self) -> None:
+        """Every instance of the scale set: Resource Manager's reading of a body without instanceIds."""
+        self.call("POST", "/deallocate", {})
+
+    @property
+    def name(self) -> str:
+        return self.scale_set_id.rsplit("/", 1)[-1]
 
     def instance_view(self, instance_id: str) -> dict[str, Any]:
         return self.call("GET", f"/virtualMachines/{instance_id}/instanceView")
@@ -296,13 +318,88 @@ def unused(flags: set[str], comment: str) -> bool:
     return flags <= {"IDLE", "CLOUD"} and "IDLE" in flags and comment != STARTED_BY_SLURM
 
 
-def reap(sets: list[ScaleSet], bound_s: int, power_down_unused: bool) -> None:
+@dataclass(frozen=True)
+class Silence:
+    """Since when slurmctld has not answered the reaper: the modification time of since_file, made by
+    the first round that finds it silent and removed by the first that it answers. The file lies in
+    slurm-power-reap.service's runtime directory, so a reboot of the head node starts the count again."""
+
+    since_file: str
+    grace_s: int
+
+    def seconds(self) -> float:
+        """How long slurmctld has been silent: 0 at the first silent round, which starts the count."""
+        try:
+            return time.time() - os.stat(self.since_file).st_mtime
+        except FileNotFoundError:
+            with open(self.since_file, "x", encoding="utf-8") as file:
+                file.write("slurm-power reap: slurmctld has not answered since this file's modification time\n")
+            return 0.0
+
+    def end(self) -> None:
+        Path(self.since_file).unlink(missing_ok=True)
+
+
+def reap(sets: list[ScaleSet], bound_s: int, power_down_unused: bool, silence: Silence) -> None:
+    """Deallocate the instances that nothing vouches for: with slurmctld silent for silence.grace_s,
+    every one (reap_unvouched); else those that Slurm holds as powered down (reap_unregistered)."""
+    try:
+        nodes = listed_nodes()
+    except SlurmSilent as why:
+        reap_unvouched(sets, silence, str(why))
+        return
+    silence.end()
+    reap_unregistered(sets, nodes, bound_s, power_down_unused)
+
+
+def listed_nodes() -> dict[str, tuple[set[str], str, str]]:
+    """slurm_nodes(), or SlurmSilent where slurmctld cannot be asked."""
+    try:
+        return slurm_nodes()
+    except subprocess.CalledProcessError as error:
+        raise SlurmSilent(error.stderr.strip() or f"scontrol exited {error.returncode}") from error
+    except OSError as error:  # no scontrol: the Slurm packages are not installed
+        raise SlurmSilent(str(error)) from error
+
+
+def reap_unvouched(sets: list[ScaleSet], silence: Silence, why: str) -> None:
+    """With slurmctld silent, no instance can be told from a node at work: all are billed idle for all
+    anyone can tell. Once the silence has lasted silence.grace_s, deallocate every instance of every
+    scale set, at every round while it lasts (one that Azure or an operator started since too)."""
+    silent_s = silence.seconds()
+    silent_min = int(silent_s // 60)
+    if silent_s < silence.grace_s:
+        log.warning(
+            "slurmctld does not answer (%s): silent for %d min; every instance is deallocated at %d min",
+            why,
+            silent_min,
+            silence.grace_s // 60,
+        )
+        return
+    failures = []
+    for scale_set in sets:
+        log.warning(
+            "slurmctld has not answered for %d min (%s): no node is vouched for; deallocating every instance of %s",
+            silent_min,
+            why,
+            scale_set.name,
+        )
+        try:
+            scale_set.deallocate_all()
+        except PowerError as error:  # one scale set that Azure refuses keeps the other one running
+            failures.append(str(error))
+    if failures:
+        raise PowerError("; ".join(failures))
+
+
+def reap_unregistered(
+    sets: list[ScaleSet], nodes: dict[str, tuple[set[str], str, str]], bound_s: int, power_down_unused: bool
+) -> None:
     """Deallocate the nodes that Azure has run for bound_s or longer while Slurm holds them as powered
     down: they never registered, and Slurm, which believes them off, would never suspend them. With
     power_down_unused (autostop on), also power down at once, through Slurm, the registered nodes that
     came up outside Slurm (a first boot) and sit idle while no job waits."""
     now = datetime.now(UTC)
-    nodes = slurm_nodes()
     reconcile_lost(nodes, lambda node: _view_by_name(sets, node))
     for scale_set, names in group_nodes(sets, [node for node, (flags, _, _) in nodes.items() if held_off(flags)]):
         unregistered: dict[str, str] = {}
@@ -404,7 +501,8 @@ def main(argv: list[str]) -> int:
     action, hostlist = argv[1], " ".join(argv[2:])
     try:
         if action == "reap":
-            reap(scale_sets(config), config["register_timeout_s"], config["power_down_unused"])
+            silence = Silence(config["silence_file"], config["controller_grace_s"])
+            reap(scale_sets(config), config["register_timeout_s"], config["power_down_unused"], silence)
         else:
             ACTIONS[action](scale_sets(config), hostlist)
     except (PowerError, subprocess.CalledProcessError) as error:
