@@ -12,9 +12,11 @@ import gzip
 import json
 import random
 import re
+import shlex
 import stat
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,14 +36,16 @@ from tests.infra.documents import (
     SHELL_SCRIPTS,
     SKUS,
     files_of,
+    head_doc,
     nfs_doc,
     node_doc,
     script_of,
 )
-from tests.infra.sandbox import Sandbox, shell_value, systemd_verify, tool, with_value
+from tests.infra.sandbox import PACKAGED_UNITS_DIR, Sandbox, shell_value, systemd_verify, tool, with_value
 
 AAD_TOKEN = "AAD-SECRET-eyJ0eXAiOiJKV1Qi"
 ACR_REFRESH_TOKEN = "ACR-SECRET-refresh-token"
+UNITS_DIR = "/etc/systemd/system/"
 
 
 # --- validators: cloud-init schema, shellcheck, systemd-analyze -------------------------------
@@ -73,6 +77,12 @@ def test_embedded_shell_script_passes_shellcheck(name: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def runnable(unit: str) -> str:
+    """The unit with each ExecStart= that names a program (continuation lines too) running /bin/true:
+    verify insists that the programs exist; the scripts they run are checked above."""
+    return re.sub(r"^ExecStart=/(?:.*\\\n)*.*$", "ExecStart=/bin/true", unit, flags=re.MULTILINE)
+
+
 def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     files = files_of(node_doc())
     units = [path for path in files if re.fullmatch(r"/etc/systemd/system/[^/]+", path)]
@@ -86,15 +96,12 @@ def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
         "spot-agent.service",
     ]
     for unit in units:
-        # verify insists that ExecStart binaries exist; the scripts they name are checked above.
-        text = re.sub(r"^ExecStart=/.*$", "ExecStart=/bin/true", files[unit]["content"], flags=re.MULTILINE)
-        (tmp_path / Path(unit).name).write_text(text)
+        (tmp_path / Path(unit).name).write_text(runnable(files[unit]["content"]))
     # The slurmd drop-in, over a stand-in for the packaged unit it amends.
     (tmp_path / "slurmd.service").write_text("[Service]\nExecStart=/bin/true\n")
     drop_in = tmp_path / "slurmd.service.d" / "configless.conf"
     drop_in.parent.mkdir()
-    content = files["/etc/systemd/system/slurmd.service.d/configless.conf"]["content"]
-    drop_in.write_text(re.sub(r"^ExecStart=/.*$", "ExecStart=/bin/true", content, flags=re.MULTILINE))
+    drop_in.write_text(runnable(files["/etc/systemd/system/slurmd.service.d/configless.conf"]["content"]))
     # drop-in directories are read from the unit search path only: systemd_verify sets it to tmp_path
     result = systemd_verify(tmp_path, [*(Path(unit).name for unit in units), "slurmd.service"])
     assert result.returncode == 0, result.stderr
@@ -105,6 +112,69 @@ def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
         if re.search(r"acr-login|nccl-conf|node-setup|nvme-raid|configless", line)
     ]
     assert not found, result.stderr
+
+
+# SchedMD's packaged units as far as the boot order goes (etc/slurmd.service.in, slurmctld.service.in):
+# the setup scripts enable them, into multi-user.target.
+PACKAGED_SLURM_UNITS = {
+    "slurmd.service": "After=munge.service network-online.target remote-fs.target",
+    "slurmctld.service": "After=network-online.target munge.service",
+}
+# Debian's cloud-init: its package enables these into cloud-init.target, and on a cloud its generator
+# enables cloud-init.target into multi-user.target (cloud-final.service is After=multi-user.target).
+CLOUD_INIT_SERVICES = ("cloud-init-local.service", "cloud-init.service", "cloud-config.service", "cloud-final.service")
+_SYSTEMCTL_ENABLE = re.compile(r"systemctl enable ([^;&|\n]+)")
+
+
+def enabled_by(document: str) -> set[str]:
+    """The units that a document's runcmd and programs enable (`systemctl enable [--now] UNIT...`)."""
+    parsed = yaml.safe_load(document)
+    texts = [entry["content"] for entry in parsed["write_files"]] + [shlex.join(item) for item in parsed["runcmd"]]
+    words = [word for text in texts for found in _SYSTEMCTL_ENABLE.finditer(text) for word in found[1].split()]
+    return {word if "." in word else f"{word}.service" for word in words if not word.startswith("-")}
+
+
+def enable(directory: Path, unit: str) -> None:
+    """`systemctl enable unit` into directory: a link in the .wants/ of each target its [Install] names."""
+    path = directory / unit if (directory / unit).exists() else PACKAGED_UNITS_DIR / unit
+    for targets in re.findall(r"^WantedBy=(.+)$", path.read_text(), re.MULTILINE):
+        for target in targets.split():
+            wants = directory / f"{target}.wants"
+            wants.mkdir(exist_ok=True)
+            (wants / unit).symlink_to(path)
+
+
+def units_at_a_later_boot(directory: Path, document: str) -> list[str]:
+    """directory as a machine's units at every boot after its first: the document's (drop-ins too) and
+    Slurm's packaged ones, enabled as its runcmd and programs enable them, and Debian's cloud-init as a
+    cloud enables it. The names of the document's units."""
+    ours = {
+        path.removeprefix(UNITS_DIR): entry for path, entry in files_of(document).items() if path.startswith(UNITS_DIR)
+    }
+    for name, entry in ours.items():
+        (directory / name).parent.mkdir(exist_ok=True)
+        (directory / name).write_text(runnable(str(entry["content"])))
+    for name, after in PACKAGED_SLURM_UNITS.items():
+        (directory / name).write_text(
+            f"[Unit]\n{after}\n[Service]\nExecStart=/bin/true\n[Install]\nWantedBy=multi-user.target\n"
+        )
+    for unit in sorted(enabled_by(document)) + list(CLOUD_INIT_SERVICES):
+        enable(directory, unit)
+    (directory / "multi-user.target.wants" / "cloud-init.target").symlink_to(PACKAGED_UNITS_DIR / "cloud-init.target")
+    return sorted(name for name in ours if "/" not in name)
+
+
+@pytest.mark.parametrize("render", [node_doc, head_doc], ids=["node", "head"])
+def test_no_ordering_cycle_at_a_later_boot(render: Callable[[], str], tmp_path: Path) -> None:
+    """Once enabled, the setup unit and what the scripts enable start with multi-user.target beside
+    cloud-init's stages, and cloud-final.service comes after multi-user.target: a unit wanted by
+    multi-user.target and ordered after cloud-final is a cycle, which systemd breaks by deleting a job
+    (the setup's, or another's) at every boot (issue 40)."""
+    units = units_at_a_later_boot(tmp_path, render())
+    assert (tmp_path / "cloud-init.target.wants" / "cloud-final.service").exists()
+    result = systemd_verify(tmp_path, ["multi-user.target", *units], packaged_units_only=True)
+    assert "ordering cycle" not in result.stderr.lower(), result.stderr
+    assert result.returncode == 0, result.stderr
 
 
 def test_slurmd_drop_in_runs_configless_under_the_node_name_that_setup_writes() -> None:
@@ -467,7 +537,7 @@ def test_node_setup_is_a_unit_that_runs_at_every_boot_until_it_has_succeeded() -
     for line in ("ExecStart=/usr/local/sbin/node-setup", "Restart=on-failure", "RestartSec=30min"):
         assert line in unit.splitlines()
     assert f"ConditionPathExists=!{shell_value(setup, 'DONE_FILE')}" in unit
-    assert "WantedBy=multi-user.target" in unit and "After=network-online.target cloud-final.service" in unit
+    assert "WantedBy=multi-user.target" in unit and "After=network-online.target" in unit.splitlines()
     referenced = set(re.findall(r"/usr/local/(?:sbin|etc)/[\w.-]+", setup + json.dumps(files)))
     assert referenced <= set(files), referenced - set(files)
     for unit_name in re.findall(r"([\w-]+\.(?:service|timer))", setup):
