@@ -76,9 +76,12 @@ def check_slurm_version(value: str) -> str:
 
 
 def package_version(slurm_version: str) -> str:
-    """The Debian version of Microsoft's packages of slurm_version: '25.11.5' is '25.11.5-1'."""
+    """The Debian versions of Microsoft's packages of slurm_version, as apt matches them in a pin and in
+    `apt-get install name=version`: '25.11.5' is any package revision ('25.11.5-*', the newest wins),
+    since Microsoft ships rebuilds as new revisions (-2) and cyclecloud-slurm installs `=<version>*`;
+    '25.11.5-2' is that revision only."""
     version = check_slurm_version(slurm_version)
-    return version if "-" in version else f"{version}-1"
+    return version if "-" in version else f"{version}-*"
 
 
 def sources_list() -> str:
@@ -90,7 +93,8 @@ def sources_list() -> str:
 
 
 def version_pin(slurm_version: str) -> str:
-    """apt preferences that keep every slurm-smd package at slurm_version's package version."""
+    """apt preferences that keep every slurm-smd package at slurm_version's package versions (apt pins
+    match a version with a glob)."""
     return (
         "Explanation: one Slurm on the head node and every node (infra/cloud_init/slurm_packages.py)\n"
         "Package: slurm-smd*\n"
