@@ -60,6 +60,7 @@ NODE_SETUP_UNIT = "node-setup.service"  # runs node-setup at every boot until it
 UNITS = (
     "acr-login.service",
     "acr-login.timer",
+    "acr-login-boot.service",
     "nccl-conf.service",
     NODE_SETUP_UNIT,
     "nvme-raid.service",

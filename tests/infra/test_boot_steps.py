@@ -80,6 +80,21 @@ def test_a_failed_nvme_and_registry_login_do_not_keep_slurmd_from_starting_and_a
     assert report(shared, "hvd-gpu-00000a")["ok"] == "1" and done.exists()
 
 
+def test_the_registry_login_is_renewed_from_the_first_boot_on_and_made_again_at_every_boot(sandbox: Sandbox) -> None:
+    """The timer runs from the first boot on (enabled only, the login expired after 3 hours of it), and
+    the login at boot is enabled for every later one (a resumed node's has expired)."""
+    script, _, _ = setup_in(sandbox, node_doc(), "/usr/local/sbin/node-setup")
+    for name in ("nfs-mount", "slurmd-setup", "usermod", "systemctl"):
+        sandbox.stub(name)
+    assert sandbox.run(script).returncode == 0
+    registry = [call for call in sandbox.calls("systemctl") if "acr-login" in call]
+    assert registry == [
+        "systemctl enable acr-login-boot.service",
+        "systemctl enable --now acr-login.timer",
+        "systemctl start acr-login.service",
+    ]
+
+
 def test_the_report_names_the_step_that_is_running_while_it_runs(sandbox: Sandbox) -> None:
     """Boot progress for `status` and `launch --follow`: a step's report says `running since` before it ends."""
     script, shared, _ = setup_in(sandbox, node_doc(), "/usr/local/sbin/node-setup")

@@ -24,6 +24,7 @@ import yaml
 
 from infra.cloud_init import check_nccl_env, custom_data_bytes
 from infra.cloud_init._common import MAX_CUSTOM_DATA_BYTES
+from infra.head import RESUME_TIMEOUT_S
 from infra.skus import GPU_SKUS, GpuSku
 from tests.infra.documents import (
     ACR,
@@ -87,6 +88,7 @@ def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     files = files_of(node_doc())
     units = [path for path in files if re.fullmatch(r"/etc/systemd/system/[^/]+", path)]
     assert sorted(Path(unit).name for unit in units) == [
+        "acr-login-boot.service",
         "acr-login.service",
         "acr-login.timer",
         "dcgm-exporter.service",
@@ -466,7 +468,7 @@ def acr_login_in(sandbox: Sandbox, *, imds_fails: bool = False, admin_user: str 
     """acr-login against a stand-in IMDS and ACR. admin_user: a real user of this machine, whose own
     runuser and getent are used (the caller stubs docker); None: hpcadmin, with those stubbed too."""
     script = script_of(node_doc(admin_user=admin_user or "hpcadmin"), "/usr/local/sbin/acr-login")
-    script = with_value(script, "RETRY_FOR_SECONDS", 2)
+    script = with_value(script, "DEFAULT_RETRY_FOR_SECONDS", 2)
     script = with_value(script, "RETRY_SECONDS", 1)
     imds = "exit 22" if imds_fails else f'echo \'{{"access_token":"{AAD_TOKEN}","expires_in":"86399"}}\''
     sandbox.stub(
@@ -521,6 +523,28 @@ def test_acr_login_backs_off_and_gives_up_when_its_time_is_spent(sandbox: Sandbo
     assert len(sandbox.calls("curl")) == 2  # at 0 s and 1 s; the next (2 s later) would pass the 2 s allowed
     assert not sandbox.calls("docker")
     assert "retrying in 1s" in result.stderr and "within 2s" in result.stderr
+
+
+def test_at_every_later_boot_slurmd_waits_for_a_registry_login_of_two_minutes_at_most(
+    sandbox: Sandbox, tmp_path: Path
+) -> None:
+    """A resumed node logs in again before slurmd registers, so that no job pulls with the login that
+    expired while the node was deallocated; a registry that does not answer holds slurmd for minutes
+    only, well within ResumeTimeout."""
+    units = tmp_path / "units"
+    units.mkdir()
+    units_at_a_later_boot(units, node_doc())
+    assert (units / "timers.target.wants" / "acr-login.timer").exists()
+    boot_login = (units / "multi-user.target.wants" / "acr-login-boot.service").read_text()
+    assert "Before=slurmd.service" in boot_login.splitlines()
+    unit = files_of(node_doc())["/etc/systemd/system/acr-login-boot.service"]["content"]
+    program, within = re.search(r"^ExecStart=(\S+) (\d+)$", unit, re.MULTILINE).groups()
+    timeout_min = int(re.search(r"^TimeoutStartSec=(\d+)min$", unit, re.MULTILINE)[1])
+    assert program == "/usr/local/sbin/acr-login" and int(within) <= 120 and timeout_min * 60 < RESUME_TIMEOUT_S
+    # the argument bounds the attempts: 0 s, one attempt, against an IMDS that does not answer
+    result = sandbox.run(acr_login_in(sandbox, imds_fails=True), argv=["0"])
+    assert result.returncode == 1 and len(sandbox.calls("curl")) == 1
+    assert "within 0s" in result.stderr
 
 
 def test_node_setup_is_a_unit_that_runs_at_every_boot_until_it_has_succeeded() -> None:

@@ -22,11 +22,16 @@ log() { echo "node-setup: $*" >&2; }
 
 # include boot-steps.sh
 
-# The first login in this run (it retries while the AcrPull assignment propagates); the timer then
-# renews it before the token expires.
+# The first login in this run (it retries while the AcrPull assignment propagates). The timer renews
+# it hourly from now on, not only from the next boot (the token lasts about 3 hours); at every later
+# boot acr-login-boot.service logs in again before slurmd starts: a resumed node's login has expired.
+# The timer first: started after its OnBootSec, it starts acr-login.service at once, which
+# `systemctl start` then waits for.
 # shellcheck disable=SC2317  # run through step, which shellcheck cannot follow
 registry_login() {
-  systemctl enable acr-login.timer && systemctl start acr-login.service
+  systemctl enable acr-login-boot.service &&
+    systemctl enable --now acr-login.timer &&
+    systemctl start acr-login.service
 }
 
 mkdir -p "$STEPS_DIR" "$(dirname "$DONE_FILE")"
