@@ -105,22 +105,22 @@ def version_pin(slurm_version: str) -> str:
 
 def apt_files(slurm_version: str) -> list[dict[str, Any]]:
     """write_files entries of the repository's source list and the version pin: both in place before
-    cloud-init installs the packages."""
+    the setup program's first step installs the packages."""
     return [
         write_file(SLURM_SOURCES_LIST_PATH, sources_list(), "0644"),
         write_file(SLURM_PIN_PATH, version_pin(slurm_version), "0644"),
     ]
 
 
-def versioned(packages: Sequence[str], slurm_version: str) -> list[list[str]]:
-    """cloud-init `packages` entries [name, version]: installed as name=version, in one apt transaction."""
+def versioned(packages: Sequence[str], slurm_version: str) -> list[str]:
+    """apt-get install arguments name=version of packages at slurm_version (the setup programs' PACKAGES)."""
     version = package_version(slurm_version)
-    return [[package, version] for package in packages]
+    return [f"{package}={version}" for package in packages]
 
 
 def account_commands() -> list[list[str]]:
     """bootcmd entries that create the slurm and munge accounts (groups of the same id) unless present:
-    they run before the packages are installed, at every boot, and change nothing once made."""
+    they run before the setup programs install the packages, at every boot, and change nothing once made."""
     commands = []
     for user, uid in ((SLURM_USER, SLURM_UID), (MUNGE_USER, MUNGE_UID)):
         commands.append(

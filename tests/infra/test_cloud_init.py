@@ -41,6 +41,7 @@ from tests.infra.documents import (
     nfs_doc,
     node_doc,
     script_of,
+    setup_packages,
 )
 from tests.infra.sandbox import PACKAGED_UNITS_DIR, Sandbox, shell_value, systemd_verify, tool, with_value
 
@@ -420,7 +421,7 @@ def test_node_mounts_the_nfs_export_of_the_right_server() -> None:
     assert shell_value(mount, "NFS_SOURCE") == f"{NFS_IP}:/export"
     assert shell_value(mount, "MOUNT_PATH") == "/mnt/shared"
     assert set(str(shell_value(mount, "MOUNT_OPTIONS")).split(",")) >= {"_netdev", "nofail", "hard"}
-    assert "nfs-common" in yaml.safe_load(node_doc())["packages"]  # what mounts it
+    assert "nfs-common" in setup_packages(node_doc())  # what mounts it
 
 
 def nfs_mount_in(sandbox: Sandbox, *, wait_seconds: int, failures: int) -> tuple[str, Path]:

@@ -1,7 +1,7 @@
 """Where the Azure cluster's Slurm comes from, and which Slurm its files are written for.
 
 - The ubuntu-hpc image's own apt preferences (tests/infra/data/slurm-u.pin, vendored) replayed with a
-  real apt against the packages the nodes' and the head node's cloud-config install: they resolve,
+  real apt against the packages that the nodes' and the head node's setup programs install: they resolve,
   to Microsoft's packages at slurmVersion; today's Ubuntu packages do not (issue 29, finding 1).
 - The head node and the nodes take Slurm from one repository at one version (finding 2).
 - Every key of the rendered slurm.conf, gres.conf and cgroup.conf is one that Slurm 25.11 reads, and
@@ -28,9 +28,9 @@ from infra.cloud_init.slurm_packages import (
     SLURMD_PACKAGES,
     account_commands,
 )
-from tests.infra.apt_replay import Apt, Package, Repository, cloud_init_packages, installed, mirror
+from tests.infra.apt_replay import Apt, Package, Repository, installed, mirror
 from tests.infra.conftest import VALID_CONFIG, Deployment, deploy
-from tests.infra.documents import files_of, head_doc, node_doc, power, slurm_conf
+from tests.infra.documents import files_of, head_doc, node_doc, power, setup_packages, slurm_conf
 from tests.infra.sandbox import Sandbox
 from tests.infra.test_stack import head_document, node_document  # the documents the stack sends to Azure
 
@@ -131,11 +131,10 @@ ROLES = {
 
 @needs_apt
 @pytest.mark.parametrize("role", sorted(ROLES))
-def test_the_images_pin_admits_what_cloud_init_installs(tmp_path: Path, proxy: str, role: str) -> None:
+def test_the_images_pin_admits_what_the_setup_installs(tmp_path: Path, proxy: str, role: str) -> None:
     render, slurm_packages, _ = ROLES[role]
     document = render()
-    packages = cloud_init_packages(yaml.safe_load(document)["packages"])
-    result = apt_for(tmp_path, proxy, document).install(packages)
+    result = apt_for(tmp_path, proxy, document).install(setup_packages(document))
     assert result.returncode == 0, result.stdout + result.stderr
     versions = installed(result.stdout)
     # the newest revision of slurmVersion, as cyclecloud-slurm's `=<version>*` takes it
@@ -170,8 +169,7 @@ def test_the_version_pin_holds_slurm_against_newer_releases(tmp_path: Path, prox
 def test_a_package_revision_in_the_config_is_the_one_installed(tmp_path: Path, proxy: str) -> None:
     """slurmVersion 25.11.5-1: that revision, though a newer one of the version is there."""
     document = node_doc(slurm_version="25.11.5-1")
-    packages = cloud_init_packages(yaml.safe_load(document)["packages"])
-    result = apt_for(tmp_path, proxy, document).install(packages)
+    result = apt_for(tmp_path, proxy, document).install(setup_packages(document))
     assert result.returncode == 0, result.stdout + result.stderr
     assert {name: installed(result.stdout)[name] for name in SLURMD_PACKAGES} == dict.fromkeys(
         SLURMD_PACKAGES, "25.11.5-1"
@@ -188,7 +186,7 @@ def slurm_install(document: str) -> dict[str, Any]:
     return {
         "sources": files[SLURM_SOURCES_LIST_PATH]["content"],
         "pin": files[SLURM_PIN_PATH]["content"],
-        "versions": {entry[1] for entry in parsed["packages"] if isinstance(entry, list)},
+        "versions": {package.split("=")[1] for package in setup_packages(document) if "=" in package},
         "accounts": parsed["bootcmd"],
     }
 
