@@ -163,7 +163,8 @@ class StackConfig(BaseModel):
     # USD per hour a Spot VM may cost at most (Azure evicts it above that); -1: up to the on-demand price.
     spot_max_price: float = -1
     image: str = DEFAULT_IMAGE
-    # The Slurm of the head node and every node, from Microsoft's Slurm repository (package <version>-1).
+    # The Slurm of the head node and every node, from Microsoft's Slurm repository (its newest package revision
+    # of the version, <version>-*, unless the version names one: 25.11.5-2).
     slurm_version: str = DEFAULT_SLURM_VERSION
     vnet_cidr: str = "10.40.0.0/16"
     jumpbox_vm_size: str = "Standard_B2s"

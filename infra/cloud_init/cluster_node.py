@@ -60,6 +60,7 @@ NODE_SETUP_UNIT = "node-setup.service"  # runs node-setup at every boot until it
 UNITS = (
     "acr-login.service",
     "acr-login.timer",
+    "acr-login-boot.service",
     "nccl-conf.service",
     NODE_SETUP_UNIT,
     "nvme-raid.service",
@@ -71,8 +72,9 @@ DOCKER_GROUP = "docker"
 SLURMD_DROP_IN = f"{UNITS_DIR}/slurmd.service.d/configless.conf"
 # Where framework images land: the disk the health check keeps free space on.
 DOCKER_DATA_PATH = "/var/lib/docker"
-# Besides Slurm's own (slurm_packages.SLURMD_PACKAGES, versioned): mdadm and xfsprogs, the NVMe volume.
-# prometheus-node-exporter: the node's metrics for the head node's Prometheus (infra/cloud_init/prometheus.py).
+# What node-setup's first step installs besides Slurm's own (slurm_packages.SLURMD_PACKAGES, versioned):
+# mdadm and xfsprogs, the NVMe volume; prometheus-node-exporter, the node's metrics for the head node's
+# Prometheus (infra/cloud_init/prometheus.py).
 PACKAGES = ["nfs-common", MUNGE_PACKAGE, "mdadm", "xfsprogs", NODE_EXPORTER_PACKAGE]
 # Azure has at most 8 local NVMe disks on the sizes in infra/skus.py; 0 stands for "not stated".
 MAX_NVME_DISKS = 8
@@ -109,16 +111,23 @@ def render_cluster_node(
     admin = check_user("admin_user", admin_user)
     controller = f"{check_ipv4('slurmctld_address', slurmctld_address)}:{SLURMCTLD_PORT}"
     nvme = _nvme_settings(nvme_disks, nvme_mount)
+    packages = [*PACKAGES, *versioned(SLURMD_PACKAGES, slurm_version)]
     programs = _programs(
-        mount=mount, acr=acr, client_id=client_id, admin=admin, controller=controller, nvme=nvme, gpus=gpus
+        mount=mount,
+        acr=acr,
+        client_id=client_id,
+        admin=admin,
+        controller=controller,
+        nvme=nvme,
+        gpus=gpus,
+        packages=packages,
     )
     return cloud_config(
         {
-            "package_update": True,
-            # Never upgrade on the HPC image: its kernel, OFED and GPU drivers are a tested set.
+            # Never upgrade on the HPC image: its kernel, OFED and GPU drivers are a tested set. No
+            # `packages` either: node-setup installs them, at every run until they are there.
             "package_upgrade": False,
             "bootcmd": account_commands(),
-            "packages": [*PACKAGES, *versioned(SLURMD_PACKAGES, slurm_version)],
             "write_files": [
                 *apt_files(slurm_version),
                 nfs_mount_file(server_ip=nfs_server_ip, export_path=nfs_export_path, mount_path=mount),
@@ -141,7 +150,15 @@ def _nvme_settings(nvme_disks: int | None, nvme_mount: str) -> dict[str, str | i
 
 
 def _programs(
-    *, mount: str, acr: str, client_id: str, admin: str, controller: str, nvme: dict[str, str | int], gpus: int
+    *,
+    mount: str,
+    acr: str,
+    client_id: str,
+    admin: str,
+    controller: str,
+    nvme: dict[str, str | int],
+    gpus: int,
+    packages: list[str],
 ) -> list[tuple[str, str]]:
     """(path, text) of every program a node installs, from checked values: boot steps, Slurm's hooks, the Spot agent."""
     return [
@@ -161,6 +178,7 @@ def _programs(
                     "REPORT_DIR": BOOT_REPORT_DIR,
                     "ADMIN_USER": admin,
                     "DOCKER_GROUP": DOCKER_GROUP,
+                    "PACKAGES": packages,
                 },
             ),
         ),

@@ -28,7 +28,6 @@ from infra.cloud_init._common import (
 from infra.cloud_init.mlflow import PACKAGES as MLFLOW_PACKAGES
 from infra.cloud_init.mlflow import mlflow_commands, mlflow_files
 from infra.cloud_init.prometheus import PROMETHEUS_PACKAGE, head_prometheus_files
-from infra.cloud_init.prometheus import RESTART as PROMETHEUS_RESTART
 from infra.cloud_init.slurm_packages import (
     MUNGE_PACKAGE,
     SLURM_USER,
@@ -60,7 +59,8 @@ POWER_ACTIONS = {SUSPEND_PROGRAM: "suspend", RESUME_PROGRAM: "resume", RESUME_FA
 # `slurm-power reap`, every 5 minutes: deallocates the nodes that Azure runs and Slurm holds as off.
 REAP_UNITS = ("slurm-power-reap.service", "slurm-power-reap.timer")
 UNITS_DIR = "/etc/systemd/system"
-# Besides Slurm's own (slurm_packages.SLURMCTLD_PACKAGES, versioned; sbatch and friends for the login node).
+# What head-setup's first step installs besides Slurm's own (slurm_packages.SLURMCTLD_PACKAGES, versioned;
+# sbatch and friends for the login node), and Prometheus's and MLflow's where they run.
 PACKAGES = ["nfs-common", MUNGE_PACKAGE]
 # A scale set's id as Azure Resource Manager writes it; nothing that would bend the URL built on it.
 _SCALE_SET_ID = re.compile(r"/subscriptions/[^\s/?#]+(/[^\s/?#]+)+")
@@ -130,12 +130,11 @@ def render_head_node(
         power_down_unused=power_down_unused,
         spot_scale_set=spot_scale_set,
     )
-    setup = _head_setup_script(mount_path, admin_user)
+    setup = _head_setup_script(mount_path, admin_user, _packages(slurm_version, telemetry_nodes, tracking))
     return cloud_config(
         {
-            "package_update": True,
+            # No `packages`: head-setup installs them, at every run until they are there.
             "bootcmd": account_commands(),
-            "packages": _packages(slurm_version, telemetry_nodes, tracking),
             "write_files": [
                 *apt_files(slurm_version),
                 nfs_mount_file(server_ip=nfs_server_ip, export_path=nfs_export_path, mount_path=mount_path),
@@ -193,8 +192,9 @@ def _power_config(
     return power_config
 
 
-def _head_setup_script(mount_path: str, admin_user: str) -> str:
-    """head-setup (HEAD_SETUP_PATH), which head-setup.service runs at every boot until it has succeeded."""
+def _head_setup_script(mount_path: str, admin_user: str, packages: list[str]) -> str:
+    """head-setup (HEAD_SETUP_PATH), which head-setup.service runs at every boot until it has succeeded;
+    its first step installs packages."""
     return render_script(
         "boot/head-setup.sh",
         {
@@ -204,6 +204,7 @@ def _head_setup_script(mount_path: str, admin_user: str) -> str:
             "RUNS_DIR": RUNS_DIR,
             "RUNS_OWNER": admin_user,
             "REPORT_DIR": BOOT_REPORT_DIR,
+            "PACKAGES": packages,
         },
     )
 
@@ -229,9 +230,9 @@ def _power_program_files() -> list[dict[str, Any]]:
 def _deferred_slurm_files(
     slurm_conf: str, gres_conf: str, cgroup_conf: str, power_config: dict[str, object]
 ) -> list[dict[str, Any]]:
-    """Slurm's configuration and slurm-power's, written after the packages are installed."""
-    # Deferred: /etc/slurm is the packages' directory, and slurmctld must not start on
-    # the package's install before head-setup (its unit waits for slurm.conf).
+    """Slurm's configuration and slurm-power's, in cloud-init's last stage: before head-setup installs
+    the packages (slurmctld's may start the daemon on it: head-setup's next step restarts it with the
+    cluster's munge key)."""
     return [
         write_file(SLURM_CONF_PATH, slurm_conf, "0644", defer=True),
         write_file(GRES_CONF_PATH, gres_conf, "0644", defer=True),
@@ -249,7 +250,8 @@ def _service_files(telemetry_nodes: Sequence[str], tracking: dict[str, str] | No
 
 
 def _run_commands(telemetry_nodes: Sequence[str], tracking: dict[str, str] | None) -> list[list[str]]:
-    """runcmd: the reaper's timer, head-setup, then Prometheus and MLflow where they run."""
+    """runcmd: the reaper's timer, head-setup, then MLflow where it runs (Prometheus starts on its
+    package's install, which comes after its configuration)."""
     setup_start = start_setup_unit(HEAD_SETUP_UNIT)
     # The reaper's timer before the setup: a head-setup that fails or waits must not leave nodes
     # billing unseen.
@@ -257,6 +259,5 @@ def _run_commands(telemetry_nodes: Sequence[str], tracking: dict[str, str] | Non
         setup_start[0],
         ["systemctl", "enable", "--now", REAP_UNITS[1]],
         *setup_start[1:],
-        *([PROMETHEUS_RESTART] if telemetry_nodes else []),
         *(mlflow_commands() if tracking else []),
     ]

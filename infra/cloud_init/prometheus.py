@@ -69,8 +69,6 @@ SCRAPE_INTERVAL_S = 15
 # Bounded by size, not only by age: the head's OS disk also holds slurmctld's state. 10 GB keeps weeks of
 # a 100-node cluster's series at a 15 s interval; the oldest blocks go first.
 RETENTION_SIZE = "10GB"
-# The package starts Prometheus with its own example configuration before ours is written (deferred).
-RESTART = ["systemctl", "restart", "prometheus.service"]
 
 
 def head_prometheus_files(node_names: Sequence[str]) -> list[dict[str, Any]]:

@@ -76,9 +76,12 @@ def check_slurm_version(value: str) -> str:
 
 
 def package_version(slurm_version: str) -> str:
-    """The Debian version of Microsoft's packages of slurm_version: '25.11.5' is '25.11.5-1'."""
+    """The Debian versions of Microsoft's packages of slurm_version, as apt matches them in a pin and in
+    `apt-get install name=version`: '25.11.5' is any package revision ('25.11.5-*', the newest wins),
+    since Microsoft ships rebuilds as new revisions (-2) and cyclecloud-slurm installs `=<version>*`;
+    '25.11.5-2' is that revision only."""
     version = check_slurm_version(slurm_version)
-    return version if "-" in version else f"{version}-1"
+    return version if "-" in version else f"{version}-*"
 
 
 def sources_list() -> str:
@@ -90,7 +93,8 @@ def sources_list() -> str:
 
 
 def version_pin(slurm_version: str) -> str:
-    """apt preferences that keep every slurm-smd package at slurm_version's package version."""
+    """apt preferences that keep every slurm-smd package at slurm_version's package versions (apt pins
+    match a version with a glob)."""
     return (
         "Explanation: one Slurm on the head node and every node (infra/cloud_init/slurm_packages.py)\n"
         "Package: slurm-smd*\n"
@@ -101,22 +105,22 @@ def version_pin(slurm_version: str) -> str:
 
 def apt_files(slurm_version: str) -> list[dict[str, Any]]:
     """write_files entries of the repository's source list and the version pin: both in place before
-    cloud-init installs the packages."""
+    the setup program's first step installs the packages."""
     return [
         write_file(SLURM_SOURCES_LIST_PATH, sources_list(), "0644"),
         write_file(SLURM_PIN_PATH, version_pin(slurm_version), "0644"),
     ]
 
 
-def versioned(packages: Sequence[str], slurm_version: str) -> list[list[str]]:
-    """cloud-init `packages` entries [name, version]: installed as name=version, in one apt transaction."""
+def versioned(packages: Sequence[str], slurm_version: str) -> list[str]:
+    """apt-get install arguments name=version of packages at slurm_version (the setup programs' PACKAGES)."""
     version = package_version(slurm_version)
-    return [[package, version] for package in packages]
+    return [f"{package}={version}" for package in packages]
 
 
 def account_commands() -> list[list[str]]:
     """bootcmd entries that create the slurm and munge accounts (groups of the same id) unless present:
-    they run before the packages are installed, at every boot, and change nothing once made."""
+    they run before the setup programs install the packages, at every boot, and change nothing once made."""
     commands = []
     for user, uid in ((SLURM_USER, SLURM_UID), (MUNGE_USER, MUNGE_UID)):
         commands.append(

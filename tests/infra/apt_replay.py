@@ -1,4 +1,4 @@
-"""A real apt against stand-in package repositories: what a host's cloud-init would install, resolved.
+"""A real apt against stand-in package repositories: what a host's setup program would install, resolved.
 
 `Apt` keeps a whole apt configuration (sources, preferences, state, cache) in a temporary directory
 and runs `apt-get` with it (APT_CONFIG), never this machine's. The repositories are small package
@@ -126,16 +126,11 @@ class Apt:
         return subprocess.run([tool, *argv], env=env, capture_output=True, text=True, timeout=120)
 
     def install(self, packages: Sequence[str]) -> subprocess.CompletedProcess[str]:
-        """`apt-get update`, then what cloud-init runs for its `packages`, simulated."""
+        """`apt-get update`, then the install of the setup programs' packages step, simulated."""
         self.write()
         update = self.run("update")
         assert update.returncode == 0 and "Err:" not in update.stdout, update.stdout + update.stderr
         return self.run("--simulate", "--yes", "install", *packages)
-
-
-def cloud_init_packages(entries: Sequence[str | Sequence[str]]) -> list[str]:
-    """A cloud-config `packages` list as cloud-init hands it to apt-get: [name, version] is name=version."""
-    return [entry if isinstance(entry, str) else "=".join(entry) for entry in entries]
 
 
 def installed(simulation: str) -> dict[str, str]:

@@ -135,6 +135,17 @@ def script_of(document: str, path: str) -> str:
     return content
 
 
+# The setup program of each role, whose first step installs the role's packages (PACKAGES).
+SETUP_PROGRAMS = ("/usr/local/sbin/node-setup", "/usr/local/sbin/head-setup")
+
+
+def setup_packages(document: str) -> list[str]:
+    """What the document's setup program installs: names, and name=version (Slurm's)."""
+    (program,) = [path for path in SETUP_PROGRAMS if path in files_of(document)]
+    (line,) = [line for line in script_of(document, program).splitlines() if line.startswith("PACKAGES=(")]
+    return shlex.split(line.removeprefix("PACKAGES=(").removesuffix(")"))
+
+
 def shell_scripts() -> dict[str, tuple[str, str]]:
     """Every distinct embedded shell script as id -> (shell, text), runcmd included."""
     found: dict[str, tuple[str, str]] = {}

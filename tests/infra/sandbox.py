@@ -20,12 +20,22 @@ def tool(name: str) -> str:
     return path
 
 
-def systemd_verify(directory: Path, units: Sequence[str]) -> subprocess.CompletedProcess:
-    """`systemd-analyze verify` of the unit files named, in directory (their search path, drop-ins too)."""
+# The units this machine's packages installed (systemd's targets, Debian's cloud-init), without the
+# machine's own enablements under /etc.
+PACKAGED_UNITS_DIR = Path("/lib/systemd/system")
+
+
+def systemd_verify(
+    directory: Path, units: Sequence[str], *, packaged_units_only: bool = False
+) -> subprocess.CompletedProcess:
+    """`systemd-analyze verify` of the units named, looked up in directory first (drop-ins and .wants/
+    too), then in systemd's own search path; packaged_units_only: then in PACKAGED_UNITS_DIR only, so
+    that what is enabled is what directory's .wants/ say, not what this machine enabled."""
+    search_path = f"{directory}:{PACKAGED_UNITS_DIR}" if packaged_units_only else f"{directory}:"
     return subprocess.run(
-        [tool("systemd-analyze"), "verify", *(f"./{unit}" for unit in units)],
+        [tool("systemd-analyze"), "verify", *units],
         cwd=directory,
-        env={"SYSTEMD_UNIT_PATH": f"{directory}:", "PATH": "/usr/bin:/bin"},
+        env={"SYSTEMD_UNIT_PATH": search_path, "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,
         check=False,

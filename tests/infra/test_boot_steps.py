@@ -5,6 +5,7 @@ optional steps."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from infra.cloud_init._common import NFS_MOUNT_PATH
@@ -31,6 +32,7 @@ def setup_in(sandbox: Sandbox, document: str, program: str) -> tuple[str, Path, 
     script = with_value(script, "DONE_FILE", str(done))
     sandbox.stub("hostname", "echo HVD-GPU-00000A")
     sandbox.stub("mountpoint", "exit 0")
+    sandbox.stub("dpkg-query", "echo installed")  # every package there, unless a test says otherwise
     return script, shared, done
 
 
@@ -59,6 +61,7 @@ def test_a_failed_nvme_and_registry_login_do_not_keep_slurmd_from_starting_and_a
     assert sandbox.calls("usermod") == ["usermod -aG docker hpcadmin"]
     # the operator's side: the node's Slurm name (lower case), and each step with its reason
     assert report(shared, "hvd-gpu-00000a") == {
+        "packages": "ok",
         "nfs-mount": "ok",
         "nccl-conf": "ok",
         "nvme-raid": f"failed: {NVME_REASON}",
@@ -78,6 +81,66 @@ def test_a_failed_nvme_and_registry_login_do_not_keep_slurmd_from_starting_and_a
     assert sandbox.calls("slurmd-setup") == ["slurmd-setup "]  # done in this boot: not restarted
     assert sandbox.calls("systemctl").count("systemctl enable --now nvme-raid.service") == 2
     assert report(shared, "hvd-gpu-00000a")["ok"] == "1" and done.exists()
+
+
+def test_the_registry_login_is_renewed_from_the_first_boot_on_and_made_again_at_every_boot(sandbox: Sandbox) -> None:
+    """The timer runs from the first boot on (enabled only, the login expired after 3 hours of it), and
+    the login at boot is enabled for every later one (a resumed node's has expired)."""
+    script, _, _ = setup_in(sandbox, node_doc(), "/usr/local/sbin/node-setup")
+    for name in ("nfs-mount", "slurmd-setup", "usermod", "systemctl"):
+        sandbox.stub(name)
+    assert sandbox.run(script).returncode == 0
+    registry = [call for call in sandbox.calls("systemctl") if "acr-login" in call]
+    assert registry == [
+        "systemctl enable acr-login-boot.service",
+        "systemctl enable --now acr-login.timer",
+        "systemctl start acr-login.service",
+    ]
+
+
+APT_REASON = "E: Failed to fetch https://packages.microsoft.com/repos/slurm-ubuntu-jammy/dists/stable/InRelease  503"
+
+
+def test_a_repository_that_failed_leaves_nothing_missing_for_good(sandbox: Sandbox) -> None:
+    """The packages are a step: one that failed (the repository down at first boot) is tried again by
+    the next run, which installs what is missing, Slurm's at its version; once all are there, apt is not
+    asked again."""
+    script, shared, done = setup_in(sandbox, node_doc(), "/usr/local/sbin/node-setup")
+    for name in ("nfs-mount", "slurmd-setup", "usermod", "systemctl"):
+        sandbox.stub(name)
+    # dpkg as the image leaves it (munge there), and as apt-get's installs change it
+    (sandbox.state / "installed").write_text("munge\n")
+    sandbox.stub("dpkg-query", 'grep -qx "${!#}" "$STUB_STATE/installed" && echo installed')
+    sandbox.stub(
+        "apt-get",
+        'case " $* " in *" install "*)\n'
+        f"  {FAILS_ONCE.format(name='apt', reason=APT_REASON)}\n"
+        '  for arg in "$@"; do\n'
+        '    case $arg in -* | install) ;; *) echo "${arg%%=*}" >>"$STUB_STATE/installed" ;; esac\n'
+        "  done ;;\n"
+        "esac",
+    )
+
+    first = sandbox.run(script)
+    assert first.returncode == 1 and not done.exists()
+    assert report(shared, "hvd-gpu-00000a")["packages"] == f"failed: {APT_REASON}"
+    assert sandbox.calls("slurmd-setup") == ["slurmd-setup "]  # the steps are independent all the same
+
+    second = sandbox.run(script)
+    assert second.returncode == 0, second.stderr
+    first_install, second_install = [call for call in sandbox.calls("apt-get") if " install " in call]
+    assert first_install == second_install
+    assert second_install.endswith(
+        " install nfs-common mdadm xfsprogs prometheus-node-exporter "
+        "slurm-smd=25.11.5-* slurm-smd-client=25.11.5-* slurm-smd-slurmd=25.11.5-*"
+    )
+    assert "--option=Dpkg::Options::=--force-confold" in second_install  # the files cloud-init wrote stay
+    assert report(shared, "hvd-gpu-00000a")["packages"] == "ok"
+
+    asked = len(sandbox.calls("apt-get"))
+    shutil.rmtree(sandbox.root / "run")  # a new boot
+    assert sandbox.run(script).returncode == 0
+    assert len(sandbox.calls("apt-get")) == asked
 
 
 def test_the_report_names_the_step_that_is_running_while_it_runs(sandbox: Sandbox) -> None:
@@ -105,7 +168,9 @@ def test_a_late_shared_file_system_does_not_keep_slurmctld_from_starting(sandbox
 
     first = sandbox.run(script)
     assert first.returncode == 1 and not done.exists()
-    calls = [line for line in sandbox.log.read_text().splitlines() if not line.startswith("mountpoint ")]
+    calls = [
+        line for line in sandbox.log.read_text().splitlines() if not line.startswith(("mountpoint ", "dpkg-query "))
+    ]
     assert calls == [
         "hostname -s",
         "install -d -o slurm -g slurm -m 0750 /var/spool/slurmctld /var/log/slurm",
@@ -121,6 +186,7 @@ def test_a_late_shared_file_system_does_not_keep_slurmctld_from_starting(sandbox
     assert sandbox.calls("install")[-1] == f"install -d -o hpcadmin -m 0755 {shared}/runs"
     assert sandbox.calls("munge-key") == ["munge-key "]  # slurmctld is up: left alone
     assert report(shared, "hvd-gpu-00000a") | {"updated_at": ""} == {
+        "packages": "ok",
         "slurmctld": "ok",
         "shared-runs": "ok",
         "ok": "1",

@@ -16,6 +16,7 @@ import shlex
 import stat
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ import yaml
 
 from infra.cloud_init import check_nccl_env, custom_data_bytes
 from infra.cloud_init._common import MAX_CUSTOM_DATA_BYTES
+from infra.head import RESUME_TIMEOUT_S
 from infra.skus import GPU_SKUS, GpuSku
 from tests.infra.documents import (
     ACR,
@@ -35,14 +37,17 @@ from tests.infra.documents import (
     SHELL_SCRIPTS,
     SKUS,
     files_of,
+    head_doc,
     nfs_doc,
     node_doc,
     script_of,
+    setup_packages,
 )
-from tests.infra.sandbox import Sandbox, shell_value, systemd_verify, tool, with_value
+from tests.infra.sandbox import PACKAGED_UNITS_DIR, Sandbox, shell_value, systemd_verify, tool, with_value
 
 AAD_TOKEN = "AAD-SECRET-eyJ0eXAiOiJKV1Qi"
 ACR_REFRESH_TOKEN = "ACR-SECRET-refresh-token"
+UNITS_DIR = "/etc/systemd/system/"
 
 
 # --- validators: cloud-init schema, shellcheck, systemd-analyze -------------------------------
@@ -74,10 +79,17 @@ def test_embedded_shell_script_passes_shellcheck(name: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def runnable(unit: str) -> str:
+    """The unit with each ExecStart= that names a program (continuation lines too) running /bin/true:
+    verify insists that the programs exist; the scripts they run are checked above."""
+    return re.sub(r"^ExecStart=/(?:.*\\\n)*.*$", "ExecStart=/bin/true", unit, flags=re.MULTILINE)
+
+
 def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     files = files_of(node_doc())
     units = [path for path in files if re.fullmatch(r"/etc/systemd/system/[^/]+", path)]
     assert sorted(Path(unit).name for unit in units) == [
+        "acr-login-boot.service",
         "acr-login.service",
         "acr-login.timer",
         "dcgm-exporter.service",
@@ -87,15 +99,12 @@ def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
         "spot-agent.service",
     ]
     for unit in units:
-        # verify insists that ExecStart binaries exist; the scripts they name are checked above.
-        text = re.sub(r"^ExecStart=/.*$", "ExecStart=/bin/true", files[unit]["content"], flags=re.MULTILINE)
-        (tmp_path / Path(unit).name).write_text(text)
+        (tmp_path / Path(unit).name).write_text(runnable(files[unit]["content"]))
     # The slurmd drop-in, over a stand-in for the packaged unit it amends.
     (tmp_path / "slurmd.service").write_text("[Service]\nExecStart=/bin/true\n")
     drop_in = tmp_path / "slurmd.service.d" / "configless.conf"
     drop_in.parent.mkdir()
-    content = files["/etc/systemd/system/slurmd.service.d/configless.conf"]["content"]
-    drop_in.write_text(re.sub(r"^ExecStart=/.*$", "ExecStart=/bin/true", content, flags=re.MULTILINE))
+    drop_in.write_text(runnable(files["/etc/systemd/system/slurmd.service.d/configless.conf"]["content"]))
     # drop-in directories are read from the unit search path only: systemd_verify sets it to tmp_path
     result = systemd_verify(tmp_path, [*(Path(unit).name for unit in units), "slurmd.service"])
     assert result.returncode == 0, result.stderr
@@ -128,6 +137,69 @@ def test_dcgm_exporter_runs_its_own_embedded_engine_from_a_pinned_image() -> Non
     dcgm, exporter, base = tag.split("-", 2)  # <DCGM>-<exporter>-<base image>: a release, not a moving tag
     assert re.fullmatch(r"\d+\.\d+\.\d+", exporter) and base == "ubuntu22.04"
     assert tuple(int(part) for part in dcgm.split(".")) >= HOST_DCGM
+
+
+# SchedMD's packaged units as far as the boot order goes (etc/slurmd.service.in, slurmctld.service.in):
+# the setup scripts enable them, into multi-user.target.
+PACKAGED_SLURM_UNITS = {
+    "slurmd.service": "After=munge.service network-online.target remote-fs.target",
+    "slurmctld.service": "After=network-online.target munge.service",
+}
+# Debian's cloud-init: its package enables these into cloud-init.target, and on a cloud its generator
+# enables cloud-init.target into multi-user.target (cloud-final.service is After=multi-user.target).
+CLOUD_INIT_SERVICES = ("cloud-init-local.service", "cloud-init.service", "cloud-config.service", "cloud-final.service")
+_SYSTEMCTL_ENABLE = re.compile(r"systemctl enable ([^;&|\n]+)")
+
+
+def enabled_by(document: str) -> set[str]:
+    """The units that a document's runcmd and programs enable (`systemctl enable [--now] UNIT...`)."""
+    parsed = yaml.safe_load(document)
+    texts = [entry["content"] for entry in parsed["write_files"]] + [shlex.join(item) for item in parsed["runcmd"]]
+    words = [word for text in texts for found in _SYSTEMCTL_ENABLE.finditer(text) for word in found[1].split()]
+    return {word if "." in word else f"{word}.service" for word in words if not word.startswith("-")}
+
+
+def enable(directory: Path, unit: str) -> None:
+    """`systemctl enable unit` into directory: a link in the .wants/ of each target its [Install] names."""
+    path = directory / unit if (directory / unit).exists() else PACKAGED_UNITS_DIR / unit
+    for targets in re.findall(r"^WantedBy=(.+)$", path.read_text(), re.MULTILINE):
+        for target in targets.split():
+            wants = directory / f"{target}.wants"
+            wants.mkdir(exist_ok=True)
+            (wants / unit).symlink_to(path)
+
+
+def units_at_a_later_boot(directory: Path, document: str) -> list[str]:
+    """directory as a machine's units at every boot after its first: the document's (drop-ins too) and
+    Slurm's packaged ones, enabled as its runcmd and programs enable them, and Debian's cloud-init as a
+    cloud enables it. The names of the document's units."""
+    ours = {
+        path.removeprefix(UNITS_DIR): entry for path, entry in files_of(document).items() if path.startswith(UNITS_DIR)
+    }
+    for name, entry in ours.items():
+        (directory / name).parent.mkdir(exist_ok=True)
+        (directory / name).write_text(runnable(str(entry["content"])))
+    for name, after in PACKAGED_SLURM_UNITS.items():
+        (directory / name).write_text(
+            f"[Unit]\n{after}\n[Service]\nExecStart=/bin/true\n[Install]\nWantedBy=multi-user.target\n"
+        )
+    for unit in sorted(enabled_by(document)) + list(CLOUD_INIT_SERVICES):
+        enable(directory, unit)
+    (directory / "multi-user.target.wants" / "cloud-init.target").symlink_to(PACKAGED_UNITS_DIR / "cloud-init.target")
+    return sorted(name for name in ours if "/" not in name)
+
+
+@pytest.mark.parametrize("render", [node_doc, head_doc], ids=["node", "head"])
+def test_no_ordering_cycle_at_a_later_boot(render: Callable[[], str], tmp_path: Path) -> None:
+    """Once enabled, the setup unit and what the scripts enable start with multi-user.target beside
+    cloud-init's stages, and cloud-final.service comes after multi-user.target: a unit wanted by
+    multi-user.target and ordered after cloud-final is a cycle, which systemd breaks by deleting a job
+    (the setup's, or another's) at every boot (issue 40)."""
+    units = units_at_a_later_boot(tmp_path, render())
+    assert (tmp_path / "cloud-init.target.wants" / "cloud-final.service").exists()
+    result = systemd_verify(tmp_path, ["multi-user.target", *units], packaged_units_only=True)
+    assert "ordering cycle" not in result.stderr.lower(), result.stderr
+    assert result.returncode == 0, result.stderr
 
 
 def test_slurmd_drop_in_runs_configless_under_the_node_name_that_setup_writes() -> None:
@@ -371,7 +443,7 @@ def test_node_mounts_the_nfs_export_of_the_right_server() -> None:
     assert shell_value(mount, "NFS_SOURCE") == f"{NFS_IP}:/export"
     assert shell_value(mount, "MOUNT_PATH") == "/mnt/shared"
     assert set(str(shell_value(mount, "MOUNT_OPTIONS")).split(",")) >= {"_netdev", "nofail", "hard"}
-    assert "nfs-common" in yaml.safe_load(node_doc())["packages"]  # what mounts it
+    assert "nfs-common" in setup_packages(node_doc())  # what mounts it
 
 
 def nfs_mount_in(sandbox: Sandbox, *, wait_seconds: int, failures: int) -> tuple[str, Path]:
@@ -419,7 +491,7 @@ def acr_login_in(sandbox: Sandbox, *, imds_fails: bool = False, admin_user: str 
     """acr-login against a stand-in IMDS and ACR. admin_user: a real user of this machine, whose own
     runuser and getent are used (the caller stubs docker); None: hpcadmin, with those stubbed too."""
     script = script_of(node_doc(admin_user=admin_user or "hpcadmin"), "/usr/local/sbin/acr-login")
-    script = with_value(script, "RETRY_FOR_SECONDS", 2)
+    script = with_value(script, "DEFAULT_RETRY_FOR_SECONDS", 2)
     script = with_value(script, "RETRY_SECONDS", 1)
     imds = "exit 22" if imds_fails else f'echo \'{{"access_token":"{AAD_TOKEN}","expires_in":"86399"}}\''
     sandbox.stub(
@@ -476,6 +548,28 @@ def test_acr_login_backs_off_and_gives_up_when_its_time_is_spent(sandbox: Sandbo
     assert "retrying in 1s" in result.stderr and "within 2s" in result.stderr
 
 
+def test_at_every_later_boot_slurmd_waits_for_a_registry_login_of_two_minutes_at_most(
+    sandbox: Sandbox, tmp_path: Path
+) -> None:
+    """A resumed node logs in again before slurmd registers, so that no job pulls with the login that
+    expired while the node was deallocated; a registry that does not answer holds slurmd for minutes
+    only, well within ResumeTimeout."""
+    units = tmp_path / "units"
+    units.mkdir()
+    units_at_a_later_boot(units, node_doc())
+    assert (units / "timers.target.wants" / "acr-login.timer").exists()
+    boot_login = (units / "multi-user.target.wants" / "acr-login-boot.service").read_text()
+    assert "Before=slurmd.service" in boot_login.splitlines()
+    unit = files_of(node_doc())["/etc/systemd/system/acr-login-boot.service"]["content"]
+    program, within = re.search(r"^ExecStart=(\S+) (\d+)$", unit, re.MULTILINE).groups()
+    timeout_min = int(re.search(r"^TimeoutStartSec=(\d+)min$", unit, re.MULTILINE)[1])
+    assert program == "/usr/local/sbin/acr-login" and int(within) <= 120 and timeout_min * 60 < RESUME_TIMEOUT_S
+    # the argument bounds the attempts: 0 s, one attempt, against an IMDS that does not answer
+    result = sandbox.run(acr_login_in(sandbox, imds_fails=True), argv=["0"])
+    assert result.returncode == 1 and len(sandbox.calls("curl")) == 1
+    assert "within 0s" in result.stderr
+
+
 def test_node_setup_is_a_unit_that_runs_at_every_boot_until_it_has_succeeded() -> None:
     """cloud-init only enables and starts node-setup.service (its runcmd runs once per instance); the unit
     runs node-setup again 30 minutes after a failure and at every boot, until node-setup marks it done."""
@@ -490,7 +584,7 @@ def test_node_setup_is_a_unit_that_runs_at_every_boot_until_it_has_succeeded() -
     for line in ("ExecStart=/usr/local/sbin/node-setup", "Restart=on-failure", "RestartSec=30min"):
         assert line in unit.splitlines()
     assert f"ConditionPathExists=!{shell_value(setup, 'DONE_FILE')}" in unit
-    assert "WantedBy=multi-user.target" in unit and "After=network-online.target cloud-final.service" in unit
+    assert "WantedBy=multi-user.target" in unit and "After=network-online.target" in unit.splitlines()
     referenced = set(re.findall(r"/usr/local/(?:sbin|etc)/[\w.-]+", setup + json.dumps(files)))
     assert referenced <= set(files), referenced - set(files)
     for unit_name in re.findall(r"([\w-]+\.(?:service|timer))", setup):

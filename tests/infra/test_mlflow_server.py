@@ -17,6 +17,7 @@ from infra.contract import MLFLOW_PORT
 from infra.identity import STORAGE_BLOB_DATA_CONTRIBUTOR
 from infra.network import DENY_ALL_PRIORITY
 from tests.infra.conftest import VALID_CONFIG, Deployment
+from tests.infra.documents import setup_packages
 from tests.infra.sandbox import systemd_verify
 from tests.infra.test_stack import HEAD_IP, _rules, by_name, head_document
 
@@ -38,7 +39,7 @@ def test_head_installs_the_pinned_server_and_starts_it_under_systemd(deployment:
     assert requirements == REQUIREMENTS.read_text()
     assert re.search(r"^mlflow==\d+\.\d+\.\d+\s", requirements, re.M)  # an exact version
     assert all("==" in line for line in requirements.splitlines() if line and not line.startswith("#"))
-    assert "python3-venv" in document["packages"]
+    assert "python3-venv" in setup_packages(head_document(deployment))
     for unit in UNITS:
         assert f"/etc/systemd/system/{unit}" in files
     assert ["systemctl", "enable", "--now", "--no-block", *UNITS] in document["runcmd"]

@@ -17,12 +17,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from infra.cloud_init._common import render_script
 from infra.contract import NVME_MOUNT_PATH
 from infra.skus import GPU_SKUS
-from tests.infra.documents import SKUS, files_of, node_doc, script_of
+from tests.infra.documents import SKUS, files_of, node_doc, script_of, setup_packages
 from tests.infra.nvme_vm import DISK_MODEL, REPO, NvmeVm
 from tests.infra.sandbox import Sandbox, shell_value, tool, with_value
 
@@ -57,7 +56,7 @@ def test_volume_is_built_at_every_boot_before_slurmd() -> None:
     assert "WantedBy=multi-user.target" in unit  # enabled: runs again after a deallocate/start
     setup = files["/usr/local/sbin/node-setup"]["content"]
     assert setup.index("systemctl enable --now nvme-raid.service") < setup.index("step slurmd slurmd-setup")
-    assert {"mdadm", "xfsprogs"} <= {entry for entry in yaml.safe_load(document)["packages"] if isinstance(entry, str)}
+    assert {"mdadm", "xfsprogs"} <= set(setup_packages(document))
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """Where the Azure cluster's Slurm comes from, and which Slurm its files are written for.
 
 - The ubuntu-hpc image's own apt preferences (tests/infra/data/slurm-u.pin, vendored) replayed with a
-  real apt against the packages the nodes' and the head node's cloud-config install: they resolve,
+  real apt against the packages that the nodes' and the head node's setup programs install: they resolve,
   to Microsoft's packages at slurmVersion; today's Ubuntu packages do not (issue 29, finding 1).
 - The head node and the nodes take Slurm from one repository at one version (finding 2).
 - Every key of the rendered slurm.conf, gres.conf and cgroup.conf is one that Slurm 25.11 reads, and
@@ -28,9 +28,9 @@ from infra.cloud_init.slurm_packages import (
     SLURMD_PACKAGES,
     account_commands,
 )
-from tests.infra.apt_replay import Apt, Package, Repository, cloud_init_packages, installed, mirror
+from tests.infra.apt_replay import Apt, Package, Repository, installed, mirror
 from tests.infra.conftest import VALID_CONFIG, Deployment, deploy
-from tests.infra.documents import files_of, head_doc, node_doc, power, slurm_conf
+from tests.infra.documents import files_of, head_doc, node_doc, power, setup_packages, slurm_conf
 from tests.infra.sandbox import Sandbox
 from tests.infra.test_stack import head_document, node_document  # the documents the stack sends to Azure
 
@@ -96,10 +96,11 @@ def microsoft_slurm(suite: str, versions: list[str]) -> Repository:
     return Repository("packages.microsoft.com", "/repos/slurm-ubuntu-jammy/", suite, packages)
 
 
-# Stable has older and newer releases than ours (the version pin must choose), insiders a candidate.
+# Stable has older and newer releases than ours (the version pin must choose), a rebuild of ours (its
+# package revision -2, as Microsoft ships them), and insiders a candidate.
 REPOSITORIES = [
     UBUNTU,
-    microsoft_slurm("stable", ["25.11.4-1", "25.11.5-1", "25.11.7-1"]),
+    microsoft_slurm("stable", ["25.11.4-1", "25.11.5-1", "25.11.5-2", "25.11.7-1"]),
     microsoft_slurm("insiders", ["26.05.0-0rc1"]),
 ]
 
@@ -130,14 +131,14 @@ ROLES = {
 
 @needs_apt
 @pytest.mark.parametrize("role", sorted(ROLES))
-def test_the_images_pin_admits_what_cloud_init_installs(tmp_path: Path, proxy: str, role: str) -> None:
+def test_the_images_pin_admits_what_the_setup_installs(tmp_path: Path, proxy: str, role: str) -> None:
     render, slurm_packages, _ = ROLES[role]
     document = render()
-    packages = cloud_init_packages(yaml.safe_load(document)["packages"])
-    result = apt_for(tmp_path, proxy, document).install(packages)
+    result = apt_for(tmp_path, proxy, document).install(setup_packages(document))
     assert result.returncode == 0, result.stdout + result.stderr
     versions = installed(result.stdout)
-    assert {name: versions[name] for name in slurm_packages} == dict.fromkeys(slurm_packages, "25.11.5-1")
+    # the newest revision of slurmVersion, as cyclecloud-slurm's `=<version>*` takes it
+    assert {name: versions[name] for name in slurm_packages} == dict.fromkeys(slurm_packages, "25.11.5-2")
     assert versions["munge"] == "0.5.14-6"  # Ubuntu's: the pin leaves munge to the archive
     assert not [name for name in versions if name.startswith(("slurmd", "slurmctld", "slurm-client", "slurm-wlm"))]
 
@@ -159,9 +160,20 @@ def test_the_version_pin_holds_slurm_against_newer_releases(tmp_path: Path, prox
     apt = apt_for(tmp_path, proxy, node_doc())
     result = apt.install(["slurm-smd-slurmd"])
     assert result.returncode == 0, result.stdout + result.stderr
-    assert installed(result.stdout)["slurm-smd-slurmd"] == "25.11.5-1"
+    assert installed(result.stdout)["slurm-smd-slurmd"] == "25.11.5-2"
     policy = apt.run("policy", "slurm-smd-slurmd", tool="apt-cache").stdout
-    assert "Candidate: 25.11.5-1" in policy, policy
+    assert "Candidate: 25.11.5-2" in policy, policy
+
+
+@needs_apt
+def test_a_package_revision_in_the_config_is_the_one_installed(tmp_path: Path, proxy: str) -> None:
+    """slurmVersion 25.11.5-1: that revision, though a newer one of the version is there."""
+    document = node_doc(slurm_version="25.11.5-1")
+    result = apt_for(tmp_path, proxy, document).install(setup_packages(document))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert {name: installed(result.stdout)[name] for name in SLURMD_PACKAGES} == dict.fromkeys(
+        SLURMD_PACKAGES, "25.11.5-1"
+    )
 
 
 # --- one source, one version ----------------------------------------------------------------------
@@ -174,7 +186,7 @@ def slurm_install(document: str) -> dict[str, Any]:
     return {
         "sources": files[SLURM_SOURCES_LIST_PATH]["content"],
         "pin": files[SLURM_PIN_PATH]["content"],
-        "versions": {entry[1] for entry in parsed["packages"] if isinstance(entry, list)},
+        "versions": {package.split("=")[1] for package in setup_packages(document) if "=" in package},
         "accounts": parsed["bootcmd"],
     }
 
@@ -182,7 +194,7 @@ def slurm_install(document: str) -> dict[str, Any]:
 def test_head_and_nodes_get_slurm_from_one_source_at_one_version(deployment: Deployment) -> None:
     head, node = slurm_install(head_document(deployment)), slurm_install(node_document(deployment))
     assert head == node
-    assert node["versions"] == {f"{DEFAULT_SLURM_VERSION}-1"}
+    assert node["versions"] == {f"{DEFAULT_SLURM_VERSION}-*"}
     assert node["sources"] == (
         "deb [arch=amd64 signed-by=/etc/apt/trusted.gpg.d/microsoft-prod.gpg] "
         "https://packages.microsoft.com/repos/slurm-ubuntu-jammy/ stable main\n"
@@ -218,8 +230,8 @@ def test_accounts_are_made_once_with_fixed_ids(sandbox: Sandbox, present: bool) 
 def test_slurm_version_reaches_both_documents() -> None:
     deployment = deploy({**VALID_CONFIG, "slurmVersion": "24.11.6"})
     for document in (head_document(deployment), node_document(deployment)):
-        assert slurm_install(document)["versions"] == {"24.11.6-1"}
-        assert "Pin: version 24.11.6-1\n" in slurm_install(document)["pin"]
+        assert slurm_install(document)["versions"] == {"24.11.6-*"}
+        assert "Pin: version 24.11.6-*\n" in slurm_install(document)["pin"]
 
 
 # --- the rendered files against Slurm 25.11's tables ----------------------------------------------

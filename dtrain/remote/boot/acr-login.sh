@@ -5,7 +5,7 @@
 # where that user's client reads it (~/.docker/config.json, the user's alone, 0600), written by
 # `docker login` running as that user (a member of the docker group, node-setup.sh), so root never
 # writes into the user's home. Tokens never reach argv, stdout or the log: they live in variables
-# and travel through stdin.
+# and travel through stdin. Usage: acr-login [SECONDS], how long to keep trying (default 45 minutes).
 set -euo pipefail
 
 ACR_LOGIN_SERVER=@ACR_LOGIN_SERVER@
@@ -14,12 +14,19 @@ ADMIN_USER=@ADMIN_USER@
 readonly IMDS_TOKEN_URL="http://169.254.169.254/metadata/identity/oauth2/token?api-version=2018-02-01&resource=https://management.azure.com/&client_id=$IDENTITY_CLIENT_ID"
 # ACR takes this fixed user name with a refresh token as the password.
 readonly ACR_TOKEN_USER=00000000-0000-0000-0000-000000000000
-# A new AcrPull role assignment can take up to 30 minutes to propagate.
-readonly RETRY_FOR_SECONDS=2700
+# A new AcrPull role assignment can take up to 30 minutes to propagate; the login at boot tries for
+# less (acr-login-boot.service), since slurmd waits for it.
+readonly DEFAULT_RETRY_FOR_SECONDS=2700
+readonly RETRY_FOR_SECONDS=${1:-$DEFAULT_RETRY_FOR_SECONDS}
 readonly RETRY_SECONDS=10
 readonly MAX_RETRY_SECONDS=300
 
 log() { echo "acr-login: $*" >&2; }
+
+if [[ ! $RETRY_FOR_SECONDS =~ ^[0-9]+$ ]]; then
+  log "usage: acr-login [SECONDS]"
+  exit 2
+fi
 
 # include azure-common.sh
 

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Setup of the head node, run by head-setup.service at every boot (and every 30 minutes) until every
-# step has succeeded once: slurmctld first (the nodes fetch their configuration from it), then the
-# shared file system, where the operator's jobs keep their scripts and logs. The steps are
+# step has succeeded once: the packages, slurmctld (the nodes fetch their configuration from it), then
+# the shared file system, where the operator's jobs keep their scripts and logs. The steps are
 # independent (boot-steps.sh): a shared file system that is late does not keep slurmctld from
 # starting. The munge key's fetch retries for 45 minutes itself (a new role assignment can take 30
 # to propagate). Exit status 0 when every step succeeded, 1 otherwise.
@@ -13,16 +13,18 @@ SHARED_MOUNT=@SHARED_MOUNT@
 RUNS_DIR=@RUNS_DIR@
 RUNS_OWNER=@RUNS_OWNER@
 REPORT_DIR=@REPORT_DIR@
+PACKAGES=@PACKAGES@
 readonly NFS_MOUNT=/usr/local/sbin/nfs-mount
 readonly MUNGE_KEY=/usr/local/sbin/munge-key
 readonly STEPS_DIR=/run/head-setup
 readonly DONE_FILE=/var/lib/head-setup/done
-readonly STEPS=(slurmctld shared-runs)
+readonly STEPS=(packages slurmctld shared-runs)
 NODE_NAME=$(hostname -s | tr '[:upper:]' '[:lower:]')
 
 log() { echo "head-setup: $*" >&2; }
 
 # include boot-steps.sh
+# include packages.sh
 
 # shellcheck disable=SC2317  # run through step, which shellcheck cannot follow
 start_slurmctld() {
@@ -44,6 +46,8 @@ shared_runs() {
 }
 
 mkdir -p "$STEPS_DIR" "$(dirname "$DONE_FILE")"
+# First: slurmctld, the shared file system, Prometheus and MLflow's environment need the packages.
+step packages install_packages
 step slurmctld start_slurmctld
 step shared-runs shared_runs
 if all_steps_ok; then

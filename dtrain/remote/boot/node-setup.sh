@@ -1,36 +1,46 @@
 #!/bin/bash
 # Setup of a GPU node, run by node-setup.service at every boot (and every 30 minutes) until every
-# step has succeeded once. The steps are independent: each runs whatever became of the others, so a
-# failed optional step (the NVMe volume, the registry login) never keeps slurmd from starting. Each
-# step's result goes to the boot report (boot-steps.sh), which `dtrain status` shows. The steps
-# that call Azure with the node's identity retry for 45 minutes themselves (a new role assignment
-# can take 30 to propagate); the others are tried again at the next run. Exit status 0 when every
-# step succeeded (node-setup.service then stops running it), 1 otherwise.
+# step has succeeded once, the packages first. The steps are independent: each runs whatever became
+# of the others, so a failed optional step (the NVMe volume, the registry login) never keeps slurmd
+# from starting. Each step's result goes to the boot report (boot-steps.sh), which `dtrain status`
+# shows. The steps that call Azure with the node's identity retry for 45 minutes themselves (a new
+# role assignment can take 30 to propagate); the others are tried again at the next run. Exit status
+# 0 when every step succeeded (node-setup.service then stops running it), 1 otherwise.
 set -uo pipefail
 
 SHARED_MOUNT=@SHARED_MOUNT@
 REPORT_DIR=@REPORT_DIR@
 ADMIN_USER=@ADMIN_USER@
 DOCKER_GROUP=@DOCKER_GROUP@
+PACKAGES=@PACKAGES@
 readonly STEPS_DIR=/run/node-setup
 readonly DONE_FILE=/var/lib/node-setup/done
-readonly STEPS=(nfs-mount nccl-conf nvme-raid docker-group registry-login slurmd spot-agent gpu-metrics)
+readonly STEPS=(packages nfs-mount nccl-conf nvme-raid docker-group registry-login slurmd spot-agent gpu-metrics)
 # Slurm's name for this machine: Azure may write the scale set's base-36 digits in upper case.
 NODE_NAME=$(hostname -s | tr '[:upper:]' '[:lower:]')
 
 log() { echo "node-setup: $*" >&2; }
 
 # include boot-steps.sh
+# include packages.sh
 
-# The first login in this run (it retries while the AcrPull assignment propagates); the timer then
-# renews it before the token expires.
+# The first login in this run (it retries while the AcrPull assignment propagates). The timer renews
+# it hourly from now on, not only from the next boot (the token lasts about 3 hours); at every later
+# boot acr-login-boot.service logs in again before slurmd starts: a resumed node's login has expired.
+# The timer first: started after its OnBootSec, it starts acr-login.service at once, which
+# `systemctl start` then waits for.
 # shellcheck disable=SC2317  # run through step, which shellcheck cannot follow
 registry_login() {
-  systemctl enable acr-login.timer && systemctl start acr-login.service
+  systemctl enable acr-login-boot.service &&
+    systemctl enable --now acr-login.timer &&
+    systemctl start acr-login.service
 }
 
 mkdir -p "$STEPS_DIR" "$(dirname "$DONE_FILE")"
 systemctl daemon-reload
+# First: the NFS mount, the NVMe volume and slurmd need the packages (each fails without them, and
+# the next run tries again).
+step packages install_packages
 step nfs-mount nfs-mount
 step nccl-conf systemctl enable --now nccl-conf.service
 # Enabled for every later boot too: a deallocated node starts again with empty NVMe disks.
