@@ -111,7 +111,8 @@ class BootCluster:
         out = f"/shared/runs/boot-test-{time.monotonic_ns()}.out"
         submitted = self.ssh(
             "head",
-            f"mkdir -p /shared/runs; sbatch --wait --parsable {options} -o {out} --wrap '{command}'; echo rc=$?; cat {out}",
+            f"mkdir -p /shared/runs; sbatch --wait --parsable {options} -o {out} --wrap '{command}'; "
+            f"echo rc=$?; cat {out}",
             timeout=timeout,
             check=False,
         )
@@ -212,6 +213,8 @@ def boot_cluster(
         work / "slurm-repository", image / "slurm", gnupg, suite=SLURM_REPOSITORY_SUITE,
         component=SLURM_REPOSITORY_COMPONENT,
     )  # fmt: skip
+    keyring = seed.public_keyring(gnupg)
+    seed.stop_gpg_agent(gnupg)
     roles = (["nfs"] if kind == "vm" else []) + ["head", *rendered.node_names]
     addresses = {"nfs": rendered.nfs_address, "head": rendered.head_address,
                  **dict(zip(rendered.node_names, NODE_ADDRESSES, strict=True))}  # fmt: skip
@@ -251,7 +254,6 @@ def boot_cluster(
         stack.callback(hub.delete)
         machines: dict[str, Host] = {}
         stack.callback(lambda: [_remove(host) for host in machines.values()])
-        keyring = seed.public_keyring(gnupg)
         for index, role in enumerate(roles):
             seed_args = dict(
                 instance_id=f"boot-test-{role}",

@@ -85,9 +85,14 @@ def substitutions(head: str, cpus: int, real_memory_mb: int) -> list[Substitutio
     suspend = re.search(r"^SuspendTime=\d+$", slurm_conf, re.MULTILINE)
     suspend_timeout = re.search(r"^SuspendTimeout=\d+$", slurm_conf, re.MULTILINE)
     assert suspend is not None and suspend_timeout is not None, "autostop is on in BOOT_CONFIG"
+    shares = re.search(r"DefCpuPerGPU=\d+ DefMemPerGPU=\d+", slurm_conf)
+    assert shares is not None, "the GPU partition gives each GPU its share of the node"
+    gpus = int(re.search(r"Gres=gpu:(\d+)", node)[1])  # type: ignore[index]
     return [
         Substitution("head", SLURM_CONF, resources[0], f"CPUs={cpus} RealMemory={real_memory_mb}",
                      "the test hosts' own: slurmd reports what it finds, and Slurm refuses less than slurm.conf says"),
+        Substitution("head", SLURM_CONF, shares[0], f"DefMemPerGPU={real_memory_mb // gpus}",
+                     "each GPU's share of the test hosts' CPUs and memory (fewer CPUs than GPUs: one per task)"),
         Substitution("head", SLURM_CONF, suspend[0], f"SuspendTime={AUTOSTOP_S}",
                      "autostop within the test (autostopMinutes allows 10 at least)"),
         Substitution("head", SLURM_CONF, suspend_timeout[0], f"SuspendTimeout={SUSPEND_TIMEOUT_S}",

@@ -63,7 +63,9 @@ class Azure:
     calls: list[str] = field(default_factory=list)  # "start 0,1", "deallocate 1": the ARM calls, in order
     refusals: dict[str, int] = field(default_factory=dict)  # VM address -> Key Vault's 403s to it
     repository: Path | None = None  # the Slurm repository's files (dists/, pool/)
-    repository_down_for: dict[str, float] = field(default_factory=dict)  # address -> seconds of 503 from its first request
+    repository_down_for: dict[str, float] = field(
+        default_factory=dict
+    )  # address -> seconds of 503 from its first request
     repository_first: dict[str, float] = field(default_factory=dict)
     repository_refusals: dict[str, int] = field(default_factory=dict)
 

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from email.mime.multipart import MIMEMultipart
 from email.mime.text import MIMEText
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -67,6 +68,11 @@ def make_signing_key(directory: Path) -> Path:
                     "boot test repository <boot-test@invalid>", "ed25519", "sign", "1d"],
                    check=True, capture_output=True)  # fmt: skip
     return home
+
+
+def stop_gpg_agent(gnupg_home: Path) -> None:
+    """gpg leaves an agent running for its home: the test leaves nothing running."""
+    subprocess.run(["gpgconf", "--homedir", str(gnupg_home), "--kill", "gpg-agent"], check=False, capture_output=True)
 
 
 def public_keyring(gnupg_home: Path) -> bytes:
@@ -110,14 +116,17 @@ def vendor_data(
     """A MIME multipart document: the boothook (every boot, before the custom data) and the cloud-config.
     absent_services: services of the image that this role's Azure image does not run (the head's plain
     Ubuntu has no docker), stopped before they cost the emulated CPU."""
-    lines = "".join(f"{address} {names}\n" for address, names in hosts.items())
+    # printf's escapes: each \\n below is printf's newline, written on one line of the script
+    hosts_lines = "".join(f"{address} {names}\\n" for address, names in hosts.items())
+    pip_conf = f"[global]\\nno-index = true\\nfind-links = {pip_find_links}\\n"
+    pip_conf += f"trusted-host = {urlsplit(pip_find_links).hostname}\\n"
     services_off = f"systemctl disable --now --no-block {' '.join(absent_services)}\n" if absent_services else ""
     boothook = (
         "#cloud-boothook\n#!/bin/sh\n"
         "# Azure's DNS: the endpoints and the other hosts by name.\n"
-        f"grep -q '# boot-test' /etc/hosts || printf '# boot-test\\n{lines.replace(chr(10), chr(92) + 'n')}' >>/etc/hosts\n"
+        f"grep -q '# boot-test' /etc/hosts || printf '# boot-test\\n{hosts_lines}' >>/etc/hosts\n"
         "# PyPI's stand-in, for pip (the MLflow server's environment).\n"
-        f"printf '[global]\\nno-index = true\\nfind-links = {pip_find_links}\\n' >/etc/pip.conf\n"
+        f"printf '{pip_conf}' >/etc/pip.conf\n"
         f"{services_off}"
     )
     document = {
@@ -161,7 +170,9 @@ def network_config(*, mac: str, address: str, prefixlen: int, gateway: str) -> s
 SEED_FILES = ("meta-data", "user-data", "vendor-data", "network-config")
 
 
-def write_seed(directory: Path, *, instance_id: str, hostname: str, user_data: bytes, vendor: str, network: str) -> Path:
+def write_seed(
+    directory: Path, *, instance_id: str, hostname: str, user_data: bytes, vendor: str, network: str
+) -> Path:
     """The seed as a directory (a container binds it where NoCloud looks)."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "meta-data").write_text(f"instance-id: {instance_id}\nlocal-hostname: {hostname}\n")

@@ -77,7 +77,9 @@ def _reboot(cluster: BootCluster, host: str) -> None:
 
 def test_a_step_that_failed_at_first_boot_runs_again_at_the_next_boot(cluster: BootCluster) -> None:
     node = cluster.rendered.node_names[KEY_VAULT_NODE]
-    cluster.wait_for(f"{node}'s slurmd step failing on Key Vault", lambda: _step_failed(cluster, node, "slurmd"), BOOT_S)
+    cluster.wait_for(
+        f"{node}'s slurmd step failing on Key Vault", lambda: _step_failed(cluster, node, "slurmd"), BOOT_S
+    )
     assert not cluster.ready(node)
     cluster.azure.allow(NODE_ADDRESSES[KEY_VAULT_NODE])
     _reboot(cluster, node)
@@ -121,7 +123,11 @@ def test_telemetry_and_tracking_answer(cluster: BootCluster) -> None:
 
     cluster.wait_for("Prometheus on the head", lambda: answers(f"http://{head}:9090/-/ready"), STEP_S)
     for name in cluster.rendered.node_names:
-        cluster.wait_for(f"node_exporter on {name}", lambda name=name: answers(f"http://{cluster.addresses[name]}:9100/metrics"), STEP_S)
+        cluster.wait_for(
+            f"node_exporter on {name}",
+            lambda name=name: answers(f"http://{cluster.addresses[name]}:9100/metrics"),
+            STEP_S,
+        )
     cluster.wait_for("MLflow on the head", lambda: answers(f"http://{head}:5000/health"), BOOT_S)
 
 

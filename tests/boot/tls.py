@@ -11,8 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # The names the VMs reach over HTTPS, as Azure spells them.
-SERVER_NAMES = ("*.vault.azure.net", "management.azure.com", "*.blob.core.windows.net", "*.azurecr.io",
-                "packages.microsoft.com")
+SERVER_NAMES = (
+    "*.vault.azure.net",
+    "management.azure.com",
+    "*.blob.core.windows.net",
+    "*.azurecr.io",
+    "packages.microsoft.com",
+)
 
 
 @dataclass(frozen=True)
