@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shlex
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -193,11 +192,6 @@ def read_secrets(names: list[str]) -> dict[str, str]:
     return {name: os.environ[name] for name in names}
 
 
-def secrets_env_file(values: dict[str, str]) -> bytes:
-    """`NAME='value'` lines that sh sources (set -a) into the user's command."""
-    return "".join(f"{name}={shlex.quote(value)}\n" for name, value in values.items()).encode()
-
-
 def check_task_request(
     *,
     workdir: str | None,
@@ -234,7 +228,7 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--secret", dest="secrets", action="append", type=env_name, metavar="NAME",
         help="pass the variable NAME from this environment to your command and setup, never written to argv, "
-        "job.json, job.sh or a log (repeatable; adds to a task file's secrets)",
+        "job.json or job.sh, masked (***) in the logs (repeatable; adds to a task file's secrets)",
     )  # fmt: skip
     parser.add_argument(
         "--mode", choices=("per-rank", "per-node"),

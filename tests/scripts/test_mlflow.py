@@ -32,6 +32,7 @@ from dtrain.jobs.tracking import CONTAINER_ENV, OFF, Tracking, plan_tracking
 from dtrain.local import mlflow_server as local_mlflow
 from dtrain.local.state import load_state
 from dtrain.processes import descendants
+from dtrain.remote.job.job_secrets import render_secrets
 from tests.local_http import reply_json, serving
 from tests.polling import wait_for
 
@@ -224,7 +225,9 @@ def test_the_job_script_opens_and_closes_the_run_with_a_token_kept_among_the_run
         do_GET = do_POST = _answer
 
     (tmp_path / "secrets").mkdir()
-    (tmp_path / "secrets" / "env").write_text(f"OTHER='x'\nMLFLOW_TRACKING_TOKEN='{token}'\n")
+    # beside another secret that a line-by-line reader cannot parse: a key of several lines, with quotes
+    key = '-----BEGIN KEY-----\nit\'s "quoted" \\ ü\n-----END KEY-----\n'
+    (tmp_path / "secrets" / "env").write_bytes(render_secrets({"OTHER": key, "MLFLOW_TRACKING_TOKEN": token}))
     tool = REPO / "dtrain" / "remote" / "job" / "mlflow_run.py"
     with serving(Server) as uri:
         env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_TOKEN"} | {"MLFLOW_TRACKING_URI": uri}

@@ -295,6 +295,41 @@ def test_a_secret_reaches_every_rank_under_horovodrun_and_nothing_else(cluster, 
     assert _files_holding(run_dir(cluster, "task-hvd"), secret.encode()) == []
 
 
+# What the user's setup and run print: a one-line secret and a multi-line one (a PEM key), on stdout
+# and stderr, and in the error line that becomes the job's verdict and `launch`'s last words.
+PRINTS_SECRETS_SETUP = 'echo "setup sees $HF_TOKEN"\nprintf "%s\\n" "$PEM_KEY" >&2\n'
+PRINTS_SECRETS_RUN = """
+import os, sys
+print("run sees", os.environ["HF_TOKEN"], flush=True)
+print(os.environ["PEM_KEY"], file=sys.stderr, flush=True)
+print("error: the server refused token", os.environ["HF_TOKEN"], flush=True)
+sys.exit(3)
+"""
+
+
+def test_a_secret_printed_by_setup_and_run_is_masked_in_every_file_and_blob(cluster, cluster_file, tmp_path):
+    token = f"s3cr3t-{secrets.token_hex(8)}"
+    pem = f"-----BEGIN KEY-----\nkey-a-{secrets.token_hex(8)}\n  key-b-{secrets.token_hex(8)}\n-----END KEY-----"
+    path = task(tmp_path, f"workdir: code\nsetup: {json.dumps(PRINTS_SECRETS_SETUP)}\nrun: python prints.py\n")
+    (tmp_path / "code" / "prints.py").write_text(PRINTS_SECRETS_RUN)
+    flags = ("--secret", "HF_TOKEN", "--secret", "PEM_KEY", "--nodes", "2", "--run-id", "task-masked", "--follow")
+    proc = launch("--cluster", str(cluster_file), str(path), *flags, env={"HF_TOKEN": token, "PEM_KEY": pem})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out[-3000:]
+    assert "failed: the server refused token ***" in out, out[-3000:]  # the verdict, masked
+    directory = run_dir(cluster, "task-masked")
+    log = (directory / "output.log").read_text()
+    assert "setup sees ***" in log and "run sees ***" in log
+    assert "run sees ***" in (directory / "logs" / "rank-0.log").read_text()
+    # the whole values and each line of the key: in no file on the share nor blob, nor what launch printed
+    blobs = results_blobs(cluster, "task-masked")
+    assert "task-masked/output.log" in blobs and "task-masked/status.json" in blobs
+    for piece in [token, pem, *(line.strip() for line in pem.splitlines())]:
+        assert _files_holding(directory, piece.encode()) == [], piece
+        assert [name for name, data in blobs.items() if piece.encode() in data] == [], piece
+        assert piece not in out, piece
+
+
 def test_setup_runs_once_per_code_and_setup_as_the_clusters_non_root_user():
     """setup_once.py as Azure runs it: as the admin user, not root, with its markers on a 1777 disk."""
     tool = REPO / "dtrain" / "remote" / "job" / "setup_once.py"
