@@ -125,6 +125,17 @@ def test_a_tracking_uri_that_is_not_an_http_url_is_refused_before_anything_is_se
     assert proc.returncode == 2 and "--tracking-uri" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("value", ["http://alice:pa55w0rd@10.0.0.4:5000", "https://pa55w0rd@ml.example/mlflow"])
+def test_credentials_in_a_tracking_uri_are_refused_without_repeating_them_pointing_to_the_token_secret(tmp_path, value):
+    """job.sh, job.json and the log would keep the URI: its server's token goes as a secret instead."""
+    cluster_file = tmp_path / "cluster.json"  # never read: the flag is refused first
+    proc = cli("launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--tracking-uri", value, "--dry-run")
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and len(errors) == 1 and proc.stdout == "", proc.stderr
+    assert "must not hold credentials" in errors[0] and "--secret MLFLOW_TRACKING_TOKEN" in errors[0], errors
+    assert "pa55w0rd" not in proc.stderr
+
+
 def test_a_running_jobs_loss_curve_is_in_mlflow_and_its_ui(cluster, cluster_file, tmp_path):
     uri = server(cluster)
     data = tiny_imagenet(cluster, "mlflow-imagenet")

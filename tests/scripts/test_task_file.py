@@ -77,6 +77,7 @@ MAPPING_CHECKS = {  # checked with the flags that add to them, so named without 
     MAPPING + "envs: {MASTER_PORT: 1}\n": "MASTER_PORT: the job sets this variable itself",
     MAPPING + "secrets: [SLURM_JOB_ID]\n": "SLURM_JOB_ID: the job sets this variable itself",
     MAPPING + "envs: {A: 1}\nsecrets: [A]\n": "A: both an env and a secret: keep one",
+    MAPPING + "envs: {WANDB_API_KEY: k-123}\n": "WANDB_API_KEY: a credential's name",
 }
 
 
@@ -96,6 +97,25 @@ def test_variables_the_job_sets_itself_are_refused(text, tmp_path, azure_file, c
     monkeypatch.setenv("SLURM_JOB_ID", "1")
     code, out, err = checked(capsys, "--cluster", str(azure_file), str(task(tmp_path, text)), "--dry-run")
     assert code == 2 and out == "" and err.startswith(f"error: {MAPPING_CHECKS[text]}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "name", ["MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "AZURE_CLIENT_SECRET", "HF_TOKEN", "OPENAI_API_KEY"]
+)
+def test_a_credential_passed_as_an_env_is_refused_pointing_to_secrets(name, tmp_path, azure_file, capsys):
+    """Its value would be in job.sh and job.json, which are uploaded: one error line, the value not repeated."""
+    path = task(tmp_path, MAPPING)
+    code, out, err = checked(capsys, "--cluster", str(azure_file), str(path), "--env", f"{name}=v-4l7e", "--dry-run")
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"error: {name}: a credential's name") and f"--secret {name}" in err and "v-4l7e" not in err
+
+
+def test_names_that_only_look_like_credentials_are_plain_envs(tmp_path, azure_file, capsys):
+    envs = ("TOKENIZERS_PARALLELISM=false", "MAX_TOKENS=512", "KEYBOARD=us", "SECRETS_DIR=/x")
+    code, out, err = checked(
+        capsys, "--cluster", str(azure_file), str(task(tmp_path, MAPPING)), *(f"--env={e}" for e in envs), "--dry-run"
+    )
+    assert code == 0 and "TOKENIZERS_PARALLELISM=false" in out, err
 
 
 def test_flags_win_over_the_file_and_a_secret_reaches_no_output(tmp_path, azure_file, capsys, monkeypatch):
