@@ -34,6 +34,7 @@ RDZV_PORT_BASE = 29400  # torchrun's rendezvous on the first node: this plus the
 OUTPUT_SUBDIR = "output"  # $OUTPUT_DIR of a run: uploaded to the results container with the run's logs
 REMOTE_TOOLS = ("annotate_output.py", "record_run.py", "upload_results.py", "srun_ssh.py", "nvme_copy.py")
 REMOTE_TOOLS += ("checkpoint_mirror.py", "fetch_checkpoint.py", "time_warning.py", "setup_once.py", "mlflow_run.py")
+REMOTE_TOOLS += ("job_secrets.py",)
 # from dtrain/remote/boot/, beside them: time_warning.py finds the ranks to signal the Spot agent's way
 REMOTE_BOOT_TOOLS = ("spot_agent.py",)
 # --ntasks too: the allocation's SLURM_NTASKS (nodes x processes) would otherwise win over per-node
@@ -243,6 +244,7 @@ def _launch(spec: JobSpec) -> list[str]:
     annotate = (
         f'"$PY" "$TOOLS/annotate_output.py" --launcher {spec.launcher} --hosts "$HOSTS" '
         f'--slots {spec.processes_per_node} --logs-dir "$RUN_DIR/logs" --verdict "$RUN_DIR/verdict.json"'
+        + task_steps.secrets_mask_flag(spec)
     )
     if spec.mode == "per-node":
         *setup, launcher = _per_node_lines(spec)

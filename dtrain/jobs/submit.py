@@ -39,11 +39,12 @@ from dtrain.jobs.batch_script import (
 from dtrain.jobs.kept_checkpoints import require_kept_checkpoint
 from dtrain.jobs.preflight import ProcessRequest, dataset_under_data_path, plan_preflight
 from dtrain.jobs.preflight import flag_value as _flag_value
-from dtrain.jobs.task_file import check_task_request, read_secrets, secrets_env_file
+from dtrain.jobs.task_file import check_task_request, read_secrets
 from dtrain.jobs.task_steps import SECRETS_SUBDIR, SETUP_FILE, setup_cache_dir
 from dtrain.jobs.time_warning import warning_lead
 from dtrain.jobs.tracking import plan_tracking
 from dtrain.jobs.workdir import CODE_SUBDIR, MAX_WORKDIR_MB, Workdir, check_workdir, send_workdir
+from dtrain.remote.job.job_secrets import render_secrets
 from infra.contract import FRAMEWORKS, RUNS_DIR
 from training.world.backend_choice import AUTO, DDP, HOROVOD
 
@@ -440,7 +441,7 @@ def _run_files(
     if opts.setup:
         files[SETUP_FILE] = (opts.setup.encode(), 0o600)
     if opts.secrets:  # over SSH's stdin with the rest, never in argv; removed when the job ends
-        files[f"{SECRETS_SUBDIR}/env"] = (secrets_env_file(read_secrets(opts.secrets)), 0o600)
+        files[f"{SECRETS_SUBDIR}/env"] = (render_secrets(read_secrets(opts.secrets)), 0o600)
     return files
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shlex
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -39,6 +38,13 @@ RESERVED_NAMES = frozenset(
     ("PATH", "RUN_DIR", "RUN_ID", "OUTPUT_DIR", "CHECKPOINT_DIR", "GIT_REVISION", "MASTER_ADDR", "MASTER_PORT")
 )
 RESERVED_PREFIXES = ("DTRAIN_", "SLURM_", "TORCHELASTIC_")
+# Names that hold credentials by convention (HF_TOKEN, MLFLOW_TRACKING_TOKEN, MLFLOW_TRACKING_PASSWORD,
+# AZURE_CLIENT_SECRET, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, AZURE_STORAGE_CONNECTION_STRING): a word (between
+# underscores) TOKEN, SECRET, PASSWORD, PASSWD or CREDENTIAL(S), or a name that ends in _KEY or
+# _CONNECTION_STRING, in any case. Not for envs, whose values job.sh and job.json keep: secrets only.
+CREDENTIAL_NAME = re.compile(
+    r"(?:^|_)(?:TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?)(?:_|$)|_KEY$|_CONNECTION_STRING$", re.IGNORECASE
+)
 EnvName = Annotated[str, StringConstraints(pattern=f"^{ENV_NAME.pattern}$")]
 RunName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,60}$")]
 
@@ -193,9 +199,16 @@ def read_secrets(names: list[str]) -> dict[str, str]:
     return {name: os.environ[name] for name in names}
 
 
-def secrets_env_file(values: dict[str, str]) -> bytes:
-    """`NAME='value'` lines that sh sources (set -a) into the user's command."""
-    return "".join(f"{name}={shlex.quote(value)}\n" for name, value in values.items()).encode()
+def refuse_credentials_in_envs(envs: dict[str, str]) -> None:
+    """An env (--env, a task file's envs) whose name says it holds a credential: its value would be in
+    job.sh and job.json, which are uploaded. It goes as a secret, which is never written down."""
+    for name in envs:
+        if CREDENTIAL_NAME.search(name):
+            raise OperatorError(
+                f"{name}: a credential's name (docs/operator.md, Secrets): as an env (--env, envs) its value would "
+                f"be written to job.sh and job.json; pass it as a secret: export {name}=... and --secret {name} "
+                "(or the task file's secrets)"
+            )
 
 
 def check_task_request(
@@ -215,6 +228,7 @@ def check_task_request(
             raise OperatorError(f"{name}: the job sets this variable itself (docs/operator.md): choose another name")
     if both := sorted(set(envs) & set(secrets)):
         raise OperatorError(f"{both[0]}: both an env and a secret: keep one")
+    refuse_credentials_in_envs(envs)
     if not workdir:
         for given, what in ((mode == "per-node", "--mode per-node"), (setup, "setup")):
             if given:
@@ -234,7 +248,7 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--secret", dest="secrets", action="append", type=env_name, metavar="NAME",
         help="pass the variable NAME from this environment to your command and setup, never written to argv, "
-        "job.json, job.sh or a log (repeatable; adds to a task file's secrets)",
+        "job.json or job.sh, masked (***) in the logs (repeatable; adds to a task file's secrets)",
     )  # fmt: skip
     parser.add_argument(
         "--mode", choices=("per-rank", "per-node"),

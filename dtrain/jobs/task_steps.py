@@ -7,7 +7,9 @@ Secrets: `launch` sends them in the same tar over SSH's stdin as job.sh (never i
 processes read them: the batch script, srun, slurmstepd, the launchers and our tools do not hold them in
 their environment; a wrapper sources the file just before it execs the user's command (setup, run, or
 each rank under our torchrun/horovodrun, whose own environment horovodrun would put on its ssh command
-lines). The file is removed when the job ends, unless Slurm is to run it again (a requeue).
+lines). The file is removed when the job ends, unless Slurm is to run it again (a requeue). What the
+user's command prints reaches the logs with the secrets' values masked (dtrain/remote/job/job_secrets.py):
+setup's lines through job_secrets.py, the launch's through annotate_output.py.
 """
 
 from __future__ import annotations
@@ -51,6 +53,16 @@ def user_command(spec: JobSpec, command: Sequence[str], per_node: bool = False) 
     return ["sh", "-c", script + 'exec "$@"', "dtrain-env", *command]
 
 
+def secrets_mask_flag(spec: JobSpec) -> str:
+    """annotate_output.py's flag that masks the secrets' values in the launch's log, rank logs and verdict."""
+    return f" --secrets {q(secrets_file(spec.run_dir))}" if spec.secrets else ""
+
+
+def _masked(spec: JobSpec) -> str:
+    """The end of a step's line whose output reaches the log through job_secrets.py, its secrets masked."""
+    return f' 2>&1 | "$PY" "$TOOLS/job_secrets.py" {q(secrets_file(spec.run_dir))}' if spec.secrets else ""
+
+
 def forget_secrets(spec: JobSpec) -> list[str]:
     """For finish(): remove the secrets unless Slurm runs the job again (a Spot eviction, our requeue)."""
     if not spec.secrets:
@@ -77,9 +89,10 @@ def setup_lines(spec: JobSpec, step: str, runner: Sequence[str]) -> list[str]:
         '"$PY"', '"$TOOLS/setup_once.py"', "--code", q(spec.workdir), "--setup", q(setup),
         "--cache-dir", q(spec.setup_cache_dir), "--salt", q(spec.image or ""), "--", *command,
     ]  # fmt: skip
+    failed = "{ code=$?; echo '[job] setup failed: run not started'; exit $code; }"
     return [
         "echo '[job] setup on every node (skipped where it ran before for this code and setup)'",
-        f"{step} {' '.join(tool)} || {{ code=$?; echo '[job] setup failed: run not started'; exit $code; }}",
+        f"{step} {' '.join(tool)}{_masked(spec)} || {failed}",
     ]
 
 

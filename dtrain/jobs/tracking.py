@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import urllib.parse
 from dataclasses import dataclass
 
 from dtrain.cli_common import arg_type
@@ -19,8 +20,9 @@ from dtrain.errors import OperatorError
 
 DEFAULT_EXPERIMENT = "dtrain"
 OFF = "none"
+TOKEN = "MLFLOW_TRACKING_TOKEN"  # a server's bearer token: a task's secret, read by mlflow_run.py
 # what the job's containers (docker runtime) get from the batch script's environment
-CONTAINER_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_TRACKING_TOKEN")
+CONTAINER_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", TOKEN)
 _EXPERIMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/ -]{0,199}")
 
 
@@ -31,6 +33,11 @@ class Tracking:
 
 
 def check_tracking_uri(text: str) -> str:
+    if "@" in urllib.parse.urlsplit(text).netloc:  # the URI is written to job.sh, job.json and the log
+        raise OperatorError(
+            "--tracking-uri must not hold credentials (user:password@), which job.sh, job.json and the log would "
+            f"keep: export {TOKEN}=... and pass it as a secret (--secret {TOKEN}, or the task file's secrets)"
+        )  # the URI itself is not repeated: it holds them
     if text == OFF or re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", text):
         return text.rstrip("/")
     raise OperatorError(f"--tracking-uri must be an http:// or https:// URL of an MLflow server, or {OFF!r}: {text!r}")

@@ -203,3 +203,13 @@ def test_a_resumed_job_fetches_its_checkpoint_first_and_the_mirror_runs_beside_i
     assert script.index('kill "$MIRROR_PID"') < script.index('upload_results.py" --dir')
     assert "--status status.json --with-checkpoints" in script
     assert "fetch_checkpoint.py" not in render_job_script(BASE)
+
+
+def test_what_setup_and_the_launch_print_reaches_the_log_with_the_secrets_masked():
+    """dtrain/remote/job/job_secrets.py: setup's lines through its filter, the launch's through annotate_output.py."""
+    text = render_job_script(VARIANTS["task-per-node-host"])
+    (setup,) = [line for line in text.splitlines() if "setup_once.py" in line]
+    assert '2>&1 | "$PY" "$TOOLS/job_secrets.py" /shared/runs/r-1/secrets/env || {' in setup
+    assert '--verdict "$RUN_DIR/verdict.json" --secrets /shared/runs/r-1/secrets/env &' in text
+    plain = render_job_script(replace(VARIANTS["task-per-node-host"], secrets=()))
+    assert "job_secrets.py" not in plain and "--secrets" not in plain

@@ -32,6 +32,7 @@ from dtrain.jobs.tracking import CONTAINER_ENV, OFF, Tracking, plan_tracking
 from dtrain.local import mlflow_server as local_mlflow
 from dtrain.local.state import load_state
 from dtrain.processes import descendants
+from dtrain.remote.job.job_secrets import render_secrets
 from tests.local_http import reply_json, serving
 from tests.polling import wait_for
 
@@ -122,6 +123,17 @@ def test_a_tracking_uri_that_is_not_an_http_url_is_refused_before_anything_is_se
     cluster_file = tmp_path / "cluster.json"  # never read: the flag is refused first
     proc = cli("launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--tracking-uri", value, "--dry-run")
     assert proc.returncode == 2 and "--tracking-uri" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("value", ["http://alice:pa55w0rd@10.0.0.4:5000", "https://pa55w0rd@ml.example/mlflow"])
+def test_credentials_in_a_tracking_uri_are_refused_without_repeating_them_pointing_to_the_token_secret(tmp_path, value):
+    """job.sh, job.json and the log would keep the URI: its server's token goes as a secret instead."""
+    cluster_file = tmp_path / "cluster.json"  # never read: the flag is refused first
+    proc = cli("launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--tracking-uri", value, "--dry-run")
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and len(errors) == 1 and proc.stdout == "", proc.stderr
+    assert "must not hold credentials" in errors[0] and "--secret MLFLOW_TRACKING_TOKEN" in errors[0], errors
+    assert "pa55w0rd" not in proc.stderr
 
 
 def test_a_running_jobs_loss_curve_is_in_mlflow_and_its_ui(cluster, cluster_file, tmp_path):
@@ -224,7 +236,9 @@ def test_the_job_script_opens_and_closes_the_run_with_a_token_kept_among_the_run
         do_GET = do_POST = _answer
 
     (tmp_path / "secrets").mkdir()
-    (tmp_path / "secrets" / "env").write_text(f"OTHER='x'\nMLFLOW_TRACKING_TOKEN='{token}'\n")
+    # beside another secret that a line-by-line reader cannot parse: a key of several lines, with quotes
+    key = '-----BEGIN KEY-----\nit\'s "quoted" \\ ü\n-----END KEY-----\n'
+    (tmp_path / "secrets" / "env").write_bytes(render_secrets({"OTHER": key, "MLFLOW_TRACKING_TOKEN": token}))
     tool = REPO / "dtrain" / "remote" / "job" / "mlflow_run.py"
     with serving(Server) as uri:
         env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_TOKEN"} | {"MLFLOW_TRACKING_URI": uri}

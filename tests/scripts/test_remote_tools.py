@@ -1,4 +1,4 @@
-"""The job-side tools in dtrain/remote/: annotate_output.py, upload_results.py, srun_ssh.py.
+"""The job-side tools in dtrain/remote/: annotate_output.py, job_secrets.py, upload_results.py, srun_ssh.py.
 
 Real components wherever they run here: horovodrun and torchrun from the training environment (their
 real output is what gets annotated; `srun --label`'s `N: ` is added the way srun adds it), Azurite for
@@ -33,6 +33,7 @@ from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, gener
 from dtrain.local.daemons import free_port, wait_port
 from dtrain.processes import stop_process_group
 from dtrain.remote.job import annotate_output, srun_ssh, upload_results
+from dtrain.remote.job.job_secrets import SecretMask, parse_secrets, render_secrets
 from tests.local_http import reply_json, serving
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,7 +63,7 @@ def annotate_text(launcher: str, text: str, hosts: list[str], slots: int, tmp_pa
     verdict = annotate_output.Verdict()
     out = io.StringIO()
     logs = annotate_output.RankLogs(str(tmp_path))
-    annotate_output.annotate(io.BytesIO(text.encode()), out, kind(hosts, slots, verdict), logs)
+    annotate_output.annotate(io.BytesIO(text.encode()), out, kind(hosts, slots, verdict), logs, SecretMask(()))
     logs.close()
     return out.getvalue().splitlines(), verdict.as_dict()
 
@@ -321,6 +322,75 @@ def test_scancels_sigterm_does_not_cut_the_log_short(tmp_path):
     assert proc.stdout.read() == b"[0|n0]! Terminated\n[horovodrun] Process 0 exit with status code 143.\n"
     assert proc.wait(timeout=10) == 0
     assert json.loads(verdict.read_text())["exit_code_of_failed_rank"] == 143
+
+
+def test_the_secrets_values_are_masked_in_the_log_the_rank_logs_and_the_verdict(tmp_path):
+    key = "-----BEGIN KEY-----\nkey-line-a\nkey-line-b\n-----END KEY-----"
+    (tmp_path / "env").write_bytes(render_secrets({"HF_TOKEN": "tok-123", "PEM": key}))
+    args = ["--launcher", "torchrun", "--hosts", "node-0", "--slots", "2", "--logs-dir", str(tmp_path / "logs")]
+    args += ["--verdict", str(tmp_path / "verdict.json"), "--secrets", str(tmp_path / "env")]
+    printed = "".join(f"0: @rank1@{line}\n" for line in key.splitlines())
+    text = f"0: @rank0@token=tok-123!\n{printed}0: @rank0@error: tok-123 refused\n0: @rank1@all fine\n"
+    result = run_tool("annotate_output.py", *args, stdin=text.encode())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.decode().splitlines() == [
+        "[0|node-0] token=***!",
+        *["[1|node-0] ***"] * 4,
+        "[0|node-0] error: *** refused",
+        "[1|node-0] all fine",
+    ]
+    assert (tmp_path / "logs" / "rank-1.log").read_text() == "***\n" * 4 + "all fine\n"
+    assert json.loads((tmp_path / "verdict.json").read_text())["job_error"] == "*** refused"
+
+
+# --- job_secrets.py ----------------------------------------------------------------------------
+HARD_VALUES = {
+    "newlines": "line 1\nline 2\n\n",
+    "quotes": "it's \"quoted\" '' \"",
+    "backslashes": "C:\\path\\ \\n \\",
+    "shell": "$HOME `id` $(id) ; & | * ?",
+    "unicode": "ünïcødé € 日本 \u2028 \x0b \r\n",
+    "not UTF-8": "caf\udce9",  # the operator's environment held the byte 0xE9: os.environ's surrogateescape
+    "empty": "",
+    "equals": "a=b=c",
+}
+
+
+@pytest.mark.parametrize("value", HARD_VALUES.values(), ids=HARD_VALUES.keys())
+def test_any_value_reads_back_the_same_in_sh_and_in_our_tools(value, tmp_path):
+    """The secrets file as the user's command (sh) and our tools (mlflow_run.py, the mask) read it."""
+    path = tmp_path / "env"
+    path.write_bytes(render_secrets({"FIRST": value, "SECOND": "after"}))
+    assert parse_secrets(path.read_bytes()) == {"FIRST": value, "SECOND": "after"}
+    script = f'set -a; . {shlex.quote(str(path))}; set +a; printf "%s|%s" "$FIRST" "$SECOND"'
+    shell = subprocess.run(["sh", "-c", script], capture_output=True, check=True)
+    assert shell.stdout == value.encode("utf-8", "surrogateescape") + b"|after"
+
+
+def test_the_mask_hides_each_value_whole_and_each_line_of_a_multi_line_one():
+    mask = SecretMask(["abc", "abcdef", "  first line\r\nsecond\n\n   \n", "", "caf\udce9"])
+    assert mask(b"abcdef abc ab\n") == b"*** *** ab\n"  # the longer value whole, not *** then def
+    assert mask(b"[0|node-0]   first line\r\n") == b"[0|node-0]   ***\r\n"  # a line, without its blanks
+    assert mask(b"second-hand\n") == b"***-hand\n"
+    assert mask(b"   \n") == b"   \n"  # blank lines of a value are not masked
+    assert mask(b"caf\xe9 cafe\n") == b"*** cafe\n"  # bytes as the environment held them
+    assert SecretMask([])(b"abc\n") == b"abc\n"
+
+
+def test_the_filter_masks_line_by_line_flushed_to_the_last_partial_line(tmp_path):
+    (tmp_path / "env").write_bytes(render_secrets({"TOKEN": "tok-123"}))
+    argv = [sys.executable, str(REMOTE / "job_secrets.py"), str(tmp_path / "env")]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(b"[setup] token tok-123\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline() == b"[setup] token ***\n"  # at once: a line is not held back
+    proc.send_signal(signal.SIGTERM)  # scancel's: ignored, the last lines still come
+    proc.stdin.write(b"last tok-123 without a newline")
+    proc.stdin.close()
+    assert proc.stdout.read() == b"last *** without a newline" and proc.wait(timeout=30) == 0
+    gone = run_tool("job_secrets.py", str(tmp_path / "removed"), stdin=b"tok-123\n")  # removed: nothing to mask
+    assert gone.returncode == 0 and gone.stdout == b"tok-123\n"
 
 
 # --- upload_results.py -------------------------------------------------------------------------

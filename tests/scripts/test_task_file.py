@@ -77,6 +77,7 @@ MAPPING_CHECKS = {  # checked with the flags that add to them, so named without 
     MAPPING + "envs: {MASTER_PORT: 1}\n": "MASTER_PORT: the job sets this variable itself",
     MAPPING + "secrets: [SLURM_JOB_ID]\n": "SLURM_JOB_ID: the job sets this variable itself",
     MAPPING + "envs: {A: 1}\nsecrets: [A]\n": "A: both an env and a secret: keep one",
+    MAPPING + "envs: {WANDB_API_KEY: k-123}\n": "WANDB_API_KEY: a credential's name",
 }
 
 
@@ -96,6 +97,25 @@ def test_variables_the_job_sets_itself_are_refused(text, tmp_path, azure_file, c
     monkeypatch.setenv("SLURM_JOB_ID", "1")
     code, out, err = checked(capsys, "--cluster", str(azure_file), str(task(tmp_path, text)), "--dry-run")
     assert code == 2 and out == "" and err.startswith(f"error: {MAPPING_CHECKS[text]}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "name", ["MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "AZURE_CLIENT_SECRET", "HF_TOKEN", "OPENAI_API_KEY"]
+)
+def test_a_credential_passed_as_an_env_is_refused_pointing_to_secrets(name, tmp_path, azure_file, capsys):
+    """Its value would be in job.sh and job.json, which are uploaded: one error line, the value not repeated."""
+    path = task(tmp_path, MAPPING)
+    code, out, err = checked(capsys, "--cluster", str(azure_file), str(path), "--env", f"{name}=v-4l7e", "--dry-run")
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"error: {name}: a credential's name") and f"--secret {name}" in err and "v-4l7e" not in err
+
+
+def test_names_that_only_look_like_credentials_are_plain_envs(tmp_path, azure_file, capsys):
+    envs = ("TOKENIZERS_PARALLELISM=false", "MAX_TOKENS=512", "KEYBOARD=us", "SECRETS_DIR=/x")
+    code, out, err = checked(
+        capsys, "--cluster", str(azure_file), str(task(tmp_path, MAPPING)), *(f"--env={e}" for e in envs), "--dry-run"
+    )
+    assert code == 0 and "TOKENIZERS_PARALLELISM=false" in out, err
 
 
 def test_flags_win_over_the_file_and_a_secret_reaches_no_output(tmp_path, azure_file, capsys, monkeypatch):
@@ -293,6 +313,41 @@ def test_a_secret_reaches_every_rank_under_horovodrun_and_nothing_else(cluster, 
     assert proc.returncode == 0, out[-3000:]
     assert out.count(f"token {hashlib.sha256(secret.encode()).hexdigest()[:12]}") == 2, out[-3000:]  # both ranks
     assert _files_holding(run_dir(cluster, "task-hvd"), secret.encode()) == []
+
+
+# What the user's setup and run print: a one-line secret and a multi-line one (a PEM key), on stdout
+# and stderr, and in the error line that becomes the job's verdict and `launch`'s last words.
+PRINTS_SECRETS_SETUP = 'echo "setup sees $HF_TOKEN"\nprintf "%s\\n" "$PEM_KEY" >&2\n'
+PRINTS_SECRETS_RUN = """
+import os, sys
+print("run sees", os.environ["HF_TOKEN"], flush=True)
+print(os.environ["PEM_KEY"], file=sys.stderr, flush=True)
+print("error: the server refused token", os.environ["HF_TOKEN"], flush=True)
+sys.exit(3)
+"""
+
+
+def test_a_secret_printed_by_setup_and_run_is_masked_in_every_file_and_blob(cluster, cluster_file, tmp_path):
+    token = f"s3cr3t-{secrets.token_hex(8)}"
+    pem = f"-----BEGIN KEY-----\nkey-a-{secrets.token_hex(8)}\n  key-b-{secrets.token_hex(8)}\n-----END KEY-----"
+    path = task(tmp_path, f"workdir: code\nsetup: {json.dumps(PRINTS_SECRETS_SETUP)}\nrun: python prints.py\n")
+    (tmp_path / "code" / "prints.py").write_text(PRINTS_SECRETS_RUN)
+    flags = ("--secret", "HF_TOKEN", "--secret", "PEM_KEY", "--nodes", "2", "--run-id", "task-masked", "--follow")
+    proc = launch("--cluster", str(cluster_file), str(path), *flags, env={"HF_TOKEN": token, "PEM_KEY": pem})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out[-3000:]
+    assert "failed: the server refused token ***" in out, out[-3000:]  # the verdict, masked
+    directory = run_dir(cluster, "task-masked")
+    log = (directory / "output.log").read_text()
+    assert "setup sees ***" in log and "run sees ***" in log
+    assert "run sees ***" in (directory / "logs" / "rank-0.log").read_text()
+    # the whole values and each line of the key: in no file on the share nor blob, nor what launch printed
+    blobs = results_blobs(cluster, "task-masked")
+    assert "task-masked/output.log" in blobs and "task-masked/status.json" in blobs
+    for piece in [token, pem, *(line.strip() for line in pem.splitlines())]:
+        assert _files_holding(directory, piece.encode()) == [], piece
+        assert [name for name, data in blobs.items() if piece.encode() in data] == [], piece
+        assert piece not in out, piece
 
 
 def test_setup_runs_once_per_code_and_setup_as_the_clusters_non_root_user():

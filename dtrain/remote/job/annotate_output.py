@@ -5,7 +5,7 @@ Standard library only, Python 3.10+: the batch script (job.sh) runs it on the fi
 allocation, with the node's python3, from the run's `remote/` directory:
 
   horovodrun ... 2>&1 | python3 annotate_output.py --launcher horovodrun --hosts node-0,node-1 --slots 2 \\
-      --logs-dir RUN/logs --verdict RUN/verdict.json
+      --logs-dir RUN/logs --verdict RUN/verdict.json [--secrets RUN/secrets/env]
 
 Every input line goes to stdout (the job's output.log), flushed line by line, nothing dropped:
 
@@ -14,13 +14,15 @@ Every input line goes to stdout (the job's output.log), flushed line by line, no
   [horovodrun] text      the launcher's own lines (or [torchrun] ..., srun's lines)
   [torchrun@node-1] text torchrun's own lines on node-1 (its agent's log, its failure summary)
 
-Each rank's own text is also appended to LOGS_DIR/rank-N.log. At end of input the verdict is written
-(atomically) as JSON: failed_rank, failed_host, exit_code_of_failed_rank (null when no rank failed) and
-job_error (the first rank line that starts with `error: `, which training/run/job.py prints). A launcher
-names the rank that exited first, which after a peer died or froze is the healthy rank that noticed;
-when job_error names the culprit (`rank N on host H stopped answering|has exited|is unreachable`,
-training/world/liveness.py), failed_rank and failed_host are the culprit's, and exit_code_of_failed_rank
-stays the status the launcher reported for the failure (the job's).
+With --secrets, the values of the run's secrets are replaced by `***` in each line before anything else
+reads it (job_secrets.py, beside this file). Each rank's own text is also appended to LOGS_DIR/rank-N.log.
+At end of input the verdict is written (atomically) as JSON: failed_rank, failed_host,
+exit_code_of_failed_rank (null when no rank failed) and job_error (the first rank line that starts with
+`error: `, which training/run/job.py prints). A launcher names the rank that exited first, which after a
+peer died or froze is the healthy rank that noticed; when job_error names the culprit (`rank N on host H
+stopped answering|has exited|is unreachable`, training/world/liveness.py), failed_rank and failed_host are
+the culprit's, and exit_code_of_failed_rank stays the status the launcher reported for the failure (the
+job's).
 
 horovodrun (--gloo): rank lines are `[RANK]<stdout|stderr>:text`, with an optional time.asctime()
 stamp in front; it assigns ranks host by host, SLOTS per host, in hostfile order (--hosts order).
@@ -241,11 +243,12 @@ class RankLogs:
             handle.close()
 
 
-def annotate(stream, out, output, logs):
+def annotate(stream, out, output, logs, mask):
     """Read every line of stream (binary), write it annotated to out, and each rank's text to logs.
-    Undecodable bytes are replaced rather than lost."""
+    mask (bytes -> bytes) hides the secrets in a line first, so that no log nor the verdict holds
+    them. Undecodable bytes are replaced rather than lost."""
     for raw in stream:
-        for line in output.parse(raw.decode("utf-8", "replace").rstrip("\n")):
+        for line in output.parse(mask(raw).decode("utf-8", "replace").rstrip("\n")):
             out.write(line.render(output.name) + "\n")
             out.flush()
             if line.rank is not None:
@@ -293,6 +296,7 @@ def build_parser():
     parser.add_argument("--slots", required=True, type=positive_int, help="processes (ranks) per node")
     parser.add_argument("--logs-dir", required=True, help="where rank-N.log files go (created if missing)")
     parser.add_argument("--verdict", required=True, help="the JSON file written at end of input")
+    parser.add_argument("--secrets", help="the run's secrets file: its values are masked (job_secrets.py)")
     return parser
 
 
@@ -300,13 +304,18 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    # beside this file in the run's remote/; imported here because the operator's package imports this
+    # module too (batch_script.py), where job_secrets is not a top-level module
+    from job_secrets import SecretMask, read_secrets
+
+    mask = SecretMask(read_secrets(args.secrets).values() if args.secrets else ())
     verdict = Verdict()
     kind = HorovodrunOutput if args.launcher == "horovodrun" else TorchrunOutput
     try:
         os.makedirs(args.logs_dir, exist_ok=True)
         logs = RankLogs(args.logs_dir)
         try:
-            annotate(sys.stdin.buffer, sys.stdout, kind(args.hosts, args.slots, verdict), logs)
+            annotate(sys.stdin.buffer, sys.stdout, kind(args.hosts, args.slots, verdict), logs, mask)
         finally:
             logs.close()
             write_json(args.verdict, verdict.as_dict())

@@ -12,7 +12,8 @@ logging to the same run; the job exports it as ``MLFLOW_RUN_ID`` for the ranks (
 and for the user's own code. A server that does not answer costs the job at most a few seconds: start
 exits 1 with one line (the job runs untracked), end gives up.
 
-Standard library only: the nodes' system python runs it, outside the training image.
+Standard library only (and job_secrets.py, beside it in the run's remote/): the nodes' system python runs
+it, outside the training image.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import time
 import urllib.error
@@ -28,9 +28,11 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from job_secrets import read_secrets  # beside this file in the run's remote/
+
 RUN_ID_FILE = "mlflow_run_id"
 TOKEN = "MLFLOW_TRACKING_TOKEN"
-SECRETS_FILE = "secrets/env"  # dtrain/jobs/task_steps.py: NAME='value' lines, as sh sources them
+SECRETS_FILE = "secrets/env"  # dtrain/jobs/task_steps.py; its format: job_secrets.py
 TIMEOUT_S = 10.0
 # the job's exit status -> the run's status (143: scancel or the time limit, 130: interrupted)
 STATUS = {0: "FINISHED", 143: "KILLED", 130: "KILLED"}
@@ -90,15 +92,7 @@ def end(run_dir: Path, exit_code: int) -> None:
 
 def token_from_secrets(run_dir: Path) -> str | None:
     """The run's MLflow token among its secrets, or None."""
-    try:
-        lines = (run_dir / SECRETS_FILE).read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        words = shlex.split(line)
-        if len(words) == 1 and words[0].startswith(f"{TOKEN}="):
-            return words[0].split("=", 1)[1]
-    return None
+    return read_secrets(str(run_dir / SECRETS_FILE)).get(TOKEN)
 
 
 def main(argv: list[str] | None = None) -> int:
