@@ -20,8 +20,9 @@ import argparse
 import os
 import re
 import shlex
+from collections.abc import Hashable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
@@ -44,7 +45,8 @@ RunName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,60}$")]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: `nodes: true` or `nodes: "2"` is a mistake to name, not a value to convert (true would be 1)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class Resources(_Strict):
@@ -99,8 +101,27 @@ class Task(_Strict):
         return list(secrets)
 
 
+_MERGE = "tag:yaml.org,2002:merge"
+
+
 class _Yaml12Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2's integers and floats: YAML 1.1 reads `1:00:00` as 3600 (base 60)."""
+    """SafeLoader with YAML 1.2's integers and floats (YAML 1.1 reads `1:00:00` as 3600, base 60) and its
+    unique keys: PyYAML keeps the last of two `run:` keys without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
+        seen: set[Hashable] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == _MERGE:  # `<<: *base`: its keys are meant to be overridden
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (the second would replace the first: keep one)",
+                    key_node.start_mark,
+                )  # fmt: skip
+            if isinstance(key, Hashable):
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 _NUMBERS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
@@ -115,7 +136,7 @@ _Yaml12Loader.add_implicit_resolver(
 
 
 def is_task_file(word: str) -> bool:
-    return word.endswith(TASK_SUFFIXES)
+    return word.lower().endswith(TASK_SUFFIXES)  # task.YAML too: file names on Windows and macOS keep any case
 
 
 def load_task(path: str) -> Task:

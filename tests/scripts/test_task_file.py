@@ -72,6 +72,13 @@ BAD_TASKS = {
     MAPPING + "run: [1\n": "not YAML at line 4",
     "- run\n": "expected a mapping of keys",
     "run: python train.py\n": "workdir: needed",
+    # PyYAML keeps the last of two equal keys: the first `run:` would be dropped without a word
+    MAPPING + "run: python other.py\n": "not YAML at line 3, column 1: duplicate key 'run' (the second would",
+    MAPPING + "envs: {A: 1, A: 2}\n": "not YAML at line 3, column 14: duplicate key 'A'",
+    # a value of the wrong type is named, not converted (true would be 1 node, "2" would be 2)
+    MAPPING + "resources: {nodes: true}\n": "resources.nodes: Input should be a valid integer",
+    MAPPING + "resources: {nodes: '2'}\n": "resources.nodes: Input should be a valid integer",
+    MAPPING + "resources: {spot: 'yes'}\n": "resources.spot: Input should be a valid boolean",
 }
 MAPPING_CHECKS = {  # checked with the flags that add to them, so named without the file
     MAPPING + "envs: {MASTER_PORT: 1}\n": "MASTER_PORT: the job sets this variable itself",
@@ -88,6 +95,16 @@ def test_each_mistake_in_a_task_file_is_one_error_line_naming_the_key(text, tmp_
     assert code == 2 and len(lines) == 1, err
     assert lines[0].startswith(f"error: {path}: {BAD_TASKS[text]}"), lines[0]
     assert out == ""  # no batch script: nothing planned
+
+
+def test_any_case_of_yaml_is_a_task_file_whose_merged_keys_may_be_overridden(tmp_path, azure_file, capsys):
+    (tmp_path / "code").mkdir()
+    for name in ("task.YAML", "task.Yml"):
+        path = tmp_path / name
+        path.write_text("workdir: code\nrun: python train.py\nresources: {<<: {nodes: 2}, nodes: 1}\n")
+        code, out, err = checked(capsys, "--cluster", str(azure_file), str(path), "--dry-run")
+        assert code == 0, err
+        assert "#SBATCH --nodes=1\n" in out and "python train.py" in out  # a merged key is not a duplicate
 
 
 @pytest.mark.parametrize("text", MAPPING_CHECKS)
