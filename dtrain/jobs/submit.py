@@ -48,7 +48,9 @@ from infra.contract import FRAMEWORKS, RUNS_DIR
 from training.world.backend_choice import AUTO, DDP, HOROVOD
 
 # A run id names a directory on the share, a Slurm job and a blob prefix: one plain path component.
-RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,100}")
+# Its first character is a letter or digit: `-x` would be read as a flag by the tools it is passed to
+# (upload, `logs`, `cancel`), and `.x` is hidden, like the share's own `.workdirs` and `.dtrain-setup`.
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 REMOTE_DIR = REPO_ROOT / "dtrain" / "remote"
 SAS_FILE = "results.sas"
 MODEL_PARALLEL_JOB = "training.model_parallel"
@@ -115,9 +117,10 @@ def new_run_id(framework: str) -> str:
 
 
 def check_run_id(run_id: str) -> str:
-    if not RUN_ID.fullmatch(run_id) or run_id in (".", ".."):
+    if not RUN_ID.fullmatch(run_id):
         raise OperatorError(
-            f"invalid run id {run_id!r}: use up to 100 letters, digits, '-', '_' and '.' (no '/', not '.' or '..')"
+            f"invalid run id {run_id!r}: use up to 100 letters, digits, '-', '_' and '.', starting with a letter "
+            "or digit (no '/')"
         )
     return run_id
 

@@ -211,6 +211,9 @@ STAGE = [
     case(f"{UPLOAD} {{file}}", message="dataset path {file} is not a directory"),
     case(f"{UPLOAD} {{empty}}", message="dataset path {empty} has no files"),
     case("upload {dataset} --dataset ../x", message="invalid dataset name '../x'"),
+    # `-x` would reach blob-pull as a flag of its own, `.x` is hidden
+    case("pull --cluster {desc} --dataset=-x", message="invalid dataset name '-x'"),
+    case("upload {dataset} --dataset imagenet/.cache", message="invalid dataset name 'imagenet/.cache'"),
     case("upload {dataset}", message="the following arguments are required: --dataset"),
     case("all --dataset ds", message="the following arguments are required: SOURCE"),
     case(
@@ -336,6 +339,10 @@ LAUNCH = [
     case(f"{RUN} --run-id ../../x", message="argument --run-id: invalid run id '../../x'"),
     case(f"{RUN} --run-id ..", message="invalid run id '..'"),
     case(f"{RUN} --run-id 'a b'", message="invalid run id 'a b'"),
+    # `-x` would reach the job's upload as a flag of its own; `.x` could name the share's `.workdirs`
+    case(f"{RUN} --run-id=-x --dry-run", message="argument --run-id: invalid run id '-x'"),
+    case(f"{RUN} --run-id .workdirs --dry-run", message="argument --run-id: invalid run id '.workdirs'"),
+    case(f"{RUN} --resume-from=-x --dry-run", message="argument --resume-from: invalid run id '-x'"),
     case(f"{RUN} --nodes 0", message="argument --nodes: must be a whole number >= 1, got '0'"),
     case(f"{RUN} --nodes 3", message="--nodes 3: the cluster has 2 nodes"),
     case(f"{RUN} --gpus-per-node 16", message="--gpus-per-node 16 asks for 16 GPUs on a node, and a node of cluster"),
@@ -378,6 +385,14 @@ LAUNCH = [
         "--cluster {desc_no_key} --framework pytorch",
         message="the cluster description's ssh_key: cannot use the SSH key {tmp}/gone/id_ed25519: it does not exist",
     ),
+]
+
+# a JOB that is not a job id is a run id: checked before any connection (the description's hosts are not there)
+JOBS = [
+    case("logs --cluster {desc} -- -x", message="argument JOB: invalid run id '-x'"),
+    case("cancel --cluster {desc} 42 -- -x", message="argument JOB: invalid run id '-x'"),
+    case("exec --cluster {desc} .x -- true", message="argument JOB: invalid run id '.x'"),
+    case("results --cluster {desc} -- -x", message="argument RUN: invalid run id '-x'"),
 ]
 
 STATE = "--state-dir {tmp}/state"
@@ -476,6 +491,11 @@ def test_images(bad: Case, paths: dict[str, str]) -> None:
 @pytest.mark.parametrize("bad", LAUNCH, ids=str)
 def test_launch(bad: Case, paths: dict[str, str]) -> None:
     check("dtrain launch", bad, paths)
+
+
+@pytest.mark.parametrize("bad", JOBS, ids=str)
+def test_jobs(bad: Case, paths: dict[str, str]) -> None:
+    check("dtrain", bad, paths)
 
 
 @pytest.mark.parametrize("bad", LOCAL_CLUSTER, ids=str)
