@@ -39,7 +39,7 @@ from dtrain.jobs.batch_script import (
 from dtrain.jobs.kept_checkpoints import require_kept_checkpoint
 from dtrain.jobs.preflight import ProcessRequest, dataset_under_data_path, plan_preflight
 from dtrain.jobs.preflight import flag_value as _flag_value
-from dtrain.jobs.task_file import check_task_request, read_secrets, secrets_env_file
+from dtrain.jobs.task_file import check_environment_size, check_task_request, read_secrets, secrets_env_file
 from dtrain.jobs.task_steps import SECRETS_SUBDIR, SETUP_FILE, setup_cache_dir
 from dtrain.jobs.time_warning import warning_lead
 from dtrain.jobs.tracking import plan_tracking
@@ -192,7 +192,8 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
         workdir=opts.workdir, command=opts.job_args, mode=opts.mode, launcher=opts.launcher, setup=opts.setup,
         envs=opts.envs, secrets=opts.secrets,
     )  # fmt: skip
-    read_secrets(opts.secrets)  # a missing one is named before anything is sent
+    # a missing secret is named, and the variables measured, before anything is sent
+    check_environment_size(opts.envs | read_secrets(opts.secrets))
     workdir = check_workdir(opts.workdir, opts.workdir_max_mb) if opts.workdir else None
     if opts.image and desc.runtime.kind != "docker":
         raise OperatorError(

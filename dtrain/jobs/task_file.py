@@ -40,6 +40,27 @@ RESERVED_NAMES = frozenset(
     ("PATH", "RUN_DIR", "RUN_ID", "OUTPUT_DIR", "CHECKPOINT_DIR", "GIT_REVISION", "MASTER_ADDR", "MASTER_PORT")
 )
 RESERVED_PREFIXES = ("DTRAIN_", "SLURM_", "TORCHELASTIC_")
+# MLflow's variables are the job's (--tracking-uri, --experiment, the run it opens); a server's token is
+# the one a secret may carry, which remote/job/mlflow_run.py reads from the run's secrets itself.
+MLFLOW_PREFIX = "MLFLOW_"
+MLFLOW_TOKEN = "MLFLOW_TRACKING_TOKEN"
+# envs are exported by job.sh, so the job's own tools (results upload, MLflow, checkpoint mirror, the log
+# annotator) run with them too: these change what a Python imports (PYTHONPATH=. puts the code's json.py
+# before the standard library's), which libraries load, or where HTTP goes (a proxy for pip cannot reach
+# the head node's MLflow). Refused, not isolated: a command that needs one sets it itself. Secrets are
+# sourced in the user's command only, so they may use these names.
+TOOL_BREAKING_NAMES = frozenset(
+    (
+        *("PYTHONHOME", "PYTHONPATH", "PYTHONPLATLIBDIR", "PYTHONUSERBASE", "LD_PRELOAD", "LD_LIBRARY_PATH"),
+        *("SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE"),
+        *("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"),  # any case: curl and Python read http_proxy too
+    )
+)
+# Linux refuses an argument or environment string ("NAME=value") of 128 KiB or more (MAX_ARG_STRLEN: every
+# command then fails with "Argument list too long"), and horovodrun forwards its whole environment to each
+# worker inside one ssh command string, which Slurm's and the job's own variables (a few KiB) share: the
+# envs and secrets of a job hold at most half of that string.
+ENVIRONMENT_BUDGET = 64 * 1024
 EnvName = Annotated[str, StringConstraints(pattern=f"^{ENV_NAME.pattern}$")]
 RunName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,60}$")]
 
@@ -231,9 +252,7 @@ def check_task_request(
 ) -> None:
     """What a task's keys (or their flags) need: your own code for per-node mode and setup, variables
     that do not replace the job's own, and a command that does not start a launcher per rank."""
-    for name in [*envs, *secrets]:
-        if name in RESERVED_NAMES or name.startswith(RESERVED_PREFIXES):
-            raise OperatorError(f"{name}: the job sets this variable itself (docs/operator.md): choose another name")
+    check_variable_names(envs, secrets)
     if both := sorted(set(envs) & set(secrets)):
         raise OperatorError(f"{both[0]}: both an env and a secret: keep one")
     if not workdir:
@@ -244,6 +263,38 @@ def check_task_request(
     if mode == "per-node" and launcher:
         raise OperatorError(f"--mode per-node runs your command as the launcher: leave out --launcher {launcher}")
     check_launcher_mode(command, mode or "per-rank", "--mode per-node (task file: mode: per-node)")
+
+
+def check_variable_names(envs: dict[str, str], secrets: list[str]) -> None:
+    """Names the job or its own tools depend on: the job sets them, or they would change our tools too."""
+    for name in [*envs, *secrets]:
+        if name in RESERVED_NAMES or name.startswith(RESERVED_PREFIXES):
+            raise OperatorError(f"{name}: the job sets this variable itself (docs/operator.md): choose another name")
+        if name.startswith(MLFLOW_PREFIX) and not (name == MLFLOW_TOKEN and name in secrets):
+            raise OperatorError(
+                f"{name}: the job sets MLflow's variables itself (--tracking-uri, --experiment); a server's token "
+                f"is the secret {MLFLOW_TOKEN} (docs/operator.md)"
+            )
+    for name in envs:
+        if name.upper() in TOOL_BREAKING_NAMES:
+            raise OperatorError(
+                f"{name}: an env reaches the job's own tools too (results upload, MLflow, the log), which it would "
+                f"change: set it in your command instead (run: export {name}=...; ..., or env {name}=... COMMAND)"
+            )
+
+
+def check_environment_size(values: dict[str, str]) -> None:
+    """envs and secrets (name -> value) within what every command of the job can carry (ENVIRONMENT_BUDGET)."""
+    sizes = {name: len(f"{name}={value}".encode()) for name, value in values.items()}
+    largest = max(sizes, key=sizes.__getitem__, default=None)
+    limit = (
+        f"a job's envs and secrets hold at most {ENVIRONMENT_BUDGET // 1024} KiB in all (docs/operator.md): "
+        "put large values in a file in the workdir and pass its path"
+    )
+    if largest is not None and sizes[largest] > ENVIRONMENT_BUDGET:
+        raise OperatorError(f"{largest}: {sizes[largest] / 1024:,.1f} KiB; {limit}")
+    if (total := sum(sizes.values())) > ENVIRONMENT_BUDGET:
+        raise OperatorError(f"envs and secrets: {total / 1024:,.1f} KiB together; {limit}")
 
 
 def add_task_arguments(parser: argparse.ArgumentParser) -> None:

@@ -364,6 +364,12 @@ LAUNCH = [
         f"{RUN} --time 5 --warn-before 10m --dry-run",
         message="error: --warn-before 600s is not shorter than the time limit (5): pass a shorter one, or 0 for none",
     ),
+    case(f"{RUN} --env MLFLOW_RUN_ID=1 --dry-run", message="MLFLOW_RUN_ID: the job sets MLflow's variables itself"),
+    case(f"{RUN} --env PYTHONHOME=/opt --dry-run", message="PYTHONHOME: an env reaches the job's own tools too"),
+    case(
+        f"{RUN} --env A={'x' * 40 * 1024} --env B={'x' * 40 * 1024} --dry-run",
+        message="envs and secrets: 80.0 KiB together; a job's envs and secrets hold at most 64 KiB in all",
+    ),
     case("--cluster {desc}", message="launch needs --framework (our training jobs) or --workdir (your own code)"),
     case("--cluster {desc} --workdir {tmp}", message="--workdir runs the command after `--`: add it"),
     case("--cluster {desc} --workdir {tmp}/nope -- python x.py", message="--workdir {tmp}/nope: no such directory"),

@@ -84,6 +84,16 @@ MAPPING_CHECKS = {  # checked with the flags that add to them, so named without 
     MAPPING + "envs: {MASTER_PORT: 1}\n": "MASTER_PORT: the job sets this variable itself",
     MAPPING + "secrets: [SLURM_JOB_ID]\n": "SLURM_JOB_ID: the job sets this variable itself",
     MAPPING + "envs: {A: 1}\nsecrets: [A]\n": "A: both an env and a secret: keep one",
+    # the job sets MLflow's variables: an env of the same name was silently overridden
+    MAPPING + "envs: {MLFLOW_TRACKING_URI: http://x:5000}\n": "MLFLOW_TRACKING_URI: the job sets MLflow's",
+    MAPPING + "envs: {MLFLOW_TRACKING_TOKEN: t}\n": "MLFLOW_TRACKING_TOKEN: the job sets MLflow's variables itself",
+    # envs reach the job's own tools: PYTHONHOME broke every upload, a proxy for pip turned MLflow off
+    MAPPING + "envs: {PYTHONHOME: /opt/py}\n": "PYTHONHOME: an env reaches the job's own tools too",
+    MAPPING + "envs: {http_proxy: http://proxy:3128}\n": "http_proxy: an env reaches the job's own tools too",
+    # what every command of the batch script carries: 200 KiB made each fail with "Argument list too long"
+    MAPPING + f"envs: {{BIG: {'x' * 200 * 1024}}}\n": "BIG: 200.0 KiB; a job's envs and secrets hold at most 64 KiB",
+    MAPPING + f"envs: {{A1: {'x' * 40 * 1024}, A2: {'x' * 40 * 1024}}}\n": "envs and secrets: 80.0 KiB together;",
+    MAPPING + f"envs: {{A1: {'x' * (10 * 1024 - 3)}}}\nsecrets: [LARGE]\n": "envs and secrets: 70.0 KiB together",
 }
 
 
@@ -107,12 +117,24 @@ def test_any_case_of_yaml_is_a_task_file_whose_merged_keys_may_be_overridden(tmp
         assert "#SBATCH --nodes=1\n" in out and "python train.py" in out  # a merged key is not a duplicate
 
 
-@pytest.mark.parametrize("text", MAPPING_CHECKS)
+@pytest.mark.parametrize("text", MAPPING_CHECKS, ids=lambda text: text[len(MAPPING) :][:40])
 def test_variables_the_job_sets_itself_are_refused(text, tmp_path, azure_file, capsys, monkeypatch):
     monkeypatch.setenv("A", "x")
     monkeypatch.setenv("SLURM_JOB_ID", "1")
+    monkeypatch.setenv("LARGE", "x" * (60 * 1024 - len("LARGE=")))  # with A1's 10 KiB: 70 KiB
     code, out, err = checked(capsys, "--cluster", str(azure_file), str(task(tmp_path, text)), "--dry-run")
     assert code == 2 and out == "" and err.startswith(f"error: {MAPPING_CHECKS[text]}") and err.count("\n") == 1, err
+
+
+def test_a_secret_may_carry_mlflows_token_and_a_proxy_which_reach_only_the_command(
+    tmp_path, azure_file, capsys, monkeypatch
+):
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "t")
+    monkeypatch.setenv("http_proxy", "http://proxy:3128")
+    text = MAPPING + f"envs: {{NEAR_LIMIT: {'x' * 60 * 1024}}}\nsecrets: [MLFLOW_TRACKING_TOKEN, http_proxy]\n"
+    code, out, err = checked(capsys, "--cluster", str(azure_file), str(task(tmp_path, text)), "--dry-run")
+    assert code == 0, err
+    assert "http://proxy:3128" not in out  # sourced from the run's secrets by the command's own wrapper
 
 
 def test_flags_win_over_the_file_and_a_secret_reaches_no_output(tmp_path, azure_file, capsys, monkeypatch):
