@@ -370,6 +370,9 @@ LAUNCH = [
         f"{RUN} --env A={'x' * 40 * 1024} --env B={'x' * 40 * 1024} --dry-run",
         message="envs and secrets: 80.0 KiB together; a job's envs and secrets hold at most 64 KiB in all",
     ),
+    # a port out of range was accepted, and the job ran untracked
+    case(f"{RUN} --tracking-uri http://mlflow:99999 --dry-run", message="(a port, if any, from 1 to 65535), or 'none'"),
+    case(f"{RUN} --tracking-uri http://mlflow:0/x --dry-run", message="server (a port, if any, from 1 to 65535)"),
     case("--cluster {desc}", message="launch needs --framework (our training jobs) or --workdir (your own code)"),
     case("--cluster {desc} --workdir {tmp}", message="--workdir runs the command after `--`: add it"),
     case("--cluster {desc} --workdir {tmp}/nope -- python x.py", message="--workdir {tmp}/nope: no such directory"),
