@@ -379,6 +379,16 @@ LAUNCH = [
     case("--cluster {desc} --workdir {tmp} --model-parallel -- python x.py", message="leave out --model-parallel"),
     case("--cluster {desc} --workdir {tmp} --workdir-max-mb 0.001 -- python x.py", message="MiB to send, more than"),
     case("--cluster {desc} --workdir {tmp} --local-copy -- python x.py", message="--local-copy rewrites our jobs'"),
+    # with own code, --framework picks the image and the default launcher: where neither, it did nothing
+    case(
+        "--cluster {desc_host} --workdir {tmp} --framework tensorflow --launcher horovodrun -- python x.py",
+        message="--framework tensorflow does nothing with --workdir here: cluster dev runs jobs on its hosts, and "
+        "--launcher horovodrun starts it",
+    ),
+    case(
+        "--cluster {desc} --workdir {tmp} --framework keras --image img:1 --mode per-node -- python x.py",
+        message="the command runs in --image img:1, and it is its own launcher (--mode per-node)",
+    ),
     case(f"{RUN} --follow --detach", message="argument --detach: not allowed with argument --follow"),
     case("--cluster {desc} --framework keras --launcher torchrun", message="torchrun runs PyTorch jobs only"),
     # own code in TensorFlow's image: the flags the user gave are the ones named
