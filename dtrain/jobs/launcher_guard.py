@@ -5,8 +5,9 @@ horovodrun. A command that is itself a launcher (`torchrun --nproc-per-node 2 tr
 launcher per rank: every worker a world of its own, N unsynchronised models, and a job that ends "ok".
 So such a command is refused before anything is sent, with the mode that runs it as written.
 
-What counts as a launcher: the first word of the command, or of any command in a `sh|bash -c SCRIPT`
-(after `;`, `&&`, `||`, `|`, past `VAR=value` assignments and `env`/`exec`/`nohup`): torchrun,
+What counts as a launcher: the first word of the command, or of any command in a `sh|bash [OPTIONS] -c
+SCRIPT` (`bash -lc`, `bash -e -o pipefail -c`; after `;`, `&&`, `||`, `|`, past `VAR=value` assignments
+and `env`/`exec`/`nohup`; a shell inside the script too): torchrun,
 `python -m torch.distributed.run|launch`, `accelerate launch`, deepspeed, and the MPI-style launchers
 (horovodrun, mpirun, mpiexec), which start every rank from one node.
 """
@@ -24,19 +25,40 @@ ONE_NODE_LAUNCHERS = ("horovodrun", "mpirun", "mpiexec")  # they start every ran
 _PYTHON = re.compile(r"python(3(\.\d+)?)?")
 _SEPARATORS = (";", "&&", "||", "|", "&")
 _PREFIXES = ("env", "exec", "nohup", "time")
+SHELLS = ("sh", "bash", "dash", "zsh")
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
 
 def launcher_in(command: Sequence[str]) -> str | None:
     """The launcher the command starts (as the user would name it), or None."""
     words = list(command)
-    if len(words) >= 3 and words[0].rsplit("/", 1)[-1] in ("sh", "bash") and words[1] == "-c":
-        try:
-            script = shlex.split(words[2], comments=True)
-        except ValueError:  # unbalanced quotes: the shell will say so
-            return None
-        return next(filter(None, (_launcher_at(part) for part in _commands(script))), None)
-    return _launcher_at(words)
+    script = _shell_script(words)
+    if script is None:
+        return _launcher_at(words)
+    try:
+        parts = _commands(shlex.split(script, comments=True))
+    except ValueError:  # unbalanced quotes: the shell will say so
+        return None
+    return next(filter(None, (launcher_in(part) for part in parts)), None)  # a shell inside the script too
+
+
+def _shell_script(words: list[str]) -> str | None:
+    """The script of `sh|bash [OPTIONS] -c SCRIPT` (`bash -lc`, `bash -e -o pipefail -c`), else None: the
+    first word after the options, where one of them holds `c` (bash's own rule)."""
+    rest = _past_prefixes(words)
+    if not rest or rest[0].rsplit("/", 1)[-1] not in SHELLS:
+        return None
+    rest, has_c = rest[1:], False
+    while rest and rest[0][:1] in ("-", "+") and rest[0] not in ("-", "--"):
+        option, rest = rest[0], rest[1:]
+        if option.startswith("--"):  # --login, --norc; --rcfile FILE and --init-file FILE take a word
+            rest = rest[1:] if option in ("--rcfile", "--init-file") else rest
+            continue
+        has_c = has_c or "c" in option
+        if option[-1] in "oO":  # -o pipefail, -O extglob: the next word is the option's
+            rest = rest[1:]
+    rest = rest[1:] if rest[:1] in (["-"], ["--"]) else rest
+    return rest[0] if has_c and rest else None
 
 
 def _commands(words: list[str]) -> list[list[str]]:
@@ -55,11 +77,16 @@ def _commands(words: list[str]) -> list[list[str]]:
     return commands
 
 
-def _launcher_at(words: Sequence[str]) -> str | None:
+def _past_prefixes(words: Sequence[str]) -> list[str]:
+    """`env -i A=1 torchrun ...`: the words past the prefix commands, their flags and the assignments."""
     rest = list(words)
-    # `env -i A=1 torchrun ...`: past the prefix commands, their flags and the assignments
     while rest and (rest[0] in _PREFIXES or _ASSIGNMENT.match(rest[0]) or rest[0].startswith("-")):
         rest = rest[1:]
+    return rest
+
+
+def _launcher_at(words: Sequence[str]) -> str | None:
+    rest = _past_prefixes(words)
     if not rest:
         return None
     program = rest[0].rsplit("/", 1)[-1]

@@ -167,6 +167,10 @@ LAUNCHERS = [
     ("deepspeed", ["deepspeed", "train.py"]),
     ("torchrun", ["sh", "-c", "pip install -r requirements.txt && FOO=1 torchrun train.py"]),
     ("torchrun", ["env", "OMP_NUM_THREADS=1", "torchrun", "train.py"]),
+    # behind the shell's own flags, or a second shell: it got past the check
+    ("torchrun", ["bash", "-lc", "cd src && torchrun train.py"]),
+    ("torchrun", ["/bin/bash", "-e", "-o", "pipefail", "-c", "torchrun train.py | tee log"]),
+    ("deepspeed", ["sh", "-c", "exec bash --login -c 'deepspeed train.py'"]),
 ]
 
 
