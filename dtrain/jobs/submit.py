@@ -190,7 +190,7 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
     check_own_code(opts)
     check_task_request(
         workdir=opts.workdir, command=opts.job_args, mode=opts.mode, launcher=opts.launcher, setup=opts.setup,
-        envs=opts.envs, secrets=opts.secrets,
+        envs=opts.envs, secrets=opts.secrets, nodes=opts.nodes or 1,
     )  # fmt: skip
     # a missing secret is named, and the variables measured, before anything is sent
     check_environment_size(opts.envs | read_secrets(opts.secrets))

@@ -249,9 +249,11 @@ def check_task_request(
     setup: str | None,
     envs: dict[str, str],
     secrets: list[str],
+    nodes: int = 1,
 ) -> None:
     """What a task's keys (or their flags) need: your own code for per-node mode and setup, variables
-    that do not replace the job's own, and a command that does not start a launcher per rank."""
+    that do not replace the job's own, a command that does not start a launcher per rank, and one that
+    per node joins the nodes into one world."""
     check_variable_names(envs, secrets)
     if both := sorted(set(envs) & set(secrets)):
         raise OperatorError(f"{both[0]}: both an env and a secret: keep one")
@@ -262,7 +264,7 @@ def check_task_request(
         return
     if mode == "per-node" and launcher:
         raise OperatorError(f"--mode per-node runs your command as the launcher: leave out --launcher {launcher}")
-    check_launcher_mode(command, mode or "per-rank", "--mode per-node (task file: mode: per-node)")
+    check_launcher_mode(command, mode or "per-rank", "--mode per-node (task file: mode: per-node)", nodes, envs)
 
 
 def check_variable_names(envs: dict[str, str], secrets: list[str]) -> None:

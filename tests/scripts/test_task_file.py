@@ -184,9 +184,70 @@ def test_a_launcher_per_rank_is_refused_naming_per_node_mode_which_runs_it(
     assert code == 2 and len(lines) == 1, err
     assert lines[0].startswith(f"error: the command starts its own launcher ({launcher}): per rank, each would ")
     assert "run it once per node with --mode per-node" in lines[0], lines[0]
-    code, out, err = checked(capsys, *common, "--mode", "per-node", "--dry-run", "--", *command)
+    # on one node: over two, a torchrun must also be told how the nodes join (below)
+    code, out, err = checked(capsys, *common, "--nodes", "1", "--mode", "per-node", "--dry-run", "--", *command)
     assert code == 0, err
     assert "--ntasks-per-node=1" in out and "torchrun --nnodes" not in out  # the user's launcher, once per node
+
+
+APART = [  # per node over 2 nodes, each torchrun would train a world of its own
+    ("has no --nnodes", ["torchrun", "--nproc-per-node", "2", "train.py"]),
+    ("has no --nnodes", ["python3", "-m", "torch.distributed.run", "--nproc_per_node=2", "train.py"]),
+    ("has no --nnodes", ["bash", "-c", "pip install -r r.txt\ntorchrun --nproc-per-node 2 train.py"]),
+    ("neither --rdzv-endpoint nor --node-rank nor --master-addr", ["torchrun", "--nnodes", "2", "train.py"]),
+    ("neither --rdzv-endpoint nor --master-addr", ["torchrun", "--nnodes=2", "--node_rank=$R", "train.py"]),
+    # the script's own flags are not torchrun's
+    (
+        "neither --rdzv-endpoint nor --node-rank",
+        ["torchrun", "--nnodes", "2", "--master-addr", "h", "t.py", "--node-rank", "1"],
+    ),
+    ("--nnodes 1 is fewer than the job's 2 nodes", ["torchrun", "--nnodes", "1", "--rdzv-endpoint", "h:1", "t.py"]),
+    ("--standalone keeps each rendezvous on its own node", ["torchrun", "--standalone", "--nnodes", "2", "t.py"]),
+]
+JOINED = [
+    ["torchrun", "--nnodes", "2", "--node-rank", "$R", "--master-addr", "$MASTER_ADDR", "train.py"],
+    ["torchrun", "--nnodes=2", "--node_rank=1", "--master_addr=h", "train.py"],
+    ["torchrun", "--nnodes", "1:2", "--rdzv-endpoint=h:29400", "train.py"],
+    ["python", "-m", "torch.distributed.run", "--nnodes", "2", "--rdzv_endpoint", "h:29400", "train.py"],
+    ["bash", "-c", "PET_NNODES=2 torchrun --rdzv-backend c10d \\\n  --rdzv-endpoint h:1 train.py  # don't"],
+    ["bash", "-c", "torchrun $TORCHRUN_ARGS train.py"],  # the shell's to expand
+    ["accelerate", "launch", "train.py"],  # not torchrun's flags
+]
+
+
+@pytest.mark.parametrize(("why", "command"), APART)
+def test_a_per_node_torchrun_that_would_not_join_the_nodes_into_one_world_is_refused(
+    why, command, tmp_path, azure_file, capsys
+):
+    code_dir = str(task(tmp_path, "").parent / "code")
+    common = ("--cluster", str(azure_file), "--workdir", code_dir, "--mode", "per-node", "--dry-run")
+    code, _, err = checked(capsys, *common, "--nodes", "2", "--", *command)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("error: the command's ") and " runs once on each of 2 nodes, and " in lines[0]
+    assert why in lines[0] and '--nnodes "$DTRAIN_NUM_NODES" --node-rank "$DTRAIN_NODE_RANK"' in lines[0], lines[0]
+    code, _, err = checked(capsys, *common, "--nodes", "1", "--", *command)  # one node is one world
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("command", JOINED, ids=str)
+def test_a_per_node_torchrun_that_joins_the_nodes_runs(command, tmp_path, azure_file, capsys):
+    code_dir = str(task(tmp_path, "").parent / "code")
+    common = ("--cluster", str(azure_file), "--workdir", code_dir, "--mode", "per-node", "--dry-run")
+    code, _, err = checked(capsys, *common, "--nodes", "2", "--", *command)
+    assert code == 0, err
+
+
+def test_a_task_file_torchrun_per_node_without_the_nodes_join_is_refused(tmp_path, azure_file, capsys, monkeypatch):
+    text = (
+        "workdir: code\nmode: per-node\nresources: {nodes: 2}\nrun: |\n  torchrun --nproc-per-node 2 \\\n    train.py\n"
+    )
+    code, _, err = checked(capsys, str(task(tmp_path, text)), "--cluster", str(azure_file), "--dry-run")
+    assert code == 2 and err.startswith("error: the command's torchrun runs once on each of 2 nodes"), err
+    # the example (its torchrun joins the nodes) runs as it is
+    monkeypatch.setenv("HF_TOKEN", "hf-test")
+    code, _, err = checked(capsys, str(EXAMPLE / "task.yaml"), "--cluster", str(azure_file), "--dry-run")
+    assert code == 0, err
 
 
 @pytest.mark.parametrize("command", [["horovodrun", "-np", "4", "python", "train.py"], ["mpirun", "python", "x.py"]])
@@ -200,6 +261,9 @@ def test_a_launcher_that_starts_every_rank_itself_is_refused_in_either_mode(comm
 def test_commands_that_are_not_launchers_run_per_rank():
     plain = (["python", "train.py"], ["python", "-m", "mypkg.train"], ["sh", "-c", "echo torchrun; python t.py"])
     assert [launcher_in(command) for command in plain] == [None, None, None]
+    # each line of a script is a command of its own, comments left out, `\\`-newline continued
+    assert launcher_in(["bash", "-c", "pip install x  # don't\ntorchrun \\\n t.py"]) == "torchrun"
+    assert launcher_in(["bash", "-c", "echo 'a\ntorchrun' && python t.py"]) is None  # inside quotes
 
 
 OPERATOR = b"DTRAIN_TEST_OPERATOR=1"  # in the environment of `launch` and its ssh: the operator's, not the job's
