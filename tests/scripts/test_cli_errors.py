@@ -24,8 +24,10 @@ import pytest
 
 from dtrain.cluster import description as cl
 from dtrain.errors import ExitCode
+from dtrain.local.cluster import Storage
+from dtrain.local.cluster import _describe as local_describe
 from dtrain.local.daemons import free_port
-from dtrain.local.state import LocalState
+from dtrain.local.state import HostState, LocalState, NodeState
 from dtrain.remote.boot import blob_pull
 from tests.local_http import serving
 
@@ -120,7 +122,24 @@ def _descriptions(tmp: Path, key: Path) -> dict[str, str]:
         "desc_host": saved("cluster-host.json", ssh_key=key, runtime="host"),
         "desc_no_key": saved("cluster-nokey.json", ssh_key=tmp / "gone" / "id_ed25519"),
         "old_schema": _write(tmp / "cluster-old.json", json.dumps(old), 0o600),
+        "desc_local": _local_description(tmp, key),
     }
+
+
+def _local_description(tmp: Path, key: Path) -> str:
+    """The description a local cluster of 2 CPU nodes writes (`local up`), made without starting one."""
+    state = LocalState(
+        name="t",
+        mode="localhost",
+        state_dir=str(tmp / "state-local"),
+        ports={"jumpbox": 1, "nfs": 2},
+        head=HostState(hostname="head", address="127.0.0.1"),
+        slurm_conf=str(tmp / "state-local" / "slurm.conf"),
+        nodes=[NodeState(hostname=f"node-{i}", address="127.0.0.1", ssh_port=3 + i) for i in range(2)],
+    )
+    storage = Storage("http://127.0.0.1:1/devstoreaccount1", "UseDevelopmentStorage=true", "sv=1&sig=d", "sv=1&sig=r")
+    desc = local_describe(state, Path(sys.executable), key, tmp / "kh-local", storage)
+    return str(desc.save(tmp / "cluster-local.json"))
 
 
 def _state_dirs(tmp: Path) -> dict[str, str]:
@@ -352,6 +371,11 @@ LAUNCH = [
     case(f"{RUN} --time 99999999999", message="argument --time/--time-limit: invalid time limit '99999999999': more"),
     case(f"{RUN} --gpus 3 --nodes 2", message="--gpus 3 does not divide evenly over --nodes 2"),
     case(f"{RUN} --gpus 1 --gpus-per-node 1", message="argument --gpus-per-node: not allowed with argument --gpus"),
+    # CPU nodes of 2 CPUs (the local cluster's): refused under --dry-run as at submission (sinfo's CPUs)
+    case(
+        "--cluster {desc_local} --framework pytorch --gpus-per-node 3 --dry-run",
+        message="error: --gpus-per-node 3 runs 3 processes on each node, and the nodes of cluster local-t have 2 CPUs",
+    ),
     case(f"{RUN} --time-limit 0", message="argument --time/--time-limit: invalid time limit '0'"),
     case(f"{RUN} --time 1:2:3:4", message="argument --time/--time-limit: invalid time limit '1:2:3:4'"),
     # the recorded stack caps jobs at 7 days (maxJobTime): Slurm would leave a longer one pending for ever
@@ -510,6 +534,12 @@ def test_images(bad: Case, paths: dict[str, str]) -> None:
 @pytest.mark.parametrize("bad", LAUNCH, ids=str)
 def test_launch(bad: Case, paths: dict[str, str]) -> None:
     check("dtrain launch", bad, paths)
+
+
+def test_a_local_clusters_cpu_nodes_run_as_many_processes_as_their_cpus_under_dry_run(paths: dict[str, str]) -> None:
+    proc = run_module("dtrain", "launch", "--cluster", paths["desc_local"], "--framework", "pytorch", "--dry-run",
+                      "--gpus-per-node", "2", "--", "--steps", "1")  # fmt: skip
+    assert proc.returncode == 0 and "2 processes per node" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("bad", JOBS, ids=str)
