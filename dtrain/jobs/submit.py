@@ -383,7 +383,7 @@ def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH, plan: Plan |
         desc, job_args, entrypoint=opts.entrypoint, model_parallel=opts.model_parallel, processes=processes
     )
     if spec.resume_from:  # the job fetches it (fetch_checkpoint.py): here only whether there is one
-        require_kept_checkpoint(desc, spec.resume_from)
+        require_kept_checkpoint(desc, spec.resume_from, ours=not (opts.workdir or opts.entrypoint))
     files = _run_files(desc, opts, spec, slurm.access)
     code = ""
     if plan.workdir:  # the last upload of this directory, copied: the job runs a snapshot, whatever changes next

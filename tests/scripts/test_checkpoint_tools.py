@@ -17,11 +17,17 @@ from pathlib import Path
 
 import pytest
 from azure.storage.blob import ContainerSasPermissions
+from pydantic import SecretStr
 
+from dtrain.cluster.description import BlobCredential, BlobLocation, from_stack_outputs
 from dtrain.errors import OperatorError
+from dtrain.jobs.checkpoint_sync import OUR_CHECKPOINT
+from dtrain.jobs.kept_checkpoints import require_kept_checkpoint
 from dtrain.jobs.time_warning import parse_lead, warning_lead
 from tests.polling import wait_for
 
+from .conftest import private_key_file
+from .test_cluster_description import OUTPUTS
 from .test_remote_tools import REMOTE, azurite, container_sas, run_tool, sas_file  # noqa: F401 (a fixture)
 
 READ_ONLY = ContainerSasPermissions(read=True, list=True)
@@ -288,3 +294,38 @@ def test_the_last_pass_of_a_job_that_failed_names_a_file_its_writer_left_unfinis
     assert json.loads((run / "status.json").read_text())["not_uploaded"] == ["checkpoints/torn.pt"]
     why = "checkpoints/torn.pt not uploaded: last written 0 s before the job ended and not renamed into place"
     assert why in done.stderr.decode()
+
+
+# --- launch --resume-from's check, on the operator's side ----------------------------------------
+def test_a_bundled_job_resumes_only_from_our_trainings_checkpoints(azurite, tmp_path, monkeypatch):  # noqa: F811
+    """Our training (no --workdir, no --entrypoint) finds ckpt-<step>.ckpt or step-<step>/ alone: another
+    code's files were fetched, every one of them, then it trained from step 0 without a word."""
+    results = azurite.get_container_client("results")
+    kept = {
+        "other-code": ["state.bin", "optim/adam.pt"],
+        "our-run": ["ckpt-0000000010.ckpt", "notes.txt"],
+        "our-mp-run": ["step-0000000010/.metadata", "step-0000000010/__0_0.distcp"],
+    }
+    for run, names in kept.items():
+        for name in names:
+            results.upload_blob(f"{run}/checkpoints/{name}", b"x", overwrite=True)
+    desc = from_stack_outputs(OUTPUTS, "dev", private_key_file(tmp_path), known_hosts=tmp_path / "kh")
+    location = BlobLocation(
+        endpoint=azurite.url.rstrip("/"),
+        container="results",
+        credential=BlobCredential(kind="sas", secret=SecretStr(container_sas(READ_ONLY))),
+    )
+    desc = desc.model_copy(update={"results": location})
+    with pytest.raises(OperatorError) as refused:
+        require_kept_checkpoint(desc, "other-code", ours=True)
+    assert str(refused.value).startswith(
+        "--resume-from other-code: its checkpoints are not our training's (ckpt-<step>.ckpt or step-<step>/, e.g. "
+    ), refused.value
+    assert "resume that run's own code (--workdir or --entrypoint)" in str(refused.value)
+    require_kept_checkpoint(desc, "other-code", ours=False)  # your own code reads its own files
+    for run in ("our-run", "our-mp-run"):
+        require_kept_checkpoint(desc, run, ours=True)
+    with pytest.raises(OperatorError, match="holds no checkpoint of that run"):
+        require_kept_checkpoint(desc, "our", ours=True)  # a prefix of a run's name is not that run
+    monkeypatch.syspath_prepend(str(REMOTE))  # the names the job's fetch takes for ours, the same
+    assert importlib.import_module("fetch_checkpoint").OURS.pattern == OUR_CHECKPOINT.pattern
