@@ -16,13 +16,13 @@ import subprocess
 import sys
 from collections.abc import Iterable
 
-from dtrain.cli_common import add_cluster_option, non_empty
+from dtrain.cli_common import add_cluster_option, arg_type, non_empty
 from dtrain.cluster.description import ClusterDescription, load
 from dtrain.cluster.slurm import Slurm
 from dtrain.cluster.ssh import SSH, SSHFailure, Target, explain_ssh_failure, q
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.jobs.allocation import add_allocation_arguments, cost_line, plan_from_args, salloc_flags
-from dtrain.jobs.runs import Run, resolve
+from dtrain.jobs.runs import Run, check_job_reference, resolve
 from dtrain.jobs.submit import node_hour_price
 from dtrain.ui import make_console
 
@@ -55,7 +55,7 @@ def configure(commands: argparse._SubParsersAction) -> None:
         epilog=examples("exec 42 -- nvidia-smi", "exec 42 -- sh -c 'free -g; df -h /nvme'"),
         formatter_class=raw,
     )
-    run_in.add_argument("job", type=non_empty, metavar="JOB", help="Slurm job id or run id")
+    run_in.add_argument("job", type=arg_type(check_job_reference), metavar="JOB", help="Slurm job id or run id")
     run_in.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     alloc = commands.add_parser(
         "alloc",

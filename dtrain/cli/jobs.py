@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from rich.table import Table
 
-from dtrain.cli_common import add_cluster_option, debugging, int_between, non_empty
+from dtrain.cli_common import add_cluster_option, arg_type, debugging, int_between
 from dtrain.cluster.description import ClusterDescription, load
 from dtrain.cluster.node_reports import boot_verdict, read_reports
 from dtrain.cluster.slurm import NodeInfo, QueuedJob, Slurm, patiently
@@ -26,7 +26,7 @@ from dtrain.cluster.telemetry import TelemetryUnavailable, alert_queries, gpu_al
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.idle_cost import for_cluster
 from dtrain.jobs.follow import cancel_and_wait, follow
-from dtrain.jobs.runs import Run, list_runs, resolve
+from dtrain.jobs.runs import Run, check_job_reference, list_runs, resolve
 from dtrain.json_documents import JobRow, JobsDocument, NodeRow, StatusDocument
 from dtrain.ui import make_console
 
@@ -59,7 +59,7 @@ def configure(commands: argparse._SubParsersAction) -> None:
         "exits with the job's status.",
         epilog="examples: python -m dtrain logs 42 -f; python -m dtrain logs 20261122T101500Z-pytorch-1a2b.",
     )
-    logs.add_argument("job", type=non_empty, metavar="JOB", help="Slurm job id or run id")
+    logs.add_argument("job", type=arg_type(check_job_reference), metavar="JOB", help="Slurm job id or run id")
     logs.add_argument("-f", "--follow", action="store_true", help="stream new lines until the job ends")
     cancel = commands.add_parser(
         "cancel",
@@ -69,7 +69,9 @@ def configure(commands: argparse._SubParsersAction) -> None:
         "the results container as it ends.",
         epilog="examples: python -m dtrain cancel 42; python -m dtrain cancel 42 43 20261122T101500Z-pytorch-1a2b.",
     )
-    cancel.add_argument("job", type=non_empty, nargs="+", metavar="JOB", help="Slurm job ids or run ids")
+    cancel.add_argument(
+        "job", type=arg_type(check_job_reference), nargs="+", metavar="JOB", help="Slurm job ids or run ids"
+    )
     status = commands.add_parser(
         "status",
         help="nodes (state, drain reason, power saving, boot, health checks) and the queue",

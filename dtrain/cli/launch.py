@@ -248,9 +248,23 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     )
 
 
+def check_framework_is_used(args: argparse.Namespace, desc: ClusterDescription) -> None:
+    """With --workdir, --framework picks the image (docker runtime, without --image) and the default
+    launcher (per rank, without --launcher). Where it picks neither, it is refused rather than ignored."""
+    docker = desc.runtime.kind == "docker"
+    per_node = args.mode == "per-node"
+    if (docker and not args.image) or (not per_node and not args.launcher):
+        return
+    image = f"the command runs in --image {args.image}" if docker else f"cluster {desc.name} runs jobs on its hosts"
+    launcher = "it is its own launcher (--mode per-node)" if per_node else f"--launcher {args.launcher} starts it"
+    raise OperatorError(f"--framework {args.framework} does nothing with --workdir here: {image}, and {launcher}")
+
+
 def run(args: argparse.Namespace) -> int:
     opts = options_from_args(args)  # first: flags after a task file (--cluster too) are read there
     desc = load(args.cluster)
+    if args.workdir and args.framework:
+        check_framework_is_used(args, desc)
     plan = build_spec(desc, opts)
     show_request(desc, plan)
     if args.dry_run:

@@ -217,6 +217,10 @@ class ClusterDescription(_Model):
     # nodes
     node_count: int = Field(ge=1)
     gpus_per_node: int = Field(ge=0)
+    # the CPUs a node offers to jobs (Slurm's CPUs=), where the description knows them: more processes
+    # a node are refused before any connection, --dry-run too. None: Slurm says at submission (on
+    # Azure a process needs a GPU, and every size has more vCPUs than GPUs)
+    node_cpus: int | None = Field(default=None, ge=1)
     gpu_sku: str | None = None
     region: str | None = None  # with gpu_sku, what prices a run (dtrain/pricing.py); None locally
     expect_infiniband: bool = False

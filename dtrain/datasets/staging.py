@@ -56,7 +56,9 @@ SHORT_SIDE = (64, 1024)  # below 64 px nothing is left to crop; above 1024 the c
 QUALITY = (50, 100)
 DEFAULT_QUALITY = 90  # what FFCV stores its ImageNet copies at: artefacts hardly visible, files still small
 # A dataset name is a blob prefix and a directory under data_path: plain components, '/' to nest.
-DATASET_NAME = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
+# Each part starts with a letter, digit or `_`: `-x` would be read as a flag by blob-pull and the tools
+# after it, `.x` is hidden (and `.`, `..` would leave the data path).
+DATASET_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
 
 
 # --- synthetic dataset -------------------------------------------------------------------------
@@ -518,8 +520,11 @@ def _last_json(text: str) -> dict:
 # --- helpers -----------------------------------------------------------------------------------
 def check_dataset_name(dataset: str) -> str:
     name = dataset.strip("/")
-    if not DATASET_NAME.fullmatch(name) or any(part in (".", "..") for part in name.split("/")):
-        raise OperatorError(f"invalid dataset name {dataset!r}: use letters, digits, '-', '_', '.' (and '/' to nest)")
+    if not DATASET_NAME.fullmatch(name):
+        raise OperatorError(
+            f"invalid dataset name {dataset!r}: use letters, digits, '-', '_', '.' (and '/' to nest), each part "
+            "starting with a letter, digit or '_'"
+        )
     return name
 
 

@@ -114,6 +114,12 @@ def plan_allocation(
     if gpus is not None and not desc.gpus_per_node:
         raise OperatorError(f"--gpus {gpus}: the nodes of cluster {desc.name} have no GPUs (use --gpus-per-node)")
     processes = per_node or desc.gpus_per_node or 1
+    if desc.node_cpus and processes > desc.node_cpus:  # as submission's check says it (dtrain/jobs/preflight.py)
+        raise OperatorError(
+            f"{flag if per_node is not None else 'the default'} runs {processes} processes on each node, "
+            f"and the nodes of cluster {desc.name} have "
+            f"{desc.node_cpus} CPUs (one a process at least): ask for fewer processes per node"
+        )
     gres = processes if desc.gpus_per_node else 0
     # every GPU of a node is the whole node; so is any job on CPU nodes, which have no GPUs to share out
     whole = exclusive or gres == desc.gpus_per_node

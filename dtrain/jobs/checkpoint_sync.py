@@ -10,6 +10,7 @@ through the operator's machine.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from dtrain.cluster.ssh import q
@@ -18,6 +19,9 @@ if TYPE_CHECKING:
     from dtrain.jobs.batch_script import ResultsTarget
 
 CHECKPOINTS = "checkpoints"  # RUN/checkpoints/ in the results container, as $CHECKPOINT_DIR is RUN_DIR/checkpoints
+# Our jobs' checkpoints under it (training/checkpoint: ckpt-<step>.ckpt, a model-parallel step-<step>/), as
+# dtrain/remote/job/fetch_checkpoint.py's OURS, which runs on the hosts and cannot import this
+OUR_CHECKPOINT = re.compile(r"^(?:ckpt-(\d{10})\.ckpt|step-(\d{10})/[^/]+)$")
 # In the run's remote/ directory, not the job's checkpoint directory (its code may list it): what the mirror
 # sent (checkpoint_mirror.STATE, which upload_results.py reads too), and that the resume's fetch was done
 # (a requeued attempt does not fetch the old run's checkpoint again)

@@ -78,6 +78,11 @@ def list_runs(
     ]
 
 
+def check_job_reference(text: str) -> str:
+    """JOB on the command line: a Slurm job id, or a valid run id (checked before any connection)."""
+    return text if JOB_ID.fullmatch(text) else check_run_id(text)
+
+
 def resolve(desc: ClusterDescription, slurm: Slurm, text: str) -> Run:
     """JOB as the user typed it: digits are a Slurm job id, anything else a run id."""
     if JOB_ID.fullmatch(text):

@@ -39,7 +39,7 @@ from dtrain.jobs.batch_script import (
 from dtrain.jobs.kept_checkpoints import require_kept_checkpoint
 from dtrain.jobs.preflight import ProcessRequest, dataset_under_data_path, plan_preflight
 from dtrain.jobs.preflight import flag_value as _flag_value
-from dtrain.jobs.task_file import check_task_request, read_secrets
+from dtrain.jobs.task_file import check_environment_size, check_task_request, read_secrets
 from dtrain.jobs.task_steps import SECRETS_SUBDIR, SETUP_FILE, setup_cache_dir
 from dtrain.jobs.time_warning import warning_lead
 from dtrain.jobs.tracking import plan_tracking
@@ -49,7 +49,9 @@ from infra.contract import FRAMEWORKS, RUNS_DIR
 from training.world.backend_choice import AUTO, DDP, HOROVOD
 
 # A run id names a directory on the share, a Slurm job and a blob prefix: one plain path component.
-RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,100}")
+# Its first character is a letter or digit: `-x` would be read as a flag by the tools it is passed to
+# (upload, `logs`, `cancel`), and `.x` is hidden, like the share's own `.workdirs` and `.dtrain-setup`.
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 REMOTE_DIR = REPO_ROOT / "dtrain" / "remote"
 SAS_FILE = "results.sas"
 MODEL_PARALLEL_JOB = "training.model_parallel"
@@ -116,9 +118,10 @@ def new_run_id(framework: str) -> str:
 
 
 def check_run_id(run_id: str) -> str:
-    if not RUN_ID.fullmatch(run_id) or run_id in (".", ".."):
+    if not RUN_ID.fullmatch(run_id):
         raise OperatorError(
-            f"invalid run id {run_id!r}: use up to 100 letters, digits, '-', '_' and '.' (no '/', not '.' or '..')"
+            f"invalid run id {run_id!r}: use up to 100 letters, digits, '-', '_' and '.', starting with a letter "
+            "or digit (no '/')"
         )
     return run_id
 
@@ -188,9 +191,10 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
     check_own_code(opts)
     check_task_request(
         workdir=opts.workdir, command=opts.job_args, mode=opts.mode, launcher=opts.launcher, setup=opts.setup,
-        envs=opts.envs, secrets=opts.secrets,
+        envs=opts.envs, secrets=opts.secrets, nodes=opts.nodes or 1,
     )  # fmt: skip
-    read_secrets(opts.secrets)  # a missing one is named before anything is sent
+    # a missing secret is named, and the variables measured, before anything is sent
+    check_environment_size(opts.envs | read_secrets(opts.secrets))
     workdir = check_workdir(opts.workdir, opts.workdir_max_mb) if opts.workdir else None
     if opts.image and desc.runtime.kind != "docker":
         raise OperatorError(
@@ -380,7 +384,7 @@ def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH, plan: Plan |
         desc, job_args, entrypoint=opts.entrypoint, model_parallel=opts.model_parallel, processes=processes
     )
     if spec.resume_from:  # the job fetches it (fetch_checkpoint.py): here only whether there is one
-        require_kept_checkpoint(desc, spec.resume_from)
+        require_kept_checkpoint(desc, spec.resume_from, ours=not (opts.workdir or opts.entrypoint))
     files = _run_files(desc, opts, spec, slurm.access)
     code = ""
     if plan.workdir:  # the last upload of this directory, copied: the job runs a snapshot, whatever changes next

@@ -19,8 +19,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections.abc import Hashable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
@@ -45,12 +46,34 @@ RESERVED_PREFIXES = ("DTRAIN_", "SLURM_", "TORCHELASTIC_")
 CREDENTIAL_NAME = re.compile(
     r"(?:^|_)(?:TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?)(?:_|$)|_KEY$|_CONNECTION_STRING$", re.IGNORECASE
 )
+# MLflow's variables are the job's (--tracking-uri, --experiment, the run it opens); a server's token is
+# the one a secret may carry, which remote/job/mlflow_run.py reads from the run's secrets itself.
+MLFLOW_PREFIX = "MLFLOW_"
+MLFLOW_TOKEN = "MLFLOW_TRACKING_TOKEN"
+# envs are exported by job.sh, so the job's own tools (results upload, MLflow, checkpoint mirror, the log
+# annotator) run with them too: these change what a Python imports (PYTHONPATH=. puts the code's json.py
+# before the standard library's), which libraries load, or where HTTP goes (a proxy for pip cannot reach
+# the head node's MLflow). Refused, not isolated: a command that needs one sets it itself. Secrets are
+# sourced in the user's command only, so they may use these names.
+TOOL_BREAKING_NAMES = frozenset(
+    (
+        *("PYTHONHOME", "PYTHONPATH", "PYTHONPLATLIBDIR", "PYTHONUSERBASE", "LD_PRELOAD", "LD_LIBRARY_PATH"),
+        *("SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE"),
+        *("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"),  # any case: curl and Python read http_proxy too
+    )
+)
+# Linux refuses an argument or environment string ("NAME=value") of 128 KiB or more (MAX_ARG_STRLEN: every
+# command then fails with "Argument list too long"), and horovodrun forwards its whole environment to each
+# worker inside one ssh command string, which Slurm's and the job's own variables (a few KiB) share: the
+# envs and secrets of a job hold at most half of that string.
+ENVIRONMENT_BUDGET = 64 * 1024
 EnvName = Annotated[str, StringConstraints(pattern=f"^{ENV_NAME.pattern}$")]
 RunName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,60}$")]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: `nodes: true` or `nodes: "2"` is a mistake to name, not a value to convert (true would be 1)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class Resources(_Strict):
@@ -105,8 +128,27 @@ class Task(_Strict):
         return list(secrets)
 
 
+_MERGE = "tag:yaml.org,2002:merge"
+
+
 class _Yaml12Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2's integers and floats: YAML 1.1 reads `1:00:00` as 3600 (base 60)."""
+    """SafeLoader with YAML 1.2's integers and floats (YAML 1.1 reads `1:00:00` as 3600, base 60) and its
+    unique keys: PyYAML keeps the last of two `run:` keys without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
+        seen: set[Hashable] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == _MERGE:  # `<<: *base`: its keys are meant to be overridden
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (the second would replace the first: keep one)",
+                    key_node.start_mark,
+                )  # fmt: skip
+            if isinstance(key, Hashable):
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 _NUMBERS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
@@ -121,7 +163,7 @@ _Yaml12Loader.add_implicit_resolver(
 
 
 def is_task_file(word: str) -> bool:
-    return word.endswith(TASK_SUFFIXES)
+    return word.lower().endswith(TASK_SUFFIXES)  # task.YAML too: file names on Windows and macOS keep any case
 
 
 def load_task(path: str) -> Task:
@@ -220,15 +262,15 @@ def check_task_request(
     setup: str | None,
     envs: dict[str, str],
     secrets: list[str],
+    nodes: int = 1,
 ) -> None:
     """What a task's keys (or their flags) need: your own code for per-node mode and setup, variables
-    that do not replace the job's own, and a command that does not start a launcher per rank."""
-    for name in [*envs, *secrets]:
-        if name in RESERVED_NAMES or name.startswith(RESERVED_PREFIXES):
-            raise OperatorError(f"{name}: the job sets this variable itself (docs/operator.md): choose another name")
+    that do not replace the job's own, a command that does not start a launcher per rank, and one that
+    per node joins the nodes into one world."""
+    refuse_credentials_in_envs(envs)  # first: a token given as an env is told where it belongs
+    check_variable_names(envs, secrets)
     if both := sorted(set(envs) & set(secrets)):
         raise OperatorError(f"{both[0]}: both an env and a secret: keep one")
-    refuse_credentials_in_envs(envs)
     if not workdir:
         for given, what in ((mode == "per-node", "--mode per-node"), (setup, "setup")):
             if given:
@@ -236,7 +278,39 @@ def check_task_request(
         return
     if mode == "per-node" and launcher:
         raise OperatorError(f"--mode per-node runs your command as the launcher: leave out --launcher {launcher}")
-    check_launcher_mode(command, mode or "per-rank", "--mode per-node (task file: mode: per-node)")
+    check_launcher_mode(command, mode or "per-rank", "--mode per-node (task file: mode: per-node)", nodes, envs)
+
+
+def check_variable_names(envs: dict[str, str], secrets: list[str]) -> None:
+    """Names the job or its own tools depend on: the job sets them, or they would change our tools too."""
+    for name in [*envs, *secrets]:
+        if name in RESERVED_NAMES or name.startswith(RESERVED_PREFIXES):
+            raise OperatorError(f"{name}: the job sets this variable itself (docs/operator.md): choose another name")
+        if name.startswith(MLFLOW_PREFIX) and not (name == MLFLOW_TOKEN and name in secrets):
+            raise OperatorError(
+                f"{name}: the job sets MLflow's variables itself (--tracking-uri, --experiment); a server's token "
+                f"is the secret {MLFLOW_TOKEN} (docs/operator.md)"
+            )
+    for name in envs:
+        if name.upper() in TOOL_BREAKING_NAMES:
+            raise OperatorError(
+                f"{name}: an env reaches the job's own tools too (results upload, MLflow, the log), which it would "
+                f"change: set it in your command instead (run: export {name}=...; ..., or env {name}=... COMMAND)"
+            )
+
+
+def check_environment_size(values: dict[str, str]) -> None:
+    """envs and secrets (name -> value) within what every command of the job can carry (ENVIRONMENT_BUDGET)."""
+    sizes = {name: len(f"{name}={value}".encode()) for name, value in values.items()}
+    largest = max(sizes, key=sizes.__getitem__, default=None)
+    limit = (
+        f"a job's envs and secrets hold at most {ENVIRONMENT_BUDGET // 1024} KiB in all (docs/operator.md): "
+        "put large values in a file in the workdir and pass its path"
+    )
+    if largest is not None and sizes[largest] > ENVIRONMENT_BUDGET:
+        raise OperatorError(f"{largest}: {sizes[largest] / 1024:,.1f} KiB; {limit}")
+    if (total := sum(sizes.values())) > ENVIRONMENT_BUDGET:
+        raise OperatorError(f"envs and secrets: {total / 1024:,.1f} KiB together; {limit}")
 
 
 def add_task_arguments(parser: argparse.ArgumentParser) -> None:

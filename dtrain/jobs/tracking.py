@@ -38,9 +38,21 @@ def check_tracking_uri(text: str) -> str:
             "--tracking-uri must not hold credentials (user:password@), which job.sh, job.json and the log would "
             f"keep: export {TOKEN}=... and pass it as a secret (--secret {TOKEN}, or the task file's secrets)"
         )  # the URI itself is not repeated: it holds them
-    if text == OFF or re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", text):
+    if text == OFF or (re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", text) and _port_in_range(text)):
         return text.rstrip("/")
-    raise OperatorError(f"--tracking-uri must be an http:// or https:// URL of an MLflow server, or {OFF!r}: {text!r}")
+    raise OperatorError(
+        f"--tracking-uri must be an http:// or https:// URL of an MLflow server (a port, if any, from 1 to 65535), "
+        f"or {OFF!r}: {text!r}"
+    )
+
+
+def _port_in_range(url: str) -> bool:
+    """A port, where the URL names one, from 1 to 65535: 99999 would only fail on the nodes, untracked."""
+    try:
+        port = urllib.parse.urlsplit(url).port
+    except ValueError:  # out of range, or not a number
+        return False
+    return port != 0
 
 
 def check_experiment(text: str) -> str:

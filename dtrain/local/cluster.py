@@ -472,6 +472,7 @@ def _describe(state: LocalState, python: Path, key: Path, known_hosts: Path, sto
         storage_host=SSHEndpoint(host="127.0.0.1", port=state.ports["nfs"], user=user),
         node_count=len(state.nodes),
         gpus_per_node=state.gpus_per_node,
+        node_cpus=local_slurm.NODE_CPUS,  # its slurm.conf's CPUs= for every node
         node_ssh_port=22,
         shared_mount_path=str(shared),
         shared_is_mount=False,

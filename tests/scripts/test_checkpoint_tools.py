@@ -12,14 +12,22 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from azure.storage.blob import ContainerSasPermissions
+from pydantic import SecretStr
 
+from dtrain.cluster.description import BlobCredential, BlobLocation, from_stack_outputs
 from dtrain.errors import OperatorError
+from dtrain.jobs.checkpoint_sync import OUR_CHECKPOINT
+from dtrain.jobs.kept_checkpoints import require_kept_checkpoint
 from dtrain.jobs.time_warning import parse_lead, warning_lead
 from tests.polling import wait_for
 
+from .conftest import private_key_file
+from .test_cluster_description import OUTPUTS
 from .test_remote_tools import REMOTE, azurite, container_sas, run_tool, sas_file  # noqa: F401 (a fixture)
 
 READ_ONLY = ContainerSasPermissions(read=True, list=True)
@@ -30,26 +38,108 @@ def blob_names(service, prefix: str) -> set[str]:
     return {b.name for b in service.get_container_client("results").list_blobs(name_starts_with=prefix)}
 
 
-def test_a_file_is_mirrored_once_it_stops_changing_and_each_version_once(azurite, tmp_path, monkeypatch):  # noqa: F811
-    """Scan by scan, in process (the pass the daemon runs every 10 s)."""
+def _mirror_in_process(azurite, tmp_path, monkeypatch, directory, prefix, clock):  # noqa: F811
+    """A Mirror as the daemon runs it, scan by scan, in this process, writing to Azurite."""
     monkeypatch.syspath_prepend(str(REMOTE))  # as on the cluster: the tools import each other by file name
     checkpoint_mirror = importlib.import_module("checkpoint_mirror")
-    upload_results = importlib.import_module("upload_results")
-    container = upload_results.Container(azurite.url.rstrip("/"), "results")
+    container = importlib.import_module("upload_results").Container(azurite.url.rstrip("/"), "results")
     container.sas = container_sas(WRITE_ONLY)
+    state = str(tmp_path / "state.json")
+    return checkpoint_mirror, checkpoint_mirror.Mirror(str(directory), prefix, lambda: container, state, clock=clock)
+
+
+def _after_a_clock_tick(path) -> None:
+    """Until the file system's clock (coarse: a jiffy) has moved past path's last write, as it has by the
+    time any real writer renames its file: then a rename leaves a change time after the write."""
+    written = path.stat().st_mtime_ns
+    probe = path.parent / ".probe"
+
+    def ticked() -> bool:
+        probe.write_bytes(b"")
+        return probe.stat().st_mtime_ns > written
+
+    wait_for(ticked, 10, "the file system's clock to tick")
+    probe.unlink()
+
+
+def test_a_file_is_mirrored_once_renamed_into_place_or_quiet_for_the_span_and_each_version_once(
+    azurite,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
     ckpt = tmp_path / "checkpoints"
     ckpt.mkdir()
-    state = tmp_path / "state.json"
-    mirror = checkpoint_mirror.Mirror(str(ckpt), "m0", lambda: container, str(state))
-    growing = ckpt / "growing.bin"
-    for size in (1000, 2000):  # still being written: changed since the scan before
-        growing.write_bytes(b"x" * size)
-        assert mirror.run_pass() == {} and blob_names(azurite, "m0/") == set()
-    assert mirror.run_pass() == {} and blob_names(azurite, "m0/") == {"m0/growing.bin"}  # stable: sent
+    later = [0.0]  # seconds the mirror's clock runs ahead: the quiet span without waiting for it
+    checkpoint_mirror, mirror = _mirror_in_process(
+        azurite, tmp_path, monkeypatch, ckpt, "m0", lambda: time.time() + later[0]
+    )
+    paused = ckpt / "paused.bin"
+    paused.write_bytes(b"x" * 1000)  # its writer pauses for longer than a scan, then goes on
+    later[0] = checkpoint_mirror.QUIET_S - 30
+    assert mirror.run_pass() == {} and blob_names(azurite, "m0/") == set()  # unchanged, but not for long
+    later[0] = checkpoint_mirror.QUIET_S + 1
+    assert mirror.run_pass() == {} and blob_names(azurite, "m0/") == {"m0/paused.bin"}  # quiet for the span
     mirror.run_pass()  # the same version is not sent again
-    assert azurite.get_container_client("results").download_blob("m0/growing.bin").readall() == b"x" * 2000
-    assert checkpoint_mirror.load_state(str(state)) == {"growing.bin": mirror.uploaded["growing.bin"]}
-    assert sorted(p.name for p in ckpt.iterdir()) == ["growing.bin"]  # nothing of ours in the job's directory
+    assert checkpoint_mirror.load_state(str(tmp_path / "state.json"))["paused.bin"] == mirror.uploaded["paused.bin"]
+    later[0] = 0.0
+    temporary = ckpt / ".renamed.bin.tmp"
+    temporary.write_bytes(b"y" * 1000)
+    _after_a_clock_tick(temporary)
+    os.replace(temporary, ckpt / "renamed.bin")  # its writer says it is complete
+    assert mirror.run_pass() == {} and blob_names(azurite, "m0/") == {"m0/paused.bin", "m0/renamed.bin"}
+    assert azurite.get_container_client("results").download_blob("m0/paused.bin").readall() == b"x" * 1000
+    assert sorted(p.name for p in ckpt.iterdir()) == ["paused.bin", "renamed.bin"]  # nothing of ours there
+
+
+def test_symbolic_links_are_never_followed_and_each_is_said_once(azurite, tmp_path, monkeypatch, capsys):  # noqa: F811
+    dataset = tmp_path / "dataset"
+    (dataset / "train").mkdir(parents=True)
+    (dataset / "train" / "0.jpg").write_bytes(b"image")
+    ckpt = tmp_path / "checkpoints"
+    ckpt.mkdir()
+    (ckpt / "model.pt").write_bytes(b"model")
+    (ckpt / "data").symlink_to(dataset)
+    (ckpt / "image.jpg").symlink_to(dataset / "train" / "0.jpg")
+    _, mirror = _mirror_in_process(azurite, tmp_path, monkeypatch, ckpt, "m3", lambda: time.time() + 1e6)
+    for _ in range(2):
+        assert mirror.run_pass() == {}
+    assert blob_names(azurite, "m3/") == {"m3/model.pt"}
+    out = capsys.readouterr().out
+    assert out.count("data skipped: a symbolic link") == 1 and out.count("image.jpg skipped: a symbolic link") == 1
+    linked = tmp_path / "linked"
+    linked.symlink_to(dataset)  # $CHECKPOINT_DIR itself a link: its target is not the job's to copy
+    _, mirror = _mirror_in_process(azurite, tmp_path, monkeypatch, linked, "m4", lambda: time.time() + 1e6)
+    for _ in range(2):
+        assert mirror.run_pass(every=True) == {}
+    assert blob_names(azurite, "m4/") == set()
+    assert capsys.readouterr().out.count(f"{linked} is a symbolic link, to {dataset}: not mirrored") == 1
+
+
+def test_names_come_back_byte_for_byte(azurite, tmp_path):  # noqa: F811
+    ckpt = tmp_path / "checkpoints"
+    ckpt.mkdir()
+    names = [b"back\\slash.bin", b"trailing.", b"pct%41.bin", b"caf\xe9.bin", b"sub dir/a+b=c?.pt", b"ckpt-0000000001"]
+    for name in names:
+        path = os.path.join(os.fsencode(ckpt), name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as handle:
+            handle.write(name)
+    credential = ["--sas-file", str(sas_file(tmp_path, container_sas(WRITE_ONLY)))]
+    container = ["--account-url", azurite.url.rstrip("/"), "--container", "results"]
+    flags = ["--dir", str(ckpt), "--prefix", "m5/checkpoints", "--state", str(tmp_path / "sent.json")]
+    once = run_tool("checkpoint_mirror.py", *flags, *container, *credential, "--once")
+    assert once.returncode == 0, once.stderr
+    dest = tmp_path / "fetched"
+    read = ["--sas-file", str(sas_file(tmp_path, container_sas(READ_ONLY)))]
+    got = run_tool("fetch_checkpoint.py", "--run", "m5", "--dest", str(dest), *container, *read)
+    assert got.returncode == 0, got.stderr
+    fetched = {
+        os.path.relpath(os.path.join(root, name), os.fsencode(dest))
+        for root, _, files in os.walk(os.fsencode(dest))
+        for name in files
+    }
+    assert fetched == set(names)
+    assert all(Path(os.fsdecode(os.path.join(os.fsencode(dest), name))).read_bytes() == name for name in names)
 
 
 def test_the_mirror_daemon_copies_renamed_files_never_temporary_ones(azurite, tmp_path):  # noqa: F811
@@ -185,3 +275,57 @@ def test_the_results_upload_makes_the_mirrors_last_pass_before_the_status(azurit
     assert blob_names(azurite, "u1/") == {"u1/checkpoints/last.pt", "u1/status.json"}
     assert "checkpoint last.pt (0.0 MB) is in the results container" in done.stdout.decode()
     assert json.loads((run / "status.json").read_text())["results"] == "uploaded"
+
+
+def test_the_last_pass_of_a_job_that_failed_names_a_file_its_writer_left_unfinished(azurite, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "torn.pt").write_bytes(b"half")  # being written when the time limit came
+    temporary = run / "checkpoints" / ".saved.pt.tmp"
+    temporary.write_bytes(b"saved")
+    _after_a_clock_tick(temporary)
+    os.replace(temporary, run / "checkpoints" / "saved.pt")
+    (run / "status.json").write_text('{"exit_code": 143, "results": "uploading"}\n')
+    flags = ["--dir", str(run), "--prefix", "u2", "--account-url", azurite.url.rstrip("/"), "--container", "results"]
+    sas = ["--sas-file", str(sas_file(tmp_path, container_sas(WRITE_ONLY)))]
+    done = run_tool("upload_results.py", *flags, *sas, "--status", "status.json", "--with-checkpoints")
+    assert done.returncode == 1, done.stderr
+    assert blob_names(azurite, "u2/") == {"u2/checkpoints/saved.pt", "u2/status.json"}
+    assert json.loads((run / "status.json").read_text())["not_uploaded"] == ["checkpoints/torn.pt"]
+    why = "checkpoints/torn.pt not uploaded: last written 0 s before the job ended and not renamed into place"
+    assert why in done.stderr.decode()
+
+
+# --- launch --resume-from's check, on the operator's side ----------------------------------------
+def test_a_bundled_job_resumes_only_from_our_trainings_checkpoints(azurite, tmp_path, monkeypatch):  # noqa: F811
+    """Our training (no --workdir, no --entrypoint) finds ckpt-<step>.ckpt or step-<step>/ alone: another
+    code's files were fetched, every one of them, then it trained from step 0 without a word."""
+    results = azurite.get_container_client("results")
+    kept = {
+        "other-code": ["state.bin", "optim/adam.pt"],
+        "our-run": ["ckpt-0000000010.ckpt", "notes.txt"],
+        "our-mp-run": ["step-0000000010/.metadata", "step-0000000010/__0_0.distcp"],
+    }
+    for run, names in kept.items():
+        for name in names:
+            results.upload_blob(f"{run}/checkpoints/{name}", b"x", overwrite=True)
+    desc = from_stack_outputs(OUTPUTS, "dev", private_key_file(tmp_path), known_hosts=tmp_path / "kh")
+    location = BlobLocation(
+        endpoint=azurite.url.rstrip("/"),
+        container="results",
+        credential=BlobCredential(kind="sas", secret=SecretStr(container_sas(READ_ONLY))),
+    )
+    desc = desc.model_copy(update={"results": location})
+    with pytest.raises(OperatorError) as refused:
+        require_kept_checkpoint(desc, "other-code", ours=True)
+    assert str(refused.value).startswith(
+        "--resume-from other-code: its checkpoints are not our training's (ckpt-<step>.ckpt or step-<step>/, e.g. "
+    ), refused.value
+    assert "resume that run's own code (--workdir or --entrypoint)" in str(refused.value)
+    require_kept_checkpoint(desc, "other-code", ours=False)  # your own code reads its own files
+    for run in ("our-run", "our-mp-run"):
+        require_kept_checkpoint(desc, run, ours=True)
+    with pytest.raises(OperatorError, match="holds no checkpoint of that run"):
+        require_kept_checkpoint(desc, "our", ours=True)  # a prefix of a run's name is not that run
+    monkeypatch.syspath_prepend(str(REMOTE))  # the names the job's fetch takes for ours, the same
+    assert importlib.import_module("fetch_checkpoint").OURS.pattern == OUR_CHECKPOINT.pattern

@@ -24,8 +24,10 @@ import pytest
 
 from dtrain.cluster import description as cl
 from dtrain.errors import ExitCode
+from dtrain.local.cluster import Storage
+from dtrain.local.cluster import _describe as local_describe
 from dtrain.local.daemons import free_port
-from dtrain.local.state import LocalState
+from dtrain.local.state import HostState, LocalState, NodeState
 from dtrain.remote.boot import blob_pull
 from tests.local_http import serving
 
@@ -120,7 +122,24 @@ def _descriptions(tmp: Path, key: Path) -> dict[str, str]:
         "desc_host": saved("cluster-host.json", ssh_key=key, runtime="host"),
         "desc_no_key": saved("cluster-nokey.json", ssh_key=tmp / "gone" / "id_ed25519"),
         "old_schema": _write(tmp / "cluster-old.json", json.dumps(old), 0o600),
+        "desc_local": _local_description(tmp, key),
     }
+
+
+def _local_description(tmp: Path, key: Path) -> str:
+    """The description a local cluster of 2 CPU nodes writes (`local up`), made without starting one."""
+    state = LocalState(
+        name="t",
+        mode="localhost",
+        state_dir=str(tmp / "state-local"),
+        ports={"jumpbox": 1, "nfs": 2},
+        head=HostState(hostname="head", address="127.0.0.1"),
+        slurm_conf=str(tmp / "state-local" / "slurm.conf"),
+        nodes=[NodeState(hostname=f"node-{i}", address="127.0.0.1", ssh_port=3 + i) for i in range(2)],
+    )
+    storage = Storage("http://127.0.0.1:1/devstoreaccount1", "UseDevelopmentStorage=true", "sv=1&sig=d", "sv=1&sig=r")
+    desc = local_describe(state, Path(sys.executable), key, tmp / "kh-local", storage)
+    return str(desc.save(tmp / "cluster-local.json"))
 
 
 def _state_dirs(tmp: Path) -> dict[str, str]:
@@ -211,6 +230,9 @@ STAGE = [
     case(f"{UPLOAD} {{file}}", message="dataset path {file} is not a directory"),
     case(f"{UPLOAD} {{empty}}", message="dataset path {empty} has no files"),
     case("upload {dataset} --dataset ../x", message="invalid dataset name '../x'"),
+    # `-x` would reach blob-pull as a flag of its own, `.x` is hidden
+    case("pull --cluster {desc} --dataset=-x", message="invalid dataset name '-x'"),
+    case("upload {dataset} --dataset imagenet/.cache", message="invalid dataset name 'imagenet/.cache'"),
     case("upload {dataset}", message="the following arguments are required: --dataset"),
     case("all --dataset ds", message="the following arguments are required: SOURCE"),
     case(
@@ -336,6 +358,10 @@ LAUNCH = [
     case(f"{RUN} --run-id ../../x", message="argument --run-id: invalid run id '../../x'"),
     case(f"{RUN} --run-id ..", message="invalid run id '..'"),
     case(f"{RUN} --run-id 'a b'", message="invalid run id 'a b'"),
+    # `-x` would reach the job's upload as a flag of its own; `.x` could name the share's `.workdirs`
+    case(f"{RUN} --run-id=-x --dry-run", message="argument --run-id: invalid run id '-x'"),
+    case(f"{RUN} --run-id .workdirs --dry-run", message="argument --run-id: invalid run id '.workdirs'"),
+    case(f"{RUN} --resume-from=-x --dry-run", message="argument --resume-from: invalid run id '-x'"),
     case(f"{RUN} --nodes 0", message="argument --nodes: must be a whole number >= 1, got '0'"),
     case(f"{RUN} --nodes 3", message="--nodes 3: the cluster has 2 nodes"),
     case(f"{RUN} --gpus-per-node 16", message="--gpus-per-node 16 asks for 16 GPUs on a node, and a node of cluster"),
@@ -345,6 +371,11 @@ LAUNCH = [
     case(f"{RUN} --time 99999999999", message="argument --time/--time-limit: invalid time limit '99999999999': more"),
     case(f"{RUN} --gpus 3 --nodes 2", message="--gpus 3 does not divide evenly over --nodes 2"),
     case(f"{RUN} --gpus 1 --gpus-per-node 1", message="argument --gpus-per-node: not allowed with argument --gpus"),
+    # CPU nodes of 2 CPUs (the local cluster's): refused under --dry-run as at submission (sinfo's CPUs)
+    case(
+        "--cluster {desc_local} --framework pytorch --gpus-per-node 3 --dry-run",
+        message="error: --gpus-per-node 3 runs 3 processes on each node, and the nodes of cluster local-t have 2 CPUs",
+    ),
     case(f"{RUN} --time-limit 0", message="argument --time/--time-limit: invalid time limit '0'"),
     case(f"{RUN} --time 1:2:3:4", message="argument --time/--time-limit: invalid time limit '1:2:3:4'"),
     # the recorded stack caps jobs at 7 days (maxJobTime): Slurm would leave a longer one pending for ever
@@ -357,12 +388,31 @@ LAUNCH = [
         f"{RUN} --time 5 --warn-before 10m --dry-run",
         message="error: --warn-before 600s is not shorter than the time limit (5): pass a shorter one, or 0 for none",
     ),
+    case(f"{RUN} --env MLFLOW_RUN_ID=1 --dry-run", message="MLFLOW_RUN_ID: the job sets MLflow's variables itself"),
+    case(f"{RUN} --env PYTHONHOME=/opt --dry-run", message="PYTHONHOME: an env reaches the job's own tools too"),
+    case(
+        f"{RUN} --env A={'x' * 40 * 1024} --env B={'x' * 40 * 1024} --dry-run",
+        message="envs and secrets: 80.0 KiB together; a job's envs and secrets hold at most 64 KiB in all",
+    ),
+    # a port out of range was accepted, and the job ran untracked
+    case(f"{RUN} --tracking-uri http://mlflow:99999 --dry-run", message="(a port, if any, from 1 to 65535), or 'none'"),
+    case(f"{RUN} --tracking-uri http://mlflow:0/x --dry-run", message="server (a port, if any, from 1 to 65535)"),
     case("--cluster {desc}", message="launch needs --framework (our training jobs) or --workdir (your own code)"),
     case("--cluster {desc} --workdir {tmp}", message="--workdir runs the command after `--`: add it"),
     case("--cluster {desc} --workdir {tmp}/nope -- python x.py", message="--workdir {tmp}/nope: no such directory"),
     case("--cluster {desc} --workdir {tmp} --model-parallel -- python x.py", message="leave out --model-parallel"),
     case("--cluster {desc} --workdir {tmp} --workdir-max-mb 0.001 -- python x.py", message="MiB to send, more than"),
     case("--cluster {desc} --workdir {tmp} --local-copy -- python x.py", message="--local-copy rewrites our jobs'"),
+    # with own code, --framework picks the image and the default launcher: where neither, it did nothing
+    case(
+        "--cluster {desc_host} --workdir {tmp} --framework tensorflow --launcher horovodrun -- python x.py",
+        message="--framework tensorflow does nothing with --workdir here: cluster dev runs jobs on its hosts, and "
+        "--launcher horovodrun starts it",
+    ),
+    case(
+        "--cluster {desc} --workdir {tmp} --framework keras --image img:1 --mode per-node -- python x.py",
+        message="the command runs in --image img:1, and it is its own launcher (--mode per-node)",
+    ),
     case(f"{RUN} --follow --detach", message="argument --detach: not allowed with argument --follow"),
     case("--cluster {desc} --framework keras --launcher torchrun", message="torchrun runs PyTorch jobs only"),
     # own code in TensorFlow's image: the flags the user gave are the ones named
@@ -378,6 +428,14 @@ LAUNCH = [
         "--cluster {desc_no_key} --framework pytorch",
         message="the cluster description's ssh_key: cannot use the SSH key {tmp}/gone/id_ed25519: it does not exist",
     ),
+]
+
+# a JOB that is not a job id is a run id: checked before any connection (the description's hosts are not there)
+JOBS = [
+    case("logs --cluster {desc} -- -x", message="argument JOB: invalid run id '-x'"),
+    case("cancel --cluster {desc} 42 -- -x", message="argument JOB: invalid run id '-x'"),
+    case("exec --cluster {desc} .x -- true", message="argument JOB: invalid run id '.x'"),
+    case("results --cluster {desc} -- -x", message="argument RUN: invalid run id '-x'"),
 ]
 
 STATE = "--state-dir {tmp}/state"
@@ -476,6 +534,17 @@ def test_images(bad: Case, paths: dict[str, str]) -> None:
 @pytest.mark.parametrize("bad", LAUNCH, ids=str)
 def test_launch(bad: Case, paths: dict[str, str]) -> None:
     check("dtrain launch", bad, paths)
+
+
+def test_a_local_clusters_cpu_nodes_run_as_many_processes_as_their_cpus_under_dry_run(paths: dict[str, str]) -> None:
+    proc = run_module("dtrain", "launch", "--cluster", paths["desc_local"], "--framework", "pytorch", "--dry-run",
+                      "--gpus-per-node", "2", "--", "--steps", "1")  # fmt: skip
+    assert proc.returncode == 0 and "2 processes per node" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("bad", JOBS, ids=str)
+def test_jobs(bad: Case, paths: dict[str, str]) -> None:
+    check("dtrain", bad, paths)
 
 
 @pytest.mark.parametrize("bad", LOCAL_CLUSTER, ids=str)

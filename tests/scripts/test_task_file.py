@@ -72,12 +72,29 @@ BAD_TASKS = {
     MAPPING + "run: [1\n": "not YAML at line 4",
     "- run\n": "expected a mapping of keys",
     "run: python train.py\n": "workdir: needed",
+    # PyYAML keeps the last of two equal keys: the first `run:` would be dropped without a word
+    MAPPING + "run: python other.py\n": "not YAML at line 3, column 1: duplicate key 'run' (the second would",
+    MAPPING + "envs: {A: 1, A: 2}\n": "not YAML at line 3, column 14: duplicate key 'A'",
+    # a value of the wrong type is named, not converted (true would be 1 node, "2" would be 2)
+    MAPPING + "resources: {nodes: true}\n": "resources.nodes: Input should be a valid integer",
+    MAPPING + "resources: {nodes: '2'}\n": "resources.nodes: Input should be a valid integer",
+    MAPPING + "resources: {spot: 'yes'}\n": "resources.spot: Input should be a valid boolean",
 }
 MAPPING_CHECKS = {  # checked with the flags that add to them, so named without the file
     MAPPING + "envs: {MASTER_PORT: 1}\n": "MASTER_PORT: the job sets this variable itself",
     MAPPING + "secrets: [SLURM_JOB_ID]\n": "SLURM_JOB_ID: the job sets this variable itself",
     MAPPING + "envs: {A: 1}\nsecrets: [A]\n": "A: both an env and a secret: keep one",
     MAPPING + "envs: {WANDB_API_KEY: k-123}\n": "WANDB_API_KEY: a credential's name",
+    # the job sets MLflow's variables: an env of the same name was silently overridden
+    MAPPING + "envs: {MLFLOW_TRACKING_URI: http://x:5000}\n": "MLFLOW_TRACKING_URI: the job sets MLflow's",
+    MAPPING + "envs: {MLFLOW_TRACKING_TOKEN: t}\n": "MLFLOW_TRACKING_TOKEN: a credential's name",
+    # envs reach the job's own tools: PYTHONHOME broke every upload, a proxy for pip turned MLflow off
+    MAPPING + "envs: {PYTHONHOME: /opt/py}\n": "PYTHONHOME: an env reaches the job's own tools too",
+    MAPPING + "envs: {http_proxy: http://proxy:3128}\n": "http_proxy: an env reaches the job's own tools too",
+    # what every command of the batch script carries: 200 KiB made each fail with "Argument list too long"
+    MAPPING + f"envs: {{BIG: {'x' * 200 * 1024}}}\n": "BIG: 200.0 KiB; a job's envs and secrets hold at most 64 KiB",
+    MAPPING + f"envs: {{A1: {'x' * 40 * 1024}, A2: {'x' * 40 * 1024}}}\n": "envs and secrets: 80.0 KiB together;",
+    MAPPING + f"envs: {{A1: {'x' * (10 * 1024 - 3)}}}\nsecrets: [LARGE]\n": "envs and secrets: 70.0 KiB together",
 }
 
 
@@ -91,10 +108,21 @@ def test_each_mistake_in_a_task_file_is_one_error_line_naming_the_key(text, tmp_
     assert out == ""  # no batch script: nothing planned
 
 
-@pytest.mark.parametrize("text", MAPPING_CHECKS)
+def test_any_case_of_yaml_is_a_task_file_whose_merged_keys_may_be_overridden(tmp_path, azure_file, capsys):
+    (tmp_path / "code").mkdir()
+    for name in ("task.YAML", "task.Yml"):
+        path = tmp_path / name
+        path.write_text("workdir: code\nrun: python train.py\nresources: {<<: {nodes: 2}, nodes: 1}\n")
+        code, out, err = checked(capsys, "--cluster", str(azure_file), str(path), "--dry-run")
+        assert code == 0, err
+        assert "#SBATCH --nodes=1\n" in out and "python train.py" in out  # a merged key is not a duplicate
+
+
+@pytest.mark.parametrize("text", MAPPING_CHECKS, ids=lambda text: text[len(MAPPING) :][:40])
 def test_variables_the_job_sets_itself_are_refused(text, tmp_path, azure_file, capsys, monkeypatch):
     monkeypatch.setenv("A", "x")
     monkeypatch.setenv("SLURM_JOB_ID", "1")
+    monkeypatch.setenv("LARGE", "x" * (60 * 1024 - len("LARGE=")))  # with A1's 10 KiB: 70 KiB
     code, out, err = checked(capsys, "--cluster", str(azure_file), str(task(tmp_path, text)), "--dry-run")
     assert code == 2 and out == "" and err.startswith(f"error: {MAPPING_CHECKS[text]}") and err.count("\n") == 1, err
 
@@ -116,6 +144,17 @@ def test_names_that_only_look_like_credentials_are_plain_envs(tmp_path, azure_fi
         capsys, "--cluster", str(azure_file), str(task(tmp_path, MAPPING)), *(f"--env={e}" for e in envs), "--dry-run"
     )
     assert code == 0 and "TOKENIZERS_PARALLELISM=false" in out, err
+
+
+def test_a_secret_may_carry_mlflows_token_and_a_proxy_which_reach_only_the_command(
+    tmp_path, azure_file, capsys, monkeypatch
+):
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "t")
+    monkeypatch.setenv("http_proxy", "http://proxy:3128")
+    text = MAPPING + f"envs: {{NEAR_LIMIT: {'x' * 60 * 1024}}}\nsecrets: [MLFLOW_TRACKING_TOKEN, http_proxy]\n"
+    code, out, err = checked(capsys, "--cluster", str(azure_file), str(task(tmp_path, text)), "--dry-run")
+    assert code == 0, err
+    assert "http://proxy:3128" not in out  # sourced from the run's secrets by the command's own wrapper
 
 
 def test_flags_win_over_the_file_and_a_secret_reaches_no_output(tmp_path, azure_file, capsys, monkeypatch):
@@ -148,6 +187,10 @@ LAUNCHERS = [
     ("deepspeed", ["deepspeed", "train.py"]),
     ("torchrun", ["sh", "-c", "pip install -r requirements.txt && FOO=1 torchrun train.py"]),
     ("torchrun", ["env", "OMP_NUM_THREADS=1", "torchrun", "train.py"]),
+    # behind the shell's own flags, or a second shell: it got past the check
+    ("torchrun", ["bash", "-lc", "cd src && torchrun train.py"]),
+    ("torchrun", ["/bin/bash", "-e", "-o", "pipefail", "-c", "torchrun train.py | tee log"]),
+    ("deepspeed", ["sh", "-c", "exec bash --login -c 'deepspeed train.py'"]),
 ]
 
 
@@ -161,9 +204,70 @@ def test_a_launcher_per_rank_is_refused_naming_per_node_mode_which_runs_it(
     assert code == 2 and len(lines) == 1, err
     assert lines[0].startswith(f"error: the command starts its own launcher ({launcher}): per rank, each would ")
     assert "run it once per node with --mode per-node" in lines[0], lines[0]
-    code, out, err = checked(capsys, *common, "--mode", "per-node", "--dry-run", "--", *command)
+    # on one node: over two, a torchrun must also be told how the nodes join (below)
+    code, out, err = checked(capsys, *common, "--nodes", "1", "--mode", "per-node", "--dry-run", "--", *command)
     assert code == 0, err
     assert "--ntasks-per-node=1" in out and "torchrun --nnodes" not in out  # the user's launcher, once per node
+
+
+APART = [  # per node over 2 nodes, each torchrun would train a world of its own
+    ("has no --nnodes", ["torchrun", "--nproc-per-node", "2", "train.py"]),
+    ("has no --nnodes", ["python3", "-m", "torch.distributed.run", "--nproc_per_node=2", "train.py"]),
+    ("has no --nnodes", ["bash", "-c", "pip install -r r.txt\ntorchrun --nproc-per-node 2 train.py"]),
+    ("neither --rdzv-endpoint nor --node-rank nor --master-addr", ["torchrun", "--nnodes", "2", "train.py"]),
+    ("neither --rdzv-endpoint nor --master-addr", ["torchrun", "--nnodes=2", "--node_rank=$R", "train.py"]),
+    # the script's own flags are not torchrun's
+    (
+        "neither --rdzv-endpoint nor --node-rank",
+        ["torchrun", "--nnodes", "2", "--master-addr", "h", "t.py", "--node-rank", "1"],
+    ),
+    ("--nnodes 1 is fewer than the job's 2 nodes", ["torchrun", "--nnodes", "1", "--rdzv-endpoint", "h:1", "t.py"]),
+    ("--standalone keeps each rendezvous on its own node", ["torchrun", "--standalone", "--nnodes", "2", "t.py"]),
+]
+JOINED = [
+    ["torchrun", "--nnodes", "2", "--node-rank", "$R", "--master-addr", "$MASTER_ADDR", "train.py"],
+    ["torchrun", "--nnodes=2", "--node_rank=1", "--master_addr=h", "train.py"],
+    ["torchrun", "--nnodes", "1:2", "--rdzv-endpoint=h:29400", "train.py"],
+    ["python", "-m", "torch.distributed.run", "--nnodes", "2", "--rdzv_endpoint", "h:29400", "train.py"],
+    ["bash", "-c", "PET_NNODES=2 torchrun --rdzv-backend c10d \\\n  --rdzv-endpoint h:1 train.py  # don't"],
+    ["bash", "-c", "torchrun $TORCHRUN_ARGS train.py"],  # the shell's to expand
+    ["accelerate", "launch", "train.py"],  # not torchrun's flags
+]
+
+
+@pytest.mark.parametrize(("why", "command"), APART)
+def test_a_per_node_torchrun_that_would_not_join_the_nodes_into_one_world_is_refused(
+    why, command, tmp_path, azure_file, capsys
+):
+    code_dir = str(task(tmp_path, "").parent / "code")
+    common = ("--cluster", str(azure_file), "--workdir", code_dir, "--mode", "per-node", "--dry-run")
+    code, _, err = checked(capsys, *common, "--nodes", "2", "--", *command)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("error: the command's ") and " runs once on each of 2 nodes, and " in lines[0]
+    assert why in lines[0] and '--nnodes "$DTRAIN_NUM_NODES" --node-rank "$DTRAIN_NODE_RANK"' in lines[0], lines[0]
+    code, _, err = checked(capsys, *common, "--nodes", "1", "--", *command)  # one node is one world
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("command", JOINED, ids=str)
+def test_a_per_node_torchrun_that_joins_the_nodes_runs(command, tmp_path, azure_file, capsys):
+    code_dir = str(task(tmp_path, "").parent / "code")
+    common = ("--cluster", str(azure_file), "--workdir", code_dir, "--mode", "per-node", "--dry-run")
+    code, _, err = checked(capsys, *common, "--nodes", "2", "--", *command)
+    assert code == 0, err
+
+
+def test_a_task_file_torchrun_per_node_without_the_nodes_join_is_refused(tmp_path, azure_file, capsys, monkeypatch):
+    text = (
+        "workdir: code\nmode: per-node\nresources: {nodes: 2}\nrun: |\n  torchrun --nproc-per-node 2 \\\n    train.py\n"
+    )
+    code, _, err = checked(capsys, str(task(tmp_path, text)), "--cluster", str(azure_file), "--dry-run")
+    assert code == 2 and err.startswith("error: the command's torchrun runs once on each of 2 nodes"), err
+    # the example (its torchrun joins the nodes) runs as it is
+    monkeypatch.setenv("HF_TOKEN", "hf-test")
+    code, _, err = checked(capsys, str(EXAMPLE / "task.yaml"), "--cluster", str(azure_file), "--dry-run")
+    assert code == 0, err
 
 
 @pytest.mark.parametrize("command", [["horovodrun", "-np", "4", "python", "train.py"], ["mpirun", "python", "x.py"]])
@@ -177,6 +281,9 @@ def test_a_launcher_that_starts_every_rank_itself_is_refused_in_either_mode(comm
 def test_commands_that_are_not_launchers_run_per_rank():
     plain = (["python", "train.py"], ["python", "-m", "mypkg.train"], ["sh", "-c", "echo torchrun; python t.py"])
     assert [launcher_in(command) for command in plain] == [None, None, None]
+    # each line of a script is a command of its own, comments left out, `\\`-newline continued
+    assert launcher_in(["bash", "-c", "pip install x  # don't\ntorchrun \\\n t.py"]) == "torchrun"
+    assert launcher_in(["bash", "-c", "echo 'a\ntorchrun' && python t.py"]) is None  # inside quotes
 
 
 OPERATOR = b"DTRAIN_TEST_OPERATOR=1"  # in the environment of `launch` and its ssh: the operator's, not the job's

@@ -11,13 +11,22 @@ does here, by hand). Any code's checkpoints so reach storage that outlives the c
       --account-url URL --container results (--sas-file FILE | --managed-identity [--client-id ID])
 
 Every INTERVAL seconds it lists the directory (the shared file system, where every node's ranks write)
-and uploads each regular file that is new or changed since its last upload and complete: its size and
-modification time are the same as at the scan before (closed and stable), whole files only, to the
-block blob PREFIX/<relative path>. Names starting with `.` (a file or a directory on the way) are
-temporary by convention, ours included (write to `.name.tmp`, then rename into place), and never
-copied. What was uploaded is remembered in --state FILE, so that the last pass (the job's end: every
-file, stable or not, as the job has stopped writing) and a requeued attempt send only what is new.
-Files deleted from DIR stay in the container (a run's older checkpoints, for a resume from before).
+and uploads each regular file that is new or changed since its last upload and complete, whole files
+only, to the block blob PREFIX/<blob name>. A file is complete when its writer says so, by renaming it
+into place (write `.name.tmp`, then rename it to `name`: the rename leaves its change time after its
+last write, ctime > mtime), or when it has not been written for QUIET_S seconds: a writer that pauses
+longer than a scan does not get a torn file uploaded. Names starting with `.` (a file or a directory on
+the way) are temporary by convention, ours included, and never copied. Symbolic links are never
+followed: a link inside DIR is skipped, and a DIR that is itself a link is not mirrored (its target
+is not the job's to copy: a dataset, another run), each said once. What was uploaded is remembered in
+--state FILE, so that the last pass and a requeued attempt send only what is new. The last pass, at the
+job's end, takes every file as complete when the job succeeded (its writers closed their files), and
+otherwise only complete ones: a file a killed writer left half written is named, not uploaded. Files
+deleted from DIR stay in the container (a run's older checkpoints, for a resume from before).
+
+Blob names keep a file's name byte for byte: bytes other than letters, digits, `_.~-` and `/` are
+written %XX, and so is a dot that ends a part, because the service would alter them (`\\` turns into
+`/`, a trailing dot is dropped); fetch_checkpoint.py decodes them. Our jobs' names are all plain.
 
 Why our own, and not azcopy sync or inotify: azcopy is on the HPC image (Azure/azhpc-images
 components/install_azcopy.sh) but not on the local cluster, and `azcopy sync` copies whatever a
@@ -34,8 +43,10 @@ import argparse
 import json
 import os
 import signal
+import stat
 import sys
 import time
+import urllib.parse
 
 from upload_results import (
     EXIT_FAILED,
@@ -52,25 +63,47 @@ from upload_results import (
 # in the job's own checkpoint directory, which its code may list
 STATE = "checkpoints-mirrored.json"
 INTERVAL_S = 10.0
+QUIET_S = 120  # a file not renamed into place is complete once unwritten this long (docs/operator.md)
 TOKEN_TTL_S = 1800  # an IMDS token lasts hours; take a new one well before
 LABEL = "[job] checkpoint mirror: "  # its lines in output.log (job.sh does not pipe it through sed)
 
 
-def scan(directory):
-    """{relative POSIX path: (size, mtime_ns)} of the regular files under directory, but temporary ones."""
+def blob_name(relative):
+    """The blob name that keeps a relative path's bytes: each part %XX-encoded but for letters, digits and
+    `_.~-`, and a part's last dot too (the service would turn `\\` into `/` and drop a trailing dot)."""
+    parts = []
+    for part in os.fsencode(relative).split(b"/"):
+        quoted = urllib.parse.quote(part, safe="")
+        parts.append(quoted[:-1] + "%2E" if quoted.endswith(".") else quoted)
+    return "/".join(parts)
+
+
+def relative_name(blob):
+    """blob_name's inverse: the relative path, with the file system's bytes (surrogate-escaped)."""
+    return os.fsdecode(urllib.parse.unquote_to_bytes(blob))
+
+
+def scan(directory, skipped):
+    """{relative POSIX path: (size, mtime_ns, ctime_ns)} of the regular files under directory, but temporary
+    ones; symbolic links are not followed, and skipped(relative path) hears of each."""
     found = {}
     for root, dirs, files in os.walk(directory):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            skipped(os.path.relpath(os.path.join(root, name), directory))
+        dirs[:] = [d for d in dirs if not d.startswith(".") and not os.path.islink(os.path.join(root, d))]
         for name in files:
-            path = os.path.join(root, name)
-            if name.startswith(".") or os.path.islink(path):
+            if name.startswith("."):
                 continue
+            path = os.path.join(root, name)
             try:
-                info = os.stat(path)
+                info = os.lstat(path)
             except OSError:
                 continue  # renamed or deleted meanwhile
             relative = os.path.relpath(path, directory).replace(os.sep, "/")
-            found[relative] = (info.st_size, info.st_mtime_ns)
+            if stat.S_ISLNK(info.st_mode):
+                skipped(relative)
+            elif stat.S_ISREG(info.st_mode):
+                found[relative] = (info.st_size, info.st_mtime_ns, info.st_ctime_ns)
     return found
 
 
@@ -90,30 +123,42 @@ def save_state(path, state):
 
 
 class Mirror:
-    """What was uploaded and what the last scan saw; one pass uploads what is due."""
+    """What was uploaded and what has been said; one pass uploads the complete files that are due."""
 
-    def __init__(self, directory, prefix, connect, state, label=LABEL):
+    def __init__(self, directory, prefix, connect, state, label=LABEL, clock=time.time):
         self.directory, self.prefix, self.connect, self.label = directory, prefix, connect, label
-        self.state = state
-        self.uploaded = load_state(state)
-        self.seen = {}
+        self.state, self.clock = state, clock
+        self.uploaded = load_state(state)  # relative path -> [size, mtime_ns] of its upload
+        self.said = set()  # what was skipped, said once each
         self.container, self.connected_at = None, 0.0
 
-    def due(self, now, every):
-        """The files to upload: changed since their upload, and (unless every) as they were at the last scan."""
-        changed = {name: seen for name, seen in now.items() if self.uploaded.get(name) != seen}
-        return {name: seen for name, seen in changed.items() if every or self.seen.get(name) == seen}
+    def changed(self, now):
+        """The scanned files (relative path -> (size, mtime_ns, ctime_ns)) new or changed since their upload."""
+        return {name: info for name, info in now.items() if self.uploaded.get(name) != info[:2]}
 
-    def run_pass(self, every=False, stopping=()):
+    def complete(self, info):
+        """Renamed into place after its last write (ctime > mtime), or unwritten for QUIET_S seconds."""
+        _, mtime_ns, ctime_ns = info
+        return ctime_ns > mtime_ns or self.clock() - mtime_ns / 1e9 >= QUIET_S
+
+    def run_pass(self, every=False, stopping=(), final=False):
         """Scan, upload what is due (until stopping is true); returns {relative path: why} for the files
-        that failed."""
-        now = scan(self.directory) if os.path.isdir(self.directory) else {}
-        failures = {}
-        for name, seen in sorted(self.due(now, every).items()):
+        that failed. final: the job's last pass, which names the incomplete files among the failures
+        (every: the job succeeded, so its writers closed every file)."""
+        if os.path.islink(self.directory):
+            self.say_once(".", f"{self.directory} is a symbolic link, to {os.path.realpath(self.directory)}: not "
+                          "mirrored (write checkpoints into $CHECKPOINT_DIR itself)")  # fmt: skip
+            return {}
+        now = scan(self.directory, self.skip_link) if os.path.isdir(self.directory) else {}
+        changed = self.changed(now)
+        due = {name: info for name, info in changed.items() if every or self.complete(info)}
+        failures = {name: self.incomplete(info) for name, info in changed.items() if final and name not in due}
+        for name, info in sorted(due.items()):
             if stopping:
                 break
             try:
-                size = upload_file(self._container(), os.path.join(self.directory, name), f"{self.prefix}/{name}")
+                blob = f"{self.prefix}/{blob_name(name)}"
+                size = upload_file(self._container(), os.path.join(self.directory, name), blob)
             except UploadError as exc:
                 failures[name] = str(exc)
                 self.container = None  # a new credential next time (an expired token)
@@ -121,11 +166,25 @@ class Mirror:
             except OSError as exc:  # deleted meanwhile
                 failures[name] = f"cannot read it: {exc.strerror or exc}"
                 continue
-            self.uploaded[name] = seen
+            self.uploaded[name] = info[:2]
             save_state(self.state, self.uploaded)
             print(f"{self.label}{name} ({size / 1e6:.1f} MB) is in the results container", flush=True)
-        self.seen = now
         return failures
+
+    def incomplete(self, info):
+        quiet = self.clock() - info[1] / 1e9
+        return (
+            f"last written {quiet:.0f} s before the job ended and not renamed into place: it may be torn "
+            f"(write .NAME.tmp, then rename it; docs/operator.md)"
+        )
+
+    def skip_link(self, relative):
+        self.say_once(relative, f"{relative} skipped: a symbolic link (only files written in the directory go)")
+
+    def say_once(self, key, line):
+        if key not in self.said:
+            self.said.add(key)
+            print(f"{self.label}{line}", flush=True)
 
     def _container(self):
         if self.container is None or time.monotonic() - self.connected_at > TOKEN_TTL_S:

@@ -30,6 +30,7 @@ import sys
 import urllib.parse
 import xml.etree.ElementTree as ET
 
+from checkpoint_mirror import relative_name
 from upload_results import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -109,7 +110,8 @@ def download(container, blob, size, md5, target):
 def fetch(container, run, dest):
     """Fetch run's checkpoint into dest; returns (files, bytes)."""
     prefix = f"{run}/checkpoints/"
-    blobs = {name[len(prefix) :]: (name, size, md5) for name, size, md5 in list_blobs(container, prefix)}
+    # the names as the files had them (checkpoint_mirror.py encodes what the service would alter)
+    blobs = {relative_name(name[len(prefix) :]): (name, size, md5) for name, size, md5 in list_blobs(container, prefix)}
     if not blobs:
         raise UploadError(f"{container.url} holds no checkpoint of run {run} (nothing under {prefix})", EXIT_BAD_INPUT)
     chosen = choose(blobs)

@@ -447,19 +447,30 @@ def build_parser():
     return parser
 
 
-def final_checkpoint_pass(run_dir, container, prefix):
+def final_checkpoint_pass(run_dir, container, prefix, status=None):
     """The checkpoint mirror's last pass, in this process (job.sh's time after a cancel is short);
-    returns (files, bytes, failures by path in the run directory)."""
+    returns (files, bytes, failures by path in the run directory). Every changed file goes when the
+    status file says the job succeeded (its writers closed their files), only complete ones otherwise."""
     from checkpoint_mirror import STATE, Mirror  # beside this file in the run's remote/; it imports this module
 
     directory = os.path.join(run_dir, CHECKPOINTS)
     state = os.path.join(run_dir, "remote", STATE)  # where job.sh's mirror kept it
     mirror = Mirror(directory, f"{prefix}/{CHECKPOINTS}", lambda: container, state, label="checkpoint ")
     before = dict(mirror.uploaded)
-    failures = mirror.run_pass(every=True)
+    succeeded = status is not None and _exit_code(os.path.join(run_dir, status)) == 0
+    failures = mirror.run_pass(every=succeeded, final=True)
     sent = [name for name, seen in mirror.uploaded.items() if before.get(name) != seen]
     size = sum(mirror.uploaded[name][0] for name in sent)
     return len(sent), size, {f"{CHECKPOINTS}/{name}": why for name, why in failures.items()}
+
+
+def _exit_code(status_path):
+    """The job's exit code in its status file (job.sh writes it before this runs), or None."""
+    try:
+        with open(status_path, encoding="utf-8") as handle:
+            return json.load(handle).get("exit_code")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def main(argv=None):
@@ -473,7 +484,7 @@ def main(argv=None):
         exclude = [args.status] if args.status else []
         count, size, failures = upload_run(args.dir, container, args.prefix, exclude=exclude)
         if args.with_checkpoints:
-            more, more_size, missed = final_checkpoint_pass(args.dir, container, args.prefix)
+            more, more_size, missed = final_checkpoint_pass(args.dir, container, args.prefix, args.status)
             count, size, failures = count + more, size + more_size, {**failures, **missed}
         if args.status:  # last, and with the truth: what the other files' upload came to
             status = os.path.join(args.dir, args.status)
