@@ -6,7 +6,7 @@
 # for trixie (24.11.5, a release the renderer supports: infra/cloud_init/slurm_packages.py).
 #
 # Why build: Debian 12 has Slurm 22.05 under Debian's names; trixie's binaries need trixie's C library.
-# Cached under ~/.cache/boot-vm/slurm-<version> like the Horovod wheel (about 15 minutes on 2 cores,
+# Cached under ~/.cache/boot-vm/slurm-<version> like the Horovod wheel (24 minutes on 2 busy cores,
 # once); prints the directory of the .deb files. Needs root (apt-get build-dep) and Debian's archive.
 set -euo pipefail
 
@@ -33,7 +33,7 @@ mkdir -p "$work/apt/lists/partial"
 echo "deb-src ${mirror%/} trixie main" >"$work/apt/sources.list"
 apt_private=(-o "Dir::Etc::SourceList=$work/apt/sources.list" -o "Dir::Etc::SourceParts=-"
   -o "Dir::State::Lists=$work/apt/lists" -o "APT::Sandbox::User=root")
-echo "building Slurm $version packages into $target (about 15 minutes, once)" >&2
+echo "building Slurm $version packages into $target (about 25 minutes on 2 busy cores, once)" >&2
 apt-get "${apt_private[@]}" update -qq
 (cd "$work" && apt-get "${apt_private[@]}" source --download-only --tar-only -qq "slurm-wlm" >/dev/null 2>&1) || true
 if ! echo "$tarball_sha256  $work/$tarball" | sha256sum --check --status 2>/dev/null; then
@@ -45,7 +45,7 @@ tar -xzf "$work/$tarball" -C "$work/src" --strip-components=1
 test -f "$work/src/debian/control" || { echo "error: $tarball carries no debian/ packaging" >&2; exit 1; }
 
 DEBIAN_FRONTEND=noninteractive apt-get build-dep -y -qq "$work/src" >/dev/null
-(cd "$work/src" && DEB_BUILD_OPTIONS="nocheck nodoc parallel=$(nproc)" \
+(cd "$work/src" && DEB_BUILD_OPTIONS="nocheck nodoc noddebs parallel=$(nproc)" \
   dpkg-buildpackage -b -uc -us >"$work/build.log" 2>&1) || { tail -n 40 "$work/build.log" >&2; exit 1; }
 
 mkdir "$work/debs"

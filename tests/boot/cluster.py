@@ -9,13 +9,16 @@ the nodes, and the packages served where Azure's hosts take them (tests/boot/see
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
+import shlex
 import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -24,14 +27,16 @@ from infra.cloud_init.slurm_packages import (
     SLURM_REPOSITORY_HOST,
     SLURM_REPOSITORY_SUITE,
 )
-from tests.boot import containers, endpoints, seed, tls, vms
+from tests.boot import blob, containers, endpoints, seed, tls, vms
 from tests.boot.custom_data import Rendered, render
 
 Kind = Literal["container", "vm"]
 IMAGE_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "build_boot_image.sh"
 HOST_ADDRESS = "10.40.255.254"  # the hub on the hosts' network: the endpoints, the package repositories
+BLOB_ADDRESS = "10.40.255.253"  # the hub's second address: the results account (tests/boot/blob.py)
 PREFIXLEN = 16  # the stack's VNet: every subnet's machines reach each other, as Azure routes them
 IMDS_ADDRESS = "169.254.169.254"
+HUB_PREFIX = "dtrain-boot-"  # + the test's process id: the hub namespace, and its hosts' (+ -<index>)
 NODE_ADDRESSES = ("10.40.0.4", "10.40.0.5")  # Azure hands these out by DHCP in the cluster subnet
 GPUS = 8  # Standard_ND96isr_H100_v5's, as slurm.conf and gres.conf say
 NVME_DISKS = 8
@@ -71,7 +76,9 @@ class BootCluster:
     addresses: dict[str, str]
     key: Path  # the admin user's SSH private key
     shared: Path | None  # the hub directory at /shared (containers)
+    results: blob.ResultsAccount  # the results container's account
     power_calls: list[tuple[str, str]] = field(default_factory=list)  # (action, host), as ARM performed them
+    started: dict[str, str] = field(default_factory=dict)  # node -> when Azure last started it (ISO 8601)
 
     def ssh(
         self, host: str, command: str, *, timeout: float = 60, check: bool = True
@@ -120,6 +127,25 @@ class BootCluster:
         assert match, f"sbatch: {submitted.stdout}{submitted.stderr}"
         return int(match[1]), submitted.stdout
 
+    @contextmanager
+    def power_settings(self, **values: int) -> Iterator[None]:
+        """The head's slurm-power settings (/etc/slurm/azure-power.json) changed for the block, then put
+        back: the test's way to shorten the reaper's hour-long bounds."""
+        path = "/etc/slurm/azure-power.json"
+        edit = f"import json,sys; p='{path}'; c=json.load(open(p)); c.update(json.loads(sys.argv[1])); "
+        edit += "json.dump(c, open(p, 'w'), indent=2)"
+        before = json.loads(self.ssh("head", f"sudo cat {path}").stdout)
+        self.ssh("head", f"sudo python3 -c {shlex.quote(edit)} {shlex.quote(json.dumps(values))}")
+        try:
+            yield
+        finally:
+            restore = {key: before[key] for key in values}
+            self.ssh("head", f"sudo python3 -c {shlex.quote(edit)} {shlex.quote(json.dumps(restore))}", check=False)
+
+    def reap(self) -> subprocess.CompletedProcess[str]:
+        """One round of the reaper on the head (its timer's unit, started now rather than in 5 minutes)."""
+        return self.ssh("head", "sudo systemctl start slurm-power-reap.service", timeout=600, check=False)
+
     def boot_report(self, host: str) -> dict[str, str]:
         """The host's boot report (boot-steps.sh's key=value lines on the shared file system)."""
         assert self.shared is not None, "the boot reports are read from the hub's /shared"
@@ -152,10 +178,19 @@ class BootCluster:
             name = self.rendered.node_names[int(instance_id)]
             self.power_calls.append((action, name))
             host = self.hosts[name]
-            host.request_start() if action == "start" else host.stop()
+            if action == "start":
+                self.started[name] = _now()
+                host.request_start()
+            else:
+                host.stop()
 
-    def running_instances(self) -> set[str]:
-        return {str(index) for index, name in enumerate(self.rendered.node_names) if self.hosts[name].running()}
+    def running_instances(self) -> dict[str, str]:
+        """Instance id -> when the node last started, for the nodes that run (ARM's instance view)."""
+        return {
+            str(index): self.started[name]
+            for index, name in enumerate(self.rendered.node_names)
+            if self.hosts[name].running() and name in self.started
+        }
 
 
 def build_image(kind: Kind) -> Path:
@@ -200,6 +235,8 @@ def boot_cluster(
     """Boot the cluster. forbid_vault_s: node index -> seconds its Key Vault reads are refused (403);
     host_files: host -> {path: content} laid into a container's file system before its first boot;
     faults: called with the cluster before its first boot (the endpoints' faults)."""
+    for stale in containers.remove_stale(HUB_PREFIX):
+        print(f"removed what a killed boot test left: {stale}")
     image = build_image(kind)
     key = _ssh_key(work)
     if kind == "container":
@@ -207,7 +244,7 @@ def boot_cluster(
                           real_memory_mb=CONTAINER_REAL_MEMORY_MB)  # fmt: skip
     else:
         rendered = render(key.with_suffix(".pub").read_text().strip())
-    ca = tls.make_ca(work / "ca")
+    ca = tls.make_ca(work / "ca", addresses=(BLOB_ADDRESS,))
     gnupg = seed.make_signing_key(work)
     slurm_repository = seed.make_slurm_repository(
         work / "slurm-repository", image / "slurm", gnupg, suite=SLURM_REPOSITORY_SUITE,
@@ -225,6 +262,7 @@ def boot_cluster(
     vault_host = rendered.vault_uri.removeprefix("https://").rstrip("/")
     hosts_lines = {
         HOST_ADDRESS: f"{vault_host} {endpoints.ARM_HOST} {rendered.acr_login_server} {SLURM_REPOSITORY_HOST}",
+        BLOB_ADDRESS: f"{rendered.results_account}.blob.core.windows.net",
         **{addresses[role]: hostnames[role] for role in roles},
     }
 
@@ -243,12 +281,15 @@ def boot_cluster(
         names={addresses[role]: hostnames[role] for role in roles},
         secrets={rendered.munge_secret_name: base64.b64encode(os.urandom(1024)).decode()},
         scale_set_id=rendered.scale_set_id,
+        instances=[str(index) for index in range(len(rendered.node_names))],
         power=lambda action, ids: cluster.power(action, ids),
         repository=slurm_repository,
     )
     for index, seconds in (forbid_vault_s or {}).items():
         azure.forbid(NODE_ADDRESSES[index], seconds)
-    hub = vms.Namespace(f"dtrain-boot-{os.getpid()}", HOST_ADDRESS, PREFIXLEN, IMDS_ADDRESS)
+    hub = vms.Namespace(f"{HUB_PREFIX}{os.getpid()}", HOST_ADDRESS, PREFIXLEN, IMDS_ADDRESS)
+    hub.run(["ip", "addr", "add", f"{BLOB_ADDRESS}/32", "dev", vms.BRIDGE])
+    results = blob.ResultsAccount(rendered.results_account, BLOB_ADDRESS, hub)
     shared = work / "shared" if kind == "container" else None
     with ExitStack() as stack:
         stack.callback(hub.delete)
@@ -280,7 +321,7 @@ def boot_cluster(
                                   data_disks=2 if role == "nfs" else 0)  # fmt: skip
                 iso = seed.make_seed(work / role / "seed.iso", **seed_args)
                 machines[role] = vms.Vm(spec, image, work / role, iso, hub, f"tap{index}")
-        cluster = BootCluster(kind, rendered, azure, hub, machines, addresses, key, shared)
+        cluster = BootCluster(kind, rendered, azure, hub, machines, addresses, key, shared, results)
         imds_state = work / "imds"
         imds_state.mkdir()
         www = _served(work, image)
@@ -298,11 +339,21 @@ def boot_cluster(
                     state_dir=imds_state, running=cluster.running_instances,
                 )
             )  # fmt: skip
+        (work / "azurite").mkdir()
+        stack.enter_context(results.serving(work / "azurite", ca.directory / "server.pem",
+                                            ca.directory / "server.key", ca.directory / "ca.pem"))  # fmt: skip
+        with hub.entered():
+            results.client().create_container(rendered.results_container)
         if faults is not None:
             faults(cluster)
-        for host in machines.values():
+        for name, host in machines.items():
+            cluster.started[name] = _now()  # pulumi up creates them running
             host.start()
         yield cluster
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
 
 
 def _remove(host: Host) -> None:

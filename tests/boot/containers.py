@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import signal
 import subprocess
 import time
@@ -23,6 +25,7 @@ from pathlib import Path
 from tests.boot.vms import BRIDGE, Namespace
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+REGISTRY = Path("/run/dtrain-boot")  # <hub>/<host>: a link to each container's overlay, for remove_stale
 HALT_WAIT_S = 20  # an orderly halt takes about 2 s; past this the container is ended at once
 # What the containers cannot show, and where it is tested instead (docs/infrastructure.md).
 EXCLUSIONS = (
@@ -108,6 +111,10 @@ class Container:
         ):
             subprocess.run(command, check=True, capture_output=True)
         self.cgroups = _make_cgroups(f"{self.hub.name}/{self.spec.name}")
+        registered = REGISTRY / self.hub.name / self.spec.name
+        registered.parent.mkdir(parents=True, exist_ok=True)
+        registered.unlink(missing_ok=True)
+        registered.symlink_to(self.root)
 
     def _boot_files(self) -> dict[str, bytes]:
         # The kernel command line is the host's: boot-hardware reads its arguments from this file.
@@ -187,6 +194,7 @@ class Container:
             _kill_cgroups(self.cgroups)
             self.process.wait()
         _kill_cgroups(self.cgroups)
+        _wait_empty(self.cgroups, HALT_WAIT_S)
         self.process = None
 
     def _nspawn_pid(self) -> int | None:
@@ -211,6 +219,15 @@ class Container:
         kids = Path(f"/proc/{nspawn}/task/{nspawn}/children").read_text().split()
         return int(kids[0]) if kids else None
 
+    def mask(self, unit: str) -> None:
+        """Masks a unit on the (stopped) host's disk, as a broken image or package would leave it."""
+        link = self.root / "etc/systemd/system" / unit
+        link.unlink(missing_ok=True)
+        link.symlink_to("/dev/null")
+
+    def unmask(self, unit: str) -> None:
+        (self.root / "etc/systemd/system" / unit).unlink(missing_ok=True)
+
     def run(self, command: str, *, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """command as root inside the running container, in all of its namespaces."""
         leader = self.leader()
@@ -225,6 +242,9 @@ class Container:
             subprocess.run(["umount", "-l", str(self.root)], check=False)
         _remove_cgroups(self.cgroups)
         subprocess.run(["ip", "netns", "delete", self.netns], check=False, capture_output=True)
+        (REGISTRY / self.hub.name / self.spec.name).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            (REGISTRY / self.hub.name).rmdir()
 
 
 def _hierarchies() -> list[Path]:
@@ -267,6 +287,15 @@ def _kill_cgroups(cgroups: list[Path]) -> None:
                     os.kill(int(pid), signal.SIGKILL)
 
 
+def _wait_empty(cgroups: list[Path], timeout_s: float) -> None:
+    """Until no process is left in cgroups (SIGKILLed processes take a moment to go), or timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while any(procs.read_text().strip() for cgroup in cgroups for procs in cgroup.rglob("cgroup.procs")):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.2)
+
+
 def _remove_cgroups(cgroups: list[Path]) -> None:
     for cgroup in cgroups:
         for directory, _, _ in sorted(os.walk(cgroup), key=lambda entry: -len(entry[0])):
@@ -274,3 +303,28 @@ def _remove_cgroups(cgroups: list[Path]) -> None:
                 os.rmdir(directory)
         with contextlib.suppress(OSError):
             cgroup.parent.rmdir()  # the test's own level, once its last container is gone
+
+
+def remove_stale(prefix: str) -> list[str]:
+    """What runs that were killed before their cleanup left (their containers' processes, overlays,
+    cgroups and network namespaces), for every hub namespace prefix<pid> whose process is gone; their names."""
+    hubs = {
+        match[1]
+        for entry in Path("/run/netns").glob(f"{prefix}*")
+        if (match := re.fullmatch(rf"({re.escape(prefix)}(\d+))(?:-\d+)?", entry.name))
+        and not Path(f"/proc/{match[2]}").exists()
+    }
+    for hub in sorted(hubs):
+        cgroups = [hierarchy / hub for hierarchy in _hierarchies() if (hierarchy / hub).is_dir()]
+        _kill_cgroups(cgroups)
+        _wait_empty(cgroups, HALT_WAIT_S)
+        for root in sorted((REGISTRY / hub).glob("*")):
+            subprocess.run(["umount", "-l", str(root.resolve())], check=False, capture_output=True)
+        shutil.rmtree(REGISTRY / hub, ignore_errors=True)
+        _remove_cgroups([child for cgroup in cgroups for child in cgroup.iterdir() if child.is_dir()])
+        for cgroup in cgroups:
+            with contextlib.suppress(OSError):
+                cgroup.rmdir()
+        for namespace in Path("/run/netns").glob(f"{hub}*"):
+            subprocess.run(["ip", "netns", "delete", namespace.name], check=False, capture_output=True)
+    return sorted(hubs)

@@ -64,6 +64,9 @@ class Rendered:
     acr_login_server: str
     scale_set_id: str
     munge_secret_name: str
+    results_account: str  # the account of the results container, and its name
+    results_container: str
+    cluster_client_id: str  # the nodes' identity: it writes the results
 
 
 def _custom_data(resource: Registered) -> str:
@@ -162,4 +165,7 @@ def render(ssh_public_key: str, *, cpus: int = VM_CPUS, real_memory_mb: int = VM
         acr_login_server=outputs["acr_login_server"],
         scale_set_id=head_power["scale_set_id"],
         munge_secret_name=_script_value(munge_key, "SECRET_NAME"),
+        results_account=outputs["results_blob_endpoint"].removeprefix("https://").split(".")[0],
+        results_container=outputs["results_container"],
+        cluster_client_id=outputs["cluster_identity_client_id"],
     )

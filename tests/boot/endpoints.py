@@ -40,6 +40,8 @@ from infra.cloud_init.slurm_packages import SLURM_REPOSITORY_HOST, SLURM_REPOSIT
 
 TOKEN_PATH = "/metadata/identity/oauth2/token"
 VAULT_RESOURCE = "https://vault.azure.net"
+STORAGE_RESOURCE = "https://storage.azure.com"
+TENANT_ID = "00000000-0000-0000-0000-0000000000bb"
 ARM_HOST = "management.azure.com"
 ARM_RESOURCE = f"https://{ARM_HOST}/"
 ACR_TOKEN_USER = "00000000-0000-0000-0000-000000000000"  # the user name ACR's token login takes
@@ -56,6 +58,7 @@ class Azure:
     names: dict[str, str]  # VM address -> its name, as IMDS reports it
     secrets: dict[str, str]  # Key Vault secret name -> value
     scale_set_id: str
+    instances: list[str]  # the scale set's instance ids
     power: Callable[[str, list[str]], None]  # ("start" | "deallocate", instance ids)
     tokens: dict[str, tuple[str, str]] = field(default_factory=dict)  # token -> (resource, client id)
     forbidden_for: dict[str, float] = field(default_factory=dict)  # VM address -> seconds of 403 from its first read
@@ -70,7 +73,7 @@ class Azure:
     repository_refusals: dict[str, int] = field(default_factory=dict)
 
     def issue(self, resource: str, client_id: str) -> str:
-        token = secrets.token_urlsafe(24)
+        token = _storage_token(client_id) if resource.rstrip("/") == STORAGE_RESOURCE else secrets.token_urlsafe(24)
         self.tokens[token] = (resource.rstrip("/"), client_id)
         return token
 
@@ -99,6 +102,17 @@ class Azure:
 
     def repository_down(self, address: str) -> bool:
         return _within(address, self.repository_down_for, self.repository_first, self.repository_refusals)
+
+
+def _storage_token(client_id: str) -> str:
+    """A token for Azure Storage in Entra ID's shape (a JWT: audience, issuer, lifetime), which the
+    results account's stand-in checks (tests/boot/blob.py); unsigned, as nothing here verifies one."""
+    now = int(time.time())
+    claims = {"aud": STORAGE_RESOURCE, "iss": f"https://sts.windows.net/{TENANT_ID}/", "iat": now, "nbf": now,
+              "exp": now + 3600, "appid": client_id, "oid": client_id, "tid": TENANT_ID}  # fmt: skip
+    parts = [{"alg": "none", "typ": "JWT"}, claims]
+    encoded = [base64.urlsafe_b64encode(json.dumps(part).encode()).rstrip(b"=").decode() for part in parts]
+    return ".".join([*encoded, "unsigned"])
 
 
 def _within(address: str, window_s: dict[str, float], first: dict[str, float], counts: dict[str, int]) -> bool:
@@ -166,8 +180,10 @@ class AzureHandler(BaseHTTPRequestHandler):
         elif host.endswith(".azurecr.io") and path == "/v2/":
             self._registry_login(azure)
         elif host == ARM_HOST and (match := _INSTANCE_VIEW.fullmatch(path)) and self._arm_allowed(match["scale_set"]):
-            code = "PowerState/running" if match["id"] in self.server.running() else "PowerState/deallocated"
-            _reply(self, HTTPStatus.OK, {"statuses": [{"code": "ProvisioningState/succeeded"}, {"code": code}]})
+            started = self.server.running().get(match["id"])  # Azure records when it last started one
+            power = "PowerState/running" if started else "PowerState/deallocated"
+            provisioned = {"code": "ProvisioningState/succeeded", **({"time": started} if started else {})}
+            _reply(self, HTTPStatus.OK, {"statuses": [provisioned, {"code": power}]})
         else:
             _error(self, HTTPStatus.NOT_FOUND, "NotFound", f"{host}{path}")
 
@@ -182,7 +198,9 @@ class AzureHandler(BaseHTTPRequestHandler):
             return
         if not self._arm_allowed(match["scale_set"]):
             return
-        ids = [str(i) for i in json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))["instanceIds"]]
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        # Resource Manager reads a body without instanceIds as every instance of the scale set.
+        ids = [str(i) for i in body.get("instanceIds", azure.instances)]
         azure.calls.append(f"{match['action']} {','.join(ids)}")
         # Azure answers 202 at once and powers the instances in the background.
         threading.Thread(target=azure.power, args=(match["action"], ids), daemon=True).start()
@@ -252,7 +270,7 @@ class AzureHandler(BaseHTTPRequestHandler):
 class AzureServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, azure: Azure, address: str, tls: ssl.SSLContext, running: Callable[[], set[str]]) -> None:
+    def __init__(self, azure: Azure, address: str, tls: ssl.SSLContext, running: Callable[[], dict[str, str]]) -> None:
         super().__init__((address, 443), AzureHandler)
         self.socket = tls.wrap_socket(self.socket, server_side=True)
         self.azure, self.running = azure, running
@@ -266,7 +284,7 @@ def serving(
     imds_address: str,
     tls: ssl.SSLContext,
     state_dir: Path,
-    running: Callable[[], set[str]],
+    running: Callable[[], dict[str, str]],  # instance id -> when it started (ISO 8601), for those running
 ) -> Iterator[None]:
     """IMDS and the HTTPS endpoints, each in a thread, for the length of the block."""
     servers: list[ThreadingHTTPServer] = [

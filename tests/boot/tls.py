@@ -24,13 +24,15 @@ SERVER_NAMES = (
 class TestCa:
     certificate: str  # the CA's certificate (PEM), which the VMs trust
     server: ssl.SSLContext  # for the HTTPS endpoints
+    directory: Path  # ca.pem, server.pem, server.key: for servers that read files (Azurite)
 
 
 def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
-def make_ca(work: Path) -> TestCa:
+def make_ca(work: Path, addresses: tuple[str, ...] = ()) -> TestCa:
+    """addresses: IP addresses the server certificate names too (the host reaches a server by its address)."""
     work.mkdir(parents=True, exist_ok=True)
     days = "2"
     _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
@@ -40,9 +42,10 @@ def make_ca(work: Path) -> TestCa:
     _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
              "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=azure endpoints (boot test)",
              cwd=work)  # fmt: skip
-    (work / "server.ext").write_text("subjectAltName=" + ",".join(f"DNS:{name}" for name in SERVER_NAMES) + "\n")
+    names = [f"DNS:{name}" for name in SERVER_NAMES] + [f"IP:{address}" for address in addresses]
+    (work / "server.ext").write_text("subjectAltName=" + ",".join(names) + "\n")
     _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
              "-out", "server.pem", "-days", days, "-extfile", "server.ext", cwd=work)  # fmt: skip
     server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server.load_cert_chain(work / "server.pem", work / "server.key")
-    return TestCa((work / "ca.pem").read_text(), server)
+    return TestCa((work / "ca.pem").read_text(), server, work)
