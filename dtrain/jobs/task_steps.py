@@ -79,7 +79,8 @@ def setup_lines(spec: JobSpec, step: str, runner: Sequence[str]) -> list[str]:
     ]  # fmt: skip
     return [
         "echo '[job] setup on every node (skipped where it ran before for this code and setup)'",
-        f"{step} {' '.join(tool)} || {{ code=$?; echo '[job] setup failed: run not started'; exit $code; }}",
+        # run_step (batch_script.py): a setup that runs into the time limit is closed as the limit's
+        f"run_step {step} {' '.join(tool)} || {{ code=$?; echo '[job] setup failed: run not started'; exit $code; }}",
     ]
 
 
