@@ -47,9 +47,10 @@ EVERY_NODE_STEP = f"srun --label --overlap --kill-on-bad-exit=1 {ONE_TASK_PER_NO
 # annotate_output.py turns into [rank|host]. Quoted: torchrun, not bash, fills in ${rank}.
 TORCHRUN_PREFIX = f"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE={q(TORCHRUN_PREFIX_TEMPLATE)}"
 # A Spot eviction's SIGUSR1 (dtrain/remote/boot/spot_agent.py) is for the training ranks, which catch it. The
-# agent signals only the job's processes that catch it, but srun catches it too and forwards it to its
-# step's tasks: the batch shell ignores it, and so does what it starts (an ignored signal stays ignored
-# across exec); a step's tasks start afresh, so they go through this wrapper first.
+# agent signals only the job's processes that catch it, and not srun or docker, which would forward it to
+# tasks that may have no handler yet (spot_agent.FORWARDERS). Slurm's time warning signals the batch shell:
+# it ignores USR1 until its trap, and so does what it starts (an ignored signal stays ignored across exec);
+# a step's tasks start afresh, so they go through this wrapper first.
 IGNORE_USR1 = 'trap "" USR1;'
 IGNORING_USR1 = f"sh -c '{IGNORE_USR1} exec \"$@\"' ignore-usr1"
 
@@ -145,6 +146,9 @@ def _header(spec: JobSpec) -> list[str]:
 def _prologue(spec: JobSpec) -> list[str]:
     env = " ".join(f"{key}={q(value)}" for key, value in {"PYTHONUNBUFFERED": "1", **spec.env}.items())
     return [
+        # first: Slurm may send the time warning as the job starts (up to a minute early: at once for a
+        # short limit), and USR1 would end this shell before it ran a line more
+        IGNORE_USR1.rstrip(";"),  # the signal is for the ranks (see IGNORING_USR1)
         "set -uo pipefail",
         "umask 077",
         "ATTEMPT_STARTED_AT=$(date -u +%s)",  # what run.json charges this attempt from
@@ -173,7 +177,6 @@ def _prologue(spec: JobSpec) -> list[str]:
         'NODE_CPUS=$(scontrol show node -o "${SLURMD_NODENAME:-}" 2>/dev/null | grep -o "CPUTot=[0-9]*" | cut -d= -f2)',
         "ENDED_BY=",
         'echo "[job] job $SLURM_JOB_ID, attempt $ATTEMPT, on $HOSTS (partition $SLURM_JOB_PARTITION)"',
-        IGNORE_USR1.rstrip(";"),  # the signal is for the ranks (see IGNORING_USR1)
         *_finish_function(spec),
         "trap finish EXIT",
         *(tracking.open_run_lines(spec.tracking) if spec.tracking else []),
