@@ -48,6 +48,11 @@ SLURM_PARTITION = "gpu"
 SPOT_PARTITION = "spot"
 # A job's exit status after it saved a checkpoint for an eviction (the one exit table, training/exit_status.py).
 PREEMPTED_EXIT_CODE = int(ExitCode.PREEMPTED)
+# A job ended by a cancel or its time limit closes its run (status, run.json, MLflow, the upload) between
+# Slurm's SIGTERM and its SIGKILL (KillWait): the batch script first gives its launcher this long to end
+# (srun alone may take KillWait + 2 s), then closes; at least this much of KillWait is left for the closing.
+LAUNCH_END_WAIT_S = 10
+MIN_CLOSING_S = 20
 # The container registry's tier: the stack deploys it, `python -m dtrain cost` prices it.
 REGISTRY_SKU = "Standard"
 FRAMEWORKS = ("pytorch", "tensorflow", "keras")

@@ -10,7 +10,8 @@ What the script does, on the first node of the allocation, whoever is attached:
      removes the job's containers, which dockerd owns, not Slurm);
   3. pipes the launcher's output through remote/annotate_output.py: `[rank|host]` on every line, a log per
      rank, and the verdict (which rank failed and why);
-  4. on exit, even after scancel (SIGTERM, then SIGKILL after KillWait), writes status.json and run.json
+  4. on exit, even after scancel or the time limit (SIGTERM, then SIGKILL after KillWait: the closing runs
+     in between, see _closing_on_term), writes status.json and run.json
      (this attempt's node-hours and estimated cost, added to earlier attempts'), and uploads the run
      directory (the model export, curves and logs; not its checkpoints or secrets) to the results container,
      in parallel, status.json last, saying what did not make it.
@@ -26,7 +27,7 @@ from dtrain.cluster.ssh import q
 from dtrain.jobs import checkpoint_sync, task_steps, time_warning, tracking
 from dtrain.jobs.allocation import WHOLE_NODE_FLAGS
 from dtrain.remote.job.annotate_output import TORCHRUN_PREFIX_TEMPLATE
-from infra.contract import CONTAINER_SSH_PORT, PREEMPTED_EXIT_CODE
+from infra.contract import CONTAINER_SSH_PORT, LAUNCH_END_WAIT_S, PREEMPTED_EXIT_CODE
 
 Launcher = Literal["horovodrun", "torchrun"]
 NODE_PROBE_S = 60  # how long a node may take to run an empty job step before it counts as failed
@@ -47,9 +48,10 @@ EVERY_NODE_STEP = f"srun --label --overlap --kill-on-bad-exit=1 {ONE_TASK_PER_NO
 # annotate_output.py turns into [rank|host]. Quoted: torchrun, not bash, fills in ${rank}.
 TORCHRUN_PREFIX = f"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE={q(TORCHRUN_PREFIX_TEMPLATE)}"
 # A Spot eviction's SIGUSR1 (dtrain/remote/boot/spot_agent.py) is for the training ranks, which catch it. The
-# agent signals only the job's processes that catch it, but srun catches it too and forwards it to its
-# step's tasks: the batch shell ignores it, and so does what it starts (an ignored signal stays ignored
-# across exec); a step's tasks start afresh, so they go through this wrapper first.
+# agent signals only the job's processes that catch it, and not srun or docker, which would forward it to
+# tasks that may have no handler yet (spot_agent.FORWARDERS). Slurm's time warning signals the batch shell:
+# it ignores USR1 until its trap, and so does what it starts (an ignored signal stays ignored across exec);
+# a step's tasks start afresh, so they go through this wrapper first.
 IGNORE_USR1 = 'trap "" USR1;'
 IGNORING_USR1 = f"sh -c '{IGNORE_USR1} exec \"$@\"' ignore-usr1"
 
@@ -113,7 +115,8 @@ def render_job_script(spec: JobSpec) -> str:
     copy = _local_copy(spec.local_copy) if spec.local_copy else []
     checkpoints = checkpoint_sync.before_launch(spec.run_id, spec.results, spec.resume_from)
     setup = task_steps.setup_lines(spec, EVERY_NODE_STEP, _user_runner(spec))
-    body = [*_prologue(spec), *copy, *checkpoints, *setup, *_launch(spec), *_epilogue(requeue)]
+    steps = [RUN_STEP] if copy or setup else []
+    body = [*_prologue(spec), *steps, *copy, *checkpoints, *setup, *_launch(spec), *_epilogue(requeue)]
     return "\n".join([*_header(spec), *body, ""])
 
 
@@ -144,6 +147,9 @@ def _header(spec: JobSpec) -> list[str]:
 def _prologue(spec: JobSpec) -> list[str]:
     env = " ".join(f"{key}={q(value)}" for key, value in {"PYTHONUNBUFFERED": "1", **spec.env}.items())
     return [
+        # first: Slurm may send the time warning as the job starts (up to a minute early: at once for a
+        # short limit), and USR1 would end this shell before it ran a line more
+        IGNORE_USR1.rstrip(";"),  # the signal is for the ranks (see IGNORING_USR1)
         "set -uo pipefail",
         "umask 077",
         "ATTEMPT_STARTED_AT=$(date -u +%s)",  # what run.json charges this attempt from
@@ -172,19 +178,43 @@ def _prologue(spec: JobSpec) -> list[str]:
         'NODE_CPUS=$(scontrol show node -o "${SLURMD_NODENAME:-}" 2>/dev/null | grep -o "CPUTot=[0-9]*" | cut -d= -f2)',
         "ENDED_BY=",
         'echo "[job] job $SLURM_JOB_ID, attempt $ATTEMPT, on $HOSTS (partition $SLURM_JOB_PARTITION)"',
-        IGNORE_USR1.rstrip(";"),  # the signal is for the ranks (see IGNORING_USR1)
         *_finish_function(spec),
         "trap finish EXIT",
         *(tracking.open_run_lines(spec.tracking) if spec.tracking else []),
-        # scancel signals the whole step: the launcher ends, and its last lines (and the verdict) reach
-        # the log before finish() uploads it. A status goes first: should the launcher take longer than
-        # KillWait to end, SIGKILL leaves that (finish() replaces it with the full one).
-        f"trap '{TIME_LIMIT_TEST} && ENDED_BY=time_limit; "
-        "FINISHED_AT=$(date -u +%Y-%m-%dT%H:%M:%SZ); write_status 143 incomplete; "
-        """[ -n "${LAUNCH_PID:-}" ] && wait "$LAUNCH_PID"; exit 143' TERM""",
+        *_closing_on_term(),
         "trap 'exit 130' INT",
     ]
 
+
+def _closing_on_term() -> list[str]:
+    """The TERM trap (a cancel, the time limit): Slurm sends SIGKILL KillWait seconds later, so the run is
+    closed within that window. The running step (setup, the launch) gets a short while to end, so that
+    its last lines (and the verdict) reach the log; srun alone would wait KillWait + 2 s for its tasks.
+    A status goes first, should the closing not end in time (finish() replaces it with the full one)."""
+    return [
+        "# shellcheck disable=SC2317  # run by the TERM trap",
+        "wait_for_step() {",
+        "  local deadline=$((SECONDS + $1))",
+        '  while [ -n "${STEP_PID:-}" ] && kill -0 "$STEP_PID" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do',
+        "    sleep 0.5",
+        "  done",
+        "}",
+        "# shellcheck disable=SC2317  # run by the TERM trap",
+        "closing_on_term() {",
+        "  trap '' TERM",  # Slurm's second TERM, or a second scancel, must not cut the closing short
+        f"  {TIME_LIMIT_TEST} && ENDED_BY=time_limit",
+        "  FINISHED_AT=$(date -u +%Y-%m-%dT%H:%M:%SZ)",
+        "  write_status 143 incomplete",
+        f"  wait_for_step {LAUNCH_END_WAIT_S}",
+        "  exit 143",
+        "}",
+        "trap closing_on_term TERM",
+    ]
+
+
+# What runs a step before the launch (the local copy, setup): in the background, waited for, so that the
+# TERM trap runs at once (and closes the run in time), not when srun has waited for its tasks to end.
+RUN_STEP = 'run_step() { "$@" & STEP_PID=$!; wait "$STEP_PID"; }'
 
 # In the TERM trap: whether the attempt's time limit has come (Slurm checks limits about every 30 s and
 # signals at or after EndTime; a cancel in the last 5 seconds before it would read as the limit's).
@@ -210,7 +240,8 @@ def _finish_function(spec: JobSpec) -> list[str]:
         "# shellcheck disable=SC2317",
         "finish() {",
         "  local code=$?",
-        "  trap - EXIT TERM INT",
+        "  trap - EXIT",
+        "  trap '' TERM INT",  # the closing ends by itself, or by Slurm's SIGKILL: not by a second TERM
         f"  {IGNORE_USR1.rstrip(';')}",  # a late time-limit warning must not end the upload
         "  FINISHED_AT=$(date -u +%Y-%m-%dT%H:%M:%SZ)",
         time_warning.ENDED_BY_WARNING,
@@ -236,7 +267,7 @@ def _local_copy(copy: LocalCopy) -> list[str]:
     failed = f"echo {q(f'[job] the local copy of {copy.source} failed: training not started')}; exit 1"
     return [
         f"echo {q(f'[job] copying {copy.source} to {copy.dest} on every node (--local-copy)')}",
-        f"srun --label --overlap --kill-on-bad-exit=1 {ONE_TASK_PER_NODE} {tool} || {{ {failed}; }}",
+        f"run_step srun --label --overlap --kill-on-bad-exit=1 {ONE_TASK_PER_NODE} {tool} || {{ {failed}; }}",
     ]
 
 
@@ -251,7 +282,7 @@ def _launch(spec: JobSpec) -> list[str]:
     else:
         *setup, launcher = _horovod_lines(spec) if spec.launcher == "horovodrun" else _torchrun_lines(spec)
     # in the background, so that a TERM from scancel is handled at once, not when the pipeline ends
-    launch = [*setup, f"{launcher} 2>&1 | {annotate} &", "LAUNCH_PID=$!"]
+    launch = [*setup, f"{launcher} 2>&1 | {annotate} &", "STEP_PID=$!"]
     every_node = f"srun --overlap --quiet {ONE_TASK_PER_NODE} {IGNORING_USR1}"  # the warning's forwarder
     warning = time_warning.trap(spec.warn_before_s, every_node, _container() if spec.image else None, spec.python)
     return [*launch, *warning, *time_warning.wait_for_launch()]

@@ -90,9 +90,12 @@ def setup_lines(spec: JobSpec, step: str, runner: Sequence[str]) -> list[str]:
         "--cache-dir", q(spec.setup_cache_dir), "--salt", q(spec.image or ""), "--", *command,
     ]  # fmt: skip
     failed = "{ code=$?; echo '[job] setup failed: run not started'; exit $code; }"
+    setup_step = f"{step} {' '.join(tool)}{_masked(spec)}"
     return [
         "echo '[job] setup on every node (skipped where it ran before for this code and setup)'",
-        f"{step} {' '.join(tool)}{_masked(spec)} || {failed}",
+        # run_step (batch_script.py): in the background, so that a setup that runs into the time limit is
+        # closed as the limit's; eval, so that the masking pipe goes with it (pipefail: setup's status)
+        f"run_step eval {q(setup_step)} || {failed}",
     ]
 
 

@@ -93,7 +93,7 @@ def trap(lead_s: int, every_node: str, container: str | None = None, python: str
 def wait_for_launch() -> list[str]:
     """Wait for the launch; a trapped signal interrupts `wait` (status > 128) while it still runs."""
     return [
-        'until wait "$LAUNCH_PID"; code=$?; [ "$code" -le 128 ] || ! kill -0 "$LAUNCH_PID" 2>/dev/null; do :; done',
+        'until wait "$STEP_PID"; code=$?; [ "$code" -le 128 ] || ! kill -0 "$STEP_PID" 2>/dev/null; do :; done',
         '(exit "$code")',
     ]
 

@@ -36,6 +36,7 @@ from dtrain.errors import ExitCode, OperatorError
 from dtrain.fileio import atomic_write
 from dtrain.local.daemons import log_tail
 from infra.cloud_init.slurm import (
+    MIN_KILL_WAIT_S,
     HealthCheck,
     JobTimeLimits,
     NodeSet,
@@ -60,7 +61,8 @@ SUSPEND_TIMEOUT_S = 5  # a suspended node may be resumed this long after its sus
 RESUME_TIMEOUT_S = 60
 POWER_SAVE_INTERVAL_S = 2  # how often slurmctld looks for nodes to suspend (Slurm's default: 10)
 SLURMD_TIMEOUT_S = 10  # a node whose slurmd stops answering is DOWN after this long
-KILL_WAIT_S = 5  # SIGTERM to SIGKILL, on cancel and at the time limit
+# SIGTERM to SIGKILL, on cancel and at the time limit: the batch script's closing, on a loaded machine
+KILL_WAIT_S = MIN_KILL_WAIT_S
 RENDERER_MIN_S = 60  # the shortest SuspendTime and HealthCheckInterval infra's renderer accepts
 # A job that names no --time ends after an hour (nothing here runs for long); none is capped.
 JOB_TIME = JobTimeLimits(default="1:00:00")

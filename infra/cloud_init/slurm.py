@@ -15,7 +15,15 @@ from dataclasses import dataclass
 
 from infra.cloud_init._common import check_int, check_ipv4, check_path, render_script
 from infra.cloud_init.slurm_packages import SLURM_USER
-from infra.contract import HEALTH_REPORT_DIR, SLURMCTLD_PORT, SLURMD_PORT, SPOT_PARTITION, SRUN_PORTS
+from infra.contract import (
+    HEALTH_REPORT_DIR,
+    LAUNCH_END_WAIT_S,
+    MIN_CLOSING_S,
+    SLURMCTLD_PORT,
+    SLURMD_PORT,
+    SPOT_PARTITION,
+    SRUN_PORTS,
+)
 from infra.slurm_time import DEFAULT_JOB_TIME, UNLIMITED, check_max_time, check_time_limit, exceeds
 
 # Slurm compares names case-sensitively while DNS does not: lower case keeps the two agreeing.
@@ -32,9 +40,12 @@ MAX_TIMEOUT_S = 65533
 # Slurm's MessageTimeout, which this file leaves at its default: no node can be judged dead, nor a
 # process unkillable, sooner than a message to its slurmd may take.
 MESSAGE_TIMEOUT_S = 10
-# Seconds between SIGTERM and SIGKILL when a job is cancelled or runs out of time: the batch
-# script's EXIT trap uploads the job's results in that window.
-KILL_WAIT_S = 30
+# Seconds between SIGTERM and SIGKILL when a job is cancelled or runs out of time: the batch script
+# closes the run in that window (docs/operator.md, "When a job ends"): the launcher's last lines, then
+# status, run.json, MLflow and the upload of logs, outputs and the last checkpoint, over the storage
+# service endpoint. A job that ends at once on SIGTERM holds its nodes no longer for it.
+KILL_WAIT_S = 120
+MIN_KILL_WAIT_S = LAUNCH_END_WAIT_S + MIN_CLOSING_S
 # How long slurmctld waits for a silent slurmd before it marks the node DOWN (and requeues its
 # jobs, those submitted with --requeue). Slurm's default; an Azure node under load, or a brief
 # network blip, must not lose its job.
@@ -139,7 +150,7 @@ def _job_lines(
         # A job goes back to the queue after a node failure only when submitted with --requeue:
         # one that cannot resume from a checkpoint would otherwise start over unasked.
         "JobRequeue=0",
-        f"KillWait={check_int('kill_wait_s', kill_wait_s, 1, MAX_TIMEOUT_S)}",
+        f"KillWait={check_int('kill_wait_s', kill_wait_s, MIN_KILL_WAIT_S, MAX_TIMEOUT_S)}",
         f"SlurmdTimeout={check_int('slurmd_timeout_s', slurmd_timeout_s, MESSAGE_TIMEOUT_S, MAX_TIMEOUT_S)}",
         "UnkillableStepTimeout="
         f"{check_int('unkillable_step_timeout_s', unkillable_step_timeout_s, 5 * MESSAGE_TIMEOUT_S, MAX_TIMEOUT_S)}",
@@ -170,9 +181,10 @@ def render_slurm_conf(
     spot_nodes a second one of Spot nodes (contract.SPOT_PARTITION), powered the same way.
 
     epilog: the program slurmd runs after each job (None: none). The timeouts are in seconds:
-    kill_wait_s from SIGTERM to SIGKILL (at least 1), slurmd_timeout_s before a silent node is
-    DOWN (at least MessageTimeout, 10), unkillable_step_timeout_s after SIGKILL before a node with
-    processes left is drained (at least 50); each at most 65533. job_time: every partition's
+    kill_wait_s from SIGTERM to SIGKILL (at least MIN_KILL_WAIT_S: the batch script closes the run in
+    it), slurmd_timeout_s before a silent node is DOWN (at least MessageTimeout, 10),
+    unkillable_step_timeout_s after SIGKILL before a node with processes left is drained (at least 50);
+    each at most 65533. job_time: every partition's
     DefaultTime and MaxTime.
     """
     node_sets = [nodes, *([spot_nodes] if spot_nodes else [])]

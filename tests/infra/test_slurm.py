@@ -51,7 +51,7 @@ from infra.cloud_init.head_node import (
     UNITS_DIR,
 )
 from infra.cloud_init.mlflow import mlflow_commands
-from infra.cloud_init.slurm import JobTimeLimits, NodeSet
+from infra.cloud_init.slurm import MIN_KILL_WAIT_S, JobTimeLimits, NodeSet
 from infra.cloud_init.slurm_packages import SLURM_USER, account_commands
 from infra.config import parse_config
 from infra.contract import HEALTH_REPORT_DIR, SRUN_PORTS
@@ -176,7 +176,7 @@ def test_slurm_conf_ends_jobs_as_azure_needs() -> None:
     settings, _ = parse_slurm_conf(slurm_conf())
     assert {key: settings.get(key) for key in ("JobRequeue", "KillWait", "SlurmdTimeout", "UnkillableStepTimeout")} == {
         "JobRequeue": "0",  # requeued after a node failure only when submitted with --requeue
-        "KillWait": "30",  # SIGTERM to SIGKILL: time for the job's EXIT trap to upload its results
+        "KillWait": "120",  # SIGTERM to SIGKILL: the batch script closes the run (its results) in it
         "SlurmdTimeout": "300",
         "UnkillableStepTimeout": "120",
     }
@@ -184,8 +184,8 @@ def test_slurm_conf_ends_jobs_as_azure_needs() -> None:
 
 
 def test_slurm_conf_takes_the_local_clusters_shorter_timeouts_and_no_epilog() -> None:
-    settings, _ = parse_slurm_conf(slurm_conf(kill_wait_s=5, slurmd_timeout_s=10, epilog=None))
-    assert (settings["KillWait"], settings["SlurmdTimeout"], settings["UnkillableStepTimeout"]) == ("5", "10", "120")
+    settings, _ = parse_slurm_conf(slurm_conf(kill_wait_s=MIN_KILL_WAIT_S, slurmd_timeout_s=10, epilog=None))
+    assert (settings["KillWait"], settings["SlurmdTimeout"], settings["UnkillableStepTimeout"]) == ("30", "10", "120")
     assert "Epilog" not in settings
 
 
@@ -255,6 +255,7 @@ def test_job_time_limits_are_checked_when_made(limits: dict[str, object], reason
         ({"state_save_dir": "var/spool"}, "state_save_dir"),
         ({"epilog": "slurm-epilog"}, "epilog"),
         ({"kill_wait_s": 0}, "kill_wait_s"),
+        ({"kill_wait_s": MIN_KILL_WAIT_S - 1}, "kill_wait_s"),  # too short for the batch script's closing
         ({"kill_wait_s": 65534}, "kill_wait_s"),
         ({"kill_wait_s": True}, "kill_wait_s"),
         ({"slurmd_timeout_s": 9}, "slurmd_timeout_s"),  # below MessageTimeout

@@ -186,11 +186,7 @@ def test_the_time_warning_reaches_the_ranks_on_the_host_or_inside_the_job_contai
     forward = 'docker exec -e SLURMD_NODENAME "hvd-$SLURM_JOB_ID" python3 "$TOOLS/time_warning.py" --job'
     assert f"  {every_node}{forward}" in docker and summary in docker
     # set once the launch has started (its processes keep ignoring USR1), before the job is waited for
-    assert (
-        docker.index("LAUNCH_PID=$!")
-        < docker.index("trap time_warning USR1")
-        < docker.index('until wait "$LAUNCH_PID"')
-    )
+    assert docker.index("STEP_PID=$!") < docker.index("trap time_warning USR1") < docker.index('until wait "$STEP_PID"')
     assert "--signal" not in render_job_script(BASE)
 
 

@@ -24,6 +24,7 @@ from dtrain.errors import OperatorError
 from dtrain.jobs.checkpoint_sync import OUR_CHECKPOINT
 from dtrain.jobs.kept_checkpoints import require_kept_checkpoint
 from dtrain.jobs.time_warning import parse_lead, warning_lead
+from dtrain.remote.boot.spot_agent import signal_ranks
 from tests.polling import wait_for
 
 from .conftest import private_key_file
@@ -248,6 +249,40 @@ def test_the_warning_reaches_a_process_of_the_job_that_catches_it_late(tmp_path)
     assert some.stdout.decode() == "[job] time warning: SIGUSR1 sent to 1 processes on 1 of 3 node(s) (node-7)\n"
     none = subprocess.run(summarize, input=b"node-1 0\n", capture_output=True, timeout=60)
     assert "no process catches SIGUSR1 on the job's 3 node(s)" in none.stdout.decode()
+
+
+# catches SIGUSR1 (a forwarder, or a rank), says it is ready, and records a warning it gets
+CATCHES = """
+import signal, sys, time
+signal.signal(signal.SIGUSR1, lambda *_: open(sys.argv[1], "w").write("warned"))
+print("ready", flush=True)
+time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("forwarder", ["srun", "docker"])
+def test_the_warning_skips_the_processes_that_would_pass_it_on_to_tasks_without_a_handler(forwarder, tmp_path):
+    """srun and docker's client catch SIGUSR1 only to pass it on to a step's tasks (a container), which a
+    starting step may not have set their handler in yet: the ranks below them are signalled themselves."""
+    job = f"test-{os.getpid()}"
+    env = {**os.environ, "SLURM_JOB_ID": job}
+    (tmp_path / forwarder).symlink_to(sys.executable)  # a process whose name (comm) is the forwarder's
+    started = [
+        subprocess.Popen(
+            [str(path), "-c", CATCHES, str(tmp_path / f"{path.name}.warned")], env=env, stdout=subprocess.PIPE
+        )
+        for path in (tmp_path / forwarder, Path(sys.executable))
+    ]
+    try:
+        assert all(process.stdout.readline() == b"ready\n" for process in started)
+        assert signal_ranks(job) == [started[1].pid]
+        rank_marker = tmp_path / f"{Path(sys.executable).name}.warned"
+        wait_for(rank_marker.exists, 10, "the rank to record the warning")
+        assert not (tmp_path / f"{forwarder}.warned").exists()
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()
 
 
 def test_warn_before_reads_units_and_stays_inside_the_time_limit():

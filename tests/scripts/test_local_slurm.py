@@ -167,7 +167,9 @@ def test_local_conf_has_power_saving_in_seconds_and_the_health_check(tmp_path):
         ("resume-fail", "ResumeFailProgram"),
     ):
         assert f"{key}={tmp_path}/slurm/{action}" in conf
-    assert {"SuspendTime=3", "SuspendTimeout=5", "HealthCheckInterval=2", "SlurmdTimeout=10", "KillWait=5"} <= set(conf)
+    assert {"SuspendTime=3", "SuspendTimeout=5", "HealthCheckInterval=2", "SlurmdTimeout=10", "KillWait=30"} <= set(
+        conf
+    )
     assert f"HealthCheckProgram={files.health_check}" in conf and not any(
         line.startswith("SuspendExcParts") for line in conf
     )

@@ -53,6 +53,10 @@ MARGIN_S = 5  # the acknowledgement happens this long before NotBefore at the la
 REQUEUE_S = 10  # and the requeue this long before that: a requeued job's batch script ends (its results upload)
 WAIT_STEP_S = 0.5
 EVICTIONS = "evictions.json"  # in the run directory
+# They catch SIGUSR1 only to pass it on to what they started (srun to its step's tasks, docker's client
+# to its container), which may not have its handler yet: a step still starting would die of it. The
+# ranks below them carry the job's SLURM_JOB_ID too, and are signalled themselves once they catch it.
+FORWARDERS = ("srun", "docker")
 log = logging.getLogger("spot-agent")
 
 
@@ -97,8 +101,8 @@ def catches(status_text, signum):
 
 
 def signal_ranks(job_id, skip=(), proc="/proc"):
-    """SIGUSR1 to every process here that belongs to the job and catches it (but those in skip);
-    returns their pids."""
+    """SIGUSR1 to every process here that belongs to the job and catches it (but those in skip, and the
+    FORWARDERS); returns their pids."""
     marker = f"SLURM_JOB_ID={job_id}".encode()
     signalled = []
     for entry in os.listdir(proc):
@@ -107,6 +111,9 @@ def signal_ranks(job_id, skip=(), proc="/proc"):
         try:
             with open(os.path.join(proc, entry, "environ"), "rb") as handle:
                 if marker not in handle.read().split(b"\0"):
+                    continue
+            with open(os.path.join(proc, entry, "comm")) as handle:
+                if handle.read().strip() in FORWARDERS:
                     continue
             with open(os.path.join(proc, entry, "status")) as handle:
                 if not catches(handle.read(), signal.SIGUSR1):
