@@ -3,7 +3,8 @@
 # waits on daemons (Slurm, sshd, Azurite, VMs) while the training suite computes, so together they
 # take about the longer one's time instead of the sum (CI's limit is the reason). The operator suite
 # prints as it goes; the training suite's output is kept in a log and printed whole when both are done,
-# so each summary reads in one piece. Exits 1 if either failed, after both have finished.
+# so each summary reads in one piece; so is the boot test's (below). Exits 1 if any failed, after all
+# have finished.
 #
 # The operator suite (tests/test_layout.py, tests/scripts, tests/infra) is one pytest session spread
 # over $OPS_WORKERS worker processes by pytest-xdist, a whole file to a worker at a time (--dist
@@ -16,18 +17,30 @@ ops_python=$1 train_python=$2
 ops_workers=${OPS_WORKERS:-2}
 
 log=$(mktemp -t training-suite.XXXXXX.log)
+boot_log=$(mktemp -t boot-test.XXXXXX.log)
 "$train_python" -m pytest --durations=15 tests/training tests/bench >"$log" 2>&1 &
 second_lane=$!
-trap 'kill "$second_lane" 2>/dev/null; rm -f "$log"' EXIT
+# The boot test (tests/boot/test_boot.py): the Azure custom data booted in system containers. It
+# mostly waits on the containers' boots, so it runs beside the others too; its image and Slurm's
+# packages are built first (cached after the first run).
+{ tools/build_boot_image.sh container >/dev/null &&
+  DTRAIN_BOOT_TEST=1 "$ops_python" -m pytest -s -p no:cacheprovider tests/boot/test_boot.py; } >"$boot_log" 2>&1 &
+boot_lane=$!
+trap 'kill "$second_lane" "$boot_lane" 2>/dev/null; rm -f "$log" "$boot_log"' EXIT
 
 "$ops_python" -m pytest --durations=15 -n "$ops_workers" --dist loadfile tests/test_layout.py tests/scripts tests/infra
 ops_status=$?
+wait "$boot_lane"
+boot_status=$?
 wait "$second_lane"
 second_status=$?
 
 echo
+echo "=============== boot: tests/boot/test_boot.py ==============="
+cat "$boot_log"
+echo
 echo "=============== training: tests/training tests/bench ==============="
 cat "$log"
 echo
-echo "operator workflow and infrastructure (tests/test_layout.py tests/scripts tests/infra, $ops_workers workers): exit $ops_status; training: exit $second_status"
-((ops_status == 0 && second_status == 0))
+echo "operator workflow and infrastructure (tests/test_layout.py tests/scripts tests/infra, $ops_workers workers): exit $ops_status; boot: exit $boot_status; training: exit $second_status"
+((ops_status == 0 && boot_status == 0 && second_status == 0))

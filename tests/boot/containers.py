@@ -18,6 +18,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,7 @@ class Container:
     process: subprocess.Popen[bytes] | None = field(default=None, init=False)
     boots: int = field(default=0, init=False)
     start_requested: float = field(default=0.0, init=False)
+    power_lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def __post_init__(self) -> None:
         self.netns = f"{self.hub.name}-{self.index}"
@@ -132,6 +134,10 @@ class Container:
 
     def start(self) -> None:
         """Power on (Azure's start): the OS disk as it was left; a tmpfs /nvme is empty again."""
+        with self.power_lock:
+            self._start()
+
+    def _start(self) -> None:
         if self.running():
             return
         # slurmctld takes a node that booted before its resume request for one that never rebooted: the
@@ -178,7 +184,12 @@ class Container:
         self.start()
 
     def stop(self) -> None:
-        """Power off (Azure's deallocate): systemd is asked to halt, then the container is ended."""
+        """Power off (Azure's deallocate): systemd is asked to halt, then the container is ended. ARM's
+        calls come on threads of their own: one stop or start at a time."""
+        with self.power_lock:
+            self._stop()
+
+    def _stop(self) -> None:
         if self.process is None:
             return
         nspawn = self._nspawn_pid()

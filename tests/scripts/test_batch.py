@@ -205,7 +205,9 @@ def test_what_setup_and_the_launch_print_reaches_the_log_with_the_secrets_masked
     """dtrain/remote/job/job_secrets.py: setup's lines through its filter, the launch's through annotate_output.py."""
     text = render_job_script(VARIANTS["task-per-node-host"])
     (setup,) = [line for line in text.splitlines() if "setup_once.py" in line]
-    assert '2>&1 | "$PY" "$TOOLS/job_secrets.py" /shared/runs/r-1/secrets/env || {' in setup
+    # the whole pipe runs as one step in the background (run_step eval), so a TERM is handled at once
+    assert setup.startswith("run_step eval ") and setup.endswith("; exit $code; }"), setup
+    assert '2>&1 | "$PY" "$TOOLS/job_secrets.py" /shared/runs/r-1/secrets/env\' || {' in setup
     assert '--verdict "$RUN_DIR/verdict.json" --secrets /shared/runs/r-1/secrets/env &' in text
     plain = render_job_script(replace(VARIANTS["task-per-node-host"], secrets=()))
     assert "job_secrets.py" not in plain and "--secrets" not in plain
