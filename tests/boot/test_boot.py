@@ -83,6 +83,11 @@ def test_a_step_that_failed_at_first_boot_runs_again_at_the_next_boot(cluster: B
         f"{node}'s slurmd step failing on Key Vault", lambda: _step_failed(cluster, node, "slurmd"), BOOT_S
     )
     assert not cluster.ready(node)
+    # The first boot's registry login holds for about 3 hours: its timer must run from this boot on.
+    registry = lambda: cluster.boot_report(node).get("registry-login") == "ok"  # noqa: E731
+    cluster.wait_for(f"{node}'s registry login at first boot", registry, STEP_S)
+    state = cluster.ssh(node, "systemctl is-active acr-login.timer", check=False).stdout.strip()
+    assert state == "active", f"{node} at its first boot: acr-login.timer is {state}"
     cluster.azure.allow(NODE_ADDRESSES[KEY_VAULT_NODE])
     _reboot(cluster, node)
     cluster.wait_for(f"{node} registered after its reboot", lambda: cluster.registered(node), STEP_S)
@@ -179,10 +184,17 @@ def test_autostop_deallocates_idle_nodes_and_a_job_starts_one_again(cluster: Boo
     nodes = [cluster.hosts[name] for name in cluster.rendered.node_names]
     cluster.wait_for("idle nodes deallocated", lambda: not any(node.running() for node in nodes), STEP_S)
     assert any(call.startswith("deallocate") for call in cluster.azure.calls), cluster.azure.calls
-    rc, output = cluster.sbatch("-N1", "hostname", timeout=STEP_S)
+    # On the resumed node, the registry login of this boot ended before slurmd started (monotonic us).
+    order = (
+        "systemctl show -p ExecMainExitTimestampMonotonic --value acr-login-boot.service; "
+        "systemctl show -p ExecMainStartTimestampMonotonic --value slurmd.service"
+    )
+    rc, output = cluster.sbatch("-N1", f"hostname; {order}", timeout=STEP_S)
     assert rc == 0, output
     assert any(call.startswith("start") for call in cluster.azure.calls), cluster.azure.calls
     (resumed,) = [name for name in cluster.rendered.node_names if cluster.hosts[name].running()]
+    login_done, slurmd_started = (int(value) for value in output.split()[-2:])
+    assert 0 < login_done <= slurmd_started, f"{resumed}: the registry login of this boot did not precede slurmd"
     state = cluster.ssh(resumed, "systemctl is-active acr-login.timer", check=False).stdout.strip()
     assert state == "active", f"{resumed} after its resume: acr-login.timer is {state}"
     _check_clean(cluster, resumed)
