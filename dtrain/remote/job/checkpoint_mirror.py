@@ -20,8 +20,10 @@ the way) are temporary by convention, ours included, and never copied. Symbolic 
 followed: a link inside DIR is skipped, and a DIR that is itself a link is not mirrored (its target
 is not the job's to copy: a dataset, another run), each said once. What was uploaded is remembered in
 --state FILE, so that the last pass and a requeued attempt send only what is new. The last pass, at the
-job's end, takes every file as complete when the job succeeded (its writers closed their files), and
-otherwise only complete ones: a file a killed writer left half written is named, not uploaded. Files
+job's end, takes every file as complete when the job's writers are done (it succeeded, or exited 75 after
+saving its checkpoint on a warning or a notice: upload_results.py), and otherwise those renamed into
+place or unwritten for FINAL_QUIET_S before the pass (the job's processes have been stopped by then): a
+file a killed writer left half written is named, not uploaded. Files
 deleted from DIR stay in the container (a run's older checkpoints, for a resume from before).
 
 Blob names keep a file's name byte for byte: bytes other than letters, digits, `_.~-` and `/` are
@@ -64,6 +66,11 @@ from upload_results import (
 STATE = "checkpoints-mirrored.json"
 INTERVAL_S = 10.0
 QUIET_S = 120  # a file not renamed into place is complete once unwritten this long (docs/operator.md)
+# At the last pass the job's processes have been stopped (job.sh gives the step 10 s after a TERM): a
+# file unwritten for this long before it was finished with before the end came; one written in the
+# last seconds may have been cut off. A rename within the same clock tick as the last write leaves
+# ctime == mtime, so the quiet span, not the rename, is what keeps such a file (ours: ckpt-*.ckpt).
+FINAL_QUIET_S = 15
 TOKEN_TTL_S = 1800  # an IMDS token lasts hours; take a new one well before
 LABEL = "[job] checkpoint mirror: "  # its lines in output.log (job.sh does not pipe it through sed)
 
@@ -136,10 +143,10 @@ class Mirror:
         """The scanned files (relative path -> (size, mtime_ns, ctime_ns)) new or changed since their upload."""
         return {name: info for name, info in now.items() if self.uploaded.get(name) != info[:2]}
 
-    def complete(self, info):
-        """Renamed into place after its last write (ctime > mtime), or unwritten for QUIET_S seconds."""
+    def complete(self, info, quiet_s=QUIET_S):
+        """Renamed into place after its last write (ctime > mtime), or unwritten for quiet_s seconds."""
         _, mtime_ns, ctime_ns = info
-        return ctime_ns > mtime_ns or self.clock() - mtime_ns / 1e9 >= QUIET_S
+        return ctime_ns > mtime_ns or self.clock() - mtime_ns / 1e9 >= quiet_s
 
     def run_pass(self, every=False, stopping=(), final=False):
         """Scan, upload what is due (until stopping is true); returns {relative path: why} for the files
@@ -151,7 +158,8 @@ class Mirror:
             return {}
         now = scan(self.directory, self.skip_link) if os.path.isdir(self.directory) else {}
         changed = self.changed(now)
-        due = {name: info for name, info in changed.items() if every or self.complete(info)}
+        quiet_s = FINAL_QUIET_S if final else QUIET_S
+        due = {name: info for name, info in changed.items() if every or self.complete(info, quiet_s)}
         failures = {name: self.incomplete(info) for name, info in changed.items() if final and name not in due}
         for name, info in sorted(due.items()):
             if stopping:

@@ -447,18 +447,24 @@ def build_parser():
     return parser
 
 
+# Exit codes after which the job's writers have closed every file: success, and 75, a job that saved its
+# checkpoint on a warning or an eviction notice and then exited (infra/contract.py PREEMPTED_EXIT_CODE;
+# this tool runs on the hosts with the standard library alone).
+WRITERS_DONE_EXIT_CODES = (0, 75)
+
+
 def final_checkpoint_pass(run_dir, container, prefix, status=None):
     """The checkpoint mirror's last pass, in this process (job.sh's time after a cancel is short);
     returns (files, bytes, failures by path in the run directory). Every changed file goes when the
-    status file says the job succeeded (its writers closed their files), only complete ones otherwise."""
+    status file says the job's writers are done (WRITERS_DONE_EXIT_CODES), only complete ones otherwise."""
     from checkpoint_mirror import STATE, Mirror  # beside this file in the run's remote/; it imports this module
 
     directory = os.path.join(run_dir, CHECKPOINTS)
     state = os.path.join(run_dir, "remote", STATE)  # where job.sh's mirror kept it
     mirror = Mirror(directory, f"{prefix}/{CHECKPOINTS}", lambda: container, state, label="checkpoint ")
     before = dict(mirror.uploaded)
-    succeeded = status is not None and _exit_code(os.path.join(run_dir, status)) == 0
-    failures = mirror.run_pass(every=succeeded, final=True)
+    finished_writing = status is not None and _exit_code(os.path.join(run_dir, status)) in WRITERS_DONE_EXIT_CODES
+    failures = mirror.run_pass(every=finished_writing, final=True)
     sent = [name for name, seen in mirror.uploaded.items() if before.get(name) != seen]
     size = sum(mirror.uploaded[name][0] for name in sent)
     return len(sent), size, {f"{CHECKPOINTS}/{name}": why for name, why in failures.items()}
