@@ -202,7 +202,7 @@ def _closing_on_term() -> list[str]:
         "# shellcheck disable=SC2317  # run by the TERM trap",
         "closing_on_term() {",
         "  trap '' TERM",  # Slurm's second TERM, or a second scancel, must not cut the closing short
-        f"  {TIME_LIMIT_TEST} && ENDED_BY=time_limit",
+        f"  {time_warning.TIME_LIMIT_TEST} && ENDED_BY=time_limit",
         "  FINISHED_AT=$(date -u +%Y-%m-%dT%H:%M:%SZ)",
         "  write_status 143 incomplete",
         f"  wait_for_step {LAUNCH_END_WAIT_S}",
@@ -215,10 +215,6 @@ def _closing_on_term() -> list[str]:
 # What runs a step before the launch (the local copy, setup): in the background, waited for, so that the
 # TERM trap runs at once (and closes the run in time), not when srun has waited for its tasks to end.
 RUN_STEP = 'run_step() { "$@" & STEP_PID=$!; wait "$STEP_PID"; }'
-
-# In the TERM trap: whether the attempt's time limit has come (Slurm checks limits about every 30 s and
-# signals at or after EndTime; a cancel in the last 5 seconds before it would read as the limit's).
-TIME_LIMIT_TEST = '[ "$JOB_ENDS_AT" -gt 0 ] && [ "$(date +%s)" -ge $((JOB_ENDS_AT - 5)) ]'
 
 
 def _finish_function(spec: JobSpec) -> list[str]:
@@ -245,6 +241,8 @@ def _finish_function(spec: JobSpec) -> list[str]:
         f"  {IGNORE_USR1.rstrip(';')}",  # a late time-limit warning must not end the upload
         "  FINISHED_AT=$(date -u +%Y-%m-%dT%H:%M:%SZ)",
         time_warning.ENDED_BY_WARNING,
+        # a step Slurm ended at the limit may have ended before this shell's TERM came (a loaded node)
+        f'  [ -z "$ENDED_BY" ] && [ "$code" -ne 0 ] && {time_warning.TIME_LIMIT_TEST} && ENDED_BY=time_limit',
         '  echo "[job] exit status $code${ENDED_BY:+ (ended by its time limit)}"',
         '  write_status "$code" uploading',
         f'  "$PY" "$TOOLS/record_run.py" --run-dir "$RUN_DIR" --nodes {spec.nodes} --attempt "$ATTEMPT" '
@@ -264,7 +262,8 @@ def _local_copy(copy: LocalCopy) -> list[str]:
     """One nvme-copy per node (resumable: a requeued attempt finishes what the last one began); any failure
     ends the job before training starts."""
     tool = f'"$PY" "$TOOLS/nvme_copy.py" --source {q(copy.source)} --dest {q(copy.dest)}'
-    failed = f"echo {q(f'[job] the local copy of {copy.source} failed: training not started')}; exit 1"
+    said = q(f"[job] the local copy of {copy.source} failed: training not started")
+    failed = f"{time_warning.AT_THE_LIMIT}; echo {said}; exit 1"
     return [
         f"echo {q(f'[job] copying {copy.source} to {copy.dest} on every node (--local-copy)')}",
         f"run_step srun --label --overlap --kill-on-bad-exit=1 {ONE_TASK_PER_NODE} {tool} || {{ {failed}; }}",

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from dtrain.cluster.ssh import q
+from dtrain.jobs import time_warning
 from infra.contract import PREEMPTED_EXIT_CODE
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ def setup_lines(spec: JobSpec, step: str, runner: Sequence[str]) -> list[str]:
         '"$PY"', '"$TOOLS/setup_once.py"', "--code", q(spec.workdir), "--setup", q(setup),
         "--cache-dir", q(spec.setup_cache_dir), "--salt", q(spec.image or ""), "--", *command,
     ]  # fmt: skip
-    failed = "{ code=$?; echo '[job] setup failed: run not started'; exit $code; }"
+    failed = f"{{ code=$?; {time_warning.AT_THE_LIMIT}; echo '[job] setup failed: run not started'; exit $code; }}"
     setup_step = f"{step} {' '.join(tool)}{_masked(spec)}"
     return [
         "echo '[job] setup on every node (skipped where it ran before for this code and setup)'",

@@ -100,3 +100,12 @@ def wait_for_launch() -> list[str]:
 
 # In finish(): our jobs end with 75 (PREEMPTED) after the warning's checkpoint: that is the time limit's doing
 ENDED_BY_WARNING = f'  [ -n "${{TIME_WARNED:-}}" ] && [ "$code" -eq {PREEMPTED_EXIT_CODE} ] && ENDED_BY=time_limit'
+
+
+# In the TERM trap: whether the attempt's time limit has come (Slurm checks limits about every 30 s and
+# signals at or after EndTime; a cancel in the last 5 seconds before it would read as the limit's).
+TIME_LIMIT_TEST = '[ "$JOB_ENDS_AT" -gt 0 ] && [ "$(date +%s)" -ge $((JOB_ENDS_AT - 5)) ]'
+# A step that failed at the time limit was ended by it (Slurm ends the steps, and the batch shell's TERM
+# may come after, on a loaded node): the run is closed as the limit's (closing_on_term, batch_script.py),
+# not reported as the step's failure.
+AT_THE_LIMIT = f"{{ {TIME_LIMIT_TEST} && closing_on_term; }}"
