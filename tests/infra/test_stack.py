@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from infra.azure_limits import COMPUTER_NAME_PREFIX, LINUX_COMPUTER_NAME, RESOURCE_NAME_RULES
+from infra.cloud_init.slurm import KILL_WAIT_S
 from infra.config import AUTONAME_SUFFIX, MAX_NODES, parse_config
 from infra.contract import (
     DCGM_EXPORTER_PORT,
@@ -504,7 +505,8 @@ def test_slurm_conf_has_the_partition_gres_power_saving_and_health_check(deploym
     node_paths = {e["path"] for e in yaml.safe_load(node_document(deployment))["write_files"]}
     assert {settings[key] for key in ("SuspendProgram", "ResumeProgram", "ResumeFailProgram")} <= head_paths
     assert {settings["HealthCheckProgram"], settings["Epilog"]} <= node_paths
-    assert (settings["JobRequeue"], settings["KillWait"], settings["SlurmdTimeout"]) == ("0", "30", "300")
+    # KillWait: the time the batch script has after a TERM to close the run (infra/cloud_init/slurm.py)
+    assert (settings["JobRequeue"], settings["KillWait"], settings["SlurmdTimeout"]) == ("0", str(KILL_WAIT_S), "300")
 
 
 def test_head_node_gives_the_runs_directory_to_the_admin_user(deployment: Deployment) -> None:

@@ -224,7 +224,10 @@ def test_autostop_suspends_idle_nodes_and_a_job_resumes_them(tmp_path):
         state = local_cluster.load_state(state_dir)
         assert not any(node.stopped for node in state.nodes)
         log = (state_dir / "logs" / "power.log").read_text()
-        assert "suspend node-0,node-1: done" in log and "resume node-0,node-1: done" in log
+        # Slurm may suspend or resume the two in one call or in two (a loaded machine): each once at least
+        for action in ("suspend", "resume"):
+            handled = {node for nodes in re.findall(rf"{action} (\S+): done", log) for node in nodes.split(",")}
+            assert handled >= {"node-0", "node-1"}, log
 
         # a node the program does not know: a clear error in the log, a failure for slurmctld
         wrapper = local_slurm.SlurmFiles(state_dir).power_program("resume")

@@ -17,6 +17,7 @@ import pytest
 
 from dtrain.cluster.description import ClusterDescription
 from dtrain.local import metadata as local_metadata
+from dtrain.local import slurm as local_slurm
 from dtrain.local.nodes import spot_agent_role
 from dtrain.local.state import load_state
 from dtrain.processes import descendants, stop_pids
@@ -95,11 +96,19 @@ def attempt_recorded(desc: ClusterDescription, run_id: str, attempt: int) -> dic
         raise AssertionError(f"{exc}\n{agents_said(desc)}") from None
 
 
+# An attempt's end: a frozen rank is killed only KillWait after the requeue's TERM, then the attempt closes
+# its run; the rest is a margin for a loaded machine (load 10 on 2 cores).
+ATTEMPT_END_S = local_slurm.KILL_WAIT_S + 150
+
+
 def run_ended(desc: ClusterDescription, run_id: str, attempt: int) -> dict:
     """The run's status once its last attempt has ended and uploaded its results."""
     try:
         return wait_for(
-            lambda: (s := status_of(desc, run_id)) and s["attempt"] == attempt and s, 120, f"attempt {attempt}", 0.5
+            lambda: (s := status_of(desc, run_id)) and s["attempt"] == attempt and s,
+            ATTEMPT_END_S,
+            f"attempt {attempt}",
+            0.5,
         )
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{agents_said(desc)}") from None
