@@ -359,3 +359,10 @@ def _now() -> str:
 def _remove(host: Host) -> None:
     delete = getattr(host, "delete", None)
     delete() if delete is not None else host.stop()
+
+
+def assert_nothing_left(work: Path, hub: str) -> None:
+    """After a run: no process of the test's (its work directory in the command line), no namespace."""
+    left = subprocess.run(["pgrep", "-f", str(work)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left running: {left}"
+    assert not Path(f"/run/netns/{hub}").exists(), "the test's network namespace is left"

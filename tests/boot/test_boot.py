@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.boot.cluster import NODE_ADDRESSES, BootCluster, boot_cluster
+from tests.boot.cluster import NODE_ADDRESSES, BootCluster, assert_nothing_left, boot_cluster
 from tests.boot.containers import EXCLUSIONS, UNITS_FAILING_IN_ANY_CONTAINER
 
 pytestmark = pytest.mark.skipif(
@@ -55,9 +54,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BootCluster]:
             print(f"  {exclusion}")
         yield booted
         hub = booted.hub.name
-    left = subprocess.run(["pgrep", "-f", str(work)], capture_output=True, text=True).stdout.split()
-    assert not left, f"processes left running: {left}"
-    assert not Path(f"/run/netns/{hub}").exists(), "the test's network namespace is left"
+    assert_nothing_left(work, hub)
     print(f"\nboot test: {time.monotonic() - started:.0f} s")
 
 

@@ -10,15 +10,13 @@ only when DTRAIN_BOOT_VM=1 (the Makefile target sets it): it takes up to half an
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.boot.cluster import BootCluster, boot_cluster
+from tests.boot.cluster import BootCluster, assert_nothing_left, boot_cluster
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("DTRAIN_BOOT_VM") != "1" or os.geteuid() != 0,
@@ -39,9 +37,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BootCluster]:
             print(f"  {edit}")
         yield booted
         namespace = booted.hub.name
-    left = subprocess.run(["pgrep", "-f", str(work)], capture_output=True, text=True).stdout.split()
-    assert not left, f"processes left running: {left}"
-    assert not Path(f"/run/netns/{namespace}").exists(), "the test's network namespace is left"
+    assert_nothing_left(work, namespace)
     print(f"\nboot test: {time.monotonic() - started:.0f} s")
 
 
