@@ -6,6 +6,7 @@ PIP_VERSION := 25.2
 OPS := .venv
 TRAIN := .venv-train
 MLFLOW := .venv-mlflow
+CHECKOV := .venv-checkov
 # The GPU targets run on a GPU machine's own torch when the training venv is not there
 # (`make bench-gpu GPU_PYTHON=python3`); they need neither Horovod nor `make setup`.
 GPU_PYTHON ?= $(if $(wildcard $(TRAIN)/bin/python),$(TRAIN)/bin/python,python3)
@@ -17,14 +18,17 @@ BENCH_GPU_ARGS ?=
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
-setup: system $(OPS)/.installed $(TRAIN)/.installed $(TRAIN)/.checkout-on-path $(MLFLOW)/.installed node_modules/.installed  ## install everything (the venvs, Horovod, Azurite, MLflow)
+setup: system $(OPS)/.installed $(TRAIN)/.installed $(TRAIN)/.checkout-on-path $(MLFLOW)/.installed $(CHECKOV)/.installed node_modules/.installed  ## install everything (the venvs, Horovod, Azurite, MLflow, Checkov)
+	@echo 'set up. The command line is $(OPS)/bin/dtrain: export PATH="$(CURDIR)/$(OPS)/bin:$$PATH" to run it as dtrain'
 
 system:  ## apt packages (cloud-init, shellcheck, openssh, iproute2, npm, Slurm, munge, QEMU...) and the test VM's kernel
 	@tools/setup_system.sh
 	@tools/fetch_vm_kernel.sh
 
 # The CLI is installed as `dtrain` (editable: the checkout is the code), runnable from any directory.
-$(OPS)/.installed: requirements.txt requirements-cli.txt pyproject.toml
+# Each environment waits for the system packages (compilers, npm) but not for the others: `make -j3
+# setup` installs them three at a time (.ci/run does: their downloads are most of a fresh setup's time).
+$(OPS)/.installed: requirements.txt requirements-cli.txt pyproject.toml | system
 	test -x $(OPS)/bin/python || $(PYTHON) -m venv $(OPS)
 	$(OPS)/bin/pip install -q --disable-pip-version-check pip==$(PIP_VERSION)
 	$(OPS)/bin/pip install -q -r requirements.txt
@@ -33,7 +37,7 @@ $(OPS)/.installed: requirements.txt requirements-cli.txt pyproject.toml
 
 # Horovod compiles against the installed torch and TensorFlow, so it comes after them; the
 # script reuses a wheel cached under ~/.cache when one was built for the same versions.
-$(TRAIN)/.installed: requirements-train.txt tools/build_horovod.sh
+$(TRAIN)/.installed: requirements-train.txt tools/build_horovod.sh | system
 	test -x $(TRAIN)/bin/python || $(PYTHON) -m venv $(TRAIN)
 	$(TRAIN)/bin/pip install -q --disable-pip-version-check pip==$(PIP_VERSION)
 	$(TRAIN)/bin/pip install -q -r requirements-train.txt
@@ -47,20 +51,28 @@ $(TRAIN)/.checkout-on-path: $(TRAIN)/.installed
 	touch $@
 
 # The local cluster's MLflow server, in an environment of its own (requirements-mlflow.txt says why)
-$(MLFLOW)/.installed: requirements-mlflow.txt
+$(MLFLOW)/.installed: requirements-mlflow.txt | system
 	test -x $(MLFLOW)/bin/python || $(PYTHON) -m venv $(MLFLOW)
 	$(MLFLOW)/bin/pip install -q --disable-pip-version-check pip==$(PIP_VERSION)
 	$(MLFLOW)/bin/pip install -q -r requirements-mlflow.txt
 	touch $@
 
-node_modules/.installed: package.json package-lock.json
+# Checkov's secrets scanner, which the infrastructure tests run over the custom data, in an environment
+# of its own (requirements-checkov.txt says why)
+$(CHECKOV)/.installed: requirements-checkov.txt | system
+	test -x $(CHECKOV)/bin/python || $(PYTHON) -m venv $(CHECKOV)
+	$(CHECKOV)/bin/pip install -q --disable-pip-version-check pip==$(PIP_VERSION)
+	$(CHECKOV)/bin/pip install -q -r requirements-checkov.txt
+	touch $@
+
+node_modules/.installed: package.json package-lock.json | system
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
 test: setup  ## run every test suite (infrastructure and operator workflow, beside training and benchmarks)
 	tools/run_tests.sh $(OPS)/bin/python $(TRAIN)/bin/python
 
-test-infra: $(OPS)/.installed system  ## Pulumi program under mocks, cloud-init validation
+test-infra: $(OPS)/.installed $(CHECKOV)/.installed system  ## Pulumi program under mocks, cloud-init validation, the custom data's secrets scan
 	$(OPS)/bin/python -m pytest tests/infra
 
 # Part of `make test` (tools/run_tests.sh runs it beside the other suites). Root; the image and
@@ -73,7 +85,7 @@ test-boot: $(OPS)/.installed  ## the Azure custom data booted by systemd and clo
 # emulation, up to half an hour on 2 cores.
 test-boot-vm: $(OPS)/.installed  ## the same custom data with the NFS server in QEMU VMs (root; slow, opt-in)
 	tools/build_boot_image.sh vm >/dev/null
-	DTRAIN_BOOT_VM=1 $(OPS)/bin/python -m pytest -s -p no:cacheprovider tests/boot/test_boot_vm.py
+	DTRAIN_BOOT_VM=1 $(OPS)/bin/python -m pytest -s -p no:cacheprovider tests/boot/test_boot_vm.py tests/boot/test_nvme_raid_vm.py
 
 test-training: $(TRAIN)/.installed  ## Horovod jobs over gloo, several processes
 	$(TRAIN)/bin/python -m pytest tests/training
@@ -105,4 +117,4 @@ format: $(OPS)/.installed
 	$(OPS)/bin/ruff check --fix .
 
 clean:  ## remove the environments and caches (the Horovod wheel cache stays)
-	rm -rf $(OPS) $(TRAIN) $(MLFLOW) node_modules .pytest_cache .ruff_cache
+	rm -rf $(OPS) $(TRAIN) $(MLFLOW) $(CHECKOV) node_modules .pytest_cache .ruff_cache

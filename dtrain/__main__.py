@@ -11,13 +11,27 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dtrain.cli import cluster, cost, demo, images, interactive, jobs, launch, local, results, stage, watch
+from dtrain.cli import (
+    cluster,
+    cost,
+    demo,
+    doctor,
+    images,
+    interactive,
+    jobs,
+    launch,
+    local,
+    results,
+    stage,
+    users,
+    watch,
+)
 from dtrain.cli_common import CLIParser, add_cluster_option, end_on_termination, run_cli
 
-# In the order a user meets them: a cluster, data and images on it, jobs and what they leave, then the
+# In the order a user meets them: a cluster and its people, data and images on it, jobs and what they leave, then the
 # local cluster.
 CONSOLE_SCRIPT = "dtrain"  # pyproject.toml's [project.scripts]
-COMMAND_MODULES = (cluster, stage, images, launch, jobs, watch, interactive, results, cost, local, demo)
+COMMAND_MODULES = (cluster, users, stage, images, launch, jobs, watch, interactive, results, cost, doctor, local, demo)
 
 DESCRIPTION = """\
 Distributed training on a Slurm GPU cluster: the Azure stack (`pulumi up`), or the embedded local

@@ -32,6 +32,7 @@ class IdleCost:
     nodes_on: int  # GPU nodes powered on (billing) now, or assumed running
     autostop_minutes: int | None  # idle minutes before Slurm deallocates a node; 0: never; None: unknown
     note: str | None = None  # said instead of the figures (the local cluster)
+    storage: str = "NFS"  # the shared file system that bills with the head node: NFS or Lustre
 
     @property
     def per_hour(self) -> Decimal | None:
@@ -53,12 +54,15 @@ class IdleCost:
             return f"idle cost: {self.note}"
         parts = []
         if self.standing_usd_per_hour is not None:
-            parts.append(f"${self.standing_usd_per_hour:,.2f}/hour for the head node, NFS, jumpbox and registry")
+            parts.append(
+                f"${self.standing_usd_per_hour:,.2f}/hour for the head node, {self.storage}, jumpbox and registry"
+            )
         if self.node_usd_per_hour is not None:
             word = "node" if self.nodes_on == 1 else "nodes"
             parts.append(f"${self.nodes_on * self.node_usd_per_hour:,.2f}/hour for {self.nodes_on} GPU {word} on")
         if self.standing_usd_per_hour is None:
-            parts.append("the head node, NFS, jumpbox and registry (`dtrain cost --stack-file` prices them)")
+            standing = f"the head node, {self.storage}, jumpbox and registry"
+            parts.append(f"{standing} (`dtrain cost --stack-file` prices them)")
         total = "" if self.per_hour is None else f"${self.per_hour:,.2f}/hour: "
         line = f"idle cost: {total}{' + '.join(parts)}"
         if self.nodes_on and self.autostop_minutes == 0:
@@ -74,7 +78,8 @@ def from_estimate(cfg: StackConfig, estimate: pricing.CostEstimate) -> IdleCost:
     standing = sum((row.usd_per_hour for row in estimate.rows if not row.item.startswith(GPU_ROWS)), Decimal(0))
     node = estimate.table.require("vm_hourly", cfg.gpu_sku, cfg.location).usd
     running = sum(row.count for row in estimate.rows if row.item == "GPU nodes, running")  # Spot: not here
-    return IdleCost(standing, node, running, cfg.autostop_minutes)
+    storage = "Lustre" if cfg.shared_storage == "lustre" else "NFS"
+    return IdleCost(standing, node, running, cfg.autostop_minutes, storage=storage)
 
 
 def for_stack_file(path: Path, nodes_on: int) -> IdleCost | None:

@@ -1,5 +1,6 @@
-"""The schemas of what `--json` prints: one pydantic model per command (`jobs`, `status`, `cost`) and
-the error document every one of them prints instead when it fails. Runs on the operator's machine.
+"""The schemas of what `--json` prints: one pydantic model per command (`jobs`, `status`, `cost`, `cost --by`,
+`doctor`) and the error document every one of them prints instead when it fails. Runs on the
+operator's machine.
 
 Every field has one type, whichever row or case it comes from; a value that is absent is null, never
 a missing key. A script reads one JSON document on stdout: the command's on success, `ErrorDocument`
@@ -37,7 +38,8 @@ class JobRow(Document):
 
     job: str | None  # Slurm's job id; null for a run whose id was not recorded
     run: str | None  # the run id (the Slurm job's name)
-    state: str  # Slurm's state while it holds the job; COMPLETED, FAILED, CANCELLED, TIMEOUT or ENDED after
+    state: str  # Slurm's state while it holds the job; COMPLETED, FAILED, CANCELLED, TIMEOUT or ENDED after;
+    # UNREADABLE: another user's ended run (`jobs --all`), whose directory is theirs alone
     in_queue: bool  # Slurm holds it (pending, running, completing)
     user: str | None  # who submitted it
     nodes: int | None  # nodes asked for (pending) or allocated
@@ -120,3 +122,43 @@ class CostDocument(Document):
     total_usd_per_hour: str  # the exact sum of the rows, a decimal string
     idle: CostIdle  # the standing cluster with no job running
     not_included: list[str]
+
+
+class UsageCostRow(Document):
+    """One person's (or Slurm account's) jobs in the window, added up (`cost --by`)."""
+
+    name: str  # the user or account; "total" for the sum of the rows
+    jobs: int
+    node_hours: str  # nodes x time, an exact decimal string (hours to 4 places)
+    gpu_hours: str  # GPUs (AllocTRES gres/gpu) x time
+    billed_node_hours: str  # what the jobs are charged for: their GPUs' share of their nodes x time
+    usd: str | None  # billed node-hours at their partition's price (Spot for the Spot partition); null: unknown
+
+
+class UsageCostDocument(Document):
+    by: str  # user or account
+    cluster: str
+    since: str  # ISO 8601, UTC
+    until: str  # the login node's clock when sacct was read
+    currency: str
+    prices: str  # where the price per node-hour comes from
+    rows: list[UsageCostRow]  # most GPU-hours first
+    total: UsageCostRow
+
+
+# --- doctor --------------------------------------------------------------------------------------
+class DoctorCheck(Document):
+    name: str  # e.g. "provider Microsoft.KeyVault", "quota standardNDSH100v5Family in eastus"
+    ok: bool
+    detail: str  # what was found
+    fix: str | None  # the command that fixes it; null when it is ok
+
+
+class DoctorDocument(Document):
+    stack_file: str
+    region: str
+    subscription: str | None  # the subscription checked; null when none could be chosen
+    subscription_source: str | None  # where it was chosen from: --subscription, ARM_SUBSCRIPTION_ID, ...
+    principal: str | None  # who is signed in; null without a credential
+    ok: bool  # every check passed (exit status 0)
+    checks: list[DoctorCheck]

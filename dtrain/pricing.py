@@ -2,8 +2,9 @@
 machine; `dtrain/cli/cost.py` is the `cost` command over it).
 
 The rows are what `pulumi up` deploys: the GPU nodes Slurm keeps running (power-saved nodes are
-deallocated and cost nothing), the head node, the NFS server and its Premium SSD data disks, the
-jumpbox and the container registry. Usage-based charges (blob storage, egress) are not in it.
+deallocated and cost nothing), the head node, the shared file system (the NFS server and its Premium SSD
+data disks, or Azure Managed Lustre: its capacity times its tier's price per TiB-hour), the jumpbox and
+the container registry. Usage-based charges (blob storage, egress) are not in it.
 
 Prices come from infra/data/prices.json: Azure Retail Prices API figures (Consumption, Linux,
 pay-as-you-go, USD) with the date and source of each. `--refresh` reads the live API instead, for
@@ -31,7 +32,7 @@ import os
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from decimal import ROUND_HALF_UP, Decimal
@@ -101,13 +102,16 @@ NOT_INCLUDED = (
     "the jumpbox's public IP, registry storage beyond the included amount, build minutes (az acr build)",
 )
 
-Section = Literal["vm_hourly", "vm_spot_hourly", "premium_ssd_monthly", "registry_daily"]
+Section = Literal["vm_hourly", "vm_spot_hourly", "premium_ssd_monthly", "registry_daily", "lustre_tib_hourly"]
 SECTION_NAMES: dict[Section, str] = {
     "vm_hourly": "VM size",
     "vm_spot_hourly": "Spot VM size",
     "premium_ssd_monthly": "Premium SSD tier",
     "registry_daily": "container registry SKU",
+    "lustre_tib_hourly": "Azure Managed Lustre SKU",
 }
+# Where Azure lists Azure Managed Lustre's prices, for the figure a price file needs (--refresh reads none).
+LUSTRE_PRICES_URL = "https://azure.microsoft.com/pricing/details/managed-lustre/"
 
 
 # --- the price table -----------------------------------------------------------------------------
@@ -123,7 +127,7 @@ class Source(_Model):
 
 
 class Quote(_Model):
-    """One price: USD per hour (VMs), per month (disks) or per day (registry)."""
+    """One price: USD per hour (VMs), per month (disks), per day (registry) or per TiB-hour (Lustre)."""
 
     usd: Decimal = Field(ge=0)
     source: str
@@ -146,6 +150,9 @@ class PriceTable(_Model):
     vm_spot_hourly: dict[str, dict[str, Quote]] = Field(default_factory=dict)  # Spot: list price, moves daily
     premium_ssd_monthly: dict[str, dict[str, Quote]]
     registry_daily: dict[str, dict[str, Quote]]
+    # Azure Managed Lustre (sharedStorage lustre), per TiB of capacity and hour, by SKU name: never read by
+    # --refresh, whose meters for it were not at hand to check; a price file adds it (docs/operator.md, "Cost")
+    lustre_tib_hourly: dict[str, dict[str, Quote]] = Field(default_factory=dict)
     _origin: str = PrivateAttr(default="the price table")
 
     @model_validator(mode="after")
@@ -338,11 +345,11 @@ def estimate_cost(
     running = live.running if live else running_nodes(cfg, requested_nodes)
     unregistered = live.unregistered if live else 0
     gpu = table.require("vm_hourly", cfg.gpu_sku, region)
-    tier = premium_ssd_tier(cfg.nfs_disk_size_gb)
 
     def vm(item: str, size: str) -> CostRow:
         return _row(item, size, 1, table.require("vm_hourly", size, region), Decimal(1), "h")
 
+    shared = _lustre_rows(cfg, table) if cfg.shared_storage == "lustre" else _nfs_rows(cfg, table, vm)
     rows = (
         _row("GPU nodes, running", cfg.gpu_sku, running, gpu, Decimal(1), "h"),
         CostRow(
@@ -351,15 +358,7 @@ def estimate_cost(
         *_unregistered_rows(cfg, live),
         *_spot_rows(cfg, table, gpu, live.spot_running if live else cfg.spot_node_count),
         vm("head node (slurmctld)", cfg.head_vm_size),
-        vm("NFS server", cfg.nfs_vm_size),
-        _row(
-            "NFS data disks",
-            f"Premium SSD {tier} ({cfg.nfs_disk_size_gb} GiB)",
-            cfg.nfs_disk_count,
-            table.require("premium_ssd_monthly", tier, region),
-            HOURS_PER_MONTH,
-            "month",
-        ),
+        *shared,
         vm("jumpbox", cfg.jumpbox_vm_size),
         _row(
             "container registry",
@@ -371,6 +370,38 @@ def estimate_cost(
         ),
     )
     return CostEstimate(region, rows, table)
+
+
+def _nfs_rows(cfg: StackConfig, table: PriceTable, vm: Callable[[str, str], CostRow]) -> list[CostRow]:
+    """The NFS server, and its data disks at the Premium SSD tier that holds their size."""
+    tier = premium_ssd_tier(cfg.nfs_disk_size_gb)
+    disks = table.require("premium_ssd_monthly", tier, cfg.location)
+    return [
+        vm("NFS server", cfg.nfs_vm_size),
+        _row(
+            "NFS data disks",
+            f"Premium SSD {tier} ({cfg.nfs_disk_size_gb} GiB)",
+            cfg.nfs_disk_count,
+            disks,
+            HOURS_PER_MONTH,
+            "month",
+        ),
+    ]
+
+
+def _lustre_rows(cfg: StackConfig, table: PriceTable) -> list[CostRow]:
+    """Azure Managed Lustre: its capacity times its tier's price per TiB-hour, which bills while the stack
+    stands (it has no stopped state)."""
+    sku, capacity = cfg.lustre_sku, cfg.lustre_capacity_tib
+    assert capacity is not None  # infra.config requires it with sharedStorage lustre
+    quote = table.lookup("lustre_tib_hourly", sku.name, cfg.location)
+    if quote is None:
+        raise OperatorError(
+            f"{table.origin} has no price for Azure Managed Lustre {sku.name} in {cfg.location} (--refresh reads "
+            f"none either): add its USD per TiB-hour, from {LUSTRE_PRICES_URL}, under lustre_tib_hourly in a copy of "
+            'the table and pass it with --prices FILE (docs/operator.md, "Cost")'
+        )
+    return [_row("Azure Managed Lustre", f"{sku.name} ({capacity} TiB)", capacity, quote, Decimal(1), "TiB-hour")]
 
 
 def _unregistered_rows(cfg: StackConfig, live: LiveNodes | None) -> list[CostRow]:

@@ -17,10 +17,24 @@ DATA_DIR = Path(__file__).parent / "data"
 
 @dataclass(frozen=True)
 class VmSize:
-    """What config must know about a jumpbox or NFS server size."""
+    """What config must know about a jumpbox, head or NFS server size, and what it takes of the quota."""
 
     max_data_disks: int
     encryption_at_host: bool
+    vcpus: int
+    quota_family: str  # the regional quota it counts against, as `az vm list-usage` names it
+
+
+# Azure's naming convention: Standard_<family letters><vCPUs><features>[_<version>] (Standard_D16s_v5:
+# 16). The listed sizes follow it; a constrained-vCPU size (Standard_E4-2s_v3) is not listed.
+_VCPUS_IN_NAME = re.compile(r"Standard_[A-Z]+(\d+)")
+
+
+def _vm_size(name: str, size: dict[str, Any], family: dict[str, Any]) -> VmSize:
+    vcpus = _VCPUS_IN_NAME.match(name)
+    if vcpus is None:
+        raise ValueError(f"infra/data/vm_sizes.json: {name} does not name its vCPUs as Azure's sizes do")
+    return VmSize(size["maxDataDisks"], size["encryptionAtHost"], int(vcpus[1]), family["quotaFamily"])
 
 
 def _load(name: str) -> dict[str, Any]:
@@ -30,10 +44,44 @@ def _load(name: str) -> dict[str, Any]:
 AZURE_REGIONS: frozenset[str] = frozenset(_load("azure_regions.json")["regions"])
 RESERVED_ADMIN_USERS: frozenset[str] = frozenset(_load("reserved_admin_users.json")["names"])
 VM_SIZES: dict[str, VmSize] = {
-    name: VmSize(max_data_disks=size["maxDataDisks"], encryption_at_host=size["encryptionAtHost"])
+    name: _vm_size(name, size, family)
     for family in _load("vm_sizes.json")["families"].values()
     for name, size in family["sizes"].items()
 }
+
+
+@dataclass(frozen=True)
+class AmlfsSku:
+    """An Azure Managed Lustre SKU (infra/data/amlfs_skus.json): its name, rated throughput and sizes."""
+
+    name: str  # e.g. AMLFS-Durable-Premium-125
+    mb_per_second_per_tib: int
+    min_tib: int
+    max_tib: int
+    step_tib: int
+
+    def sizes(self) -> str:
+        """The capacities it takes, in words, for an error."""
+        return f"{self.min_tib} to {self.max_tib} TiB in steps of {self.step_tib}"
+
+    def admits(self, capacity_tib: int) -> bool:
+        return self.min_tib <= capacity_tib <= self.max_tib and capacity_tib % self.step_tib == 0
+
+
+_AMLFS = _load("amlfs_skus.json")
+# By the tier's rated MB/s per TiB (lustreTier): 40, 125, 250, 500.
+AMLFS_SKUS: dict[int, AmlfsSku] = {
+    sku["mbPerSecondPerTiB"]: AmlfsSku(name, sku["mbPerSecondPerTiB"], sku["minTiB"], sku["maxTiB"], sku["stepTiB"])
+    for name, sku in _AMLFS["skus"].items()
+}
+_AMLFS_SUBNETS: tuple[tuple[int, int], ...] = tuple(
+    (row["upToTiB"], row["prefixLength"]) for row in _AMLFS["subnetPrefixByCapacity"]
+)
+
+
+def amlfs_subnet_prefix(capacity_tib: int) -> int:
+    """The longest subnet prefix (the smallest subnet) that Azure recommends for a file system of this size."""
+    return next(prefix for up_to, prefix in _AMLFS_SUBNETS if capacity_tib <= up_to)
 
 
 # pulumi-azure-native names a resource that is given no name after its logical name plus 8 random
@@ -87,4 +135,6 @@ RESOURCE_NAME_RULES: dict[str, NameRule] = {
     ":StorageAccount": STORAGE_ACCOUNT_NAME,
     ":Vault": KEY_VAULT_NAME,
     ":Registry": CONTAINER_REGISTRY_NAME,
+    # Azure Managed Lustre: "alphanumerics, underscores, and hyphens; start and end with alphanumeric"
+    ":AmlFilesystem": _rule(r"[A-Za-z0-9]([\w-]{0,78}[A-Za-z0-9])?", "1-80 letters, digits, _ and -"),
 }

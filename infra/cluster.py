@@ -9,8 +9,9 @@ import pulumi
 from pulumi_azure_native import compute
 
 from infra.cloud_init import render_cluster_node
+from infra.cloud_init.shared_storage import SharedFileSystem
 from infra.config import ImageReference
-from infra.contract import SHARED_MOUNT_PATH
+from infra.contract import GPU_NODE_OS_DISK_GB, SHARED_MOUNT_PATH
 from infra.skus import GpuSku
 from infra.vm import encode_custom_data, image_reference, linux_configuration, security_profile
 
@@ -91,8 +92,7 @@ class GpuClusterArgs:
     identity_id: pulumi.Input[str]
     identity_client_id: pulumi.Input[str]
     acr_login_server: pulumi.Input[str]
-    nfs_server_ip: str
-    nfs_export_path: str
+    shared: pulumi.Input[SharedFileSystem]  # what the nodes mount at /shared: the NFS export, or Lustre
     slurmctld_address: str  # the head node's private IP, from which slurmd fetches its configuration
     key_vault_uri: pulumi.Input[str]  # where the nodes fetch the munge key with the identity
     slurm_version: str  # slurmd's, the head node's slurmctld's (slurmVersion)
@@ -134,11 +134,11 @@ class GpuCluster(pulumi.ComponentResource):
     def _custom_data(self, args: GpuClusterArgs) -> pulumi.Output[str]:
         """The nodes' cloud-config, encoded. No secret in it: the munge key is fetched from Key Vault at boot
         (infra/key_vault.py)."""
-        return pulumi.Output.all(args.acr_login_server, args.identity_client_id, args.key_vault_uri).apply(
+        inputs = (args.acr_login_server, args.identity_client_id, args.key_vault_uri, args.shared)
+        return pulumi.Output.all(*inputs).apply(
             lambda values: encode_custom_data(
                 render_cluster_node(
-                    nfs_server_ip=args.nfs_server_ip,
-                    nfs_export_path=args.nfs_export_path,
+                    shared=values[3],
                     mount_path=SHARED_MOUNT_PATH,
                     acr_login_server=values[0],
                     identity_client_id=values[1],
@@ -194,7 +194,7 @@ class GpuCluster(pulumi.ComponentResource):
                 os_disk=compute.VirtualMachineScaleSetOSDiskArgs(
                     create_option="FromImage",
                     caching="ReadWrite",
-                    disk_size_gb=256,  # room for framework images
+                    disk_size_gb=GPU_NODE_OS_DISK_GB,  # room for framework images
                     managed_disk=compute.VirtualMachineScaleSetManagedDiskParametersArgs(
                         storage_account_type="Premium_LRS"
                     ),

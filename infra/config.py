@@ -19,6 +19,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     StringConstraints,
     TypeAdapter,
     ValidationError,
@@ -30,6 +31,7 @@ from pydantic.alias_generators import to_camel
 from pydantic_core import ErrorDetails
 
 from infra.azure_limits import (
+    AMLFS_SKUS,
     AUTONAME_SUFFIX_LENGTH,
     AZURE_REGIONS,
     COMPUTER_NAME_PREFIX,
@@ -39,12 +41,16 @@ from infra.azure_limits import (
     RESERVED_ADMIN_USERS,
     STORAGE_ACCOUNT_NAME,
     VM_SIZES,
+    AmlfsSku,
     NameRule,
+    amlfs_subnet_prefix,
 )
+from infra.cloud_init.accounting import check_password
 from infra.cloud_init.slurm_packages import DEFAULT_SLURM_VERSION, check_slurm_version
 from infra.skus import GPU_SKUS, GpuSku
 from infra.slurm_time import DEFAULT_JOB_TIME, TIME_SYNTAX, UNLIMITED, check_max_time, check_time_limit, exceeds
 from infra.ssh_key import check_public_key
+from infra.users import ClusterUser, UsersList, with_uids
 
 OPEN_CIDRS = frozenset({"*", "0.0.0.0/0", "any", "internet"})
 # RFC 1918: the only ranges a VNet here may use, and the ones the storage firewall cannot list.
@@ -61,6 +67,14 @@ STORAGE_ACCOUNT_ID = re.compile(
     r"storageAccounts/(?-i:[a-z0-9]{3,24})",
     re.IGNORECASE,
 )
+# An Azure Database for MySQL Flexible Server's ARM id; its name is 3-63 lower-case letters, digits and '-'.
+MYSQL_SERVER_ID = re.compile(
+    r"/subscriptions/[0-9a-fA-F-]{36}/resourceGroups/[-\w.()]{1,90}/providers/Microsoft\.DBforMySQL/"
+    r"flexibleServers/(?-i:[a-z0-9][a-z0-9-]{1,61}[a-z0-9])",
+    re.IGNORECASE,
+)
+# Keys whose values are secrets: `pulumi config set --secret`, and never shown in an error.
+SECRET_KEYS = frozenset({"accountingMysqlPassword"})
 IMAGE_VERSION = re.compile(r"latest|\d+\.\d+\.\d+")  # Azure image versions are major.minor.build
 MAX_NODES = 100  # one placement group, hence one InfiniBand fabric, holds at most 100 VMs
 # Idle minutes before Slurm deallocates a node (0: never). Below the lower bound, a pause between
@@ -119,6 +133,26 @@ DERIVED_NAMES: tuple[tuple[str, Callable[[str], str], NameRule, bool], ...] = (
 
 # keptResultsApproval: how the private endpoint to a kept results account is approved.
 KeptResultsApproval = Literal["auto", "manual"]
+# sharedStorage: what /shared is on every host (docs/infrastructure.md, "Shared storage: NFS or Lustre").
+SharedStorage = Literal["nfs", "lustre"]
+# lustreZone: the availability zone of the file system; none in a region without zones.
+LustreZone = Literal["1", "2", "3", "none"]
+WeekDay = Literal["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
+GUID = re.compile(r"[0-9a-fA-F]{8}-([0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}")
+# The keys that configure one kind of shared storage and mean nothing with the other: set with the
+# other kind, they are refused rather than silently ignored.
+NFS_KEYS = ("nfs_vm_size", "nfs_disk_count", "nfs_disk_size_gb")
+LUSTRE_KEYS = (
+    "lustre_tier",
+    "lustre_capacity_tib",
+    "lustre_zone",
+    "lustre_maintenance_day",
+    "lustre_maintenance_time",
+    "lustre_import_data",
+    "lustre_hsm_principal_id",
+)
+# How to find the object id that lustreHsmPrincipalId takes (its app id is the same in every tenant).
+HSM_PRINCIPAL_LOOKUP = "az ad sp list --display-name 'HPC Cache Resource Provider' --query '[0].id' -o tsv"
 
 
 class ConfigError(ValueError):
@@ -173,9 +207,37 @@ class StackConfig(BaseModel):
     # server's environment and slurmctld's state: the image's own 64 GB leaves too little. Not below
     # those 64 GB (Azure cannot shrink an image's disk); 4095 GB is Azure's largest OS disk.
     head_os_disk_size_gb: int = Field(default=128, ge=64, le=4095)
+    # The head node's own data disk, where MariaDB keeps the accounting database (every job's record):
+    # a managed disk of its own, kept when a new head node replaces the old one. A job's record is a few
+    # KB: 32 GB hold millions. Unused with accountingMysqlServer.
+    head_database_disk_size_gb: int = Field(default=32, ge=8, le=32767)
+    # An existing Azure Database for MySQL Flexible Server (its resource id) that slurmdbd keeps the
+    # accounting records in, instead of MariaDB on the head node: reached over TLS through a private
+    # endpoint in the cluster subnet, as the login accountingMysqlUser with accountingMysqlPassword (a
+    # secret, which the stack puts in its Key Vault for the head node). The server's owner makes that
+    # login, with every right on the database slurm_acct_db.
+    accounting_mysql_server: str | None = None
+    accounting_mysql_user: str = Field(default="slurmdbd", pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
+    accounting_mysql_password: SecretStr | None = None
+    # The shared file system at /shared: an NFS server VM (nfs*), or Azure Managed Lustre (lustre*).
+    shared_storage: SharedStorage = "nfs"
     nfs_vm_size: str = "Standard_D16s_v5"
     nfs_disk_count: int = Field(default=4, ge=1, le=32)
     nfs_disk_size_gb: int = Field(default=1024, ge=32, le=32767)
+    # Lustre: the tier, by its rated MB/s per TiB (infra/data/amlfs_skus.json), and the capacity, which the
+    # tier bounds and steps; no default, as the capacity is most of the file system's price.
+    lustre_tier: int = 125
+    lustre_capacity_tib: int | None = None
+    lustre_zone: LustreZone = "1"
+    # The weekly 30-minute window in which Azure may service the file system (I/O may stall then).
+    lustre_maintenance_day: WeekDay = "Sunday"
+    lustre_maintenance_time: str = Field(default="02:00", pattern=r"^([01][0-9]|2[0-3]):[0-5][0-9]$")
+    # Import the `data` container into the file system (Lustre HSM), at its creation: the container's
+    # datasets appear under /shared without a copy. It costs shared-key access on the storage account
+    # and two roles there for Azure's HPC Cache Resource Provider, whose object id in this tenant is
+    # lustreHsmPrincipalId (infra/lustre.py says why each is needed).
+    lustre_import_data: bool = False
+    lustre_hsm_principal_id: str | None = None
     # Encrypts the temp disks and the host-side disk caches, which Azure's default encryption of
     # managed disks leaves out. Needs the subscription's Microsoft.Compute/EncryptionAtHost feature.
     encryption_at_host: bool = True
@@ -195,6 +257,9 @@ class StackConfig(BaseModel):
     # the account's owner approves after the deploy (infra/kept_results.py).
     kept_results_approval: KeptResultsApproval = "auto"
     tags: dict[str, str] = Field(default_factory=dict)
+    # The cluster's people (name, sshPublicKey, account, optional uid and limits): the list the head node
+    # keeps starts as this one; `dtrain users` changes it on the running cluster (infra/users.py).
+    users: list[ClusterUser] = Field(default_factory=list)
 
     @field_validator("location")
     @classmethod
@@ -205,6 +270,21 @@ class StackConfig(BaseModel):
         hint = f"; did you mean {guess!r}?" if guess in AZURE_REGIONS else ""
         raise ValueError(f"must be an Azure region name such as 'eastus' (see infra/data/azure_regions.json){hint}")
 
+    @field_validator("lustre_tier")
+    @classmethod
+    def _lustre_tier(cls, value: int) -> int:
+        if value not in AMLFS_SKUS:
+            tiers = ", ".join(str(tier) for tier in sorted(AMLFS_SKUS))
+            raise ValueError(f"must be one of the Azure Managed Lustre tiers {tiers} (MB/s per TiB)")
+        return value
+
+    @field_validator("lustre_hsm_principal_id")
+    @classmethod
+    def _hsm_principal(cls, value: str | None) -> str | None:
+        if value is None or GUID.fullmatch(value):
+            return value
+        raise ValueError(f"must be a service principal's object id (a GUID): `{HSM_PRINCIPAL_LOOKUP}`")
+
     @field_validator("kept_results_account")
     @classmethod
     def _kept_account(cls, value: str | None) -> str | None:
@@ -214,6 +294,24 @@ class StackConfig(BaseModel):
             "must be a storage account's resource id, /subscriptions/<subscription id>/resourceGroups/<group>/"
             "providers/Microsoft.Storage/storageAccounts/<name> (`az storage account show -n NAME --query id`)"
         )
+
+    @field_validator("accounting_mysql_server")
+    @classmethod
+    def _mysql_server(cls, value: str | None) -> str | None:
+        if value is None or MYSQL_SERVER_ID.fullmatch(value):
+            return value
+        raise ValueError(
+            "must be an Azure Database for MySQL Flexible Server's resource id, /subscriptions/<subscription id>/"
+            "resourceGroups/<group>/providers/Microsoft.DBforMySQL/flexibleServers/<name> "
+            "(`az mysql flexible-server show -g GROUP -n NAME --query id`)"
+        )
+
+    @field_validator("accounting_mysql_password")
+    @classmethod
+    def _mysql_password(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            check_password(value.get_secret_value())
+        return value
 
     @field_validator("admin_user")
     @classmethod
@@ -368,6 +466,9 @@ class StackConfig(BaseModel):
             *self._job_time_faults(),
             *self._derived_name_faults(),
             *self._kept_results_faults(),
+            *self._accounting_faults(),
+            *self._users_faults(),
+            *self._shared_storage_faults(),
         ]
         if faults:
             raise CrossFieldError(faults)
@@ -391,6 +492,8 @@ class StackConfig(BaseModel):
         return []
 
     def _nfs_disk_faults(self) -> list[Fault]:
+        if self.shared_storage != "nfs":
+            return []
         limit = VM_SIZES[self.nfs_vm_size].max_data_disks
         if self.nfs_disk_count <= limit:
             return []
@@ -406,8 +509,24 @@ class StackConfig(BaseModel):
             "nfsVmSize": (self.nfs_vm_size, VM_SIZES[self.nfs_vm_size].encryption_at_host),
             "gpuSku": (self.gpu_sku, self.sku.encryption_at_host),
         }
+        if self.shared_storage != "nfs":
+            del supported["nfsVmSize"]
         reason = "does not support encryption at host; choose a size that does, or set encryptionAtHost false"
         return [(key, size, reason) for key, (size, ok) in supported.items() if not ok]
+
+    def _users_faults(self) -> list[Fault]:
+        try:
+            with_uids(self.users, self.admin_user)
+        except ValidationError as exc:  # the list's own rule: names and uids unique
+            return [("users", [user.name for user in self.users], exc.errors()[0]["msg"].removeprefix("Value error, "))]
+        except ValueError as exc:
+            return [("users", [user.name for user in self.users], str(exc))]
+        return []
+
+    @property
+    def users_list(self) -> UsersList:
+        """The stack config's people with their uids: what the head node's list starts as."""
+        return with_uids(self.users, self.admin_user)
 
     def _job_time_faults(self) -> list[Fault]:
         if not exceeds(self.default_job_time, self.max_job_time):
@@ -423,6 +542,56 @@ class StackConfig(BaseModel):
             return []
         reason = "approves the private endpoint to a kept account, and does nothing without keptResultsAccount"
         return [("keptResultsApproval", self.kept_results_approval, reason)]
+
+    def _accounting_faults(self) -> list[Fault]:
+        if self.accounting_mysql_server and self.accounting_mysql_password is None:
+            reason = "needs accountingMysqlPassword (`pulumi config set --secret accountingMysqlPassword ...`)"
+            return [("accountingMysqlServer", self.accounting_mysql_server, reason)]
+        if self.accounting_mysql_password is not None and not self.accounting_mysql_server:
+            reason = "is the password of accountingMysqlServer's login, and does nothing without accountingMysqlServer"
+            return [("accountingMysqlPassword", "(secret)", reason)]
+        return []
+
+    def _shared_storage_faults(self) -> list[Fault]:
+        """The keys of the other kind of shared storage, and Lustre's size, subnet and import rules."""
+        other, kind = (LUSTRE_KEYS, "lustre") if self.shared_storage == "nfs" else (NFS_KEYS, "nfs")
+        reason = f"applies to sharedStorage {kind} only, and this stack's is {self.shared_storage}: remove it, or "
+        reason += f"set sharedStorage {kind}"
+        given = [key for key in other if key in self.model_fields_set]
+        faults: list[Fault] = [(to_camel(key), getattr(self, key), reason) for key in given]
+        if self.shared_storage == "lustre":
+            faults += self._lustre_size_faults() + self._lustre_import_faults()
+        return faults
+
+    def _lustre_size_faults(self) -> list[Fault]:
+        """The capacity against the tier's sizes, and the file system's subnet against that capacity."""
+        sku, capacity = self.lustre_sku, self.lustre_capacity_tib
+        sizes = f"tier {sku.mb_per_second_per_tib} ({sku.name}) takes {sku.sizes()}"
+        if capacity is None:
+            return [("lustreCapacityTib", None, f"required with sharedStorage lustre: {sizes}")]
+        if not sku.admits(capacity):
+            return [("lustreCapacityTib", capacity, sizes)]
+        needed, subnet = amlfs_subnet_prefix(capacity), ipaddress.IPv4Network(self.subnets["lustre"])
+        if subnet.prefixlen <= needed:
+            return []
+        reason = (
+            f"needs a /{needed} subnet or larger (Azure's sizing for {capacity} TiB), and the file system's "
+            f"subnet, the last quarter of vnetCidr {self.vnet_cidr}, is {subnet}: give a vnetCidr of /{needed - 2} "
+            "or larger, or a smaller capacity"
+        )
+        return [("lustreCapacityTib", capacity, reason)]
+
+    def _lustre_import_faults(self) -> list[Fault]:
+        if self.lustre_import_data and self.lustre_hsm_principal_id is None:
+            reason = (
+                "required with lustreImportData true: the object id of Azure's HPC Cache Resource Provider in this "
+                f"tenant, which gets two roles on the storage account (`{HSM_PRINCIPAL_LOOKUP}`)"
+            )
+            return [("lustreHsmPrincipalId", None, reason)]
+        if not self.lustre_import_data and self.lustre_hsm_principal_id is not None:
+            reason = "is granted roles on the storage account for the import, and does nothing without lustreImportData"
+            return [("lustreHsmPrincipalId", self.lustre_hsm_principal_id, reason)]
+        return []
 
     def _derived_name_faults(self) -> list[Fault]:
         """Names made from namePrefix that Azure would refuse, found here rather than midway through
@@ -465,10 +634,16 @@ class StackConfig(BaseModel):
         return ImageReference(*self.image.split(":"))
 
     @property
+    def lustre_sku(self) -> AmlfsSku:
+        return AMLFS_SKUS[self.lustre_tier]
+
+    @property
     def subnets(self) -> dict[str, str]:
-        """Quarter the VNet: cluster, NFS server, jumpbox (the fourth is left for growth)."""
-        quarters = list(ipaddress.IPv4Network(self.vnet_cidr).subnets(prefixlen_diff=2))
-        return {"cluster": str(quarters[0]), "nfs": str(quarters[1]), "jumpbox": str(quarters[2])}
+        """Quarter the VNet: cluster, the NFS server (sharedStorage nfs), jumpbox, and the Lustre file system
+        (sharedStorage lustre: Azure wants a subnet of its own for it)."""
+        quarters = [str(q) for q in ipaddress.IPv4Network(self.vnet_cidr).subnets(prefixlen_diff=2)]
+        storage = {"nfs": quarters[1]} if self.shared_storage == "nfs" else {"lustre": quarters[3]}
+        return {"cluster": quarters[0], **storage, "jumpbox": quarters[2]}
 
     @property
     def nfs_private_ip(self) -> str:
@@ -535,17 +710,24 @@ def _explain(error: ErrorDetails, raw: Mapping[str, Any]) -> list[tuple[str, str
     """(key, what is wrong) for one pydantic error; a rule across keys may report several."""
     cause = error.get("ctx", {}).get("error")
     if isinstance(cause, CrossFieldError):
-        return [(key, f"got {_shown(raw.get(key, value))}; {reason}") for key, value, reason in cause.faults]
+        return [(key, f"got {_shown(raw.get(key, value), key)}; {reason}") for key, value, reason in cause.faults]
     key = str(error["loc"][0])
     if error["type"] == "missing":
         return [(key, f"required; set it with `pulumi config set {key} ...`")]
     if error["type"] == "extra_forbidden":
-        return [(key, f"unknown key (given {_shown(raw.get(key))})")]
-    return [(key, f"got {_shown(raw.get(key))}; {error['msg'].removeprefix('Value error, ')}")]
+        return [(key, f"unknown key (given {_shown(raw.get(key), key)})")]
+    reason = error["msg"].removeprefix("Value error, ")
+    if len(error["loc"]) > 1:  # inside a list or map (a user of `users`): named down to the field
+        path = key + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"][1:])
+        return [(path, f"got {_shown(error.get('input'))}; {reason}")]
+    return [(key, f"got {_shown(raw.get(key), key)}; {reason}")]
 
 
-def _shown(value: Any, limit: int = 120) -> str:
-    """The value as given, cut short when long (an RSA key, a big tag map) so the reason stays readable."""
+def _shown(value: Any, key: str = "", limit: int = 120) -> str:
+    """The value as given, cut short when long (an RSA key, a big tag map) so the reason stays readable;
+    a secret's never."""
+    if key in SECRET_KEYS:
+        return "a secret (not shown)"
     text = repr(value)
     return text if len(text) <= limit else f"{text[: limit - 20]}...{text[-12:]} ({len(text)} characters)"
 
@@ -565,4 +747,10 @@ def load_config() -> StackConfig:
         value = config.get_object(key) if key == "tags" else config.get(key)
         if value is not None:
             raw[key] = value
+    if plain := [key for key in SECRET_KEYS & raw.keys() if not pulumi.runtime.is_config_secret(config.full_key(key))]:
+        keys = ", ".join(sorted(plain))
+        raise ConfigError(
+            f"invalid stack configuration:\n  {keys}: is stored in plain text in the stack file; set it again with "
+            f"`pulumi config set --secret {sorted(plain)[0]} ...`"
+        )
     return parse_config(raw, pulumi.get_project())

@@ -1,10 +1,14 @@
-"""The head node: slurmctld, the login node, and the only holder of the right to power the nodes.
+"""The head node: slurmctld and slurmdbd, the login node, and the only holder of the right to power the nodes.
 
 A small VM of its own in the cluster subnet, with a static private address the nodes fetch their
 configuration from, no public IP (SSH through the jumpbox), and its own user-assigned identity, the
 one that holds the scale set's power role (infra/identity.py). Keeping that identity off the NFS
 server and the GPU nodes means the machine that can start and stop the nodes runs nothing a
 training job or a dataset pull can reach.
+
+With the accounting database on the head node (MariaDB, infra/accounting.py), its data lives on a managed
+disk of its own, attached at LUN 0 and detached, not deleted, with the VM: a new head node (a changed
+slurm.conf rebuilds it) finds every job's record where the old one left it.
 """
 
 from __future__ import annotations
@@ -13,19 +17,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pulumi
+from pulumi_azure_native import compute
 
 from infra.cloud_init import render_cgroup_conf, render_gres_conf, render_head_node, render_slurm_conf
-from infra.cloud_init.cluster_node import EPILOG_PATH, HEALTH_CHECK_PATH
+from infra.cloud_init.accounting import AccountingDatabase, HeadAccounting
+from infra.cloud_init.cluster_node import EPILOG_PATH, HEALTH_CHECK_PATH, PROLOG_PATH
 from infra.cloud_init.head_node import (
     RESUME_FAIL_PROGRAM,
     RESUME_PROGRAM,
     STATE_SAVE_DIR,
     SUSPEND_PROGRAM,
 )
+from infra.cloud_init.shared_storage import SharedFileSystem
 from infra.cloud_init.slurm import HealthCheck, JobTimeLimits, NodeSet, PowerSaving
 from infra.config import ImageReference
 from infra.contract import SHARED_MOUNT_PATH, SLURM_PARTITION
 from infra.skus import GpuSku
+from infra.users import UsersList
 from infra.vm import LinuxVm, LinuxVmArgs, MachineArgs, encode_custom_data
 
 # A deallocated ND-series VM must be placed on a host again (a large size, in one placement group),
@@ -84,13 +92,15 @@ class HeadNodeArgs(MachineArgs):
     identity_id: pulumi.Input[str]  # the holder of the scale set's power role, on this VM alone
     identity_client_id: pulumi.Input[str]
     key_vault_uri: pulumi.Input[str]  # where the node fetches the munge key with its identity
-    nfs_server_ip: str
-    nfs_export_path: str
+    shared: pulumi.Input[SharedFileSystem]  # what it mounts at /shared: the NFS export, or Lustre
     slurm_version: str  # slurmctld's, the nodes' slurmd's (slurmVersion)
     image: ImageReference  # the nodes' (ubuntu-hpc): Microsoft's Slurm repository, its key and the apt pin
     os_disk_size_gb: int  # headOsDiskSizeGb
+    accounting_database: AccountingDatabase  # where slurmdbd keeps its records (infra/accounting.py)
+    database_disk_size_gb: int  # headDatabaseDiskSizeGb: the data disk of MariaDB on this node
     spot: SpotNodes | None = None  # the `spot` partition's scale set, if the stack has one
     tracking: TrackingServer | None = None  # MLflow on this node (infra/cloud_init/mlflow.py)
+    users: UsersList | None = None  # the stack config's people: seed the list the head keeps (infra/users.py)
 
 
 def slurm_conf(name: str, args: HeadNodeArgs) -> str:
@@ -117,7 +127,9 @@ def slurm_conf(name: str, args: HeadNodeArgs) -> str:
             resume_timeout_s=RESUME_TIMEOUT_S,
         ),
         health_check=HealthCheck(program=HEALTH_CHECK_PATH, interval_s=HEALTH_CHECK_INTERVAL_S),
-        # Removes the job's containers, which dockerd keeps out of Slurm's reach.
+        # Labels the job's GPUs for the DCGM exporter (hpc_job); the epilog takes the label off again and
+        # removes the job's containers, which dockerd keeps out of Slurm's reach.
+        prolog=PROLOG_PATH,
         epilog=EPILOG_PATH,
         job_time=args.job_time,
     )
@@ -132,8 +144,16 @@ class HeadNode(pulumi.ComponentResource):
         spot_inputs = [spot.scale_set_id, spot.identity_client_id] if spot else []
         tracking = args.tracking
         tracking_inputs = [tracking.results_endpoint, tracking.identity_client_id] if tracking else []
+        # slurmdbd beside slurmctld, on the controller's name and address; the admin user submits the jobs
+        accounting = HeadAccounting(
+            cluster_name=args.cluster_name,
+            dbd_host=name,
+            dbd_address=args.private_ip,
+            database=args.accounting_database,
+            users=[args.admin_user],
+        )
         self.custom_data = pulumi.Output.all(
-            args.scale_set_id, args.identity_client_id, args.key_vault_uri, *spot_inputs, *tracking_inputs
+            args.shared, args.scale_set_id, args.identity_client_id, args.key_vault_uri, *spot_inputs, *tracking_inputs
         ).apply(
             lambda values: encode_custom_data(
                 render_head_node(
@@ -141,12 +161,11 @@ class HeadNode(pulumi.ComponentResource):
                     gres_conf=render_gres_conf(args.sku.gpus_per_node),
                     cgroup_conf=render_cgroup_conf(),
                     slurm_version=args.slurm_version,
-                    key_vault_uri=values[2],
-                    nfs_server_ip=args.nfs_server_ip,
-                    nfs_export_path=args.nfs_export_path,
+                    key_vault_uri=values[3],
+                    shared=values[0],
                     mount_path=SHARED_MOUNT_PATH,
-                    scale_set_id=values[0],
-                    identity_client_id=values[1],
+                    scale_set_id=values[1],
+                    identity_client_id=values[2],
                     node_prefix=args.node_prefix,
                     admin_user=args.admin_user,
                     register_timeout_s=REGISTER_TIMEOUT_S,
@@ -154,21 +173,25 @@ class HeadNode(pulumi.ComponentResource):
                     # autostopMinutes 0 keeps idle nodes up: those that came up on their own too
                     power_down_unused=args.autostop_minutes > 0,
                     spot_scale_set=(
-                        {"scale_set_id": values[3], "identity_client_id": values[4], "node_prefix": spot.prefix}
+                        {"scale_set_id": values[4], "identity_client_id": values[5], "node_prefix": spot.prefix}
                         if spot
                         else None
                     ),
                     telemetry_nodes=[*args.node_names, *(spot.names if spot else [])],
                     tracking=_tracking_values(args, values[-2:]) if tracking else None,
+                    accounting=accounting,
+                    users=args.users,
                 )
             )
         )
+        data_disks = [self._database_disk(name, args)] if accounting.local else []
         self.machine = LinuxVm(
             name,
             LinuxVmArgs(
                 **args.machine_fields(),
                 image=args.image,
                 os_disk_size_gb=args.os_disk_size_gb,
+                data_disks=data_disks,
                 private_ip=args.private_ip,
                 custom_data=self.custom_data,
                 identity_ids=[
@@ -187,6 +210,30 @@ class HeadNode(pulumi.ComponentResource):
         self.private_ip = args.private_ip
         self.hostname = name  # LinuxVm names the computer after the component
         self.register_outputs({"private_ip": self.private_ip, "hostname": self.hostname})
+
+    def _database_disk(self, name: str, args: HeadNodeArgs) -> compute.DataDiskArgs:
+        """MariaDB's disk: a managed disk of its own (it outlives a rebuilt VM), the node's LUN 0, with no
+        way in but through the VM. ReadOnly caching: reads come from the host's cache, and every write
+        reaches the disk before MariaDB is told it has (its commits must survive a host failure)."""
+        self.database_disk = compute.Disk(
+            f"{name}-db-disk",
+            resource_group_name=args.resource_group_name,
+            location=args.location,
+            creation_data=compute.CreationDataArgs(create_option="Empty"),
+            disk_size_gb=args.database_disk_size_gb,
+            sku=compute.DiskSkuArgs(name="Premium_LRS"),
+            network_access_policy="DenyAll",
+            public_network_access="Disabled",
+            tags=args.tags,
+            opts=pulumi.ResourceOptions(parent=self),
+        )
+        return compute.DataDiskArgs(
+            lun=0,
+            create_option="Attach",
+            managed_disk=compute.ManagedDiskParametersArgs(id=self.database_disk.id),
+            caching="ReadOnly",
+            delete_option="Detach",
+        )
 
 
 def _tracking_values(args: HeadNodeArgs, resolved: list[str]) -> dict[str, str]:

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pulumi
 from pulumi_azure_native import network
 
-from infra.vm import LinuxVm, LinuxVmArgs, MachineArgs
+from infra.cloud_init.jumpbox import render_jumpbox
+from infra.users import UsersList
+from infra.vm import LinuxVm, LinuxVmArgs, MachineArgs, encode_custom_data
 
 
 @dataclass
 class JumpboxArgs(MachineArgs):
-    """The jumpbox takes only what every machine takes; its public IP is its own child."""
+    """What every machine takes, and the stack config's people, whose connections it forwards; its public
+    IP is its own child."""
+
+    users: UsersList = field(default_factory=UsersList)
 
 
 class Jumpbox(pulumi.ComponentResource):
@@ -33,6 +38,9 @@ class Jumpbox(pulumi.ComponentResource):
                 **args.machine_fields(),
                 public_ip_id=self.public_ip.id,
                 accelerated_networking=False,  # small burstable sizes do not support it
+                # the people's accounts (a copy of the list, which `dtrain users` refreshes): read at the
+                # first boot only, as every machine's custom data
+                custom_data=encode_custom_data(render_jumpbox(args.users)),
             ),
             opts=pulumi.ResourceOptions(parent=self),
         )

@@ -15,9 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pulumi
-from pulumi_azure_native import network, privatedns
+from pulumi_azure_native import network
 
 from infra.config import KeptResultsApproval
+from infra.private_link import private_link
 from infra.storage import RESULTS_CONTAINER
 
 # Azure's zone for the blob service's private endpoints (public cloud): a storage account that has
@@ -63,51 +64,15 @@ class KeptResults(pulumi.ComponentResource):
     holding Microsoft.Storage/storageAccounts/privateEndpointConnectionsApproval/action on that account
     (Contributor there) and otherwise refuses (LinkedAuthorizationFailed: `pulumi up` fails). With manual
     it is a request that stays Pending, unreached, until the account's owner approves it; the deploy does
-    not wait (README, "What `pulumi destroy` removes and what it keeps").
+    not wait (docs/deploy.md, "Results in an account an earlier stack kept").
     """
 
     def __init__(self, name: str, args: KeptResultsArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("hvd:infra:KeptResults", name, None, opts)
-        child = pulumi.ResourceOptions(parent=self)
-        self.endpoint = network.PrivateEndpoint(
-            f"{name}-pe",
-            resource_group_name=args.resource_group_name,
-            location=args.location,
-            subnet=network.SubnetArgs(id=args.subnet_id),
-            **_connections(args),
-            tags=args.tags,
-            opts=child,
+        reached = private_link(
+            name, args, zone=BLOB_PRIVATE_ZONE, zone_config="blob", connections=_connections(args), parent=self
         )
-        self.zone = privatedns.PrivateZone(
-            f"{name}-zone",
-            private_zone_name=BLOB_PRIVATE_ZONE,
-            resource_group_name=args.resource_group_name,
-            location="Global",  # private DNS zones are global resources
-            tags=args.tags,
-            opts=child,
-        )
-        self.link = privatedns.VirtualNetworkLink(
-            f"{name}-link",
-            private_zone_name=self.zone.name,
-            resource_group_name=args.resource_group_name,
-            location="Global",
-            virtual_network=privatedns.SubResourceArgs(id=args.vnet_id),
-            registration_enabled=False,
-            # Blob accounts with private endpoints elsewhere have no record in this zone, yet Azure's CNAME
-            # sends their names here: without the fallback to public resolution they stop resolving in the VNet.
-            resolution_policy=privatedns.ResolutionPolicy.NX_DOMAIN_REDIRECT,
-            tags=args.tags,
-            opts=child,
-        )
-        # Writes the endpoint's address into the zone, and keeps it there if the address changes.
-        self.zone_group = network.PrivateDnsZoneGroup(
-            f"{name}-dns",
-            private_endpoint_name=self.endpoint.name,
-            resource_group_name=args.resource_group_name,
-            private_dns_zone_group_name="default",
-            private_dns_zone_configs=[network.PrivateDnsZoneConfigArgs(name="blob", private_dns_zone_id=self.zone.id)],
-            opts=child,
-        )
+        self.endpoint = reached.endpoint
         self.blob_endpoint = blob_endpoint(args.account_id)
         self.register_outputs({"blob_endpoint": self.blob_endpoint, "private_endpoint_id": self.endpoint.id})
 

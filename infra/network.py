@@ -8,14 +8,27 @@ from dataclasses import dataclass
 import pulumi
 from pulumi_azure_native import network
 
-from infra.contract import CONTAINER_SSH_PORT, SLURMCTLD_PORT, SLURMD_PORT, SRUN_PORTS, SSH_PORT
+from infra.contract import (
+    CONTAINER_SSH_PORT,
+    LUSTRE_CLIENT_PORTS,
+    LUSTRE_PORT,
+    SLURMCTLD_PORT,
+    SLURMD_PORT,
+    SRUN_PORTS,
+    SSH_PORT,
+)
 
 # Azure's default rules allow all traffic from inside the VNet at priority 65000; a deny at
 # the lowest user priority overrides them, so only the rules above it admit anything.
 DENY_ALL_PRIORITY = 4096
 # Azure services a subnet reaches over the backbone, whose firewalls admit that subnet: nodes and the
-# NFS server read blob storage; the head node and the nodes fetch the munge key from Key Vault.
-SERVICE_ENDPOINTS = {"cluster": ("Microsoft.Storage", "Microsoft.KeyVault"), "nfs": ("Microsoft.Storage",)}
+# NFS server read blob storage; the head node and the nodes fetch the munge key from Key Vault; the
+# Lustre file system reads and writes its HSM container (lustreImportData).
+SERVICE_ENDPOINTS = {
+    "cluster": ("Microsoft.Storage", "Microsoft.KeyVault"),
+    "nfs": ("Microsoft.Storage",),
+    "lustre": ("Microsoft.Storage",),
+}
 
 
 @dataclass
@@ -23,12 +36,12 @@ class NetworkArgs:
     resource_group_name: pulumi.Input[str]
     location: str
     vnet_cidr: str
-    subnets: Mapping[str, str]  # role ("cluster", "nfs", "jumpbox") -> CIDR
+    subnets: Mapping[str, str]  # role ("cluster", "nfs" or "lustre", "jumpbox") -> CIDR
     allowed_ssh_cidr: str
     tags: Mapping[str, str]
 
 
-def _allow(name: str, priority: int, source: str, ports: list[str], protocol: str = "Tcp"):
+def _allow(name: str, priority: int, source: str, ports: list[str], protocol: str = "Tcp", source_ports: str = "*"):
     return network.SecurityRuleArgs(
         name=name,
         priority=priority,
@@ -36,7 +49,7 @@ def _allow(name: str, priority: int, source: str, ports: list[str], protocol: st
         access="Allow",
         protocol=protocol,
         source_address_prefix=source,
-        source_port_range="*",
+        source_port_range=source_ports,
         destination_address_prefix="*",
         destination_port_ranges=ports,
     )
@@ -60,7 +73,8 @@ def security_rules(args: NetworkArgs) -> dict[str, list[network.SecurityRuleArgs
     """Inbound rules per subnet role. Outbound keeps Azure's defaults (apt, registry, storage)."""
     cluster, jumpbox = args.subnets["cluster"], args.subnets["jumpbox"]
     ssh = str(SSH_PORT)
-    return {
+    storage = {"lustre": _lustre_rules(args.subnets["lustre"], cluster)} if "lustre" in args.subnets else {}
+    rules = {
         "cluster": [
             # slurmctld (head node), slurmd (nodes) and srun (head node, nodes) talk only inside the
             # cluster subnet. AllowClusterInternal admits them as well; named on their own, they
@@ -81,7 +95,22 @@ def security_rules(args: NetworkArgs) -> dict[str, list[network.SecurityRuleArgs
             _allow("AllowSshFromOperator", 100, args.allowed_ssh_cidr, [ssh]),
             _deny_all_inbound(),
         ],
+        **storage,
     }
+    return {role: rules[role] for role in args.subnets}
+
+
+def _lustre_rules(lustre: str, cluster: str) -> list[network.SecurityRuleArgs]:
+    """Azure Managed Lustre's subnet: what Azure's own locked-down rule set admits, and no SSH (nothing there
+    is ours to log in to). Every client connection goes from the client's privileged ports to LNet's port
+    988; the answers, and the file system's own outbound connections (Azure's monitoring, the HSM
+    container), need no inbound rule: security rules are stateful."""
+    return [
+        # the file system's servers (MGS, MDS, OSS) talk to each other across the subnet
+        _allow("AllowLustreWithinSubnet", 100, lustre, ["0-65535"], protocol="*"),
+        _allow("AllowLustreFromCluster", 110, cluster, [str(LUSTRE_PORT)], source_ports=LUSTRE_CLIENT_PORTS),
+        _deny_all_inbound(),
+    ]
 
 
 class Network(pulumi.ComponentResource):

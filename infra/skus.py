@@ -60,6 +60,9 @@ class GpuSku:
     memory_gib: int
     encryption_at_host: bool  # Azure's EncryptionAtHostSupported capability for the size
     nccl_env: Mapping[str, str]
+    # The vCPU quota the size counts against in a region, as `az vm list-usage` names it (the Resource
+    # SKUs API's `family`); every node takes `vcpus` of it. docs/deploy.md's quota table lists them.
+    quota_family: str
     # Local NVMe disks the size has; None: not confirmed, the node uses every one it finds.
     nvme_disks: int | None = None
     nvme_mount: str = NVME_MOUNT_PATH
@@ -76,11 +79,19 @@ class GpuSku:
 # InfiniBand-connected GPU sizes only: the training stack assumes RDMA between nodes.
 GPU_SKUS: dict[str, GpuSku] = {
     "Standard_ND96isr_H200_v5": GpuSku(
-        8, "H200", 96, 1850, encryption_at_host=True, nccl_env=_ND_V5_NCCL, nvme_disks=8
+        8, "H200", 96, 1850, encryption_at_host=True, nccl_env=_ND_V5_NCCL,
+        quota_family="standardNDISRH200V5Family", nvme_disks=8,
     ),
     "Standard_ND96isr_H100_v5": GpuSku(
-        8, "H100", 96, 1900, encryption_at_host=True, nccl_env=_ND_V5_NCCL, nvme_disks=8
+        8, "H100", 96, 1900, encryption_at_host=True, nccl_env=_ND_V5_NCCL,
+        quota_family="standardNDSH100v5Family", nvme_disks=8,
     ),
-    "Standard_ND96amsr_A100_v4": GpuSku(8, "A100 80GB", 96, 1900, encryption_at_host=True, nccl_env=_ND_V4_NCCL),
-    "Standard_ND96asr_v4": GpuSku(8, "A100 40GB", 96, 900, encryption_at_host=True, nccl_env=_ND_V4_NCCL),
-}
+    "Standard_ND96amsr_A100_v4": GpuSku(
+        8, "A100 80GB", 96, 1900, encryption_at_host=True, nccl_env=_ND_V4_NCCL,
+        quota_family="standardNDAMSv4_A100Family",
+    ),
+    "Standard_ND96asr_v4": GpuSku(
+        8, "A100 40GB", 96, 900, encryption_at_host=True, nccl_env=_ND_V4_NCCL,
+        quota_family="standardNDASv4_A100Family",
+    ),
+}  # fmt: skip

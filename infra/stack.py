@@ -8,6 +8,8 @@ from typing import Any
 import pulumi
 from pulumi_azure_native import resources
 
+from infra.accounting import SlurmAccounting, SlurmAccountingArgs
+from infra.cloud_init.shared_storage import LustreShare, NfsShare, SharedFileSystem
 from infra.cloud_init.slurm import JobTimeLimits
 from infra.cluster import GpuCluster, GpuClusterArgs, ScaleSetNames, SpotPolicy
 from infra.config import StackConfig
@@ -24,11 +26,12 @@ from infra.identity import (
 from infra.jumpbox import Jumpbox, JumpboxArgs
 from infra.kept_results import KeptResults, KeptResultsArgs, approval_request, results_container_id
 from infra.key_vault import SlurmKeyVault, SlurmKeyVaultArgs
+from infra.lustre import LustreFileSystem, LustreFileSystemArgs, LustreImportArgs
 from infra.munge import MungeKey
 from infra.network import Network, NetworkArgs
 from infra.nfs import NfsServer, NfsServerArgs
 from infra.registry import Registry, RegistryArgs
-from infra.storage import DATA_CONTAINER, RESULTS_CONTAINER, Storage, StorageArgs
+from infra.storage import DATA_CONTAINER, LUSTRE_LOG_CONTAINER, RESULTS_CONTAINER, Storage, StorageArgs
 from infra.tracking import TrackingIdentity, TrackingIdentityArgs
 
 
@@ -51,6 +54,15 @@ class _DataSide:
     identity: ClusterIdentity  # the nodes': pulls images, writes results, reads the munge key
     results_endpoint: pulumi.Input[str]  # the blob endpoint of the account that holds `results`
     tracking: TrackingIdentity  # the head node's MLflow server: writes its artifacts to `results`
+
+
+@dataclass(frozen=True)
+class _SharedSide:
+    """The shared file system at /shared: the NFS server (sharedStorage nfs) or Azure Managed Lustre."""
+
+    share: pulumi.Input[SharedFileSystem]  # what the head node and the nodes mount
+    nfs: NfsServer | None = None
+    lustre: LustreFileSystem | None = None
 
 
 @dataclass(frozen=True)
@@ -79,11 +91,13 @@ def build_stack(cfg: StackConfig, project: str, stack: str) -> dict[StackOutput,
     data = _data_side(base)
     jumpbox = Jumpbox(
         f"{cfg.name_prefix}-jumpbox",
-        JumpboxArgs(subnet_id=net.subnet_ids["jumpbox"], vm_size=cfg.jumpbox_vm_size, **machine, **common),
+        JumpboxArgs(
+            subnet_id=net.subnet_ids["jumpbox"], vm_size=cfg.jumpbox_vm_size, users=cfg.users_list, **machine, **common
+        ),
     )
-    nfs = _nfs_server(base)
-    slurm = _slurm_side(base, data, nfs)
-    return _outputs(cfg, group, data, jumpbox, nfs, slurm)
+    shared = _nfs_server(base) if cfg.shared_storage == "nfs" else _lustre(base, data)
+    slurm = _slurm_side(base, data, shared)
+    return _outputs(cfg, group, data, jumpbox, shared, slurm)
 
 
 def _data_side(base: _Base) -> _DataSide:
@@ -99,9 +113,10 @@ def _data_side(base: _Base) -> _DataSide:
     store = Storage(
         prefix,
         StorageArgs(
-            allowed_subnet_ids=[base.net.subnet_ids["cluster"], base.net.subnet_ids["nfs"]],
+            allowed_subnet_ids=[base.net.subnet_ids[role] for role in _storage_clients(cfg)],
             operator_cidr=cfg.allowed_ssh_cidr,
             sas_expiry=cfg.sas_expiry,
+            lustre_import=cfg.lustre_import_data,
             **{**common, "resource_group_name": data_group.name},
         ),
     )
@@ -133,9 +148,50 @@ def _data_side(base: _Base) -> _DataSide:
     return _DataSide(data_group, store, registry, identity, results_endpoint, tracking)
 
 
-def _nfs_server(base: _Base) -> NfsServer:
+def _storage_clients(cfg: StackConfig) -> list[str]:
+    """The subnets the storage account's firewall admits: the nodes', and the one that fills /shared from
+    blob (the NFS server's, or the Lustre file system's when it imports `data`; with Lustre alone the head
+    node, in the cluster subnet, copies the datasets)."""
+    if cfg.shared_storage == "nfs":
+        return ["cluster", "nfs"]
+    return ["cluster", "lustre"] if cfg.lustre_import_data else ["cluster"]
+
+
+def _lustre(base: _Base, data: _DataSide) -> _SharedSide:
+    """Azure Managed Lustre in its own subnet; with lustreImportData, `data` as its HSM backend."""
     cfg = base.cfg
-    return NfsServer(
+    assert cfg.lustre_capacity_tib is not None  # infra/config.py requires it with sharedStorage lustre
+    containers = data.store.containers
+    source = (
+        LustreImportArgs(
+            account_id=data.store.account.id,
+            container_id=containers[DATA_CONTAINER].id,
+            logging_container_id=containers[LUSTRE_LOG_CONTAINER].id,
+            principal_id=cfg.lustre_hsm_principal_id,
+        )
+        if cfg.lustre_import_data and cfg.lustre_hsm_principal_id
+        else None
+    )
+    lustre = LustreFileSystem(
+        f"{cfg.name_prefix}-lustre",
+        LustreFileSystemArgs(
+            subnet_id=base.net.subnet_ids["lustre"],
+            sku=cfg.lustre_sku,
+            capacity_tib=cfg.lustre_capacity_tib,
+            zone=None if cfg.lustre_zone == "none" else cfg.lustre_zone,
+            maintenance_day=cfg.lustre_maintenance_day,
+            maintenance_time_utc=cfg.lustre_maintenance_time,
+            import_from=source,
+            **base.common,
+        ),
+    )
+    share = lustre.mgs_address.apply(lambda address: LustreShare(address, data_at_root=source is not None))
+    return _SharedSide(share, lustre=lustre)
+
+
+def _nfs_server(base: _Base) -> _SharedSide:
+    cfg = base.cfg
+    nfs = NfsServer(
         f"{cfg.name_prefix}-nfs",
         NfsServerArgs(
             subnet_id=base.net.subnet_ids["nfs"],
@@ -148,9 +204,10 @@ def _nfs_server(base: _Base) -> NfsServer:
             **base.common,
         ),
     )
+    return _SharedSide(NfsShare(nfs.private_ip, nfs.export_path), nfs=nfs)
 
 
-def _slurm_side(base: _Base, data: _DataSide, nfs: NfsServer) -> _SlurmSide:
+def _slurm_side(base: _Base, data: _DataSide, shared: _SharedSide) -> _SlurmSide:
     """The munge key in Key Vault, the head node that runs slurmctld, then the GPU nodes (and Spot ones).
 
     The head node comes first, and needs nothing from the scale sets (their names and ids are computed):
@@ -159,11 +216,13 @@ def _slurm_side(base: _Base, data: _DataSide, nfs: NfsServer) -> _SlurmSide:
     """
     cfg, prefix, common, subnet_id = base.cfg, base.cfg.name_prefix, base.common, base.net.subnet_ids["cluster"]
     munge = MungeKey(f"{prefix}-munge")
+    accounting = _accounting(base)
     vault = SlurmKeyVault(
         prefix,
         SlurmKeyVaultArgs(
             cluster_subnet_id=subnet_id,
             munge_key=munge.key_base64,
+            database_password=accounting.password,
             purge_protection=cfg.key_vault_purge_protection,
             **common,
         ),
@@ -171,14 +230,16 @@ def _slurm_side(base: _Base, data: _DataSide, nfs: NfsServer) -> _SlurmSide:
     identity = data.identity.identity
     vault.grant_read("nodes", identity.principal_id)  # the on-demand and the Spot nodes' identity
     on_demand = _ScaleSetPlan.of(f"{prefix}-gpu", cfg.node_count, f"{prefix}-head-power", common)
-    vault.grant_read("head", on_demand.power.identity.principal_id)
+    head_principal = on_demand.power.identity.principal_id
+    vault.grant_read("head", head_principal)
+    vault.grant_read("head", head_principal, vault.database_password)  # slurmdbd's, the head node's alone
     spot = (
         _ScaleSetPlan.of(f"{prefix}-spot", cfg.spot_node_count, f"{prefix}-spot-power", common)
         if cfg.spot_node_count
         else None
     )
     spot_nodes = _spot_nodes(spot) if spot else None
-    head = _head_node(base, data, nfs, vault.vault_uri, on_demand, spot_nodes)
+    head = _head_node(base, data, shared, vault.vault_uri, on_demand, spot_nodes, accounting)
     nodes = {
         "subnet_id": subnet_id,
         "sku_name": cfg.gpu_sku,
@@ -187,8 +248,7 @@ def _slurm_side(base: _Base, data: _DataSide, nfs: NfsServer) -> _SlurmSide:
         "identity_id": identity.id,
         "identity_client_id": identity.client_id,
         "acr_login_server": data.registry.registry.login_server,
-        "nfs_server_ip": nfs.private_ip,
-        "nfs_export_path": nfs.export_path,
+        "shared": shared.share,
         "slurmctld_address": cfg.head_private_ip,
         "key_vault_uri": vault.vault_uri,
         "slurm_version": cfg.slurm_version,
@@ -205,10 +265,11 @@ def _slurm_side(base: _Base, data: _DataSide, nfs: NfsServer) -> _SlurmSide:
 def _head_node(
     base: _Base,
     data: _DataSide,
-    nfs: NfsServer,
+    shared: _SharedSide,
     key_vault_uri: pulumi.Input[str],
     on_demand: _ScaleSetPlan,
     spot: SpotNodes | None,
+    accounting: SlurmAccounting,
 ) -> HeadNode:
     """slurmctld, configured with the scale sets' names and ids before they exist, and the identities that
     power them."""
@@ -233,13 +294,32 @@ def _head_node(
                 data.results_endpoint, RESULTS_CONTAINER, data.tracking.identity.id, data.tracking.identity.client_id
             ),
             key_vault_uri=key_vault_uri,
-            nfs_server_ip=nfs.private_ip,
-            nfs_export_path=nfs.export_path,
+            shared=shared.share,
             slurm_version=cfg.slurm_version,
             # The nodes' image: the same Slurm repository, signing key and apt pin as theirs.
             image=cfg.image_reference,
             os_disk_size_gb=cfg.head_os_disk_size_gb,
+            accounting_database=accounting.database,
+            database_disk_size_gb=cfg.head_database_disk_size_gb,
+            users=cfg.users_list,
             **base.machine,
+            **base.common,
+        ),
+    )
+
+
+def _accounting(base: _Base) -> SlurmAccounting:
+    """slurmdbd's database: MariaDB on the head node, or the team's MySQL Flexible Server (accountingMysqlServer)."""
+    cfg = base.cfg
+    password = cfg.accounting_mysql_password
+    return SlurmAccounting(
+        f"{cfg.name_prefix}-accounting",
+        SlurmAccountingArgs(
+            vnet_id=base.net.vnet.id,
+            subnet_id=base.net.subnet_ids["cluster"],
+            mysql_server_id=cfg.accounting_mysql_server,
+            mysql_user=cfg.accounting_mysql_user,
+            mysql_password=pulumi.Output.secret(password.get_secret_value()) if password else None,
             **base.common,
         ),
     )
@@ -276,10 +356,13 @@ def _outputs(
     group: resources.ResourceGroup,
     data: _DataSide,
     jumpbox: Jumpbox,
-    nfs: NfsServer,
+    shared: _SharedSide,
     slurm: _SlurmSide,
 ) -> dict[StackOutput, pulumi.Input]:
     store = data.store
+    nfs, lustre = shared.nfs, shared.lustre
+    # Where the datasets are: data/ beneath the mount, but at the root of a Lustre file system that imports them.
+    data_path = SHARED_MOUNT_PATH if lustre and cfg.lustre_import_data else DATA_PATH
     return {
         StackOutput.RESOURCE_GROUP: group.name,
         StackOutput.DATA_RESOURCE_GROUP: data.data_group.name,
@@ -293,10 +376,12 @@ def _outputs(
         StackOutput.SPOT_PARTITION: SPOT_PARTITION if slurm.spot else None,
         StackOutput.DEFAULT_JOB_TIME: cfg.default_job_time,
         StackOutput.MAX_JOB_TIME: cfg.max_job_time,
-        StackOutput.NFS_PRIVATE_IP: nfs.private_ip,
-        StackOutput.NFS_EXPORT_PATH: nfs.export_path,
+        StackOutput.SHARED_STORAGE: cfg.shared_storage,
+        StackOutput.NFS_PRIVATE_IP: nfs.private_ip if nfs else None,
+        StackOutput.NFS_EXPORT_PATH: nfs.export_path if nfs else None,
+        StackOutput.LUSTRE_MGS_ADDRESS: lustre.mgs_address if lustre else None,
         StackOutput.SHARED_MOUNT_PATH: SHARED_MOUNT_PATH,
-        StackOutput.DATA_PATH: DATA_PATH,
+        StackOutput.DATA_PATH: data_path,
         StackOutput.LOCAL_DATA_PATH: f"{cfg.sku.nvme_mount}/data",
         StackOutput.STORAGE_ACCOUNT: store.account.name,
         StackOutput.BLOB_ENDPOINT: store.blob_endpoint,

@@ -15,6 +15,8 @@ from infra.config import PRIVATE_RANGES
 
 DATA_CONTAINER = "data"
 RESULTS_CONTAINER = "results"
+# The Lustre import's logs (lustreImportData): Azure wants them in another container of the data's account.
+LUSTRE_LOG_CONTAINER = "lustre-import-logs"
 # The data SAS lets the NFS server and nodes list and read the dataset, nothing more.
 DATA_SAS_PERMISSIONS = "rl"
 SOFT_DELETE_DAYS = 30  # how long a deleted blob or container, or an overwritten version, can be restored
@@ -28,6 +30,10 @@ class StorageArgs:
     operator_cidr: str
     sas_expiry: datetime
     tags: Mapping[str, str]
+    # lustreImportData: Azure Managed Lustre reads `data` as its HSM backend (infra/lustre.py), which needs
+    # the account's shared-key access on and a container for the import's logs. Off: the account keeps
+    # Azure's default for shared keys, which this stack never uses.
+    lustre_import: bool = False
 
 
 def operator_ip_rules(cidr: str) -> list[str]:
@@ -44,10 +50,15 @@ def operator_ip_rules(cidr: str) -> list[str]:
     return [str(network)]
 
 
+def _containers(args: StorageArgs) -> tuple[str, ...]:
+    """`data` and `results`, and the Lustre import's log container where the import needs one."""
+    return (DATA_CONTAINER, RESULTS_CONTAINER, *((LUSTRE_LOG_CONTAINER,) if args.lustre_import else ()))
+
+
 class Storage(pulumi.ComponentResource):
     """The data that outlives the cluster: datasets, results (models, logs, run records). Every resource
     here is kept by `pulumi destroy` (retain_on_delete: Pulumi forgets it, Azure keeps it), in a resource
-    group of its own that the stack makes for it; deleting them is a deliberate `az group delete` (README).
+    group of its own that the stack makes for it; deleting them is a deliberate `az group delete` (docs/deploy.md).
     Blob soft delete, container soft delete and versioning let a deleted or overwritten result come back
     for SOFT_DELETE_DAYS."""
 
@@ -65,6 +76,8 @@ class Storage(pulumi.ComponentResource):
             minimum_tls_version="TLS1_2",
             allow_blob_public_access=False,
             allow_cross_tenant_replication=False,
+            # Only where Azure Managed Lustre's import needs it: its resource provider signs with the key.
+            allow_shared_key_access=True if args.lustre_import else None,
             network_rule_set=storage.NetworkRuleSetArgs(
                 default_action="Deny",
                 bypass="AzureServices",
@@ -89,7 +102,7 @@ class Storage(pulumi.ComponentResource):
                 public_access="None",
                 opts=child,
             )
-            for container in (DATA_CONTAINER, RESULTS_CONTAINER)
+            for container in _containers(args)
         }
         retention = storage.DeleteRetentionPolicyArgs(enabled=True, days=SOFT_DELETE_DAYS)
         self.blob_service = storage.BlobServiceProperties(

@@ -5,19 +5,23 @@ from __future__ import annotations
 
 import http.server
 import json
+import ssl
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 
 @contextmanager
-def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
-    """Serve ``handler`` on a free loopback port in a thread; yield ``http://127.0.0.1:PORT``."""
+def serving(handler: type[http.server.BaseHTTPRequestHandler], tls: ssl.SSLContext | None = None) -> Iterator[str]:
+    """Serve ``handler`` on a free loopback port in a thread; yield ``http://127.0.0.1:PORT``, or
+    ``https://...`` with a server context (tests/boot/tls.py makes a CA and a certificate for it)."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()

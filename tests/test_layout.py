@@ -6,7 +6,10 @@
 * One exit-status table (training/exit_status.py): the host tools that stand alone repeat its values,
   and match it; no other module writes 75 or 4 as an exit status.
 * Every command and path that README.md and docs/ name exists: `python -m MODULE` resolves to a module,
-  a repository path is a file or folder, and `make TARGET` is a target of the Makefile.
+  a repository path is a file or folder, and `make TARGET` is a target of the Makefile; every link
+  between them reaches a file, and a heading where it names one.
+* Every code block of theirs names its language, and a command block that does not run as written
+  says why (tests/doc_blocks.py; tests/scripts/test_doc_commands.py runs the others).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import doc_blocks
 from training.exit_status import ExitCode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -217,3 +221,75 @@ def test_the_jobs_import_nothing_of_the_operator_side(module: str) -> None:
 def test_the_product_imports_no_benchmark_or_test(module: str) -> None:
     outside = sorted(name for name in reached(module) if name.startswith(("bench", "tests")))
     assert outside == [], f"{module} reaches {outside}"
+
+
+# --- links between the documents ---------------------------------------------------------------
+
+FENCED = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6} (.+)$", re.MULTILINE)
+
+
+def prose(doc: Path) -> str:
+    """The text a reader follows links in: no code blocks, no inline code."""
+    return INLINE_CODE.sub("", FENCED.sub("", doc.read_text()))
+
+
+def anchors(doc: Path) -> set[str]:
+    """The fragments GitHub gives a document's headings: lower case, punctuation dropped, spaces as
+    hyphens, and -1, -2 after a repeated one."""
+    found: set[str] = set()
+    repeats: dict[str, int] = {}
+    for heading in HEADING.findall(FENCED.sub("", doc.read_text())):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        found.add(f"{slug}-{repeats[slug]}" if slug in repeats else slug)
+        repeats[slug] = repeats.get(slug, 0) + 1
+    return found
+
+
+def relative_links() -> list[tuple[str, str]]:
+    return sorted(
+        {
+            (str(doc.relative_to(REPO)), target)
+            for doc in DOCS
+            for target in LINK.findall(prose(doc))
+            if not re.match(r"[a-z][a-z+.-]*:", target)
+        }
+    )
+
+
+@pytest.mark.parametrize(("doc", "target"), relative_links())
+def test_every_link_between_the_documents_arrives(doc: str, target: str) -> None:
+    path, _, fragment = target.partition("#")
+    file = (REPO / doc).parent / path if path else REPO / doc
+    assert file.exists(), f"{doc} links to {target}: no such file"
+    if fragment and file.suffix == ".md":
+        assert fragment in anchors(file), f"{doc} links to {target}: {file.name} has no such heading"
+
+
+# --- code blocks: a language each, and why a command block does not run -------------------------
+
+
+def test_every_code_block_names_its_language_and_a_command_block_not_run_says_why() -> None:
+    found = [block for doc in DOCS for block in doc_blocks.blocks(doc)]
+    assert len(found) == sum(len(FENCED.findall(doc.read_text())) for doc in DOCS)  # none missed
+    problems = [
+        f"{block.where}: no language (bash for commands; text for output, a synopsis, a tree)"
+        for block in found
+        if not block.language
+    ]
+    problems += [
+        f"{block.where}: {mark!r} is not a reason a command block does not run: {sorted(doc_blocks.NOT_RUN)}"
+        for block in found
+        if block.language == doc_blocks.COMMANDS
+        for mark in block.marks
+        if mark not in doc_blocks.NOT_RUN
+    ]
+    problems += [
+        f"{block.where}: {block.language} {' '.join(block.marks)}: only command blocks ({doc_blocks.COMMANDS}) "
+        "carry a reason not to run"
+        for block in found
+        if block.marks and block.language != doc_blocks.COMMANDS
+    ]
+    assert problems == []

@@ -85,7 +85,7 @@ if [ ! -f "$target/.complete-root" ]; then
   # shellcheck disable=SC2046  # one package name a line
   DEBIAN_FRONTEND=noninteractive apt-get "${apt_image[@]}" install --download-only -y -qq --no-install-recommends \
     $(grep -v '^#' "$source_dir/archive-packages") \
-    "$target"/slurm/slurm-smd_*.deb "$target"/slurm/slurm-smd-{client,slurmd,slurmctld}_*.deb >/dev/null
+    "$target"/slurm/slurm-smd_*.deb "$target"/slurm/slurm-smd-{client,slurmd,slurmctld,slurmdbd}_*.deb >/dev/null
   rm -rf "$target/archive/partial" "$target/archive/lock"
   rm -f "$target"/archive/slurm-smd*.deb
   (cd "$target/archive" && dpkg-scanpackages --multiversion . 2>/dev/null >Packages)

@@ -12,13 +12,19 @@
 # them at once take about the time of one. Each worker is a session of its own, with its own local
 # cluster (tests/scripts/conftest.py names clusters by process and claims each subnet). The slowest
 # tests of each suite are listed above its summary, to rebalance by. OPS_WORKERS=1: the old single lane.
+#
+# The training suite runs on $TRAIN_WORKERS workers the same way (a file to a worker). Its tests compute,
+# but many of them also wait: on torchrun to stop a job, on a hang's timeout, on a killed rank's peer.
+# On one worker it was the longest lane (49 of CI's 53 minutes, beside the others); two fill each
+# other's waits and give the computing lane its share of the CPUs.
 set -uo pipefail
 ops_python=$1 train_python=$2
 ops_workers=${OPS_WORKERS:-2}
+train_workers=${TRAIN_WORKERS:-2}
 
 log=$(mktemp -t training-suite.XXXXXX.log)
 boot_log=$(mktemp -t boot-test.XXXXXX.log)
-"$train_python" -m pytest --durations=15 tests/training tests/bench >"$log" 2>&1 &
+"$train_python" -m pytest --durations=15 -n "$train_workers" --dist loadfile tests/training tests/bench >"$log" 2>&1 &
 second_lane=$!
 # The boot test (tests/boot/test_boot.py): the Azure custom data booted in system containers. It
 # mostly waits on the containers' boots, so it runs beside the others too; its image and Slurm's
@@ -42,5 +48,5 @@ echo
 echo "=============== training: tests/training tests/bench ==============="
 cat "$log"
 echo
-echo "operator workflow and infrastructure (tests/test_layout.py tests/scripts tests/infra, $ops_workers workers): exit $ops_status; boot: exit $boot_status; training: exit $second_status"
+echo "operator workflow and infrastructure (tests/test_layout.py tests/scripts tests/infra, $ops_workers workers): exit $ops_status; boot: exit $boot_status; training ($train_workers workers): exit $second_status"
 ((ops_status == 0 && boot_status == 0 && second_status == 0))

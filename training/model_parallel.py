@@ -56,6 +56,7 @@ from training.config.args import (
     add_reporting,
     batch_size_arg,
     image_size_arg,
+    log_interval,
     non_negative_float_arg,
     positive_int,
 )
@@ -445,6 +446,7 @@ class Run:
         self.settings, self.backend, self.layout, self.device = settings, backend, layout, device
         assert settings.resolved, "the run trains with settings.for_device(...)"
         self.cfg = settings.gpt
+        self.log_every = log_interval(settings.log_every, settings.steps)
         torch.manual_seed(settings.seed)
         timeout = timedelta(seconds=int(set_failure_timeouts()["DDP_TIMEOUT_SECONDS"]))
         self.parts = build_parts(settings, layout, build_mesh(layout, device.type, timeout), backend.rank, device)
@@ -498,7 +500,7 @@ class Run:
         return (
             done - self.start_step == self.timer.excluded
             or done == self.settings.steps
-            or done % self.settings.log_every == 0
+            or done % self.log_every == 0
             or (self.checkpoints is not None and bool(every) and done % every == 0)
         )
 
@@ -506,7 +508,7 @@ class Run:
         pipeline = self.parts.pipeline
         if pipeline is not None and pipeline.last_bubble_fraction is not None and self.timer.measured_steps:
             self.bubbles.append(pipeline.last_bubble_fraction)  # after the timing warmup, as tokens/s
-        if done % self.settings.log_every == 0:
+        if done % self.log_every == 0:
             self.log(done, mean_loss(loss, self.device))  # collective: every rank logs at the same steps
         every = self.settings.checkpoint_every
         save_due = self.checkpoints is not None and (done == self.settings.steps or bool(every and done % every == 0))
@@ -582,7 +584,7 @@ class Run:
 
     def finish_curves(self, final_loss: float | None, metrics: dict[str, Any]) -> None:
         final = {self.curves.final_rate_tag: metrics["tokens_per_sec"] or metrics["images_per_sec"]}
-        if self.settings.steps % self.settings.log_every:  # the last step was not logged: end the loss curve there
+        if self.settings.steps % self.log_every:  # the last step was not logged: end the loss curve there
             final[curves.LOSS] = final_loss
         model, batch = self.settings.model, self.settings.batch_size
         title = f"{model} on {self.layout} (world size {self.backend.size}), batch {batch} per replica"

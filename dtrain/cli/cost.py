@@ -1,19 +1,25 @@
 """The `cost` command: its flags, the table and the JSON document, over dtrain/pricing.py (the price
-table, the estimate, the Azure Retail Prices API)."""
+table, the estimate, the Azure Retail Prices API); with --by, what each person or account used and what
+it cost, over dtrain/usage_cost.py (Slurm's accounting)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
 
 from rich.table import Table
 
-from dtrain.cli_common import add_cluster_option, int_between, non_empty
+from dtrain.cli_common import add_cluster_option, arg_type, int_between, non_empty
+from dtrain.cluster.description import load
+from dtrain.cluster.slurm import Slurm
+from dtrain.cluster.ssh import SSH
 from dtrain.errors import OperatorError
 from dtrain.idle_cost import IdleCost, from_estimate
-from dtrain.json_documents import CostDocument, CostIdle, CostItem, CostPrices
+from dtrain.jobs.submit import node_hour_price
+from dtrain.json_documents import CostDocument, CostIdle, CostItem, CostPrices, UsageCostDocument, UsageCostRow
 from dtrain.pricing import (
     DEFAULT_CACHE,
     DEFAULT_STACK_FILE,
@@ -32,6 +38,7 @@ from dtrain.pricing import (
     wanted_prices,
 )
 from dtrain.ui import make_console
+from dtrain.usage_cost import UsageRow, add_up, check_since, month_start, partition_prices, read_jobs, total
 from infra.skus import GPU_SKUS
 
 DESCRIPTION = """\
@@ -42,7 +49,13 @@ pay-as-you-go Linux list prices in USD from a dated table (infra/data/prices.jso
 the Azure Retail Prices API with --refresh. Blob storage, egress and OS disks are not included.
 It ends with the idle cost: what the standing cluster bills per hour with no job running (the head node,
 NFS, jumpbox and registry always; the GPU nodes running until Slurm deallocates them after
-autostopMinutes idle), and what those nodes cost until then."""
+autostopMinutes idle), and what those nodes cost until then.
+
+With --by user|account: who ran what and what it cost, on a running cluster (the cluster description,
+--cluster FILE), from Slurm's accounting (sacct): each person's or account's jobs since --since, their
+node-hours (nodes x time), GPU-hours (GPUs x time) and cost, charged as run.json charges a run (the GPUs'
+share of their nodes, whole nodes for --exclusive) at the price table's price per node-hour of the
+cluster's GPU size, Spot jobs at the Spot price. The local cluster's prices are $0; its hours are real."""
 EXAMPLES = """\
 examples:
   python -m dtrain cost                                   # Pulumi.dev.yaml, every GPU node running
@@ -51,6 +64,8 @@ examples:
   python -m dtrain cost --stack-file Pulumi.prod.yaml --json
   python -m dtrain cost --refresh --save                  # live prices, kept in ~/.cache/azure-horovod
   python -m dtrain cost --prices ~/.cache/azure-horovod/prices.json
+  python -m dtrain cost --by user                         # this month's jobs, per person (the cluster's sacct)
+  python -m dtrain cost --by account --since 2026-01-01 --json
 """
 PRICES_HELP = f"price table to read (default: {shown_path(PRICES_FILE)})"
 
@@ -63,13 +78,7 @@ def configure(commands: argparse._SubParsersAction) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--stack-file",
-        type=non_empty,
-        default=str(DEFAULT_STACK_FILE),
-        metavar="FILE",
-        help=f"Pulumi stack file (default: {shown_path(DEFAULT_STACK_FILE)})",
-    )
+    add_stack_file_option(parser)
     nodes = parser.add_mutually_exclusive_group()
     nodes.add_argument(
         "--running-nodes",
@@ -84,6 +93,18 @@ def configure(commands: argparse._SubParsersAction) -> None:
         "running, power-saved, and deallocated for never registering",
     )
     add_cluster_option(parser)
+    parser.add_argument(
+        "--by",
+        choices=("user", "account"),
+        help="what the cluster's jobs used and cost, per person or Slurm account, from its accounting (sacct)",
+    )
+    parser.add_argument(
+        "--since",
+        type=arg_type(check_since),
+        metavar="DATE",
+        help="with --by: the jobs since DATE, YYYY-MM-DD or YYYY-MM-DDTHH:MM in UTC (default: the 1st of this "
+        "month, 00:00, where the GPU-hour budgets' month begins)",
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prices", type=non_empty, metavar="FILE", help=PRICES_HELP)
     source.add_argument("--refresh", action="store_true", help="read live prices from the Azure Retail Prices API")
@@ -108,7 +129,22 @@ def configure(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run_cost)
 
 
+def add_stack_file_option(parser: argparse.ArgumentParser, what: str = "") -> None:
+    """--stack-file: the Pulumi stack file that `cost` and `doctor` read before anything is deployed."""
+    parser.add_argument(
+        "--stack-file",
+        type=non_empty,
+        default=str(DEFAULT_STACK_FILE),
+        metavar="FILE",
+        help=f"Pulumi stack file{what} (default: {shown_path(DEFAULT_STACK_FILE)})",
+    )
+
+
 def run_cost(args: argparse.Namespace) -> int:
+    if args.by:
+        return run_cost_by(args)
+    if args.since:
+        raise OperatorError("--since goes with --by (the jobs since a date)")
     if (args.save or args.full_table) and not args.refresh:
         raise OperatorError("--save and --full-table go with --refresh (they keep or widen what it reads)")
     stack_file = Path(args.stack_file).expanduser()
@@ -131,6 +167,57 @@ def run_cost(args: argparse.Namespace) -> int:
         out.print(idle.describe(), highlight=False)
         out.print(_gpu_hour_line(cfg.gpu_sku, idle), highlight=False)
     return 0
+
+
+def run_cost_by(args: argparse.Namespace) -> int:
+    """Who ran what since --since, and what it cost."""
+    stack_only = [flag for flag, given in (("--running-nodes", args.running_nodes is not None), ("--live", args.live),
+                  ("--refresh", args.refresh), ("--prices", args.prices)) if given]  # fmt: skip
+    if stack_only:
+        verb = "goes" if len(stack_only) == 1 else "go"
+        raise OperatorError(f"{', '.join(stack_only)} {verb} without --by (it prices the stack file, not the jobs)")
+    since = args.since or month_start()
+    desc = load(getattr(args, "cluster", None))
+    with SSH(desc) as ssh:
+        jobs, until = read_jobs(Slurm(desc, ssh), since)
+    rows = add_up(jobs, args.by, desc, partition_prices(desc))
+    prices = node_hour_price(desc)[1]
+    if args.json:
+        UsageCostDocument(
+            by=args.by, cluster=desc.name, since=_iso(since), until=_iso(until), currency="USD", prices=prices,
+            rows=[_usage_row(row) for row in rows], total=_usage_row(total(rows)),
+        ).print()  # fmt: skip
+        return 0
+    table = Table(title=f"{desc.name}: jobs by {args.by}, {_iso(since)} to {_iso(until)} (sacct)")
+    for column in (args.by, "jobs", "node-hours", "GPU-hours", "billed node-hours", "cost (USD)"):
+        table.add_column(column, justify="left" if column == args.by else "right")
+    for row in [*rows, total(rows)]:
+        if row.name == "total":
+            table.add_section()
+        usd = "unknown" if row.usd is None else f"${row.usd:,.2f}"
+        cells = (str(row.jobs), f"{row.node_hours:,.4f}", f"{row.gpu_hours:,.4f}", f"{row.billed_node_hours:,.4f}", usd)
+        table.add_row(row.name, *cells, style="bold" if row.name == "total" else None)
+    out = make_console(stderr=False)
+    out.print(table)
+    out.print(
+        f"Prices: {prices}; Spot jobs at the Spot price. Billed: the GPUs' share of their nodes.", highlight=False
+    )
+    return 0
+
+
+def _iso(moment: datetime) -> str:
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _usage_row(row: UsageRow) -> UsageCostRow:
+    return UsageCostRow(
+        name=row.name,
+        jobs=row.jobs,
+        node_hours=str(row.node_hours),
+        gpu_hours=str(row.gpu_hours),
+        billed_node_hours=str(row.billed_node_hours),
+        usd=None if row.usd is None else str(row.usd),
+    )
 
 
 def _gpu_hour_line(sku: str, idle: IdleCost) -> str:

@@ -1,8 +1,8 @@
 """The run lifecycle after `launch`: `jobs`, `logs JOB [-f]`, `cancel JOB...`, `status`.
 
-JOB is a Slurm job id (digits) or a run id. Live state comes from Slurm (squeue, sinfo); what Slurm
-has forgotten (it keeps no history without an accounting database, which this deployment does not
-run) comes from the run directories on the shared file system, and the node table from each node's
+JOB is a Slurm job id (digits) or a run id. Live state comes from Slurm (squeue, sinfo), with why a job
+over a person's limit is held (dtrain/cluster/limits.py); what slurmctld has forgotten (MinJobAge after a
+job's end) comes from the run directories on the shared file system, and the node table from each node's
 last health check report (`<shared>/.health/<node>`) and boot report (`<shared>/.boot/<node>`, written
 by node-setup, even when slurmd could not start).
 """
@@ -19,14 +19,15 @@ from rich.table import Table
 
 from dtrain.cli_common import add_cluster_option, arg_type, debugging, int_between
 from dtrain.cluster.description import ClusterDescription, load
+from dtrain.cluster.limits import explain_queue
 from dtrain.cluster.node_reports import boot_verdict, read_reports
-from dtrain.cluster.slurm import NodeInfo, QueuedJob, Slurm, patiently
+from dtrain.cluster.slurm import EndedJob, NodeInfo, QueuedJob, Slurm, SlurmRefused, patiently
 from dtrain.cluster.ssh import SSH, q
 from dtrain.cluster.telemetry import TelemetryUnavailable, alert_queries, gpu_alerts, idle_jobs, run_sections
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.idle_cost import for_cluster
 from dtrain.jobs.follow import cancel_and_wait, follow
-from dtrain.jobs.runs import Run, check_job_reference, list_runs, resolve
+from dtrain.jobs.runs import Run, check_job_reference, list_runs, resolve, without_status
 from dtrain.json_documents import JobRow, JobsDocument, NodeRow, StatusDocument
 from dtrain.ui import make_console
 
@@ -41,10 +42,13 @@ def configure(commands: argparse._SubParsersAction) -> None:
     jobs = commands.add_parser(
         "jobs",
         help="the queue and recent runs",
-        description="Jobs Slurm holds (pending, running) and the most recent runs with their exit status.",
-        epilog="example: python -m dtrain jobs --limit 50.",
+        description="Jobs Slurm holds (pending, running) and the most recent runs with their exit status: "
+        "your own (the description's user), or everyone's with --all (another user's ended run by its name "
+        "alone: its directory is theirs).",
+        epilog="examples: python -m dtrain jobs --limit 50; python -m dtrain jobs --all.",
     )
     jobs.add_argument("--limit", type=int_between(1, 1000), default=20, help="recent runs to show (%(default)s)")
+    jobs.add_argument("--all", action="store_true", help="every user's jobs and runs (default: your own)")
     jobs.add_argument(
         "--idle-window",
         type=int_between(10, 86400),
@@ -103,9 +107,13 @@ def run_jobs(args: argparse.Namespace) -> int:
     with ssh:
         queue = slurm.queue()
         runs = list_runs(desc, slurm, limit=args.limit)
+        ended = slurm.ended_jobs(_without_status(queue, runs))
         window_s = args.idle_window or (desc.telemetry.idle_gpu_window_s if desc.telemetry else 0)
         idle = idle_gpu_jobs(desc, slurm, queue, window_s)
-    rows = [row.model_copy(update={"gpus_idle": idle.get(row.job or "")}) for row in job_rows(queue, runs)]
+        held = explain_queue(slurm, queue)
+    rows = [row.model_copy(update={"gpus_idle": idle.get(row.job or "")}) for row in job_rows(queue, runs, ended, held)]
+    if not args.all:
+        rows = [row for row in rows if row.user == desc.ssh_user]
     if args.json:
         JobsDocument(jobs=rows).print()
     else:
@@ -139,13 +147,35 @@ def _from_prometheus(ask: Callable[[], dict[str, T]], without: str) -> dict[str,
         return {}
 
 
-def job_rows(queue: Sequence[QueuedJob], runs: Sequence[Run]) -> list[JobRow]:
-    """One row per job: those Slurm holds, then the ended runs (newest first); what `jobs` shows."""
+def _without_status(queue: Sequence[QueuedJob], runs: Sequence[Run]) -> list[str]:
+    """The job ids of the runs that ended without writing their status: Slurm may still say why."""
     live = {job.job_id for job in queue}
-    return [queued_row(job) for job in queue] + [ended_row(run) for run in runs if run.job_id not in live]
+    return [run.job_id for run in runs if run.job_id and run.status is None and run.job_id not in live]
 
 
-def queued_row(job: QueuedJob) -> JobRow:
+def job_rows(
+    queue: Sequence[QueuedJob], runs: Sequence[Run], ended: dict[str, EndedJob], held: dict[str, str] | None = None
+) -> list[JobRow]:
+    """One row per job: those Slurm holds, then the ended runs (newest first); what `jobs` shows. ended:
+    Slurm's record of the jobs that ended without their status; held: job id -> why Slurm holds it over a limit."""
+    live = {job.job_id for job in queue}
+    queued_runs = {job.name for job in queue}
+    rows = [ended_row(run, ended.get(run.job_id or "")) for run in runs if run.readable and run.job_id not in live]
+    # another user's runs: the name and owner are all their directory shows (the queue has those it holds)
+    rows += [unreadable_row(run) for run in runs if not run.readable and run.run_id not in queued_runs]
+    return [queued_row(job, (held or {}).get(job.job_id)) for job in queue] + rows
+
+
+def unreadable_row(run: Run) -> JobRow:
+    return JobRow(
+        job=None, run=run.run_id, state="UNREADABLE", in_queue=False, user=run.owner, nodes=None,
+        elapsed_seconds=None, finished_at=None, exit_code=None, node_hours=None, billed_node_hours=None,
+        estimated_cost_usd=None, note=f"{run.owner}'s: its run directory is theirs alone",
+    )  # fmt: skip
+
+
+def queued_row(job: QueuedJob, held: str | None = None) -> JobRow:
+    """A job Slurm holds; held: why it waits, where that is a limit (dtrain/cluster/limits.py), else Slurm's reason."""
     return JobRow(
         job=job.job_id,
         run=job.name,
@@ -159,12 +189,12 @@ def queued_row(job: QueuedJob) -> JobRow:
         node_hours=None,
         billed_node_hours=None,
         estimated_cost_usd=None,
-        note=job.reason,
+        note=held or job.reason,
     )
 
 
-def ended_row(run: Run) -> JobRow:
-    state, note = _ended_state(run)
+def ended_row(run: Run, ended: EndedJob | None) -> JobRow:
+    state, note = _ended_state(run) if run.status is not None else without_status(ended)
     record, job = run.record or {}, run.job or {}
     attempts = record.get("attempts") or [{}]
     return JobRow(
@@ -172,7 +202,7 @@ def ended_row(run: Run) -> JobRow:
         run=run.run_id,
         state=state,
         in_queue=False,
-        user=job.get("submitted_by"),
+        user=run.owner or job.get("submitted_by"),
         nodes=job.get("nodes"),
         elapsed_seconds=attempts[-1].get("seconds"),
         finished_at=(run.status or {}).get("finished_at"),
@@ -195,13 +225,14 @@ def slurm_seconds(text: str) -> int | None:
 
 def jobs_table(rows: Sequence[JobRow]) -> Table:
     table = Table(title="jobs")
-    for column in ("job", "run", "state", "nodes", "time", "exit", "billed node-h", "est. cost", "note"):
+    for column in ("job", "run", "user", "state", "nodes", "time", "exit", "billed node-h", "est. cost", "note"):
         table.add_column(column)
     for row in rows:
         hours, cost = row.billed_node_hours, row.estimated_cost_usd
         table.add_row(
             row.job or "-",
             row.run or "-",
+            row.user or "-",
             row.state,
             "" if row.nodes is None else str(row.nodes),
             row.finished_at or ("" if row.elapsed_seconds is None else _clock(row.elapsed_seconds)),
@@ -225,8 +256,6 @@ def _clock(seconds: int) -> str:
 
 def _ended_state(run: Run) -> tuple[str, str]:
     code = run.exit_code
-    if code is None:
-        return "ENDED", "no exit status (cancelled while pending, or its node failed)"
     if code == 0:
         return "COMPLETED", ""
     if run.ended_by_time_limit:
@@ -247,7 +276,7 @@ def _ended_state(run: Run) -> tuple[str, str]:
 def run_logs(args: argparse.Namespace) -> int:
     desc, ssh, slurm = _connect(args)
     with ssh:
-        run = _with_run_dir(patiently(lambda: resolve(desc, slurm, args.job), f"about {args.job}"))
+        run = _with_run_dir(patiently(lambda: resolve(desc, slurm, args.job), f"about {args.job}").check_readable())
         if args.follow:
             try:
                 return follow(desc, ssh, slurm, run, debug=debugging(args))
@@ -255,12 +284,21 @@ def run_logs(args: argparse.Namespace) -> int:
                 console.print(f"stopped following; {run.label} is not affected")
                 return int(ExitCode.INTERRUPTED)
         text = slurm.run_unchecked(f"cat {q(f'{run.run_dir}/output.log')} 2>/dev/null").stdout
-    print(text, end="" if text.endswith("\n") or not text else "\n", flush=True)
-    if not text:
-        console.print(f"[dim]{run.label} has no output yet[/dim]")
-    if run.exit_code is None:
-        console.print(f"[dim]{run.label} has not ended: `logs {args.job} -f` follows it[/dim]")
+        print(text, end="" if text.endswith("\n") or not text else "\n", flush=True)
+        if not text:
+            console.print(f"[dim]{run.label} has no output yet[/dim]")
+        if run.exit_code is None:
+            console.print(_not_ended(slurm, run, args.job), markup=False, soft_wrap=True)
     return 0
+
+
+def _not_ended(slurm: Slurm, run: Run, job: str) -> str:
+    """What to say of a run without an exit status: it runs (or waits), or why it ended without one."""
+    job_id = run.job_id or ""
+    if job_id and patiently(lambda: slurm.job_state(job_id), f"about job {job_id}") is not None:
+        return f"{run.label} has not ended: `logs {job} -f` follows it"
+    ended = patiently(lambda: slurm.ended_jobs([job_id] if job_id else []), f"about job {job_id}")
+    return f"{run.label} ended without an exit status: {without_status(ended.get(job_id))[1]}"
 
 
 def _with_run_dir(run: Run) -> Run:
@@ -291,8 +329,12 @@ def _cancel_one(slurm: Slurm, run: Run) -> bool:
     if job_id is None or patiently(lambda: slurm.job_state(job_id), f"about job {job_id}") is None:
         console.print(f"{run.label} has already ended" + (f" (exit {run.exit_code})" if run.status else ""))
         return True
-    if not cancel_and_wait(slurm, job_id, run_dir=run.run_dir):
-        return False
+    try:
+        if not cancel_and_wait(slurm, job_id, run_dir=run.run_dir):
+            return False
+    except SlurmRefused as exc:
+        owner = f"{run.owner}'s" if run.owner else "another user's"
+        raise OperatorError(f"{run.label} is {owner}: Slurm refuses to cancel it ({exc})", exc.exit_code) from None
     # Slurm lets a job go only once the epilog has run on its nodes (and cancel_and_wait checked that
     # none of them failed): the epilog kills what Slurm's process tracking lost
     console.print(f"{run.label} cancelled: no process of it is left on any node")

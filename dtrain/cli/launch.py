@@ -16,6 +16,7 @@ import sys
 
 from dtrain.cli_common import add_cluster_option, arg_type, debugging, non_empty, positive_number
 from dtrain.cluster.description import ClusterDescription, load
+from dtrain.cluster.limits import budget_warning, held_at_submission, read_standings
 from dtrain.cluster.slurm import Slurm
 from dtrain.cluster.ssh import SSH
 from dtrain.errors import OperatorError
@@ -43,14 +44,18 @@ With --follow (the default on a terminal) the exit status is the job's own.
 Your own code: --workdir DIR sends DIR (its .gitignore honoured) to the run directory, and everything
 after `--` is the command, run there as written on every rank under torchrun (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or, with --launcher horovodrun, under horovodrun. Whatever it
-writes to $OUTPUT_DIR reaches the results container with the run's logs; $CHECKPOINT_DIR stays on the
-shared file system. Nothing is added to its arguments. A command that starts a launcher itself
+writes to $OUTPUT_DIR reaches the results container with the run's logs; what it saves under
+$CHECKPOINT_DIR (on the shared file system) is copied to the results container while it runs, each
+file once complete (write .NAME.tmp, then rename it), and --resume-from RUN fetches it back into a new
+run's $CHECKPOINT_DIR. Nothing is added to its arguments. A command that starts a launcher itself
 (torchrun, accelerate launch, deepspeed) is refused there: --mode per-node runs it once per node, with
 DTRAIN_NODE_RANK, DTRAIN_NUM_NODES, DTRAIN_NODE_LIST, DTRAIN_PROCESSES_PER_NODE, MASTER_ADDR, MASTER_PORT.
 
 A task file (TASK.yaml: workdir, setup, run, envs, secrets, mode, resources; docs/operator.md) holds all
 of it; flags given with it win over its keys. --env KEY=VALUE and --secret NAME (read from this
-environment, never written down) reach the command and setup.
+environment, never written down) reach the command and setup. A SkyPilot task file runs as written where
+the cluster can do what it asks (num_nodes, resources.accelerators checked against the nodes' GPUs, ...),
+once per node with SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS, ...; a key it cannot honour is refused, named.
 
 A job asks for 1 node and its GPUs one by one (it shares the node, seeing only its own GPUs) unless it
 asks for every GPU of a node or --exclusive; its time limit is --time, else the cluster's default.
@@ -245,6 +250,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         tracking_uri=args.tracking_uri,
         experiment=args.experiment,
         warn_before=args.warn_before,
+        needs=args.task_needs,
     )
 
 
@@ -273,12 +279,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     follow_output = not args.detach and (args.follow or sys.stdout.isatty())
     with SSH(desc) as ssh:
+        slurm = Slurm(desc, ssh)
+        warning = budget_warning(read_standings(slurm).get(desc.ssh_user))
+        if warning:
+            console.print(warning, style="yellow", markup=False, soft_wrap=True)
         submitted = submit(desc, opts, ssh, plan)
         announce(submitted)
-        if not follow_output:
+        if not follow_output:  # following says it as the job waits
+            held = held_at_submission(slurm, submitted.job_id)
+            if held:
+                console.print(f"job {submitted.job_id}: {held}", style="yellow", markup=False, soft_wrap=True)
             print(submitted.job_id, flush=True)  # alone on stdout: `job=$(python -m dtrain launch --detach ...)`
             return 0
-        slurm = Slurm(desc, ssh)
         job = Run(submitted.run_id, submitted.job_id, submitted.run_dir)
         try:
             return follow(desc, ssh, slurm, job, echo=show_line, debug=debugging(args))

@@ -21,6 +21,7 @@ from dtrain.datasets.staging import (
     PullSummary,
     UploadSummary,
     check_dataset_name,
+    dataset_path,
     generate_synthetic_imagenet,
     pull,
     upload,
@@ -35,8 +36,9 @@ RAW = argparse.RawDescriptionHelpFormatter
 STAGE_DESCRIPTION = """\
 Stage a dataset for training. A local directory in ImageNet layout (train/<class>/*.JPEG, and
 optionally val/) goes to the `data` blob container (resumable, MD5-checked), then the NFS server
-pulls it onto the shared file system with the read-only SAS, where every node finds it at
-<data_path>/<dataset> (`cluster show` prints data_path).
+(on a Lustre stack, the head node) pulls it onto the shared file system with the read-only SAS, where
+every node finds it at <data_path>/<dataset> (`cluster show` prints data_path). Where Lustre imported
+the container at its creation, what it imported is checked in place and only the rest is copied.
 --short-side PX transcodes the images once before upload: faster decoding every epoch, but --image-size
 is then limited to about PX * 0.875."""
 STAGE_EXAMPLES = """\
@@ -67,14 +69,15 @@ SUBCOMMANDS = {
         ),
     ),
     "pull": (
-        "pull a staged dataset onto the NFS server with the read-only SAS",
-        "Run blob-pull on the NFS server (over SSH, through the jump host) into <data_path>/<dataset>, with "
-        "the read-only SAS on its stdin, then check that every blob arrived. Files already in place are kept.",
+        "pull a staged dataset onto the shared file system with the read-only SAS",
+        "Run blob-pull on the NFS server, or on a Lustre stack the head node (over SSH, through the jump host), "
+        "into <data_path>/<dataset>, with the read-only SAS on its stdin, then check that every blob arrived. Files "
+        "already in place with the same MD5 are kept (on Lustre, those its import of the container brought).",
         ("python -m dtrain stage pull --dataset mini",),
     ),
     "all": (
         "upload, then pull (the usual way)",
-        "Upload SOURCE to the `data` container, then pull it onto the NFS server, checking the pulled "
+        "Upload SOURCE to the `data` container, then pull it onto the shared file system, checking the pulled "
         "counts against the uploaded ones.",
         (
             "python -m dtrain stage all /tmp/imagenet-mini --dataset mini",
@@ -87,7 +90,7 @@ SUBCOMMANDS = {
 def configure(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "stage",
-        help="stage a dataset: local directory -> blob container -> NFS server",
+        help="stage a dataset: local directory -> blob container -> shared file system",
         description=STAGE_DESCRIPTION,
         epilog=STAGE_EXAMPLES,
         formatter_class=RAW,
@@ -210,6 +213,7 @@ def _stage(args: argparse.Namespace) -> int:
     if args.upload and args.quality is not None and args.short_side is None:
         raise OperatorError("--quality applies to the transcoded copy: give --short-side too", ExitCode.BAD_INPUT)
     desc = load(args.cluster)
+    dataset_path(desc, args.dataset)  # a name the shared file system cannot take is refused before the upload
     expected = objects = None
     if args.upload:
         summary = _upload(args, desc)
@@ -246,7 +250,7 @@ def print_upload_summary(summary: UploadSummary) -> None:
 
 
 def print_pull_summary(result: PullSummary) -> None:
-    table = Table(title="pull onto the NFS server")
+    table = Table(title=f"pull onto the {result.host}")
     table.add_column("")
     table.add_column("value", justify="right")
     for key, value in (

@@ -19,6 +19,7 @@ from dtrain.cluster.ssh import SSH
 from dtrain.cluster.tunnels import free_remote_port, open_tunnels, services, session_ssh, tensorboard_command
 from dtrain.errors import ExitCode
 from dtrain.jobs.top import render, take_snapshot
+from dtrain.jobs.tracking import experiment_page
 from dtrain.processes import stop_pids
 from dtrain.ui import make_console
 
@@ -78,6 +79,8 @@ def run_ui(args: argparse.Namespace) -> int:
             board = _start_tensorboard(desc, ssh, started)
             tunnel, urls = open_tunnels(ssh, services(desc, board))
             started.append(tunnel)
+            if "MLflow" in urls:  # the runs of this cluster's experiment, in MLflow's model-training view
+                urls["MLflow"] = experiment_page(urls["MLflow"], desc.name)
             for name, url in urls.items():
                 out.print(f"{name:12} {url}")
             if board is None:

@@ -46,6 +46,7 @@ from dtrain.fileio import atomic_write
 from infra import slurm_time
 from infra.contract import CONTAINER_SSH_PORT, MLFLOW_PORT, PROMETHEUS_PORT
 from infra.slurm_time import DEFAULT_JOB_TIME, UNLIMITED, exceeds
+from infra.users import check_user_name
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Where `cluster from-stack` writes an Azure description by default: outside the repository, so that
@@ -213,7 +214,9 @@ class ClusterDescription(_Model):
     ssh_key: str  # private key path on the operator's machine
     known_hosts: str  # known_hosts file kept for this cluster (host keys are accepted on first use)
     jump_host: SSHEndpoint | None = None  # None: every host is reached directly
-    storage_host: SSHEndpoint  # the NFS server: pulls the dataset onto the shared file system
+    # what fills the shared file system from blob (blob-pull): the NFS server, or with Lustre the head node
+    storage_host: SSHEndpoint
+    shared_storage: Literal["nfs", "lustre"] = "nfs"  # what /shared is on the Azure stack (sharedStorage)
     # nodes
     node_count: int = Field(ge=1)
     gpus_per_node: int = Field(ge=0)
@@ -345,8 +348,10 @@ class StackOutputs(BaseModel):
     # absent in a stack deployed before they were outputs: its slurm.conf has these defaults
     default_job_time: str = DEFAULT_JOB_TIME
     max_job_time: str = UNLIMITED
-    nfs_private_ip: str
-    nfs_export_path: str
+    # a stack deployed before sharedStorage had NFS
+    shared_storage: Literal["nfs", "lustre"] = "nfs"
+    nfs_private_ip: str | None = None  # with NFS only
+    nfs_export_path: str | None = None
     shared_mount_path: str
     data_path: str
     local_data_path: str
@@ -367,8 +372,18 @@ class StackOutputs(BaseModel):
     _job_time = field_validator("default_job_time")(slurm_time.check_time_limit)
     _max_job_time = field_validator("max_job_time")(slurm_time.check_max_time)
 
+    @property
+    def storage(self) -> tuple[str, str]:
+        """(the host that fills the shared file system from blob, the shared file system's path there): the NFS
+        server and its export, or with Lustre the head node, which mounts it where the nodes do."""
+        if self.shared_storage == "lustre":
+            return self.head_private_ip, self.shared_mount_path
+        assert self.nfs_private_ip and self.nfs_export_path  # required of an NFS stack (_validated_outputs)
+        return self.nfs_private_ip, self.nfs_export_path
+
 
 REQUIRED_OUTPUTS = tuple(name for name, field in StackOutputs.model_fields.items() if field.is_required())
+NFS_OUTPUTS = ("nfs_private_ip", "nfs_export_path")  # required of an NFS stack, None on a Lustre one
 
 
 def from_stack_outputs(
@@ -395,7 +410,8 @@ def from_stack_outputs(
             ssh_key=str(Path(ssh_key).expanduser()),
             known_hosts=str(known.expanduser()),
             jump_host=SSHEndpoint(host=out.jumpbox_public_ip, user=user),
-            storage_host=SSHEndpoint(host=out.nfs_private_ip, user=user),
+            storage_host=SSHEndpoint(host=out.storage[0], user=user),
+            shared_storage=out.shared_storage,
             node_count=out.node_count,
             gpus_per_node=out.gpus_per_node,
             gpu_sku=out.gpu_sku,
@@ -403,10 +419,11 @@ def from_stack_outputs(
             expect_infiniband=True,  # every SKU the stack accepts is an InfiniBand SKU
             shared_mount_path=out.shared_mount_path,
             shared_is_mount=True,
-            storage_export_path=out.nfs_export_path,
+            storage_export_path=out.storage[1],
             data_path=out.data_path,
             local_data_path=out.local_data_path,
-            # /export/data belongs to root on the NFS server: the admin user pulls with sudo (-n: never prompt)
+            # the data directory belongs to root (the NFS server's, the head node's): the admin user pulls with
+            # sudo (-n: never prompt)
             blob_pull=["sudo", "-n", "blob-pull"],
             data=BlobLocation(
                 endpoint=out.blob_endpoint,
@@ -437,7 +454,9 @@ def from_stack_outputs(
 
 
 def _validated_outputs(outputs: dict[str, Any], stack: str) -> StackOutputs:
-    missing = [key for key in REQUIRED_OUTPUTS if outputs.get(key) in (None, "")]
+    nfs = outputs.get("shared_storage") in (None, "nfs")
+    required = [key for key in StackOutputs.model_fields if key in REQUIRED_OUTPUTS or (nfs and key in NFS_OUTPUTS)]
+    missing = [key for key in required if outputs.get(key) in (None, "")]
     if missing:
         raise OperatorError(f"stack {stack!r} is missing outputs: {', '.join(missing)} (did `pulumi up` finish?)")
     try:
@@ -515,6 +534,39 @@ def from_pulumi_stack(stack: str, ssh_key: str | Path, **kwargs: Any) -> Cluster
     return from_stack_outputs(pulumi_stack_outputs(stack, cwd=cwd), stack, ssh_key, **kwargs)
 
 
+def check_person_name(name: str) -> str:
+    """A name the cluster's users list may hold (infra/users.py's rule)."""
+    try:
+        return check_user_name(name)
+    except ValueError as exc:
+        raise OperatorError(str(exc)) from None
+
+
+def for_user(desc: ClusterDescription, user: str, ssh_key: str | Path) -> ClusterDescription:
+    """The description a person of the cluster's users list (`dtrain users`) works with: their name on every
+    host and their own key; the admin's key stays the operators'. A person has no sudo: they pull datasets
+    into the dataset area as themselves (every person may write it once the cluster has users)."""
+    check_person_name(user)
+    if user == desc.ssh_user:
+        raise OperatorError(f"--user {user} is the cluster's admin user: the admin's description is the one to use")
+
+    def as_user(endpoint: SSHEndpoint) -> SSHEndpoint:
+        return endpoint.model_copy(update={"user": user})
+
+    sudo = ["sudo", "-n"]
+    update: dict[str, Any] = {
+        "ssh_user": user,
+        "ssh_key": str(Path(ssh_key).expanduser()),
+        "jump_host": as_user(desc.jump_host) if desc.jump_host else None,
+        "storage_host": as_user(desc.storage_host),
+        "blob_pull": desc.blob_pull[len(sudo) :] if desc.blob_pull[: len(sudo)] == sudo else desc.blob_pull,
+        "runtime": desc.runtime.model_copy(update={"identity_file": None}),  # the admin's, on the nodes
+    }
+    if desc.slurm:
+        update["slurm"] = desc.slurm.model_copy(update={"login": as_user(desc.slurm.login)})
+    return desc.model_copy(update=update)
+
+
 def default_ssh_key() -> str:
     for name in ("id_ed25519", "id_rsa", "id_ecdsa"):
         candidate = Path.home() / ".ssh" / name
@@ -540,6 +592,15 @@ examples:
   python -m dtrain cluster from-stack --stack dev --default-time 4:00:00   # jobs without --time: 4 hours
   export CLUSTER_DESCRIPTION=~/.config/azure-horovod/cluster-dev.json   # every command reads it from then on
 """
+FOR_USER_TEXT = """\
+Write the description a person of the cluster's users list (`dtrain users add`) works with, from the
+admin's (--cluster): their name on every host and their own private key. On Azure a person can also
+write their own: `cluster from-stack --stack STACK --user NAME --ssh-key THEIR_KEY`."""
+FOR_USER_EXAMPLES = """\
+examples:
+  python -m dtrain cluster for-user alice --ssh-key /home/alice/.ssh/id_ed25519 -o /home/alice/cluster.json
+  python -m dtrain cluster from-stack --stack dev --user alice --ssh-key ~/.ssh/id_ed25519   # as alice, on Azure
+"""
 CLUSTER_EXAMPLES = """\
 examples:
   python -m dtrain cluster from-stack --stack dev
@@ -549,6 +610,9 @@ SHOW_EXAMPLES = """\
 examples:
   python -m dtrain cluster show                        # $CLUSTER_DESCRIPTION, else the local cluster's
   python -m dtrain cluster show --cluster ~/.config/azure-horovod/cluster-dev.json
+  python -m dtrain cluster show --field data_path      # one value, bare: where staged datasets are
+  python -m dtrain launch --framework pytorch -- --data imagenet --data-dir "$(python -m dtrain cluster show \\
+      --field data_path)/mini" --steps 20
 """
 
 
@@ -574,12 +638,39 @@ def configure(commands: argparse._SubParsersAction) -> None:
     show = sub.add_parser(
         "show",
         help="print a description with its secrets masked",
-        description="Print the cluster description as JSON, every secret replaced by ***.",
+        description="Print the cluster description as JSON, every secret replaced by ***; with --field, one\n"
+        "value of it (a text bare, anything else as JSON), for scripts and for command lines that need it.",
         epilog=SHOW_EXAMPLES,
         formatter_class=raw,
     )
     add_cluster_option(show)
+    show.add_argument(
+        "--field",
+        type=non_empty,
+        metavar="NAME",
+        help="print only this field; a dotted NAME reaches inside one (slurm.partition, data.container)",
+    )
     show.set_defaults(handler=_show)
+    person = sub.add_parser(
+        "for-user",
+        help="write a person's description from the admin's (their name and key on every host)",
+        description=FOR_USER_TEXT,
+        epilog=FOR_USER_EXAMPLES,
+        formatter_class=raw,
+    )
+    person.add_argument(
+        "user", type=arg_type(check_person_name), metavar="NAME", help="the person's name in the cluster's users list"
+    )
+    person.add_argument("--ssh-key", required=True, type=non_empty, metavar="FILE", help="the person's private key")
+    person.add_argument(
+        "-o",
+        "--output",
+        type=non_empty,
+        metavar="FILE",
+        help=f"file to write, outside this repository (default: {user_config_dir()}/CLUSTER-NAME.json)",
+    )
+    add_cluster_option(person)
+    person.set_defaults(handler=_for_user)
 
 
 def _from_stack_arguments(parser: argparse.ArgumentParser) -> None:
@@ -589,7 +680,14 @@ def _from_stack_arguments(parser: argparse.ArgumentParser) -> None:
         type=non_empty,
         metavar="FILE",
         default=default_ssh_key(),
-        help="private key of the stack's admin user (default: %(default)s)",
+        help="private key of the stack's admin user, or with --user your own (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--user",
+        type=arg_type(check_person_name),
+        metavar="NAME",
+        help="your name in the cluster's users list (`dtrain users`): the description works as you, with your "
+        "own key (default: the admin user's description)",
     )
     parser.add_argument(
         "--runtime",
@@ -642,7 +740,8 @@ def _from_stack(args: argparse.Namespace) -> int:
         check_outside_repository(output, "--output")
         check_directory(output.parent, "the directory of --output")
     else:
-        output = user_config_dir() / f"cluster-{args.stack}.json"
+        suffix = f"-{args.user}" if args.user else ""
+        output = user_config_dir() / f"cluster-{args.stack}{suffix}.json"
         make_private_directory(output.parent)
     desc = from_pulumi_stack(
         args.stack,
@@ -653,8 +752,23 @@ def _from_stack(args: argparse.Namespace) -> int:
         image_tag=args.image_tag,
         default_time_limit=args.default_time,
     )
+    if args.user:
+        desc = for_user(desc, args.user, key)
     print(f"wrote {desc.save(output)} (mode 0600: it holds the read-only data SAS)")
     print(f"use it with: export CLUSTER_DESCRIPTION={output}")
+    return 0
+
+
+def _for_user(args: argparse.Namespace) -> int:
+    key = check_private_key(args.ssh_key)
+    desc = for_user(load(args.cluster), args.user, key)
+    output = Path(args.output).expanduser() if args.output else user_config_dir() / f"{desc.name}-{args.user}.json"
+    if output.is_dir():
+        raise OperatorError(f"--output {output} is a directory: pass a file name")
+    check_outside_repository(output, "--output")
+    make_private_directory(output.parent)
+    print(f"wrote {desc.save(output)} (mode 0600: it holds the cluster's data credential)")
+    print(f"give it to {args.user} with their key; they use it with: export CLUSTER_DESCRIPTION=FILE")
     return 0
 
 
@@ -667,5 +781,22 @@ def make_private_directory(path: Path) -> None:
 
 
 def _show(args: argparse.Namespace) -> int:
-    print(json.dumps(load(args.cluster).masked(), indent=2))
+    shown = load(args.cluster).masked()
+    if args.field:
+        shown = field_of(shown, args.field)
+    print(shown if isinstance(shown, str) else json.dumps(shown, indent=2))
     return 0
+
+
+def field_of(document: dict[str, Any], name: str) -> Any:
+    """The value at a dotted field name (`slurm.partition`), or a usage error naming the fields there are."""
+    value: Any = document
+    parts = name.split(".")
+    for depth, part in enumerate(parts):
+        where = ".".join(parts[:depth]) or "the description"
+        if not isinstance(value, dict):
+            raise OperatorError(f"--field {name}: {where} is {json.dumps(value)}, which has no fields")
+        if part not in value:
+            raise OperatorError(f"--field {name}: {where} has no {part!r} (its fields: {', '.join(value)})")
+        value = value[part]
+    return value

@@ -30,12 +30,22 @@ ACTIVE_STATES = frozenset(
 # registering (`not registered 35 min after its start: deallocated (<Azure's view>)`).
 UNREGISTERED_REASON = "not registered "
 _SEP = "\x1f"  # between squeue/sinfo fields: never in a job name, a reason or a node name
+_SCONTROL_FIELD = re.compile(r"(?:^|\s)(\w+)=(\S*)")  # `scontrol --oneliner show job`: Key=value ...
 # What squeue and scancel say of a job id slurmctld no longer holds: an answer, not a failure.
 _UNKNOWN_JOB = "Invalid job id specified"
+# What Slurm says to a user who acts on another user's job (scancel): a refusal, not an outage.
+_REFUSED = "Access/permission denied"
 # How long an operator command keeps asking through an outage (SSH to the login node, or slurmctld
 # restarting) before it gives up with exit 3: one restart of either takes seconds to a minute.
 OUTAGE_PATIENCE_S = 120.0
 RETRY_INTERVAL_S = 2.0
+
+
+class SlurmRefused(OperatorError):
+    """Slurm answered no: the job is another user's. Its words are the message."""
+
+    def __init__(self, message: str):
+        super().__init__(message, ExitCode.NOT_READY)
 
 
 class SlurmUnreachable(OperatorError):
@@ -66,6 +76,17 @@ class QueuedJob:
     nodes: str  # the allocated node list, or the node count while pending
     elapsed: str
     reason: str  # why it waits (Resources, Priority, ...) or the node list while it runs
+
+
+@dataclass(frozen=True)
+class EndedJob:
+    """Slurm's own record of a job that has ended: what tells why one ended without writing its status."""
+
+    state: str  # FAILED, CANCELLED, NODE_FAIL, BOOT_FAIL, OUT_OF_MEMORY, ...
+    reason: str  # JobLaunchFailure, NodeDown, None, ...
+    exit_status: int  # the batch script's (ExitCode=STATUS:SIGNAL)
+    signal: int  # the signal that ended it; 0 for none
+    started: bool  # whether its batch script was started (a pending job cancelled has a StartTime too)
 
 
 @dataclass(frozen=True)
@@ -144,6 +165,8 @@ class Slurm:
             result = self.run_unchecked(command, timeout=timeout)
         except SSHFailure as exc:
             raise SlurmUnreachable(str(exc)) from None
+        if result.returncode != 0 and _REFUSED in result.stderr:
+            raise SlurmRefused(result.stderr.strip().splitlines()[-1])
         if result.returncode != 0 and _UNKNOWN_JOB not in result.stderr:
             word = command.split()[0]
             raise SlurmUnreachable(f"{word} on the login node failed: {result.stderr.strip()[-600:] or 'no message'}")
@@ -175,6 +198,28 @@ class Slurm:
         found = [job for job in self.queue(job_id) if job.job_id == job_id]
         return found[0].state if found and found[0].state in ACTIVE_STATES else None
 
+    def ended_jobs(self, job_ids: list[str]) -> dict[str, EndedJob]:
+        """job id -> Slurm's record of its end, for those of job_ids that slurmctld still holds (for
+        MinJobAge after their end); a job it has forgotten is left out. One SSH call for all of them."""
+        if not job_ids:
+            return {}
+        show = "; ".join(f"scontrol --oneliner show job {q(job_id)} 2>/dev/null" for job_id in job_ids)
+        text = self._ask(f"{show}; true").stdout
+        ended = {}
+        for line in text.splitlines():
+            fields = dict(_SCONTROL_FIELD.findall(line))
+            if fields.get("JobState", "") in ACTIVE_STATES or ":" not in fields.get("ExitCode", ""):
+                continue
+            status, signal = fields["ExitCode"].split(":", 1)
+            ended[fields.get("JobId", "")] = EndedJob(
+                state=fields["JobState"],
+                reason=fields.get("Reason", "None"),
+                exit_status=int(status),
+                signal=int(signal),
+                started=fields.get("BatchHost", "") not in ("", "(null)"),
+            )
+        return ended
+
     def job_nodes(self, job_id: str) -> list[str]:
         """The nodes allocated to a job Slurm holds, in order (its first runs the batch script); none while
         it is pending, or once it has ended."""
@@ -184,7 +229,8 @@ class Slurm:
         return self._ask(f"scontrol show hostnames {q(text)}").stdout.split()
 
     def cancel(self, job_id: str) -> None:
-        """scancel; a job Slurm has already forgotten is cancelled as far as it goes."""
+        """scancel; a job Slurm has already forgotten is cancelled as far as it goes. Another user's job:
+        SlurmRefused."""
         self._ask(f"scancel {q(job_id)}")
 
     def node_addresses(self) -> dict[str, str]:

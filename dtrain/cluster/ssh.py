@@ -62,7 +62,8 @@ def _block(alias: str, endpoint: SSHEndpoint, jump: bool) -> list[str]:
 class SSH:
     """Runs commands on the cluster's hosts. Writes its ssh_config to a private temporary directory.
 
-    Targets: `jump` (the jump host), `storage` (the NFS server), `login` (where Slurm's commands run)
+    Targets: `jump` (the jump host), `storage` (what fills the shared file system: the NFS server, or the
+    head node of a Lustre stack), `login` (where Slurm's commands run)
     and `node(hostname)`, all but the jump host reached through it. A node's name is resolved on the
     jump host (Azure's DNS knows the scale set's instances), unless `addresses` maps it to an address
     (the local cluster, whose node names only the nodes know)."""
@@ -159,7 +160,7 @@ class SSH:
 
     @property
     def storage(self) -> Target:
-        return Target(STORAGE_ALIAS, f"NFS server {endpoint_label(self.desc.storage_host)}")
+        return Target(STORAGE_ALIAS, f"{storage_role(self.desc)} {endpoint_label(self.desc.storage_host)}")
 
     @property
     def login(self) -> Target:
@@ -283,6 +284,11 @@ def explain_ssh_failure(label: str, stderr: str, desc: ClusterDescription) -> st
 
 def q(value: object) -> str:
     return shlex.quote(str(value))
+
+
+def storage_role(desc: ClusterDescription) -> str:
+    """What the description's storage host is, in words: the NFS server, or the head node (Lustre)."""
+    return "head node (Lustre)" if desc.shared_storage == "lustre" else "NFS server"
 
 
 def endpoint_label(endpoint: SSHEndpoint) -> str:

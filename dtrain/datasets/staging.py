@@ -1,15 +1,19 @@
-"""Staging a dataset: a local directory -> the `data` blob container -> the NFS server (read-only SAS).
+"""Staging a dataset: a local directory -> the `data` blob container -> the shared file system (read-only SAS).
 
 upload: parallel, resumable (a file is sent only when no blob of that name has the same content MD5,
 so a rerun after an interruption sends only what is missing or different), Content-MD5 set on every
 blob and checked in transit, a progress bar with throughput and a summary table. With
 --shard-size-mb, files are packed into deterministic tar shards first (many small files are slow to
-list, transfer and store); `pull` unpacks them on the NFS server. With --short-side, the images are
+list, transfer and store); `pull` unpacks them on the shared file system. With --short-side, the images are
 first transcoded once (training/data/transcode.py) into a local cache and that copy is uploaded instead.
 Every upload writes dataset.json at the dataset's root: how it was made (short side, quality, source).
 
-pull: runs blob-pull on the NFS server over SSH (through the jump host), the read-only SAS sent on
-its stdin, into <data_path>/<dataset> as the nodes see it, then verifies the counts.
+pull: runs blob-pull on the storage host over SSH (through the jump host), the read-only SAS sent on
+its stdin, into <data_path>/<dataset> as the nodes see it, then verifies the counts. The storage host is
+the NFS server, or on a Lustre stack the head node, which mounts the file system as the nodes do; where
+Lustre imported the `data` container at its creation (lustreImportData), the datasets already there are
+read through it (their content comes from blob on that first read) and checked by MD5 like any file
+found in place, and only what the import did not bring is copied.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import contextlib
 import hashlib
 import json
 import os
+import posixpath
 import random
 import re
 import subprocess
@@ -44,9 +49,10 @@ from dtrain import fileio
 from dtrain.cli_common import ensure_directory
 from dtrain.cluster import blobs
 from dtrain.cluster.description import BlobCredential, BlobLocation, ClusterDescription
-from dtrain.cluster.ssh import SSH, SSHFailure, explain_ssh_failure, q
+from dtrain.cluster.ssh import SSH, SSHFailure, explain_ssh_failure, q, storage_role
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.ui import make_console
+from infra.contract import BOOT_REPORT_DIR, HEALTH_REPORT_DIR, RUNS_DIR
 from training.data.transcode import IMAGE_SUFFIXES, TranscodeError, TranscodeSummary, transcode_tree
 
 console = make_console()
@@ -382,9 +388,10 @@ class _Sender:
         self.progress.advance(self.task, sent)
 
 
-# --- pull onto the NFS server ------------------------------------------------------------------
+# --- pull onto the shared file system -------------------------------------------------------------
 @dataclass
 class PullSummary:
+    host: str  # what pulled it: the NFS server, or the head node (Lustre)
     dest_on_nodes: str
     dest_on_storage: str
     listed: int
@@ -407,9 +414,8 @@ def pull(
     sas: str | None = None,
     timeout: float = 6 * 3600,
 ) -> PullSummary:
-    """Run blob-pull on the NFS server into <data_path>/<dataset>; verify counts. SAS goes on stdin."""
-    dataset = check_dataset_name(dataset)
-    dest_nodes = f"{desc.data_path.rstrip('/')}/{dataset}"
+    """Run blob-pull on the storage host into <data_path>/<dataset>; verify counts. SAS goes on stdin."""
+    dest_nodes = dataset_path(desc, dataset)
     dest = desc.on_storage_host(dest_nodes)
     sas = sas or desc.data.credential.secret.get_secret_value()  # type: ignore[union-attr]
     pull_cmd = " ".join(q(part) for part in desc.blob_pull)
@@ -419,13 +425,14 @@ def pull(
     )
     started = time.time()
     with SSH(desc) as ssh:
-        summary = _blob_pull(ssh, command, sas, timeout)
+        summary = _blob_pull(ssh, command, sas, timeout, storage_role(desc))
         count_cmd = (
             f"find {q(dest)} -type f -not -path {q(dest + '/.blob-pull/*')} "
             f"-not -path {q(dest + '/' + SHARD_PREFIX + '*')} -not -name '.*.part-*' | wc -l"
         )
         files_in_dest = int(ssh.run(ssh.storage, count_cmd, timeout=600).stdout.strip() or 0)
     result = PullSummary(
+        host=storage_role(desc),
         dest_on_nodes=dest_nodes,
         dest_on_storage=dest,
         listed=summary["listed"],
@@ -441,8 +448,9 @@ def pull(
     return result
 
 
-def _blob_pull(ssh: SSH, command: str, sas: str, timeout: float) -> dict:
-    """Run blob-pull on the NFS server, the SAS on its stdin and its stderr relayed live; its summary."""
+def _blob_pull(ssh: SSH, command: str, sas: str, timeout: float, where: str) -> dict:
+    """Run blob-pull on the storage host (`where`, in words), the SAS on its stdin and its stderr relayed live;
+    its summary."""
     proc = subprocess.Popen(
         ssh.argv(ssh.storage, command),
         stdin=subprocess.PIPE,
@@ -455,7 +463,7 @@ def _blob_pull(ssh: SSH, command: str, sas: str, timeout: float) -> dict:
         proc.stdin.write((sas + "\n").encode())
         proc.stdin.close()
     stderr_lines: list[str] = []
-    relay = threading.Thread(target=_relay, args=(proc.stderr, stderr_lines), daemon=True)
+    relay = threading.Thread(target=_relay, args=(proc.stderr, stderr_lines, where), daemon=True)
     relay.start()
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
@@ -469,17 +477,17 @@ def _blob_pull(ssh: SSH, command: str, sas: str, timeout: float) -> dict:
             proc.wait()
     relay.join(5)
     if proc.returncode == -9:
-        raise OperatorError(f"pull on the NFS server did not finish within {timeout:.0f}s", ExitCode.TIMED_OUT)
+        raise OperatorError(f"pull on the {where} did not finish within {timeout:.0f}s", ExitCode.TIMED_OUT)
     if proc.returncode == 255:
         raise SSHFailure(explain_ssh_failure(ssh.storage.label, "\n".join(stderr_lines), ssh.desc))
     summary = _last_json(out.decode(errors="replace"))
     if "error" in summary:  # blob-pull exits with the same table: 2 bad input, 3 storage refused or away
         known = proc.returncode in (ExitCode.BAD_INPUT, ExitCode.NOT_READY, ExitCode.TIMED_OUT)
         code = proc.returncode if known else ExitCode.FAILED
-        raise OperatorError(f"pull on the NFS server failed: {summary['error']}", code)
+        raise OperatorError(f"pull on the {where} failed: {summary['error']}", code)
     if proc.returncode not in (0, 1) or not summary:  # 1: some blobs failed, verified by the caller
         tail = "\n".join(stderr_lines[-10:])
-        raise OperatorError(f"pull on the NFS server failed (exit {proc.returncode}):\n{tail}", ExitCode.FAILED)
+        raise OperatorError(f"pull on the {where} failed (exit {proc.returncode}):\n{tail}", ExitCode.FAILED)
     return summary
 
 
@@ -499,11 +507,12 @@ def _verify_pull(result: PullSummary, source_url: str, expected_objects: int | N
         raise OperatorError("pull verification failed: " + "; ".join(problems), code)
 
 
-def _relay(stream, lines: list[str]) -> None:
+def _relay(stream, lines: list[str], where: str) -> None:
+    prefix = where.split(" (")[0].replace(" ", "-").lower()  # the host the lines come from: nfs-server, head-node
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip()
         lines.append(line)
-        console.print(f"nfs-server: {line}", style="dim", markup=False, highlight=False)
+        console.print(f"{prefix}: {line}", style="dim", markup=False, highlight=False)
 
 
 def _last_json(text: str) -> dict:
@@ -518,6 +527,21 @@ def _last_json(text: str) -> dict:
 
 
 # --- helpers -----------------------------------------------------------------------------------
+def dataset_path(desc: ClusterDescription, dataset: str) -> str:
+    """<data_path>/<dataset>, as the nodes see it; refused where that is one of the cluster's own directories
+    (a Lustre import puts the datasets at the file system's root, beside runs/)."""
+    dataset = check_dataset_name(dataset)
+    path = posixpath.join(desc.data_path, dataset)
+    own = [posixpath.join(desc.shared_mount_path, name) for name in (RUNS_DIR, HEALTH_REPORT_DIR, BOOT_REPORT_DIR)]
+    if any(path == taken or path.startswith(taken + "/") for taken in own):
+        raise OperatorError(
+            f"dataset {dataset!r} would be {path}, the cluster's own directory on the shared file system: "
+            "give it another name",
+            ExitCode.BAD_INPUT,
+        )
+    return path
+
+
 def check_dataset_name(dataset: str) -> str:
     name = dataset.strip("/")
     if not DATASET_NAME.fullmatch(name):

@@ -35,7 +35,7 @@ RDZV_PORT_BASE = 29400  # torchrun's rendezvous on the first node: this plus the
 OUTPUT_SUBDIR = "output"  # $OUTPUT_DIR of a run: uploaded to the results container with the run's logs
 REMOTE_TOOLS = ("annotate_output.py", "record_run.py", "upload_results.py", "srun_ssh.py", "nvme_copy.py")
 REMOTE_TOOLS += ("checkpoint_mirror.py", "fetch_checkpoint.py", "time_warning.py", "setup_once.py", "mlflow_run.py")
-REMOTE_TOOLS += ("job_secrets.py",)
+REMOTE_TOOLS += ("job_secrets.py", "system_metrics.py")
 # from dtrain/remote/boot/, beside them: time_warning.py finds the ranks to signal the Spot agent's way
 REMOTE_BOOT_TOOLS = ("spot_agent.py",)
 # --ntasks too: the allocation's SLURM_NTASKS (nodes x processes) would otherwise win over per-node
@@ -104,6 +104,7 @@ class JobSpec:
     tracking: tracking.Tracking | None = None  # the MLflow server of the run (dtrain/jobs/tracking.py)
     resume_from: str | None = None  # a run whose kept checkpoint the job fetches first (dtrain/jobs/checkpoint_sync.py)
     warn_before_s: int = 0  # SIGUSR1 this long before the time limit (dtrain/jobs/time_warning.py); 0: none
+    cluster_info: str = ""  # SKYPILOT_CLUSTER_INFO's JSON for setup and per-node mode (task_steps.py)
 
     @property
     def world_size(self) -> int:
@@ -116,7 +117,9 @@ def render_job_script(spec: JobSpec) -> str:
     checkpoints = checkpoint_sync.before_launch(spec.run_id, spec.results, spec.resume_from)
     setup = task_steps.setup_lines(spec, EVERY_NODE_STEP, _user_runner(spec))
     steps = [RUN_STEP] if copy or setup else []
-    body = [*_prologue(spec), *steps, *copy, *checkpoints, *setup, *_launch(spec), *_epilogue(requeue)]
+    # the variables of the user's setup (and per-node mode's run): before setup, gone after it in per-rank mode
+    user_setup = [*task_steps.node_env_lines(spec), *setup, *task_steps.forget_node_env(spec)]
+    body = [*_prologue(spec), *steps, *copy, *checkpoints, *user_setup, *_launch(spec), *_epilogue(requeue)]
     return "\n".join([*_header(spec), *body, ""])
 
 
@@ -172,9 +175,8 @@ def _prologue(spec: JobSpec) -> list[str]:
         # is the time limit's, not a cancel (SLURM_JOB_END_TIME only exists from Slurm 23.02)
         'JOB_ENDS_AT=$(date -d "$(squeue -h -j "$SLURM_JOB_ID" -o %e)" +%s 2>/dev/null) || JOB_ENDS_AT=0',
         # what run.json charges: the allocation (GPUs, CPUs), and a node's CPUs to price a share of a CPU node
-        'ALLOC_TRES=$(squeue -h -j "$SLURM_JOB_ID" -O tres-alloc:500 2>/dev/null)',  # AllocTRES, in every version
-        # without slurmdbd, AllocTRES has no gres/gpu: the GPUs Slurm gave this node, the same on each node
-        'ALLOC_GPUS=$(($(tr , "\\n" <<<"${SLURM_JOB_GPUS:-}" | grep -c .) * ${SLURM_JOB_NUM_NODES:-1}))',
+        # AllocTRES, in every version: with gres/gpu counted (AccountingStorageTRES, as slurmdbd records it)
+        'ALLOC_TRES=$(squeue -h -j "$SLURM_JOB_ID" -O tres-alloc:500 2>/dev/null)',
         'NODE_CPUS=$(scontrol show node -o "${SLURMD_NODENAME:-}" 2>/dev/null | grep -o "CPUTot=[0-9]*" | cut -d= -f2)',
         "ENDED_BY=",
         'echo "[job] job $SLURM_JOB_ID, attempt $ATTEMPT, on $HOSTS (partition $SLURM_JOB_PARTITION)"',
@@ -247,9 +249,9 @@ def _finish_function(spec: JobSpec) -> list[str]:
         '  write_status "$code" uploading',
         f'  "$PY" "$TOOLS/record_run.py" --run-dir "$RUN_DIR" --nodes {spec.nodes} --attempt "$ATTEMPT" '
         '--started-at "$ATTEMPT_STARTED_AT" --exit-code "$code" --partition "$SLURM_JOB_PARTITION" '
-        '--alloc-tres "$ALLOC_TRES" --alloc-gpus "$ALLOC_GPUS" --node-cpus "$NODE_CPUS" 2>&1 '
+        '--alloc-tres "$ALLOC_TRES" --node-cpus "$NODE_CPUS" 2>&1 '
         "| sed 's/^/[job] /'",
-        *([tracking.CLOSE_RUN_LINE] if spec.tracking else []),
+        *(tracking.CLOSE_RUN_LINES if spec.tracking else []),
         *task_steps.forget_secrets(spec),  # after the run's close: it may need the MLflow token
         checkpoint_sync.stop_mirror(),
         f"  {' '.join(upload)} 2>&1 | sed 's/^/[job] /' || echo '[job] results upload incomplete: see status.json'",

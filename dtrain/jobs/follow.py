@@ -16,12 +16,13 @@ import time
 from collections.abc import Callable
 
 from dtrain.cluster.description import ClusterDescription
+from dtrain.cluster.limits import explain_queue
 from dtrain.cluster.node_reports import boot_verdict, read_reports
 from dtrain.cluster.slurm import ACTIVE_STATES, NodeInfo, QueuedJob, Slurm, patiently
 from dtrain.cluster.ssh import SSH, q
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.jobs.launcher_noise import without_launcher_tracebacks
-from dtrain.jobs.runs import Run, list_runs
+from dtrain.jobs.runs import Run, list_runs, without_status
 from dtrain.jobs.task_steps import secrets_dir
 from dtrain.processes import stop_process_group
 from dtrain.ui import make_console
@@ -115,8 +116,9 @@ def _wait_for_end(
         news = queue_news(job)
         if job.state == "CONFIGURING" and desc is not None:  # its nodes are starting: where each is
             news += patiently(lambda: nodes_booting(desc, slurm, job_id), f"about job {job_id}'s nodes")
-        if news != said:
-            console.print(f"job {job_id}: {news}", style="dim", markup=False)
+        if news != said:  # a job held over a limit: why, in words (dtrain/cluster/limits.py)
+            shown = explain_queue(slurm, [job]).get(job_id, news)
+            console.print(f"job {job_id}: {shown}", style="dim", markup=False, soft_wrap=True)
             said = news
         tail.keep_alive()
         time.sleep(POLL_S)
@@ -143,10 +145,9 @@ def outcome(desc: ClusterDescription, slurm: Slurm, run: Run) -> int:
     done = final[0] if final else run
     code = done.exit_code
     if code is None:
-        console.print(
-            f"[red]{done.label} ended without an exit status: cancelled before it started, or the node running "
-            "its batch script failed[/red]"
-        )
+        ended = patiently(lambda: slurm.ended_jobs([done.job_id] if done.job_id else []), "about the job")
+        _, why = without_status(ended.get(done.job_id or ""))
+        console.print(f"{done.label} ended without an exit status: {why}", style="red", markup=False, soft_wrap=True)
         return int(ExitCode.FAILED)
     verdict = done.verdict or {}
     if done.ended_by_time_limit:

@@ -20,7 +20,7 @@ from dtrain.cluster.ssh import q
 from dtrain.errors import OperatorError
 
 # The round trip's own exit statuses (sbatch and the shell use 0-2 and 126-127).
-NO_DATA, ONE_CLASS, NO_ENTRYPOINT, TOO_FEW_CPUS = 18, 19, 20, 21
+NO_DATA, ONE_CLASS, NO_ENTRYPOINT, TOO_FEW_CPUS, NO_MOUNTED_DATA = 18, 19, 20, 21, 22
 STAGE_HINT = "dtrain stage all DIR --dataset NAME"
 
 
@@ -80,6 +80,7 @@ def plan_preflight(
     entrypoint: str | None,
     model_parallel: bool,
     processes: ProcessRequest | None = None,
+    datasets: Sequence[str] = (),
 ) -> Preflight:
     """Refuse what can be refused here; return the checks the login node makes."""
     checks = Preflight()
@@ -109,6 +110,13 @@ def plan_preflight(
                 ONE_CLASS,
                 f"--data-dir {data_dir} has one class folder under train/: a classifier needs at least two",
             )
+    if datasets:  # a task file's file_mounts (dtrain/jobs/cluster_fit.py): each on the share already
+        checks.add(
+            " && ".join(f"[ -d {q(path)} ]" for path in datasets),
+            NO_MOUNTED_DATA,
+            f"file_mounts: {', '.join(datasets)}: not all on the shared file system: stage each dataset first "
+            f"({STAGE_HINT})",
+        )
     script = entrypoint_seen_by_login_node(desc, entrypoint)
     if script is not None:
         checks.add(

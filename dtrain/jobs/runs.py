@@ -4,14 +4,15 @@ and the one way every command turns `JOB` (a Slurm job id or a run id) into a ru
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import signal
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dtrain.cluster.description import ClusterDescription
-from dtrain.cluster.slurm import JOB_ID, Slurm
+from dtrain.cluster.slurm import JOB_ID, EndedJob, Slurm
 from dtrain.cluster.ssh import q
 from dtrain.errors import ExitCode, OperatorError
-from dtrain.jobs.submit import REMOTE_DIR, check_run_id, runs_dir
+from dtrain.jobs.submit import REMOTE_DIR, RUN_ID, check_run_id, runs_dir
 
 LIST_RUNS = REMOTE_DIR / "login" / "list_runs.py"
 
@@ -25,6 +26,8 @@ class Run:
     status: dict[str, Any] | None = None  # status.json: the exit, once the job has ended
     verdict: dict[str, Any] | None = None  # verdict.json: which rank failed, and why
     record: dict[str, Any] | None = None  # run.json: attempts, node-hours, billed node-hours, estimated cost
+    owner: str | None = None  # the user whose run it is (its directory's owner; Slurm's user of a job without one)
+    readable: bool = True  # False: another user's run, whose directory (0700) the file system keeps from us
 
     @property
     def cost_summary(self) -> str | None:
@@ -41,6 +44,16 @@ class Run:
     def label(self) -> str:
         return f"job {self.job_id or '?'} (run {self.run_id})" if self.run_id else f"job {self.job_id}"
 
+    def check_readable(self) -> Run:
+        """self, where its run directory is the caller's to read; else the one-line refusal."""
+        if not self.readable:
+            raise OperatorError(
+                f"{self.label} is {self.owner}'s: its run directory is theirs alone (0700), and the file system "
+                "refuses you its logs, checkpoints and secrets",
+                ExitCode.NOT_READY,
+            )
+        return self
+
     @property
     def exit_code(self) -> int | None:
         return None if self.status is None else int(self.status.get("exit_code", 1))
@@ -54,6 +67,29 @@ class Run:
     def cancelled(self) -> bool:
         """Whether the last attempt was cancelled: ended by SIGTERM or SIGINT (scancel, Ctrl-C), not by its limit."""
         return self.exit_code in (130, 143) and not self.ended_by_time_limit
+
+
+def without_status(ended: EndedJob | None) -> tuple[str, str]:
+    """(state, why) of a run whose job ended without writing its status (its batch script never ran, or
+    was killed), from Slurm's record of the job; a plainer guess once Slurm has forgotten it."""
+    if ended is None:
+        return "ENDED", "no exit status, and Slurm has forgotten the job: cancelled while pending, or its node failed"
+    if ended.state == "CANCELLED" and not ended.started:
+        return "CANCELLED", "cancelled while pending"
+    what = [ended.state if ended.reason in ("", "None") else f"{ended.state} ({ended.reason})"]
+    if ended.signal:
+        what.append(f"batch script killed by signal {ended.signal} ({_signal_name(ended.signal)})")
+    elif ended.exit_status:
+        what.append(f"batch script exit {ended.exit_status}")
+    when = "before it wrote its exit status" if ended.started else "before it started"
+    return ended.state, f"Slurm says {', '.join(what)} {when}"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "?"
 
 
 def list_runs(
@@ -72,8 +108,9 @@ def list_runs(
             f"reading the runs on the login node failed: {(result.stderr or result.stdout).strip()[-400:]}",
             ExitCode.FAILED,
         ) from None
+    fields = ("run_id", "job_id", "run_dir", "job", "status", "verdict")
     return [
-        Run(e["run_id"], e["job_id"], e["run_dir"], e["job"], e["status"], e["verdict"], e.get("record"))
+        Run(*(e[f] for f in fields), e.get("record"), owner=e.get("owner"), readable=e.get("readable", True))
         for e in entries
     ]
 
@@ -84,15 +121,25 @@ def check_job_reference(text: str) -> str:
 
 
 def resolve(desc: ClusterDescription, slurm: Slurm, text: str) -> Run:
-    """JOB as the user typed it: digits are a Slurm job id, anything else a run id."""
+    """JOB as the user typed it: digits are a Slurm job id, anything else a run id. Another user's run comes
+    back unreadable, with its owner and, while Slurm holds it, its job id (Slurm names the job after its run)."""
     if JOB_ID.fullmatch(text):
         found = list_runs(desc, slurm, job=text, limit=1)
         if found:
             return found[0]
-        if slurm.queue(text):
-            return Run(run_id=None, job_id=text)
-        raise OperatorError(f"no job {text}: not in Slurm's queue, and no run of it (see `dtrain jobs`)")
+        queued = slurm.queue(text)
+        if not queued:
+            raise OperatorError(f"no job {text}: not in Slurm's queue, and no run of it (see `dtrain jobs`)")
+        job = queued[0]
+        # another user's: its directory hides its job id from us, Slurm does not
+        theirs = list_runs(desc, slurm, run=job.name, limit=1) if RUN_ID.fullmatch(job.name) else []
+        if theirs and not theirs[0].readable:
+            return replace(theirs[0], job_id=text)
+        return Run(run_id=None, job_id=text, owner=job.user)
     found = list_runs(desc, slurm, run=check_run_id(text), limit=1)
     if not found:
         raise OperatorError(f"no run {text} in {runs_dir(desc)} (see `dtrain jobs`)")
-    return found[0]
+    if found[0].readable:
+        return found[0]
+    queued = [job for job in slurm.queue() if job.name == text]
+    return replace(found[0], job_id=queued[0].job_id if queued else None)

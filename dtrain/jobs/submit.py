@@ -17,7 +17,7 @@ import subprocess
 import tarfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -36,6 +36,7 @@ from dtrain.jobs.batch_script import (
     ResultsTarget,
     render_job_script,
 )
+from dtrain.jobs.cluster_fit import ClusterNeeds, fit_to_cluster
 from dtrain.jobs.kept_checkpoints import require_kept_checkpoint
 from dtrain.jobs.preflight import ProcessRequest, dataset_under_data_path, plan_preflight
 from dtrain.jobs.preflight import flag_value as _flag_value
@@ -87,8 +88,9 @@ class LaunchOptions:
     envs: dict[str, str] = field(default_factory=dict)  # for the user's command (and setup), in job.sh
     secrets: list[str] = field(default_factory=list)  # names, read from the operator's environment at launch
     tracking_uri: str | None = None  # MLflow server instead of the cluster's ("none": untracked)
-    experiment: str | None = None  # MLflow experiment (default: dtrain/jobs/tracking.py's)
+    experiment: str | None = None  # MLflow experiment (default: the cluster's name)
     warn_before: int | None = None  # seconds of SIGUSR1 before the time limit; default: time_warning.DEFAULT_S
+    needs: ClusterNeeds | None = None  # a task file's SkyPilot resources: what the nodes must have (cluster_fit.py)
 
     @property
     def requeued(self) -> bool:
@@ -111,6 +113,7 @@ class Plan:
     spec: JobSpec
     allocation: Allocation
     workdir: Workdir | None = None
+    datasets: tuple[str, ...] = ()  # a task file's file_mounts: staged datasets, checked for on the share
 
 
 def new_run_id(framework: str) -> str:
@@ -189,6 +192,9 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
         raise OperatorError(f"--framework must be one of {', '.join(FRAMEWORKS)}")
     check_model_parallel(opts)
     check_own_code(opts)
+    fit = fit_to_cluster(desc, opts.needs) if opts.needs else None
+    if fit and fit.gpus_per_node and opts.processes_per_node is None and opts.gpus is None:
+        opts = replace(opts, processes_per_node=fit.gpus_per_node)  # the accelerators' count, unless a flag says
     check_task_request(
         workdir=opts.workdir, command=opts.job_args, mode=opts.mode, launcher=opts.launcher, setup=opts.setup,
         envs=opts.envs, secrets=opts.secrets, nodes=opts.nodes or 1,
@@ -247,11 +253,26 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
         mode="per-node" if opts.mode == "per-node" else "per-rank",
         setup_cache_dir=setup_cache_dir(desc.local_data_path, runs_dir(desc)) if opts.setup else None,
         secrets=tuple(opts.secrets),
-        tracking=plan_tracking(desc.tracking_uri, opts.tracking_uri, opts.experiment),
+        tracking=plan_tracking(
+            desc.tracking_uri,
+            opts.tracking_uri,
+            opts.experiment,
+            cluster=desc.name,
+            framework=opts.framework,
+            prometheus_url=desc.telemetry.prometheus_url if desc.telemetry else None,
+        ),
         resume_from=opts.resume_from,
         warn_before_s=warning_lead(opts.warn_before, alloc.time_limit),
+        cluster_info=cluster_info(desc),
     )
-    return Plan(spec, alloc, workdir)
+    return Plan(spec, alloc, workdir, fit.datasets if fit else ())
+
+
+def cluster_info(desc: ClusterDescription) -> str:
+    """SKYPILOT_CLUSTER_INFO's JSON, as SkyPilot writes it: the cluster's name, cloud, region and zone (none:
+    the stack places the nodes in a proximity placement group, not a zone)."""
+    cloud = "Azure" if desc.provider == "azure" else "local"
+    return json.dumps({"cluster_name": desc.name, "cloud": cloud, "region": desc.region, "zone": None})
 
 
 def choose_partition(access: SlurmAccess, opts: LaunchOptions) -> str:
@@ -381,8 +402,9 @@ def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH, plan: Plan |
     job_args = [] if opts.workdir else opts.job_args
     processes = ProcessRequest(spec.processes_per_node, spec.partition, _processes_flag(opts))
     checks = plan_preflight(
-        desc, job_args, entrypoint=opts.entrypoint, model_parallel=opts.model_parallel, processes=processes
-    )
+        desc, job_args, entrypoint=opts.entrypoint, model_parallel=opts.model_parallel, processes=processes,
+        datasets=plan.datasets,
+    )  # fmt: skip
     if spec.resume_from:  # the job fetches it (fetch_checkpoint.py): here only whether there is one
         require_kept_checkpoint(desc, spec.resume_from, ours=not (opts.workdir or opts.entrypoint))
     files = _run_files(desc, opts, spec, slurm.access)

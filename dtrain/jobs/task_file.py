@@ -1,17 +1,20 @@
-"""`dtrain launch task.yaml`: a task file (SkyPilot's keys) read, checked against a schema, and merged
-with the command line. Runs on the operator's machine.
+"""`dtrain launch task.yaml`: a task file (SkyPilot's keys, and a few of ours) read, checked against a schema,
+and merged with the command line. Runs on the operator's machine.
 
     name: my-model                 # the run id's prefix
     workdir: .                     # relative to the task file's directory
+    num_nodes: 2                   # or resources.nodes
     setup: pip install -r requirements.txt   # once per node, skipped when the code and setup are unchanged
     run: torchrun --nproc-per-node "$DTRAIN_PROCESSES_PER_NODE" ... train.py
     envs: {EPOCHS: 2}
     secrets: [HF_TOKEN]            # values from the operator's environment at launch, never written down
     mode: per-node                 # run once per node (your launcher), or per-rank (ours)
-    resources: {nodes: 2, gpus: 8, time: "4:00:00", spot: false, image: null}
+    resources: {accelerators: H100:8, time: "4:00:00", use_spot: false}   # or gpus: 8, spot, image
 
-Flags given on the command line win over the file's keys; `--env` and `--secret` add to its `envs` and
-`secrets`. PyYAML reads it with YAML 1.2's numbers, so `time: 1:00:00` stays a time, not 3600.
+SkyPilot's keys that this cluster cannot honour are refused, each naming why (dtrain/jobs/skypilot_keys.py);
+what its resources ask of the nodes is checked against the cluster (dtrain/jobs/cluster_fit.py). Flags given
+on the command line win over the file's keys; `--env` and `--secret` add to its `envs` and `secrets`. PyYAML
+reads it with YAML 1.2's numbers, so `time: 1:00:00` stays a time, not 3600.
 """
 
 from __future__ import annotations
@@ -19,16 +22,18 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator, model_validator
 
 from dtrain.cli_common import describe_validation_error
 from dtrain.cluster.slurm_time import check_time_limit
 from dtrain.errors import OperatorError, explain_os_error
+from dtrain.jobs import skypilot_keys
+from dtrain.jobs.cluster_fit import ClusterNeeds
 from dtrain.jobs.launcher_guard import check_launcher_mode
 
 TASK_SUFFIXES = (".yaml", ".yml")
@@ -38,7 +43,7 @@ Mode = Literal["per-rank", "per-node"]
 RESERVED_NAMES = frozenset(
     ("PATH", "RUN_DIR", "RUN_ID", "OUTPUT_DIR", "CHECKPOINT_DIR", "GIT_REVISION", "MASTER_ADDR", "MASTER_PORT")
 )
-RESERVED_PREFIXES = ("DTRAIN_", "SLURM_", "TORCHELASTIC_")
+RESERVED_PREFIXES = ("DTRAIN_", "SKYPILOT_", "SLURM_", "TORCHELASTIC_")
 # Names that hold credentials by convention (HF_TOKEN, MLFLOW_TRACKING_TOKEN, MLFLOW_TRACKING_PASSWORD,
 # AZURE_CLIENT_SECRET, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, AZURE_STORAGE_CONNECTION_STRING): a word (between
 # underscores) TOKEN, SECRET, PASSWORD, PASSWD or CREDENTIAL(S), or a name that ends in _KEY or
@@ -76,12 +81,30 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
+def _reader(parse: Callable[[Any], object], empty: object = None) -> Any:
+    """A field's validator that reads SkyPilot's form of its value (dtrain/jobs/skypilot_keys.py); an empty
+    key (`cpus:`) is not given."""
+    return classmethod(lambda cls, value: empty if value is None else parse(value))
+
+
 class Resources(_Strict):
     nodes: Annotated[int, Field(ge=1)] | None = None
     gpus: Annotated[int, Field(ge=1)] | None = None  # per node, as SkyPilot's accelerators count
     time: str | int | None = None  # Slurm's --time syntax; a bare number is minutes
     spot: bool = False
     image: Annotated[str, Field(min_length=1)] | None = None
+    # SkyPilot's, in its forms (dtrain/jobs/skypilot_keys.py); what they ask of the nodes: cluster_fit.py
+    accelerators: tuple[tuple[str, int], ...] = ()  # (name, count per node) candidates
+    cpus: float | None = None  # the least a node has
+    memory: float | None = None  # GiB, the least a node has
+    disk_size: float | None = None  # GiB, the least a node's OS disk has
+    use_spot: bool = False
+    image_id: str | None = None  # the container image (docker:REF's REF)
+    instance_type: Annotated[str, Field(min_length=1)] | None = None
+    network_tier: Literal["standard", "best"] | None = None
+    cloud: str | None = None
+    region: Annotated[str, Field(min_length=1)] | None = None
+    infra: str | None = None  # CLOUD[/REGION]
 
     @field_validator("time")
     @classmethod
@@ -91,27 +114,70 @@ class Resources(_Strict):
         except OperatorError as exc:
             raise ValueError(str(exc)) from None
 
+    _accelerators = field_validator("accelerators", mode="before")(_reader(skypilot_keys.parse_accelerators, ()))
+    _cpus = field_validator("cpus", mode="before")(_reader(skypilot_keys.parse_cpus))
+    _memory = field_validator("memory", mode="before")(_reader(skypilot_keys.parse_size_gib))
+    _disk = field_validator("disk_size", mode="before")(_reader(skypilot_keys.parse_disk_gib))
+    _image_id = field_validator("image_id", mode="before")(_reader(skypilot_keys.parse_image_id))
+    _cloud = field_validator("cloud")(_reader(skypilot_keys.check_cloud))
+
+    @field_validator("infra")
+    @classmethod
+    def _infra(cls, value: str) -> str:
+        skypilot_keys.check_cloud(skypilot_keys.parse_infra(value)[0])
+        return value
+
+    @model_validator(mode="after")
+    def _one_key_each(self) -> Resources:
+        """Ours and SkyPilot's key for the same thing: which would win is not obvious, so one of them goes."""
+        given = self.model_fields_set
+        for ours, theirs in (("gpus", "accelerators"), ("spot", "use_spot"), ("image", "image_id"), ("cloud", "infra")):
+            if ours in given and theirs in given:
+                raise ValueError(f"{ours} and {theirs} say the same thing: keep one")
+        if "region" in given and "infra" in given:
+            raise ValueError("region and infra both say where: keep one")
+        return self
+
+    def needs(self, mounts: tuple[tuple[str, str], ...], task_file: str) -> ClusterNeeds:
+        cloud, region = skypilot_keys.parse_infra(self.infra) if self.infra else (self.cloud, self.region)
+        return ClusterNeeds(
+            accelerators=self.accelerators, cpus=self.cpus, memory_gib=self.memory, disk_gib=self.disk_size,
+            instance_type=self.instance_type, network_tier=self.network_tier, cloud=cloud and cloud.lower(),
+            region=region, mounts=mounts, task_file=task_file,
+        )  # fmt: skip
+
 
 class Task(_Strict):
     name: RunName | None = None
     workdir: Annotated[str, Field(min_length=1)] | None = None
+    num_nodes: Annotated[int, Field(ge=1)] | None = None  # SkyPilot's resources.nodes
     setup: str | None = None
     run: Annotated[str, Field(min_length=1)] | None = None
-    envs: dict[EnvName, str] = {}
+    envs: dict[EnvName, str | None] = {}  # None: required, from --env (a credential's name: a secret)
     secrets: list[EnvName] = []
     mode: Mode | None = None
     resources: Resources = Resources()
+    file_mounts: tuple[tuple[str, str], ...] = ()  # staged datasets: (path on the nodes, source URL)
+
+    @field_validator("workdir", mode="before")
+    @classmethod
+    def _workdir(cls, workdir: object) -> object:
+        if isinstance(workdir, dict):
+            raise ValueError("a git repository (url, ref): clone it, and name the directory")
+        return workdir
+
+    _file_mounts = field_validator("file_mounts", mode="before")(_reader(skypilot_keys.parse_file_mounts, ()))
 
     @field_validator("envs", mode="before")
     @classmethod
     def _env_text(cls, envs: object) -> object:
-        """Numbers and booleans as the shell will see them (true, not True)."""
+        """Numbers and booleans as the shell will see them (true, not True); empty (null) stays None."""
         if not isinstance(envs, dict):
             return envs
         for key, value in envs.items():
-            if not isinstance(value, str | int | float | bool):
+            if value is not None and not isinstance(value, str | int | float | bool):
                 raise ValueError(f"{key}: a value must be text, a number or true/false")
-        return {key: str(value).lower() if isinstance(value, bool) else str(value) for key, value in envs.items()}
+        return {key: _shell_text(value) for key, value in envs.items()}
 
     @field_validator("secrets", mode="before")
     @classmethod
@@ -126,6 +192,20 @@ class Task(_Strict):
                 "launch, never from the task file"
             )
         return list(secrets)
+
+    @property
+    def in_skypilot_dialect(self) -> bool:
+        """Whether the file uses a key only SkyPilot has, or its run reads SkyPilot's variables: then its run
+        is meant to run once per node, as SkyPilot runs it."""
+        own = {"num_nodes", "file_mounts"} & self.model_fields_set
+        resources = set(skypilot_keys.SKYPILOT_RESOURCES) & self.resources.model_fields_set
+        return bool(own or resources) or skypilot_keys.reads_skypilot_variables(self.run)
+
+
+def _shell_text(value: str | int | float | bool | None) -> str | None:
+    if value is None:
+        return None
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 _MERGE = "tag:yaml.org,2002:merge"
@@ -182,6 +262,8 @@ def load_task(path: str) -> Task:
         raise OperatorError(f"{path}: not YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
     if not isinstance(data, dict):
         raise OperatorError(f"{path}: expected a mapping of keys (name, workdir, setup, run, envs, ...)")
+    if refused := skypilot_keys.refused_key(data):  # SkyPilot's, and not for this cluster: named with why
+        raise OperatorError(f"{path}: {refused}")
     try:
         return Task.model_validate(data)
     except ValidationError as exc:
@@ -204,30 +286,47 @@ def env_name(text: str) -> str:
 
 
 def fill_from_task(args: argparse.Namespace, task: Task, path: str) -> None:
-    """The task's keys where the command line left a flag unset: flags win, --env/--secret add."""
+    """The task's keys where the command line left a flag unset: flags win, --env/--secret add. A file in
+    SkyPilot's dialect runs per node unless it says `mode:` (SkyPilot runs `run` once on each node)."""
     base = Path(path).expanduser().resolve().parent
+    resources = task.resources
+    if task.num_nodes is not None and resources.nodes is not None:
+        raise OperatorError(f"{path}: num_nodes and resources.nodes say the same thing: keep one")
     given = {
         "workdir": task.workdir and str(base / task.workdir),
-        "nodes": task.resources.nodes,
-        "gpus_per_node": None if args.gpus is not None else task.resources.gpus,
-        "time_limit": task.resources.time,
-        "image": task.resources.image,
-        "mode": task.mode,
+        "nodes": task.num_nodes or resources.nodes,
+        "gpus_per_node": None if args.gpus is not None else resources.gpus,
+        "time_limit": resources.time,
+        "image": resources.image or resources.image_id,
+        "mode": task.mode or ("per-node" if task.in_skypilot_dialect else None),
         "name": task.name,
         "setup": task.setup,
     }
     for key, value in given.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    args.spot = args.spot or (task.resources.spot and not args.spot_fallback)
-    args.envs = {**task.envs, **dict(args.envs or [])}
-    args.secrets = list(dict.fromkeys([*task.secrets, *(args.secrets or [])]))
+    args.spot = args.spot or ((resources.spot or resources.use_spot) and not args.spot_fallback)
+    args.task_needs = resources.needs(task.file_mounts, path)
+    args.envs, required = _envs(task.envs, dict(args.envs or []), path)
+    args.secrets = list(dict.fromkeys([*task.secrets, *required, *(args.secrets or [])]))
     if not args.job_args and task.run:
         args.job_args = ["bash", "-c", task.run]
     if not args.workdir:
         raise OperatorError(f"{path}: workdir: needed (the directory your code is in, relative to the task file)")
     if not args.job_args:
         raise OperatorError(f"{path}: run: needed (the command that starts your code), or a command after --")
+
+
+def _envs(envs: dict[str, str | None], flags: dict[str, str], path: str) -> tuple[dict[str, str], list[str]]:
+    """The file's envs with the --env flags over them, and the secrets that its empty credentials become.
+    An empty env (SkyPilot's `NAME: null`, "required") needs --env NAME=VALUE; one whose name says it holds a
+    credential (HF_TOKEN) is read as a secret from the environment, as SkyPilot's `--env HF_TOKEN` reads it,
+    and never written down."""
+    required = [name for name, value in envs.items() if value is None and name not in flags]
+    secrets = [name for name in required if CREDENTIAL_NAME.search(name)]
+    if missing := [name for name in required if name not in secrets]:
+        raise OperatorError(f"{path}: envs.{missing[0]}: required (empty in the file): pass --env {missing[0]}=VALUE")
+    return {**{name: value for name, value in envs.items() if value is not None}, **flags}, secrets
 
 
 def read_secrets(names: list[str]) -> dict[str, str]:
@@ -329,7 +428,7 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
         help="per-rank (default): your command runs on every rank under our launcher; per-node: once per node, "
         "as your own launcher (torchrun, accelerate launch, deepspeed), with DTRAIN_NODE_RANK, MASTER_ADDR, ...",
     )  # fmt: skip
-    parser.set_defaults(name=None, setup=None)  # a task file's only
+    parser.set_defaults(name=None, setup=None, task_needs=None)  # a task file's only
 
 
 def from_task_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

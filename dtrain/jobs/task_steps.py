@@ -28,11 +28,25 @@ if TYPE_CHECKING:
 SECRETS_SUBDIR = "secrets"  # in the run directory; never uploaded (upload_results.py SKIPPED_DIRS)
 SETUP_FILE = "setup.sh"  # in the run directory: the task's setup text
 SETUP_CACHE = ".dtrain-setup"  # under a node's local disk (or the runs directory): setup_once.py's markers
-# What per-node mode gives the command on every node (docs/operator.md); DTRAIN_NODE_RANK is per node.
-PER_NODE_ENV = (
-    "DTRAIN_NODE_RANK", "DTRAIN_NUM_NODES", "DTRAIN_NODE_LIST", "DTRAIN_GPUS_PER_NODE", "DTRAIN_PROCESSES_PER_NODE",
-    "MASTER_ADDR", "MASTER_PORT",
+# What setup and per-node mode's run get on every node (docs/operator.md): ours, and SkyPilot's names for the
+# same values as its docs define them ("SkyPilot environment variables"), so that a SkyPilot task runs as
+# written. The node's rank is set per node (from SLURM_NODEID, by user_command's wrapper), the rest once
+# for the job (node_env_lines), the rendezvous for per-node mode's run (per_node_lines).
+NODE_RANK_ENV = ("DTRAIN_NODE_RANK", "SKYPILOT_NODE_RANK", "SKYPILOT_SETUP_NODE_RANK")
+JOB_ENV = (
+    "DTRAIN_NUM_NODES", "DTRAIN_NODE_LIST", "DTRAIN_GPUS_PER_NODE", "DTRAIN_PROCESSES_PER_NODE",
+    "SKYPILOT_NUM_NODES", "SKYPILOT_NODE_IPS", "SKYPILOT_SETUP_NODE_IPS", "SKYPILOT_NUM_GPUS_PER_NODE",
+    "SKYPILOT_SETUP_NUM_GPUS_PER_NODE", "SKYPILOT_TASK_ID", "SKYPILOT_CLUSTER_INFO",
 )  # fmt: skip
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT")
+RANK_EXPORT = "export " + " ".join(f'{name}="$SLURM_NODEID"' for name in NODE_RANK_ENV) + "; "
+# SKYPILOT_NODE_IPS: each node's IPv4 address, one a line in rank order, resolved on the first node (a name
+# that resolves to none but loopback stays a name: where a host file maps its own name to 127.0.1.1)
+NODE_IPS = (
+    'while read -r node; do getent ahostsv4 "$node" '
+    "| awk -v node=\"$node\" '$1 !~ /^127[.]/ { print $1; found = 1; exit } END { if (!found) print node }'; "
+    'done <"$RUN_DIR/nodes"'
+)
 
 
 def secrets_dir(run_dir: str) -> str:
@@ -44,9 +58,9 @@ def secrets_file(run_dir: str) -> str:
 
 
 def user_command(spec: JobSpec, command: Sequence[str], per_node: bool = False) -> list[str]:
-    """command, preceded where needed by a wrapper that exports the node rank and sources the secrets
-    in the process that then execs it (so that nothing above it holds them)."""
-    script = 'DTRAIN_NODE_RANK="$SLURM_NODEID"; export DTRAIN_NODE_RANK; ' if per_node else ""
+    """command, preceded where needed by a wrapper that exports the node's rank (per_node: setup, per-node
+    mode's run) and sources the secrets in the process that then execs it (so that nothing above it holds them)."""
+    script = RANK_EXPORT if per_node else ""
     if spec.secrets:
         script += f"set -a; . {q(secrets_file(spec.run_dir))}; set +a; "
     if not script:
@@ -74,9 +88,40 @@ def forget_secrets(spec: JobSpec) -> list[str]:
     return [f'  [ "$code" -eq {PREEMPTED_EXIT_CODE} ] || [ -n "${{REQUEUED:-}}" ] || {remove}']
 
 
+def runs_per_node(spec: JobSpec) -> bool:
+    """Whether the user's command runs once per node (setup, per-node mode), given NODE_RANK_ENV and JOB_ENV."""
+    return spec.mode == "per-node" or spec.setup_cache_dir is not None
+
+
 def docker_env(spec: JobSpec) -> list[str]:
-    """The variables a container must be given (-e NAME) for this spec's per-node mode."""
-    return ["SLURM_NODEID", *PER_NODE_ENV[1:]] if spec.mode == "per-node" else []
+    """The variables a container must be given (-e NAME) for the user's setup and per-node mode."""
+    if not runs_per_node(spec):
+        return []
+    return ["SLURM_NODEID", *JOB_ENV, *(RENDEZVOUS_ENV if spec.mode == "per-node" else ())]
+
+
+def node_env_lines(spec: JobSpec) -> list[str]:
+    """The exports of JOB_ENV in the batch shell, before setup: what every node's setup and run share."""
+    if not runs_per_node(spec):
+        return []
+    gpus = spec.gpus_per_node  # SkyPilot's count: 0 on CPU nodes, as SkyPilot says it without accelerators
+    values = {
+        "DTRAIN_NUM_NODES": spec.nodes, "DTRAIN_GPUS_PER_NODE": gpus,
+        "DTRAIN_PROCESSES_PER_NODE": spec.processes_per_node, "SKYPILOT_NUM_NODES": spec.nodes,
+        "SKYPILOT_NUM_GPUS_PER_NODE": gpus, "SKYPILOT_SETUP_NUM_GPUS_PER_NODE": gpus,
+        "SKYPILOT_TASK_ID": spec.run_id,  # the same over every attempt, as a managed job's recoveries keep theirs
+        "SKYPILOT_CLUSTER_INFO": spec.cluster_info,
+    }  # fmt: skip
+    return [
+        f"export {' '.join(f'{name}={q(str(value))}' for name, value in values.items())}",
+        'DTRAIN_NODE_LIST=$(cat "$RUN_DIR/nodes") && export DTRAIN_NODE_LIST',
+        f'SKYPILOT_NODE_IPS=$({NODE_IPS}) && export SKYPILOT_NODE_IPS SKYPILOT_SETUP_NODE_IPS="$SKYPILOT_NODE_IPS"',
+    ]
+
+
+def forget_node_env(spec: JobSpec) -> list[str]:
+    """After setup, in per-rank mode: the ranks under our launcher get RANK and the like, not JOB_ENV."""
+    return [f"unset {' '.join(JOB_ENV)}"] if spec.mode != "per-node" and runs_per_node(spec) else []
 
 
 def setup_lines(spec: JobSpec, step: str, runner: Sequence[str]) -> list[str]:
@@ -85,7 +130,7 @@ def setup_lines(spec: JobSpec, step: str, runner: Sequence[str]) -> list[str]:
     if spec.setup_cache_dir is None:
         return []
     setup = posixpath.join(spec.run_dir, SETUP_FILE)
-    command = [*runner, *(q(word) for word in user_command(spec, ["bash", setup]))]
+    command = [*runner, *(q(word) for word in user_command(spec, ["bash", setup], per_node=True))]
     tool = [
         '"$PY"', '"$TOOLS/setup_once.py"', "--code", q(spec.workdir), "--setup", q(setup),
         "--cache-dir", q(spec.setup_cache_dir), "--salt", q(spec.image or ""), "--", *command,
@@ -101,15 +146,12 @@ def setup_lines(spec: JobSpec, step: str, runner: Sequence[str]) -> list[str]:
 
 
 def per_node_lines(spec: JobSpec, step: str, runner: Sequence[str], rendezvous_port: str) -> list[str]:
-    """Per-node mode: the exports of the rendezvous, then the user's command once per node (the last line)."""
-    exports = [
-        f"export DTRAIN_NUM_NODES={spec.nodes} DTRAIN_GPUS_PER_NODE={spec.gpus_per_node} "
-        f"DTRAIN_PROCESSES_PER_NODE={spec.processes_per_node}",
-        'DTRAIN_NODE_LIST=$(cat "$RUN_DIR/nodes") MASTER_ADDR=$(head -n1 "$RUN_DIR/nodes") '
-        f"MASTER_PORT=$(({rendezvous_port})) && export DTRAIN_NODE_LIST MASTER_ADDR MASTER_PORT",
-    ]
+    """Per-node mode: the export of the rendezvous, then the user's command once per node (the last line)."""
+    export = (
+        f'MASTER_ADDR=$(head -n1 "$RUN_DIR/nodes") MASTER_PORT=$(({rendezvous_port})) && export MASTER_ADDR MASTER_PORT'
+    )
     command = " ".join(q(word) for word in user_command(spec, spec.command, per_node=True))
-    return [*exports, f"{step} {' '.join(runner)} {command}"]
+    return [export, f"{step} {' '.join(runner)} {command}"]
 
 
 def setup_cache_dir(local_data_path: str | None, runs_dir: str) -> str:

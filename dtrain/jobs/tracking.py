@@ -3,22 +3,26 @@
 The cluster's own server (Azure: `mlflow server` on the head node; locally: in the head namespace) is the
 cluster description's ``tracking_uri``; ``launch --tracking-uri`` points a run at another one (an Azure ML
 workspace's MLflow endpoint, say), or ``none`` turns tracking off. The batch script opens the run
-(dtrain/remote/job/mlflow_run.py) and exports ``MLFLOW_TRACKING_URI`` and ``MLFLOW_RUN_ID`` to every rank;
-a server's token is ``MLFLOW_TRACKING_TOKEN`` in the job's environment, never in the script.
+(dtrain/remote/job/mlflow_run.py) in the experiment named for the cluster (``--experiment`` another), named
+for the run id and tagged with who launched it, the Slurm job and the framework, so that a user finds theirs
+in a shared server; it exports ``MLFLOW_TRACKING_URI`` and ``MLFLOW_RUN_ID`` to every rank; a server's
+token is ``MLFLOW_TRACKING_TOKEN`` in the job's environment, never in the script.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import urllib.parse
-from dataclasses import dataclass
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from dtrain.cli_common import arg_type
 from dtrain.cluster.ssh import q
 from dtrain.errors import OperatorError
 
-DEFAULT_EXPERIMENT = "dtrain"
 OFF = "none"
 TOKEN = "MLFLOW_TRACKING_TOKEN"  # a server's bearer token: a task's secret, read by mlflow_run.py
 # what the job's containers (docker runtime) get from the batch script's environment
@@ -26,10 +30,21 @@ CONTAINER_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", TOKEN)
 _EXPERIMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/ -]{0,199}")
 
 
+# MLflow 3's UI opens in its GenAI view, where a training run is listed among "Evaluation runs"; this query
+# parameter opens its model-training view (Runs, metrics and system metrics charts) instead
+TRAINING_VIEW = "workflowType=machine_learning"
+PAGE_LOOKUP_TIMEOUT_S = 5
+# ours; MLflow's own tag for the user (its runs table's User column) is set by the job, to the Slurm user it
+# runs as (dtrain/remote/job/mlflow_run.py), not to the name of whoever launched it on their own machine
+FRAMEWORK_TAG = "dtrain.framework"
+
+
 @dataclass(frozen=True)
 class Tracking:
     uri: str  # http(s)://host:port of an MLflow tracking server, as the nodes reach it
-    experiment: str = DEFAULT_EXPERIMENT
+    experiment: str  # the cluster's name unless --experiment says otherwise
+    tags: Mapping[str, str] = field(default_factory=dict)  # the run's, besides its run id and Slurm job id
+    prometheus_url: str | None = None  # the cluster's, as the nodes reach it: the run's system metrics
 
 
 def check_tracking_uri(text: str) -> str:
@@ -61,31 +76,67 @@ def check_experiment(text: str) -> str:
     raise OperatorError(f"--experiment must be up to 200 letters, digits, '._/ -', not {text!r}")
 
 
-def plan_tracking(cluster_uri: str | None, uri: str | None, experiment: str | None) -> Tracking | None:
-    """The run's server: ``uri`` (from --tracking-uri) over the cluster's; None: not tracked."""
+def plan_tracking(
+    cluster_uri: str | None,
+    uri: str | None,
+    experiment: str | None,
+    *,
+    cluster: str,
+    framework: str,
+    prometheus_url: str | None = None,
+) -> Tracking | None:
+    """The run's server: ``uri`` (from --tracking-uri) over the cluster's; None: not tracked. The experiment is
+    the cluster's name unless ``experiment`` (--experiment) names another. With the cluster's Prometheus, the
+    run gets its nodes' system metrics (dtrain/remote/job/system_metrics.py)."""
     chosen = uri or cluster_uri
     if not chosen or chosen == OFF:
         return None
-    return Tracking(chosen, experiment or DEFAULT_EXPERIMENT)
+    tags = {FRAMEWORK_TAG: framework}
+    return Tracking(chosen, experiment or cluster, tags, prometheus_url)
 
 
 def open_run_lines(tracking: Tracking) -> list[str]:
-    """Open the run before the launch; a server that does not answer leaves the job untracked, not failed."""
+    """Open the run before the launch; a server that does not answer leaves the job untracked, not failed.
+    Then the system metrics' sampler, in the background until finish() (close_run_lines) stops it."""
+    tags = "".join(f" --tag {q(f'{key}={value}')}" for key, value in tracking.tags.items())
     start = (
         f'"$PY" "$TOOLS/mlflow_run.py" start --run-dir "$RUN_DIR" --experiment {q(tracking.experiment)} '
-        '--run-name "$RUN_ID"'
+        f'--run-name "$RUN_ID"{tags}'
     )
-    return [
+    lines = [
         f"export MLFLOW_TRACKING_URI={q(tracking.uri)}",
-        f"MLFLOW_RUN_ID=$({start}) && export MLFLOW_RUN_ID && "
-        'echo "[job] MLflow run $MLFLOW_RUN_ID at $MLFLOW_TRACKING_URI"',
+        # it logs the run's page itself ([job] MLflow run ID at URL)
+        f"MLFLOW_RUN_ID=$({start}) && export MLFLOW_RUN_ID",
     ]
+    if tracking.prometheus_url:
+        sampler = (
+            f'"$PY" "$TOOLS/system_metrics.py" --run-dir "$RUN_DIR" --prometheus {q(tracking.prometheus_url)} '
+            '--job "$SLURM_JOB_ID" --nodes "$HOSTS"'
+        )
+        lines.append(f'if [ -n "${{MLFLOW_RUN_ID:-}}" ]; then {sampler} & SYSTEM_METRICS_PID=$!; fi')
+    return lines
 
 
-# in finish(): the run's status from the job's (FINISHED, FAILED or KILLED)
-CLOSE_RUN_LINE = (
-    '  [ -n "${MLFLOW_RUN_ID:-}" ] && "$PY" "$TOOLS/mlflow_run.py" end --run-dir "$RUN_DIR" --exit-code "$code"'
-)
+# in finish(): the sampler's end, then the run's status from the job's (FINISHED, FAILED or KILLED)
+CLOSE_RUN_LINES = [
+    '  [ -n "${SYSTEM_METRICS_PID:-}" ] && kill "$SYSTEM_METRICS_PID" 2>/dev/null',
+    '  [ -n "${MLFLOW_RUN_ID:-}" ] && "$PY" "$TOOLS/mlflow_run.py" end --run-dir "$RUN_DIR" --exit-code "$code" '
+    '--ended-by "$ENDED_BY"',
+]
+
+
+def experiment_page(base_url: str, experiment: str) -> str:
+    """The UI's page of ``experiment`` (its runs) on the server at ``base_url``, in the model-training view; the
+    experiments list where the server has none of that name yet (no run so far) or does not answer."""
+    base = base_url.rstrip("/")
+    query = urllib.parse.urlencode({"experiment_name": experiment})
+    try:
+        url = f"{base}/api/2.0/mlflow/experiments/get-by-name?{query}"
+        with urllib.request.urlopen(url, timeout=PAGE_LOOKUP_TIMEOUT_S) as answer:
+            found = json.load(answer)["experiment"]["experiment_id"]
+    except (OSError, ValueError, KeyError):  # 404: no such experiment yet
+        return f"{base}/#/experiments?{TRAINING_VIEW}"
+    return f"{base}/#/experiments/{found}?{TRAINING_VIEW}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,5 +150,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--experiment",
         type=arg_type(check_experiment),
-        help=f"MLflow experiment of the run (default: {DEFAULT_EXPERIMENT})",
+        help="MLflow experiment of the run (default: the cluster's name)",
     )

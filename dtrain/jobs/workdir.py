@@ -4,13 +4,12 @@ rsync rather than a tarball of our own: it honours `.gitignore` files (as a per-
 way git reads them), sends only what changed since the last launch of the same directory, resumes an
 interrupted transfer (--partial), and reaches the login node through the jump host with the same
 ssh_config every other command uses. The directory goes to a per-user cache on the share
-(`<runs>/.workdirs/<user>-<name>-<hash>`), and each run copies that cache into its own run directory
+(`<runs>/.workdirs/<cluster user>-<name>-<hash>`), and each run copies that cache into its own run directory
 (`<run>/code`), so a run keeps the code it started with whatever is launched next.
 """
 
 from __future__ import annotations
 
-import getpass
 import hashlib
 import posixpath
 import re
@@ -23,12 +22,15 @@ from dtrain.cli_common import require_tool
 from dtrain.cluster.description import ClusterDescription
 from dtrain.cluster.ssh import SSH, q
 from dtrain.errors import ExitCode, OperatorError
+from infra.contract import WORKDIRS_DIR
 
 CODE_SUBDIR = "code"  # in the run directory: where the command runs
-CACHE_DIR = ".workdirs"  # in the runs directory: the last upload of each of a user's directories
+CACHE_DIR = WORKDIRS_DIR  # in the runs directory: the last upload of each of a user's directories
 MAX_WORKDIR_MB = 256  # code, not data: datasets go through `stage`, checkpoints stay on the cluster
 # .gitignore files anywhere in the tree, as git reads them; .git itself never travels
 FILTERS = ("--filter=:- .gitignore", "--exclude=/.git/")
+# the cache is its user's alone, whatever the modes of the files on their machine (-a would copy those)
+PRIVATE = "--chmod=go-rwx"
 RSYNC_IO_TIMEOUT_S = 60  # rsync gives up when no data moves for this long (and can be run again to resume)
 _TOTAL_SIZE = re.compile(r"^Total file size: ([\d,]+) bytes", re.M)
 _FILES = re.compile(r"^Number of files: ([\d,]+)", re.M)
@@ -72,19 +74,21 @@ def check_workdir(text: str, max_mb: float = MAX_WORKDIR_MB) -> Workdir:
     return workdir
 
 
-def cache_path(workdir: Workdir, runs_dir: str) -> str:
-    """One cache per user and local directory: a second launch of it sends only what changed."""
+def cache_path(workdir: Workdir, runs_dir: str, user: str) -> str:
+    """One cache per cluster user and local directory: a second launch of it sends only what changed."""
     digest = hashlib.sha256(str(workdir.path).encode()).hexdigest()[:10]
-    return posixpath.join(runs_dir, CACHE_DIR, f"{getpass.getuser()}-{workdir.name}-{digest}")
+    return posixpath.join(runs_dir, CACHE_DIR, f"{user}-{workdir.name}-{digest}")
 
 
 def send_workdir(workdir: Workdir, desc: ClusterDescription, ssh: SSH, runs_dir: str) -> str:
-    """rsync the directory to its cache on the share (through the jump host); returns the cache's path."""
-    cache = cache_path(workdir, runs_dir)
+    """rsync the directory to its cache on the share (through the jump host); returns the cache's path.
+    The cache is its user's alone (0700); CACHE_DIR is open to every user where the cluster has users
+    (the head's apply-users makes it 1777)."""
+    cache = cache_path(workdir, runs_dir, desc.ssh_user)
     prepare = f"umask 077; mkdir -p -m 0755 {q(runs_dir)} && mkdir -p {q(cache)}"
     ssh.run(ssh.login, prepare, timeout=60)
     command = [
-        "rsync", "-a", "--delete", "--partial", f"--timeout={RSYNC_IO_TIMEOUT_S}", *FILTERS,
+        "rsync", "-a", PRIVATE, "--delete", "--partial", f"--timeout={RSYNC_IO_TIMEOUT_S}", *FILTERS,
         "-e", f"ssh -F {q(ssh.config_path)}", f"{workdir.path}/", f"{ssh.login.alias}:{cache}/",
     ]  # fmt: skip
     proc = subprocess.run(command, capture_output=True, text=True)

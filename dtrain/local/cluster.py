@@ -14,7 +14,8 @@ What `up` creates (all of it recorded in STATE_DIR/state.json, all of it removed
     loopback address (127.0.1.x) and port, and there is no Slurm; `--link-rate` (or `local
     link-rate` later) slows each node's eth0 with tc (dtrain/local/link.py);
   * Slurm (namespaces only, see dtrain/local/slurm.py): munged on the host, slurmctld in a head
-    namespace (`<name>-head`), a slurmd on every node, with infra's slurm.conf; power saving
+    namespace (`<name>-head`) with slurmdbd and MariaDB beside it (dtrain/local/accounting.py: `sacct`),
+    a slurmd on every node, with infra's slurm.conf; power saving
     (--autostop-seconds) stops and starts nodes (dtrain/local/power.py), and the health check
     drains a node that fails it;
   * a jump host and an "NFS server": two sshds on 127.0.0.1 ports (every SSH call goes through
@@ -49,6 +50,7 @@ from rich.table import Table
 
 from dtrain.cli_common import arg_type, ensure_directory, int_between, non_empty, require_tool
 from dtrain.cluster.description import (
+    DEFAULT_DESCRIPTION,
     DEFAULT_LOCAL_STATE,
     REPO_ROOT,
     BlobCredential,
@@ -61,6 +63,8 @@ from dtrain.cluster.description import (
 )
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.fileio import atomic_write
+from dtrain.local import accounting as local_accounting
+from dtrain.local import accounts as local_accounts
 from dtrain.local import gpus as local_gpus
 from dtrain.local import link as local_link
 from dtrain.local import metadata as local_metadata
@@ -75,6 +79,7 @@ from dtrain.local.network import check_subnet_free
 from dtrain.local.nodes import (
     SSHD,
     SYSTEM_PYTHON,
+    enter_node,
     keygen,
     local_data_dir,
     node_roles,
@@ -84,17 +89,30 @@ from dtrain.local.nodes import (
     start_slurmd,
     start_spot_agent,
     start_sshd,
+    start_users_agent,
 )
 from dtrain.local.slurm import LocalSlurmSettings
 from dtrain.local.state import AZURITE_ACCOUNT, HostState, LocalState, NodeState, load_state, state_lock
 from dtrain.processes import descendants, stop_pids
 from dtrain.ui import make_console
-from infra.contract import HEALTH_REPORT_DIR, SLURM_PARTITION, SLURMCTLD_PORT, SLURMD_PORT, SPOT_PARTITION
+from infra.cloud_init.accounting import MYSQL_PORT
+from infra.contract import (
+    HEALTH_REPORT_DIR,
+    SLURM_PARTITION,
+    SLURMCTLD_PORT,
+    SLURMD_PORT,
+    SLURMDBD_PORT,
+    SPOT_PARTITION,
+)
+from infra.users import USERS_DIR
 
 # Azurite's well-known development key (public, documented by Microsoft; not a secret).
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 DEFAULT_SUBNET = "10.213.0.0/24"
 DEFAULT_NAME = "hvd"
+# `local up`'s --name and --subnet when not given: a second cluster beside the default one (a test
+# running the documentation's `dtrain local up` as written, with XDG_STATE_HOME for its state).
+NAME_ENV, SUBNET_ENV = "DTRAIN_LOCAL_NAME", "DTRAIN_LOCAL_SUBNET"
 CLUSTER_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]{0,7}")  # it prefixes interface names (15 characters at most)
 MAX_NODES = 32
 MAX_HEALTH_CHECK_INTERVAL_S = 86400
@@ -103,6 +121,9 @@ SLURM_TOOLS = (f"{local_slurm.SBIN}/munged", f"{local_slurm.SBIN}/slurmctld", f"
 SLURM_READY_TIMEOUT_S = 60
 NO_SLURM_NOTE = "not run in localhost mode (each slurmd needs a network namespace of its own)"
 LINK_RATE_NEEDS_NETNS = "a link rate needs nodes in network namespaces (--mode netns, as root)"
+# The sshds on this machine's ports, and the host of the Azure cluster whose accounts each has: the jump
+# host is also the Slurm login host here, which is Azure's head node.
+SERVICE_HOSTS = {"jumpbox": local_accounts.LOGIN_HOST, "nfs": local_accounts.STORAGE_HOST}
 console = make_console()
 
 
@@ -129,6 +150,7 @@ def up(
     link_rate: str | None = None,
     gpus_per_node: int = 0,
     storage_dir: str | Path | None = None,
+    release_mount: str | Path | None = None,
 ) -> ClusterDescription:
     """Create the local cluster and write STATE_DIR/cluster.json; on any failure remove what was made.
 
@@ -136,7 +158,10 @@ def up(
     how often every node runs the health check; link_rate: what each node may send (`100mbit`; None
     or `full`: full speed); gpus_per_node: emulated GPUs (dtrain/local/gpus.py); storage_dir: where
     Azurite keeps the blobs (default: inside STATE_DIR, removed by `down`; elsewhere, they outlive the
-    cluster, as Azure's storage does)."""
+    cluster, as Azure's storage does); release_mount: a path that every node's Spot agent releases (stops
+    its writers, flushes, unmounts) before the node is switched off, as on an Azure stack with Lustre
+    (dtrain/remote/boot/shared_release.py): whatever is mounted there inside a node stands in for the
+    Lustre mount (None: nothing to release, the shared directory being no mount here)."""
     rate = local_link.parse_link_rate(link_rate) if link_rate else None
     state_dir = Path(state_dir).resolve()
     network = _check_up_request(nodes, state_dir, name, subnet)
@@ -146,9 +171,15 @@ def up(
     azurite = _check_tools(mode)
 
     ensure_directory(state_dir, "--state-dir")
+    # The state holds the cluster's SSH key and SASs: a state directory made inside a git checkout, under
+    # any name, keeps itself out of commits (as a virtual environment does); `down` removes it with the rest.
+    (state_dir / ".gitignore").write_text("*\n")
     if storage_dir is not None:
         storage_dir = Path(storage_dir).resolve()
         ensure_directory(storage_dir, "--storage-dir")
+    if release_mount is not None:
+        release_mount = Path(release_mount).resolve()
+        ensure_directory(release_mount, "the release mount point")
     try:
         # held until the cluster is complete: the power programs slurmctld may start meanwhile wait
         with state_lock(state_dir):
@@ -159,6 +190,7 @@ def up(
                 link_rate=rate,
                 gpus_per_node=gpus_per_node,
                 storage_dir=str(storage_dir) if storage_dir else None,
+                release_mount=str(release_mount) if release_mount else None,
             )
             state.save()
             return _up(state, nodes, network, azurite, python, slurm)
@@ -271,6 +303,8 @@ def _check_tools(mode: str) -> Path:
     if mode == "netns":
         for tool in (*SLURM_TOOLS, "nsenter"):
             require_tool(tool, "run tools/setup_system.sh (apt-get install munge slurmctld slurmd slurm-client)")
+        for tool in local_accounting.TOOLS:
+            require_tool(tool, local_accounting.INSTALL_HINT)
         local_telemetry.require_tools()
     azurite = REPO_ROOT / "node_modules" / ".bin" / "azurite-blob"
     if not azurite.exists():
@@ -291,6 +325,8 @@ def _up(
         (root / private).chmod(0o700)
     # the nodes' health reports: root's, readable by every user (as cloud-init makes it on Azure)
     (root / "shared" / HEALTH_REPORT_DIR).mkdir(mode=0o755, exist_ok=True)
+    # the users list and the hosts' reports of it: root's, readable by all (as head-setup makes it on Azure)
+    (root / "shared" / USERS_DIR).mkdir(mode=0o755, exist_ok=True)
     key = root / "ssh" / "id_ed25519"
     authorized = root / "ssh" / "authorized_keys"
     authorized.write_text(keygen(key, f"hvd-local-{state.name}") + "\n")
@@ -301,11 +337,16 @@ def _up(
     known_hosts = root / "ssh" / "known_hosts"
     atomic_write(known_hosts, "\n".join(_start_sshds(state, authorized)) + "\n", 0o600)
     _start_azurite(state, azurite)
+    if state.mode == "netns":
+        # Slurm's configuration and accounting database come up while the sshds and Azurite start
+        _prepare_slurm(state, slurm)
     _wait_for_sshds_and_azurite(state)
+    if state.mode == "netns":
+        _start_users_agents(state)
     storage = _azurite_storage(str(state.azurite_endpoint))
     if state.mode == "netns":
         local_mlflow.start(state, storage.connection_string)  # not waited for: it comes up beside Slurm
-        _start_slurm(state, slurm)
+        _start_slurm(state)
         local_telemetry.start(state)
     desc = _describe(state, python, key, known_hosts, storage)
     desc.save(root / "cluster.json")
@@ -349,6 +390,8 @@ def _wire_namespaces(state: LocalState, count: int, subnet: ipaddress.IPv4Networ
         etc = net.etc_dir(str(host.namespace))
         etc.mkdir(parents=True, exist_ok=True)
         (etc / "hosts").write_text(hosts_text)
+        local_accounts.make_etc(state, host.hostname, hosts_text)
+    local_accounts.make_etc(state, local_accounts.STORAGE_HOST)  # the NFS server: on this machine's network
     for node in nodes:
         local_link.set_rate(str(node.namespace), state.link_rate)
         _start_metadata_endpoint(state, node)
@@ -400,16 +443,32 @@ def _start_sshds(state: LocalState, authorized: Path) -> list[str]:
     for role in ("jumpbox", "nfs"):
         state.ports[role] = free_port()
         listeners.append((role, "127.0.0.1", state.ports[role]))
+    admin = (getpass.getuser(), authorized)
     for role, address, port in listeners:
         host_key = root / "hostkeys" / role / "ssh_host_ed25519_key"
         known_lines.append(f"{_known_host(address, port)} {keygen(host_key, role)}")
-        sshd_config(sshd_config_path(state, role), address, port, host_key, authorized, "ERROR")
+        sshd_config(sshd_config_path(state, role), address, port, host_key, admin, "ERROR")
     for node in state.nodes:
         start_sshd(state, node)
-    for role in ("jumpbox", "nfs"):
+    for role in SERVICE_HOSTS:
         cfg = sshd_config_path(state, role)
-        start_daemon(state, role, [SSHD, "-D", "-e", "-f", str(cfg)], str(cfg))
+        argv = [SSHD, "-D", "-e", "-f", str(cfg)]
+        if state.mode == "netns":  # with the accounts of the host it stands for (dtrain/local/accounts.py)
+            etc = local_accounts.bind_etc(state, SERVICE_HOSTS[role])
+            argv = ["unshare", "--mount", "--propagation", "slave", "sh", "-c", f'{etc} && exec "$@"', "sshd", *argv]
+        start_daemon(state, role, argv, str(cfg))
     return known_lines
+
+
+def _start_users_agents(state: LocalState) -> None:
+    """On every host, the loop that applies the users list: the service hosts' in their sshd's mount
+    namespace (where their /etc is, and their users' sessions), each node's inside the node."""
+    for role, host in SERVICE_HOSTS.items():
+        record = state.record(role)
+        assert record is not None  # started by _start_sshds
+        start_users_agent(state, host, ["nsenter", f"--target={record.pid}", "--mount"])
+    for node in state.nodes:
+        start_users_agent(state, node.hostname, enter_node(state, node))
 
 
 def _start_azurite(state: LocalState, azurite: Path) -> None:
@@ -433,8 +492,9 @@ def _wait_for_sshds_and_azurite(state: LocalState) -> None:
     wait_port(state.azurite_host, state.azurite_port or 0, 60, "Azurite", state.logs / "azurite.log")
 
 
-def _start_slurm(state: LocalState, settings: LocalSlurmSettings) -> None:
-    """munged, slurmctld in the head namespace, a slurmd on every node; returns once all are idle."""
+def _prepare_slurm(state: LocalState, settings: LocalSlurmSettings) -> None:
+    """Slurm's files, munged, then MariaDB and slurmdbd in the head namespace with the cluster's associations:
+    slurmctld refuses its first start without slurmdbd, and runs no job without them."""
     files = local_slurm.SlurmFiles(Path(state.state_dir))
     head, names = state.head, [node.hostname for node in state.nodes]
     assert head is not None and head.namespace  # netns mode wires the head first
@@ -445,9 +505,20 @@ def _start_slurm(state: LocalState, settings: LocalSlurmSettings) -> None:
         local_gpus.configure(files, settings.gpus_per_node)
     local_power.install_programs(files, Path(state.state_dir))
     state.slurm_conf = str(files.conf)
+    local_accounting.write_config(state, files, head.address)
     start_daemon(state, "munged", local_slurm.munged_argv(files), str(files.munge_socket))
+    local_accounting.create_database(state)
     wait_socket_file(files.munge_socket, 20, "munged", state.logs / "munged.log")
-    start_daemon(state, "slurmctld", local_slurm.slurmctld_argv(head.namespace, files.conf), str(files.conf))
+    local_accounting.start(state, files, users=[getpass.getuser()])
+
+
+def _start_slurm(state: LocalState) -> None:
+    """slurmctld in the head namespace, a slurmd on every node (their sshds run); returns once all are idle."""
+    files = local_slurm.SlurmFiles(Path(state.state_dir))
+    head, names = state.head, [node.hostname for node in state.nodes]
+    assert head is not None and head.namespace
+    etc = local_accounts.etc_dir(state, local_accounts.LOGIN_HOST)
+    start_daemon(state, "slurmctld", local_slurm.slurmctld_argv(head.namespace, files.conf, etc), str(files.conf))
     wait_port(head.address, SLURMCTLD_PORT, 30, "slurmctld", state.logs / "slurmctld.log")
     for node in state.nodes:
         start_slurmd(state, node)
@@ -657,6 +728,8 @@ def _addresses(state: LocalState) -> dict[str, str]:
     if state.slurm_conf and state.head:
         addresses["munged"] = str(local_slurm.SlurmFiles(Path(state.state_dir)).munge_socket)
         addresses["slurmctld"] = f"{state.head.address}:{SLURMCTLD_PORT}"
+        addresses[local_accounting.SLURMDBD_ROLE] = f"{state.head.address}:{SLURMDBD_PORT}"
+        addresses[local_accounting.MARIADB_ROLE] = f"127.0.0.1:{MYSQL_PORT} in {state.head.namespace}"
         for n in state.nodes:
             addresses[local_slurm.slurmd_role(n.hostname)] = f"{n.address}:{SLURMD_PORT}"
     return addresses
@@ -702,7 +775,9 @@ namespace with its own hostname, sshd and slurmd; slurmctld runs in a head names
 stands in for blob storage; STATE_DIR/shared is the shared file system. Needs root for the
 namespaces (without it: --mode localhost, sshds on loopback ports and no Slurm).
 
-`up` writes STATE_DIR/cluster.json, the description every other command reads by default.
+`up` writes STATE_DIR/cluster.json, the description every other command reads by default; with
+another --state-dir, point them at it (export CLUSTER_DESCRIPTION=STATE_DIR/cluster.json, or --cluster),
+and give the other `local` commands the same --state-dir. The state directory ignores itself in git.
 """
 EXAMPLES = """\
 examples:
@@ -798,14 +873,14 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--name",
         type=arg_type(check_name),
-        default=DEFAULT_NAME,
-        help="prefix of namespaces and interfaces (%(default)s)",
+        default=os.environ.get(NAME_ENV) or DEFAULT_NAME,
+        help=f"prefix of namespaces and interfaces (%(default)s; ${NAME_ENV} sets the default)",
     )
     parser.add_argument(
         "--subnet",
         type=arg_type(parse_subnet),
-        default=DEFAULT_SUBNET,
-        help="private range for the nodes (%(default)s)",
+        default=os.environ.get(SUBNET_ENV) or DEFAULT_SUBNET,
+        help=f"private range for the nodes (%(default)s; ${SUBNET_ENV} sets the default)",
     )
     parser.add_argument(
         "--mode",
@@ -866,9 +941,25 @@ def _run_up(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node,
         storage_dir=args.storage_dir,
     )
-    where = Path(args.state_dir) / "cluster.json"
+    where = Path(args.state_dir).resolve() / "cluster.json"
     console.print(f"local cluster up: {desc.node_count} nodes; description {where}")
+    for line in next_steps(where, desc.data_path, args.state_dir):
+        console.print(line, highlight=False, soft_wrap=True)
     return 0
+
+
+def next_steps(description: Path, data_path: str, state_dir: str) -> list[str]:
+    """What to know before the next command: where a staged dataset lands (a job's --data-dir), and, for a
+    cluster whose description the other commands would not read by default, how to point them at it."""
+    lines = [f"datasets: `stage all DIR --dataset NAME` puts NAME at {data_path}/NAME (a job's --data-dir)"]
+    default = Path(os.environ.get("CLUSTER_DESCRIPTION") or DEFAULT_DESCRIPTION).expanduser()
+    if default.resolve() != description:
+        lines += [
+            f"the other commands read {default}: use this cluster with",
+            f"  export CLUSTER_DESCRIPTION={description}   # or --cluster {description} on each command",
+            f"  (`local status`, `local down` and the other `local` commands take --state-dir {state_dir})",
+        ]
+    return lines
 
 
 def _run_down(args: argparse.Namespace) -> int:

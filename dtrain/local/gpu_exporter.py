@@ -13,7 +13,13 @@ real GPU that waits for its host does. Memory used is those processes' resident 
 temperature follow the utilisation. XID errors are 0 unless a test writes a count into
 `<dir>/xid-<gpu>` (a stand-in for the driver's report).
 
-  python -m dtrain.local.gpu_exporter --node node-0 --gpus 2 --dir STATE/telemetry/node-0
+Jobs are labelled as NVIDIA's exporter labels them from `--hpc-job-mapping-dir`: a GPU whose file in that
+directory (named by its index, one job id per line: Slurm's prolog writes it, the epilog empties it,
+dtrain/remote/slurm/) names jobs gets one series per job, labelled `hpc_job="<id>"`; any other GPU one
+series without the label.
+
+  python -m dtrain.local.gpu_exporter --node node-0 --gpus 2 --dir STATE/telemetry/node-0 \
+      --hpc-job-mapping-dir STATE/telemetry/node-0/hpc-jobs
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,8 +110,14 @@ def utilisation(
     return {gpu: (min(100.0, 100 * busy[gpu] / max(seconds, 1e-3)), memory[gpu]) for gpu in range(gpus)}
 
 
-def render(node: str, readings: Mapping[int, tuple[float, float]], xids: Mapping[int, int]) -> str:
-    """The metrics file: each metric's HELP and TYPE, and one series per GPU."""
+def render(
+    node: str,
+    readings: Mapping[int, tuple[float, float]],
+    xids: Mapping[int, int],
+    jobs: Mapping[int, Sequence[str]] | None = None,
+) -> str:
+    """The metrics file: each metric's HELP and TYPE, and one series per GPU, or per GPU and job where
+    ``jobs`` (gpu -> the ids of the jobs on it) names any."""
     values: dict[str, dict[int, float]] = {name: {} for name in METRICS}
     for gpu, (util, used) in readings.items():
         used = min(used, FB_TOTAL_MIB)
@@ -124,7 +136,9 @@ def render(node: str, readings: Mapping[int, tuple[float, float]], xids: Mapping
                 f'gpu="{gpu}",UUID="GPU-emulated-{node}-{gpu}",device="nvidia{gpu}",'
                 f'modelName="{MODEL}",Hostname="{node}",emulated="1"'
             )
-            lines.append(f"{name}{{{labels}}} {value:g}")
+            for job in (jobs or {}).get(gpu) or [None]:
+                job_label = "" if job is None else f',hpc_job="{job}"'
+                lines.append(f"{name}{{{labels}{job_label}}} {value:g}")
     return "\n".join(lines) + "\n"
 
 
@@ -139,7 +153,20 @@ def injected_xids(directory: Path, gpus: Iterable[int]) -> dict[int, int]:
     return found
 
 
-def serve(node: str, gpus: int, directory: Path, interval_s: float) -> None:
+def job_mapping(directory: Path | None, gpus: Iterable[int]) -> dict[int, list[str]]:
+    """gpu -> the job ids its mapping file names (numbers only: they become label values)."""
+    found: dict[int, list[str]] = {}
+    for gpu in gpus if directory is not None else ():
+        try:
+            lines = (directory / str(gpu)).read_text().split()
+        except OSError:
+            continue
+        if ids := [line for line in lines if line.isdigit()]:
+            found[gpu] = ids
+    return found
+
+
+def serve(node: str, gpus: int, directory: Path, interval_s: float, job_map: Path | None = None) -> None:
     """Write the metrics file every interval_s, until stopped (with the node)."""
     directory.mkdir(parents=True, exist_ok=True)
     target, scratch = directory / METRICS_FILE, directory / f".{METRICS_FILE}.tmp"
@@ -148,7 +175,8 @@ def serve(node: str, gpus: int, directory: Path, interval_s: float) -> None:
         time.sleep(interval_s)
         after, now = sample(), time.monotonic()
         readings = utilisation(before, after, now - then, gpus)
-        scratch.write_text(render(node, readings, injected_xids(directory, range(gpus))))
+        jobs = job_mapping(job_map, range(gpus))
+        scratch.write_text(render(node, readings, injected_xids(directory, range(gpus)), jobs))
         scratch.replace(target)  # whole or not at all: node_exporter may read it at any time
         before, then = after, now
 
@@ -159,8 +187,9 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, required=True, help="the node's emulated GPUs")
     parser.add_argument("--dir", type=Path, required=True, help="node_exporter's textfile directory")
     parser.add_argument("--interval", type=float, default=INTERVAL_S, help="seconds between samples")
+    parser.add_argument("--hpc-job-mapping-dir", type=Path, help="Slurm's GPU-to-job files: the hpc_job label")
     args = parser.parse_args()
-    serve(args.node, args.gpus, args.dir, args.interval)
+    serve(args.node, args.gpus, args.dir, args.interval, args.hpc_job_mapping_dir)
 
 
 if __name__ == "__main__":

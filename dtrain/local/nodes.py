@@ -2,10 +2,11 @@
 
 A node (netns mode) is a network namespace with, inside it, an sshd that is the first process of
 its own hostname, process table and mounts (`unshare --uts --pid --mount-proc`), and a slurmd that
-joins those namespaces. Its own mounts give it a node-local disk: STATE/nvme/<node>, seen at
-STATE/nvme-local. Killing the sshd (PID 1 there) ends every process of the node, as a machine that
-is switched off. Daemons run in their own session (nothing that started them waits for them), with
-their output in STATE/logs/<role>.log, and are recorded in the cluster's state.
+joins those namespaces. Its own mounts give it a node-local disk (STATE/nvme/<node>, seen at
+STATE/nvme-local) and its own accounts (STATE/etc/<node>, seen at /etc: dtrain/local/accounts.py).
+Killing the sshd (PID 1 there) ends every process of the node, as a machine that is switched off.
+Daemons run in their own session (nothing that started them waits for them), with their output in
+STATE/logs/<role>.log, and are recorded in the cluster's state.
 """
 
 from __future__ import annotations
@@ -17,21 +18,31 @@ import sys
 from pathlib import Path
 
 from dtrain.errors import ExitCode, OperatorError
+from dtrain.local import accounts as local_accounts
 from dtrain.local import gpus as local_gpus
 from dtrain.local import slurm as local_slurm
 from dtrain.local.network import sh
 from dtrain.local.state import LocalState, NodeState, ProcessRecord
 from dtrain.processes import children
+from infra.users import KEYS_DIR
 
 SSHD = "/usr/sbin/sshd"
 # The NFS server and the nodes run the remote tools with the system python (as on Azure): proves
 # they need only the stdlib.
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
 SPOT_AGENT = Path(__file__).resolve().parents[1] / "remote" / "boot" / "spot_agent.py"
+# What the agent runs to release the shared file system (executable: its #! line names the system python).
+SHARED_RELEASE = Path(__file__).resolve().parents[1] / "remote" / "boot" / "shared_release.py"
+# How often the agent reads its node's Slurm comment for the power program's request: the local
+# cluster's suspend waits seconds where Azure's waits a minute and a half.
+RELEASE_POLL_S = 0.5
 SSHD_WAIT_S = 20
 
 
-def sshd_config(path: Path, listen: str, port: int, host_key: Path, authorized_keys: Path, log_level: str) -> None:
+def sshd_config(path: Path, listen: str, port: int, host_key: Path, admin: tuple[str, Path], log_level: str) -> None:
+    """admin: the admin user and the file of their keys; every other person's key is in KEYS_DIR/<name>
+    (what apply_users.py writes from the users list), as on Azure."""
+    admin_user, authorized_keys = admin
     path.write_text(
         "\n".join(
             [
@@ -39,7 +50,7 @@ def sshd_config(path: Path, listen: str, port: int, host_key: Path, authorized_k
                 f"Port {port}",
                 f"HostKey {host_key}",
                 "PidFile none",
-                f"AuthorizedKeysFile {authorized_keys}",
+                f"AuthorizedKeysFile {KEYS_DIR}/%u",
                 "PermitRootLogin prohibit-password",
                 "PubkeyAuthentication yes",
                 "PasswordAuthentication no",
@@ -54,6 +65,8 @@ def sshd_config(path: Path, listen: str, port: int, host_key: Path, authorized_k
                 "MaxSessions 200",
                 f"LogLevel {log_level}",
                 "Subsystem sftp internal-sftp",
+                f"Match User {admin_user}",
+                f"    AuthorizedKeysFile {authorized_keys}",
                 "",
             ]
         )
@@ -114,7 +127,8 @@ def start_sshd(state: LocalState, node: NodeState) -> None:
         local.mkdir(exist_ok=True)
         files = local_slurm.SlurmFiles(Path(state.state_dir))
         cgroup = local_gpus.mount_script(files, node.hostname) if state.gpus_per_node else ""
-        script = f'hostname {node.hostname} && mount --bind "$1" "$2" && {cgroup}exec {SSHD} -D -e -f "$0"'
+        etc = local_accounts.bind_etc(state, node.hostname)
+        script = f'hostname {node.hostname} && {etc} && mount --bind "$1" "$2" && {cgroup}exec {SSHD} -D -e -f "$0"'
         namespaces = ["ip", "netns", "exec", str(node.namespace), *unshare]
         argv = [*namespaces, "sh", "-c", script, str(cfg), str(nvme), str(local)]
     else:
@@ -135,7 +149,22 @@ def start_spot_agent(state: LocalState, node: NodeState) -> None:
     it reaches the node's metadata endpoint, and goes when the node is switched off."""
     assert state.slurm_conf is not None
     argv = [*enter_node(state, node), "env", f"SLURM_CONF={state.slurm_conf}", SYSTEM_PYTHON, str(SPOT_AGENT)]
-    start_daemon(state, spot_agent_role(node.hostname), [*argv, "--node", node.hostname], str(SPOT_AGENT))
+    argv += ["--node", node.hostname, *_release_arguments(state)]
+    start_daemon(state, spot_agent_role(node.hostname), argv, str(SPOT_AGENT))
+
+
+def _release_arguments(state: LocalState) -> list[str]:
+    """The agent's release of the shared file system's stand-in (`up(release_mount=...)`), if there is one."""
+    if not state.release_mount:
+        return []
+    mount = ["--release-program", str(SHARED_RELEASE), "--release-mount", state.release_mount]
+    return [*mount, "--release-poll", str(RELEASE_POLL_S)]
+
+
+def start_users_agent(state: LocalState, host: str, enter: list[str]) -> None:
+    """The loop that applies the users list on host (dtrain/local/accounts.py), inside its namespaces (enter)."""
+    argv = local_accounts.agent_argv(state, host, enter, SYSTEM_PYTHON)
+    start_daemon(state, local_accounts.agent_role(host), argv, str(local_accounts.APPLY_USERS))
 
 
 def enter_node(state: LocalState, node: NodeState) -> list[str]:
@@ -170,5 +199,7 @@ def running_init_pid(state: LocalState, node: NodeState) -> int | None:
 
 
 def node_roles(node: str) -> tuple[str, ...]:
-    """The roles of a node's daemons in the state record: its sshd, its slurmd, its Spot agent, its exporters."""
-    return node, local_slurm.slurmd_role(node), spot_agent_role(node), *exporter_roles(node)
+    """The roles of a node's daemons in the state record: its sshd, its slurmd, its Spot agent, its exporters,
+    its users' loop."""
+    roles = (node, local_slurm.slurmd_role(node), spot_agent_role(node), *exporter_roles(node))
+    return (*roles, local_accounts.agent_role(node))

@@ -14,6 +14,9 @@ python, logging to STATE/logs/power.log:
 
 `stop_node` and `start_node` are the same steps for one node, for tests that fail a node on purpose
 (Slurm then marks it DOWN after SlurmdTimeout, and takes it back when its slurmd registers).
+With a release mount (`up(release_mount=...)`, Lustre's stand-in), suspend first has the nodes release
+it, with the Azure power program's own code (slurm_power.release_shared: the request in the node's
+Slurm comment, its Spot agent's answer), and logs `deallocating NODES` (Azure's deallocate call) only then.
 Every change to the cluster's record happens under its lock (dtrain/local/state.py).
 """
 
@@ -39,18 +42,24 @@ from dtrain.local import telemetry as local_telemetry
 from dtrain.local.daemons import wait_port
 from dtrain.local.nodes import (
     SSHD_WAIT_S,
+    enter_node,
     node_roles,
     running_init_pid,
     spot_agent_role,
     start_slurmd,
     start_spot_agent,
     start_sshd,
+    start_users_agent,
 )
 from dtrain.local.slurm import POWER_ACTIONS, SlurmFiles, client_env, slurmd_role
 from dtrain.local.state import LocalState, load_state, state_lock
 from dtrain.processes import descendants, stop_pids
+from dtrain.remote.slurm import slurm_power
 
 LOG_NAME = "power.log"  # under STATE/logs
+# How long suspend waits for the nodes to release the shared file system (Azure: 90 s); the agents read
+# their comment every RELEASE_POLL_S (dtrain/local/nodes.py).
+RELEASE_WAIT_S = 20
 log = logging.getLogger("local-power")
 
 
@@ -79,6 +88,18 @@ def stop_nodes(state_dir: str | Path, nodes: Sequence[str]) -> None:
         state.save()
 
 
+def suspend_nodes(state_dir: Path, nodes: Sequence[str]) -> None:
+    """Slurm's SuspendProgram: the nodes release the shared file system (where there is one to release),
+    then go, as Azure's suspend deallocates them."""
+    release = _slurm_state(state_dir).release_mount is not None
+    if release:
+        slurm_power.release_shared(list(nodes), RELEASE_WAIT_S, poll_s=0.2)
+    log.info("deallocating %s", ",".join(nodes))
+    stop_nodes(state_dir, nodes)
+    if release:
+        slurm_power.set_comment(list(nodes), "")  # as Azure's suspend does: the next boot finds no answer
+
+
 def start_nodes(state_dir: str | Path, nodes: Sequence[str], requested_at: float | None = None) -> None:
     """requested_at: when slurmctld asked for the nodes (default: now)."""
     requested_at = time.time() if requested_at is None else requested_at
@@ -92,6 +113,8 @@ def start_nodes(state_dir: str | Path, nodes: Sequence[str], requested_at: float
         for target in booting:
             log_file = state.logs / f"{target.hostname}.log"
             wait_port(target.address, target.ssh_port, SSHD_WAIT_S, f"sshd of {target.hostname}", log_file)
+            # as Azure's dtrain-users.service, before slurmd: a person added meanwhile can run jobs there
+            start_users_agent(state, target.hostname, enter_node(state, target))
         _wait_for_next_second(requested_at)
         for target in targets:
             slurmd = state.record(slurmd_role(target.hostname))
@@ -164,7 +187,7 @@ def _run(args: argparse.Namespace) -> int:
     """Every outcome is one timestamped line of the power log (slurmctld itself only sees the status)."""
     requested_at = time.time()
     actions: dict[str, Callable[[Path, Sequence[str]], None]] = {
-        "suspend": stop_nodes,
+        "suspend": suspend_nodes,
         "resume": lambda where, names: start_nodes(where, names, requested_at),
         "resume-fail": _resume_failed,
     }

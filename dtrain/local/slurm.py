@@ -4,7 +4,8 @@ runs them, with the slurm.conf that infra/cloud_init/slurm.py renders for Azure.
 Debian 12's Slurm is 22.05, where Azure's hosts run Microsoft's 25.11 (Debian's archive has no 25.11
 to build from; docs/infrastructure.md, "Slurm version and where it comes from"). The file is Azure's
 but for the settings named in `render_local_conf`: this machine's paths and accounts, the two that
-22.05 needs for what 23.11 does by default (CLOUD_REG_ADDRS, PRIVATE_DATA), and process tracking.
+22.05 needs for what 23.11 does by default (CLOUD_REG_ADDRS, PRIVATE_DATA), process tracking and usage
+gathering (/proc), and munged's socket for slurmdbd (dtrain/local/accounting.py runs it beside slurmctld).
 
   munged     on the host; its socket is a file under the state directory. The namespaces share the
              host's file system, so every daemon and client reaches it by that path (slurm.conf's
@@ -12,6 +13,7 @@ but for the settings named in `render_local_conf`: this machine's paths and acco
   slurmctld  in its own network namespace, the head node (`<name>-head`, hostname `head`, the
              subnet's second address): each cluster has its own port 6817, and the nodes reach the
              controller at an address on the bridge, as on Azure.
+  slurmdbd   beside it, with MariaDB (dtrain/local/accounting.py): every job's record, for `sacct`.
   slurmd     in each node's namespaces, those of its sshd (network, hostname, process table,
              mounts): a node is one machine, and `ps` over SSH shows its job steps.
 Commands from the host: `SLURM_CONF=STATE/slurm/slurm.conf sinfo` (`client_env`).
@@ -53,8 +55,12 @@ NODE_MEMORY_MB = 2048
 MIN_FREE_GB = 1
 RUNTIME_ROOT = Path("/run/hvd-local")
 SBIN = "/usr/sbin"
-# Azure's Epilog, run in place: it removes a job's containers (there are none with the host runtime)
-EPILOG = Path(__file__).resolve().parents[1] / "remote" / "slurm" / "slurm-epilog.sh"
+# Azure's Prolog and Epilog, run in place (through wrappers that name the node's GPU job mapping): they
+# keep the GPUs' job mapping for the GPU stand-in's hpc_job label, and the epilog removes a job's
+# containers (there are none with the host runtime)
+SLURM_SCRIPTS = Path(__file__).resolve().parents[1] / "remote" / "slurm"
+TELEMETRY = "telemetry"  # STATE/telemetry/<node>: node_exporter's textfile directory (dtrain/local/telemetry.py)
+JOB_MAP = "hpc-jobs"  # in it: the job mapping, one file per GPU index (the DCGM exporter's --hpc-job-mapping-dir)
 POWER_ACTIONS = ("suspend", "resume", "resume-fail")  # dtrain/local/power.py
 # Shorter than on Azure, where a VM boots in minutes: here a node is two processes.
 SUSPEND_TIMEOUT_S = 5  # a suspended node may be resumed this long after its suspend began
@@ -113,6 +119,18 @@ class SlurmFiles:
     @property
     def spool(self) -> Path:
         return self.runtime / "spool"  # one directory per node below it (%n)
+
+    def telemetry(self, node: str) -> Path:
+        """The node's telemetry directory: its exporter's textfile collector reads it."""
+        return self.state_dir / TELEMETRY / node
+
+    def job_map(self, node: str) -> Path:
+        """The node's GPU job mapping (what slurm-prolog.sh writes on Azure's /run/dcgm-job-map)."""
+        return self.telemetry(node) / JOB_MAP
+
+    def hook(self, name: str) -> Path:
+        """The wrapper slurmd runs as the prolog or epilog."""
+        return self.root / name
 
     @property
     def health_check(self) -> Path:
@@ -185,6 +203,13 @@ def write_config(
         f"exec {shlex.quote(str(script))}\n"
     )
     atomic_write(files.health_check, wrapper, 0o755)
+    # slurmd runs them in the node's namespaces, with SLURMD_NODENAME: the node's own job mapping, as
+    # /run/dcgm-job-map is each Azure node's own
+    mapping = f'{shlex.quote(str(files.state_dir / TELEMETRY))}/"$SLURMD_NODENAME"/{JOB_MAP}'
+    for hook in ("prolog", "epilog"):
+        script = SLURM_SCRIPTS / f"slurm-{hook}.sh"
+        hook_wrapper = f"#!/bin/sh\nexport DCGM_HPC_JOB_MAPPING_DIR={mapping}\nexec {shlex.quote(str(script))}\n"
+        atomic_write(files.hook(hook), hook_wrapper, 0o755)
     atomic_write(files.munge_key, os.urandom(1024), 0o400)  # a fresh key per cluster, root's only
 
 
@@ -212,7 +237,8 @@ def render_local_conf(
             resume_timeout_s=RESUME_TIMEOUT_S,
         ),
         health_check=HealthCheck(program=str(files.health_check), interval_s=RENDERER_MIN_S),
-        epilog=str(EPILOG),
+        prolog=str(files.hook("prolog")),
+        epilog=str(files.hook("epilog")),
         kill_wait_s=KILL_WAIT_S,
         slurmd_timeout_s=SLURMD_TIMEOUT_S,
         job_time=JOB_TIME,
@@ -242,6 +268,11 @@ def render_local_conf(
             # emulated GPUs): processes are tracked through /proc
             "ProctrackType": "proctrack/linuxproc",
             "HealthCheckInterval": str(settings.health_check_interval_s),
+            # slurmctld and the commands authenticate to slurmdbd through munged's socket: with munge,
+            # AccountingStoragePass names it (Azure's is at munge's default path)
+            "AccountingStoragePass": str(files.munge_socket),
+            # a step's usage from /proc, as processes are tracked (no cgroup hierarchy in a node's namespaces)
+            "JobAcctGatherType": "jobacct_gather/linux",
             **({"SuspendTime": str(settings.autostop_s)} if autostop else {}),
         },
     )
@@ -283,11 +314,14 @@ def munged_argv(files: SlurmFiles) -> list[str]:
     ]
 
 
-def slurmctld_argv(namespace: str, conf: Path) -> list[str]:
+def slurmctld_argv(namespace: str, conf: Path, etc: Path | None = None) -> list[str]:
     """slurmctld in the head namespace, with the hostname slurm.conf's SlurmctldHost names (it refuses
-    to run on any other host)."""
-    script = f'hostname {CONTROLLER_HOST} && exec {SBIN}/slurmctld -D -f "$0"'
-    return ["ip", "netns", "exec", namespace, "unshare", "--uts", "sh", "-c", script, str(conf)]
+    to run on any other host). etc: the head's own /etc (dtrain/local/accounts.py), whose accounts it
+    resolves a job's user in; None: this machine's."""
+    bind = 'mount --bind "$1" /etc && ' if etc else ""
+    script = f'hostname {CONTROLLER_HOST} && {bind}exec {SBIN}/slurmctld -D -f "$0"'
+    argv = ["ip", "netns", "exec", namespace, "unshare", "--uts", "--mount", "sh", "-c", script, str(conf)]
+    return argv + ([str(etc)] if etc else [])
 
 
 def slurmd_argv(node_init_pid: int, node: str, conf: Path) -> list[str]:

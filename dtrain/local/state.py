@@ -69,6 +69,8 @@ class LocalState(BaseModel):
     slurm_conf: str | None = None  # SLURM_CONF for Slurm's commands on this machine (netns mode)
     link_rate: str | None = None  # each node's eth0 sends at most this (tc tbf); None: full speed
     gpus_per_node: int = 0  # emulated GPUs (dtrain/local/gpus.py)
+    # What each node's Spot agent releases before the node is switched off (Lustre's stand-in); None: nothing
+    release_mount: str | None = None
     created_at: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
 
     @property

@@ -21,6 +21,7 @@ from dtrain.errors import ExitCode, OperatorError
 from dtrain.fileio import atomic_write
 from dtrain.local.daemons import http_answers, log_tail, wait_port
 from dtrain.local.nodes import enter_node, exporter_roles, start_daemon
+from dtrain.local.slurm import SlurmFiles
 from dtrain.local.state import LocalState, NodeState
 from infra.cloud_init.prometheus import render_prometheus_config, render_scrape_targets
 from infra.contract import NODE_EXPORTER_PORT, PROMETHEUS_PORT
@@ -43,7 +44,7 @@ def require_tools() -> None:
 
 def textfile_dir(state: LocalState, hostname: str) -> Path:
     """The node's textfile collector directory, where its GPU stand-in writes."""
-    return Path(state.state_dir) / "telemetry" / hostname
+    return SlurmFiles(Path(state.state_dir)).telemetry(hostname)
 
 
 def prometheus_url(state: LocalState) -> str:
@@ -101,7 +102,9 @@ def start_node(state: LocalState, node: NodeState) -> None:
         start_daemon(state, exporter, [*enter_node(state, node), *argv], NODE_EXPORTER)
     if state.gpus_per_node and not _running(state, gpus):
         module = [sys.executable, "-m", "dtrain.local.gpu_exporter", "--node", node.hostname]
+        job_map = SlurmFiles(Path(state.state_dir)).job_map(node.hostname)  # Slurm's prolog and epilog keep it
         argv = [*module, "--gpus", str(state.gpus_per_node), "--dir", str(directory)]
+        argv += ["--hpc-job-mapping-dir", str(job_map)]
         start_daemon(state, gpus, [*enter_node(state, node), "env", f"PYTHONPATH={REPO_ROOT}", *argv], module[2])
 
 

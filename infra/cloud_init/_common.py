@@ -17,7 +17,7 @@ MAX_CUSTOM_DATA_BYTES = 65535
 MUNGE_KEY_PATH = "/etc/munge/munge.key"
 MUNGE_KEY_FETCH_PATH = "/usr/local/sbin/munge-key"  # head-setup and slurmd-setup run it before munged
 MUNGE_KEY_SECRET = "slurm-munge-key"  # its name in the stack's Key Vault
-NFS_MOUNT_PATH = "/usr/local/sbin/nfs-mount"
+DATABASE_PASSWORD_SECRET = "slurmdbd-database-password"  # slurmdbd's, in the same vault (the head node reads it)
 # What runs on the hosts lives with the operator's tools (the local cluster runs it in place), grouped
 # by when it runs (boot/, slurm/, job/, login/); a package of docstring-only __init__ files, so reading
 # it imports nothing of the CLI.
@@ -136,27 +136,22 @@ def write_file(path: str, content: str, permissions: str, *, defer: bool = False
     return entry
 
 
+def check_vault_uri(vault_uri: str) -> str:
+    if not isinstance(vault_uri, str) or not _VAULT_URI.fullmatch(vault_uri):
+        raise ValueError(f"key_vault_uri: {vault_uri!r} is not a Key Vault URI (https://NAME.vault.azure.net/)")
+    return vault_uri
+
+
 def munge_key_fetch_file(*, vault_uri: str, identity_client_id: str) -> dict[str, Any]:
     """The program that fetches the cluster's munge key from Key Vault at boot with the machine's
     identity (infra/key_vault.py): the key itself is never in custom data."""
-    if not isinstance(vault_uri, str) or not _VAULT_URI.fullmatch(vault_uri):
-        raise ValueError(f"key_vault_uri: {vault_uri!r} is not a Key Vault URI (https://NAME.vault.azure.net/)")
     values = {
-        "VAULT_URI": vault_uri,
+        "VAULT_URI": check_vault_uri(vault_uri),
         "SECRET_NAME": MUNGE_KEY_SECRET,
         "IDENTITY_CLIENT_ID": check_client_id("identity_client_id", identity_client_id),
         "KEY_PATH": MUNGE_KEY_PATH,
     }
     return write_file(MUNGE_KEY_FETCH_PATH, render_script("boot/munge-key.sh", values), "0755")
-
-
-def nfs_mount_file(*, server_ip: str, export_path: str, mount_path: str) -> dict[str, Any]:
-    """The script that mounts the cluster's NFS export (nodes and head node alike)."""
-    source = f"{check_ipv4('nfs_server_ip', server_ip)}:{check_path('nfs_export_path', export_path)}"
-    script = render_script(
-        "boot/nfs-mount.sh", {"NFS_SOURCE": source, "MOUNT_PATH": check_path("mount_path", mount_path)}
-    )
-    return write_file(NFS_MOUNT_PATH, script, "0755")
 
 
 class _Dumper(yaml.SafeDumper):

@@ -24,7 +24,6 @@ from infra.cloud_init._common import (
     check_user,
     cloud_config,
     munge_key_fetch_file,
-    nfs_mount_file,
     read_unit,
     remote_file,
     render_script,
@@ -33,6 +32,7 @@ from infra.cloud_init._common import (
 )
 from infra.cloud_init.nccl import check_nccl_env
 from infra.cloud_init.prometheus import NODE_EXPORTER_PACKAGE
+from infra.cloud_init.shared_storage import SharedFileSystem, SharedMount, release_files, shared_mount
 from infra.cloud_init.slurm import MAX_GPUS_PER_NODE, render_health_check
 from infra.cloud_init.slurm_packages import (
     MUNGE_PACKAGE,
@@ -41,6 +41,7 @@ from infra.cloud_init.slurm_packages import (
     apt_files,
     versioned,
 )
+from infra.cloud_init.users import SSHD_RELOAD, on_shared, users_files
 from infra.contract import BOOT_REPORT_DIR, MIN_FREE_DISK_GB, SLURMCTLD_PORT
 
 ACR_LOGIN_PATH = "/usr/local/sbin/acr-login"
@@ -50,6 +51,7 @@ NVME_RAID_PATH = "/usr/local/sbin/nvme-raid"
 NVME_COPY_PATH = "/usr/local/bin/nvme-copy"
 SLURMD_SETUP_PATH = "/usr/local/sbin/slurmd-setup"
 HEALTH_CHECK_PATH = "/usr/local/sbin/slurm-health-check"
+PROLOG_PATH = "/usr/local/sbin/slurm-prolog"
 EPILOG_PATH = "/usr/local/sbin/slurm-epilog"
 SPOT_AGENT_PATH = "/usr/local/sbin/spot-agent"  # spot-agent.service runs it (dtrain/remote/boot/spot_agent.py)
 # The master copy; nccl-conf.service installs it as /etc/nccl.conf after the image's own rewrite.
@@ -82,8 +84,7 @@ MAX_NVME_DISKS = 8
 
 def render_cluster_node(
     *,
-    nfs_server_ip: str,
-    nfs_export_path: str,
+    shared: SharedFileSystem,
     mount_path: str,
     acr_login_server: str,
     identity_client_id: str,
@@ -96,14 +97,16 @@ def render_cluster_node(
     admin_user: str,
     slurm_version: str,
 ) -> str:
-    """cloud-config that mounts NFS, logs docker in to ACR with the managed identity, writes the
+    """cloud-config that mounts the shared file system (the NFS export or the Lustre file system that
+    `shared` names) at mount_path, logs docker in to ACR with the managed identity, writes the
     NCCL settings, and starts slurmd against the controller at slurmctld_address with the
     cluster's munge key, fetched from the Key Vault at key_vault_uri with the identity; slurm.conf
-    names the health check and epilog installed here. admin_user (who submits the jobs) may run
+    names the health check, prolog and epilog installed here. admin_user (who submits the jobs) may run
     docker, and its docker client holds the registry login.
     nvme_disks local NVMe disks (None: as many as the node has) become a RAID 0 at nvme_mount.
     slurm_version: the Slurm that slurmd is installed at, the head node's."""
     mount = check_path("mount_path", mount_path)
+    share = shared_mount(shared, mount)
     acr = check_hostname("acr_login_server", acr_login_server)
     client_id = check_client_id("identity_client_id", identity_client_id)
     env = check_nccl_env(nccl_env)
@@ -114,6 +117,7 @@ def render_cluster_node(
     packages = [*PACKAGES, *versioned(SLURMD_PACKAGES, slurm_version)]
     programs = _programs(
         mount=mount,
+        share=share,
         acr=acr,
         client_id=client_id,
         admin=admin,
@@ -130,13 +134,15 @@ def render_cluster_node(
             "bootcmd": account_commands(),
             "write_files": [
                 *apt_files(slurm_version),
-                nfs_mount_file(server_ip=nfs_server_ip, export_path=nfs_export_path, mount_path=mount),
+                *share.files,
+                *release_files(shared, mount),
                 *(write_file(path, text, "0755") for path, text in programs),
                 *_unit_files(),
                 *_nccl_files(env),
                 munge_key_fetch_file(vault_uri=key_vault_uri, identity_client_id=identity_client_id),
+                *users_files(on_shared(mount)),  # node-setup starts applying the list once /shared is there
             ],
-            "runcmd": start_setup_unit(NODE_SETUP_UNIT),
+            "runcmd": [SSHD_RELOAD, *start_setup_unit(NODE_SETUP_UNIT)],
         }
     )
 
@@ -152,6 +158,7 @@ def _nvme_settings(nvme_disks: int | None, nvme_mount: str) -> dict[str, str | i
 def _programs(
     *,
     mount: str,
+    share: SharedMount,
     acr: str,
     client_id: str,
     admin: str,
@@ -175,6 +182,7 @@ def _programs(
                 "boot/node-setup.sh",
                 {
                     "SHARED_MOUNT": mount,
+                    "MOUNT_STEP": share.step,
                     "REPORT_DIR": BOOT_REPORT_DIR,
                     "ADMIN_USER": admin,
                     "DOCKER_GROUP": DOCKER_GROUP,
@@ -195,6 +203,7 @@ def _programs(
                 free_disk_path=DOCKER_DATA_PATH,
             ),
         ),
+        (PROLOG_PATH, render_script("slurm/slurm-prolog.sh", {})),
         (EPILOG_PATH, render_script("slurm/slurm-epilog.sh", {})),
         (SPOT_AGENT_PATH, remote_file("boot/spot_agent.py")),
     ]

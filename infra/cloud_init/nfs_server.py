@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import posixpath
+
 from infra.cloud_init._common import (
     check_cidr,
     check_int,
@@ -10,6 +12,8 @@ from infra.cloud_init._common import (
     render_script,
     write_file,
 )
+from infra.cloud_init.users import HostUsers, users_commands, users_files
+from infra.users import APPLIED_DIR, HOMES_DIR, LIST_FILE, USERS_DIR
 
 # Azure links data disk N to /dev/disk/azure/scsi1/lunN: stable, unlike /dev/sdX.
 LUN_DIR = "/dev/disk/azure/scsi1"
@@ -54,7 +58,19 @@ def render_nfs_server(*, data_disk_count: int, export_path: str, allowed_cidr: s
                     f"[Unit]\nRequiresMountsFor={path}\n",
                     "0644",
                 ),
+                # the people stage datasets here as themselves: their accounts, homes in the export's home/
+                *users_files(_exported_users(path)),
             ],
-            "runcmd": [[SETUP_PATH]],
+            "runcmd": [[SETUP_PATH], *users_commands()],
         }
+    )
+
+
+def _exported_users(export_path: str) -> HostUsers:
+    """How the NFS server applies the users list: the export's own (what the hosts mount as .users)."""
+    users = posixpath.join(export_path, USERS_DIR)
+    return HostUsers(
+        list_path=posixpath.join(users, LIST_FILE),
+        home_root=posixpath.join(export_path, HOMES_DIR),
+        report_dir=posixpath.join(users, APPLIED_DIR),
     )

@@ -21,6 +21,7 @@ from infra.contract import (
     MIN_CLOSING_S,
     SLURMCTLD_PORT,
     SLURMD_PORT,
+    SLURMDBD_PORT,
     SPOT_PARTITION,
     SRUN_PORTS,
 )
@@ -50,6 +51,18 @@ MIN_KILL_WAIT_S = LAUNCH_END_WAIT_S + MIN_CLOSING_S
 # jobs, those submitted with --requeue). Slurm's default; an Azure node under load, or a brief
 # network blip, must not lose its job.
 SLURMD_TIMEOUT_S = 300
+# Multifactor priority: a pending job's priority is mostly its account's fair share (what the account
+# used this month against its share), then how long it has waited (a tenth as much, full after a week), so
+# that a team's light users are not queued behind its heavy ones.
+PRIORITY_WEIGHT_FAIRSHARE = 10000
+PRIORITY_WEIGHT_AGE = 1000
+# The usage that fair share and the people's GPU-hour budgets (GrpTRESMins, infra/users.py) count: each
+# month's, from the 1st at 00:00, not decayed. A decaying usage would make a budget a rolling allowance
+# that refills by itself; Slurm's docs ask for no decay with a reset period for hard limits like these.
+PRIORITY_DECAY_HALF_LIFE = "0"
+PRIORITY_USAGE_RESET_PERIOD = "MONTHLY"
+# Minutes between two tallies of the running jobs' usage into it: what a budget's `used` lags by.
+PRIORITY_CALC_PERIOD_MIN = 1
 # After SIGKILL, how long a step's processes may linger (a process stuck in I/O on a hard NFS
 # mount) before the node is drained as unhealthy. Slurm wants at least 5 MessageTimeouts.
 UNKILLABLE_STEP_TIMEOUT_S = 120
@@ -143,9 +156,9 @@ def _power_lines(power: PowerSaving, partitions: Sequence[str]) -> list[str]:
 
 
 def _job_lines(
-    *, kill_wait_s: int, slurmd_timeout_s: int, unkillable_step_timeout_s: int, epilog: str | None
+    *, kill_wait_s: int, slurmd_timeout_s: int, unkillable_step_timeout_s: int, prolog: str | None, epilog: str | None
 ) -> list[str]:
-    """How jobs end: signals, timeouts, requeueing and the epilog."""
+    """How jobs start and end: the prolog, signals, timeouts, requeueing and the epilog."""
     return [
         # A job goes back to the queue after a node failure only when submitted with --requeue:
         # one that cannot resume from a checkpoint would otherwise start over unasked.
@@ -154,8 +167,36 @@ def _job_lines(
         f"SlurmdTimeout={check_int('slurmd_timeout_s', slurmd_timeout_s, MESSAGE_TIMEOUT_S, MAX_TIMEOUT_S)}",
         "UnkillableStepTimeout="
         f"{check_int('unkillable_step_timeout_s', unkillable_step_timeout_s, 5 * MESSAGE_TIMEOUT_S, MAX_TIMEOUT_S)}",
-        # Run by slurmd as root on every node of the allocation once the job has ended.
+        # Run by slurmd as root on every node of the allocation as the job starts (Alloc: on every node
+        # at once, not at each node's first step) and once it has ended.
+        *([f"Prolog={check_path('prolog', prolog)}", "PrologFlags=Alloc"] if prolog is not None else []),
         *([f"Epilog={check_path('epilog', epilog)}"] if epilog is not None else []),
+    ]
+
+
+def _accounting_lines(accounting_address: str) -> list[str]:
+    """Every job's record to slurmdbd (infra/cloud_init/accounting.py), its GPUs among the TRES counted, and
+    the scheduling that the records make possible: limits per association and QOS, and fair share."""
+    return [
+        # slurmctld sends each job's start, end and allocation to slurmdbd (beside it on the head node),
+        # and keeps them in StateSaveLocation while slurmdbd does not answer: none is lost
+        "AccountingStorageType=accounting_storage/slurmdbd",
+        f"AccountingStorageHost={check_ipv4('accounting_address', accounting_address)}",
+        f"AccountingStoragePort={SLURMDBD_PORT}",
+        # GPUs are counted (AllocTRES gres/gpu=N in sacct and squeue), beside Slurm's default TRES
+        "AccountingStorageTRES=gres/gpu",
+        # a job runs only under a known cluster/account/user association, within its limits and QOS; and
+        # (safe) starts against a GPU-hour budget only if its time limit x GPUs fits in what is left, rather
+        # than being killed once the budget runs out under it
+        "AccountingStorageEnforce=associations,limits,qos,safe",
+        # each step's CPU time and memory, read from the job's cgroup (sacct MaxRSS, TotalCPU)
+        "JobAcctGatherType=jobacct_gather/cgroup",
+        "PriorityType=priority/multifactor",
+        f"PriorityWeightFairshare={PRIORITY_WEIGHT_FAIRSHARE}",
+        f"PriorityWeightAge={PRIORITY_WEIGHT_AGE}",
+        f"PriorityDecayHalfLife={PRIORITY_DECAY_HALF_LIFE}",
+        f"PriorityUsageResetPeriod={PRIORITY_USAGE_RESET_PERIOD}",
+        f"PriorityCalcPeriod={PRIORITY_CALC_PERIOD_MIN}",
     ]
 
 
@@ -170,6 +211,7 @@ def render_slurm_conf(
     slurmd_spool_dir: str,
     power: PowerSaving,
     health_check: HealthCheck,
+    prolog: str | None = None,
     epilog: str | None = None,
     kill_wait_s: int = KILL_WAIT_S,
     slurmd_timeout_s: int = SLURMD_TIMEOUT_S,
@@ -178,9 +220,10 @@ def render_slurm_conf(
     job_time: JobTimeLimits,
 ) -> str:
     """slurm.conf for one controller and a partition of identical, power-managed nodes, and with
-    spot_nodes a second one of Spot nodes (contract.SPOT_PARTITION), powered the same way.
+    spot_nodes a second one of Spot nodes (contract.SPOT_PARTITION), powered the same way. Accounting
+    goes to slurmdbd beside the controller, at controller_address (infra/cloud_init/accounting.py).
 
-    epilog: the program slurmd runs after each job (None: none). The timeouts are in seconds:
+    prolog and epilog: the programs slurmd runs before and after each job (None: none). The timeouts are in seconds:
     kill_wait_s from SIGTERM to SIGKILL (at least MIN_KILL_WAIT_S: the batch script closes the run in
     it), slurmd_timeout_s before a silent node is DOWN (at least MessageTimeout, 10),
     unkillable_step_timeout_s after SIGKILL before a node with processes left is drained (at least 50);
@@ -201,10 +244,13 @@ def render_slurm_conf(
             slurmd_spool_dir=slurmd_spool_dir,
         ),
         *_scheduling_lines(),
+        # slurmdbd runs beside slurmctld, on the controller's address
+        *_accounting_lines(controller_address),
         *_job_lines(
             kill_wait_s=kill_wait_s,
             slurmd_timeout_s=slurmd_timeout_s,
             unkillable_step_timeout_s=unkillable_step_timeout_s,
+            prolog=prolog,
             epilog=epilog,
         ),
         *(["GresTypes=gpu"] if any(node_set.gpus for node_set in node_sets) else []),

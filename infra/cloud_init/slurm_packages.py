@@ -49,7 +49,9 @@ MICROSOFT_KEYRING = "/etc/apt/trusted.gpg.d/microsoft-prod.gpg"
 # sbatch, scontrol and the other commands (the health check and the login node use them).
 SLURM_COMMON_PACKAGES = ("slurm-smd", "slurm-smd-client")
 SLURMD_PACKAGES = (*SLURM_COMMON_PACKAGES, "slurm-smd-slurmd")
-SLURMCTLD_PACKAGES = (*SLURM_COMMON_PACKAGES, "slurm-smd-slurmctld")
+# The head node's: slurmctld, and slurmdbd beside it (Slurm's accounting; the same version, as Slurm asks
+# slurmdbd to be at least as new as slurmctld).
+SLURMCTLD_PACKAGES = (*SLURM_COMMON_PACKAGES, "slurm-smd-slurmctld", "slurm-smd-slurmdbd")
 # munge: from Ubuntu's archive (the image's pin leaves it there), as cyclecloud-slurm installs it.
 MUNGE_PACKAGE = "munge"
 

@@ -28,6 +28,7 @@ from bench.gpu import sections as gpu_sections
 from bench.gpu.report import Row, Scale, Section, write
 from tests.training.jobs import REPO
 from training import model_parallel
+from training.config.args import log_interval
 from training.config.settings import parse_settings as parse_data_parallel
 
 
@@ -128,7 +129,8 @@ def test_transformer_commands_are_the_defaults_at_the_issue_sizes(case: gpu_sect
     shape = (case.model, case.seq_len, case.batch_size)
     assert (ours.model, ours.seq_len, ours.batch_size, ours.precision) == (*shape, "bf16")
     assert ours.activation_checkpointing == "auto" and ours.compile is None  # the defaults a user gets
-    assert ours.log_every == model_parallel.parse_args([]).log_every == 10
+    # the jobs' default interval in a long run, passed explicitly: a 50-step run left to its default logs every 2
+    assert ours.log_every == log_interval(None, 200) == 10
     base = gpu_baselines.parse([*gpu_sections.baseline_gpt(case, gpu_sections.LOG_EVERY)[3:], "--metrics-json", "x"])
     assert (base.model, base.seq_len, base.batch_size, base.compile) == (*shape, True)
     assert (base.steps, base.timing_warmup_steps, base.log_every) == (ours.steps, ours.timing_warmup_steps, 10)

@@ -12,6 +12,7 @@ import base64
 import json
 import os
 import re
+import secrets
 import shlex
 import subprocess
 import time
@@ -22,6 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal, Protocol
 
+from infra.cloud_init._common import DATABASE_PASSWORD_SECRET
 from infra.cloud_init.slurm_packages import (
     SLURM_REPOSITORY_COMPONENT,
     SLURM_REPOSITORY_HOST,
@@ -279,7 +281,10 @@ def boot_cluster(
 
     azure = endpoints.Azure(
         names={addresses[role]: hostnames[role] for role in roles},
-        secrets={rendered.munge_secret_name: base64.b64encode(os.urandom(1024)).decode()},
+        secrets={
+            rendered.munge_secret_name: base64.b64encode(os.urandom(1024)).decode(),
+            DATABASE_PASSWORD_SECRET: secrets.token_hex(16),  # slurmdbd's, which the head node reads
+        },
         scale_set_id=rendered.scale_set_id,
         instances=[str(index) for index in range(len(rendered.node_names))],
         power=lambda action, ids: cluster.power(action, ids),
@@ -311,14 +316,14 @@ def boot_cluster(
                 shared.mkdir(exist_ok=True)
                 machines[role] = containers.Container(
                     containers.ContainerSpec(role, addresses[role], macs[role], gpus=GPUS if is_node else 0,
-                                             infiniband=is_node, nvme=is_node),
+                                             infiniband=is_node, nvme=is_node, database_disk=role == "head"),
                     image, work / role, seed.write_seed(work / role / "seed", **seed_args), hub, index, shared,
                     files={seed.MICROSOFT_KEYRING: keyring, **(host_files or {}).get(role, {})},
                 )  # fmt: skip
             else:
                 spec = vms.VmSpec(role, addresses[role], macs[role], gpus=GPUS if is_node else 0,
                                   infiniband=is_node, nvme_disks=NVME_DISKS if is_node else 0,
-                                  data_disks=2 if role == "nfs" else 0)  # fmt: skip
+                                  data_disks={"nfs": 2, "head": 1}.get(role, 0))  # fmt: skip
                 iso = seed.make_seed(work / role / "seed.iso", **seed_args)
                 machines[role] = vms.Vm(spec, image, work / role, iso, hub, f"tap{index}")
         cluster = BootCluster(kind, rendered, azure, hub, machines, addresses, key, shared, results)

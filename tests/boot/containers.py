@@ -34,7 +34,9 @@ EXCLUSIONS = (
     "in a container; the VM harness (make test-boot-vm)",
     "real NFS mounts: /shared is a bind mount of one hub directory on every host",
     "the NVMe RAID: /nvme is a tmpfs, so nvme-raid.sh takes its 'already mounted' path "
-    "(tests/infra/test_nvme_raid_vm.py builds the array in a VM)",
+    "(tests/boot/test_nvme_raid_vm.py builds the array in a VM)",
+    "the head node's database disk: /var/lib/mysql is a directory bound there, so database-disk.sh takes its "
+    "'already mounted' path (the VM harness gives the head node a disk at LUN 0)",
     "udev rules and kernel modules: the GPUs are device nodes and the InfiniBand port an overlay of "
     "/sys/class (tools/boot_image/rootfs/usr/local/sbin/boot-hardware)",
     "cgroup v2 as on Azure: this host's hybrid layout gives the containers cgroup v1, which slurmd's "
@@ -63,6 +65,7 @@ class ContainerSpec:
     gpus: int = 0  # emulated /dev/nvidia*
     infiniband: bool = False  # an emulated ACTIVE InfiniBand port
     nvme: bool = False  # a tmpfs at /nvme, where nvme-raid.sh finds its volume mounted
+    database_disk: bool = False  # a directory of the test's at MariaDB's data directory (the head node)
 
 
 @dataclass
@@ -158,6 +161,10 @@ class Container:
                   f"--bind-ro={self.seed}:/var/lib/cloud/seed/nocloud", f"--bind={self.shared}:/shared"]  # fmt: skip
         if self.spec.nvme:
             nspawn.append("--tmpfs=/nvme:mode=1777")
+        if self.spec.database_disk:  # kept across boots, as the head node's data disk is
+            disk = self.work / "database-disk"
+            disk.mkdir(exist_ok=True)
+            nspawn.append(f"--bind={disk}:/var/lib/mysql")
         argv = [
             # a time namespace whose boot clock starts at 0: Slurm reads a node's boot time from it
             "unshare", "--fork", "--kill-child", "--time", f"--boottime=-{uptime_s}",

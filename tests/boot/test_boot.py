@@ -5,8 +5,9 @@ against Azure's endpoints and package repositories served on a hub namespace (te
 The story, in order (pytest runs a file's tests in order; each waits for events, not for seconds):
 the first boot with two faults (node 0's Key Vault refuses for longer than the munge key's retries,
 node 1's Slurm repository is down), both nodes rebooted once the fault is gone, and both join; a
-2-node job of the admin user; telemetry and tracking answer; autostop deallocates the idle nodes and a
-job starts one again; and across all of it no failed unit, no ordering cycle, cloud-init `done`.
+2-node job of the admin user, recorded by slurmdbd (sacct); telemetry and tracking answer; autostop
+deallocates the idle nodes and a job starts one again; and across all of it no failed unit, no ordering
+cycle, cloud-init `done`.
 Runs as root, only when DTRAIN_BOOT_TEST=1 (the Makefile target sets it).
 """
 
@@ -113,6 +114,24 @@ def test_a_two_node_job_of_the_admin_user_runs_on_both_nodes_gpus_with_docker(cl
     assert output.count("docker-ok") == 2, f"the admin user's jobs cannot use docker on every node: {output}"
     for name in cluster.rendered.node_names:
         assert name in output.lower(), output
+
+
+def test_the_admin_users_jobs_are_in_the_accounting_database_with_their_gpus(cluster: BootCluster) -> None:
+    """slurmdbd beside slurmctld, with MariaDB on the head's database disk: the 2-node job above is in sacct,
+    charged to the cluster's default account, with its 16 GPUs (AccountingStorageTRES=gres/gpu)."""
+    admin = cluster.rendered.admin_user
+
+    def recorded() -> bool:
+        listing = cluster.ssh(
+            "head", "sacct -X -n -P -a -S now-2hours --format=User,Account,State,AllocTRES", check=False
+        ).stdout
+        return any(
+            line.startswith(f"{admin}|dtrain|COMPLETED|") and "gres/gpu=16" in line.split("|")[3].split(",")
+            for line in listing.splitlines()
+        )
+
+    cluster.wait_for("the 2-node job in sacct", recorded, STEP_S)
+    assert cluster.ssh("head", "findmnt -n -o TARGET /var/lib/mysql").stdout.strip() == "/var/lib/mysql"
 
 
 def test_a_jobs_results_reach_the_results_container_with_the_nodes_identity(cluster: BootCluster) -> None:

@@ -21,8 +21,11 @@ SUBSCRIPTION = "00000000-0000-0000-0000-0000000000aa"
 OPERATOR_OBJECT_ID = "00000000-0000-0000-0000-0000000000bb"
 MOCK_SAS = "sv=2024-01-01&sr=c&sp=rl&spr=https&se=2099-01-01T00%3A00%3A00Z&sig=mock"
 JUMPBOX_IP = "203.0.113.10"
+LUSTRE_MGS = "10.40.192.5"  # what the mock Azure Managed Lustre reports as its management service's address
 # What the mock random provider returns for the munge key: recognisable wherever it leaks.
 MUNGE_KEY = base64.b64encode(b"MUNGE-TEST-KEY:" + bytes(range(256)) * 4).decode()
+# ... and for slurmdbd's database password (letters and digits, as RandomPassword with special=False)
+DATABASE_PASSWORD = "MockDatabasePassword4Slurmdbd0x"
 
 
 @dataclass
@@ -108,6 +111,8 @@ def _computed(typ: str, name: str, inputs: dict[str, Any]) -> dict[str, Any]:
     """The outputs Azure (and the random provider) computes that the program reads."""
     if typ == "random:index/randomBytes:RandomBytes":
         return {"base64": MUNGE_KEY}
+    if typ == "random:index/randomPassword:RandomPassword":
+        return {"result": DATABASE_PASSWORD}
     if typ.endswith("managedidentity:UserAssignedIdentity"):
         return {"principalId": f"principal-{name}", "clientId": f"client-{name}"}
     if typ.endswith("containerregistry:Registry"):
@@ -123,6 +128,8 @@ def _computed(typ: str, name: str, inputs: dict[str, Any]) -> dict[str, Any]:
         identity = dict(inputs["identity"])
         identity["userAssignedIdentities"] = {i: {} for i in identity.get("userAssignedIdentities", [])}
         return {"identity": identity}
+    if typ.endswith("storagecache:AmlFilesystem"):
+        return {"clientInfo": {"mgsAddress": LUSTRE_MGS, "lustreVersion": "2.15.7"}}
     if typ.endswith("network:NetworkInterface"):
         configs = [dict(c) for c in inputs.get("ipConfigurations", [])]
         for config in configs:

@@ -29,6 +29,13 @@ VALID_CONFIG: dict[str, Any] = {
     "sasExpiry": "P30D",
     "tags": {"costCenter": "ml-research"},
 }
+# sharedStorage lustre at the smallest size of the default tier (125 MB/s per TiB: 16 TiB); the NFS keys
+# are refused with it.
+LUSTRE_CONFIG: dict[str, Any] = {
+    **{key: value for key, value in VALID_CONFIG.items() if key != "nfsDiskCount"},
+    "sharedStorage": "lustre",
+    "lustreCapacityTib": "16",
+}
 # A storage account that an earlier stack's `pulumi destroy` kept (keptResultsAccount).
 KEPT_ACCOUNT_ID = (
     "/subscriptions/00000000-0000-0000-0000-0000000000aa/resourceGroups/hvd-data-rg5e6f7a8b"

@@ -16,6 +16,8 @@ from infra.cloud_init import (
     render_nfs_server,
     render_slurm_conf,
 )
+from infra.cloud_init.accounting import AZURE_MYSQL_CA_BUNDLE, LOOPBACK, AccountingDatabase, HeadAccounting
+from infra.cloud_init.shared_storage import LustreShare, NfsShare
 from infra.cloud_init.slurm import HealthCheck, JobTimeLimits, NodeSet, PowerSaving
 from infra.cloud_init.slurm_packages import DEFAULT_SLURM_VERSION
 from infra.skus import GPU_SKUS
@@ -27,10 +29,30 @@ CLIENT_ID = "0f0e0d0c-0b0a-0908-0706-050403020100"
 HEAD_CLIENT_ID = "1f1e1d1c-1b1a-1918-1716-151413121110"
 KEY_VAULT_URI = "https://hvdkv1a2b3c4d.vault.azure.net/"
 NFS_IP = "10.0.1.4"
+LUSTRE_MGS = "10.0.3.5"
+NFS_SHARE = NfsShare(NFS_IP, "/export")
+LUSTRE_SHARE = LustreShare(LUSTRE_MGS)
 HEAD_IP = "10.0.0.254"
 CLUSTER_CIDR = "10.0.0.0/24"
 SCALE_SET_ID = "/subscriptions/sub-1/resourceGroups/rg-1/providers/Microsoft.Compute/virtualMachineScaleSets/vmss-1"
 NODE_NAMES = ["hvd-gpu-000000", "hvd-gpu-000001", "hvd-gpu-00000a"]
+MYSQL_HOST = "hvdacct.mysql.database.azure.com"
+
+
+def accounting(*, mysql: bool = False) -> HeadAccounting:
+    """slurmdbd with MariaDB on the head node, or with an Azure Database for MySQL."""
+    database = (
+        AccountingDatabase(host=MYSQL_HOST, user="slurmdbd", ssl_ca=AZURE_MYSQL_CA_BUNDLE)
+        if mysql
+        else AccountingDatabase(host=LOOPBACK)
+    )
+    return HeadAccounting(
+        cluster_name="hvd",
+        dbd_host="hvd-head",
+        dbd_address=HEAD_IP,
+        database=database,
+        users=["hpcadmin"],
+    )
 
 
 def nfs_doc(**overrides: object) -> str:
@@ -45,8 +67,7 @@ def nfs_doc(**overrides: object) -> str:
 
 def node_doc(sku: str = "Standard_ND96isr_H100_v5", **overrides: object) -> str:
     args: dict[str, object] = {
-        "nfs_server_ip": NFS_IP,
-        "nfs_export_path": "/export",
+        "shared": NFS_SHARE,
         "mount_path": "/mnt/shared",
         "acr_login_server": ACR,
         "identity_client_id": CLIENT_ID,
@@ -84,6 +105,7 @@ def slurm_conf(**overrides: object) -> str:
         "slurmd_spool_dir": "/var/spool/slurmd",
         "power": power(),
         "health_check": HealthCheck(program="/usr/local/sbin/slurm-health-check", interval_s=300),
+        "prolog": "/usr/local/sbin/slurm-prolog",
         "epilog": "/usr/local/sbin/slurm-epilog",
         "job_time": JobTimeLimits(),
     }
@@ -97,8 +119,7 @@ def head_doc(**overrides: object) -> str:
         "cgroup_conf": render_cgroup_conf(),
         "slurm_version": DEFAULT_SLURM_VERSION,
         "key_vault_uri": KEY_VAULT_URI,
-        "nfs_server_ip": NFS_IP,
-        "nfs_export_path": "/export",
+        "shared": NFS_SHARE,
         "mount_path": "/mnt/shared",
         "scale_set_id": SCALE_SET_ID,
         "identity_client_id": HEAD_CLIENT_ID,
@@ -114,6 +135,7 @@ def head_doc(**overrides: object) -> str:
             "container": "results",
             "identity_client_id": "44444444-4444-4444-4444-444444444444",
         },
+        "accounting": accounting(),
     }
     return render_head_node(**{**args, **overrides})  # type: ignore[arg-type]
 
@@ -122,6 +144,9 @@ DOCUMENTS = {
     **{f"nfs-{count}-disks": nfs_doc(data_disk_count=count) for count in (1, 2, 4)},
     **{f"node-{sku}": node_doc(sku) for sku in SKUS},
     "head": head_doc(),
+    "head-mysql": head_doc(accounting=accounting(mysql=True)),
+    "node-lustre": node_doc(shared=LUSTRE_SHARE),
+    "head-lustre": head_doc(shared=LUSTRE_SHARE),
 }
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from infra.cloud_init._common import NFS_MOUNT_PATH
 from tests.infra.documents import files_of, head_doc, node_doc, script_of
 from tests.infra.sandbox import Sandbox, shell_value, with_value
 
@@ -63,6 +62,7 @@ def test_a_failed_nvme_and_registry_login_do_not_keep_slurmd_from_starting_and_a
     assert report(shared, "hvd-gpu-00000a") == {
         "packages": "ok",
         "nfs-mount": "ok",
+        "users": "ok",
         "nccl-conf": "ok",
         "nvme-raid": f"failed: {NVME_REASON}",
         "docker-group": "ok",
@@ -157,13 +157,22 @@ def test_the_report_names_the_step_that_is_running_while_it_runs(sandbox: Sandbo
     assert report(shared, "hvd-gpu-00000a")["slurmd"] == "ok"
 
 
-def test_a_late_shared_file_system_does_not_keep_slurmctld_from_starting(sandbox: Sandbox) -> None:
+def head_setup_in(sandbox: Sandbox) -> tuple[str, Path, Path]:
+    """head-setup with its programs (the database disk's, the munge key's, slurmdbd's, the NFS mount) stubbed."""
     script, shared, done = setup_in(sandbox, head_doc(), "/usr/local/sbin/head-setup")
-    assert shell_value(script, "NFS_MOUNT") == NFS_MOUNT_PATH and NFS_MOUNT_PATH in files_of(head_doc())
-    script = with_value(script, "NFS_MOUNT", str(sandbox.bin / "nfs-mount"))
-    script = with_value(script, "MUNGE_KEY", str(sandbox.bin / "munge-key"))
-    for command in ("install", "systemctl", "munge-key"):
+    assert shell_value(script, "MOUNT_PROGRAM") == "/usr/local/sbin/nfs-mount"
+    assert "/usr/local/sbin/nfs-mount" in files_of(head_doc())
+    for name, program in (("MOUNT_PROGRAM", "nfs-mount"), ("MUNGE_KEY", "munge-key"),
+                          ("SLURMDBD_SETUP", "slurmdbd-setup"), ("DATABASE_DISK", "database-disk")):  # fmt: skip
+        script = with_value(script, name, str(sandbox.bin / program))
+    for command in ("install", "systemctl", "munge-key", "database-disk"):
         sandbox.stub(command)
+    return script, shared, done
+
+
+def test_a_late_shared_file_system_does_not_keep_slurmctld_from_starting(sandbox: Sandbox) -> None:
+    script, shared, done = head_setup_in(sandbox)
+    sandbox.stub("slurmdbd-setup")
     sandbox.stub("nfs-mount", FAILS_ONCE.format(name="nfs", reason="nfs-mount: 10.0.1.4:/export did not answer"))
 
     first = sandbox.run(script)
@@ -173,23 +182,54 @@ def test_a_late_shared_file_system_does_not_keep_slurmctld_from_starting(sandbox
     ]
     assert calls == [
         "hostname -s",
-        "install -d -o slurm -g slurm -m 0750 /var/spool/slurmctld /var/log/slurm",
+        "database-disk ",  # MariaDB's disk, before its package makes its data directory
         "munge-key ",  # the cluster's key, from Key Vault, before munged restarts with it
         "systemctl restart munge",
+        "install -d -o slurm -g slurm -m 0750 /var/spool/slurmctld /var/log/slurm",
+        "slurmdbd-setup ",  # slurmdbd and the associations, before slurmctld (which refuses to start without)
+        "install -d -o slurm -g slurm -m 0750 /var/spool/slurmctld /var/log/slurm",
         "systemctl enable slurmctld",
         "systemctl restart slurmctld",
         "nfs-mount ",
     ]
     second = sandbox.run(script)
     assert second.returncode == 0, second.stderr
-    # runs/ on the shared file system is the admin user's, who submits the jobs: not world-writable.
-    assert sandbox.calls("install")[-1] == f"install -d -o hpcadmin -m 0755 {shared}/runs"
+    # runs/ on the shared file system is the admin user's, who submits the jobs: not world-writable
+    # (until the users list names someone); the stack config's list seeds the one the head node keeps
+    assert sandbox.calls("install")[-3:] == [
+        f"install -d -o hpcadmin -m 0755 {shared}/runs",
+        f"install -d -m 0755 {shared}/.users",
+        f"install -m 0644 /var/lib/dtrain-users/seed.json {shared}/.users/users.json",
+    ]
+    assert sandbox.calls("systemctl")[-1] == "systemctl enable --now dtrain-users.timer dtrain-users.service"
     assert sandbox.calls("munge-key") == ["munge-key "]  # slurmctld is up: left alone
     assert report(shared, "hvd-gpu-00000a") | {"updated_at": ""} == {
+        "database-disk": "ok",
         "packages": "ok",
+        "munge": "ok",
+        "slurmdbd": "ok",
         "slurmctld": "ok",
         "shared-runs": "ok",
         "ok": "1",
         "updated_at": "",
     }
     assert done.exists()
+
+
+def test_slurmctld_waits_for_slurmdbd_and_starts_once_it_runs(sandbox: Sandbox) -> None:
+    """slurmctld refuses to start before slurmdbd answers with the cluster's associations: its step says what
+    it waits for, and both run at the next try."""
+    script, shared, _ = head_setup_in(sandbox)
+    sandbox.stub("nfs-mount")
+    reason = "slurmdbd-setup: could not read secret slurmdbd-database-password from the vault within 2700s"
+    sandbox.stub("slurmdbd-setup", FAILS_ONCE.format(name="dbd", reason=reason))
+    assert sandbox.run(script).returncode == 1
+    first = report(shared, "hvd-gpu-00000a")
+    assert (first["slurmdbd"], first["slurmctld"]) == (
+        f"failed: {reason}",
+        "failed: head-setup: waits for step slurmdbd",
+    )
+    assert first["shared-runs"] == "ok" and "systemctl restart slurmctld" not in sandbox.calls("systemctl")
+    assert sandbox.run(script).returncode == 0
+    assert report(shared, "hvd-gpu-00000a")["slurmctld"] == "ok"
+    assert sandbox.calls("systemctl")[-1] == "systemctl restart slurmctld"

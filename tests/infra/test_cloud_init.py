@@ -24,6 +24,7 @@ import yaml
 
 from infra.cloud_init import check_nccl_env, custom_data_bytes
 from infra.cloud_init._common import MAX_CUSTOM_DATA_BYTES
+from infra.cloud_init.shared_storage import LustreShare, NfsShare
 from infra.head import RESUME_TIMEOUT_S
 from infra.skus import GPU_SKUS, GpuSku
 from tests.infra.documents import (
@@ -93,6 +94,8 @@ def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
         "acr-login.service",
         "acr-login.timer",
         "dcgm-exporter.service",
+        "dtrain-users.service",
+        "dtrain-users.timer",
         "nccl-conf.service",
         "node-setup.service",
         "nvme-raid.service",
@@ -112,7 +115,7 @@ def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     found = [
         line
         for line in result.stderr.splitlines()
-        if re.search(r"acr-login|dcgm-exporter|nccl-conf|node-setup|nvme-raid|configless", line)
+        if re.search(r"acr-login|dcgm-exporter|dtrain-users|nccl-conf|node-setup|nvme-raid|configless", line)
     ]
     assert not found, result.stderr
 
@@ -137,6 +140,11 @@ def test_dcgm_exporter_runs_its_own_embedded_engine_from_a_pinned_image() -> Non
     dcgm, exporter, base = tag.split("-", 2)  # <DCGM>-<exporter>-<base image>: a release, not a moving tag
     assert re.fullmatch(r"\d+\.\d+\.\d+", exporter) and base == "ubuntu22.04"
     assert tuple(int(part) for part in dcgm.split(".")) >= HOST_DCGM
+    # Slurm's prolog and epilog keep the job mapping (one file per GPU index): the hpc_job label
+    job_map = re.search(r"^Environment=JOB_MAP=(\S+)$", unit, re.MULTILINE)[1]
+    assert job_map == "/run/dcgm-job-map" and "${JOB_MAP}:${JOB_MAP}:ro" in args
+    assert args[args.index("--hpc-job-mapping-dir") + 1] == "${JOB_MAP}"
+    assert "ExecStartPre=/bin/mkdir -p ${JOB_MAP}" in unit
 
 
 # SchedMD's packaged units as far as the boot order goes (etc/slurmd.service.in, slurmctld.service.in):
@@ -286,7 +294,8 @@ def test_nfs_installs_packages_blob_pull_and_mount_guard() -> None:
     assert blob_pull["permissions"] == "0755"
     guard = files["/etc/systemd/system/nfs-server.service.d/10-require-export.conf"]["content"]
     assert guard == "[Unit]\nRequiresMountsFor=/export\n"
-    assert parsed["runcmd"] == [["/usr/local/sbin/nfs-data-setup"]]
+    # then the people's accounts (tests/infra/test_users.py): after the export, which holds their list
+    assert parsed["runcmd"][0] == ["/usr/local/sbin/nfs-data-setup"]
 
 
 @pytest.mark.parametrize(
@@ -440,7 +449,7 @@ def test_nfs_setup_refuses_an_array_of_other_disks(sandbox: Sandbox) -> None:
 
 def test_node_mounts_the_nfs_export_of_the_right_server() -> None:
     mount = script_of(node_doc(), "/usr/local/sbin/nfs-mount")
-    assert shell_value(mount, "NFS_SOURCE") == f"{NFS_IP}:/export"
+    assert shell_value(mount, "SOURCE") == f"{NFS_IP}:/export"
     assert shell_value(mount, "MOUNT_PATH") == "/mnt/shared"
     assert set(str(shell_value(mount, "MOUNT_OPTIONS")).split(",")) >= {"_netdev", "nofail", "hard"}
     assert "nfs-common" in setup_packages(node_doc())  # what mounts it
@@ -576,6 +585,7 @@ def test_node_setup_is_a_unit_that_runs_at_every_boot_until_it_has_succeeded() -
     document = node_doc()
     files = files_of(document)
     assert yaml.safe_load(document)["runcmd"] == [
+        ["systemctl", "try-reload-or-restart", "ssh"],  # sshd takes the people's keys (dtrain-users)
         ["systemctl", "daemon-reload"],
         ["systemctl", "enable", "--now", "--no-block", "node-setup.service"],
     ]
@@ -626,7 +636,7 @@ def test_sku_table_nccl_settings_are_read_only_and_checked_when_the_table_is_bui
         GPU_SKUS["Standard_ND96asr_v4"].nccl_env["NCCL_DEBUG"] = "INFO"  # type: ignore[index]
     assert GPU_SKUS["Standard_ND96asr_v4"].nccl_env["NCCL_DEBUG"] == "WARN"
     with pytest.raises(ValueError, match="NCCL_IB_DISABLE"):
-        GpuSku(8, "V100", 40, 672, encryption_at_host=True, nccl_env={"NCCL_IB_DISABLE": "1"})
+        GpuSku(8, "V100", 40, 672, encryption_at_host=True, nccl_env={"NCCL_IB_DISABLE": "1"}, quota_family="x")
 
 
 @pytest.mark.parametrize(
@@ -652,8 +662,10 @@ def test_node_refuses_nccl_settings_that_leave_infiniband_or_break_the_files(
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
-        ({"nfs_server_ip": "nfs.internal"}, "nfs_server_ip"),
-        ({"nfs_export_path": "/export data"}, "nfs_export_path"),
+        ({"shared": NfsShare("nfs.internal", "/export")}, "nfs_server_ip"),
+        ({"shared": NfsShare(NFS_IP, "/export data")}, "nfs_export_path"),
+        ({"shared": LustreShare("10.0.3.5@tcp")}, "lustre_mgs_address"),
+        ({"shared": "10.0.1.4:/export"}, "shared"),
         ({"mount_path": "shared"}, "mount_path"),
         ({"acr_login_server": "https://trainacr.azurecr.io"}, "acr_login_server"),
         (

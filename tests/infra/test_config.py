@@ -22,13 +22,14 @@ from infra.azure_limits import (
     NameRule,
     VmSize,
 )
-from infra.config import DERIVED_NAMES, MAX_TAGS, RESERVED_TAGS, ConfigError, load_config, parse_config
+from infra.config import DERIVED_NAMES, MAX_TAGS, RESERVED_TAGS, ConfigError, StackConfig, load_config, parse_config
 from infra.skus import GPU_SKUS, GpuSku
 from infra.stack import build_stack
 from tests.infra.azure_mocks import AzureMocks
 from tests.infra.conftest import KEPT_ACCOUNT_ID, PROJECT, STACK, VALID_CONFIG
 from tests.infra.ssh_keys import ECDSA_P256, ED25519, RSA_1024, RSA_2048, blob, make_key, rsa_with, wire
 
+REPO = Path(__file__).parents[2]
 YESTERDAY = (datetime.now(UTC) - timedelta(days=1)).isoformat()
 IN_TWO_HOURS = (datetime.now(UTC) + timedelta(hours=2)).isoformat()
 ED25519_WORD, ED25519_DATA, _ = ED25519.split()
@@ -314,8 +315,14 @@ def test_unknown_size_error_lists_the_known_ones() -> None:
 
 
 def test_size_without_encryption_at_host_needs_the_opt_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(VM_SIZES, "Standard_Legacy_v1", VmSize(max_data_disks=8, encryption_at_host=False))
-    legacy = GpuSku(8, "V100", 40, 672, encryption_at_host=False, nccl_env={"NCCL_DEBUG": "WARN"})
+    monkeypatch.setitem(
+        VM_SIZES,
+        "Standard_Legacy_v1",
+        VmSize(max_data_disks=8, encryption_at_host=False, vcpus=8, quota_family="legacyFamily"),
+    )
+    legacy = GpuSku(
+        8, "V100", 40, 672, encryption_at_host=False, nccl_env={"NCCL_DEBUG": "WARN"}, quota_family="legacyFamily"
+    )
     monkeypatch.setitem(GPU_SKUS, "Standard_NDlegacy", legacy)
     raw = {
         **VALID_CONFIG,
@@ -438,13 +445,36 @@ def test_bad_config_declares_nothing(key: str, value: str) -> None:
     assert mocks.resources == []
 
 
-def test_dev_stack_file_passes_validation() -> None:
-    stack_file = yaml.safe_load((Path(__file__).parents[2] / "Pulumi.dev.yaml").read_text())
-    raw = {key.removeprefix(f"{PROJECT}:"): value for key, value in stack_file["config"].items()}
+def dev_stack() -> StackConfig:
+    stack_file = yaml.safe_load((REPO / "Pulumi.dev.yaml").read_text())
     assert all(key.startswith(f"{PROJECT}:") for key in stack_file["config"])
-    cfg = parse_config(raw, PROJECT)
+    return parse_config(
+        {key.removeprefix(f"{PROJECT}:"): value for key, value in stack_file["config"].items()}, PROJECT
+    )
+
+
+def test_dev_stack_file_passes_validation() -> None:
+    cfg = dev_stack()
     assert cfg.gpu_sku in GPU_SKUS and cfg.allowed_ssh_cidr != "0.0.0.0/0"
     assert (cfg.default_job_time, cfg.max_job_time) == ("24:00:00", "7-00:00:00")  # quoted: not YAML's base 60
+
+
+def test_the_documented_gpu_quota_is_what_the_dev_stack_needs() -> None:
+    """docs/deploy.md and the README give the default stack's GPU quota as nodeCount x its size's vCPUs,
+    and deploy.md has a row for every size the config accepts, with the quota family `dtrain doctor`
+    checks: a new default or size changes them too."""
+    cfg = dev_stack()
+    need = cfg.node_count * cfg.sku.vcpus
+    deploy = (REPO / "docs" / "deploy.md").read_text()
+    assert f"{cfg.sku.vcpus} per node: **{need}** for {cfg.node_count} x {cfg.gpu_sku}" in deploy
+    rows = {
+        name: re.search(rf"^\| `{name}`[^|]*\| `(\w+)` \| (\d+) \| (\d+) \|$", deploy, re.MULTILINE)
+        for name in GPU_SKUS
+    }
+    assert {name: row and (row[1], int(row[2]), int(row[3])) for name, row in rows.items()} == {
+        name: (sku.quota_family, sku.vcpus, sku.vcpus * cfg.node_count) for name, sku in GPU_SKUS.items()
+    }
+    assert f"{need} for the default {cfg.node_count} nodes" in (REPO / "README.md").read_text()
 
 
 def test_every_allowed_sku_has_nccl_settings_and_what_slurm_needs() -> None:

@@ -1,10 +1,11 @@
 """The GPU nodes' NVMe scratch volume (dtrain/remote/boot/nvme-raid.sh, nvme-raid.service).
 
-Three ways in: the rendered script against stub commands (the RAID 0 decisions over eight disks
-found by their model); the real script on a loop device, formatted and mounted for real, through
-re-runs, reboots and a deallocation (the disk wiped); and the real script in a virtual machine with
-four NVMe disks (tests/infra/nvme_vm.py), where the kernel's md driver builds the RAID 0 that a
-container cannot (no /proc/mdstat), udev assembles it at boot, and the disks come back empty.
+Two ways in here: the rendered script against stub commands (the RAID 0 decisions over eight disks
+found by their model), and the real script on a loop device, formatted and mounted for real, through
+re-runs, reboots and a deallocation (the disk wiped). The third, the real script in a virtual machine
+with four NVMe disks, where the kernel's md driver builds the RAID 0 that a container cannot, is
+tests/boot/test_nvme_raid_vm.py: opt-in (`make test-boot-vm`), as QEMU only emulates here (six
+minutes of a core).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from infra.cloud_init._common import render_script
 from infra.contract import NVME_MOUNT_PATH
 from infra.skus import GPU_SKUS
 from tests.infra.documents import SKUS, files_of, node_doc, script_of, setup_packages
-from tests.infra.nvme_vm import DISK_MODEL, REPO, NvmeVm
+from tests.infra.nvme_vm import REPO
 from tests.infra.sandbox import Sandbox, shell_value, tool, with_value
 
 NVME_RAID = "/usr/local/sbin/nvme-raid"
@@ -269,45 +270,7 @@ def test_single_disk_is_formatted_mounted_kept_and_rebuilt_after_a_wipe(tmp_path
     check_volume_lifecycle(real_script(mount), mount, loops[:1], wipe=loops[:1])
 
 
-# --- the real script in a VM with four NVMe disks -------------------------------------------
-
-VM_MOUNT = "/tmp/nvme"  # the VM's root is this machine's, read-only; its /tmp is a tmpfs
-VM_DISKS = 4
-START_UDEV = "/lib/systemd/systemd-udevd --daemon && udevadm trigger --action=add && udevadm settle\n"
-# After the node's script: what the volume is, what the last boot left on it, a clean shutdown.
-REPORT_AND_SHUT_DOWN = f"""
-mdadm --detail --export "$(findmnt --noheadings --output SOURCE {VM_MOUNT})" > array.txt
-findmnt --noheadings --output FSTYPE {VM_MOUNT} > fstype.txt
-cat {VM_MOUNT}/kept > kept.txt 2>/dev/null || : > kept.txt
-echo "$BOOT" > {VM_MOUNT}/kept
-umount {VM_MOUNT}
-"""
-
-
-def vm_script(work: Path) -> None:
-    """The node's script for a VM: its mount point in the VM's tmpfs, four disks expected, and
-    QEMU's disk model in place of Azure's, so that it finds the disks by model as on a node."""
-    script = render_script("boot/nvme-raid.sh", {"MOUNT_PATH": VM_MOUNT, "EXPECTED_DISKS": VM_DISKS})
-    azure_model = "readonly LOCAL_NVME_MODEL='^Microsoft NVMe Direct Disk( v2)?$'"
-    assert azure_model in script
-    (work / "nvme-raid").write_text(script.replace(azure_model, f"readonly LOCAL_NVME_MODEL='^{DISK_MODEL}$'"))
-
-
-def boot_node(vm: NvmeVm, name: str, *, udev: bool = True) -> tuple[str, dict[str, str]]:
-    """One boot: udev (or not), the script twice, the report. Returns the first run's log and the report."""
-    runs = "bash nvme-raid 2> first.log || exit $?\nbash nvme-raid 2> second.log || exit $?\n"
-    boot = vm.boot(f"BOOT={name}\n{START_UDEV if udev else ''}{runs}{REPORT_AND_SHUT_DOWN}")
-    first = (vm.work / "first.log").read_text() if (vm.work / "first.log").exists() else ""
-    assert boot.rc == 0, f"{name}: rc {boot.rc}\n{first}\n{boot.log}\n{boot.console[-3000:]}"
-    assert "is already mounted" in (vm.work / "second.log").read_text()  # a second run changes nothing
-    array = dict(line.split("=", 1) for line in (vm.work / "array.txt").read_text().split())
-    report = {
-        "level": array["MD_LEVEL"],
-        "members": array["MD_DEVICES"],
-        "fstype": (vm.work / "fstype.txt").read_text().strip(),
-        "kept": (vm.work / "kept.txt").read_text().strip(),
-    }
-    return first, report
+# --- the scripts of the VM test (tests/boot/test_nvme_raid_vm.py, opt-in) -----------------------
 
 
 @pytest.mark.parametrize("script", ["tests/infra/vm_init.sh", "tools/fetch_vm_kernel.sh"])
@@ -315,28 +278,3 @@ def test_the_vm_scripts_pass_shellcheck(script: str) -> None:
     command = [tool("shellcheck"), "--severity=style", str(REPO / script)]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout
-
-
-def test_raid0_over_four_nvme_disks_through_reboots_and_a_deallocation(tmp_path: Path) -> None:
-    vm = NvmeVm(tmp_path, disks=VM_DISKS)
-    vm_script(tmp_path)
-    volume = {"level": "raid0", "members": str(VM_DISKS), "fstype": "xfs"}
-
-    log, report = boot_node(vm, "first-boot")
-    assert re.search(r"creating RAID 0 over( /dev/nvme\dn1){4}$", log, re.MULTILINE), log
-    assert "formatting" in log
-    assert report == {**volume, "kept": ""}
-
-    log, report = boot_node(vm, "reboot-udev")  # udev assembled the array at boot
-    assert "keeping the existing XFS file system on /dev/disk/by-id/md-uuid-" in log, log
-    assert "creating" not in log and "assembling" not in log
-    assert report == {**volume, "kept": "first-boot"}
-
-    log, report = boot_node(vm, "reboot-no-udev", udev=False)  # nothing assembled it: the script does
-    assert "assembling the existing array" in log and "formatting" not in log, log
-    assert report == {**volume, "kept": "reboot-udev"}
-
-    vm.deallocate()
-    log, report = boot_node(vm, "after-deallocation")
-    assert "creating RAID 0" in log and "formatting" in log, log
-    assert report == {**volume, "kept": ""}

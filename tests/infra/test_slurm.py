@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler
@@ -51,6 +52,7 @@ from infra.cloud_init.head_node import (
     UNITS_DIR,
 )
 from infra.cloud_init.mlflow import mlflow_commands
+from infra.cloud_init.shared_storage import LustreShare, NfsShare
 from infra.cloud_init.slurm import MIN_KILL_WAIT_S, JobTimeLimits, NodeSet
 from infra.cloud_init.slurm_packages import SLURM_USER, account_commands
 from infra.config import parse_config
@@ -76,6 +78,7 @@ from tests.local_http import reply_json, serving
 
 HEALTH_CHECK = "/usr/local/sbin/slurm-health-check"
 EPILOG = "/usr/local/sbin/slurm-epilog"
+PROLOG = "/usr/local/sbin/slurm-prolog"
 NODE = "hvd-gpu-000001"
 TOKEN = "ARM-SECRET-eyJhbGciOiJSUzI1NiJ9"
 SPOT_SCALE_SET_ID = SCALE_SET_ID.replace("/vmss-1", "/vmss-spot")
@@ -181,6 +184,8 @@ def test_slurm_conf_ends_jobs_as_azure_needs() -> None:
         "UnkillableStepTimeout": "120",
     }
     assert settings["Epilog"] == EPILOG
+    # every node of the allocation labels the job's GPUs as the job starts (the DCGM exporter's hpc_job)
+    assert (settings["Prolog"], settings["PrologFlags"]) == (PROLOG, "Alloc")
 
 
 def test_slurm_conf_takes_the_local_clusters_shorter_timeouts_and_no_epilog() -> None:
@@ -400,6 +405,21 @@ def test_every_failed_check_is_in_the_reason(node: Node) -> None:
     assert node.updates() == [
         f"scontrol update nodename={NODE} state=drain reason=health-check: 6 of 8 GPUs; "
         "no ACTIVE InfiniBand port (InfiniBand absent); /mnt/shared not mounted"
+    ]
+
+
+def test_a_node_whose_mount_step_failed_is_drained_with_the_steps_reason(node: Node) -> None:
+    """The boot's mount step (lustre-mount, nfs-mount) failed: its reason, from node-setup's results, is
+    the drain's, so that `status` says why the node takes no jobs."""
+    steps = node.sandbox.root / "node-setup"
+    steps.mkdir()
+    (steps / "packages").write_text("ok\n")
+    (steps / "lustre-mount").write_text("failed: lustre-mount: 10.0.3.5@tcp:/lustrefs did not answer within 1200s\n")
+    node.mounted = False
+    assert node.run({"BOOT_STEPS_DIR": str(steps)}).returncode == 1
+    assert node.updates() == [
+        f"scontrol update nodename={NODE} state=drain reason=health-check: /mnt/shared not mounted "
+        "(failed: lustre-mount: 10.0.3.5@tcp:/lustrefs did not answer within 1200s)"
     ]
 
 
@@ -625,6 +645,34 @@ def docker(sandbox: Sandbox) -> Iterator[Docker]:
         yield Docker(sandbox, path)
 
 
+def test_prolog_and_epilog_keep_the_dcgm_exporters_job_mapping(tmp_path: Path) -> None:
+    """One file per GPU index naming the jobs on it (NVIDIA's --hpc-job-mapping-dir): the prolog adds the job
+    to its GPUs' files, the epilog takes it out of every file and leaves the other jobs' lines."""
+    mapping, proc = tmp_path / "dcgm-job-map", tmp_path / "proc"
+    proc.mkdir()
+    scripts = {}
+    for name, path in (("prolog", PROLOG), ("epilog", EPILOG)):
+        script = with_value(script_of(node_doc(), path), "MAPPING_DIR", str(mapping))
+        if name == "epilog":  # no docker daemon, and none of this machine's processes
+            script = with_value(with_value(script, "DOCKER_SOCKET", str(tmp_path / "none.sock")), "PROC", str(proc))
+        scripts[name] = tmp_path / name
+        scripts[name].write_text(script)
+
+    def hook(name: str, job: str, gpus: str = "") -> None:
+        env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": job, "SLURM_JOB_GPUS": gpus}
+        done = subprocess.run(["bash", str(scripts[name])], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+
+    hook("prolog", "42", "0,2")
+    hook("prolog", "43", "2")  # a GPU shared by two jobs (a GPU is one job's under gres: a stray file's case)
+    hook("prolog", "44")  # a job without GPUs labels nothing
+    assert {f.name: f.read_text() for f in mapping.iterdir()} == {"0": "42\n", "2": "42\n43\n"}
+    hook("epilog", "42")
+    assert {f.name: f.read_text() for f in mapping.iterdir()} == {"2": "43\n"}
+    hook("epilog", "43")
+    assert list(mapping.iterdir()) == []
+
+
 def test_epilog_removes_the_jobs_containers_and_only_them(docker: Docker) -> None:
     result = docker.run(["c0ffee01", "c0ffee02"], job="4242")
     assert result.returncode == 0, result.stderr
@@ -706,6 +754,7 @@ class Call:
     query: dict[str, list[str]]
     headers: dict[str, str]
     body: Any
+    seen: list[str]  # the sandbox's stub calls logged before this request came (FakeAzure.stub_log)
 
 
 @dataclass
@@ -716,6 +765,7 @@ class FakeAzure:
     calls: list[Call] = field(default_factory=list)
     answers: dict[str, list[tuple[int, Any]]] = field(default_factory=dict)
     endpoint: str = ""
+    stub_log: Path | None = None  # a sandbox's calls log: each call records what the stubs had been asked by then
 
     def answer(self, method: str, path: str) -> tuple[int, Any]:
         if path == "/metadata/identity/oauth2/token":
@@ -736,6 +786,13 @@ class FakeAzure:
 
 @pytest.fixture
 def azure() -> Iterator[FakeAzure]:
+    with serving_fake_azure() as fake:
+        yield fake
+
+
+@contextmanager
+def serving_fake_azure() -> Iterator[FakeAzure]:
+    """The fake Azure on a local HTTP server (the `azure` fixture's; test_release.py's too)."""
     fake = FakeAzure()
 
     class Handler(BaseHTTPRequestHandler):
@@ -743,9 +800,9 @@ def azure() -> Iterator[FakeAzure]:
             url = urlsplit(self.path)
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
-            fake.calls.append(
-                Call(self.command, url.path, parse_qs(url.query), dict(self.headers), json.loads(raw) if raw else None)
-            )
+            seen = fake.stub_log.read_text().splitlines() if fake.stub_log else []
+            body = json.loads(raw) if raw else None
+            fake.calls.append(Call(self.command, url.path, parse_qs(url.query), dict(self.headers), body, seen))
             status, body = fake.answer(self.command, url.path)
             data = b"" if body is None else json.dumps(body).encode()
             self.send_response(status)
@@ -1199,6 +1256,9 @@ def controller(tmp_path: Path) -> Iterator[Controller]:
             "MailProg": "/bin/true",
         },
     )
+    # The reaper's test runs no slurmdbd, which slurmctld refuses to start without when slurm.conf names one
+    # (Azure's accounting runs for real in tests/scripts/test_azure_slurm_files.py): no Accounting* line.
+    conf = "".join(line for line in conf.splitlines(keepends=True) if not line.startswith("Accounting"))
     (root / "slurm.conf").write_text(conf)
     munge_argv = [tool("munged"), "--foreground", f"--key-file={key}", f"--socket={socket_path}"]
     munge_argv += [f"--pid-file={root / 'munged.pid'}", f"--seed-file={root / 'munged.seed'}", "--force"]
@@ -1299,6 +1359,8 @@ def test_head_node_installs_the_controller_and_its_files() -> None:
         "slurm-smd=25.11.5-*",
         "slurm-smd-client=25.11.5-*",  # sbatch and friends: the head node is the login node
         "slurm-smd-slurmctld=25.11.5-*",
+        "slurm-smd-slurmdbd=25.11.5-*",  # accounting: at slurmctld's version (infra/cloud_init/accounting.py)
+        "mariadb-server",  # slurmdbd's database, on the head node's own disk
         "prometheus",  # the cluster's telemetry (infra/cloud_init/prometheus.py)
         "python3-venv",  # the MLflow server's environment (infra/cloud_init/mlflow.py)
     ]
@@ -1315,6 +1377,7 @@ def test_head_node_installs_the_controller_and_its_files() -> None:
     assert parsed["runcmd"] == [
         ["systemctl", "daemon-reload"],
         ["systemctl", "enable", "--now", "slurm-power-reap.timer"],
+        ["systemctl", "try-reload-or-restart", "ssh"],  # the people's keys (tests/infra/test_users.py)
         ["systemctl", "enable", "--now", "--no-block", "head-setup.service"],
         *mlflow_commands(),  # tests/infra/test_mlflow_server.py
     ]
@@ -1454,7 +1517,8 @@ def test_power_programs_are_wrappers_of_the_one_program() -> None:
         ({"identity_client_id": "/subscriptions/x"}, "identity_client_id"),
         ({"slurm_conf": "ClusterName=hvd"}, "slurm_conf"),
         ({"key_vault_uri": "http://kv.vault.azure.net/"}, "key_vault_uri"),
-        ({"nfs_server_ip": "nfs"}, "nfs_server_ip"),
+        ({"shared": NfsShare("nfs", "/export")}, "nfs_server_ip"),
+        ({"shared": LustreShare("lustre.internal")}, "lustre_mgs_address"),
         ({"admin_user": "Admin"}, "admin_user"),
         ({"admin_user": "hpc admin"}, "admin_user"),
         ({"admin_user": ""}, "admin_user"),

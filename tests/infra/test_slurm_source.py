@@ -4,8 +4,8 @@
   real apt against the packages that the nodes' and the head node's setup programs install: they resolve,
   to Microsoft's packages at slurmVersion; today's Ubuntu packages do not (issue 29, finding 1).
 - The head node and the nodes take Slurm from one repository at one version (finding 2).
-- Every key of the rendered slurm.conf, gres.conf and cgroup.conf is one that Slurm 25.11 reads, and
-  none is defunct there (tests/infra/data/slurm-25.11-keys.json, extracted from SchedMD's parsers).
+- Every key of the rendered slurm.conf, gres.conf, cgroup.conf and slurmdbd.conf is one that Slurm 25.11
+  reads, and none is defunct there (tests/infra/data/slurm-25.11-keys.json, extracted from SchedMD's parsers).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from infra.cloud_init import render_cgroup_conf, render_gres_conf
+from infra.cloud_init.accounting import render_slurmdbd_conf
 from infra.cloud_init.slurm import NodeSet
 from infra.cloud_init.slurm_packages import (
     DEFAULT_SLURM_VERSION,
@@ -30,7 +31,7 @@ from infra.cloud_init.slurm_packages import (
 )
 from tests.infra.apt_replay import Apt, Package, Repository, installed, mirror
 from tests.infra.conftest import VALID_CONFIG, Deployment, deploy
-from tests.infra.documents import files_of, head_doc, node_doc, power, setup_packages, slurm_conf
+from tests.infra.documents import accounting, files_of, head_doc, node_doc, power, setup_packages, slurm_conf
 from tests.infra.sandbox import Sandbox
 from tests.infra.test_stack import head_document, node_document  # the documents the stack sends to Azure
 
@@ -66,6 +67,7 @@ UBUNTU = Repository(
         Package("prometheus", "2.31.2+ds1-1ubuntu1.22.04.2"),
         Package("prometheus-node-exporter", "1.3.1-1ubuntu0.22.04.2"),
         Package("python3-venv", "3.10.6-1~22.04.1"),
+        Package("mariadb-server", "1:10.6.22-0ubuntu0.22.04.1"),  # the accounting database (head node)
         Package("slurm-wlm-basic-plugins", UBUNTU_SLURM),
         *(
             Package(name, UBUNTU_SLURM, depends=f"slurm-wlm-basic-plugins (= {UBUNTU_SLURM}), munge")
@@ -90,7 +92,7 @@ def microsoft_slurm(suite: str, versions: list[str]) -> Repository:
             ),
             *(
                 Package(f"slurm-smd-{daemon}", version, depends=f"slurm-smd (= {version}), munge", conflicts=daemon)
-                for daemon in ("slurmd", "slurmctld")
+                for daemon in ("slurmd", "slurmctld", "slurmdbd")
             ),
         ]
     return Repository("packages.microsoft.com", "/repos/slurm-ubuntu-jammy/", suite, packages)
@@ -280,6 +282,11 @@ def test_rendered_files_hold_to_slurm_25_11s_keys(autostop_s: int | None) -> Non
     assert unknown_keys(conf, "slurm.conf", SLURM_CONF_LINES) == []
     assert unknown_keys(render_gres_conf(8), "gres.conf", {"Name": "gres.conf Name"}) == []
     assert unknown_keys(render_cgroup_conf(), "cgroup.conf", {}) == []
+    for mysql in (False, True):
+        dbd = render_slurmdbd_conf(
+            dbd_host="hvd-head", dbd_address="10.0.0.254", database=accounting(mysql=mysql).database
+        )
+        assert unknown_keys(dbd, "slurmdbd.conf", {}) == []
     # values that 25.11 refuses or ignores
     settings = dict(line.split("=", 1) for line in conf.splitlines() if "=" in line and not line.startswith("#"))
     assert not set(settings["SlurmctldParameters"].split(",")) & set(KEYS["values"]["SlurmctldParameters"]["defunct"])

@@ -26,7 +26,13 @@ from infra.contract import (
     StackOutput,
 )
 from infra.identity import ACR_PULL, SCALE_SET_POWER_ACTIONS, STORAGE_BLOB_DATA_CONTRIBUTOR
-from infra.key_vault import KEY_VAULT_SECRETS_USER, MUNGE_KEY_CONTENT_TYPE, MUNGE_KEY_LIFETIME, munge_key_expiry
+from infra.key_vault import (
+    DATABASE_PASSWORD_CONTENT_TYPE,
+    KEY_VAULT_SECRETS_USER,
+    MUNGE_KEY_CONTENT_TYPE,
+    MUNGE_KEY_LIFETIME,
+    munge_key_expiry,
+)
 from infra.network import DENY_ALL_PRIORITY, SERVICE_ENDPOINTS
 from infra.skus import GPU_SKUS
 from tests.infra.azure_mocks import (
@@ -37,7 +43,7 @@ from tests.infra.azure_mocks import (
     SUBSCRIPTION,
     Registered,
 )
-from tests.infra.conftest import PROJECT, SSH_KEY, STACK, VALID_CONFIG, Deployment, deploy
+from tests.infra.conftest import LUSTRE_CONFIG, PROJECT, SSH_KEY, STACK, VALID_CONFIG, Deployment, deploy
 from tests.infra.documents import decode_custom_data, setup_packages
 
 # Azure resource types that take no tags (sub-resources and extension resources).
@@ -126,6 +132,16 @@ def node_document(deployment: Deployment) -> str:
 def head_document(deployment: Deployment) -> str:
     """The head node's cloud-config."""
     return decode_custom_data(by_name(deployment, ":VirtualMachine", "head").inputs["osProfile"]["customData"])
+
+
+def custom_data(deployment: Deployment) -> dict[str, str]:
+    """Every cloud-config the deployment declares, by the resource that carries it (VMs, the scale set)."""
+    documents = {
+        vm.name: decode_custom_data(vm.inputs["osProfile"]["customData"])
+        for vm in deployment.mocks.of_type(":VirtualMachine")
+        if vm.inputs.get("osProfile", {}).get("customData")
+    }
+    return {**documents, one(deployment, ":VirtualMachineScaleSet").name: node_document(deployment)}
 
 
 def head_file(deployment: Deployment, path: str) -> str:
@@ -266,8 +282,10 @@ def test_role_assignment_scopes(deployment: Deployment) -> None:
         (OPERATOR_OBJECT_ID, STORAGE_BLOB_DATA_CONTRIBUTOR, containers["results"]),
         (head.outputs["principalId"], power_role, scale_set.id),
         # the munge key: the head node's and the nodes' identities read that one secret, nobody else
-        (principal, KEY_VAULT_SECRETS_USER, one(deployment, ":Secret").id),
-        (head.outputs["principalId"], KEY_VAULT_SECRETS_USER, one(deployment, ":Secret").id),
+        (principal, KEY_VAULT_SECRETS_USER, by_name(deployment, ":Secret", "munge-key").id),
+        (head.outputs["principalId"], KEY_VAULT_SECRETS_USER, by_name(deployment, ":Secret", "munge-key").id),
+        # slurmdbd's database password: the head node's alone
+        (head.outputs["principalId"], KEY_VAULT_SECRETS_USER, by_name(deployment, ":Secret", "database-password").id),
         # the head node's MLflow server writes its artifacts (the runs' models) to `results` alone
         (mlflow.outputs["principalId"], STORAGE_BLOB_DATA_CONTRIBUTOR, containers["results"]),
     }
@@ -556,16 +574,14 @@ def test_autostop_minutes_set_slurms_suspend_time(minutes: str, suspend_time: st
 def test_munge_key_goes_to_key_vault_and_never_into_custom_data(deployment: Deployment) -> None:
     (key,) = [r for r in deployment.mocks.resources if r.type == "random:index/randomBytes:RandomBytes"]
     assert key.inputs["length"] == 1024
-    secret = one(deployment, ":Secret")
+    secret = by_name(deployment, ":Secret", "munge-key")
     assert secret.inputs["secretName"] == "slurm-munge-key" and secret.inputs["properties"]["value"] == MUNGE_KEY
-    # The secret itself is the one input sent as a secret; no custom data carries the key.
+    # The secrets themselves (the key, the database password) are the only inputs sent as secrets; no custom
+    # data carries the key.
+    password = by_name(deployment, ":Secret", "database-password")
     secrets = {(r.name, name) for r in deployment.mocks.resources for name in r.secret_inputs}
-    assert secrets == {(secret.name, "properties")}
-    custom_data = [head_document(deployment), node_document(deployment)]
-    custom_data += [
-        decode_custom_data(vm.inputs["osProfile"]["customData"]) for vm in _vms_with_custom_data(deployment)
-    ]
-    for document in custom_data:
+    assert secrets == {(secret.name, "properties"), (password.name, "properties")}
+    for document in custom_data(deployment).values():
         assert MUNGE_KEY not in document and MUNGE_KEY[:40] not in document
         assert "/etc/munge/munge.key" not in {e["path"] for e in yaml.safe_load(document).get("write_files", [])}
     sent = json.dumps([r.inputs for r in deployment.mocks.resources if r not in (key, secret)], default=str)
@@ -575,12 +591,6 @@ def test_munge_key_goes_to_key_vault_and_never_into_custom_data(deployment: Depl
     for document in (head_document(deployment), node_document(deployment)):
         fetch = {e["path"]: e["content"] for e in yaml.safe_load(document)["write_files"]}["/usr/local/sbin/munge-key"]
         assert f"VAULT_URI={vault.outputs['properties']['vaultUri']}" in fetch.splitlines()
-
-
-def _vms_with_custom_data(deployment: Deployment) -> list[Registered]:
-    return [
-        vm for vm in deployment.mocks.of_type(":VirtualMachine") if vm.inputs.get("osProfile", {}).get("customData")
-    ]
 
 
 def test_key_vault_is_rbac_only_closed_to_all_but_the_cluster_subnet(deployment: Deployment) -> None:
@@ -616,9 +626,15 @@ def test_purge_protection_can_be_left_off_for_throwaway_stacks() -> None:
     assert "enablePurgeProtection" not in properties and properties["enableSoftDelete"] is True
 
 
-def test_munge_key_secret_has_a_content_type_and_an_expiry_a_year_ahead(deployment: Deployment) -> None:
-    properties = one(deployment, ":Secret").inputs["properties"]
-    assert properties["contentType"] == MUNGE_KEY_CONTENT_TYPE
+@pytest.mark.parametrize(
+    ("secret", "content_type"),
+    [("munge-key", MUNGE_KEY_CONTENT_TYPE), ("database-password", DATABASE_PASSWORD_CONTENT_TYPE)],
+)
+def test_each_secret_has_a_content_type_and_an_expiry_a_year_ahead(
+    deployment: Deployment, secret: str, content_type: str
+) -> None:
+    properties = by_name(deployment, ":Secret", secret).inputs["properties"]
+    assert properties["contentType"] == content_type
     attributes = properties["attributes"]
     assert attributes["enabled"] is True
     expires = datetime.fromtimestamp(attributes["expires"], UTC)
@@ -677,9 +693,13 @@ def test_slurm_and_telemetry_ports_are_closed_outside_the_cluster_subnet(
 LONGEST_PREFIXES = [{"namePrefix": "abcdefghij"}, {"namePrefix": "abcdefghi", "spotNodeCount": "2"}]
 
 
-@pytest.mark.parametrize("overrides", LONGEST_PREFIXES, ids=["on-demand", "spot"])
-def test_every_name_the_longest_prefix_makes_is_one_azure_takes(overrides: dict[str, str]) -> None:
-    deployed = deploy({**VALID_CONFIG, **overrides})
+@pytest.mark.parametrize(
+    "raw",
+    [*({**VALID_CONFIG, **overrides} for overrides in LONGEST_PREFIXES), {**LUSTRE_CONFIG, **LONGEST_PREFIXES[0]}],
+    ids=["on-demand", "spot", "lustre"],
+)
+def test_every_name_the_longest_prefix_makes_is_one_azure_takes(raw: dict[str, str]) -> None:
+    deployed = deploy(raw)
     checked = set()
     for resource in deployed.mocks.resources:
         rule = next((r for suffix, r in RESOURCE_NAME_RULES.items() if resource.type.endswith(suffix)), None)
@@ -688,7 +708,9 @@ def test_every_name_the_longest_prefix_makes_is_one_azure_takes(overrides: dict[
         name = resource.name + AUTONAME_SUFFIX  # azure-native adds 8 random hex digits
         assert rule.admits(name), f"{resource.type} {name!r}: Azure allows {rule.allowed}"
         checked.add(resource.type.rsplit(":", 1)[1])
-    assert len(checked) == len(RESOURCE_NAME_RULES)  # every rule met a resource it governs
+    # every rule met a resource it governs (Azure Managed Lustre's in the stack that has one)
+    lustre = raw.get("sharedStorage") == "lustre"
+    assert checked == {suffix[1:] for suffix in RESOURCE_NAME_RULES} - (set() if lustre else {"AmlFilesystem"})
     # the names the machines take, which azure-native leaves as given
     for vmss in deployed.mocks.of_type(":VirtualMachineScaleSet"):
         prefix = vmss.inputs["virtualMachineProfile"]["osProfile"]["computerNamePrefix"]

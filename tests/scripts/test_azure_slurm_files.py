@@ -1,6 +1,7 @@
 """The Azure head node's slurm.conf, gres.conf and cgroup.conf, exactly as its cloud-config writes them,
 run by a real slurmctld and a configless slurmd in network namespaces, and a one-GPU job confined by
-them to its own GPU.
+them to its own GPU; with the head node's slurmdbd.conf, MariaDB settings and associations run by a real
+slurmdbd and MariaDB beside slurmctld, which records the job with its GPU (sacct).
 
 Debian 12's Slurm here is 22.05, where Azure's hosts run 25.11: tests/infra/test_slurm_source.py holds
 the files to 25.11's keys, this proves that real daemons take them and that a GPU node registers as
@@ -20,10 +21,11 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,10 +34,18 @@ import pytest
 from dtrain.local import network as local_network
 from dtrain.local import slurm as local_slurm
 from infra.cloud_init import render_cgroup_conf, render_gres_conf
+from infra.cloud_init.accounting import (
+    ASSOCIATIONS_PATH,
+    MARIADB_CONF_PATH,
+    PASSWORD_SLOT,
+    SLURMDBD_SETUP_PATH,
+    SLURMDBD_TEMPLATE_PATH,
+    database_grant_template,
+)
 from infra.cloud_init.head_node import CGROUP_CONF_PATH, GRES_CONF_PATH, SLURM_CONF_PATH
 from infra.cloud_init.slurm import NodeSet
 from infra.cloud_init.slurm_packages import SLURM_USER
-from infra.contract import SLURMCTLD_PORT
+from infra.contract import SLURMCTLD_PORT, SLURMDBD_PORT
 from infra.skus import GPU_SKUS
 from tests.infra.documents import files_of, head_doc, power, slurm_conf
 from tests.polling import wait_for
@@ -50,8 +60,10 @@ CONTROLLER = "hvd-head"
 GPUS = 8
 DEVICE_MAJOR = 240  # Linux's devices.txt: for local and experimental use
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-CONTROLLERS = ("freezer", "cpuset", "memory", "devices")
-STAND_INS = ("SuspendProgram", "ResumeProgram", "ResumeFailProgram", "HealthCheckProgram", "Epilog")
+# freezer and cpuset for proctrack/cgroup, memory and devices for the job's limits, cpuacct and memory for
+# jobacct_gather/cgroup's usage
+CONTROLLERS = ("freezer", "cpuset", "memory", "devices", "cpuacct")
+STAND_INS = ("SuspendProgram", "ResumeProgram", "ResumeFailProgram", "HealthCheckProgram", "Prolog", "Epilog")
 # What places the daemons on this machine; every other line of slurm.conf is Azure's.
 SANDBOX = {
     "SlurmctldHost",  # Azure's name, this namespace's address
@@ -62,22 +74,43 @@ SANDBOX = {
     "SlurmdPidFile",
     # slurmd reports the node's configured 96 CPUs and 1.7 TB, not this machine's
     "SlurmdParameters",
+    # slurmdbd at this namespace's address, reached through the test's munged socket
+    "AccountingStorageHost",
+    "AccountingStoragePass",
     # stand-ins that succeed: Azure's programs are not on this machine (without them slurmctld would
     # switch its power saving off instead of reading its settings, and drain the node after a job)
     *STAND_INS,
 }
 
 
-def azure_files(autostop_s: int | None) -> dict[str, str]:
-    """The three files the head node's cloud-config writes (what slurmctld serves to every slurmd)."""
+# What the head node's cloud-config writes for slurmdbd (the configuration, without its password, and the
+# associations) and MariaDB, by the names the test gives them.
+ACCOUNTING_FILES = {
+    SLURMDBD_TEMPLATE_PATH: "slurmdbd.conf.in",
+    ASSOCIATIONS_PATH: "associations.cfg",
+    MARIADB_CONF_PATH: "mariadb.cnf",
+}
+# slurmdbd.conf's lines that place the daemon here; every other line is Azure's
+DBD_SANDBOX = {"DbdAddr", "LogFile", "PidFile", "AuthInfo"}
+PASSWORD = "sandbox-Passw0rd"
+
+
+def azure_files(autostop_s: int | None) -> tuple[dict[str, str], dict[str, str]]:
+    """The three files the head node's cloud-config writes that slurmctld serves to every slurmd, and those
+    of slurmdbd and MariaDB, with the SQL of slurmdbd-setup's grant."""
     node_set = NodeSet(names=NODES, cpus=SKU.vcpus, real_memory_mb=SKU.slurm_real_memory_mb, gpus=GPUS)
     spot_set = NodeSet(names=SPOT_NODES, cpus=SKU.vcpus, real_memory_mb=SKU.slurm_real_memory_mb, gpus=GPUS)
     conf = slurm_conf(nodes=node_set, spot_nodes=spot_set, power=power(suspend_time_s=autostop_s))
     document = head_doc(slurm_conf=conf, gres_conf=render_gres_conf(GPUS), cgroup_conf=render_cgroup_conf())
     files = files_of(document)
-    return {
+    slurm = {
         Path(path).name: str(files[path]["content"]) for path in (SLURM_CONF_PATH, GRES_CONF_PATH, CGROUP_CONF_PATH)
     }
+    accounting = {name: str(files[path]["content"]) for path, name in ACCOUNTING_FILES.items()}
+    # slurmdbd-setup's SQL (GRANT_SQL), with the password it fetches from Key Vault
+    assert shlex.quote(database_grant_template()) in str(files[SLURMDBD_SETUP_PATH]["content"])
+    accounting["grant.sql"] = database_grant_template().replace(PASSWORD_SLOT, PASSWORD)
+    return slurm, accounting
 
 
 @dataclass
@@ -118,6 +151,25 @@ class Sandbox:
     def cgroup(self) -> str:
         return f"hvd-azure-files-{self.name}"
 
+    @property
+    def database(self) -> Path:
+        return self.root / "mariadb"
+
+    def sandboxed_dbd(self, conf: str) -> str:
+        """Azure's slurmdbd.conf with the lines that place the daemon here, and the password slurmdbd-setup adds."""
+        return (
+            local_slurm.override(
+                conf,
+                {
+                    "DbdAddr": self.head_address,
+                    "LogFile": str(self.root / "logs" / "slurmdbd-file.log"),
+                    "PidFile": str(self.root / "slurmdbd.pid"),
+                    "AuthInfo": f"socket={self.munge_socket}",
+                },
+            )
+            + f"StoragePass={PASSWORD}\n"
+        )
+
     def sandboxed(self, conf: str) -> str:
         return local_slurm.override(
             conf,
@@ -129,6 +181,8 @@ class Sandbox:
                 "SlurmctldPidFile": str(self.root / "slurmctld.pid"),
                 "SlurmdPidFile": str(self.root / "slurmd.pid"),
                 "SlurmdParameters": "config_overrides",
+                "AccountingStorageHost": self.head_address,
+                "AccountingStoragePass": str(self.munge_socket),
                 **dict.fromkeys(STAND_INS, str(self.stand_in)),
             },
         )
@@ -193,8 +247,11 @@ def cgroups_available() -> bool:
 
 
 @contextlib.contextmanager
-def daemons(sandbox: Sandbox, files: dict[str, str]) -> Iterator[dict[str, subprocess.Popen]]:
-    """munged on the host, slurmctld in the head namespace, slurmd (configless) in the node's."""
+def daemons(
+    sandbox: Sandbox, files: dict[str, str], accounting: dict[str, str]
+) -> Iterator[dict[str, subprocess.Popen]]:
+    """munged on the host; MariaDB, slurmdbd (with the cluster's associations loaded) and slurmctld in the
+    head namespace, as head-setup starts them; slurmd (configless) in the node's."""
     head_ns, node_ns = sandbox.namespaces
     bridge, veths = f"{sandbox.name}br", [f"{sandbox.name}vh", f"{sandbox.name}v0"]
     processes: dict[str, subprocess.Popen] = {}
@@ -232,6 +289,7 @@ def daemons(sandbox: Sandbox, files: dict[str, str]) -> Iterator[dict[str, subpr
                          "--force"])  # fmt: skip
         wait_for(munge.is_socket, 30, "munged's socket")
         conf = sandbox.conf_dir / "slurm.conf"
+        start_accounting(sandbox, accounting, start, env)
         start(
             "slurmctld",
             ["ip", "netns", "exec", head_ns, "unshare", "--uts", "sh", "-c",
@@ -254,6 +312,44 @@ def daemons(sandbox: Sandbox, files: dict[str, str]) -> Iterator[dict[str, subpr
                 process.wait()
         local_network.remove([head_ns, node_ns], [*veths, bridge], [str(local_network.etc_dir(head_ns))])
         remove_cgroups(sandbox)
+
+
+def start_accounting(sandbox: Sandbox, accounting: dict[str, str], start: Callable, env: dict[str, str]) -> None:
+    """MariaDB with the head node's settings (and this sandbox's paths), slurmdbd with its slurmdbd.conf,
+    then the associations, as slurmdbd-setup does it."""
+    head_ns = sandbox.namespaces[0]
+    for name in ("mariadb.cnf", "grant.sql", "associations.cfg"):
+        (sandbox.root / name).write_text(accounting[name])
+    sandbox.database.mkdir(mode=0o700)
+    paths = [f"--datadir={sandbox.database}", f"--socket={sandbox.root / 'mariadb.socket'}",
+             f"--pid-file={sandbox.root / 'mariadbd.pid'}"]  # fmt: skip
+    defaults = f"--defaults-file={sandbox.root / 'mariadb.cnf'}"
+    installed = subprocess.run(
+        ["mariadb-install-db", defaults, *paths, "--user=root", "--skip-test-db"], capture_output=True, text=True
+    )
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    start("mariadb", ["ip", "netns", "exec", head_ns, "/usr/sbin/mariadbd", defaults, *paths, "--user=root",
+                      f"--init-file={sandbox.root / 'grant.sql'}"])  # fmt: skip
+    wait_for((sandbox.root / "mariadb.socket").is_socket, 60, "MariaDB's socket")
+    # slurmdbd runs as SlurmUser (slurm): its configuration is slurm's alone, as slurmdbd-setup writes it
+    dbd_conf = sandbox.conf_dir / "slurmdbd.conf"
+    dbd_conf.write_text(sandbox.sandboxed_dbd(accounting["slurmdbd.conf.in"]))
+    dbd_conf.chmod(0o600)
+    shutil.chown(dbd_conf, SLURM_USER, SLURM_USER)
+    (sandbox.root / "logs" / "slurmdbd-file.log").touch()
+    shutil.chown(sandbox.root / "logs" / "slurmdbd-file.log", SLURM_USER, SLURM_USER)
+    conf = sandbox.conf_dir / "slurm.conf"
+    dbd = f'hostname {CONTROLLER} && export SLURM_CONF="$0" && exec /usr/sbin/slurmdbd -D -s'
+    start("slurmdbd", ["ip", "netns", "exec", head_ns, "unshare", "--uts", "sh", "-c", dbd, str(conf)])
+
+    def loaded() -> bool:
+        load = subprocess.run(
+            ["sacctmgr", "--immediate", "load", str(sandbox.root / "associations.cfg")],
+            env={**env, **local_slurm.client_env(conf)}, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        return load.returncode == 0
+
+    wait_for(loaded, 60, f"slurmdbd on port {SLURMDBD_PORT} to take the associations", interval=0.5)
 
 
 def show_node(conf: Path) -> dict[str, str]:
@@ -295,12 +391,14 @@ def open_dir() -> Iterator[Path]:
 def test_azure_files_start_the_daemons_and_a_gpu_node_registers_configless(
     open_dir: Path, autostop_s: int | None
 ) -> None:
-    files = azure_files(autostop_s)
+    files, accounting = azure_files(autostop_s)
     sandbox = Sandbox(open_dir, cluster_name("z" if autostop_s else "y"), free_subnet())
     controller_files = {**files, "slurm.conf": sandbox.sandboxed(files["slurm.conf"])}
-    # Azure's file, but for the lines that place the daemons here
+    # Azure's files, but for the lines that place the daemons here
     assert lines_without(controller_files["slurm.conf"], SANDBOX) == lines_without(files["slurm.conf"], SANDBOX)
-    with daemons(sandbox, controller_files) as processes:
+    dbd = accounting["slurmdbd.conf.in"]
+    assert lines_without(sandbox.sandboxed_dbd(dbd), DBD_SANDBOX | {"StoragePass"}) == lines_without(dbd, DBD_SANDBOX)
+    with daemons(sandbox, controller_files, accounting) as processes:
         conf = sandbox.conf_dir / "slurm.conf"
 
         def registered() -> dict[str, str] | None:
@@ -340,6 +438,18 @@ def test_azure_files_start_the_daemons_and_a_gpu_node_registers_configless(
             "/dev/nvidia0 ENXIO",
             *(f"/dev/nvidia{index} EPERM" for index in range(1, GPUS)),
         ]
+        # slurmdbd recorded it, with its one GPU (AccountingStorageTRES)
+        job_id = job.stdout.split()[-1]
+
+        def recorded() -> str | None:
+            sacct = subprocess.run(
+                ["sacct", "-X", "-n", "-P", "-j", job_id, "--format=State,AllocTRES"],
+                env={**os.environ, **local_slurm.client_env(conf)}, capture_output=True, text=True, timeout=30,
+            )  # fmt: skip
+            return sacct.stdout.strip() if sacct.stdout.startswith("COMPLETED|") else None
+
+        record = wait_for(recorded, 60, f"job {job_id} in sacct")
+        assert "gres/gpu=1" in record.split("|")[1].split(","), record + logs_of(sandbox)
         # both partitions of 100, the other 199 nodes powered down (22.05's sinfo hides those: 23.11+ shows them)
         partitions = subprocess.run(
             ["scontrol", "show", "partition", "--oneliner"],

@@ -52,6 +52,7 @@ VARIANTS = {
         BASE, mode="per-node", image=None, python="/opt/venv/bin/python", setup_cache_dir="/x", secrets=("A",)
     ),
     "task-horovod-secrets": replace(BASE, image=None, secrets=("A", "B"), requeue=True),
+    "task-per-rank-setup": replace(BASE, launcher="torchrun", setup_cache_dir="/x", cluster_info='{"cloud": "Azure"}'),
     "tracked": replace(BASE, tracking=Tracking("http://10.40.63.254:5000", "my experiment")),
     "resume-and-warn": replace(BASE, launcher="torchrun", resume_from="old-run", warn_before_s=300, time_limit="60"),
     "warn-host": replace(BASE, image=None, warn_before_s=30, time_limit="1"),

@@ -29,6 +29,7 @@ from dtrain.local.cluster import _describe as local_describe
 from dtrain.local.daemons import free_port
 from dtrain.local.state import HostState, LocalState, NodeState
 from dtrain.remote.boot import blob_pull
+from tests.infra.ssh_keys import ED25519
 from tests.local_http import serving
 
 from .conftest import FIXTURES, REPO, private_key_file, run_module
@@ -167,6 +168,8 @@ def paths(tmp_path: Path, blob_service: str) -> dict[str, str]:
         "tmp": str(tmp_path),
         "key": str(key),
         "open_key": _write(tmp_path / "open_key", "key\n", 0o644),
+        "pub": _write(tmp_path / "id_ed25519.pub", ED25519 + "\n"),
+        "private": _write(tmp_path / "id_other", "-----BEGIN OPENSSH PRIVATE KEY-----\nb3Blbg==\n", 0o600),
         "file": _write(tmp_path / "file.txt", "a file\n"),
         "empty": str(tmp_path / "empty"),
         "missing": str(tmp_path / "missing"),
@@ -258,7 +261,10 @@ STAGE = [
 FROM_STACK = "from-stack --stack dev -o {tmp}/out.json --ssh-key"
 PULUMI = {"PATH": "{fake_pulumi}:/usr/bin:/bin"}
 CLUSTER = [
-    case("", message="the following arguments are required: {{from-stack,show}}"),
+    case("", message="the following arguments are required: {{from-stack,show,for-user}}"),
+    case(f"{FROM_STACK} {{key}} --user root", message="argument --user: 'root' is an account the hosts keep"),
+    case("for-user Alice --ssh-key {key} --cluster {desc}", message="argument NAME: 'Alice' is not a user name"),
+    case("for-user alice --ssh-key {open_key} --cluster {desc}", message="is readable by other users (mode 0644)"),
     case("show --cluster {not_utf8}", message="cluster description {not_utf8} is not UTF-8 text (byte 10)"),
     case("show --cluster {not_json}", message="cluster description {not_json} is not JSON (Expecting"),
     case("show --cluster {wrong_schema}", message="node_count: Input should be a valid integer"),
@@ -438,6 +444,25 @@ JOBS = [
     case("results --cluster {desc} -- -x", message="argument RUN: invalid run id '-x'"),
 ]
 
+ADD = "add alice --cluster {desc} --account vision --ssh-key"
+USERS = [
+    case("add Alice --ssh-key {pub} --account vision", message="argument name: 'Alice' is not a user name"),
+    case(f"{ADD} {{missing}}", message="cannot read the --ssh-key {missing}: it does not exist"),
+    case(f"{ADD} {{file}}", message="--ssh-key {file}: must be an OpenSSH public key"),
+    case(f"{ADD} {{private}}", message="--ssh-key {private} is a private key: pass the public one (the .pub file)"),
+    case(f"{ADD} {{pub}} --max-gpus 0", message="argument --max-gpus: must be a whole number"),
+    case("add alice --ssh-key {pub} --account Vision", message="--account: 'Vision' is not a Slurm account name"),
+    case("remove root --cluster {desc}", message="argument name: 'root' is an account the hosts keep"),
+    case(f"{ADD} {{pub}} --gpu-hours lots", message="argument --gpu-hours: must be a number >= 0, got 'lots'"),
+    case(
+        "limit alice --cluster {desc} --gpu-hours -1", message="argument --gpu-hours: must be a number >= 0, got '-1'"
+    ),
+    case("limit alice --cluster {desc} --gpu-hours 0.001", message="--gpu-hours: 0.001 GPU-hours is less than a GPU-"),
+    case("limit alice --cluster {desc} --max-jobs 0", message="argument --max-jobs: must be a whole number >= 1"),
+    case("limit alice --cluster {desc}", message="users limit: give a limit to set (--max-jobs, --max-nodes, --max-"),
+    case("limit Alice --cluster {desc} --clear", message="argument name: 'Alice' is not a user name"),
+]
+
 STATE = "--state-dir {tmp}/state"
 LOCAL_CLUSTER = [
     case(f"up {STATE} --nodes 0", message="argument --nodes: must be a whole number between 1 and 32, got '0'"),
@@ -547,6 +572,11 @@ def test_jobs(bad: Case, paths: dict[str, str]) -> None:
     check("dtrain", bad, paths)
 
 
+@pytest.mark.parametrize("bad", USERS, ids=str)
+def test_users(bad: Case, paths: dict[str, str]) -> None:
+    check("dtrain users", bad, paths)
+
+
 @pytest.mark.parametrize("bad", LOCAL_CLUSTER, ids=str)
 def test_local_cluster(bad: Case, paths: dict[str, str]) -> None:
     check("dtrain local", bad, paths)
@@ -569,6 +599,7 @@ def test_blob_pull(bad: Case, paths: dict[str, str]) -> None:
 # --- the one entry point ---------------------------------------------------------------------
 COMMANDS = (
     "cluster",
+    "users",
     "stage",
     "images",
     "launch",
@@ -585,9 +616,11 @@ COMMANDS = (
     "local",
     "demo",
     "cost",
+    "doctor",
 )
 SUBCOMMANDS = {
-    "cluster": ("from-stack", "show"),
+    "cluster": ("from-stack", "show", "for-user"),
+    "users": ("add", "remove", "limit", "list"),
     "stage": ("generate", "upload", "pull", "all"),
     "local": ("up", "down", "status", "link-rate"),
 }

@@ -126,6 +126,23 @@ def test_dry_run_shows_the_time_limit_in_effect_and_the_clusters_max(tmp_path):
     assert "estimated cost: $24.58/hour, at most $4,129.44 within the time limit" in asked.stderr
 
 
+def test_a_lustre_stack_stages_through_its_head_node_where_the_nodes_mount_it(tmp_path):
+    """No NFS server: the head node, which mounts Lustre at /shared as the nodes do, runs blob-pull."""
+    lustre = {**OUTPUTS, "shared_storage": "lustre", "nfs_private_ip": None, "nfs_export_path": None}
+    key = private_key_file(tmp_path)
+    desc = cl.from_stack_outputs({**lustre, "lustre_mgs_address": "10.20.3.5"}, "dev", ssh_key=key)
+    assert (desc.shared_storage, desc.storage_host.host, desc.storage_export_path) == ("lustre", "10.20.1.4", "/shared")
+    assert desc.on_storage_host("/shared/data/imagenet") == "/shared/data/imagenet"
+    assert SSH(desc).storage.label == "head node (Lustre) azureuser@10.20.1.4:22"
+    # imported at the file system's root: the stack says the datasets are there
+    assert cl.from_stack_outputs({**lustre, "data_path": "/shared"}, "dev", ssh_key="k").data_path == "/shared"
+    # an NFS stack without its server's address is refused, naming what is missing
+    with pytest.raises(OperatorError, match="missing outputs: nfs_private_ip "):
+        cl.from_stack_outputs({**OUTPUTS, "nfs_private_ip": None}, "dev", ssh_key="k")
+    before = {key: value for key, value in OUTPUTS.items() if key not in ("shared_storage", "lustre_mgs_address")}
+    assert cl.from_stack_outputs(before, "dev", ssh_key="k").shared_storage == "nfs"  # a stack from before Lustre
+
+
 def test_missing_outputs_are_named():
     partial = {k: v for k, v in OUTPUTS.items() if k not in ("data_sas", "jumpbox_public_ip")}
     with pytest.raises(OperatorError, match=r"missing outputs: jumpbox_public_ip, data_sas"):
@@ -173,6 +190,30 @@ def test_cli_from_stack_writes_the_description(tmp_path):
     assert cl.load(out).jump_host.host == "20.51.100.7" and cl.load(out).ssh_key == str(key)
     shown = run_module("dtrain", "cluster", "show", "--cluster", str(out))
     assert shown.returncode == 0 and OUTPUTS["data_sas"] not in shown.stdout and "20.51.100.7" in shown.stdout
+
+
+def test_cli_show_prints_one_field_for_a_command_line(tmp_path):
+    """`cluster show --field data_path` is what the docs put in a job's --data-dir: the bare value (a dotted
+    name reaches inside an object, which prints as JSON, secrets still masked); a name the description
+    does not have is a usage error that lists the ones it has."""
+    out = tmp_path / "c.json"
+    cl.from_stack_outputs(OUTPUTS, "dev", ssh_key="/keys/id_ed25519", known_hosts=tmp_path / "kh").save(out)
+
+    def show(field: str) -> subprocess.CompletedProcess:
+        return run_module("dtrain", "cluster", "show", "--field", field, env={"CLUSTER_DESCRIPTION": str(out)})
+
+    assert show("data_path").stdout == "/shared/data\n"
+    assert show("slurm.partition").stdout == "gpu\n"
+    credential = show("data.credential")
+    assert json.loads(credential.stdout)["kind"] == "sas" and OUTPUTS["data_sas"] not in credential.stdout
+    for field, message in [
+        ("data_pth", "--field data_pth: the description has no 'data_pth' (its fields: schema_version, name,"),
+        ("data_path.x", '--field data_path.x: data_path is "/shared/data", which has no fields'),
+        ("slurm.queue", "--field slurm.queue: slurm has no 'queue' (its fields: cluster_name,"),
+    ]:
+        refused = show(field)
+        assert refused.returncode == 2 and refused.stdout == "", refused.stderr
+        assert refused.stderr.startswith(f"error: {message}") and len(refused.stderr.splitlines()) == 1
 
 
 def test_cli_from_stack_writes_outside_the_repository_by_default(tmp_path):

@@ -133,6 +133,28 @@ def test_running_nodes_lowers_the_gpu_row_and_power_saved_nodes_cost_nothing(cap
     assert total == sum(rows.values()) == full - (cfg.node_count - running) * node
 
 
+def test_the_readme_quotes_what_cost_prints_for_the_dev_stack(capsys):
+    """README's first screen gives the default stack's hourly and idle cost as this command prints them:
+    a new price table, or a changed Pulumi.dev.yaml, must change the README too."""
+    code, out, err = run_cost(capsys, "--json")
+    assert code == 0, err
+    rows, total, document = json_rows(out)
+    idle, cents = document["idle"], Decimal("0.01")
+    gpu_nodes, node = rows["GPU nodes, running"], Decimal(idle["gpu_node_usd_per_hour"])
+    standing, tail = Decimal(idle["standing_usd_per_hour"]).quantize(cents), idle["until_autostop_usd"]
+    section = (REPO / "README.md").read_text().split("## What it costs", 1)[1].split("\n## ", 1)[0]
+    quoted = {
+        "the price table's date": f"({document['prices']['as_of']})",
+        "the total": f"**${total.quantize(cents)}** (GPU nodes ${gpu_nodes.quantize(cents)}",
+        "the rest": f"everything else ${standing})",
+        "idle": f"**${standing}** (head node",
+        "until autostop": f"({idle['autostop_minutes']} idle minutes) deallocates the nodes | ${tail}",
+        "per GPU": f"${(node / 8).quantize(cents)} per GPU-hour (${node} per node-hour / 8)",
+    }
+    missing = {what: text for what, text in quoted.items() if text not in section}
+    assert not missing, f"README.md's cost no longer matches `dtrain cost`: {missing}"
+
+
 # --- the idle cost: what the standing cluster bills with no job running ----------------------------
 @pytest.mark.parametrize(("running", "autostop"), [(2, "30"), (0, "30"), (1, "0")])
 def test_idle_cost_is_every_row_but_the_gpu_nodes_plus_the_nodes_on_until_autostop(capsys, tmp_path, running, autostop):
@@ -154,6 +176,50 @@ def test_idle_cost_is_every_row_but_the_gpu_nodes_plus_the_nodes_on_until_autost
     assert ("autostop is off" in text) == (autostop == "0" and running > 0)
     # a job's share, as launch quotes it: the node price over the node's GPUs
     assert f"/ 8 GPUs = ${node / 8:,.4f}/GPU-hour" in text
+
+
+# --- a stack with Azure Managed Lustre in place of the NFS server -----------------------------------
+LUSTRE_STACK = {
+    "sharedStorage": "lustre",
+    "lustreCapacityTib": "32",
+    "nfsVmSize": "",
+    "nfsDiskCount": "",
+    "nfsDiskSizeGb": "",
+}
+# A stand-in figure for the test's own price file, not Azure's price: the shipped table carries none for Lustre.
+TEST_TIB_HOUR = Decimal("0.25")
+
+
+def test_lustre_is_priced_by_capacity_and_tier_in_place_of_the_nfs_server(capsys, tmp_path):
+    table = json.loads(pricing.PRICES_FILE.read_text())
+    table["sources"]["test-figure"] = {"what": "a figure made up for this test"}
+    table["lustre_tib_hourly"] = {
+        "AMLFS-Durable-Premium-125": {"eastus": {"usd": float(TEST_TIB_HOUR), "source": "test-figure"}}
+    }
+    prices = tmp_path / "prices.json"
+    prices.write_text(json.dumps(table))
+    path = stack_file(tmp_path, **LUSTRE_STACK)
+    code, out, err = run_cost(capsys, "--json", "--stack-file", str(path), "--prices", str(prices))
+    assert code == 0, err
+    rows, total, document = json_rows(out)
+    nfs = expected_rows(dev_config(), running=2)
+    assert "NFS server" not in rows and "NFS data disks" not in rows
+    assert rows["Azure Managed Lustre"] == 32 * TEST_TIB_HOUR  # 32 TiB of the 125 MB/s tier
+    lustre_row = next(row for row in document["rows"] if row["item"] == "Azure Managed Lustre")
+    assert lustre_row["size"] == "AMLFS-Durable-Premium-125 (32 TiB)" and lustre_row["basis"] == "$0.25/TiB-hour"
+    assert total == sum(nfs.values()) - nfs["NFS server"] - nfs["NFS data disks"] + 32 * TEST_TIB_HOUR
+    # it bills with the head node while the stack stands: part of the idle cost
+    standing = total - 2 * TABLE["vm_hourly"][dev_config().gpu_sku]["eastus"]["usd"]
+    code, out, _ = run_cost(capsys, "--stack-file", str(path), "--prices", str(prices), "--running-nodes", "0")
+    words = " ".join(out.split())
+    assert code == 0 and f"${standing:,.2f}/hour for the head node, Lustre, jumpbox and registry" in words
+
+
+def test_a_lustre_stack_without_a_price_for_its_tier_says_where_to_put_one(capsys, tmp_path):
+    code, _, err = run_cost(capsys, "--stack-file", str(stack_file(tmp_path, **LUSTRE_STACK)))
+    assert code == ExitCode.BAD_INPUT
+    assert "has no price for Azure Managed Lustre AMLFS-Durable-Premium-125 in eastus" in err
+    assert "under lustre_tib_hourly in a copy of the table and pass it with --prices FILE" in err
 
 
 def test_status_states_the_idle_cost_of_the_cluster_from_its_stack_file_where_it_is_at_hand():
@@ -228,6 +294,12 @@ def test_a_disk_tier_the_table_lacks_is_named(capsys, tmp_path):
         (("--prices", "p.json", "--refresh"), "argument --refresh: not allowed with argument --prices"),
         (("--live", "--running-nodes", "1"), "argument --running-nodes: not allowed with argument --live"),
         (("--live", "--cluster", "/nonexistent/cluster.json"), "error: no cluster description at /nonexistent/"),
+        (("--by", "user", "--since", "garbage"), "--since: 'garbage' is not a date: give YYYY-MM-DD or"),
+        (("--by", "user", "--since", "2999-01-01"), "--since: 2999-01-01 is in the future: nothing has run since"),
+        (("--by", "team"), "argument --by: invalid choice: 'team' (choose from 'user', 'account')"),
+        (("--since", "2026-01-01"), "error: --since goes with --by (the jobs since a date)\n"),
+        (("--by", "user", "--live"), "error: --live goes without --by (it prices the stack file, not the jobs)\n"),
+        (("--by", "user", "--cluster", "/nonexistent/cluster.json"), "error: no cluster description at /nonexist"),
     ],
     ids=[
         "above-node-count",
@@ -236,6 +308,12 @@ def test_a_disk_tier_the_table_lacks_is_named(capsys, tmp_path):
         "prices-and-refresh",
         "live-and-count",
         "live-no-desc",
+        "since-garbage",
+        "since-future",
+        "by-what",
+        "since-without-by",
+        "by-and-live",
+        "by-no-desc",
     ],
 )
 def test_bad_flags_are_refused(capsys, args, message):

@@ -1,6 +1,7 @@
 """Per-GPU allocation on the local cluster's emulated GPUs (dtrain/local/gpus.py): Slurm's gres and
 task/cgroup ConstrainDevices, for real. Two one-GPU jobs share a node at the same time, each able to
-open only its own GPU's device; a job asking for more GPUs than a node has is refused before submission."""
+open only its own GPU's device, and each is recorded (run.json, sacct) with its one GPU; a job asking for
+more GPUs than a node has is refused before submission."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dtrain.local import gpus as local_gpus
 from dtrain.local import slurm as local_slurm
 from tests.polling import wait_for
 
-from .conftest import FIXTURES, local_state_dir, own_cluster
+from .conftest import FIXTURES, local_state_dir, own_cluster, slurm_command
 from .test_launcher import cli, run_dir, status_of
 
 
@@ -34,7 +35,20 @@ def test_two_one_gpu_jobs_share_a_node_each_seeing_only_its_own_gpu(tmp_path):
             # charged its one GPU of the node's two (Slurm's allocation), not the whole node
             attempt = json.loads((run_dir(desc, run_id) / "run.json").read_text())["attempts"][-1]
             assert attempt["billed_by"] == "1 GPUs of 2 a node (allocated)" and attempt["billed_nodes"] == 0.5, attempt
-            assert "node=1" in attempt["alloc_tres"], attempt
+            # AllocTRES counts the job's GPU (AccountingStorageTRES), and so does its record in slurmdbd
+            assert "node=1" in attempt["alloc_tres"] and "gres/gpu=1" in attempt["alloc_tres"], attempt
+            job_id = (run_dir(desc, run_id) / "job_id").read_text().strip()
+            accounted = wait_for(
+                lambda j=job_id: slurm_command(desc, "sacct", "-X", "-n", "-P", "-j", j, "--format=State,AllocTRES")
+                .stdout.strip()
+                .startswith("COMPLETED|"),
+                60,
+                f"job {job_id} in sacct",
+                interval=0.5,
+            )
+            assert accounted
+            sacct = slurm_command(desc, "sacct", "-X", "-n", "-P", "-j", job_id, "--format=AllocTRES").stdout
+            assert "gres/gpu=1" in sacct.split(","), sacct
         assert all(probe["together"] for probe in seen.values()), seen  # both held node-0 at once
         assert sorted(probe["job_gpus"] for probe in seen.values()) == ["0", "1"], seen
         for probe in seen.values():  # its own GPU (no driver: ENXIO); the other job's is denied by its cgroup

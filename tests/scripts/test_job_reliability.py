@@ -36,6 +36,7 @@ from .test_launcher import (
     node_namespaces,
     run_dir,
     squeue_state,
+    start_long_job,
 )
 
 OUTAGE_S = 20
@@ -140,6 +141,32 @@ def test_a_killed_worker_is_blamed_and_leaves_nothing_behind(cluster, cluster_fi
     assert (verdict["failed_rank"], verdict["failed_host"]) == (1, "node-1"), verdict
     listing = cli("jobs", "--cluster", str(cluster_file))
     assert re.search(rf"{job_id}\s.*killed-run.*FAILED.*rank 1 on node-1", listing.stdout), listing.stdout
+
+
+def test_a_job_that_ended_without_its_status_says_why_slurm_ended_it(cluster, cluster_file):
+    """A batch script killed before it could write its status (the OOM killer, a signal before its trap
+    was set) and a job cancelled while pending: `jobs`, `logs` and `launch --follow` give Slurm's own
+    word on each, not a guess."""
+    running = start_long_job(cluster, cluster_file, "batch-killed")
+    waiting = cli(*launch_args(cluster_file, "--steps", "1", run_id="never-started", extra=("--detach",)))
+    assert waiting.returncode == 0, waiting.stderr
+    pending = job_id_of(waiting)
+    assert cli("cancel", "--cluster", str(cluster_file), pending).returncode == 0
+    batch = [pid for pid in job_processes(running) if "slurm_script" in cmdline(pid)]
+    assert len(batch) == 1, [cmdline(pid) for pid in job_processes(running)]
+    os.kill(batch[0], signal.SIGKILL)
+    wait_for(lambda: squeue_state(cluster, running) == "", 120, "the job to end", interval=0.5)
+
+    killed = "batch script killed by signal 9 (SIGKILL) before it wrote its exit status"
+    listing = cli("jobs", "--cluster", str(cluster_file)).stdout
+    assert re.search(rf"{running}\s.*batch-killed.*FAILED.*Slurm says FAILED", listing), listing
+    assert re.search(rf"{pending}\s.*never-started.*CANCELLED.*cancelled while pending", listing), listing
+    rows = {row["job"]: row for row in json.loads(cli("jobs", "--cluster", str(cluster_file), "--json").stdout)["jobs"]}
+    assert killed in rows[running]["note"], rows[running]
+    logs = cli("logs", "--cluster", str(cluster_file), running)
+    assert "ended without an exit status: Slurm says FAILED" in logs.stderr and "has not ended" not in logs.stderr
+    follow = cli("logs", "--cluster", str(cluster_file), "-f", "batch-killed")
+    assert follow.returncode == ExitCode.FAILED and "SIGKILL" in follow.stderr, follow.stderr[-2000:]
 
 
 def jumpbox_sshds(cluster) -> list[int]:

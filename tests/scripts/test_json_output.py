@@ -2,7 +2,7 @@
 validates against the command's schema (dtrain/json_documents.py, strictly: no key missing or extra,
 no value of another type) on success, and against the error document on failure, with the exit status
 and the `error:` line on stderr that the same command gives without --json. `jobs` and `status` run
-against the local cluster; the failures and `cost` need none."""
+against the local cluster; the failures and `cost` need none (`doctor`'s document: test_doctor.py)."""
 
 from __future__ import annotations
 
@@ -18,13 +18,25 @@ from dtrain.cli_common import CLIParser, run_cli
 from dtrain.cluster.slurm import QueuedJob
 from dtrain.errors import ExitCode
 from dtrain.jobs.runs import Run
-from dtrain.json_documents import CostDocument, Document, ErrorDocument, JobsDocument, StatusDocument
+from dtrain.json_documents import (
+    CostDocument,
+    DoctorDocument,
+    Document,
+    ErrorDocument,
+    JobsDocument,
+    StatusDocument,
+)
 from tests.polling import wait_for
 
 from .conftest import run_module
 from .test_launcher import cli, launch_args, start_long_job, status_of
 
-SCHEMAS: dict[str, type[Document]] = {"jobs": JobsDocument, "status": StatusDocument, "cost": CostDocument}
+SCHEMAS: dict[str, type[Document]] = {
+    "jobs": JobsDocument,
+    "status": StatusDocument,
+    "cost": CostDocument,
+    "doctor": DoctorDocument,  # its document: tests/scripts/test_doctor.py, against Resource Manager served here
+}
 MISSING = "/nonexistent.json"
 
 
@@ -51,6 +63,9 @@ FAILURES = [
     ("status", "--cluster", MISSING),
     ("cost", "--stack-file", "/nonexistent.yaml"),
     ("cost", "--live", "--cluster", MISSING),
+    ("cost", "--by", "user", "--cluster", MISSING),
+    ("cost", "--by", "user", "--since", "garbage"),  # a usage error
+    ("doctor", "--stack-file", "/nonexistent.yaml"),
     ("jobs", "--limit", "0"),  # refused by the parser: a usage error
     ("status", "--no-such-flag"),
 ]
@@ -132,7 +147,7 @@ def test_a_queued_and_an_ended_row_have_the_same_keys_and_types_without_a_cluste
         status={"exit_code": 0, "finished_at": "2026-11-27T21:00:00+00:00"},
         record={"attempts": [{"seconds": 12}], "node_hours": 0.003, "estimated_cost_usd": None},
     )
-    rows = [dict(row) for row in job_rows([queued], [ended])]
+    rows = [dict(row) for row in job_rows([queued], [ended], {})]
     JobsDocument.model_validate({"jobs": rows}, strict=True)
     shown = [(row["nodes"], row["elapsed_seconds"], row["in_queue"]) for row in rows]
     assert shown == [(2, 93784, True), (1, 12, False)]

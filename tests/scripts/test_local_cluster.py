@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,18 @@ def test_up_status_down_leaves_nothing(tmp_path, capsys):
     assert up.returncode == 0, up.stderr
     recorded = local_cluster.load_state(state.resolve())
     try:
+        # not the description the other commands read by default: `up` says how to point them at it, and
+        # where a staged dataset lands, which a job's --data-dir names
+        described = state.resolve() / "cluster.json"
+        assert f"  export CLUSTER_DESCRIPTION={described}   # or --cluster {described}" in up.stderr, up.stderr
+        assert f"puts NAME at {state.resolve()}/shared/data/NAME (a job's --data-dir)" in up.stderr
+        # its SSH key and SASs stay out of git even where the state directory is inside a checkout
+        subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+        untracked = subprocess.run(
+            ["git", "-C", str(tmp_path), "status", "--porcelain", "--untracked-files=all"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        assert untracked.stdout == "" and (state / "cluster.json").is_file()
         desc = load(state / "cluster.json")
         assert recorded.mode == "netns" and [n.address for n in recorded.nodes] == [a10, a11]
         assert {f"{name}-node-0", f"{name}-node-1"} <= set(namespaces()) and f"{name}-br" in links()
@@ -40,7 +53,8 @@ def test_up_status_down_leaves_nothing(tmp_path, capsys):
             out = ssh.run(ssh.node("node-1"), probe)
         hostname, addr, hosts, procs = out.stdout.strip().splitlines()
         assert hostname == "node-1" and f"{a11}/24" in addr and hosts.split()[0] == a10
-        assert int(procs) < 10  # only this node's sshd and our session, not the host's processes
+        # only this node's sshd, its users' loop (dtrain/local/accounts.py) and our session, not the host's
+        assert int(procs) < 12
         assert (state / "cluster.json").stat().st_mode & 0o077 == 0
         # MLflow comes up after `up` returns: alive but not answering, it shows as starting, and says so
         with pytest.MonkeyPatch.context() as patch:
@@ -53,14 +67,16 @@ def test_up_status_down_leaves_nothing(tmp_path, capsys):
         assert local_mlflow.wait_until_answers(str(desc.tracking_uri), 90)
         # --state-dir before the action works as well as after it
         status = run_module("dtrain", "local", "--state-dir", str(state), "status")
-        # 4 sshds, Azurite, munged, slurmctld, 2 slurmds, 2 Spot agents, 2 metadata endpoints, the reconcile
-        # of lost nodes, 2 node_exporters, Prometheus, the MLflow server; 3 namespaces (the head and the nodes)
+        # 4 sshds, Azurite, munged, MariaDB, slurmdbd, slurmctld, 2 slurmds, 2 Spot agents, 2 metadata
+        # endpoints, the reconcile of lost nodes, 2 node_exporters, Prometheus, the MLflow server, the users'
+        # loops of the head, the NFS server and 2 nodes; 3 namespaces (the head and the nodes)
         assert status.returncode == 0 and "azurite" in status.stdout, status.stdout
-        assert status.stdout.count("running") == 21, status.stdout
+        assert status.stdout.count("running") == 27, status.stdout
+        assert f"{recorded.head.address}:6819" in status.stdout  # slurmdbd, where sacct reaches it
         assert f"slurm: SLURM_CONF={state.resolve()}/slurm/slurm.conf sinfo" in status.stdout
         roles = {p.role for p in recorded.processes}
         expected = {"munged", "slurmctld", "slurmd-node-0", "slurmd-node-1", "spot-agent-node-0", "metadata-node-1"}
-        expected.add("mlflow")
+        expected |= {"mlflow", "mariadb", "slurmdbd"}
         assert expected <= roles
         assert all(p.alive() for p in recorded.processes)
     finally:

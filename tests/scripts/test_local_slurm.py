@@ -208,7 +208,7 @@ def test_autostop_suspends_idle_nodes_and_a_job_resumes_them(tmp_path):
         info = local_cluster.status(state_dir)
         stopped = {c["component"] for c in info["components"] if c["state"] == "stopped"}
         nodes = ("node-0", "node-1")
-        roles = ("slurmd", "spot-agent", "node-exporter")
+        roles = ("slurmd", "spot-agent", "node-exporter", "users")  # dtrain/local/accounts.py
         assert stopped == {*nodes, *(f"{role}-{node}" for node in nodes for role in roles)}
         assert info["up"]
 

@@ -90,9 +90,11 @@ def test_job_script_opens_the_run_exports_it_to_every_rank_and_closes_it():
     assert "export MLFLOW_TRACKING_URI=http://10.40.63.254:5000" in lines
     opening = next(line for line in lines if 'mlflow_run.py" start' in line)
     assert "--experiment 'my experiment'" in opening and '--run-name "$RUN_ID"' in opening
+    assert "system_metrics.py" not in text  # no Prometheus named: no sampler
     assert opening.startswith("MLFLOW_RUN_ID=$(") and "&& export MLFLOW_RUN_ID" in opening
     assert lines.index(opening) < next(i for i, line in enumerate(lines) if "horovodrun --gloo" in line)
-    assert any('mlflow_run.py" end --run-dir "$RUN_DIR" --exit-code "$code"' in line for line in lines)
+    closing = 'mlflow_run.py" end --run-dir "$RUN_DIR" --exit-code "$code" --ended-by "$ENDED_BY"'
+    assert any(closing in line for line in lines)
     for name in CONTAINER_ENV:  # into the containers by name: the token's value is never in the script
         assert f"-e {name} " in text
     assert "mlflow_run.py" in REMOTE_TOOLS
@@ -114,8 +116,10 @@ def test_job_script_opens_the_run_exports_it_to_every_rank_and_closes_it():
     ],
 )
 def test_a_run_is_tracked_by_the_clusters_server_unless_told_otherwise(cluster_uri, flag, expected):
-    plan = plan_tracking(cluster_uri, flag, None)
+    plan = plan_tracking(cluster_uri, flag, None, cluster="hvd", framework="keras")
     assert (plan.uri if plan else None) == expected
+    if plan:  # the cluster's experiment, and what finds a user's run there
+        assert plan.experiment == "hvd" and plan.tags == {"dtrain.framework": "keras"}  # the job adds mlflow.user
 
 
 @pytest.mark.parametrize("value", ["ftp://host", "10.0.0.4:5000", "http://", "http://a b"])

@@ -99,6 +99,26 @@ def test_upload_sets_content_md5_and_pull_verifies_counts(cluster, cluster_dir, 
     assert (again.downloaded, again.skipped) == (0, 25)
 
 
+def test_on_lustre_the_imported_files_are_checked_in_place_and_only_the_rest_is_copied(cluster, jpegs):
+    """A stack whose Lustre imported the `data` container at its creation: the datasets are at the file
+    system's root, beside runs/, and the head node pulls. Whatever the import brought (here: every image)
+    is checked by its MD5 in place and kept; what came after the import (dataset.json) is copied."""
+    lustre = cluster.model_copy(update={"shared_storage": "lustre", "data_path": cluster.shared_mount_path})
+    staging.upload(cluster.data, cluster.staging_credential, jpegs, "imported", workers=4, show_progress=False)
+    root = Path(cluster.shared_mount_path) / "imported"
+    for path in jpegs.rglob("*.JPEG"):  # what Lustre's import shows under the root
+        (root / path.relative_to(jpegs)).parent.mkdir(parents=True, exist_ok=True)
+        (root / path.relative_to(jpegs)).write_bytes(path.read_bytes())
+    pulled = staging.pull(lustre, "imported", expected_files=25, expected_objects=25)
+    assert (pulled.host, pulled.dest_on_nodes) == ("head node (Lustre)", str(root))
+    assert (pulled.listed, pulled.skipped, pulled.downloaded, pulled.failed) == (25, 24, 1, 0)
+    assert json.loads((root / "dataset.json").read_text())["images"] == 24
+    # a dataset may not land on the cluster's own directories there
+    with pytest.raises(OperatorError, match="the cluster's own directory") as refused:
+        staging.pull(lustre, "runs")
+    assert refused.value.exit_code == 2
+
+
 def test_changed_file_is_the_only_one_sent_again(cluster, jpegs, tmp_path):
     src = tmp_path / "src"
     staging.generate_synthetic_imagenet(src, classes=2, train_per_class=3, val_per_class=1, image_size=16)

@@ -23,8 +23,9 @@ START_MARGIN_S = 180  # a job's start (and a cluster's MLflow server) on a loade
 END_BOUND_S = 60 + LIMIT_CHECK_S + KILL_WAIT_S + START_MARGIN_S
 
 # The user's job: an output and a checkpoint at once, then it sleeps past its time limit. With
-# "catch-warning" it saves a second checkpoint when warned; with "hold-on-term" it goes on after SIGTERM,
-# as a job does that saves a large checkpoint then, or hangs in a collective: Slurm's SIGKILL ends it.
+# "catch-warning" it saves a second checkpoint when warned; with "stop-on-warning" it then exits 75 as our
+# bundled trainers do (PREEMPTED: saved, stopping); with "hold-on-term" it goes on after SIGTERM, as a job
+# does that saves a large checkpoint then, or hangs in a collective: Slurm's SIGKILL ends it.
 OWN_JOB = """
 import os, signal, sys, time
 out, ckpt = os.environ["OUTPUT_DIR"], os.environ["CHECKPOINT_DIR"]
@@ -35,6 +36,8 @@ def save(name):
     print("saved", name, flush=True)
 if "catch-warning" in sys.argv:
     signal.signal(signal.SIGUSR1, lambda *_: save("warned.ckpt"))
+if "stop-on-warning" in sys.argv:
+    signal.signal(signal.SIGUSR1, lambda *_: (save("warned.ckpt"), sys.exit(75)))
 if "hold-on-term" in sys.argv:
     signal.signal(signal.SIGTERM, lambda *_: print("SIGTERM: going on", flush=True))
 with open(os.path.join(out, "metrics.txt"), "w") as handle:
@@ -55,20 +58,20 @@ def launch_detached(cluster_file, workdir, run_id: str, behaviour: str, flags: t
     return job_id_of(proc)
 
 
-def assert_the_record_is_kept(cluster, job_id: str, run_id: str, expected: set[str]) -> None:
-    """The run's status says its time limit ended it; expected (names under the run's prefix) and its
-    run.json are in the results container; its MLflow run is closed as KILLED."""
+def assert_the_record_is_kept(cluster, job_id: str, run_id: str, expected: set[str], exit_code: int = 143) -> None:
+    """The run's status says its time limit ended it (with exit_code); expected (names under the run's
+    prefix) and its run.json are in the results container; its MLflow run is closed as KILLED."""
     # the batch script has ended (closed the run, or been killed) once Slurm lets the job go
     wait_for(lambda: not squeue_state(cluster, job_id), END_BOUND_S, f"job {job_id} to leave the queue", 1)
     status = status_of(cluster, run_id)
     log = (run_dir(cluster, run_id) / "output.log").read_text()
     assert status, f"{run_id} has no final status.json: {log[-3000:]}"
-    assert (status["exit_code"], status["ended_by"], status["results"]) == (143, "time_limit", "uploaded"), log
+    assert (status["exit_code"], status["ended_by"], status["results"]) == (exit_code, "time_limit", "uploaded"), log
     container = container_client(cluster.results)
     blobs = {blob.name.removeprefix(f"{run_id}/") for blob in container.list_blobs(name_starts_with=f"{run_id}/")}
     assert {"run.json", "status.json", "output.log", *expected} <= blobs, (sorted(blobs), log[-3000:])
     record = json.loads(container.download_blob(f"{run_id}/run.json").readall())
-    assert record["attempts"][-1]["exit_code"] == 143, record
+    assert record["attempts"][-1]["exit_code"] == exit_code, record
     mlflow_run = api(server(cluster), "runs/get", run_id=mlflow_run_of(cluster, run_id))["run"]
     assert mlflow_run["info"]["status"] == "KILLED", mlflow_run
 
@@ -77,11 +80,13 @@ def test_a_job_ended_by_its_time_limit_keeps_its_record_with_and_without_the_war
     server(cluster)  # the job's run is opened at its start: the server must be up by then
     assert time_warning.warning_lead(None, TIME_LIMIT) > 0  # the default: a warning the job catches
     caught = launch_detached(cluster_file, tmp_path / "caught", "limit-caught", "catch-warning")
+    stopped = launch_detached(cluster_file, tmp_path / "stopped", "limit-stopped", "stop-on-warning")
     unwarned = launch_detached(
         cluster_file, tmp_path / "held", "limit-unwarned", "hold-on-term", ("--warn-before", "0")
     )
     outputs = {"output/metrics.txt", "logs/rank-0.log", "checkpoints/first.ckpt"}
     assert_the_record_is_kept(cluster, caught, "limit-caught", {*outputs, "checkpoints/warned.ckpt"})
+    assert_the_record_is_kept(cluster, stopped, "limit-stopped", {*outputs, "checkpoints/warned.ckpt"}, 75)
     assert_the_record_is_kept(cluster, unwarned, "limit-unwarned", outputs)
 
 

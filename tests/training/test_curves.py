@@ -164,6 +164,19 @@ def test_the_loop_records_every_tag_at_global_steps(tmp_path: Path) -> None:
     check_summary_png(tmp_path / "summary.png")
 
 
+@pytest.mark.parametrize(("steps", "expected"), [(20, list(range(1, 21))), (100, list(range(5, 101, 5))), (1000, None)])
+def test_without_log_every_a_short_run_still_draws_a_curve(tmp_path: Path, steps: int, expected: list | None) -> None:
+    """The README's 20-step example: every step is a point of its loss curve, not steps 10 and 20; a long
+    run logs every 10 steps as before."""
+    settings = parse_settings("pytorch", ["--steps", str(steps), "--tensorboard-dir", str(tmp_path / "tb")])
+    run = training_run(settings)
+    for step in run.steps():
+        run.step_done(step, lambda step=step: 4.0 - step * 0.001)
+    run.finish()
+    logged = [step for step, _ in read_scalars(tmp_path / "tb")[LOSS]]
+    assert logged == (expected or list(range(10, steps + 1, 10)))
+
+
 def test_the_loss_curve_is_the_mean_over_ranks_as_in_metrics_json(tmp_path: Path) -> None:
     flags = ["--steps", "5", "--log-every", "2", "--tensorboard-dir", str(tmp_path / "tb")]
     run = training_run(parse_settings("pytorch", flags), dist=RankZeroOfTwo())

@@ -125,9 +125,13 @@ def test_without_a_run_in_the_environment_nothing_is_sent(monkeypatch) -> None:
 def test_a_dead_or_hung_server_never_blocks_a_step_and_the_end_waits_a_bounded_time(
     environment, caplog, monkeypatch, server: str
 ) -> None:
+    """Gone (connections refused): values are dropped, with one warning. Hung (accepts, never answers: as
+    a slow server looks): values wait in the buffer until the end's bounded wait, then count as lost."""
     caplog.set_level(logging.WARNING, logger="training.run.tracking")
     monkeypatch.setattr(tracking, "REQUEST_TIMEOUT_S", 0.5)
     monkeypatch.setattr(tracking, "RETRY_WAIT_S", 0.05)
+    monkeypatch.setattr(tracking, "FINISH_WAIT_S", 3.0)
+    monkeypatch.setattr(tracking, "BUFFER", 1000)
     with hung_server() if server == "hung" else _nothing(closed_port()) as uri:
         environment(uri)
         settings = SimpleNamespace(lr=0.1)
@@ -145,8 +149,52 @@ def test_a_dead_or_hung_server_never_blocks_a_step_and_the_end_waits_a_bounded_t
     assert ending <= tracking.FINISH_WAIT_S + 1, ending
     assert tracker is not None and tracker.dropped > 0
     warnings = [r.getMessage() for r in caplog.records]
-    assert sum("dropping values" in w for w in warnings) == 1, warnings  # once, not once per value
+    outage = "dropping values" if server == "gone" else "is slow or busy"
+    assert sum(outage in w for w in warnings) == 1, warnings  # once, not once per value
+    assert any("values were not recorded" in w for w in warnings), warnings
     assert not any(threading.current_thread() is t for t in threading.enumerate() if t.name == "mlflow-tracking")
+
+
+class SlowThenFine(Recorder):
+    """A loaded MLflow: its first answers come after the client's timeout, or say it is busy (503)."""
+
+    late: ClassVar[int] = 0
+    busy: ClassVar[int] = 0
+
+    def do_POST(self) -> None:
+        if SlowThenFine.late > 0:
+            SlowThenFine.late -= 1
+            time.sleep(tracking.REQUEST_TIMEOUT_S * 2)  # it records the batch, but too late for the client
+        elif SlowThenFine.busy > 0:
+            SlowThenFine.busy -= 1
+            self.rfile.read(int(self.headers["Content-Length"]))
+            reply_json(self, 503, {"error_code": "TEMPORARILY_UNAVAILABLE"})
+            return
+        super().do_POST()
+
+
+@pytest.mark.parametrize(("late", "busy"), [(3, 0), (0, 4)])
+def test_a_slow_or_busy_server_loses_no_value(environment, caplog, monkeypatch, late: int, busy: int) -> None:
+    """More slow answers in a row than a down server's attempts: every value arrives, once (MLflow stores a
+    metric sent twice once: the same key, step, time and value), and nothing is reported lost."""
+    Recorder.batches, SlowThenFine.late, SlowThenFine.busy = [], late, busy
+    caplog.set_level(logging.WARNING, logger="training.run.tracking")
+    monkeypatch.setattr(tracking, "REQUEST_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(tracking, "RETRY_WAIT_S", 0.05)
+    with serving(SlowThenFine) as uri:
+        environment(uri)
+        settings = SimpleNamespace(lr=0.1)
+        tracking.start(settings)
+        for step in range(1, 51):
+            tracking.metrics(step, {"train/loss": 1.0 / step})
+        tracker = tracking._tracker
+        tracking.finish(settings, {"steps": 50})
+    sent = {(m["key"], m["step"], m["timestamp"]) for batch in Recorder.batches for m in batch["metrics"]}
+    assert sorted(step for key, step, _ in sent if key == "train/loss") == list(range(1, 51))
+    assert tracker is not None and tracker.dropped == 0
+    warnings = [r.getMessage() for r in caplog.records]
+    assert sum("is slow or busy" in w for w in warnings) == 1 and any("takes values again" in w for w in warnings)
+    assert not any("not recorded" in w or "dropping" in w for w in warnings), warnings
 
 
 def test_the_sender_recovers_when_the_server_comes_back(environment, caplog) -> None:

@@ -164,8 +164,9 @@ def test_the_wrapped_launchers_exit_2_on_bad_input_with_one_line_and_no_tracebac
     tmp_path: Path, launcher: str
 ) -> None:
     """The plain launchers raise after a worker fails: a 25-line traceback, exit 1. Wrapped, the
-    worker's own status and line: a layout the world cannot take (the README's torchrun command),
-    a flag every rank refuses (horovodrun)."""
+    worker's own status and line: a layout the world cannot take (a model-parallel torchrun as
+    docs/training.md runs one, with 3 pipeline stages on 2 processes), a flag every rank refuses
+    (horovodrun)."""
     if launcher == "torchrun":
         job = ["-m", "training.model_parallel", "--model", "gpt-tiny", "--pp", 3, "--seq-len", 64, "--steps", 2]
         cmd = [sys.executable, "-m", "training.torchrun", "--standalone", "--nproc-per-node", 2, *job]

@@ -88,4 +88,8 @@ class CheckpointWriter:
 
     def _raise_failure(self) -> None:
         if self._failure is not None:
+            # said once: a writer whose failure ended its run is no longer open, so that finish_writes (at the
+            # end of the next run in this process) does not raise it again for that run
+            if self in _open_writers:
+                _open_writers.remove(self)
             raise output_error("--checkpoint-dir", Path(self._checkpoints.directory), self._failure) from None

@@ -273,6 +273,18 @@ def add_profile_flag(group: argparse._ArgumentGroup) -> None:
     )
 
 
+DEFAULT_LOG_EVERY = 10
+LOG_POINTS = 20  # the fewest log points (loss curve points) a run gets when --log-every is not given
+
+
+def log_interval(requested: int | None, total_steps: int) -> int:
+    """Steps between logs: --log-every, else DEFAULT_LOG_EVERY, or fewer where the run is too short for
+    LOG_POINTS points (a curve of two points says nothing)."""
+    if requested is not None:
+        return requested
+    return max(1, min(DEFAULT_LOG_EVERY, total_steps // LOG_POINTS))
+
+
 def add_reporting(parser: argparse.ArgumentParser, scalars: str, rate: str) -> None:
     """The reporting flags of every job: ``scalars`` is what ``--tensorboard-dir`` records, ``rate``
     the throughput's unit (images/s, tokens/s)."""
@@ -283,7 +295,12 @@ def add_reporting(parser: argparse.ArgumentParser, scalars: str, rate: str) -> N
         "--summary-png", type=Path, help=f"rank 0 plots loss and {rate} over the steps into this PNG at the end"
     )
     report.add_argument("--seed", type=non_negative_int_arg, default=42)
-    report.add_argument("--log-every", type=positive_int, default=10, help="steps between rank-0 logs")
+    report.add_argument(
+        "--log-every",
+        type=positive_int,
+        help=f"steps between rank-0 logs (default: {DEFAULT_LOG_EVERY}, fewer in a short run, so that its loss curve "
+        f"has at least {LOG_POINTS} points: every step of a 20-step run)",
+    )
     report.add_argument(
         "--timing-warmup-steps",
         type=non_negative_int_arg,

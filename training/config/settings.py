@@ -31,7 +31,7 @@ class ReportingSettings:
     tensorboard_dir: Path | None
     summary_png: Path | None
     seed: int
-    log_every: int
+    log_every: int | None  # None: args.log_interval's default, once the run's steps are known
     timing_warmup_steps: int
     debug: bool
 

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from training.checkpoint.files import Checkpoint, CheckpointDir, Fingerprint
 from training.checkpoint.writer import CheckpointWriter
+from training.config.args import log_interval
 from training.config.settings import TrainingSettings
 from training.data.imagenet import SkipCounter
 from training.errors import CheckpointRefused, JobError, first_line
@@ -118,6 +119,7 @@ class TrainingRun:
         self.dist = dist
         self.steps_per_epoch = steps_per_epoch
         self.total_steps = total_steps
+        self.log_every = log_interval(settings.log_every, total_steps)
         self.epochs = math.ceil(total_steps / steps_per_epoch)  # the last one may be partial
         self.start_step = start_step
         self.global_batch_size = settings.batch_size * dist.size
@@ -178,7 +180,7 @@ class TrainingRun:
         """
         done = step + 1
         self._last_loss = loss
-        log_due = done % self.settings.log_every == 0
+        log_due = done % self.log_every == 0
         epoch_end = done % self.steps_per_epoch == 0
         every = self.settings.checkpoint_every
         save_due = self._checkpoints is not None and (
@@ -291,7 +293,7 @@ class TrainingRun:
 
     def _finish_curves(self, loss: float | None, images_per_sec: float | None) -> None:
         final: dict[str, float | None] = {curves.FINAL_IMAGES_PER_SEC: images_per_sec}
-        if self.total_steps % self.settings.log_every:  # the last step was not logged: end the loss curve there
+        if self.total_steps % self.log_every:  # the last step was not logged: end the loss curve there
             final[curves.LOSS] = loss
         title = (
             f"{self.settings.framework} ({self.dist.backend}) {self.settings.model}: "

@@ -11,9 +11,13 @@ whose TensorFlow pins protobuf below 5, and ``import mlflow`` alone takes 3 to 4
 endpoints are all a job needs: runs/log-batch, runs/get, and the artifact proxy's PUT.
 
 Training never waits for the server: the loop's log points put their values in a bounded buffer that a
-background thread sends in batches, each retried a few times and then dropped with one warning per
-outage (a full buffer drops values the same way). At the end the job gives the thread a bounded time
-to send what is left and the model; a dead or hung server costs a run at most that.
+background thread sends in batches. A server that is only slow or busy (a request that times out, HTTP
+429 or 5xx: MLflow's SQLite store under load) keeps its batch: it is sent again, with a growing pause,
+until it is taken (log-batch is idempotent: a metric of the same key, step, time and value is stored once),
+while new values wait in the buffer. Values are dropped, with one warning per outage, only when the server
+is down (the connection is refused or unreachable, a few attempts in a row), refuses the batch (another
+4xx), or the buffer is full. At the end the job gives the thread a bounded time to send what is left and
+the model; a dead or hung server costs a run at most that, and the job says how many values were lost.
 """
 
 from __future__ import annotations
@@ -38,10 +42,14 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-BUFFER = 1000  # log points held for the sender; past that, new values are dropped
-ATTEMPTS = 3  # per request while the server answered last time; one while it is failing
+BUFFER = 20000  # log points held for the sender (an hour of every-step logging at 5 steps/s); past that, dropped
+ATTEMPTS = 3  # per request to a server that is down, while it answered last time; one while it stays down
 RETRY_WAIT_S = 0.5  # before the 2nd attempt, doubled before each next one
-REQUEST_TIMEOUT_S = 5.0
+MAX_RETRY_WAIT_S = 10.0  # the longest pause between two attempts at a slow server
+# A loaded head node (or the local cluster on 2 busy cores) takes seconds to commit a batch to SQLite:
+# a short timeout would turn a slow answer into a lost one
+REQUEST_TIMEOUT_S = 30.0
+BUSY_STATUS = {429, 500, 502, 503, 504}  # the server is there and will take the batch later
 FINISH_WAIT_S = 30.0  # the most a job's end waits for the sender (what is left, and the model)
 BATCH_METRICS = 1000  # MLflow's limit per log-batch request
 BATCH_PARAMS = 100
@@ -51,7 +59,12 @@ _tracker: Tracker | None = None
 
 
 class TrackingError(Exception):
-    """A request the server refused or did not answer."""
+    """A request the server refused or did not answer; ``slow``: it is there, only slow or busy (a timeout,
+    HTTP 429 or 5xx), and the same request may succeed later."""
+
+    def __init__(self, message: str, slow: bool = False) -> None:
+        super().__init__(message)
+        self.slow = slow
 
 
 class MlflowRest:
@@ -85,20 +98,23 @@ class MlflowRest:
                 return response.read()
         except urllib.error.HTTPError as exc:  # the body says why (MLflow's error_code and message)
             detail = exc.read()[:300].decode(errors="replace")
-            raise TrackingError(f"HTTP {exc.code} from {request.full_url.split('?')[0]}: {detail}") from None
+            what = f"HTTP {exc.code} from {request.full_url.split('?')[0]}: {detail}"
+            raise TrackingError(what, slow=exc.code in BUSY_STATUS) from None
         except (OSError, ValueError) as exc:
-            raise TrackingError(f"{self.uri}: {exc}") from None
+            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+            raise TrackingError(f"{self.uri}: {exc}", slow=isinstance(reason, TimeoutError)) from None
 
 
 class Tracker:
     """Rank 0's sender: a bounded buffer and the thread that empties it into one MLflow run."""
 
-    def __init__(self, client: MlflowRest, run_id: str, buffer: int = BUFFER) -> None:
+    def __init__(self, client: MlflowRest, run_id: str, buffer: int | None = None) -> None:
         self.client, self.run_id = client, run_id
-        self.dropped = 0  # values lost: a full buffer, or a batch the server did not take
-        self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue(buffer)
-        self._failing = False  # the last request failed: the next gets one attempt, not ATTEMPTS
+        self.dropped = 0  # values lost: a full buffer, a batch the server refused, or left at the end
+        self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue(BUFFER if buffer is None else buffer)
+        self._failing = False  # the server was down at the last request: the next gets one attempt, not ATTEMPTS
         self._warned = False  # this outage was reported
+        self._slow_warned = False  # this slow spell was reported
         self._thread = threading.Thread(target=self._send_all, name="mlflow-tracking", daemon=True)
         self._thread.start()
 
@@ -118,16 +134,25 @@ class Tracker:
     def model(self, directory: Path) -> None:
         self._put("model", directory)
 
-    def finish(self, wait_s: float = FINISH_WAIT_S) -> None:
-        """Send what is buffered, within ``wait_s``; after that the thread is left behind (a daemon)."""
+    def finish(self, wait_s: float | None = None) -> None:
+        """Send what is buffered, within ``wait_s`` (FINISH_WAIT_S); after that the thread is left behind (a
+        daemon), and what it still held counts as lost."""
+        wait_s = FINISH_WAIT_S if wait_s is None else wait_s
         deadline = time.monotonic() + wait_s
         with contextlib.suppress(queue.Full):
             self._queue.put(None, timeout=wait_s)
         self._thread.join(max(deadline - time.monotonic(), 0))
         if self._thread.is_alive():
+            self.dropped += self._left()
             log.warning("MLflow: gave up after %.0fs on %s; the run's last values are lost", wait_s, self.client.uri)
-        elif self.dropped:
-            log.warning("MLflow: %d values were not recorded (server slow or down)", self.dropped)
+        if self.dropped:
+            log.warning("MLflow: %d values were not recorded (server down, or still busy at the end)", self.dropped)
+
+    def _left(self) -> int:
+        """The values still in the buffer (the sender's current batch aside)."""
+        with self._queue.mutex:
+            entries = list(self._queue.queue)
+        return sum(len(item) if isinstance(item, list) else 1 for _, item in filter(None, entries))
 
     def _put(self, kind: str, item: Any) -> None:
         try:
@@ -172,21 +197,33 @@ class Tracker:
             self._queue.unfinished_tasks += 1
 
     def _deliver(self, count: int, send: Callable[[], object]) -> None:
-        attempts = 1 if self._failing else ATTEMPTS
-        for attempt in range(attempts):
+        """Send until it is taken; a slow server's batch is never dropped (the buffer behind it is bounded)."""
+        attempts, attempt = (1 if self._failing else ATTEMPTS), 0
+        while True:
             try:
                 send()
             except Exception as exc:  # an odd answer, an unreadable file: a drop, never the sender's end
-                error = exc
-                if attempt + 1 < attempts:
-                    time.sleep(RETRY_WAIT_S * 2**attempt)
+                slow = isinstance(exc, TrackingError) and exc.slow
+                attempt += 1
+                if slow:
+                    self._report_slow(exc)
+                elif attempt >= attempts:
+                    self._failing = True
+                    self._drop(count, str(exc))
+                    return
+                time.sleep(min(RETRY_WAIT_S * 2 ** (attempt - 1), MAX_RETRY_WAIT_S))
                 continue
-            if self._warned:
+            if self._warned or self._slow_warned:
                 log.warning("MLflow: %s takes values again; tracking resumed", self.client.uri)
-            self._failing = self._warned = False
+            self._failing = self._warned = self._slow_warned = False
             return
-        self._failing = True
-        self._drop(count, str(error))
+
+    def _report_slow(self, error: Exception) -> None:
+        if not self._slow_warned:
+            log.warning(
+                "MLflow: %s is slow or busy, values wait in the buffer (training goes on): %s", self.client.uri, error
+            )
+            self._slow_warned = True
 
     def _drop(self, count: int, why: str) -> None:
         """One warning per outage (a server that fails, or one too slow for the buffer), not per value."""

@@ -1,5 +1,5 @@
 # Functions shared by the host scripts that call Azure with the machine's identity (acr-login.sh,
-# munge-key.sh). Not a program: render_script pastes it where a template says
+# munge-key.sh, slurmdbd-setup.sh). Not a program: render_script pastes it where a template says
 # `# include azure-common.sh`. The including script defines log(), RETRY_FOR_SECONDS,
 # RETRY_SECONDS and MAX_RETRY_SECONDS.
 
@@ -34,4 +34,14 @@ retry() {
     attempt=$((attempt + 1))
     delay=$((delay * 2 > MAX_RETRY_SECONDS ? MAX_RETRY_SECONDS : delay * 2))
   done
+}
+
+# Prints the value of the Key Vault secret at URL $1, read with the token that IMDS at URL $2 issues
+# to this machine's identity for Key Vault. The token travels as a header read from stdin (-H @-), never
+# in curl's argv; the value goes to stdout only, for the caller to put where it belongs.
+# shellcheck disable=SC2317  # called from functions that run through retry
+key_vault_secret() {
+  local token
+  token=$(curl -fsS --max-time 30 -H Metadata:true "$2" | json_field access_token) || return 1
+  printf 'Authorization: Bearer %s\n' "$token" | curl -fsS --max-time 30 -H @- "$1" | json_field value
 }

@@ -8,7 +8,7 @@
 step() {
   local name=$1 result
   shift
-  if [[ -f $STEPS_DIR/$name && $(<"$STEPS_DIR/$name") == ok ]]; then
+  if step_ok "$name"; then
     return 0
   fi
   log "$name: starting"
@@ -50,11 +50,16 @@ write_report() {
   fi
 }
 
+# 0 when step $1 has succeeded in this boot.
+step_ok() {
+  [[ -f $STEPS_DIR/$1 && $(<"$STEPS_DIR/$1") == ok ]]
+}
+
 # 0 once every step has succeeded in this boot; otherwise names the failed ones and returns 1.
 all_steps_ok() {
   local name failed=()
   for name in "${STEPS[@]}"; do
-    [[ -f $STEPS_DIR/$name && $(<"$STEPS_DIR/$name") == ok ]] || failed+=("$name")
+    step_ok "$name" || failed+=("$name")
   done
   ((${#failed[@]} == 0)) && return 0
   log "failed: ${failed[*]}; tried again in 30 minutes and at the next boot"

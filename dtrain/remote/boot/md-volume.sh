@@ -1,7 +1,23 @@
 # Functions shared by the host scripts that build an XFS volume, on an md RAID 0 or a single disk
-# (nfs-data-setup.sh, nvme-raid.sh). Not a program: render_script pastes it where a template says
-# `# include md-volume.sh`, so that each installed script stays one self-contained file. The
-# including script defines log(), MD_NAME, MD_DEVICE and MD_UUID_LINK_PREFIX.
+# (nfs-data-setup.sh, nvme-raid.sh, database-disk.sh). Not a program: render_script pastes it where a
+# template says `# include md-volume.sh`, so that each installed script stays one self-contained file.
+# The including script defines log(), MD_NAME, MD_DEVICE and MD_UUID_LINK_PREFIX.
+
+# Waits until every disk given (Azure's data disks: /dev/disk/azure/scsi1/lunN) is there; exits 1 after
+# 5 minutes without one of them.
+wait_for_disks() {
+  local deadline=$((SECONDS + 300)) disk
+  udevadm settle
+  for disk in "$@"; do
+    until [ -e "$disk" ]; do
+      if ((SECONDS >= deadline)); then
+        log "data disk $disk did not appear within 300s"
+        exit 1
+      fi
+      sleep 5
+    done
+  done
+}
 
 # The md array UUID recorded on a member disk; empty for a blank disk.
 member_array_uuid() {
@@ -57,4 +73,18 @@ make_filesystem() {
       exit 1
       ;;
   esac
+}
+
+# Mounts DEVICE's file system at $1, through a line by its UUID in the fstab $2, so that it comes back at
+# every boot.
+mount_by_uuid() {
+  local fs_uuid
+  fs_uuid=$(blkid -o value -s UUID "$DEVICE")
+  mkdir -p "$1"
+  if ! grep -qs "^UUID=$fs_uuid " "$2"; then
+    # nofail: a lost disk must not drop the machine into emergency mode, out of reach of SSH.
+    printf 'UUID=%s %s xfs defaults,noatime,nofail 0 0\n' "$fs_uuid" "$1" >>"$2"
+    systemctl daemon-reload
+  fi
+  mountpoint -q "$1" || mount "$1"
 }

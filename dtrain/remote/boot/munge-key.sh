@@ -25,12 +25,9 @@ log() { echo "munge-key: $*" >&2; }
 # Runs in an `if`, where set -e is off: every step checks its own status.
 # shellcheck disable=SC2317  # run through retry, which shellcheck cannot follow
 fetch_once() {
-  local token tmp
-  token=$(curl -fsS --max-time 30 -H Metadata:true "$IMDS_TOKEN_URL" | json_field access_token) || return 1
+  local tmp
   tmp=$(mktemp "$KEY_PATH.XXXXXX") || return 1
-  # the token travels as a header read from stdin (-H @-), never in curl's argv
-  if printf 'Authorization: Bearer %s\n' "$token" |
-    curl -fsS --max-time 30 -H @- "$SECRET_URL" | json_field value | base64 -d >"$tmp" &&
+  if key_vault_secret "$SECRET_URL" "$IMDS_TOKEN_URL" | base64 -d >"$tmp" &&
     (($(stat -c %s "$tmp") >= MIN_KEY_BYTES)) &&
     chown "$KEY_OWNER" "$tmp" && chmod 0400 "$tmp" && mv -f "$tmp" "$KEY_PATH"; then
     return 0

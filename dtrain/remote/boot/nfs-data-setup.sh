@@ -15,23 +15,8 @@ readonly MD_UUID_LINK_PREFIX=/dev/disk/by-id/md-uuid-
 readonly MDADM_CONF=/etc/mdadm/mdadm.conf
 readonly FSTAB=/etc/fstab
 readonly EXPORTS_FILE=/etc/exports.d/training.exports
-readonly DISK_WAIT_SECONDS=300
 
 log() { echo "nfs-data-setup: $*" >&2; }
-
-wait_for_disks() {
-  local deadline=$((SECONDS + DISK_WAIT_SECONDS)) disk
-  udevadm settle
-  for disk in "${DATA_DISKS[@]}"; do
-    until [ -e "$disk" ]; do
-      if ((SECONDS >= deadline)); then
-        log "data disk $disk did not appear within ${DISK_WAIT_SECONDS}s"
-        exit 1
-      fi
-      sleep 5
-    done
-  done
-}
 
 # include md-volume.sh
 
@@ -43,18 +28,6 @@ record_array() {
     mdadm --detail --brief "$DEVICE" >>"$MDADM_CONF"
     update-initramfs -u
   fi
-}
-
-mount_data() {
-  local fs_uuid
-  fs_uuid=$(blkid -o value -s UUID "$DEVICE")
-  mkdir -p "$EXPORT_PATH"
-  if ! grep -qs "^UUID=$fs_uuid " "$FSTAB"; then
-    # nofail: a lost disk must not drop the server into emergency mode, out of reach of SSH.
-    printf 'UUID=%s %s xfs defaults,noatime,nofail 0 0\n' "$fs_uuid" "$EXPORT_PATH" >>"$FSTAB"
-    systemctl daemon-reload
-  fi
-  mountpoint -q "$EXPORT_PATH" || mount "$EXPORT_PATH"
 }
 
 export_data() {
@@ -69,12 +42,12 @@ export_data() {
   exportfs -ra
 }
 
-wait_for_disks
+wait_for_disks "${DATA_DISKS[@]}"
 select_device "${DATA_DISKS[@]}"
 if ((${#DATA_DISKS[@]} > 1)); then
   record_array
 fi
 make_filesystem
-mount_data
+mount_by_uuid "$EXPORT_PATH" "$FSTAB"
 export_data
 log "exported $EXPORT_PATH"

@@ -9,13 +9,15 @@
 set -uo pipefail
 
 SHARED_MOUNT=@SHARED_MOUNT@
+# The shared file system's boot step (nfs-mount or lustre-mount), and the program of that name.
+MOUNT_STEP=@MOUNT_STEP@
 REPORT_DIR=@REPORT_DIR@
 ADMIN_USER=@ADMIN_USER@
 DOCKER_GROUP=@DOCKER_GROUP@
 PACKAGES=@PACKAGES@
 readonly STEPS_DIR=/run/node-setup
 readonly DONE_FILE=/var/lib/node-setup/done
-readonly STEPS=(packages nfs-mount nccl-conf nvme-raid docker-group registry-login slurmd spot-agent gpu-metrics)
+readonly STEPS=(packages "$MOUNT_STEP" users nccl-conf nvme-raid docker-group registry-login slurmd spot-agent gpu-metrics)
 # Slurm's name for this machine: Azure may write the scale set's base-36 digits in upper case.
 NODE_NAME=$(hostname -s | tr '[:upper:]' '[:lower:]')
 
@@ -38,10 +40,13 @@ registry_login() {
 
 mkdir -p "$STEPS_DIR" "$(dirname "$DONE_FILE")"
 systemctl daemon-reload
-# First: the NFS mount, the NVMe volume and slurmd need the packages (each fails without them, and
+# First: the shared mount, the NVMe volume and slurmd need the packages (each fails without them, and
 # the next run tries again).
 step packages install_packages
-step nfs-mount nfs-mount
+step "$MOUNT_STEP" "$MOUNT_STEP"
+# The people's accounts (the users list on the shared file system, same uids everywhere) before slurmd
+# takes their jobs; applied again every 30 s, and at every later boot before slurmd.
+step users systemctl enable --now dtrain-users.timer dtrain-users.service
 step nccl-conf systemctl enable --now nccl-conf.service
 # Enabled for every later boot too: a deallocated node starts again with empty NVMe disks.
 step nvme-raid systemctl enable --now nvme-raid.service

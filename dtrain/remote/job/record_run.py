@@ -5,12 +5,14 @@ Standard library only, Python 3.10+: the batch script (job.sh) runs it on the fi
 ends, before the run directory is uploaded.
 
   python3 record_run.py --run-dir RUN_DIR --nodes 2 --attempt 1 --started-at EPOCH_SECONDS --exit-code 0 \
-      --partition gpu --alloc-tres cpu=4,mem=8G,node=2,billing=4 --alloc-gpus 2 --node-cpus 96
+      --partition gpu --alloc-tres cpu=4,mem=8G,node=2,billing=4,gres/gpu=2 --node-cpus 96
 
-A job is charged what it was allocated, not its whole nodes: its GPUs over the GPUs of a node (job.json's
-node_gpus), or on nodes without GPUs its CPUs over a node's (--node-cpus), in node-equivalents ("billed
-nodes"). The allocation is Slurm's AllocTRES (job.sh reads it with squeue); its GPUs come from
-SLURM_JOB_GPUS times the job's nodes (--alloc-gpus), as AllocTRES counts gres/gpu only with slurmdbd.
+The record names whose run it is: the Slurm user and account the job ran as (SLURM_JOB_USER,
+SLURM_JOB_ACCOUNT). A job is charged what it was allocated, not its whole nodes: its GPUs over the GPUs
+of a node (job.json's node_gpus), or on nodes without GPUs its CPUs over a node's (--node-cpus), in
+node-equivalents ("billed nodes"). The allocation is Slurm's AllocTRES (job.sh reads it with squeue),
+which counts the job's GPUs (gres/gpu: slurm.conf's AccountingStorageTRES, the same figure slurmdbd keeps
+for sacct).
 A job that holds its nodes exclusively (job.json's exclusive: every GPU of a node, or --exclusive) is
 charged whole nodes. Where the allocation cannot be read, the request launch wrote in job.json stands in
 for it, which is what `launch` quoted.
@@ -32,6 +34,7 @@ Exit status: 0 written; 2 bad arguments or an unreadable job.json; 1 run.json co
 """
 
 import argparse
+import getpass
 import json
 import os
 import sys
@@ -73,15 +76,13 @@ def parse_tres(text):
     return counts
 
 
-def billed_nodes(job, nodes, alloc_tres=None, node_cpus=None, alloc_gpus=None):
+def billed_nodes(job, nodes, alloc_tres=None, node_cpus=None):
     """The node-equivalents an attempt is charged, and why: a share of its nodes by what it was allocated."""
     node_gpus = job.get("node_gpus") or 0
     # whole nodes; so is a job.json from before node_gpus, as such jobs were charged then
     if job.get("exclusive") or "node_gpus" not in job:
         return float(nodes), "whole nodes"
     tres = parse_tres(alloc_tres)
-    if str(alloc_gpus or "").isdigit() and int(alloc_gpus):  # Slurm's own list of the job's GPUs
-        tres["gres/gpu"] = int(alloc_gpus)
     if node_gpus and "gres/gpu" in tres:
         return tres["gres/gpu"] / node_gpus, f"{tres['gres/gpu']} GPUs of {node_gpus} a node (allocated)"
     cpus = int(node_cpus) if str(node_cpus or "").isdigit() and int(node_cpus) else None
@@ -150,9 +151,9 @@ def _total_cost(attempts, fallback_price, billed_hours):
     return None if fallback_price is None else round(billed_hours * fallback_price, 4)
 
 
-def build_record(job, previous, entry, evictions=(), lost=()):
-    """The run record: the request's identity, every attempt so far (lost ones too), its evictions, and their
-    totals."""
+def build_record(job, previous, entry, evictions=(), lost=(), owner=(None, None)):
+    """The run record: the request's identity and whose it is (owner: the Slurm user and account the job ran
+    as), every attempt so far (lost ones too), its evictions, and their totals."""
     added = [entry, *lost]
     numbers = {a["attempt"] for a in added}
     attempts = [a for a in (previous or {}).get("attempts", []) if a.get("attempt") not in numbers]
@@ -164,6 +165,8 @@ def build_record(job, previous, entry, evictions=(), lost=()):
         "run_id": job.get("run_id"),
         "framework": job.get("framework"),
         "cluster": job.get("cluster"),
+        "user": owner[0],  # what `cost --by user` groups it by (sacct's User)
+        "account": owner[1],
         "gpu_sku": job.get("gpu_sku"),
         "region": job.get("region"),
         "attempts": attempts,
@@ -194,7 +197,6 @@ def main(argv=None):
     parser.add_argument("--exit-code", type=int, required=True)
     parser.add_argument("--partition", help="the Slurm partition the attempt ran in (prices it)")
     parser.add_argument("--alloc-tres", help="the job's AllocTRES (squeue -O tres-alloc): what it is charged for")
-    parser.add_argument("--alloc-gpus", help="the GPUs allocated on all its nodes (where AllocTRES lacks gres/gpu)")
     parser.add_argument("--node-cpus", help="CPUs of a node (CPUTot): prices a share of a CPU node")
     args = parser.parse_args(argv)
     try:
@@ -212,7 +214,7 @@ def main(argv=None):
         previous = None  # a damaged record: this attempt starts a new one rather than failing the upload
     price = partition_price(job, args.partition)
     finished_at = int(time.time())
-    billed = billed_nodes(job, args.nodes, args.alloc_tres, args.node_cpus, args.alloc_gpus)
+    billed = billed_nodes(job, args.nodes, args.alloc_tres, args.node_cpus)
     entry = attempt_entry(
         args.nodes, args.attempt, args.started_at, finished_at, args.exit_code, args.partition, price, billed
     )
@@ -223,7 +225,9 @@ def main(argv=None):
         evictions = []  # the agent's note is a bonus: a damaged one does not lose the record
     recorded = {a.get("attempt") for a in (previous or {}).get("attempts", [])}
     lost = lost_attempts(args.run_dir, job, args.nodes, args.attempt, args.started_at, recorded, billed)
-    record = build_record(job, previous, entry, evictions, lost)
+    # the batch script's environment: Slurm's names for who the job ran as, else this process's own
+    owner = (os.environ.get("SLURM_JOB_USER") or getpass.getuser(), os.environ.get("SLURM_JOB_ACCOUNT"))
+    record = build_record(job, previous, entry, evictions, lost, owner)
     try:
         write_atomically(path, record)
     except OSError as exc:

@@ -5,12 +5,15 @@ Runs on the login node (stdlib only): `python3 - RUNS_DIR [--job ID | --run RUN]
 Slurm forgets a job minutes after it ends (there is no accounting database); each run directory
 keeps what the operator needs: job.json (the request), job_id, status.json (the exit, written by the
 job), verdict.json (which rank failed), run.json (node-hours and estimated cost). Directories the
-caller cannot read (other users' runs, mode 0700) are skipped.
+caller cannot read (other users' runs, mode 0700) are listed by name and owner alone, readable false:
+what the file system lets anyone see of them.
 """
 
 import argparse
 import json
 import os
+import pwd
+import stat
 import sys
 
 
@@ -30,20 +33,36 @@ def _read_text(path):
         return None
 
 
+def _owner(uid):
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:  # a person removed from the cluster: their runs stay
+        return str(uid)
+
+
 def describe(runs_dir, name):
     run_dir = os.path.join(runs_dir, name)
+    try:
+        info = os.stat(run_dir)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(info.st_mode):
+        return None
+    entry = {"run_id": name, "run_dir": run_dir, "owner": _owner(info.st_uid), "modified": info.st_mtime}
+    if not os.access(run_dir, os.R_OK | os.X_OK):
+        unread = dict.fromkeys(("job_id", "job", "status", "verdict", "record"))
+        return {**entry, **unread, "readable": False}
     job = _read_json(os.path.join(run_dir, "job.json"))
     if job is None:
         return None
     return {
-        "run_id": name,
-        "run_dir": run_dir,
+        **entry,
+        "readable": True,
         "job_id": _read_text(os.path.join(run_dir, "job_id")),
         "job": job,
         "status": _read_json(os.path.join(run_dir, "status.json")),
         "verdict": _read_json(os.path.join(run_dir, "verdict.json")),
         "record": _read_json(os.path.join(run_dir, "run.json")),
-        "modified": os.path.getmtime(run_dir),
     }
 
 
@@ -54,7 +73,7 @@ def list_runs(runs_dir, job=None, run=None, limit=20):
         return []
     found = []
     for name in names:
-        if "/" in name or name in (".", ".."):
+        if "/" in name or name.startswith("."):  # the share's own: .workdirs, .dtrain-setup
             continue
         entry = describe(runs_dir, name)
         if entry is not None and (job is None or entry["job_id"] == job):

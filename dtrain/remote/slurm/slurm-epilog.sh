@@ -17,6 +17,9 @@
 # so that the next job finds the node's GPUs and ports free. A node without docker, or without a
 # docker daemon, has nothing to remove.
 #
+# It also takes the job's id out of the DCGM exporter's job mapping (written by slurm-prolog.sh), so that
+# the GPUs' series stop carrying the label hpc_job="<id>" of a job that has ended.
+#
 # A non-zero exit makes Slurm drain the node: that happens only when a process or a container of
 # the job may still be there (one that survives SIGKILL, docker present but not answering, or a
 # container that would not go).
@@ -43,6 +46,20 @@ fi
 cluster=${SLURM_CLUSTER_NAME:-}
 # Our own children must not carry it: only this shell's own environment still does.
 unset SLURM_JOB_ID
+
+# Every GPU file that names the job (not only SLURM_JOB_GPUS's: a file left by a lost epilog goes too).
+readonly MAPPING_DIR=${DCGM_HPC_JOB_MAPPING_DIR:-/run/dcgm-job-map}
+for file in "$MAPPING_DIR"/*; do
+  if [ ! -f "$file" ] || ! grep -qxF "$job" "$file"; then
+    continue
+  fi
+  others=$(grep -vxF "$job" "$file")
+  if [ -n "$others" ]; then
+    printf '%s\n' "$others" >"$file"
+  else
+    rm -f "$file"
+  fi
+done
 
 # /proc/PID/stat's fields after the command name: state, parent, process group, ...
 stat_fields() {

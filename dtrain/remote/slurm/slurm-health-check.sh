@@ -18,6 +18,8 @@ CHECK_INFINIBAND=${CHECK_INFINIBAND:-@CHECK_INFINIBAND@} # 0: no InfiniBand chec
 MIN_FREE_GB=${MIN_FREE_GB:-@MIN_FREE_GB@}
 FREE_DISK_PATH=${FREE_DISK_PATH:-@FREE_DISK_PATH@} # falls back to / where it does not exist
 IB_SYSFS=${IB_SYSFS:-/sys/class/infiniband}
+# node-setup's results at this boot (boot-steps.sh): why the shared file system's mount step failed
+BOOT_STEPS_DIR=${BOOT_STEPS_DIR:-/run/node-setup}
 HEALTH_REPORT_DIR=${HEALTH_REPORT_DIR:-$SHARED_MOUNT/@HEALTH_REPORT_NAME@} # the last result, one file per node
 NODE=${SLURMD_NODENAME:-$(hostname -s)}
 readonly REASON_PREFIX="health-check:"
@@ -46,9 +48,20 @@ check_infiniband() {
   echo "no ACTIVE InfiniBand port (InfiniBand $seen)" && return 1
 }
 
+# The failed mount step's result at this boot (nfs-mount, lustre-mount: "failed: <its last words>"), if any.
+mount_failure() {
+  local result
+  for result in "$BOOT_STEPS_DIR"/*-mount; do
+    [[ -f $result && $(<"$result") == failed:* ]] && cat "$result" && return 0
+  done
+  return 1
+}
+
 check_shared() {
+  local why
   if ((SHARED_IS_MOUNT)); then
     timeout -k 2 "$PROBE_SECONDS" mountpoint -q "$SHARED_MOUNT" && echo ok && return 0
+    why=$(mount_failure) && echo "$SHARED_MOUNT not mounted ($why)" && return 1
     echo "$SHARED_MOUNT not mounted" && return 1
   fi
   [ -d "$SHARED_MOUNT" ] && [ -w "$SHARED_MOUNT" ] && echo ok && return 0

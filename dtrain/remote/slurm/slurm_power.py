@@ -25,6 +25,14 @@ booted (silence_file's time), every round deallocates every instance of the scal
 Azure alone. Slurm, once back, starts the nodes that its jobs need (ResumeProgram); one that it held
 as on is lost (DOWN) and then powered down by the reconcile above.
 
+With a shared file system that wants unmounting before its clients go (sharedStorage lustre: the config's
+release_wait_s), suspend and the reaper first ask each node to release it (release_shared): through the
+node's Slurm comment, which the node's Spot agent reads and answers once it has stopped what writes
+there, flushed and unmounted it (dtrain/remote/boot/spot_agent.py, shared_release.py). They wait at
+most release_wait_s, then deallocate whatever the nodes answered: a node that cannot answer (its agent
+or slurmd gone) keeps its mount, and the file system's servers evict that client. With slurmctld silent
+(reap_unvouched) there is no one to carry the request: the deallocation goes ahead at once.
+
 It acts through the head node's user-assigned identity (an IMDS token for Azure Resource Manager),
 whose only rights are a custom role on the scale set: start, deallocate, read an instance's view.
 A scale set's node is named computerNamePrefix + its instance id in base 36 (six digits), so
@@ -70,6 +78,12 @@ UNREGISTERED = "not registered"
 SPOT_EVICTION = "spot eviction"
 # The comment resume leaves on the nodes it starts; suspend clears it (the reaper reads it).
 STARTED_BY_SLURM = "started-by-slurm"
+# The node's comment, between release_shared and the node's Spot agent (its copies stand alone in
+# dtrain/remote/boot/spot_agent.py; tests/infra/test_release.py checks they match): the request, and the answers.
+RELEASE_REQUEST = "release-shared"
+RELEASED = "shared-released"
+RELEASE_FAILED = "shared-release-failed"
+RELEASE_POLL_S = 2
 RETRIED_STATUSES = frozenset({409, 429, 500, 502, 503, 504})  # conflicts (a deallocation still running) and throttling
 
 log = logging.getLogger("slurm-power")
@@ -92,6 +106,9 @@ class ScaleSet:
         self.arm = config.get("arm_endpoint", ARM_ENDPOINT)
         self.imds = config.get("imds_endpoint", IMDS_ENDPOINT)
         self.retry_seconds: float = config.get("retry_seconds", RETRY_SECONDS)
+        # How long to wait for the nodes to release the shared file system before they are deallocated;
+        # None: nothing to release (NFS).
+        self.release_wait_s: float | None = config.get("release_wait_s")
         self._token: str | None = None
 
     def instance_id(self, node: str) -> str:
@@ -238,9 +255,44 @@ def group_nodes(sets: list[ScaleSet], nodes: list[str]) -> list[tuple[ScaleSet, 
 
 def suspend(sets: list[ScaleSet], hostlist: str) -> None:
     for scale_set, nodes in by_scale_set(sets, hostlist):
-        scale_set.deallocate([scale_set.instance_id(node) for node in nodes])
+        ids = [scale_set.instance_id(node) for node in nodes]  # a node of no scale set is refused first
+        if scale_set.release_wait_s is not None:
+            release_shared(nodes, scale_set.release_wait_s)
+        scale_set.deallocate(ids)
         set_comment(nodes, "")
         log.info("deallocating %s", ",".join(nodes))
+
+
+def release_shared(nodes: list[str], wait_s: float, poll_s: float = RELEASE_POLL_S) -> dict[str, str]:
+    """Ask each node (its Slurm comment: RELEASE_REQUEST) to stop the writers on the shared file system,
+    flush it and unmount it, and wait until each has answered or wait_s has passed; returns node ->
+    outcome, each logged. A node whose agent already released it (a Spot eviction) is not asked again.
+    Never raises for a node: its deallocation goes ahead whatever it answered."""
+    current = slurm_nodes(nodes)
+    outcomes = {node: "released before it was asked" for node in nodes if _comment(current, node) == RELEASED}
+    pending = [node for node in nodes if node not in outcomes]
+    if pending:
+        set_comment(pending, RELEASE_REQUEST)
+    deadline = time.monotonic() + wait_s
+    while pending:
+        shown = slurm_nodes(pending)
+        for node in [node for node in pending if _comment(shown, node) in (RELEASED, RELEASE_FAILED)]:
+            outcomes[node] = _comment(shown, node)
+            pending.remove(node)
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(poll_s)
+    for node in pending:
+        outcomes[node] = f"no answer within {wait_s:.0f} s: goes with the file system mounted"
+    # why one failed is in its agent's log (journalctl -u spot-agent on the node)
+    for node, outcome in outcomes.items():
+        level = logging.WARNING if node in pending or outcome == RELEASE_FAILED else logging.INFO
+        log.log(level, "%s: shared file system %s", node, outcome)
+    return outcomes
+
+
+def _comment(nodes: dict[str, tuple[set[str], str, str]], node: str) -> str:
+    return nodes.get(node, (set(), "", ""))[1]
 
 
 def resume(sets: list[ScaleSet], hostlist: str) -> None:
@@ -284,10 +336,13 @@ def slurm_nodes(nodes: list[str] | None = None) -> dict[str, tuple[set[str], str
     )
     found = {}
     for line in shown.stdout.splitlines():
-        line, _, reason = line.partition(" Reason=")  # free text, last on the line: read apart
+        line, _, reason = line.partition(" Reason=")  # free text, near the end of the line: read apart
+        # Slurm 22.05 lists a comment after the reason: its first word (ours are one word each)
+        reason, _, comment_after = reason.partition(" Comment=")
         fields = dict(word.split("=", 1) for word in line.split() if "=" in word)
         if "NodeName" in fields:
-            state, comment = set(fields.get("State", "").split("+")), fields.get("Comment", "")
+            state = set(fields.get("State", "").split("+"))
+            comment = fields.get("Comment", comment_after.split(" ", 1)[0])
             found[fields["NodeName"]] = (state, comment, reason)
     return found
 
@@ -419,8 +474,12 @@ def reap_unregistered(
         for node in still:
             log.warning("%s %s", node, unregistered[node])
             mark_down(node, unregistered[node][:200])
+        if still and scale_set.release_wait_s is not None:
+            release_shared(still, scale_set.release_wait_s)
         if still:
             scale_set.deallocate([scale_set.instance_id(node) for node in still])
+        if still and scale_set.release_wait_s is not None:
+            set_comment(still, "")  # the request answered: a start outside Slurm finds none
     idle = [node for node, (flags, comment, _) in nodes.items() if unused(flags, comment)]
     if power_down_unused and idle and not pending_jobs():
         log.info("%s came up outside Slurm and no job waits: powering down", ",".join(idle))

@@ -1,0 +1,178 @@
+"""A person's Slurm limits and GPU-hour budget, and Slurm's reasons for holding a job over them, in words:
+what `launch` and `jobs` say of a held job, and the warning `launch` gives when a budget is nearly spent.
+Runs on the operator's machine and reads Slurm over the login node's SSH: sacctmgr for the association's
+limits (the head's apply-users sets them from the users list, infra/users.py), sshare for this month's use.
+
+Slurm (AccountingStorageEnforce=limits,safe, infra/cloud_init/slurm.py) holds a job over a limit in the
+queue with a reason (squeue's %r): AssocGrpGRES while the person's running jobs hold their GPU cap
+(GrpTRES gres/gpu), AssocGrpGRESMinutes while their GPU-hour budget (GrpTRESMins gres/gpu) has too little
+left for the job's time limit x GPUs (`safe`: what running jobs may still use counts as spent),
+AssocMaxJobsLimit at their cap of running jobs, AssocMaxNodePerJobLimit for a job larger than they may run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from dtrain.cluster.slurm import QueuedJob, Slurm, SlurmUnreachable
+from dtrain.cluster.ssh import SSHFailure, q
+
+GPU_TRES = "gres/gpu"
+BUDGET_WARNING = 0.9  # a budget spent this much is warned about at launch
+_BETWEEN = "--- sshare ---"  # between the two commands' outputs in one SSH call
+LIMIT_REASONS = ("Assoc", "QOS")  # how Slurm's reasons for a job over a limit begin (AssocGrpGRES, QOSMaxJobs...)
+# How long `launch --detach` waits for Slurm's first look at a job it submitted (the scheduler runs on each
+# submission: a second, usually) to say whether it is held.
+VERDICT_WAIT_S = 30.0
+VERDICT_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Standing:
+    """A person's association: its limits (None: none) and their use of the GPU-hour budget, in GPU-minutes."""
+
+    user: str
+    account: str
+    max_jobs: int | None = None
+    max_nodes: int | None = None
+    max_gpus: int | None = None
+    budget: int | None = None  # GPU-minutes a month (GrpTRESMins)
+    used: int = 0  # this month's, as slurmctld last tallied it (every PriorityCalcPeriod)
+    running: int = 0  # what the running jobs may still use (time left x GPUs): `safe` counts it as spent
+
+    def budget_spent(self) -> bool:
+        return self.budget is not None and self.used >= self.budget
+
+
+def gpu_hours(minutes: int) -> str:
+    return f"{minutes / 60:,.2f}"
+
+
+def read_standings(slurm: Slurm) -> dict[str, Standing]:
+    """user -> their association (the first Slurm lists, for a user of several accounts); empty where Slurm's
+    accounting does not answer: what is said of a held job is then Slurm's reason without the figures."""
+    script = (
+        "sacctmgr --noheader --parsable2 show association format=user,account,maxjobs,maxnodes,grptres,grptresmins"
+        f" && echo {q(_BETWEEN)} && sshare --noheader --parsable2 --all --format=account,user,grptresraw,tresrunmins"
+    )
+    try:
+        result = slurm.run_unchecked(script)
+    except SSHFailure:
+        return {}
+    if result.returncode != 0 or _BETWEEN not in result.stdout:
+        return {}
+    limits, usage = result.stdout.split(_BETWEEN, 1)
+    used = {}
+    for line in usage.splitlines():
+        fields = [field.strip() for field in line.split("|")]
+        if len(fields) == 4 and fields[1]:
+            used[(fields[1], fields[0])] = (_gpus(fields[2]) or 0, _gpus(fields[3]) or 0)
+    standings: dict[str, Standing] = {}
+    for line in limits.splitlines():
+        fields = line.split("|")
+        if len(fields) != 6 or not fields[0] or fields[0] in standings:
+            continue
+        user, account, max_jobs, max_nodes, grp_tres, grp_tres_mins = fields
+        spent, running = used.get((user, account), (0, 0))
+        standings[user] = Standing(
+            user, account, _count(max_jobs), _count(max_nodes), _gpus(grp_tres), _gpus(grp_tres_mins), spent, running
+        )
+    return standings
+
+
+def _count(text: str) -> int | None:
+    return int(text) if text.isdigit() else None
+
+
+def _gpus(tres: str) -> int | None:
+    """The GPUs' figure of a TRES list (`cpu=4,gres/gpu=8` -> 8); None where it names none."""
+    for item in tres.split(","):
+        name, _, value = item.partition("=")
+        if name == GPU_TRES and value.isdigit():
+            return int(value)
+    return None
+
+
+def held(reason: str, user: str, standing: Standing | None) -> str | None:
+    """One line on a job Slurm holds over a limit (reason: squeue's), with what it means and what to do; None
+    for a reason that is no limit (Priority, Resources, ...)."""
+    reason = reason.strip().strip("()")
+    meaning = _meaning(reason, user, standing or Standing(user, ""))
+    return None if meaning is None else f"held ({reason}): {meaning}"
+
+
+def _meaning(reason: str, user: str, s: Standing) -> str | None:
+    if reason == "AssocGrpGRES":
+        cap = f" ({_many(s.max_gpus, 'GPU')} at once)" if s.max_gpus is not None else ""
+        return f"{user}'s GPU limit{cap} is in use by their running jobs; it starts as they end"
+    if reason == "AssocGrpGRESMinutes":
+        return _over_budget(user, s)
+    if reason == "AssocMaxJobsLimit":
+        cap = _many(s.max_jobs, "job") if s.max_jobs is not None else "as many jobs as they may"
+        return f"{user} runs {cap} at once already, their limit; it starts as one ends"
+    if reason == "AssocMaxNodePerJobLimit":
+        cap = _many(s.max_nodes, "node") if s.max_nodes is not None else "fewer nodes"
+        return f"{user} may use {cap} in one job and this one asks for more: cancel it and ask for fewer --nodes"
+    if reason.startswith(LIMIT_REASONS):
+        return f"a limit of {user}'s Slurm association or QOS; `sacctmgr show association user={user}` lists them"
+    return None
+
+
+def _many(count: int, thing: str) -> str:
+    return f"{count} {thing}" + ("" if count == 1 else "s")
+
+
+def _over_budget(user: str, s: Standing) -> str:
+    if s.budget is None:
+        return f"{user}'s GPU-hour budget is spent, or has too little left for this job's time limit x GPUs"
+    if s.budget_spent():
+        spent = f"{gpu_hours(s.used)} of {gpu_hours(s.budget)} GPU-hours this month"
+        return (
+            f"{user}'s GPU-hour budget is spent ({spent}): an admin may raise it "
+            f"(`dtrain users limit {user} --gpu-hours H`); it renews on the 1st"
+        )
+    left = f"{gpu_hours(s.used)} used, {gpu_hours(s.running)} held by running jobs, of {gpu_hours(s.budget)}"
+    then = "it may start as their running jobs end, or " if s.running else ""
+    return (
+        f"{user}'s GPU-hour budget has too little left for this job's time limit x GPUs ({left} GPU-hours this "
+        f"month): {then}cancel it and ask for a shorter --time or fewer GPUs"
+    )
+
+
+def budget_warning(standing: Standing | None) -> str | None:
+    """The warning `launch` gives where a person's budget is nearly spent (spent: the job is held, and says so)."""
+    if standing is None or not standing.budget or standing.budget_spent():
+        return None
+    share = standing.used / standing.budget
+    if share < BUDGET_WARNING:
+        return None
+    return (
+        f"warning: {standing.user}'s GPU-hour budget is {share:.0%} spent ({gpu_hours(standing.used)} of "
+        f"{gpu_hours(standing.budget)} GPU-hours this month)"
+    )
+
+
+def explain_queue(slurm: Slurm, queue: list[QueuedJob]) -> dict[str, str]:
+    """job id -> the held line of each pending job over a limit; the standings read only where there is one."""
+    over = [job for job in queue if job.state == "PENDING" and held(job.reason, job.user, None) is not None]
+    if not over:
+        return {}
+    standings = read_standings(slurm)
+    return {job.job_id: held(job.reason, job.user, standings.get(job.user)) or job.reason for job in over}
+
+
+def held_at_submission(slurm: Slurm, job_id: str) -> str | None:
+    """The held line of a job just submitted, once Slurm's scheduler has looked at it (it runs, or waits with a
+    reason); None where it is not held over a limit, or Slurm did not look within VERDICT_WAIT_S (the job is
+    submitted either way: `jobs` shows the reason later)."""
+    deadline = time.monotonic() + VERDICT_WAIT_S
+    try:
+        while True:
+            found = [job for job in slurm.queue(job_id) if job.job_id == job_id]
+            looked = not found or found[0].state != "PENDING" or found[0].reason.strip("()") not in ("", "None")
+            if looked or time.monotonic() > deadline:
+                return explain_queue(slurm, found).get(job_id) if looked else None
+            time.sleep(VERDICT_POLL_S)
+    except (SlurmUnreachable, SSHFailure):
+        return None
