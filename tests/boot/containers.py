@@ -27,6 +27,11 @@ from tests.boot.vms import BRIDGE, Namespace
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 REGISTRY = Path("/run/dtrain-boot")  # <hub>/<host>: a link to each container's overlay, for remove_stale
+# How long after ARM's start call a container boots. slurmd reports its boot time as its registration's
+# second less its uptime rounded up, and the container's boot clock starts up to a second early (its
+# offset is whole seconds): the boot it reports can be up to 3 s before the real one, and must not be
+# before the second of slurmctld's resume request, which precedes the start call.
+BOOT_AFTER_START_S = 3.0
 HALT_WAIT_S = 20  # an orderly halt takes about 2 s; past this the container is ended at once
 # What the containers cannot show, and where it is tested instead (docs/infrastructure.md).
 EXCLUSIONS = (
@@ -143,9 +148,9 @@ class Container:
     def _start(self) -> None:
         if self.running():
             return
-        # slurmctld takes a node that booted before its resume request for one that never rebooted: the
-        # request and the boot must fall in different seconds (boot times have a second's resolution).
-        time.sleep(max(0.0, self.start_requested + 1.1 - time.monotonic()))
+        # slurmctld takes a node that booted before its resume request for one that never rebooted (and
+        # waits for it until ResumeTimeout); a real VM always boots after the request. See BOOT_AFTER_START_S.
+        time.sleep(max(0.0, self.start_requested + BOOT_AFTER_START_S - time.monotonic()))
         if not os.path.ismount(self.root):
             lower, upper, work = self.image / "root", self.work / "upper", self.work / "overlay-work"
             layers = f"lowerdir={lower},upperdir={upper},workdir={work}"

@@ -389,7 +389,15 @@ def test_a_submission_resumes_power_saved_nodes(tmp_path):
             return shown.stdout
 
         wait_for(lambda: "2 powered down" in node_states(), 60, "both nodes powered down", interval=1)
-        assert not [pid for pid in live_pids_mentioning("slurmd") if str(local_state_dir(desc)) in cmdline(pid)]
+
+        def slurmds() -> list[int]:
+            """The nodes' slurmd (not the head's slurmdbd, whose command line also says slurmd)."""
+            ours = (pid for pid in live_pids_mentioning("slurmd") if str(local_state_dir(desc)) in cmdline(pid))
+            return [pid for pid in ours if Path((cmdline(pid).split() or [""])[0]).name == "slurmd"]
+
+        # Slurm counts a node powered down once SuspendTimeout has passed since it ran the suspend
+        # program, which may still be killing the node on a loaded host: its slurmd goes soon after
+        wait_for(lambda: not slurmds(), 60, "the suspended nodes' slurmd gone", interval=0.5)
         args = ["launch", "--cluster", str(cluster_file), "--framework", "pytorch", "--nodes", "2", "--entrypoint", JOB]
         proc = cli(*args, "--run-id", "wake-up", "--follow", "--", "--steps", "2", timeout=240)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -233,9 +232,9 @@ def test_an_unreadable_data_directory_ends_the_job_in_seconds(tmp_path: Path, fr
     # used to come back as TensorFlow's UnknownError, then hang in the iterator's destructor.
     root = make_imagenet(tmp_path / "imagenet", classes=2, train_per_class=8, val_per_class=2, corrupt=0)
     truncate_images(root)
-    began = time.monotonic()
-    output = run(single(framework, *TINY, "--data", "imagenet", "--data-dir", root), tmp_path / "job.log", 30, 2)
-    assert time.monotonic() - began < 30
+    # what this catches is the hang; the bound leaves room for TensorFlow's import on a loaded host
+    # (a few seconds in all on an idle one)
+    output = run(single(framework, *TINY, "--data", "imagenet", "--data-dir", root), tmp_path / "job.log", 120, 2)
     [line] = error_lines(output)
     assert line.startswith(f"error: 16 images in a row under {root / 'train'} could not be decoded")
     assert "Traceback" not in output and "UnknownError" not in output
