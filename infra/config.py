@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_origin
 
 from pydantic import (
     BaseModel,
@@ -50,7 +50,7 @@ from infra.cloud_init.slurm_packages import DEFAULT_SLURM_VERSION, check_slurm_v
 from infra.skus import GPU_SKUS, GpuSku
 from infra.slurm_time import DEFAULT_JOB_TIME, TIME_SYNTAX, UNLIMITED, check_max_time, check_time_limit, exceeds
 from infra.ssh_key import check_public_key
-from infra.users import ClusterUser, UsersList, with_uids
+from infra.users import AccountLimits, AccountName, ClusterUser, UsersList, with_uids
 
 OPEN_CIDRS = frozenset({"*", "0.0.0.0/0", "any", "internet"})
 # RFC 1918: the only ranges a VNet here may use, and the ones the storage firewall cannot list.
@@ -260,6 +260,9 @@ class StackConfig(BaseModel):
     # The cluster's people (name, sshPublicKey, account, optional uid and limits): the list the head node
     # keeps starts as this one; `dtrain users` changes it on the running cluster (infra/users.py).
     users: list[ClusterUser] = Field(default_factory=list)
+    # Limits of whole Slurm accounts (maxGpus, gpuHours: all their members' jobs together), by account name;
+    # `dtrain users limit-account` changes them on the running cluster.
+    accounts: dict[AccountName, AccountLimits] = Field(default_factory=dict)
 
     @field_validator("location")
     @classmethod
@@ -516,7 +519,7 @@ class StackConfig(BaseModel):
 
     def _users_faults(self) -> list[Fault]:
         try:
-            with_uids(self.users, self.admin_user)
+            with_uids(self.users, self.admin_user, self.accounts)
         except ValidationError as exc:  # the list's own rule: names and uids unique
             return [("users", [user.name for user in self.users], exc.errors()[0]["msg"].removeprefix("Value error, "))]
         except ValueError as exc:
@@ -526,7 +529,7 @@ class StackConfig(BaseModel):
     @property
     def users_list(self) -> UsersList:
         """The stack config's people with their uids: what the head node's list starts as."""
-        return with_uids(self.users, self.admin_user)
+        return with_uids(self.users, self.admin_user, self.accounts)
 
     def _job_time_faults(self) -> list[Fault]:
         if not exceeds(self.default_job_time, self.max_job_time):
@@ -714,11 +717,12 @@ def _explain(error: ErrorDetails, raw: Mapping[str, Any]) -> list[tuple[str, str
     key = str(error["loc"][0])
     if error["type"] == "missing":
         return [(key, f"required; set it with `pulumi config set {key} ...`")]
-    if error["type"] == "extra_forbidden":
-        return [(key, f"unknown key (given {_shown(raw.get(key), key)})")]
+    path = key + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"][1:])
+    if error["type"] == "extra_forbidden":  # inside a list or map (a user of `users`): named down to the field
+        given = _shown(error.get("input")) if len(error["loc"]) > 1 else _shown(raw.get(key), key)
+        return [(path, f"unknown key (given {given})")]
     reason = error["msg"].removeprefix("Value error, ")
-    if len(error["loc"]) > 1:  # inside a list or map (a user of `users`): named down to the field
-        path = key + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"][1:])
+    if len(error["loc"]) > 1:
         return [(path, f"got {_shown(error.get('input'))}; {reason}")]
     return [(key, f"got {_shown(raw.get(key), key)}; {reason}")]
 
@@ -737,6 +741,12 @@ def config_keys() -> list[str]:
     return [field.alias or name for name, field in StackConfig.model_fields.items()]
 
 
+def structured_keys() -> frozenset[str]:
+    """The keys whose values are maps or lists (YAML structures in the stack file), not strings."""
+    fields = StackConfig.model_fields.items()
+    return frozenset(field.alias or name for name, field in fields if get_origin(field.annotation) in (list, dict))
+
+
 def load_config() -> StackConfig:
     """Read this project's keys from the Pulumi config and validate them."""
     import pulumi  # imported here so that parsing and validation stay usable without Pulumi
@@ -744,7 +754,8 @@ def load_config() -> StackConfig:
     config = pulumi.Config()
     raw: dict[str, Any] = {}
     for key in config_keys():
-        value = config.get_object(key) if key == "tags" else config.get(key)
+        # a map or a list in the stack file (tags, users, accounts) is JSON text to config.get
+        value = config.get_object(key) if key in structured_keys() else config.get(key)
         if value is not None:
             raw[key] = value
     if plain := [key for key in SECRET_KEYS & raw.keys() if not pulumi.runtime.is_config_secret(config.full_key(key))]:

@@ -13,7 +13,7 @@ import json
 import re
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from infra.azure_limits import RESERVED_ADMIN_USERS
@@ -40,15 +40,14 @@ SLURM_ACCOUNT = re.compile(r"[a-z0-9_][a-z0-9_.-]{0,63}")
 SYSTEM_NAMES = frozenset({"slurm", "munge", "nobody", "sshd", "daemon", "docker", "mlflow", "prometheus"})
 
 
-class UserLimits(BaseModel):
-    """What Slurm's accounting may cap for a person (its association's limits); None: no cap."""
+class AccountLimits(BaseModel):
+    """What Slurm's accounting may cap for all the jobs of an account's members together (the account's
+    association's limits); None: no cap."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
 
-    max_jobs: Annotated[int, Field(ge=1, le=100_000)] | None = None  # running at once (MaxJobs)
-    max_nodes: Annotated[int, Field(ge=1, le=10_000)] | None = None  # per job (MaxNodes)
     max_gpus: Annotated[int, Field(ge=1, le=100_000)] | None = None  # all running jobs together (GrpTRES gres/gpu)
-    # GPU-hours per calendar month, all their jobs together (GrpTRESMins gres/gpu, in whole GPU-minutes: Slurm
+    # GPU-hours per calendar month, all the jobs together (GrpTRESMins gres/gpu, in whole GPU-minutes: Slurm
     # resets the usage on the 1st, PriorityUsageResetPeriod=MONTHLY); 0: no GPU at all
     gpu_hours: Annotated[float, Field(ge=0, le=MAX_GPU_HOURS, allow_inf_nan=False)] | None = None
 
@@ -61,13 +60,26 @@ class UserLimits(BaseModel):
 
     def describe(self) -> str:
         """The limits in words, `-` for none: `4 jobs at once, 2 nodes a job, 8 GPUs at once, 100 GPU-hours a month`."""
-        words = (
-            (self.max_jobs, "job{} at once"),
-            (self.max_nodes, "node{} a job"),
-            (self.max_gpus, "GPU{} at once"),
-            (self.gpu_hours, "GPU-hour{} a month"),
-        )
-        return ", ".join(f"{v:g} {text.format('' if v == 1 else 's')}" for v, text in words if v is not None) or "-"
+        given = self.model_dump()
+        shown = [(given[field], text) for field, text in LIMIT_WORDS.items() if given.get(field) is not None]
+        return ", ".join(f"{v:g} {text.format('' if v == 1 else 's')}" for v, text in shown) or "-"
+
+
+class UserLimits(AccountLimits):
+    """What Slurm's accounting may cap for a person (their association's limits); None: no cap. Their
+    account's limits hold as well: a job starts within both."""
+
+    max_jobs: Annotated[int, Field(ge=1, le=100_000)] | None = None  # running at once (MaxJobs)
+    max_nodes: Annotated[int, Field(ge=1, le=10_000)] | None = None  # per job (MaxNodes)
+
+
+# Each limit in words, in the order `describe` gives them
+LIMIT_WORDS = {
+    "max_jobs": "job{} at once",
+    "max_nodes": "node{} a job",
+    "max_gpus": "GPU{} at once",
+    "gpu_hours": "GPU-hour{} a month",
+}
 
 
 def gpu_minutes(hours: float) -> int:
@@ -100,11 +112,15 @@ class ClusterUser(BaseModel):
     @field_validator("account")
     @classmethod
     def _account(cls, value: str) -> str:
-        if not SLURM_ACCOUNT.fullmatch(value):
-            raise ValueError(
-                f"{value!r} is not a Slurm account name: lower-case letters, digits, '_', '.' and '-', up to 64"
-            )
-        return value
+        return check_account_name(value)
+
+
+def check_account_name(name: str) -> str:
+    if not SLURM_ACCOUNT.fullmatch(name):
+        raise ValueError(
+            f"{name!r} is not a Slurm account name: lower-case letters, digits, '_', '.' and '-', up to 64"
+        )
+    return name
 
 
 def check_user_name(name: str) -> str:
@@ -118,12 +134,17 @@ def check_user_name(name: str) -> str:
     return name
 
 
+AccountName = Annotated[str, AfterValidator(check_account_name)]
+
+
 class UsersList(BaseModel):
-    """The list the head keeps: every person with a uid, names and uids unique."""
+    """The list the head keeps: every person with a uid, names and uids unique; and the limits of the accounts
+    that have any (all their members' jobs together)."""
 
     model_config = ConfigDict(extra="forbid")
 
     users: list[ClusterUser] = Field(default_factory=list)
+    accounts: dict[AccountName, AccountLimits] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _unique(self) -> UsersList:
@@ -138,14 +159,19 @@ class UsersList(BaseModel):
         return self
 
     def document(self) -> str:
-        """The list as the hosts read it (users.json)."""
+        """The list as the hosts read it (users.json; `accounts` only where one has limits)."""
         users = [user.model_dump(mode="json", exclude_none=True) for user in self.users]
-        return json.dumps({"users": users}, indent=2, sort_keys=True) + "\n"
+        accounts = {name: limits.model_dump(mode="json", exclude_none=True) for name, limits in self.accounts.items()}
+        document = {"users": users} | ({"accounts": accounts} if accounts else {})
+        return json.dumps(document, indent=2, sort_keys=True) + "\n"
 
 
-def with_uids(users: list[ClusterUser], admin_user: str | None = None) -> UsersList:
+def with_uids(
+    users: list[ClusterUser], admin_user: str | None = None, accounts: dict[str, AccountLimits] | None = None
+) -> UsersList:
     """The stack config's users with a uid each: their own, else the next free one from FIRST_UID in the
-    list's order. admin_user: refused as a person's name (the operators' account is not in the list)."""
+    list's order, and its accounts' limits. admin_user: refused as a person's name (the operators' account
+    is not in the list)."""
     taken = {user.uid for user in users if user.uid is not None}
     given: list[ClusterUser] = []
     next_uid = FIRST_UID
@@ -158,4 +184,4 @@ def with_uids(users: list[ClusterUser], admin_user: str | None = None) -> UsersL
             taken.add(next_uid)
             user = user.model_copy(update={"uid": next_uid})
         given.append(user)
-    return UsersList(users=given)
+    return UsersList(users=given, accounts=accounts or {})

@@ -1,4 +1,4 @@
-"""`users add|remove|limit|list`: the people of a running cluster, without reimaging a node.
+"""`users add|remove|limit|limit-account|list`: the people of a running cluster, without reimaging a node.
 
 The head node keeps the list (dtrain/cluster/users.py); every host applies it within a minute, and
 each command that changes it waits until every host that is up has. Adding, removing and limiting is the
@@ -20,7 +20,7 @@ from dtrain.cluster.slurm import Slurm
 from dtrain.cluster.ssh import SSH
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.ui import make_console
-from infra.users import ClusterUser, UserLimits
+from infra.users import AccountLimits, ClusterUser, UserLimits, check_account_name
 
 console = make_console()
 out = make_console(stderr=False)
@@ -38,11 +38,13 @@ examples:
   python -m dtrain users add bob --ssh-key bob.pub --account nlp --max-gpus 16 --max-jobs 4
   python -m dtrain users limit alice --gpu-hours 500 --max-gpus 8   # a budget a month, a cap at once
   python -m dtrain users limit alice --clear                        # no limits at all
+  python -m dtrain users limit-account vision --max-gpus 32 --gpu-hours 5000   # all its members together
   python -m dtrain users list
   python -m dtrain users remove bob        # ends bob's logins and jobs; keeps bob's runs
 """
-# UserLimits' fields -> the flags that set them
+# UserLimits' fields -> the flags that set them (AccountLimits' are some of them)
 LIMIT_FLAGS = {field: "--" + field.replace("_", "-") for field in UserLimits.model_fields}
+ACCOUNT_LIMIT_FLAGS = {field: LIMIT_FLAGS[field] for field in AccountLimits.model_fields}
 
 
 def configure(commands: argparse._SubParsersAction) -> None:
@@ -90,6 +92,22 @@ def configure(commands: argparse._SubParsersAction) -> None:
     limit.add_argument("name", type=arg_type(check_person_name), help="their user name")
     _add_limit_arguments(limit, "unchanged")
     limit.add_argument("--clear", action="store_true", help="drop every limit this command does not set")
+    limit_account = actions.add_parser(
+        "limit-account",
+        help="change an account's limits and GPU-hour budget, all its members together (the admin's)",
+        description="Change the limits of a Slurm account that a person of the users list is in, over all its "
+        "members' jobs together: the flags given are set, the others kept (--clear: dropped). Each person's own "
+        "limits hold as well: a job starts within both. The head node makes the account's association follow "
+        "within a minute (this waits for it); a job over the account's limit waits in the queue, held, with the "
+        "reason `jobs` shows. The budget renews on the 1st, as a person's does.",
+        epilog="examples:\n  python -m dtrain users limit-account vision --gpu-hours 5000\n"
+        "  python -m dtrain users limit-account nlp --max-gpus 16\n"
+        "  python -m dtrain users limit-account nlp --clear   # no limits on the account\n",
+        formatter_class=raw,
+    )
+    limit_account.add_argument("account", type=arg_type(slurm_account), help="the Slurm account")
+    _add_account_limit_arguments(limit_account, "unchanged", "the account's members'")
+    limit_account.add_argument("--clear", action="store_true", help="drop every limit this command does not set")
     listing = actions.add_parser(
         "list",
         help="the people, and which hosts have applied the list",
@@ -97,7 +115,8 @@ def configure(commands: argparse._SubParsersAction) -> None:
         epilog="example:\n  python -m dtrain users list\n",
         formatter_class=raw,
     )
-    for sub, handler in ((add, _run_add), (remove, _run_remove), (limit, _run_limit), (listing, _run_list)):
+    handlers = (add, _run_add), (remove, _run_remove), (limit, _run_limit), (limit_account, _run_limit_account)
+    for sub, handler in (*handlers, (listing, _run_list)):
         add_cluster_option(sub)
         sub.set_defaults(handler=handler)
 
@@ -107,15 +126,27 @@ def _add_limit_arguments(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument(
         "--max-nodes", type=int_between(1), help=f"nodes one job of theirs may use (default: {default})"
     )
+    _add_account_limit_arguments(parser, default, "their")
+
+
+def _add_account_limit_arguments(parser: argparse.ArgumentParser, default: str, whose: str) -> None:
     parser.add_argument(
-        "--max-gpus", type=int_between(1), help=f"GPUs all their running jobs may hold at once (default: {default})"
+        "--max-gpus", type=int_between(1), help=f"GPUs all {whose} running jobs may hold at once (default: {default})"
     )
     parser.add_argument(
         "--gpu-hours",
         type=non_negative_number,
         metavar="H",
-        help=f"GPU-hours a calendar month, all their jobs together; 0: no GPU job (default: {default})",
+        help=f"GPU-hours a calendar month, all {whose} jobs together; 0: no GPU job (default: {default})",
     )
+
+
+def slurm_account(name: str) -> str:
+    """A Slurm account name the users list may hold (infra/users.py's rule)."""
+    try:
+        return check_account_name(name)
+    except ValueError as exc:
+        raise OperatorError(str(exc)) from None
 
 
 def person(args: argparse.Namespace) -> ClusterUser:
@@ -136,6 +167,14 @@ def limits_given(args: argparse.Namespace) -> UserLimits:
         return UserLimits(**{field: getattr(args, field) for field in LIMIT_FLAGS})
     except ValidationError as exc:
         raise _refusal(exc, LIMIT_FLAGS) from None
+
+
+def account_limits_given(args: argparse.Namespace) -> AccountLimits:
+    """The account limits the flags set (the others None), checked before any connection."""
+    try:
+        return AccountLimits(**{field: getattr(args, field) for field in ACCOUNT_LIMIT_FLAGS})
+    except ValidationError as exc:
+        raise _refusal(exc, ACCOUNT_LIMIT_FLAGS) from None
 
 
 def _refusal(exc: ValidationError, flags: dict[str, str]) -> OperatorError:
@@ -184,6 +223,22 @@ def _run_limit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_limit_account(args: argparse.Namespace) -> int:
+    limits = account_limits_given(args)
+    if not args.clear and not limits.model_dump(exclude_none=True):
+        flags = ", ".join(ACCOUNT_LIMIT_FLAGS.values())
+        raise OperatorError(f"users limit-account: give a limit to set ({flags}) or --clear")
+    desc = load(args.cluster)
+    with SSH(desc) as ssh:
+        slurm = Slurm(desc, ssh)
+        state = cluster_users.limit_account(desc, slurm, ssh, args.account, limits, args.clear)
+        state = cluster_users.wait_applied(desc, slurm, state)
+    now = state.accounts.get(args.account, AccountLimits())
+    console.print(f"the account {args.account}'s limits: {now.describe()}", highlight=False)
+    _say_applied(state)
+    return 0
+
+
 def _say_applied(state: cluster_users.UsersState) -> None:
     """Where the list is applied; an error when a host could not apply it or did not in time."""
     done = [r.host for r in state.reports if r.digest == state.digest]
@@ -210,6 +265,13 @@ def _run_list(args: argparse.Namespace) -> int:
         comment = rest.partition(" ")[2]
         table.add_row(user.name, str(user.uid), user.account, user.limits.describe(), f"{kind} {comment}".strip())
     out.print(table)
+    if state.accounts:
+        accounts = Table(title="accounts (all their members' jobs together)")
+        for column in ("account", "limits"):
+            accounts.add_column(column)
+        for name, limits in sorted(state.accounts.items()):
+            accounts.add_row(name, limits.describe())
+        out.print(accounts)
     hosts = Table(title="hosts")
     for column in ("host", "list", "last applied", "errors"):
         hosts.add_column(column)

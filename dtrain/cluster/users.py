@@ -21,7 +21,7 @@ from dtrain.cluster.description import ClusterDescription
 from dtrain.cluster.slurm import Slurm
 from dtrain.cluster.ssh import SSH, q
 from dtrain.errors import ExitCode, OperatorError
-from infra.users import JUMPBOX_LIST, USERS_DIR, ClusterUser, UserLimits
+from infra.users import JUMPBOX_LIST, USERS_DIR, AccountLimits, ClusterUser, UserLimits, UsersList
 
 USERS_LIST_TOOL = Path(__file__).resolve().parents[1] / "remote" / "login" / "users_list.py"
 # Azure's hosts apply the list every 30 s (dtrain-users.timer): a host whose report is older than this is off
@@ -29,7 +29,7 @@ USERS_LIST_TOOL = Path(__file__).resolve().parents[1] / "remote" / "login" / "us
 FRESH_S = 90.0
 APPLY_WAIT_S = 120.0  # how long a change waits for every host that is up to apply it
 POLL_S = 1.0
-_EXIT_BAD_INPUT = 2  # users_list.py's, for a name already in the list or not in it
+_EXIT_BAD_INPUT = 2  # users_list.py's, for a name already in the list or not in it, or an account no one is in
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class UsersState:
     users: list[ClusterUser]
     digest: str  # of the list as the head keeps it: what a host's report names once it applied it
     reports: list[HostReport] = field(default_factory=list)
+    accounts: dict[str, AccountLimits] = field(default_factory=dict)  # the accounts that have limits
 
     def pending(self) -> list[str]:
         """The hosts that are up and have not applied this list yet."""
@@ -79,7 +80,7 @@ def _call(desc: ClusterDescription, slurm: Slurm, args: list[str], *, root: bool
         )
     try:
         document = json.loads(result.stdout)
-        users = [ClusterUser.model_validate(user) for user in document["users"]]
+        listed = UsersList.model_validate({"users": document["users"], "accounts": document.get("accounts", {})})
     except (json.JSONDecodeError, KeyError, TypeError):
         raise OperatorError(
             f"reading the users list on the login node failed: {(result.stderr or result.stdout).strip()[-400:]}",
@@ -88,7 +89,7 @@ def _call(desc: ClusterDescription, slurm: Slurm, args: list[str], *, root: bool
     except ValidationError as exc:
         raise OperatorError(f"the users list on the login node is invalid: {describe_validation_error(exc)}") from None
     reports = [HostReport(host=host, **report) for host, report in document["reports"].items()]
-    return UsersState(users, document["digest"], reports)
+    return UsersState(listed.users, document["digest"], reports, listed.accounts)
 
 
 def show(desc: ClusterDescription, slurm: Slurm) -> UsersState:
@@ -122,12 +123,24 @@ def limit(desc: ClusterDescription, slurm: Slurm, ssh: SSH, name: str, limits: U
     return state
 
 
+def limit_account(
+    desc: ClusterDescription, slurm: Slurm, ssh: SSH, account: str, limits: AccountLimits, clear: bool
+) -> UsersState:
+    """Set the limits given (not None) of an account a person of the list is in; with clear, every other one
+    goes. The admin's."""
+    given = json.dumps(limits.model_dump(mode="json", exclude_none=True))
+    args = ["limit-account", users_dir(desc), account, "--set", given, "--fresh-s", str(FRESH_S)]
+    state = _call(desc, slurm, args + (["--clear"] if clear else []), root=True)
+    _copy_to_jump_host(desc, ssh, state)
+    return state
+
+
 def _copy_to_jump_host(desc: ClusterDescription, ssh: SSH, state: UsersState) -> None:
     """The jumpbox's own copy of the list (it has no shared file system), where a jump host is another machine."""
     if desc.jump_host is None or desc.slurm is None or desc.slurm.login == desc.jump_host:
         return
-    document = json.dumps({"users": [u.model_dump(mode="json", exclude_none=True) for u in state.users]}, indent=2)
-    ssh.run(ssh.jump, as_root(f"install -D -m 0644 /dev/stdin {q(JUMPBOX_LIST)}"), input=document + "\n", timeout=60)
+    document = UsersList(users=state.users, accounts=state.accounts).document()
+    ssh.run(ssh.jump, as_root(f"install -D -m 0644 /dev/stdin {q(JUMPBOX_LIST)}"), input=document, timeout=60)
 
 
 def wait_applied(

@@ -22,7 +22,16 @@ from infra.azure_limits import (
     NameRule,
     VmSize,
 )
-from infra.config import DERIVED_NAMES, MAX_TAGS, RESERVED_TAGS, ConfigError, StackConfig, load_config, parse_config
+from infra.config import (
+    DERIVED_NAMES,
+    MAX_TAGS,
+    RESERVED_TAGS,
+    ConfigError,
+    StackConfig,
+    load_config,
+    parse_config,
+    structured_keys,
+)
 from infra.skus import GPU_SKUS, GpuSku
 from infra.stack import build_stack
 from tests.infra.azure_mocks import AzureMocks
@@ -417,7 +426,7 @@ def test_every_sku_has_gpus() -> None:
 
 def _set_pulumi_config(raw: dict[str, object]) -> None:
     pulumi.runtime.set_all_config(
-        {f"{PROJECT}:{k}": json.dumps(v) if isinstance(v, dict) else str(v) for k, v in raw.items()}
+        {f"{PROJECT}:{k}": json.dumps(v) if isinstance(v, dict | list) else str(v) for k, v in raw.items()}
     )
 
 
@@ -429,6 +438,20 @@ def test_load_config_reads_pulumi_config() -> None:
     finally:
         pulumi.runtime.set_all_config({})
     assert cfg.node_count == 4 and cfg.tags == {"costCenter": "ml-research"}
+
+
+def test_load_config_reads_the_people_and_the_accounts_limits_as_the_stack_file_gives_them() -> None:
+    """A YAML list or map in the stack file reaches the program as JSON text (Pulumi's config.get)."""
+    pulumi.runtime.set_mocks(AzureMocks(), project=PROJECT, stack=STACK, preview=False)
+    person = {"name": "alice", "sshPublicKey": ED25519, "account": "vision", "limits": {"maxGpus": 8}}
+    _set_pulumi_config({**VALID_CONFIG, "users": [person], "accounts": {"vision": {"gpuHours": 500}}})
+    try:
+        cfg = load_config()
+    finally:
+        pulumi.runtime.set_all_config({})
+    assert [(user.name, user.limits.max_gpus) for user in cfg.users] == [("alice", 8)]
+    assert cfg.accounts["vision"].gpu_hours == 500
+    assert structured_keys() == {"tags", "users", "accounts"}
 
 
 @pytest.mark.parametrize(("key", "value"), [("nodeCount", "500"), ("headOsDiskSizeGb", "30")])

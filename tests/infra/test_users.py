@@ -107,6 +107,30 @@ def test_the_list_is_applied_from_the_first_boot_on(team: Deployment) -> None:
         assert runcmd[-1] == enable and ["systemctl", "try-reload-or-restart", "ssh"] in runcmd
 
 
+def test_the_accounts_limits_seed_the_list_beside_its_people() -> None:
+    accounts = {"vision": {"maxGpus": 32, "gpuHours": 5000}, "nlp": {"gpuHours": 0}}
+    seed = json.loads(
+        script_of(head_document(deploy({**VALID_CONFIG, "users": USERS, "accounts": accounts})), SEED_PATH)
+    )
+    assert seed["accounts"] == {"vision": {"max_gpus": 32, "gpu_hours": 5000.0}, "nlp": {"gpu_hours": 0.0}}
+    assert [user["name"] for user in seed["users"]] == ["alice", "bob"]
+
+
+@pytest.mark.parametrize(
+    ("accounts", "expected"),
+    [
+        ({"Vision": {"maxGpus": 1}}, "'Vision' is not a Slurm account name"),
+        ({"vision": {"maxGpus": 0}}, "accounts.vision.maxGpus: got 0;"),
+        ({"vision": {"maxJobs": 2}}, "accounts.vision.maxJobs"),  # a person's limit, not an account's
+        ({"vision": {"gpuHours": 0.001}}, "0.001 GPU-hours is less than a GPU-minute, Slurm's unit"),
+    ],
+)
+def test_a_wrong_account_limit_is_named_before_anything_is_declared(accounts: dict[str, Any], expected: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config({**VALID_CONFIG, "users": USERS, "accounts": accounts})
+    assert expected in str(caught.value)
+
+
 @pytest.mark.parametrize(
     ("users", "expected"),
     [

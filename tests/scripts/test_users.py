@@ -23,7 +23,7 @@ import pytest
 
 from dtrain.cluster import users as cluster_users
 from dtrain.cluster.description import ClusterDescription, load
-from dtrain.cluster.limits import Standing, budget_warning, held, read_standings
+from dtrain.cluster.limits import AccountStanding, Standing, budget_warning, held, read_standings
 from dtrain.cluster.slurm import Slurm
 from dtrain.cluster.ssh import SSH, SSHFailure
 from dtrain.json_documents import UsageCostDocument
@@ -290,6 +290,43 @@ def test_a_gpu_limit_and_a_spent_budget_hold_a_persons_jobs_and_say_why(team: Te
     wait_for(lambda: not _states(admin, jobs), 120, "alice's jobs to end", 0.5)
 
 
+def test_an_accounts_gpu_limit_holds_its_members_jobs_and_says_whose_limit_it_is(team: Team):
+    """`users limit-account`: all of an account's members' jobs together within its cap (the account's own
+    association, GrpTRES), whatever each person's own limits; cleared, the held job starts."""
+    admin = load(team.admin)
+    limit(team, "alice", "--clear")  # the budget the test above spent: only the account's limit holds her now
+    changed = cli("users", "limit-account", "vision", "--max-gpus", "1", "--cluster", str(team.admin))
+    assert changed.returncode == 0 and "the account vision's limits: 1 GPU at once" in changed.stderr, changed.stderr
+    assert "gres/gpu=1" in account_limits(team)["vision"]
+    listed = cli("users", "list", "--cluster", str(team.people["bob"]))  # anyone may read the list
+    assert listed.returncode == 0 and "vision" in listed.stdout and "1 GPU at once" in listed.stdout, listed.stderr
+
+    first = launch(team, "alice", "acct-a", 600, "--gpus", "1")
+    assert first.returncode == 0, first.stderr
+    wait_for(lambda: _states(admin, [job_id(team, "acct-a")]) == {"RUNNING"}, 120, "alice's first job", interval=0.5)
+    second = launch(team, "alice", "acct-b", 600, "--gpus", "1")
+    reason = "held (AssocGrpGRES): the account vision's GPU limit (1 GPU at once, all its members) is in use by"
+    assert held_line(second, job_id(team, "acct-b")).startswith(reason), second.stderr
+    assert notes(team, "alice")["acct-b"].startswith(reason)
+
+    refused = cli("users", "limit-account", "nope", "--max-gpus", "1", "--cluster", str(team.admin))
+    assert (refused.returncode, refused.stderr.strip()) == (2, "error: no one in the list is in the account nope")
+    cleared = cli("users", "limit-account", "vision", "--clear", "--cluster", str(team.admin))
+    assert cleared.returncode == 0 and "the account vision's limits: -" in cleared.stderr, cleared.stderr
+    assert "gres/gpu" not in account_limits(team)["vision"]
+    both = [job_id(team, run) for run in ("acct-a", "acct-b")]
+    wait_for(lambda: _states(admin, both) == {"RUNNING"}, 120, "the held job to start once the limit went", 0.5)
+    slurm_command(admin, "scancel", *both)
+    wait_for(lambda: not _states(admin, both), 120, "alice's jobs to end", 0.5)
+
+
+def account_limits(team: Team) -> dict[str, str]:
+    """account -> the GrpTRES of its own association (sacctmgr's text)."""
+    shown = slurm_command(load(team.admin), "sacctmgr", "--noheader", "--parsable2", "show", "association",
+                          "format=user,account,grptres")  # fmt: skip
+    return {account: tres for user, account, tres in (line.split("|") for line in shown.stdout.split()) if not user}
+
+
 def test_the_budget_warning_and_the_reasons_read_slurms_figures():
     nearly = Standing("alice", "vision", budget=600, used=560)
     assert (
@@ -304,6 +341,21 @@ def test_the_budget_warning_and_the_reasons_read_slurms_figures():
     )
     assert held("AssocMaxNodePerJobLimit", "bob", capped).startswith("held (AssocMaxNodePerJobLimit): bob may use 1 ")
     assert held("(Resources)", "bob", capped) is None and held("(Priority)", "bob", None) is None
+    # the account's own cap and budget (all its members' jobs), which Slurm's reasons do not tell from a person's
+    account = AccountStanding("vision", max_gpus=16, budget=6000, used=5700)
+    assert budget_warning(Standing("alice", "vision", of_account=account)) == (
+        "warning: the account vision's GPU-hour budget is 95% spent (95.00 of 100.00 GPU-hours this month)"
+    )
+    assert held("AssocGrpGRES", "alice", Standing("alice", "vision", max_gpus=4, of_account=account)) == (
+        "held (AssocGrpGRES): alice's GPU limit (4 GPUs at once), or the account vision's GPU limit (16 GPUs at "
+        "once, all its members), is in use by running jobs; it starts as they end"
+    )
+    spent = Standing("alice", "vision", budget=600, used=10, of_account=AccountStanding("vision", budget=60, used=60))
+    assert held("AssocGrpGRESMinutes", "alice", spent).startswith(
+        "held (AssocGrpGRESMinutes): the account vision's GPU-hour budget is spent (1.00 of 1.00 GPU-hours this month"
+    )
+    own = Standing("alice", "vision", budget=60, used=50, of_account=account)  # hers is the smaller remainder
+    assert held("AssocGrpGRESMinutes", "alice", own).startswith("held (AssocGrpGRESMinutes): alice's GPU-hour budget")
 
 
 def test_cost_by_user_adds_up_each_persons_node_and_gpu_hours_as_sacct_has_them(team: Team):

@@ -20,9 +20,11 @@ own is never taken over or removed, and a uid another account holds is refused: 
 --slurm-users (the head node, where slurmdbd runs): Slurm's associations follow the list too, through
 sacctmgr: each person a user of their account (made under root where missing) with the list's limits
 (LIMITS: MaxJobs, MaxNodes per job, GrpTRES gres/gpu for all their running jobs together, GrpTRESMins
-gres/gpu for their GPU-hour budget, in GPU-minutes); a person the list no longer names is removed from
-Slurm, their jobs' records kept. The file names the people this tool made in Slurm, the ones it may
-remove: the admin user and root are never touched.
+gres/gpu for their GPU-hour budget, in GPU-minutes), and each account of the list's people with the
+list's account limits (GrpTRES and GrpTRESMins over all its members' jobs; an account the list no longer
+limits is cleared); a person the list no longer names is removed from Slurm, their jobs' records kept.
+The file names the people this tool made in Slurm, the ones it may remove: the admin user and root are
+never touched.
 
 --team-dir: where every person must be able to make their own entries (runs/, the dataset area): made
 1777 (sticky, as /tmp: each entry is its maker's) once the list names anyone. Where the list's directory
@@ -72,6 +74,7 @@ LIMITS = {
     "gpu_hours": ("GrpTRESMins", lambda hours: f"{GPU_TRES}={gpu_minutes(hours)}"),
 }
 TRES_SETTINGS = ("GrpTRES", "GrpTRESMins")
+ACCOUNT_LIMITS = ("max_gpus", "gpu_hours")  # what the list may limit of a whole account (AccountLimits)
 
 
 def log(message):
@@ -79,17 +82,20 @@ def log(message):
 
 
 def read_list(path):
-    """(users, digest) of the list at path; an absent file is an empty list. Raises ValueError when the file
-    is not a list of users this tool can apply."""
+    """(users, accounts' limits, digest) of the list at path; an absent file is an empty list. Raises
+    ValueError when the file is not a list of users this tool can apply."""
     try:
         with open(path, "rb") as handle:
             data = handle.read()
     except FileNotFoundError:
-        return [], hashlib.sha256(b"").hexdigest()
+        return [], {}, hashlib.sha256(b"").hexdigest()
     document = json.loads(data)
     users = document.get("users") if isinstance(document, dict) else None
     if not isinstance(users, list):
         raise ValueError("it has no list of users")
+    accounts = document.get("accounts", {})
+    if not (isinstance(accounts, dict) and all(isinstance(limits, dict) for limits in accounts.values())):
+        raise ValueError("its accounts are not a map of limits")
     for user in users:
         name, uid, key = user.get("name"), user.get("uid"), user.get("ssh_public_key")
         if not (isinstance(name, str) and USER_NAME.fullmatch(name)):
@@ -98,7 +104,7 @@ def read_list(path):
             raise ValueError(f"uid {uid!r} of {name} is not between {FIRST_UID} and {LAST_UID}")
         if not (isinstance(key, str) and key.strip() and "\n" not in key.strip()):
             raise ValueError(f"the key of {name} is not one line")
-    return users, hashlib.sha256(data).hexdigest()
+    return users, accounts, hashlib.sha256(data).hexdigest()
 
 
 def run(argv):
@@ -253,10 +259,11 @@ def sacctmgr(*words):
     return run(argv)
 
 
-def wanted_limits(user):
-    """The association settings the list asks of a person: every limit, set or cleared (None)."""
-    given = user.get("limits") or {}
-    return {setting: None if given.get(key) is None else shown(given[key]) for key, (setting, shown) in LIMITS.items()}
+def wanted_limits(given, keys=tuple(LIMITS)):
+    """The association settings the list's limits (a person's, or an account's: keys) ask for: each set or
+    cleared (None)."""
+    given = given or {}
+    return {LIMITS[key][0]: None if given.get(key) is None else LIMITS[key][1](given[key]) for key in keys}
 
 
 def set_limit(setting, value):
@@ -274,7 +281,7 @@ def limit_now(setting, shown):
     return shown or None
 
 
-def apply_slurm_users(users, made_path):
+def apply_slurm_users(users, account_limits, made_path):
     """Slurm's associations as the list says; returns the errors (slurmdbd down: one, retried next run)."""
     try:
         with open(made_path) as handle:
@@ -288,13 +295,16 @@ def apply_slurm_users(users, made_path):
         defaults = dict(sacctmgr("show", "user", "format=user,defaultaccount"))
     except OSError as exc:
         return [f"Slurm's associations not applied: {exc}"]
-    current = {(row[0], row[1]): {c: row[2 + i] for i, c in enumerate(columns)} for row in rows if row[0]}
+    current = {(row[0], row[1]): {c: row[2 + i] for i, c in enumerate(columns)} for row in rows}
     errors = []
     for name in sorted({user["account"] for user in users} - accounts):
         if sacctmgr("add", "account", name, f"Description={name}", f"Organization={name}", "Parent=root"):
             errors.append(f"could not make the Slurm account {name}")
+        current[("", name)] = {setting: "" for setting in columns}
+    errors += apply_account_limits({user["account"] for user in users}, account_limits, current)
+    current = {pair: settings for pair, settings in current.items() if pair[0]}
     for user in users:
-        name, account_name, limits = user["name"], user["account"], wanted_limits(user)
+        name, account_name, limits = user["name"], user["account"], wanted_limits(user.get("limits"))
         have = current.get((name, account_name))
         if have is None:
             settings = [set_limit(setting, value) for setting, value in limits.items() if value is not None]
@@ -331,6 +341,23 @@ def apply_slurm_users(users, made_path):
     return errors
 
 
+def apply_account_limits(names, account_limits, current):
+    """The accounts' own associations (current's rows with no user) as the list limits them, for the accounts
+    its people are in (names): an account the list does not limit is cleared. The errors."""
+    errors = []
+    for name in sorted(names):
+        have = current.get(("", name))
+        if have is None:
+            continue  # not made: said above
+        limits = wanted_limits(account_limits.get(name), ACCOUNT_LIMITS)
+        changed = [set_limit(s, value) for s, value in limits.items() if limit_now(s, have[s]) != value]
+        if changed and sacctmgr("modify", "account", "where", f"name={name}", "set", *changed):
+            errors.append(f"could not set the limits of the account {name}")
+        elif changed:
+            log(f"the account {name}: {' '.join(changed)}")
+    return errors
+
+
 def write_report(report_dir, host, digest, errors):
     os.makedirs(report_dir, mode=0o755, exist_ok=True)
     report = {"host": host, "digest": digest, "applied_at": time.time(), "errors": errors}
@@ -357,13 +384,13 @@ def main(argv=None):
         log(f"{os.path.dirname(args.list)} is not there yet: nothing to apply, nothing changed")
         return 0
     try:
-        users, digest = read_list(args.list)
+        users, account_limits, digest = read_list(args.list)
     except (OSError, ValueError) as exc:
         log(f"cannot read {args.list}: {exc}: nothing changed")
         return 1
     errors = apply(users, args)
     if args.slurm_users:
-        errors += apply_slurm_users(users, args.slurm_users)
+        errors += apply_slurm_users(users, account_limits, args.slurm_users)
     for error in errors:
         log(error)
     if args.report_dir:  # named as Slurm names a node: Azure may write a host name's digits in upper case
