@@ -69,16 +69,17 @@ def _last_step_line(desc: ClusterDescription, job: QueuedJob) -> str:
 def render(snapshot: Snapshot, elapsed_s: dict[str, int | None]) -> Group:
     """The two tables; elapsed_s: job id -> seconds it has run (squeue's elapsed time)."""
     jobs = Table(title=f"running jobs ({snapshot.taken_at:%H:%M:%S} UTC)")
-    for column in ("job", "run", "nodes", "step", "loss", "images/s", "time left"):
+    for column in ("job", "run", "user", "nodes", "step", "loss", "images/s", "time left"):
         jobs.add_column(column)
     for job, progress in snapshot.jobs:
         if progress is None:
-            jobs.add_row(job.job_id, job.name, job.nodes, "-", "", "", "")
+            jobs.add_row(job.job_id, job.name, job.user, job.nodes, "-", "", "", "")
             continue
         eta = progress.eta_s(elapsed_s.get(job.job_id))
         jobs.add_row(
             job.job_id,
             job.name,
+            job.user,
             job.nodes,
             str(progress.step) if progress.total_steps is None else f"{progress.step}/{progress.total_steps}",
             "" if progress.loss is None else f"{progress.loss:.4f}",

@@ -207,7 +207,8 @@ def test_a_jobs_gpus_carry_its_id_and_its_mlflow_run_charts_them_beside_its_loss
                 browser.close()
 
         row = wait_for(lambda: top_row(cluster_file, jobs["watched"]), 60, "the watched job's step in top")
-        assert re.fullmatch(r"\d+ \d\.\d{4}", row), row  # its step (the total is not known) and loss, from MLflow
+        # whose it is, its step (the total is not known) and loss, from MLflow
+        assert re.fullmatch(r"root \d+ \d\.\d{4}", row), row
     finally:
         for job in jobs.values():
             cli("cancel", "--cluster", str(cluster_file), job)
@@ -234,11 +235,11 @@ def chart_points(page: Page, url: str, title: str) -> int:
 
 
 def top_row(cluster_file: Path, job: str) -> str | None:
-    """The job's step and loss cells in `top --once`, space-separated; None while it shows none."""
+    """The job's user, step and loss cells in `top --once`, space-separated; None while it shows no step."""
     for line in top(cluster_file).splitlines():
-        cells = [cell.strip() for cell in line.split("│")]
-        if len(cells) > 5 and cells[1] == job and cells[4] not in ("", "-"):
-            return f"{cells[4]} {cells[5]}"
+        cells = [cell.strip() for cell in line.split("│")]  # job, run, user, nodes, step, loss, ...
+        if len(cells) > 6 and cells[1] == job and cells[5] not in ("", "-"):
+            return f"{cells[3]} {cells[5]} {cells[6]}"
     return None
 
 
