@@ -8,6 +8,7 @@ admin's (their description, their sudo on Azure); anyone may list.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -210,13 +211,7 @@ def _run_remove(args: argparse.Namespace) -> int:
 
 def _run_limit(args: argparse.Namespace) -> int:
     limits = limits_given(args)
-    if not args.clear and not limits.model_dump(exclude_none=True):
-        raise OperatorError(f"users limit: give a limit to set ({', '.join(LIMIT_FLAGS.values())}) or --clear")
-    desc = load(args.cluster)
-    with SSH(desc) as ssh:
-        slurm = Slurm(desc, ssh)
-        state = cluster_users.limit(desc, slurm, ssh, args.name, limits, args.clear)
-        state = cluster_users.wait_applied(desc, slurm, state)
+    state = _change_limits(args, "limit", limits, LIMIT_FLAGS, cluster_users.limit, args.name)
     now = next(u for u in state.users if u.name == args.name).limits
     console.print(f"{args.name}'s limits: {now.describe()}", highlight=False)
     _say_applied(state)
@@ -225,18 +220,31 @@ def _run_limit(args: argparse.Namespace) -> int:
 
 def _run_limit_account(args: argparse.Namespace) -> int:
     limits = account_limits_given(args)
-    if not args.clear and not limits.model_dump(exclude_none=True):
-        flags = ", ".join(ACCOUNT_LIMIT_FLAGS.values())
-        raise OperatorError(f"users limit-account: give a limit to set ({flags}) or --clear")
-    desc = load(args.cluster)
-    with SSH(desc) as ssh:
-        slurm = Slurm(desc, ssh)
-        state = cluster_users.limit_account(desc, slurm, ssh, args.account, limits, args.clear)
-        state = cluster_users.wait_applied(desc, slurm, state)
+    state = _change_limits(
+        args, "limit-account", limits, ACCOUNT_LIMIT_FLAGS, cluster_users.limit_account, args.account
+    )
     now = state.accounts.get(args.account, AccountLimits())
     console.print(f"the account {args.account}'s limits: {now.describe()}", highlight=False)
     _say_applied(state)
     return 0
+
+
+def _change_limits(
+    args: argparse.Namespace,
+    action: str,
+    limits: AccountLimits,
+    flags: dict[str, str],
+    change: Callable[..., cluster_users.UsersState],
+    whose: str,
+) -> cluster_users.UsersState:
+    """`users limit` or `limit-account`: the list changed on the head node (change: cluster_users' function for
+    it) and applied everywhere; refused before any connection where no flag gives a limit and --clear is not given."""
+    if not args.clear and not limits.model_dump(exclude_none=True):
+        raise OperatorError(f"users {action}: give a limit to set ({', '.join(flags.values())}) or --clear")
+    desc = load(args.cluster)
+    with SSH(desc) as ssh:
+        slurm = Slurm(desc, ssh)
+        return cluster_users.wait_applied(desc, slurm, change(desc, slurm, ssh, whose, limits, args.clear))
 
 
 def _say_applied(state: cluster_users.UsersState) -> None:

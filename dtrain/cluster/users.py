@@ -116,11 +116,7 @@ def remove(desc: ClusterDescription, slurm: Slurm, ssh: SSH, name: str) -> Users
 
 def limit(desc: ClusterDescription, slurm: Slurm, ssh: SSH, name: str, limits: UserLimits, clear: bool) -> UsersState:
     """Set the limits given (not None) of a person in the list; with clear, every other one goes. The admin's."""
-    given = json.dumps(limits.model_dump(mode="json", exclude_none=True))
-    args = ["limit", users_dir(desc), name, "--set", given, "--fresh-s", str(FRESH_S)]
-    state = _call(desc, slurm, args + (["--clear"] if clear else []), root=True)
-    _copy_to_jump_host(desc, ssh, state)
-    return state
+    return _set_limits(desc, slurm, ssh, ["limit", users_dir(desc), name], limits, clear)
 
 
 def limit_account(
@@ -128,9 +124,15 @@ def limit_account(
 ) -> UsersState:
     """Set the limits given (not None) of an account a person of the list is in; with clear, every other one
     goes. The admin's."""
+    return _set_limits(desc, slurm, ssh, ["limit-account", users_dir(desc), account], limits, clear)
+
+
+def _set_limits(
+    desc: ClusterDescription, slurm: Slurm, ssh: SSH, command: list[str], limits: AccountLimits, clear: bool
+) -> UsersState:
     given = json.dumps(limits.model_dump(mode="json", exclude_none=True))
-    args = ["limit-account", users_dir(desc), account, "--set", given, "--fresh-s", str(FRESH_S)]
-    state = _call(desc, slurm, args + (["--clear"] if clear else []), root=True)
+    args = [*command, "--set", given, "--fresh-s", str(FRESH_S), *(["--clear"] if clear else [])]
+    state = _call(desc, slurm, args, root=True)
     _copy_to_jump_host(desc, ssh, state)
     return state
 
