@@ -21,7 +21,7 @@ from dtrain.cluster.slurm import Slurm
 from dtrain.cluster.ssh import SSH
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.ui import make_console
-from infra.users import AccountLimits, ClusterUser, UserLimits, check_account_name
+from infra.users import LIMIT_WORDS, AccountLimits, ClusterUser, UserLimits, check_account_name
 
 console = make_console()
 out = make_console(stderr=False)
@@ -43,8 +43,8 @@ examples:
   python -m dtrain users list
   python -m dtrain users remove bob        # ends bob's logins and jobs; keeps bob's runs
 """
-# UserLimits' fields -> the flags that set them (AccountLimits' are some of them)
-LIMIT_FLAGS = {field: "--" + field.replace("_", "-") for field in UserLimits.model_fields}
+# UserLimits' fields -> the flags that set them, in the order `describe` gives them (AccountLimits' are some)
+LIMIT_FLAGS = {field: "--" + field.replace("_", "-") for field in LIMIT_WORDS}
 ACCOUNT_LIMIT_FLAGS = {field: LIMIT_FLAGS[field] for field in AccountLimits.model_fields}
 
 

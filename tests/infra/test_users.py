@@ -15,7 +15,7 @@ import yaml
 
 from infra.cloud_init.users import APPLY_USERS_PATH, ARGS_PATH, SEED_PATH, SSHD_DROP_IN
 from infra.config import ConfigError, parse_config
-from infra.users import JUMPBOX_LIST, KEYS_DIR
+from infra.users import JUMPBOX_LIST, KEYS_DIR, LIMIT_WORDS, AccountLimits, UserLimits
 from tests.infra.conftest import VALID_CONFIG, Deployment, deploy
 from tests.infra.documents import decode_custom_data, files_of, script_of
 from tests.infra.ssh_keys import ED25519
@@ -105,6 +105,11 @@ def test_the_list_is_applied_from_the_first_boot_on(team: Deployment) -> None:
     for role in ("nfs", "jumpbox"):
         runcmd: list[Any] = yaml.safe_load(documents(team)[role])["runcmd"]
         assert runcmd[-1] == enable and ["systemctl", "try-reload-or-restart", "ssh"] in runcmd
+
+
+def test_every_limit_is_in_words_and_an_accounts_are_a_persons() -> None:
+    assert list(LIMIT_WORDS) == ["max_jobs", "max_nodes", "max_gpus", "gpu_hours"]  # the flags' order too
+    assert set(LIMIT_WORDS) == set(UserLimits.model_fields) >= set(AccountLimits.model_fields)
 
 
 def test_the_accounts_limits_seed_the_list_beside_its_people() -> None:

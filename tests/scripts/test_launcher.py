@@ -187,9 +187,10 @@ def test_a_failing_rank_sets_the_exit_status_and_is_named(cluster, cluster_file)
 
 # --- the queue -------------------------------------------------------------------------------------
 def test_second_job_waits_for_the_nodes_then_runs(cluster, cluster_file):
-    job_args = ("--steps", "8", "--sleep", "1")
-    first = cli(*launch_args(cluster_file, *job_args, run_id="queue-a", extra=("--detach",)))
-    second = cli(*launch_args(cluster_file, *job_args, run_id="queue-b", extra=("--detach",)))
+    # the first job runs long enough (40 s of steps) to be running still when `jobs` lists it on a loaded
+    # machine, where the listing itself takes seconds
+    first = cli(*launch_args(cluster_file, "--steps", "40", "--sleep", "1", run_id="queue-a", extra=("--detach",)))
+    second = cli(*launch_args(cluster_file, "--steps", "8", "--sleep", "1", run_id="queue-b", extra=("--detach",)))
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     job_a, job_b = job_id_of(first), job_id_of(second)
     assert first.stdout.strip() == job_a  # --detach: the job id alone on stdout
@@ -197,8 +198,8 @@ def test_second_job_waits_for_the_nodes_then_runs(cluster, cluster_file):
     assert squeue_state(cluster, job_b) == "PENDING"
     listing = cli("jobs", "--cluster", str(cluster_file))
     assert listing.returncode == 0
-    assert re.search(rf"{job_a}\s.*queue-a.*RUNNING", listing.stdout)
-    assert re.search(rf"{job_b}\s.*queue-b.*PENDING", listing.stdout)
+    assert re.search(rf"{job_a}\s.*queue-a.*RUNNING", listing.stdout), listing.stdout
+    assert re.search(rf"{job_b}\s.*queue-b.*PENDING", listing.stdout), listing.stdout
     for run_id in ("queue-a", "queue-b"):
         status = wait_for(lambda r=run_id: status_of(cluster, r), 180, f"{run_id} to end", interval=1)
         assert status["exit_code"] == 0
