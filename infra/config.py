@@ -524,7 +524,9 @@ class StackConfig(BaseModel):
             return [("users", [user.name for user in self.users], exc.errors()[0]["msg"].removeprefix("Value error, "))]
         except ValueError as exc:
             return [("users", [user.name for user in self.users], str(exc))]
-        return []
+        members = {user.account for user in self.users}
+        reason = "no one in users is in this account: its limits would cap nobody (a typo?)"
+        return [(f"accounts.{name}", name, reason) for name in sorted(self.accounts.keys() - members)]
 
     @property
     def users_list(self) -> UsersList:

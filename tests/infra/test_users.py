@@ -128,6 +128,7 @@ def test_the_accounts_limits_seed_the_list_beside_its_people() -> None:
         ({"vision": {"maxGpus": 0}}, "accounts.vision.maxGpus: got 0;"),
         ({"vision": {"maxJobs": 2}}, "accounts.vision.maxJobs"),  # a person's limit, not an account's
         ({"vision": {"gpuHours": 0.001}}, "0.001 GPU-hours is less than a GPU-minute, Slurm's unit"),
+        ({"visoin": {"maxGpus": 8}}, "accounts.visoin: got 'visoin'; no one in users is in this account"),
     ],
 )
 def test_a_wrong_account_limit_is_named_before_anything_is_declared(accounts: dict[str, Any], expected: str) -> None:
