@@ -300,7 +300,8 @@ def apply_slurm_users(users, account_limits, made_path):
     for name in sorted({user["account"] for user in users} - accounts):
         if sacctmgr("add", "account", name, f"Description={name}", f"Organization={name}", "Parent=root"):
             errors.append(f"could not make the Slurm account {name}")
-        current[("", name)] = {setting: "" for setting in columns}
+        else:  # made without limits: the list's are set next
+            current[("", name)] = {setting: "" for setting in columns}
     errors += apply_account_limits({user["account"] for user in users}, account_limits, current)
     current = {pair: settings for pair, settings in current.items() if pair[0]}
     for user in users:
