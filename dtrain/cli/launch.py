@@ -154,6 +154,13 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--requeue", action="store_true", help="if a node fails, Slurm requeues the job and it resumes from its "
         "newest checkpoint (in the run directory)"
     )  # fmt: skip
+    parser.add_argument(
+        "--no-gate",
+        dest="gate",
+        action="store_false",
+        help="start a multi-node job without measuring its nodes first (default: a few seconds' all-reduce "
+        "across them; a slow node is drained and the job requeued without it)",
+    )
     spot = parser.add_mutually_exclusive_group()
     spot.add_argument(
         "--spot",
@@ -237,6 +244,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         image=args.image,
         run_id=args.run_id,
         requeue=args.requeue,
+        gate=args.gate,
         time_limit=args.time_limit,
         local_copy=args.local_copy,
         spot=args.spot,

@@ -2,7 +2,8 @@
 
 What the script does, on the first node of the allocation, whoever is attached:
   1. writes the allocation's node list (rank -> host) and clears the verdict of an earlier attempt
-     (a requeued job runs the script again, and resumes from the run's checkpoints);
+     (a requeued job runs the script again, and resumes from the run's checkpoints); on two or more
+     nodes, measures them first (the gate, dtrain/jobs/node_gate.py) and requeues itself without a slow one;
   2. runs the job: Horovod with `horovodrun` on a hostfile made from the allocation, its remote workers
      started as Slurm job steps through `remote/bin/ssh` (dtrain/remote/job/srun_ssh.py), so that Slurm
      tracks and kills every process; DDP with `torchrun` under `srun`, one per node. The docker runtime
@@ -20,14 +21,15 @@ What the script does, on the first node of the allocation, whoever is attached:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from dtrain.cluster.ssh import q
-from dtrain.jobs import checkpoint_sync, task_steps, time_warning, tracking
+from dtrain.jobs import checkpoint_sync, node_gate, task_steps, time_warning, tracking
 from dtrain.jobs.allocation import WHOLE_NODE_FLAGS
 from dtrain.remote.job.annotate_output import TORCHRUN_PREFIX_TEMPLATE
 from infra.contract import CONTAINER_SSH_PORT, LAUNCH_END_WAIT_S, PREEMPTED_EXIT_CODE
+from infra.health_thresholds import GateThresholds
 
 Launcher = Literal["horovodrun", "torchrun"]
 NODE_PROBE_S = 60  # how long a node may take to run an empty job step before it counts as failed
@@ -35,7 +37,7 @@ RDZV_PORT_BASE = 29400  # torchrun's rendezvous on the first node: this plus the
 OUTPUT_SUBDIR = "output"  # $OUTPUT_DIR of a run: uploaded to the results container with the run's logs
 REMOTE_TOOLS = ("annotate_output.py", "record_run.py", "upload_results.py", "srun_ssh.py", "nvme_copy.py")
 REMOTE_TOOLS += ("checkpoint_mirror.py", "fetch_checkpoint.py", "time_warning.py", "setup_once.py", "mlflow_run.py")
-REMOTE_TOOLS += ("job_secrets.py", "system_metrics.py")
+REMOTE_TOOLS += ("job_secrets.py", "system_metrics.py", "node_gate.py")
 # from dtrain/remote/boot/, beside them: time_warning.py finds the ranks to signal the Spot agent's way
 REMOTE_BOOT_TOOLS = ("spot_agent.py",)
 # --ntasks too: the allocation's SLURM_NTASKS (nodes x processes) would otherwise win over per-node
@@ -105,21 +107,29 @@ class JobSpec:
     resume_from: str | None = None  # a run whose kept checkpoint the job fetches first (dtrain/jobs/checkpoint_sync.py)
     warn_before_s: int = 0  # SIGUSR1 this long before the time limit (dtrain/jobs/time_warning.py); 0: none
     cluster_info: str = ""  # SKYPILOT_CLUSTER_INFO's JSON for setup and per-node mode (task_steps.py)
+    gate: GateThresholds | None = None  # the nodes measured before a multi-node job (node_gate.py); None: not
+    gate_image: str | None = None  # docker runtime: the image the gate runs in (PyTorch's); None: the job's
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.processes_per_node
 
+    @property
+    def gated(self) -> bool:
+        """Whether the job measures its nodes first, and may requeue itself without a slow one."""
+        return self.gate is not None and self.nodes > 1
+
 
 def render_job_script(spec: JobSpec) -> str:
     requeue = _requeue_on_node_failure(keeps_secrets=bool(spec.secrets)) if spec.requeue else []
+    gate = _gate(spec) if spec.gated else []
     copy = _local_copy(spec.local_copy) if spec.local_copy else []
     checkpoints = checkpoint_sync.before_launch(spec.run_id, spec.results, spec.resume_from)
     setup = task_steps.setup_lines(spec, EVERY_NODE_STEP, _user_runner(spec))
-    steps = [RUN_STEP] if copy or setup else []
+    steps = [RUN_STEP] if gate or copy or setup else []
     # the variables of the user's setup (and per-node mode's run): before setup, gone after it in per-rank mode
     user_setup = [*task_steps.node_env_lines(spec), *setup, *task_steps.forget_node_env(spec)]
-    body = [*_prologue(spec), *steps, *copy, *checkpoints, *user_setup, *_launch(spec), *_epilogue(requeue)]
+    body = [*_prologue(spec), *steps, *gate, *copy, *checkpoints, *user_setup, *_launch(spec), *_epilogue(requeue)]
     return "\n".join([*_header(spec), *body, ""])
 
 
@@ -260,6 +270,14 @@ def _finish_function(spec: JobSpec) -> list[str]:
     ]
 
 
+def _gate(spec: JobSpec) -> list[str]:
+    """The nodes measured before anything else (dtrain/jobs/node_gate.py), in the training environment."""
+    assert spec.gate is not None
+    requeue = node_gate.requeue_lines(keeps_secrets=bool(spec.secrets))
+    runner = _user_runner(replace(spec, image=spec.gate_image or spec.image))
+    return node_gate.gate_lines(spec.gate, spec.nodes, runner, q(spec.python), requeue)
+
+
 def _local_copy(copy: LocalCopy) -> list[str]:
     """One nvme-copy per node (resumable: a requeued attempt finishes what the last one began); any failure
     ends the job before training starts."""
@@ -375,7 +393,7 @@ def _docker_run(spec: JobSpec, detach: bool) -> list[str]:
         argv += ["-v", f"{q(spec.local_copy.dest)}:{q(spec.local_copy.dest)}:ro"]
     # the launch line inside is single-quoted: the variables it names come in through the environment
     argv += ["-e", "RUN_DIR", "-e", "RUN_ID", "-e", "GIT_REVISION", "-e", "RDZV", "-e", "SLURM_JOB_ID"]
-    argv += ["-e", "OUTPUT_DIR", "-e", "CHECKPOINT_DIR"]
+    argv += ["-e", "OUTPUT_DIR", "-e", "CHECKPOINT_DIR", "-e", "SLURM_NODEID"]  # the node's index: the gate's
     argv += ["-e", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"]
     if spec.tracking:
         argv += [arg for key in tracking.CONTAINER_ENV for arg in ("-e", key)]

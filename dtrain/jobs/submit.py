@@ -38,6 +38,7 @@ from dtrain.jobs.batch_script import (
 )
 from dtrain.jobs.cluster_fit import ClusterNeeds, fit_to_cluster
 from dtrain.jobs.kept_checkpoints import require_kept_checkpoint
+from dtrain.jobs.node_gate import GATE_FRAMEWORK, gate_thresholds
 from dtrain.jobs.preflight import ProcessRequest, dataset_under_data_path, plan_preflight
 from dtrain.jobs.preflight import flag_value as _flag_value
 from dtrain.jobs.task_file import check_environment_size, check_task_request, read_secrets
@@ -77,6 +78,7 @@ class LaunchOptions:
     image: str | None = None  # docker runtime: instead of the framework's image
     run_id: str | None = None
     requeue: bool = False
+    gate: bool = True  # measure a multi-node job's nodes before it trains (dtrain/jobs/node_gate.py)
     time_limit: str | None = None  # Slurm's --time syntax; default: the cluster description's
     local_copy: bool = False  # copy --data-dir to every node's local_data_path first, and train from there
     spot: bool = False  # the Spot partition; evictions checkpoint and requeue the job
@@ -263,6 +265,8 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
         ),
         resume_from=opts.resume_from,
         warn_before_s=warning_lead(opts.warn_before, alloc.time_limit),
+        gate=gate_thresholds(desc) if opts.gate else None,
+        gate_image=desc.image_for(GATE_FRAMEWORK) if image else None,
         cluster_info=cluster_info(desc),
     )
     return Plan(spec, alloc, workdir, fit.datasets if fit else ())

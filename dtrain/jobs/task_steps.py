@@ -79,11 +79,12 @@ def _masked(spec: JobSpec) -> str:
 
 
 def forget_secrets(spec: JobSpec) -> list[str]:
-    """For finish(): remove the secrets unless Slurm runs the job again (a Spot eviction, our requeue)."""
+    """For finish(): remove the secrets unless Slurm runs the job again (a Spot eviction, our requeue, the
+    gate's requeue without a slow node)."""
     if not spec.secrets:
         return []
     remove = f"rm -rf {q(secrets_dir(spec.run_dir))}"
-    if not spec.requeue:
+    if not (spec.requeue or spec.gated):
         return [f"  {remove}"]
     return [f'  [ "$code" -eq {PREEMPTED_EXIT_CODE} ] || [ -n "${{REQUEUED:-}}" ] || {remove}']
 

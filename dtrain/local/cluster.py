@@ -397,8 +397,9 @@ def _wire_namespaces(state: LocalState, count: int, subnet: ipaddress.IPv4Networ
         _start_metadata_endpoint(state, node)
 
 
-def set_link_rate(state_dir: str | Path, rate_text: str) -> str | None:
-    """Change the running cluster's link rate (`100mbit`, or `full`); returns the rate now set."""
+def set_link_rate(state_dir: str | Path, rate_text: str, node: str | None = None) -> str | None:
+    """Change the running cluster's link rate (`100mbit`, or `full`), of every node or of ``node`` alone
+    (a slow node among healthy ones); returns the rate now set."""
     rate = local_link.parse_link_rate(rate_text)
     state_dir = Path(state_dir).resolve()
     if load_state(state_dir) is None:
@@ -408,10 +409,17 @@ def set_link_rate(state_dir: str | Path, rate_text: str) -> str | None:
         assert state is not None  # only `down` removes it, and it takes the lock
         if state.mode != "netns":
             raise OperatorError(LINK_RATE_NEEDS_NETNS, ExitCode.NOT_READY)
+        names = [n.hostname for n in state.nodes]
+        if node is not None and node not in names:
+            raise OperatorError(f"no node {node!r} in this cluster: its nodes are {', '.join(names)}")
         local_link.require_tc()
-        for node in state.nodes:
-            local_link.set_rate(str(node.namespace), rate)
-        state.link_rate = rate
+        for each in state.nodes:
+            if node in (None, each.hostname):
+                local_link.set_rate(str(each.namespace), rate)
+        if node is None:
+            state.link_rate, state.node_link_rates = rate, {}
+        else:
+            state.node_link_rates[node] = rate
         state.save()
     return rate
 
@@ -712,6 +720,7 @@ def status(state_dir: str | Path = DEFAULT_LOCAL_STATE) -> dict:
         "azurite": state.azurite_endpoint,
         "slurm_conf": state.slurm_conf,
         "link_rate": state.link_rate or local_link.FULL_SPEED,
+        "node_link_rates": {node: rate or local_link.FULL_SPEED for node, rate in state.node_link_rates.items()},
         "description": str(state_dir / "cluster.json"),
         "components": components,
     }
@@ -757,7 +766,8 @@ def print_status(info: dict) -> None:
     out.print(table)
     out.print(f"cluster description: {info['description']}")
     if info["mode"] == "netns":
-        out.print(f"link rate between nodes: {info['link_rate']}")
+        own = ", ".join(f"{node}: {rate}" for node, rate in info["node_link_rates"].items())
+        out.print(f"link rate between nodes: {info['link_rate']}" + (f" ({own})" if own else ""))
     if info["slurm_conf"]:
         out.print(f"slurm: SLURM_CONF={info['slurm_conf']} sinfo (logs in {Path(info['state_dir']) / 'logs'})")
     else:
@@ -828,12 +838,15 @@ def configure(commands: argparse._SubParsersAction) -> None:
     p_rate = actions.add_parser(
         "link-rate",
         help="slow the links between the nodes (tc tbf), or give them full speed again",
-        description="Limit what each node sends over its eth0 to RATE (tc tbf on the veth), on the running\n"
-        "cluster; `full` removes the limit. Traffic inside a node keeps its speed. Needs --mode netns.",
-        epilog="examples:\n  python -m dtrain local link-rate 100mbit\n  python -m dtrain local link-rate full\n",
+        description="Limit what each node (or --node alone) sends over its eth0 to RATE (tc tbf on the veth),\n"
+        "on the running cluster; `full` removes the limit. Traffic inside a node keeps its speed. Needs\n"
+        "--mode netns.",
+        epilog="examples:\n  python -m dtrain local link-rate 100mbit\n  python -m dtrain local link-rate full\n"
+        "  python -m dtrain local link-rate 20mbit --node node-1   # one slow node\n",
         formatter_class=raw,
     )
     p_rate.add_argument("rate", help="a tc rate such as 100mbit, 1gbit, 512kbit; or full")
+    p_rate.add_argument("--node", help="this node only (default: every node)")
     p_preempt = actions.add_parser(
         "preempt",
         help="announce a Spot eviction of a node (Azure's Scheduled Events Preempt)",
@@ -968,8 +981,9 @@ def _run_down(args: argparse.Namespace) -> int:
 
 
 def _run_link_rate(args: argparse.Namespace) -> int:
-    rate = set_link_rate(args.state_dir, args.rate)
-    console.print(f"link rate between nodes: {rate or local_link.FULL_SPEED}")
+    rate = set_link_rate(args.state_dir, args.rate, args.node)
+    whose = f"of {args.node}" if args.node else "between nodes"
+    console.print(f"link rate {whose}: {rate or local_link.FULL_SPEED}")
     return 0
 
 

@@ -48,6 +48,7 @@ from infra.cloud_init.slurm import (
     render_slurm_conf,
 )
 from infra.contract import HEALTH_REPORT_DIR, SLURM_PARTITION, SPOT_PARTITION
+from infra.health_thresholds import LOCAL_HEALTH
 
 CONTROLLER_HOST = "head"
 NODE_CPUS = 2  # what each node offers to jobs: every node shares this machine's cores
@@ -180,7 +181,7 @@ def write_config(
         check = render_health_check(
             shared_mount=str(shared),
             expected_gpus=0,
-            check_infiniband=False,
+            health=LOCAL_HEALTH,  # CPU nodes: no InfiniBand, no Azure checks
             min_free_gb=MIN_FREE_GB,
             free_disk_path=str(shared),
         )
@@ -205,10 +206,14 @@ def write_config(
     atomic_write(files.health_check, wrapper, 0o755)
     # slurmd runs them in the node's namespaces, with SLURMD_NODENAME: the node's own job mapping, as
     # /run/dcgm-job-map is each Azure node's own
-    mapping = f'{shlex.quote(str(files.state_dir / TELEMETRY))}/"$SLURMD_NODENAME"/{JOB_MAP}'
+    # and the node's textfile directory (the gate's figures), and this cluster's slurm.conf (the epilog
+    # drains a node that failed a job's gate)
+    textfiles = f'{shlex.quote(str(files.state_dir / TELEMETRY))}/"$SLURMD_NODENAME"'
+    hook_env = f"DCGM_HPC_JOB_MAPPING_DIR={textfiles}/{JOB_MAP} NODE_TEXTFILE_DIR={textfiles}"
+    hook_env += f" SLURM_CONF={shlex.quote(str(files.conf))}"
     for hook in ("prolog", "epilog"):
         script = SLURM_SCRIPTS / f"slurm-{hook}.sh"
-        hook_wrapper = f"#!/bin/sh\nexport DCGM_HPC_JOB_MAPPING_DIR={mapping}\nexec {shlex.quote(str(script))}\n"
+        hook_wrapper = f"#!/bin/sh\nexport {hook_env}\nexec {shlex.quote(str(script))}\n"
         atomic_write(files.hook(hook), hook_wrapper, 0o755)
     atomic_write(files.munge_key, os.urandom(1024), 0o400)  # a fresh key per cluster, root's only
 

@@ -68,6 +68,7 @@ class LocalState(BaseModel):
     ports: dict[str, int] = Field(default_factory=dict)  # jumpbox, nfs: sshd ports on 127.0.0.1
     slurm_conf: str | None = None  # SLURM_CONF for Slurm's commands on this machine (netns mode)
     link_rate: str | None = None  # each node's eth0 sends at most this (tc tbf); None: full speed
+    node_link_rates: dict[str, str | None] = Field(default_factory=dict)  # one node's own (`link-rate --node`)
     gpus_per_node: int = 0  # emulated GPUs (dtrain/local/gpus.py)
     # What each node's Spot agent releases before the node is switched off (Lustre's stand-in); None: nothing
     release_mount: str | None = None

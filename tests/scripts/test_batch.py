@@ -19,6 +19,7 @@ from dtrain.jobs.batch_script import (
     render_job_script,
 )
 from dtrain.jobs.tracking import Tracking
+from infra.health_thresholds import LOCAL_HEALTH, node_health
 
 BASE = JobSpec(
     run_id="r-1",
@@ -56,6 +57,8 @@ VARIANTS = {
     "tracked": replace(BASE, tracking=Tracking("http://10.40.63.254:5000", "my experiment")),
     "resume-and-warn": replace(BASE, launcher="torchrun", resume_from="old-run", warn_before_s=300, time_limit="60"),
     "warn-host": replace(BASE, image=None, warn_before_s=30, time_limit="1"),
+    "gated-docker": replace(BASE, gate=node_health("Standard_ND96isr_H100_v5").gate, secrets=("A",)),
+    "gated-host-per-node": replace(BASE, image=None, mode="per-node", gate=LOCAL_HEALTH.gate),
     "local-sas": replace(
         BASE, image=None, results=ResultsTarget("http://127.0.0.1:1/devstoreaccount1", "results", sas_file="r.sas")
     ),
@@ -143,6 +146,30 @@ def test_local_copy_runs_once_per_node_before_training_and_a_failure_ends_the_jo
     # the containers see the copy, read-only
     assert "-v '/nvme/data/my set':'/nvme/data/my set':ro" in script
     assert "nvme_copy.py" not in render_job_script(BASE)
+
+
+def test_a_multi_node_job_measures_its_nodes_first_in_the_training_environment():
+    """The gate (dtrain/jobs/node_gate.py) runs before the local copy, setup and launch, once per node, with
+    the cluster's thresholds; it requeues the job when a node fails, and a one-node job has none."""
+    gated = replace(VARIANTS["gated-docker"], local_copy=LocalCopy("/shared/data/s", "/nvme/data/s"))
+    lines = render_job_script(gated).splitlines()
+    (gate,) = [i for i, line in enumerate(lines) if "node_gate.py" in line]
+    copy = next(i for i, line in enumerate(lines) if "nvme_copy.py" in line)
+    assert gate < copy
+    assert "--ntasks-per-node=1" in lines[gate] and "--kill-on-bad-exit=0" in lines[gate]
+    # in the job's image, on the GPUs Slurm gave it, told its node's index
+    assert DOCKER_RUN_WITH_JOB_GPUS in lines[gate] and "-e SLURM_NODEID" in lines[gate]
+    # a TensorFlow job's image has no torch: the gate runs in PyTorch's
+    tensorflow = replace(gated, image="acr.azurecr.io/hvd-tensorflow:1", gate_image="acr.azurecr.io/hvd-pytorch:1")
+    (gate_line,) = [line for line in render_job_script(tensorflow).splitlines() if "node_gate.py" in line]
+    assert "acr.azurecr.io/hvd-pytorch:1" in gate_line and "hvd-tensorflow" not in gate_line
+    assert "--node-figure allreduce --node-min 230 --link-min 23.4375 --job-min 150" in lines[gate]
+    script = "\n".join(lines)
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in script and "REQUEUED=1" in script
+    host = render_job_script(VARIANTS["gated-host-per-node"])
+    assert "--node-figure matmul" in host and f'{IGNORING_USR1} env python3 "$TOOLS/node_gate.py"' in host
+    assert "node_gate.py" not in render_job_script(replace(VARIANTS["gated-docker"], nodes=1))
+    assert "node_gate.py" not in render_job_script(BASE)
 
 
 def test_a_container_gets_only_the_gpus_slurm_gave_the_job_on_its_node(tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.errors import OperatorError
 from dtrain.local import cluster as local_cluster
 from dtrain.local import link as local_link
 from dtrain.local.daemons import free_port
@@ -84,3 +85,19 @@ def test_tbf_bucket_scales_with_the_rate() -> None:
     assert local_link.parse_link_rate("FULL") is None
     assert local_link.tbf_arguments("100mbit") == ["tbf", "rate", "100mbit", "burst", "125000", "latency", "50ms"]
     assert local_link.tbf_arguments("1mbit")[4] == "16000"  # never below a few full-size packets
+
+
+def test_one_nodes_link_slows_only_that_node_and_an_unknown_node_is_refused(
+    cluster_dir: Path, nodes: list[NodeState]
+) -> None:
+    first, second = nodes[:2]
+    assert local_cluster.set_link_rate(cluster_dir, SLOW, node=second.hostname) == SLOW
+    assert local_link.current_rate(str(second.namespace)) == "16Mbit"
+    assert local_link.current_rate(str(first.namespace)) is None
+    assert local_cluster.status(cluster_dir)["node_link_rates"] == {second.hostname: SLOW}
+    slowed = transfer_seconds(second, first)
+    assert transfer_seconds(first, second) < slowed / 4  # what the healthy node sends keeps its speed
+    with pytest.raises(OperatorError, match=r"no node 'node-9' in this cluster: its nodes are node-0, node-1"):
+        local_cluster.set_link_rate(cluster_dir, SLOW, node="node-9")
+    assert local_cluster.set_link_rate(cluster_dir, "full") is None  # every node, its own rate forgotten
+    assert local_cluster.status(cluster_dir)["node_link_rates"] == {}

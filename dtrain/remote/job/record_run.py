@@ -23,12 +23,14 @@ no network and no table of its own: each attempt is priced at its own partition'
 runs the batch script again: each attempt is kept under its number, and the totals add every attempt's
 node-hours and cost, because every attempt held its nodes. An attempt that ended with status 75 was
 preempted (a Spot eviction: it saved a checkpoint and the node agent requeued it); the evictions the
-agent noted in the run directory (evictions.json) are listed too. An attempt whose first node was lost
-(a Spot eviction that the agent missed: its batch script ended with the machine) recorded nothing; the
-next attempt to end adds it, from the line job.sh wrote as it started (attempts.started), with
-"lost": true, no exit status, and its time up to the start of the attempt after it. The cost is an estimate: list price
-times the allocation's wall time, without the minutes a node spends starting or being power-saved
-(a Spot VM's actual price moves under its max price; the table's is the list price when it was read).
+agent noted in the run directory (evictions.json) are listed too, and so is what the gate before a
+multi-node attempt measured and which nodes it left out (gate/summary.json, dtrain/jobs/node_gate.py).
+An attempt whose first node was lost (a Spot eviction that the agent missed: its batch script ended
+with the machine) recorded nothing; the next attempt to end adds it, from the line job.sh wrote as it
+started (attempts.started), with "lost": true, no exit status, and its time up to the start of the
+attempt after it. The cost is an estimate: list price times the allocation's wall time, without the
+minutes a node spends starting or being power-saved (a Spot VM's actual price moves under its max
+price; the table's is the list price when it was read).
 
 Exit status: 0 written; 2 bad arguments or an unreadable job.json; 1 run.json could not be written.
 """
@@ -44,6 +46,7 @@ from datetime import datetime, timezone
 RECORD = "run.json"
 JOB = "job.json"
 EVICTIONS = "evictions.json"  # written by the Spot agent (spot_agent.py)
+GATE_SUMMARY = os.path.join("gate", "summary.json")  # node_gate.py's, for this attempt (job.sh clears it)
 STARTED = "attempts.started"  # job.sh appends "ATTEMPT STARTED_AT PARTITION" as each attempt starts
 PREEMPTED_EXIT_CODE = 75  # training.exit_status.ExitCode.PREEMPTED (stands alone; tests/test_layout.py checks)
 
@@ -143,6 +146,18 @@ def lost_attempts(run_dir, job, nodes, attempt, started_at, recorded, billed=Non
     return entries
 
 
+def attempt_gate(run_dir, attempt):
+    """What the gate measured before this attempt trained, and which nodes it left out (None: no gate ran)."""
+    try:
+        summary = _read(os.path.join(run_dir, GATE_SUMMARY))
+    except (OSError, ValueError):
+        return None  # a damaged summary: the log still has the gate's lines
+    if not isinstance(summary, dict) or summary.get("attempt") != attempt:
+        return None
+    keys = ("seconds", "job_allreduce_gbs", "thresholds", "excluded", "note")
+    return {key: summary.get(key) for key in keys} | {"nodes": [n.get("node") for n in summary.get("nodes", [])]}
+
+
 def _total_cost(attempts, fallback_price, billed_hours):
     """The sum of the attempts' costs; records of older jobs, without a price per attempt, use the run's."""
     costs = [a.get("estimated_cost_usd") for a in attempts]
@@ -219,6 +234,8 @@ def main(argv=None):
         args.nodes, args.attempt, args.started_at, finished_at, args.exit_code, args.partition, price, billed
     )
     entry["alloc_tres"] = (args.alloc_tres or "").strip() or None  # what Slurm allocated, as it said it
+    if gate := attempt_gate(args.run_dir, args.attempt):
+        entry["gate"] = gate
     try:
         evictions = _read(os.path.join(args.run_dir, EVICTIONS)) or []
     except (OSError, ValueError):

@@ -20,6 +20,11 @@
 # It also takes the job's id out of the DCGM exporter's job mapping (written by slurm-prolog.sh), so that
 # the GPUs' series stop carrying the label hpc_job="<id>" of a job that has ended.
 #
+# A job of several nodes measures them before it trains (the gate: dtrain/jobs/node_gate.py), and
+# requeues itself when one is slow; a job may not drain a node, so this does it, for this node only,
+# with the figure its own gate process measured (see drain_after_gate), and leaves the figures for
+# node_exporter's textfile collector, so that Prometheus keeps each node's history.
+#
 # A non-zero exit makes Slurm drain the node: that happens only when a process or a container of
 # the job may still be there (one that survives SIGKILL, docker present but not answering, or a
 # container that would not go).
@@ -60,6 +65,72 @@ for file in "$MAPPING_DIR"/*; do
     rm -f "$file"
   fi
 done
+
+# The gate's file for this node (<run>/gate/<node>, key=value lines) is the job user's: it is never
+# followed through a link nor read past 4 KB or 5 s, and only names and numbers that match a pattern are
+# taken from it (the reason is rebuilt from them). A user can forge it to drain a node of their own
+# job, no other; the reason names the job.
+readonly GATE_SUBDIR=gate
+readonly TEXTFILE_DIR=${NODE_TEXTFILE_DIR:-/var/lib/prometheus/node-exporter}
+readonly NUMBER='^[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?$'
+gate_value() { grep -m1 "^$1=" <<<"$2" | cut -d= -f2-; }
+drain_after_gate() {
+  local node=${SLURMD_NODENAME:-$(hostname -s)} workdir dir file text key figure unit reason="" metrics tmp
+  workdir=$(timeout -k 2 10 scontrol show job "$job" 2>/dev/null | grep -o 'WorkDir=[^ ]*' | cut -d= -f2-)
+  dir=$workdir/$GATE_SUBDIR
+  file=$dir/$node
+  [[ -n $workdir && -d $dir && ! -L $dir && -f $file && ! -L $file ]] || return 0
+  text=$(timeout -k 1 5 head -c 4096 "$file") || return 0
+  for key in node_value node_min link_gbs link_min job_allreduce_gbs; do
+    [[ $(gate_value "$key" "$text") =~ $NUMBER ]] || { log "job $job's gate file for $node is not ours: $key" && return 0; }
+  done
+  figure=$(gate_value node_figure "$text")
+  [[ $figure =~ ^(matmul|allreduce)$ ]] || return 0
+  unit=GB/s
+  [ "$figure" = matmul ] && unit=GFLOP/s
+  if [[ ,$(gate_value failed "$text"), == *,node,* ]]; then
+    reason+="; $figure $(gate_value node_value "$text") $unit < $(gate_value node_min "$text")"
+  fi
+  if [[ ,$(gate_value failed "$text"), == *,link,* ]]; then
+    reason+="; link $(gate_value link_gbs "$text") GB/s < $(gate_value link_min "$text")"
+  fi
+  if [ -d "$TEXTFILE_DIR" ] && tmp=$(mktemp "$TEXTFILE_DIR/.dtrain_gate.XXXXXX"); then
+    metrics="# HELP dtrain_gate_link_gbps What the node sent to the next node at the last job gate, GB/s.
+# TYPE dtrain_gate_link_gbps gauge
+dtrain_gate_link_gbps{node=\"$node\"} $(gate_value link_gbs "$text")
+# HELP dtrain_gate_node_figure The node's own figure at the last job gate (unit: GB/s all-reduce or GFLOP/s).
+# TYPE dtrain_gate_node_figure gauge
+dtrain_gate_node_figure{node=\"$node\",figure=\"$figure\",unit=\"$unit\"} $(gate_value node_value "$text")
+# HELP dtrain_gate_job_allreduce_gbps All-reduce bus bandwidth across the job's nodes at the last gate, GB/s.
+# TYPE dtrain_gate_job_allreduce_gbps gauge
+dtrain_gate_job_allreduce_gbps{node=\"$node\"} $(gate_value job_allreduce_gbs "$text")
+# HELP dtrain_gate_passed Whether the node passed the last job gate.
+# TYPE dtrain_gate_passed gauge
+dtrain_gate_passed{node=\"$node\"} $([ -z "$reason" ] && echo 1 || echo 0)
+# HELP dtrain_gate_timestamp_seconds When the last job gate's figures were recorded.
+# TYPE dtrain_gate_timestamp_seconds gauge
+dtrain_gate_timestamp_seconds{node=\"$node\"} $(date +%s)"
+    { echo "$metrics" >"$tmp" && chmod 0644 "$tmp" && mv -f "$tmp" "$TEXTFILE_DIR/dtrain_gate.prom"; } || rm -f "$tmp"
+  fi
+  [ -n "$reason" ] || return 0
+  reason="gate:${reason#;} (job $job)"
+  scontrol update nodename="$node" state=drain reason="$reason" && log "drained $node: $reason"
+  # Slurm holds a requeued job back for two minutes, time for epilogs like this one. The job requeued
+  # itself to leave this node out, which is drained now: the hold is lifted once the job is pending
+  # again, which is after every node's epilog, this one's included. So the waiter outlives this script:
+  # its own session (slurmd ends the epilog's process group), none of slurmd's descriptors, a minute at most.
+  setsid bash -c "$LIFT_REQUEUE_HOLD" lift-requeue-hold "$job" </dev/null >/dev/null 2>&1 &
+  return 0
+}
+# shellcheck disable=SC2016  # expanded by the waiter's own bash, where $1 is the job
+readonly LIFT_REQUEUE_HOLD='for _ in $(seq 60); do
+  case $(timeout -k 2 10 squeue -h -j "$1" -o %T) in
+    PENDING) exec scontrol update jobid="$1" starttime=now ;;
+    RUNNING | COMPLETING | CONFIGURING | REQUEUED) sleep 1 ;;
+    *) exit 0 ;;
+  esac
+done'
+drain_after_gate
 
 # /proc/PID/stat's fields after the command name: state, parent, process group, ...
 stat_fields() {
