@@ -49,20 +49,25 @@ def read(out: Path) -> tuple[dict[str, Any], str]:
     return json.loads((out / "results-gpu.json").read_text()), (out / "results-gpu.md").read_text()
 
 
+# The budget fits a GPU window (gpu.BUDGET_S); on a loaded 2-core machine the CPU smoke run's sections
+# take several times their unloaded time, and a section given what is left of 330 s ran past it.
+SMOKE_BUDGET_S = 1200
+
+
 def test_the_smoke_run_passes_on_the_cpu_with_a_row_per_section(tmp_path: Path) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "bench.gpu", "--smoke", "--out", str(tmp_path)],
+        [sys.executable, "-m", "bench.gpu", "--smoke", "--budget-s", str(SMOKE_BUDGET_S), "--out", str(tmp_path)],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=SMOKE_BUDGET_S + 120,
         check=False,
     )
     assert run.returncode == 0, run.stdout + run.stderr
     document, text = read(tmp_path)
     context = document["context"]
     assert (context["smoke"], context["device"], context["cpu_count"]) == (True, "cpu", os.cpu_count())
-    assert context["driver"] and context["budget_s"] == gpu.BUDGET_S and context["versions"]["torch"]
+    assert context["driver"] and context["budget_s"] == SMOKE_BUDGET_S and context["versions"]["torch"]
     assert context["failed_sections"] == context["skipped_sections"] == context["pending_sections"] == []
     rows = document["rows"]
     assert [row["section"] for row in rows] == [section.name for section in gpu.SECTIONS]  # one row each here
