@@ -12,6 +12,7 @@ from infra.cloud_init import render_cluster_node
 from infra.cloud_init.shared_storage import SharedFileSystem
 from infra.config import ImageReference
 from infra.contract import GPU_NODE_OS_DISK_GB, SHARED_MOUNT_PATH
+from infra.health_thresholds import node_health
 from infra.skus import GpuSku
 from infra.vm import encode_custom_data, image_reference, linux_configuration, security_profile
 
@@ -144,6 +145,7 @@ class GpuCluster(pulumi.ComponentResource):
                     identity_client_id=values[1],
                     nccl_env=self.nccl_env,
                     expected_gpus=args.sku.gpus_per_node,
+                    health=node_health(args.sku_name),
                     slurmctld_address=args.slurmctld_address,
                     key_vault_uri=values[2],
                     nvme_disks=args.sku.nvme_disks,

@@ -38,10 +38,11 @@ from infra.vm import LinuxVm, LinuxVmArgs, MachineArgs, encode_custom_data
 
 # A deallocated ND-series VM must be placed on a host again (a large size, in one placement group),
 # boot with 1-2 TB of memory, bring up 8 GPUs, their fabric manager and the InfiniBand links, and
-# mount NFS before slurmd registers: 10-20 minutes is common, more when capacity is tight. Shorter,
+# mount NFS before slurmd registers: 10-20 minutes is common, more when capacity is tight. Then
+# Azure's node health checks run before slurmd (minutes; bounded at 15: azure_checks.py). Shorter,
 # and a node still booting is marked DOWN and its job requeued; much longer, and a node that
 # will never come keeps its job waiting.
-RESUME_TIMEOUT_S = 30 * 60
+RESUME_TIMEOUT_S = 45 * 60
 # How long a node that Slurm did not start (a new scale set's instances: their first boot) may run
 # without registering before the head node deallocates it (slurm-power reap). Longer than
 # ResumeTimeout: a first boot also installs packages and waits for the identity's new role

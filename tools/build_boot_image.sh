@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The boot test's machine image (tests/boot), standing in for Azure's ubuntu-hpc and Ubuntu images:
 # a Debian bookworm root file system made by mmdebstrap from tools/boot_image/packages, with the
-# stand-ins for Azure's hardware (tools/boot_image/rootfs) and the ubuntu-hpc image's apt pins laid
+# stand-ins for Azure's hardware and the image's tools (tools/boot_image/rootfs: nvidia-smi, Azure's
+# node health checks) and the ubuntu-hpc image's apt pins laid
 # over it. Beside it, the packages the custom data installs, as the hosts' apt reaches them on Azure:
 #   slurm/    Microsoft's Slurm repository's packages (tools/build_slurm_packages.sh)
 #   archive/  the distribution's packages that the custom data names (tools/boot_image/archive-packages),

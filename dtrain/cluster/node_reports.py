@@ -17,6 +17,8 @@ from infra.contract import BOOT_REPORT_DIR, HEALTH_REPORT_DIR
 # each kind in its folder: <folder>/<node>, key=value lines
 REPORT_DIRS = {"health": HEALTH_REPORT_DIR, "boot": BOOT_REPORT_DIR}
 REPORT_KEYS = ("ok", "updated_at")  # a boot report's keys that are not steps
+# a health report's checks, in the order the health check runs them (dtrain/remote/slurm/slurm-health-check.sh)
+HEALTH_CHECKS = ("gpus", "infiniband", "azure_checks", "shared", "disk")
 
 
 def read_reports(desc: ClusterDescription, slurm: Slurm) -> dict[str, dict[str, dict[str, str]]]:

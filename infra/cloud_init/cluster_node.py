@@ -3,7 +3,8 @@
 The image already carries the GPU, InfiniBand and NCCL drivers, docker, the NVIDIA container
 toolkit, and Microsoft's Slurm repository key and apt pin; this adds the NFS mount, the RAID 0
 over the local NVMe disks (built again at every boot that finds them empty), the registry login,
-the NCCL settings, and slurmd (configless; Microsoft's packages at the stack's slurmVersion, as on
+the NCCL settings, Azure's node health checks for the size at every boot before slurmd
+(azure_checks.py), and slurmd (configless; Microsoft's packages at the stack's slurmVersion, as on
 the head node: slurm_packages.py) with its health check and the epilog that removes a job's
 containers, and the Spot agent that turns an eviction notice into a checkpoint and a requeue.
 Slurm knows its nodes: nothing else records them.
@@ -30,6 +31,7 @@ from infra.cloud_init._common import (
     start_setup_unit,
     write_file,
 )
+from infra.cloud_init.azure_checks import AZURE_CHECKS_PATH, AZURE_CHECKS_RESULT, AZURE_CHECKS_UNIT, render_azure_checks
 from infra.cloud_init.nccl import check_nccl_env
 from infra.cloud_init.prometheus import NODE_EXPORTER_PACKAGE
 from infra.cloud_init.shared_storage import SharedFileSystem, SharedMount, release_files, shared_mount
@@ -43,6 +45,7 @@ from infra.cloud_init.slurm_packages import (
 )
 from infra.cloud_init.users import SSHD_RELOAD, on_shared, users_files
 from infra.contract import BOOT_REPORT_DIR, MIN_FREE_DISK_GB, SLURMCTLD_PORT
+from infra.health_thresholds import NodeHealth
 
 ACR_LOGIN_PATH = "/usr/local/sbin/acr-login"
 NODE_SETUP_PATH = "/usr/local/sbin/node-setup"
@@ -64,6 +67,7 @@ UNITS = (
     "acr-login.timer",
     "acr-login-boot.service",
     "nccl-conf.service",
+    AZURE_CHECKS_UNIT,
     NODE_SETUP_UNIT,
     "nvme-raid.service",
     "spot-agent.service",
@@ -90,6 +94,7 @@ def render_cluster_node(
     identity_client_id: str,
     nccl_env: Mapping[str, str],
     expected_gpus: int,
+    health: NodeHealth,
     slurmctld_address: str,
     key_vault_uri: str,
     nvme_disks: int | None,
@@ -103,6 +108,8 @@ def render_cluster_node(
     cluster's munge key, fetched from the Key Vault at key_vault_uri with the identity; slurm.conf
     names the health check, prolog and epilog installed here. admin_user (who submits the jobs) may run
     docker, and its docker client holds the registry login.
+    health: the size's thresholds (infra/health_thresholds.py): Azure's checks at boot run its
+    configuration, and the health check counts its InfiniBand ports at their rate.
     nvme_disks local NVMe disks (None: as many as the node has) become a RAID 0 at nvme_mount.
     slurm_version: the Slurm that slurmd is installed at, the head node's."""
     mount = check_path("mount_path", mount_path)
@@ -124,6 +131,7 @@ def render_cluster_node(
         controller=controller,
         nvme=nvme,
         gpus=gpus,
+        health=health,
         packages=packages,
     )
     return cloud_config(
@@ -165,6 +173,7 @@ def _programs(
     controller: str,
     nvme: dict[str, str | int],
     gpus: int,
+    health: NodeHealth,
     packages: list[str],
 ) -> list[tuple[str, str]]:
     """(path, text) of every program a node installs, from checked values: boot steps, Slurm's hooks, the Spot agent."""
@@ -187,9 +196,11 @@ def _programs(
                     "ADMIN_USER": admin,
                     "DOCKER_GROUP": DOCKER_GROUP,
                     "PACKAGES": packages,
+                    "AZURE_CHECKS_RESULT": AZURE_CHECKS_RESULT,
                 },
             ),
         ),
+        (AZURE_CHECKS_PATH, render_azure_checks(health)),
         (NVME_RAID_PATH, render_script("boot/nvme-raid.sh", nvme)),
         (NVME_COPY_PATH, remote_file("job/nvme_copy.py")),
         (SLURMD_SETUP_PATH, render_script("boot/slurmd-setup.sh", {"SLURMCTLD_ADDRESS": controller})),
@@ -198,7 +209,7 @@ def _programs(
             render_health_check(
                 shared_mount=mount,
                 expected_gpus=gpus,
-                check_infiniband=True,
+                health=health,
                 min_free_gb=MIN_FREE_DISK_GB,
                 free_disk_path=DOCKER_DATA_PATH,
             ),

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from infra.cloud_init._common import check_int, check_ipv4, check_path, render_script
+from infra.cloud_init.azure_checks import AZURE_CHECKS_RESULT, check_conf_name
 from infra.cloud_init.slurm_packages import SLURM_USER
 from infra.contract import (
     HEALTH_REPORT_DIR,
@@ -25,11 +26,13 @@ from infra.contract import (
     SPOT_PARTITION,
     SRUN_PORTS,
 )
+from infra.health_thresholds import NodeHealth
 from infra.slurm_time import DEFAULT_JOB_TIME, UNLIMITED, check_max_time, check_time_limit, exceeds
 
 # Slurm compares names case-sensitively while DNS does not: lower case keeps the two agreeing.
 _NAME = re.compile(r"[a-z][a-z0-9-]{0,62}")
 MAX_GPUS_PER_NODE = 64
+MAX_INFINIBAND_PORTS = 64
 MAX_CPUS_PER_NODE = 4096
 MAX_REAL_MEMORY_MB = 2**31 - 1
 # Slurm forwards messages through a tree of slurmds, which must then resolve each other's names.
@@ -386,19 +389,22 @@ def render_cgroup_conf() -> str:
 
 
 def render_health_check(
-    *, shared_mount: str, expected_gpus: int, check_infiniband: bool, min_free_gb: int, free_disk_path: str
+    *, shared_mount: str, expected_gpus: int, health: NodeHealth, min_free_gb: int, free_disk_path: str
 ) -> str:
     """The HealthCheckProgram script with this cluster's defaults (each can still be overridden
-    from the environment, see the script). It writes its last result to the node's file in
-    <shared_mount>/.health (contract.HEALTH_REPORT_DIR) unless HEALTH_REPORT_DIR names another."""
-    if not isinstance(check_infiniband, bool):
-        raise ValueError(f"check_infiniband: {check_infiniband!r} is not a bool")
+    from the environment, see the script): the node kind's InfiniBand ports and rate, and Azure's
+    configuration whose boot verdict it reports (infra/health_thresholds.py). It writes its last result
+    to the node's file in <shared_mount>/.health (contract.HEALTH_REPORT_DIR) unless HEALTH_REPORT_DIR
+    names another."""
     return render_script(
         "slurm/slurm-health-check.sh",
         {
             "SHARED_MOUNT": check_path("shared_mount", shared_mount),
             "EXPECTED_GPUS": check_int("expected_gpus", expected_gpus, 0, MAX_GPUS_PER_NODE),
-            "CHECK_INFINIBAND": int(check_infiniband),
+            "INFINIBAND_PORTS": check_int("infiniband_ports", health.infiniband_ports, 0, MAX_INFINIBAND_PORTS),
+            "INFINIBAND_RATE_GBPS": check_int("infiniband_rate_gbps", health.infiniband_rate_gbps, 0, 10_000),
+            "AZURE_CHECKS_CONF": check_conf_name(health),
+            "AZURE_CHECKS_RESULT": AZURE_CHECKS_RESULT,
             "MIN_FREE_GB": check_int("min_free_gb", min_free_gb, 0, 1_000_000),
             "FREE_DISK_PATH": check_path("free_disk_path", free_disk_path),
             "HEALTH_REPORT_NAME": HEALTH_REPORT_DIR,

@@ -29,8 +29,10 @@ from infra.cloud_init.slurm_packages import (
     SLURM_REPOSITORY_HOST,
     SLURM_REPOSITORY_SUITE,
 )
+from infra.contract import BOOT_REPORT_DIR, HEALTH_REPORT_DIR
+from infra.health_thresholds import node_health
 from tests.boot import blob, containers, endpoints, seed, tls, vms
-from tests.boot.custom_data import Rendered, render
+from tests.boot.custom_data import BOOT_CONFIG, Rendered, render
 
 Kind = Literal["container", "vm"]
 IMAGE_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "build_boot_image.sh"
@@ -41,6 +43,8 @@ IMDS_ADDRESS = "169.254.169.254"
 HUB_PREFIX = "dtrain-boot-"  # + the test's process id: the hub namespace, and its hosts' (+ -<index>)
 NODE_ADDRESSES = ("10.40.0.4", "10.40.0.5")  # Azure hands these out by DHCP in the cluster subnet
 GPUS = 8  # Standard_ND96isr_H100_v5's, as slurm.conf and gres.conf say
+# Its InfiniBand ports and their rate, as its health check counts them (the one thresholds table)
+INFINIBAND = node_health(BOOT_CONFIG["gpuSku"])
 NVME_DISKS = 8
 # What the image carries for other roles that each role's Azure image does not run: plain Ubuntu (head,
 # NFS server) has no docker; only the NFS server serves NFS.
@@ -150,8 +154,15 @@ class BootCluster:
 
     def boot_report(self, host: str) -> dict[str, str]:
         """The host's boot report (boot-steps.sh's key=value lines on the shared file system)."""
-        assert self.shared is not None, "the boot reports are read from the hub's /shared"
-        report = self.shared / ".boot" / (host if host != "head" else self.rendered.head_hostname)
+        return self._report(BOOT_REPORT_DIR, host if host != "head" else self.rendered.head_hostname)
+
+    def health_report(self, node: str) -> dict[str, str]:
+        """The node's last health check report (slurm-health-check's key=value lines on the shared file system)."""
+        return self._report(HEALTH_REPORT_DIR, node)
+
+    def _report(self, folder: str, name: str) -> dict[str, str]:
+        assert self.shared is not None, "the nodes' reports are read from the hub's /shared"
+        report = self.shared / folder / name
         if not report.exists():
             return {}
         return dict(line.split("=", 1) for line in report.read_text().splitlines() if "=" in line)
@@ -316,13 +327,13 @@ def boot_cluster(
                 shared.mkdir(exist_ok=True)
                 machines[role] = containers.Container(
                     containers.ContainerSpec(role, addresses[role], macs[role], gpus=GPUS if is_node else 0,
-                                             infiniband=is_node, nvme=is_node, database_disk=role == "head"),
+                                             **_infiniband(is_node), nvme=is_node, database_disk=role == "head"),
                     image, work / role, seed.write_seed(work / role / "seed", **seed_args), hub, index, shared,
                     files={seed.MICROSOFT_KEYRING: keyring, **(host_files or {}).get(role, {})},
                 )  # fmt: skip
             else:
                 spec = vms.VmSpec(role, addresses[role], macs[role], gpus=GPUS if is_node else 0,
-                                  infiniband=is_node, nvme_disks=NVME_DISKS if is_node else 0,
+                                  **_infiniband(is_node), nvme_disks=NVME_DISKS if is_node else 0,
                                   data_disks={"nfs": 2, "head": 1}.get(role, 0))  # fmt: skip
                 iso = seed.make_seed(work / role / "seed.iso", **seed_args)
                 machines[role] = vms.Vm(spec, image, work / role, iso, hub, f"tap{index}")
@@ -355,6 +366,13 @@ def boot_cluster(
             cluster.started[name] = _now()  # pulumi up creates them running
             host.start()
         yield cluster
+
+
+def _infiniband(is_node: bool) -> dict[str, int]:
+    """A host's emulated InfiniBand: a node's ports, all ACTIVE at the size's rate; none elsewhere."""
+    if not is_node:
+        return {}
+    return {"infiniband_ports": INFINIBAND.infiniband_ports, "infiniband_rate_gbps": INFINIBAND.infiniband_rate_gbps}
 
 
 def _now() -> str:

@@ -42,8 +42,11 @@ EXCLUSIONS = (
     "(tests/boot/test_nvme_raid_vm.py builds the array in a VM)",
     "the head node's database disk: /var/lib/mysql is a directory bound there, so database-disk.sh takes its "
     "'already mounted' path (the VM harness gives the head node a disk at LUN 0)",
-    "udev rules and kernel modules: the GPUs are device nodes and the InfiniBand port an overlay of "
+    "udev rules and kernel modules: the GPUs are device nodes and the InfiniBand ports an overlay of "
     "/sys/class (tools/boot_image/rootfs/usr/local/sbin/boot-hardware)",
+    "Azure's node health checks (NHC in Azure's container, on real GPUs and links): a stand-in for their entry "
+    "point passes, or fails the check a test names (tools/boot_image/rootfs/opt/azurehpc/test/azurehpc-health-checks); "
+    "tests/infra runs the node's program against one",
     "cgroup v2 as on Azure: this host's hybrid layout gives the containers cgroup v1, which slurmd's "
     "cgroup plugin detects (CgroupPlugin=autodetect)",
     "real kernel reboots: a restart is a new container boot (no firmware, initramfs or fstab ordering)",
@@ -68,7 +71,8 @@ class ContainerSpec:
     address: str
     mac: str
     gpus: int = 0  # emulated /dev/nvidia*
-    infiniband: bool = False  # an emulated ACTIVE InfiniBand port
+    infiniband_ports: int = 0  # emulated InfiniBand ports, ACTIVE at infiniband_rate_gbps
+    infiniband_rate_gbps: int = 0
     nvme: bool = False  # a tmpfs at /nvme, where nvme-raid.sh finds its volume mounted
     database_disk: bool = False  # a directory of the test's at MariaDB's data directory (the head node)
 
@@ -128,7 +132,8 @@ class Container:
 
     def _boot_files(self) -> dict[str, bytes]:
         # The kernel command line is the host's: boot-hardware reads its arguments from this file.
-        args = f"boot.gpus={self.spec.gpus} boot.ib={int(self.spec.infiniband)}\n"
+        spec = self.spec
+        args = f"boot.gpus={spec.gpus} boot.ib={spec.infiniband_ports} boot.ib_rate={spec.infiniband_rate_gbps}\n"
         return {"/etc/boot-hardware.args": args.encode(),
                 "/etc/systemd/system/slurmd.service.d/boot-test-cgroup.conf": SLURMD_CGROUP_DROP_IN.encode(),
                 **self.files}  # fmt: skip
@@ -250,6 +255,20 @@ class Container:
 
     def unmask(self, unit: str) -> None:
         (self.root / "etc/systemd/system" / unit).unlink(missing_ok=True)
+
+    def read(self, path: str) -> str:
+        """A file on the host's disk, whether the host runs or not ("" when there is none)."""
+        target = self.root / path.lstrip("/")
+        return target.read_text(errors="replace") if target.is_file() else ""
+
+    def write(self, path: str, content: str | None) -> None:
+        """A file on the host's disk (None: removed), as an operator or a fault leaves it, for its next boot."""
+        target = self.root / path.lstrip("/")
+        if content is None:
+            target.unlink(missing_ok=True)
+            return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(content)
 
     def run(self, command: str, *, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """command as root inside the running container, in all of its namespaces."""

@@ -4,8 +4,10 @@ against Azure's endpoints and package repositories served on a hub namespace (te
 
 The story, in order (pytest runs a file's tests in order; each waits for events, not for seconds):
 the first boot with two faults (node 0's Key Vault refuses for longer than the munge key's retries,
-node 1's Slurm repository is down), both nodes rebooted once the fault is gone, and both join; a
-2-node job of the admin user, recorded by slurmdbd (sacct); telemetry and tracking answer; autostop
+node 1's Slurm repository is down), both nodes rebooted once the fault is gone, and both join, node 1
+drained at first, as Azure's node health checks (a stand-in in the image) failed one check at that
+boot, then deallocated, resumed and started again by a job, its checks passing; a 2-node job of the
+admin user, recorded by slurmdbd (sacct); telemetry and tracking answer; autostop
 deallocates the idle nodes and a job starts one again; and across all of it no failed unit, no ordering
 cycle, cloud-init `done`.
 Runs as root, only when DTRAIN_BOOT_TEST=1 (the Makefile target sets it).
@@ -38,6 +40,10 @@ MUNGE_RETRY_S = 20
 KEY_VAULT_NODE, REPOSITORY_NODE = 0, 1
 UPLOAD_RESULTS = Path(__file__).resolve().parents[2] / "dtrain" / "remote" / "job" / "upload_results.py"
 REBOOT_DROP_IN = "/etc/systemd/system/node-setup.service.d/boot-test-munge-retry.conf"
+# What the image's stand-in for Azure's checks fails while this file is there (the check and its figure,
+# as NHC words them): tools/boot_image/rootfs/opt/azurehpc/test/azurehpc-health-checks/run-health-checks.sh
+AZURE_FAULT = "/etc/boot-test/azure-checks.fail"
+AZURE_FAILURE = "check_ib_bw_gdr: IB=mlx5_ib3, IB BW (expected > 380 Gbps, but measured 191 Gbps). FaultCode: NHC2003"
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +102,43 @@ def test_a_node_whose_first_package_install_failed_installs_at_its_next_boot(clu
     cluster.wait_for(f"{node}'s package step failing", lambda: _step_failed(cluster, node, "packages"), BOOT_S)
     assert cluster.azure.repository_refusals.get(NODE_ADDRESSES[REPOSITORY_NODE], 0) > 0
     cluster.azure.bring_repository_up(NODE_ADDRESSES[REPOSITORY_NODE])
+    # At this next boot Azure's checks fail one check (the next test).
+    cluster.hosts[node].write(AZURE_FAULT, AZURE_FAILURE)  # type: ignore[attr-defined]
     _reboot(cluster, node)
     cluster.wait_for(f"{node} registered after its reboot", lambda: cluster.registered(node), STEP_S)
+
+
+def test_a_node_whose_azure_checks_fail_joins_drained_and_is_tried_afresh_once_powered_down(
+    cluster: BootCluster,
+) -> None:
+    """Node 1's boot above ran Azure's checks before slurmd, and one failed: the node registered drained,
+    its health report and boot report naming the check and its figure. Idle, autostop deallocates it and
+    Slurm lifts the drain (idle_on_node_suspend: tried afresh); the next job that needs it starts it, as
+    Azure would on other hardware, its checks pass at that boot, and it runs the job."""
+    node = cluster.rendered.node_names[REPOSITORY_NODE]
+    host = cluster.hosts[node]
+    # (its reason in Slurm comes with the next health check: Slurm keeps the drain of a node that registers
+    # while it holds it powered down, not the reason; the health report has it at once)
+    cluster.wait_for(f"{node} drained as it registered", lambda: "DRAIN" in _states(cluster, node), STEP_S)
+    failed = f"azurehpc-health-checks: {AZURE_FAILURE}"
+    report = cluster.health_report(node)
+    assert (report["azure_checks"], report["reason"]) == (failed, f"health-check: {failed}"), report
+    assert cluster.boot_report(node)["azure-checks"] == f"failed: azure-health-checks: {AZURE_FAILURE}"
+    # the size's configuration, as the node ran it: its NCCL all-reduce check without a topology file
+    log = host.read("/var/log/azurehpc-health-checks.log")  # type: ignore[attr-defined]
+    assert "/run/azure-health-checks/nd96isr_h100_v5.conf" in log and "check_nccl_allreduce 460.0 1 16G\n" in log, log
+
+    lifted = lambda: _held_powered_down(cluster, node, drained=False)  # noqa: E731
+    cluster.wait_for(f"{node} deallocated by autostop, its drain lifted (idle_on_node_suspend)", lifted, STEP_S)
+    host.write(AZURE_FAULT, None)  # type: ignore[attr-defined]
+    rc, output = cluster.sbatch(f"-N1 -w {node}", "hostname", timeout=STEP_S)
+    assert rc == 0, output
+    report = cluster.health_report(node)
+    assert (report["azure_checks"], report["infiniband"], report["reason"]) == ("ok", "ok", ""), report
+
+
+def _states(cluster: BootCluster, node: str) -> set[str]:
+    return set(cluster.nodes().get(node, {}).get("State", "").split("+"))
 
 
 def test_every_boot_step_succeeded_on_every_host(cluster: BootCluster) -> None:
@@ -241,9 +282,11 @@ def test_a_node_that_never_registers_is_deallocated_by_the_reaper(cluster: BootC
     assert f"{name} not registered" in log, log
 
 
-def _held_powered_down(cluster: BootCluster, node: str) -> bool:
-    states = set(cluster.nodes().get(node, {}).get("State", "").split("+"))
-    return "POWERED_DOWN" in states and not states & {"POWERING_DOWN", "POWERING_UP", "POWER_DOWN"}
+def _held_powered_down(cluster: BootCluster, node: str, *, drained: bool | None = None) -> bool:
+    """Slurm holds node powered down, and is not changing its power; drained: and it is (not) drained too."""
+    states = _states(cluster, node)
+    held = "POWERED_DOWN" in states and not states & {"POWERING_DOWN", "POWERING_UP", "POWER_DOWN"}
+    return held and (drained is None or drained == ("DRAIN" in states))
 
 
 def test_the_reaper_deallocates_every_node_while_slurmctld_is_broken(cluster: BootCluster) -> None:

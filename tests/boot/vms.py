@@ -85,7 +85,8 @@ class VmSpec:
     mac: str
     memory_mib: int = 1024
     gpus: int = 0  # emulated /dev/nvidia* (tools/boot_image/rootfs/usr/local/sbin/boot-hardware)
-    infiniband: bool = False  # an emulated ACTIVE InfiniBand port
+    infiniband_ports: int = 0  # emulated InfiniBand ports, ACTIVE at infiniband_rate_gbps
+    infiniband_rate_gbps: int = 0
     nvme_disks: int = 0
     data_disks: int = 0
 
@@ -143,7 +144,8 @@ class Vm:
                 file.truncate(NVME_DISK_MIB * 1024 * 1024)
         self.boots += 1
         spec = self.spec
-        append = f"root=/dev/vda rw console=ttyS0 net.ifnames=0 boot.gpus={spec.gpus} boot.ib={int(spec.infiniband)}"
+        append = (f"root=/dev/vda rw console=ttyS0 net.ifnames=0 boot.gpus={spec.gpus} "
+                  f"boot.ib={spec.infiniband_ports} boot.ib_rate={spec.infiniband_rate_gbps}")  # fmt: skip
         command = [
             QEMU, "-machine", f"q35,accel={ACCEL}", "-cpu", "host" if ACCEL == "kvm" else "max",
             "-smp", "1", "-m", str(spec.memory_mib),

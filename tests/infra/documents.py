@@ -20,6 +20,7 @@ from infra.cloud_init.accounting import AZURE_MYSQL_CA_BUNDLE, LOOPBACK, Account
 from infra.cloud_init.shared_storage import LustreShare, NfsShare
 from infra.cloud_init.slurm import HealthCheck, JobTimeLimits, NodeSet, PowerSaving
 from infra.cloud_init.slurm_packages import DEFAULT_SLURM_VERSION
+from infra.health_thresholds import node_health
 from infra.skus import GPU_SKUS
 
 SKUS = sorted(GPU_SKUS)
@@ -73,6 +74,7 @@ def node_doc(sku: str = "Standard_ND96isr_H100_v5", **overrides: object) -> str:
         "identity_client_id": CLIENT_ID,
         "nccl_env": dict(GPU_SKUS[sku].nccl_env),
         "expected_gpus": 8,
+        "health": node_health(sku),
         "slurmctld_address": HEAD_IP,
         "key_vault_uri": KEY_VAULT_URI,
         "nvme_disks": GPU_SKUS[sku].nvme_disks,

@@ -69,12 +69,13 @@ def with_value(script: str, name: str, value: str | int | list[str]) -> str:
     return new
 
 
-def add_port(sysfs: Path, device: str, link_layer: str, state: str) -> None:
-    """An RDMA port under a stand-in for /sys/class/infiniband."""
+def add_port(sysfs: Path, device: str, link_layer: str, state: str, rate: str = "400 Gb/sec (4X NDR)") -> None:
+    """An RDMA port under a stand-in for /sys/class/infiniband, as the kernel shows it (state "4: ACTIVE")."""
     port = sysfs / device / "ports" / "1"
     port.mkdir(parents=True)
     (port / "link_layer").write_text(f"{link_layer}\n")
     (port / "state").write_text(f"{state}\n")
+    (port / "rate").write_text(f"{rate}\n")
 
 
 class Sandbox:

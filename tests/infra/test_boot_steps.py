@@ -67,6 +67,7 @@ def test_a_failed_nvme_and_registry_login_do_not_keep_slurmd_from_starting_and_a
         "nvme-raid": f"failed: {NVME_REASON}",
         "docker-group": "ok",
         "registry-login": f"failed: {ACR_REASON}",
+        "azure-checks": "ok",
         "slurmd": "ok",
         "spot-agent": "ok",
         "gpu-metrics": "ok",
@@ -141,6 +142,33 @@ def test_a_repository_that_failed_leaves_nothing_missing_for_good(sandbox: Sandb
     shutil.rmtree(sandbox.root / "run")  # a new boot
     assert sandbox.run(script).returncode == 0
     assert len(sandbox.calls("apt-get")) == asked
+
+
+AZURE_VERDICT = (
+    "check_ib_bw_gdr: IB=mlx5_ib3, IB BW (expected > 380 Gbps, but measured 191.35 Gbps). FaultCode: NHC2003"
+)
+
+
+def test_azures_checks_run_before_slurmd_and_a_failure_is_reported_with_their_verdict(sandbox: Sandbox) -> None:
+    """At the first boot node-setup runs Azure's checks (their unit, enabled for every later boot) before
+    slurmd, whose health check then drains the node; slurmd starts all the same, and the boot report
+    says which check failed and what it measured, not systemctl's words."""
+    script, shared, done = setup_in(sandbox, node_doc(), "/usr/local/sbin/node-setup")
+    verdict = sandbox.root / "azure-health-checks" / "result"
+    verdict.parent.mkdir()
+    script = with_value(script, "AZURE_CHECKS_RESULT", str(verdict))
+    for name in ("nfs-mount", "usermod", "slurmd-setup"):
+        sandbox.stub(name)
+    failing = f'echo "failed: {AZURE_VERDICT}" >"{verdict}"; echo "Job for azure-health-checks failed." >&2; exit 1'
+    sandbox.stub("systemctl", f'case "$*" in\n  "start azure-health-checks.service") {failing} ;;\nesac')
+
+    assert sandbox.run(script).returncode == 1 and not done.exists()
+    calls = [line for line in sandbox.log.read_text().splitlines() if line.startswith(("systemctl", "slurmd-setup"))]
+    checks = calls.index("systemctl start azure-health-checks.service")
+    # (the registry login's calls, in the background, may come between)
+    assert calls.index("systemctl enable azure-health-checks.service") < checks < calls.index("slurmd-setup ")
+    assert report(shared, "hvd-gpu-00000a")["azure-checks"] == f"failed: azure-health-checks: {AZURE_VERDICT}"
+    assert report(shared, "hvd-gpu-00000a")["slurmd"] == "ok"
 
 
 def test_the_report_names_the_step_that_is_running_while_it_runs(sandbox: Sandbox) -> None:

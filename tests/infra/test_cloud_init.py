@@ -93,6 +93,7 @@ def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
         "acr-login-boot.service",
         "acr-login.service",
         "acr-login.timer",
+        "azure-health-checks.service",
         "dcgm-exporter.service",
         "dtrain-users.service",
         "dtrain-users.timer",
@@ -115,7 +116,7 @@ def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     found = [
         line
         for line in result.stderr.splitlines()
-        if re.search(r"acr-login|dcgm-exporter|dtrain-users|nccl-conf|node-setup|nvme-raid|configless", line)
+        if re.search(r"acr-login|azure-health|dcgm-export|dtrain-users|nccl-conf|node-setup|nvme-raid|configless", line)
     ]
     assert not found, result.stderr
 
@@ -330,8 +331,8 @@ def test_custom_data_is_the_gzipped_document_cloud_init_unpacks() -> None:
     document = node_doc()
     packed = custom_data_bytes(document)
     assert gzip.decompress(packed).decode() == document and packed == custom_data_bytes(document)  # stable
-    # the largest document keeps most of Azure's 65,535 bytes free for what comes next
-    assert len(packed) < MAX_CUSTOM_DATA_BYTES / 2 < len(document.encode())
+    # the largest document keeps 40% of Azure's 65,535 bytes free for what comes next (gzip does the work)
+    assert len(packed) < MAX_CUSTOM_DATA_BYTES * 0.6 < len(document.encode())
 
 
 def nfs_setup_in(sandbox: Sandbox, count: int) -> tuple[str, list[str], Path]:
@@ -577,6 +578,114 @@ def test_at_every_later_boot_slurmd_waits_for_a_registry_login_of_two_minutes_at
     result = sandbox.run(acr_login_in(sandbox, imds_fails=True), argv=["0"])
     assert result.returncode == 1 and len(sandbox.calls("curl")) == 1
     assert "within 0s" in result.stderr
+
+
+AZURE_CHECKS = "/usr/local/sbin/azure-health-checks"
+# Our own stand-in for the lines of Azure's conf/nd96isr_h100_v5.conf that matter here: an image whose
+# copy predates Azure's fix passes the NDv5 topology file to the NCCL all-reduce check.
+AZURE_CONF = """\
+ * || check_hw_ib 400 mlx5_ib0:1
+ * || check_gpu_count 8
+ * || check_nccl_allreduce 460.0 1 16G $AZ_NHC_ROOT/topofiles/ndv5-topo.xml
+ * || check_ib_bw_gdr 380
+"""
+AZURE_FAILURE = "check_ib_bw_gdr: IB=mlx5_ib3, IB BW (expected > 380 Gbps, but measured 191 Gbps). FaultCode: NHC2003"
+
+
+def azure_checks_in(sandbox: Sandbox, runner_body: str, conf: str | None = "nd96isr_h100_v5") -> tuple[str, dict, Path]:
+    """The rendered program of the ND H100 v5 node, a stand-in for Azure's checks (its entry point records
+    its arguments, its NCCL_TOPO_FILE and the configuration it was given, then runs runner_body), and
+    the environment that points the program at them; the verdict's path."""
+    azure = sandbox.root / "azurehpc-health-checks"
+    (azure / "conf").mkdir(parents=True)
+    if conf:
+        (azure / "conf" / f"{conf}.conf").write_text(AZURE_CONF)
+    runner = azure / "run-health-checks.sh"
+    runner.write_text(
+        '#!/bin/bash\necho "run-health-checks.sh $*" >>"$STUB_LOG"\n'
+        'echo "${NCCL_TOPO_FILE-unset}" >"$STUB_STATE/topo"\n'
+        "while getopts c:o: opt; do case $opt in c) conf=$OPTARG ;; o) out=$OPTARG ;; esac; done\n"
+        f'cp "$conf" "$STUB_STATE/conf"\n{runner_body}\n'
+    )
+    runner.chmod(0o755)
+    sandbox.stub("docker")
+    verdict = sandbox.root / "run" / "result"
+    env = {
+        "AZURE_CHECKS_DIR": str(azure),
+        "AZURE_CHECKS_RESULT": str(verdict),
+        "AZURE_CHECKS_LOG": str(sandbox.root / "health.log"),
+        "NCCL_TOPO_FILE": "/opt/microsoft/ndv5-topo.xml",  # the jobs' (/etc/nccl.conf), in a login shell
+    }
+    return script_of(node_doc("Standard_ND96isr_H100_v5"), AZURE_CHECKS), env, verdict
+
+
+def test_azures_checks_run_with_the_sizes_configuration_and_without_a_topology_file(sandbox: Sandbox) -> None:
+    """The ND H100 v5 node runs azurehpc-health-checks' entry point with conf/nd96isr_h100_v5.conf, as
+    Azure's fix for ND H100/H200 v5 has it: the NCCL all-reduce check without ndv5-topo.xml (its
+    argument dropped from the copy run, which older copies of the checks pass on as NCCL_TOPO_FILE), and
+    the node's own NCCL_TOPO_FILE (for jobs) unset."""
+    script, env, verdict = azure_checks_in(sandbox, 'echo "Health checks completed with exit code: 0." >>"$out"')
+    result = sandbox.run(script, env)
+    assert result.returncode == 0, result.stderr
+    assert verdict.read_text() == "ok\n"
+    (call,) = sandbox.calls("run-health-checks.sh")
+    assert call == f"run-health-checks.sh -c {verdict.parent}/nd96isr_h100_v5.conf -o {sandbox.root}/health.log"
+    assert (sandbox.state / "topo").read_text() == "unset\n"
+    ran = (sandbox.state / "conf").read_text().splitlines()
+    assert ran == [" * || check_hw_ib 400 mlx5_ib0:1", " * || check_gpu_count 8",
+                   "* || check_nccl_allreduce 460.0 1 16G", " * || check_ib_bw_gdr 380"]  # fmt: skip
+
+
+def test_a_failed_azure_check_is_recorded_with_what_it_measured(sandbox: Sandbox) -> None:
+    nhc = f'echo "ERROR:  nhc:  Health check failed:  {AZURE_FAILURE}" >>"$out"; exit 1'
+    script, env, verdict = azure_checks_in(sandbox, nhc)
+    result = sandbox.run(script, env)
+    assert result.returncode == 1  # the unit shows failed too
+    assert verdict.read_text() == f"failed: {AZURE_FAILURE}\n"
+    assert f"azure-health-checks: failed: {AZURE_FAILURE}" in result.stderr
+
+
+def test_azure_checks_that_do_not_finish_are_a_failure_and_their_container_goes(sandbox: Sandbox) -> None:
+    script, env, verdict = azure_checks_in(sandbox, "sleep 30")
+    result = sandbox.run(with_value(script, "TIMEOUT_S", 1), env)
+    assert result.returncode == 1
+    assert verdict.read_text() == "failed: azurehpc-health-checks did not finish within 1s\n"
+    assert sandbox.calls("docker") == ["docker rm -f aznhc"]
+
+
+@pytest.mark.parametrize(
+    ("conf", "present", "why"),
+    [
+        (None, True, "this azurehpc-health-checks has no conf/nd96isr_h100_v5.conf"),
+        ("nd96isr_h100_v5", False, "no azurehpc-health-checks in {azure}"),
+    ],
+)
+def test_where_the_image_has_no_azure_checks_for_the_size_they_are_skipped(
+    sandbox: Sandbox, conf: str | None, present: bool, why: str
+) -> None:
+    script, env, verdict = azure_checks_in(sandbox, "exit 1", conf=conf)
+    if not present:
+        (Path(env["AZURE_CHECKS_DIR"]) / "run-health-checks.sh").unlink()
+    result = sandbox.run(script, env)
+    assert result.returncode == 0, result.stderr
+    assert verdict.read_text() == f"skipped: {why.format(azure=env['AZURE_CHECKS_DIR'])}\n"
+    assert sandbox.calls("run-health-checks.sh") == []
+
+
+def test_at_every_later_boot_azures_checks_run_before_slurmd_starts(tmp_path: Path) -> None:
+    """At the first boot node-setup runs them (their step before slurmd's: test_boot_steps.py); enabled,
+    their unit runs at every later boot before slurmd, whatever Azure's hardware was, and slurmd starts
+    after it whether they passed or not (the health check drains the node)."""
+    units_at_a_later_boot(tmp_path, node_doc())
+    unit = (tmp_path / "multi-user.target.wants" / "azure-health-checks.service").read_text()
+    assert "Before=slurmd.service" in unit.splitlines()
+    assert "After=" in unit and "docker.service" in unit and "nvidia-fabricmanager.service" in unit
+    assert "ExecStart=/bin/true" in unit  # runnable(): the program, /usr/local/sbin/azure-health-checks
+    source = files_of(node_doc())["/etc/systemd/system/azure-health-checks.service"]["content"]
+    assert f"ExecStart={AZURE_CHECKS}" in source.splitlines()
+    assert "Requires" not in source and "RequiredBy" not in source
+    setup = script_of(node_doc(), "/usr/local/sbin/node-setup")
+    assert setup.index("step azure-checks azure_checks\n") < setup.index("step slurmd slurmd-setup\n")
 
 
 def test_node_setup_is_a_unit_that_runs_at_every_boot_until_it_has_succeeded() -> None:

@@ -2,7 +2,8 @@
 epilog that removes a job's containers, the power program that starts and deallocates scale-set
 instances, and the head node's cloud-config.
 
-The health check runs here against stand-ins for nvidia-smi, mountpoint, df and scontrol, the
+The health check runs here against stand-ins for nvidia-smi, mountpoint, df, scontrol, the
+InfiniBand ports' sysfs and the verdict of Azure's checks at boot, the
 epilog against a stand-in docker; the power program runs against a fake Azure (IMDS and Resource
 Manager on a local HTTP server).
 """
@@ -24,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -41,6 +42,7 @@ from dtrain.local.slurm import CLOUD_REG_ADDRS, PRIVATE_DATA, conf_value, overri
 from dtrain.pricing import count_nodes, estimate_cost, load_price_table
 from infra.cloud_init import render_cgroup_conf, render_gres_conf, render_health_check
 from infra.cloud_init._common import MUNGE_KEY_FETCH_PATH, MUNGE_KEY_PATH
+from infra.cloud_init.azure_checks import AZURE_CHECKS_PATH as AZURE_CHECKS
 from infra.cloud_init.head_node import (
     HEAD_SETUP_PATH,
     POWER_ACTIONS,
@@ -57,6 +59,7 @@ from infra.cloud_init.slurm import MIN_KILL_WAIT_S, JobTimeLimits, NodeSet
 from infra.cloud_init.slurm_packages import SLURM_USER, account_commands
 from infra.config import parse_config
 from infra.contract import HEALTH_REPORT_DIR, SRUN_PORTS
+from infra.health_thresholds import LOCAL_HEALTH, node_health
 from tests.infra.conftest import PROJECT, VALID_CONFIG
 from tests.infra.documents import (
     CLIENT_ID,
@@ -65,6 +68,7 @@ from tests.infra.documents import (
     KEY_VAULT_URI,
     NODE_NAMES,
     SCALE_SET_ID,
+    SKUS,
     files_of,
     head_doc,
     node_doc,
@@ -287,9 +291,22 @@ def test_gres_conf_needs_gpus() -> None:
 # --- the health check ------------------------------------------------------------------------
 
 
+GPU_BW_FAILURE = "check_gpu_bw: GPU 1 to GPU 0 failed. Bandwidth 256.63 is less than 335. FaultCode: NHC2020"
+
+
+def nd_v5_ports(**changed: tuple[str, str]) -> list[tuple[str, ...]]:
+    """An ND H100 v5's RDMA ports: the accelerated-networking NIC (Ethernet) and 8 InfiniBand ports ACTIVE
+    at 400 Gb/s, but for those changed (device -> (state, rate))."""
+    ports: list[tuple[str, ...]] = [("mlx5_an0", "Ethernet", "4: ACTIVE", "100 Gb/sec (2X EDR)")]
+    for i in range(8):
+        device = f"mlx5_ib{i}"
+        ports.append((device, "InfiniBand", *changed.get(device, ("4: ACTIVE", "400 Gb/sec (4X NDR)"))))
+    return ports
+
+
 @dataclass
 class Node:
-    """A stand-in node: what nvidia-smi, mountpoint, df, sysfs and scontrol report."""
+    """A stand-in node: what nvidia-smi, mountpoint, df, sysfs, scontrol and Azure's checks at boot report."""
 
     sandbox: Sandbox
     gpus: int = 8
@@ -297,9 +314,8 @@ class Node:
     free_gb: int = 400
     state: str = "IDLE"
     reason: str | None = None
-    ports: list[tuple[str, str, str]] = field(
-        default_factory=lambda: [("mlx5_an0", "Ethernet", "4: ACTIVE"), ("mlx5_ib0", "InfiniBand", "4: ACTIVE")]
-    )
+    ports: list[tuple[str, ...]] = field(default_factory=nd_v5_ports)
+    azure_checks: str | None = "ok"  # the verdict azure-health-checks left at this boot (None: none)
 
     def run(self, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess[str]:
         """Runs the health check; env adds to or (None) removes from the stand-in environment."""
@@ -321,9 +337,14 @@ class Node:
         script = script_of(node_doc(), HEALTH_CHECK)
         disk = sandbox.root / "docker"
         disk.mkdir(exist_ok=True)
+        verdict = sandbox.root / "azure-health-checks-result"
+        verdict.unlink(missing_ok=True)
+        if self.azure_checks is not None:
+            verdict.write_text(f"{self.azure_checks}\n")
         base = {
             "SLURMD_NODENAME": NODE,
             "IB_SYSFS": str(sysfs),
+            "AZURE_CHECKS_RESULT": str(verdict),
             "FREE_DISK_PATH": str(disk),
             # Not the default, under the rendered /mnt/shared: the stubs say it is mounted.
             "HEALTH_REPORT_DIR": str(sandbox.root / "health"),
@@ -347,7 +368,9 @@ def test_health_check_defaults_are_the_clusters() -> None:
         for name in (
             "SHARED_MOUNT",
             "EXPECTED_GPUS",
-            "CHECK_INFINIBAND",
+            "INFINIBAND_PORTS",
+            "INFINIBAND_RATE_GBPS",
+            "AZURE_CHECKS_RESULT",
             "MIN_FREE_GB",
             "FREE_DISK_PATH",
             "HEALTH_REPORT_DIR",
@@ -356,11 +379,35 @@ def test_health_check_defaults_are_the_clusters() -> None:
     assert defaults == {
         "SHARED_MOUNT": "/mnt/shared",
         "EXPECTED_GPUS": "8",
-        "CHECK_INFINIBAND": "1",
+        # ND96isr_H100_v5's, as Azure's conf/nd96isr_h100_v5.conf checks them (infra/health_thresholds.py)
+        "INFINIBAND_PORTS": "8",
+        "INFINIBAND_RATE_GBPS": "400",
+        "AZURE_CHECKS_RESULT": "/run/azure-health-checks/result",
         "MIN_FREE_GB": "50",
         "FREE_DISK_PATH": "/var/lib/docker",
         "HEALTH_REPORT_DIR": f"$SHARED_MOUNT/{HEALTH_REPORT_DIR}",
     }
+    # empty in the environment: no Azure checks (the local cluster's rendering has none)
+    assert re.search(r"^AZURE_CHECKS_CONF=\$\{AZURE_CHECKS_CONF-(.*)\}", script, re.MULTILINE)[1] == "nd96isr_h100_v5"
+
+
+@pytest.mark.parametrize("sku", SKUS)
+def test_each_sizes_checks_take_its_thresholds_from_the_one_table(sku: str) -> None:
+    """The boot run of Azure's checks and the periodic health check read infra/health_thresholds.py."""
+    health, files = node_health(sku), files_of(node_doc(sku))
+    check, azure = (str(files[path]["content"]) for path in (HEALTH_CHECK, AZURE_CHECKS))
+    assert f"INFINIBAND_PORTS=${{INFINIBAND_PORTS:-{health.infiniband_ports}}}" in check.splitlines()
+    assert f"INFINIBAND_RATE_GBPS=${{INFINIBAND_RATE_GBPS:-{health.infiniband_rate_gbps}}}" in check.splitlines()
+    assert f"AZURE_CHECKS_CONF=${{AZURE_CHECKS_CONF-{health.azure_checks_conf}}}" in check.splitlines()
+    assert shell_value(azure, "CONF") == health.azure_checks_conf
+
+
+def test_the_local_clusters_cpu_nodes_have_no_infiniband_or_azure_checks() -> None:
+    check = render_health_check(
+        shared_mount="/shared", expected_gpus=0, health=LOCAL_HEALTH, min_free_gb=1, free_disk_path="/shared"
+    ).splitlines()
+    assert "INFINIBAND_PORTS=${INFINIBAND_PORTS:-0}" in check
+    assert "AZURE_CHECKS_CONF=${AZURE_CHECKS_CONF-''}" in check
 
 
 def test_healthy_node_is_left_alone(node: Node) -> None:
@@ -377,13 +424,37 @@ def test_healthy_node_is_left_alone(node: Node) -> None:
         ({"gpus": 0}, "0 of 8 GPUs"),
         ({"mounted": False}, "/mnt/shared not mounted"),
         ({"free_gb": 12}, "12 GB free on {disk}, need 50"),
-        ({"ports": [("mlx5_ib0", "InfiniBand", "1: DOWN")]}, "no ACTIVE InfiniBand port (InfiniBand DOWN)"),
-        ({"ports": []}, "no ACTIVE InfiniBand port (InfiniBand absent)"),
-        # The accelerated-networking NIC is ACTIVE, but on an Ethernet link layer: no InfiniBand.
-        ({"ports": [("mlx5_an0", "Ethernet", "4: ACTIVE")]}, "no ACTIVE InfiniBand port (InfiniBand absent)"),
+        # One of the 8 ports down, or come up at a lower rate (HDR on an NDR fabric): Azure's check_hw_ib fails
+        # either, and each shows what it found.
         (
-            {"ports": [("mlx5_an0", "Ethernet", "4: ACTIVE"), ("mlx5_ib0", "InfiniBand", "1: DOWN")]},
-            "no ACTIVE InfiniBand port (InfiniBand DOWN)",
+            {"ports": nd_v5_ports(mlx5_ib3=("1: DOWN", "10 Gb/sec (4X SDR)"))},
+            "7 of 8 InfiniBand ports ACTIVE at 400 Gb/s (mlx5_ib3:1 DOWN)",
+        ),
+        (
+            {"ports": nd_v5_ports(mlx5_ib5=("4: ACTIVE", "200 Gb/sec (4X HDR)"))},
+            "7 of 8 InfiniBand ports ACTIVE at 400 Gb/s (mlx5_ib5:1 at 200 Gb/s)",
+        ),
+        (
+            {"ports": nd_v5_ports(mlx5_ib0=("2: INIT", "400 Gb/sec (4X NDR)"), mlx5_ib7=("4: ACTIVE", "unknown"))},
+            "6 of 8 InfiniBand ports ACTIVE at 400 Gb/s (mlx5_ib0:1 INIT, mlx5_ib7:1 at an unknown rate)",
+        ),
+        ({"ports": []}, "0 of 8 InfiniBand ports ACTIVE at 400 Gb/s (none found)"),
+        # The accelerated-networking NIC is ACTIVE, but on an Ethernet link layer: no InfiniBand.
+        ({"ports": nd_v5_ports()[:1]}, "0 of 8 InfiniBand ports ACTIVE at 400 Gb/s (none found)"),
+        # Azure's checks at this boot: the failed check and what it measured, as their run recorded it
+        (
+            {"azure_checks": f"failed: {GPU_BW_FAILURE}"},
+            f"azurehpc-health-checks: {GPU_BW_FAILURE}",
+        ),
+        (
+            {"azure_checks": "failed: azurehpc-health-checks did not finish within 900s"},
+            "azurehpc-health-checks: azurehpc-health-checks did not finish within 900s",
+        ),
+        # Not run at this boot, or running now (an operator's restart): no jobs until they passed.
+        ({"azure_checks": None}, "azurehpc-health-checks not run at this boot"),
+        (
+            {"azure_checks": "running since 2026-01-01T00:00:00Z"},
+            "azurehpc-health-checks running since 2026-01-01T00:00:00Z",
         ),
     ],
 )
@@ -400,11 +471,12 @@ def test_failing_check_drains_the_node_with_the_check_as_reason(
 
 
 def test_every_failed_check_is_in_the_reason(node: Node) -> None:
-    node.gpus, node.mounted, node.ports = 6, False, []
+    node.gpus, node.mounted, node.ports, node.azure_checks = 6, False, [], "failed: check_gpu_count: 6 of 8"
     assert node.run().returncode == 1
     assert node.updates() == [
         f"scontrol update nodename={NODE} state=drain reason=health-check: 6 of 8 GPUs; "
-        "no ACTIVE InfiniBand port (InfiniBand absent); /mnt/shared not mounted"
+        "0 of 8 InfiniBand ports ACTIVE at 400 Gb/s (none found); azurehpc-health-checks: check_gpu_count: 6 of 8; "
+        "/mnt/shared not mounted"
     ]
 
 
@@ -423,10 +495,25 @@ def test_a_node_whose_mount_step_failed_is_drained_with_the_steps_reason(node: N
     ]
 
 
-def test_an_active_infiniband_port_beside_a_down_one_passes(node: Node) -> None:
-    node.ports = [("mlx5_ib0", "InfiniBand", "1: DOWN"), ("mlx5_ib1", "InfiniBand", "4: ACTIVE")]
+def test_where_the_image_has_no_azure_checks_for_the_size_the_node_is_not_drained_for_it(node: Node) -> None:
+    """Our own checks stand alone there; the report says why Azure's did not run."""
+    node.azure_checks = "skipped: this azurehpc-health-checks has no conf/nd96isr_h200_v5.conf"
     assert node.run().returncode == 0
     assert node.updates() == []
+
+
+def test_a_node_drained_for_azures_checks_is_resumed_once_a_new_run_passed(node: Node) -> None:
+    """`systemctl restart azure-health-checks` on the node (or a new boot): the next health check resumes it."""
+    node.state, node.reason = "IDLE+DRAIN", "health-check: azurehpc-health-checks: check_gpu_xid: Xid 79"
+    node.azure_checks = "running since 2026-01-01T00:00:00Z"
+    assert node.run().returncode == 1
+    assert node.updates() == [
+        f"scontrol update nodename={NODE} state=drain reason=health-check: azurehpc-health-checks running since "
+        "2026-01-01T00:00:00Z"
+    ]
+    node.reason, node.azure_checks = "health-check: azurehpc-health-checks running since 2026-01-01T00:00:00Z", "ok"
+    assert node.run().returncode == 0
+    assert node.updates()[-1] == f"scontrol update nodename={NODE} state=resume"
 
 
 def test_node_drained_by_the_health_check_is_resumed_once_healthy(node: Node) -> None:
@@ -444,6 +531,20 @@ def test_node_drained_by_someone_else_is_left_drained(node: Node, healthy: bool)
     assert node.updates() == []
 
 
+@pytest.mark.parametrize("healthy", [True, False])
+def test_a_drain_that_lost_its_reason_at_registration_is_ours(node: Node, healthy: bool) -> None:
+    """Slurm keeps the drain of the run before a node registers while it holds it powered down (an Azure
+    first boot), not its reason: the next run restores the reason, or resumes the node once healthy."""
+    node.state, node.reason = "IDLE+CLOUD+DRAIN", None
+    node.azure_checks = "ok" if healthy else f"failed: {GPU_BW_FAILURE}"
+    node.run()
+    if healthy:
+        assert node.updates() == [f"scontrol update nodename={NODE} state=resume"]
+    else:
+        reason = f"health-check: azurehpc-health-checks: {GPU_BW_FAILURE}"
+        assert node.updates() == [f"scontrol update nodename={NODE} state=drain reason={reason}"]
+
+
 def test_unchanged_reason_is_not_rewritten_and_a_new_one_is(node: Node) -> None:
     node.state, node.reason, node.mounted = "IDLE+DRAIN", "health-check: /mnt/shared not mounted", False
     assert node.run().returncode == 1
@@ -459,8 +560,9 @@ def test_local_cluster_settings_come_from_the_environment(node: Node, tmp_path: 
     """CPU nodes, no InfiniBand, a shared directory instead of a mount: the same script, other values."""
     shared = tmp_path / "shared"
     shared.mkdir()
-    node.gpus, node.ports, node.mounted = 0, [], False
-    env = {"EXPECTED_GPUS": "0", "CHECK_INFINIBAND": "0", "SHARED_IS_MOUNT": "0", "SHARED_MOUNT": str(shared)}
+    node.gpus, node.ports, node.mounted, node.azure_checks = 0, [], False, None
+    env = {"EXPECTED_GPUS": "0", "INFINIBAND_PORTS": "0", "AZURE_CHECKS_CONF": "", "SHARED_IS_MOUNT": "0",
+           "SHARED_MOUNT": str(shared)}  # fmt: skip
     result = node.run(env)
     assert result.returncode == 0, result.stderr
     assert node.sandbox.calls("nvidia-smi") == [] and node.sandbox.calls("mountpoint") == []
@@ -471,7 +573,7 @@ def test_local_cluster_settings_come_from_the_environment(node: Node, tmp_path: 
     ]
 
 
-REPORT_KEYS = ["node", "checked_at", "ok", "gpus", "infiniband", "shared", "disk", "reason"]
+REPORT_KEYS = ["node", "checked_at", "ok", "gpus", "infiniband", "azure_checks", "shared", "disk", "reason"]
 
 
 def local_env(shared: Path, **extra: str | None) -> dict[str, str | None]:
@@ -479,7 +581,8 @@ def local_env(shared: Path, **extra: str | None) -> dict[str, str | None]:
     default place (under the shared directory)."""
     return {
         "EXPECTED_GPUS": "0",
-        "CHECK_INFINIBAND": "0",
+        "INFINIBAND_PORTS": "0",
+        "AZURE_CHECKS_CONF": "",
         "SHARED_IS_MOUNT": "0",
         "SHARED_MOUNT": str(shared),
         "HEALTH_REPORT_DIR": None,
@@ -514,6 +617,7 @@ def test_passing_check_reports_ok_in_the_shared_directory(node: Node, tmp_path: 
         "ok": "1",
         "gpus": "not checked",
         "infiniband": "not checked",
+        "azure_checks": "not checked",
         "shared": "ok",
         "disk": "ok",
         "reason": "",
@@ -541,6 +645,7 @@ def test_failing_check_is_reported_and_drains_the_node(node: Node, tmp_path: Pat
         "ok": "0",
         "gpus": "not checked",
         "infiniband": "not checked",
+        "azure_checks": "not checked",
         "shared": f"{shared} missing or not writable",
         "disk": disk,
         "reason": reason,
@@ -592,11 +697,16 @@ def test_health_check_fails_loudly_when_slurm_cannot_be_asked(node: Node) -> Non
 
 
 def test_health_check_renderer_validates_its_defaults() -> None:
-    kwargs = {"shared_mount": "/shared", "expected_gpus": 8, "check_infiniband": True, "min_free_gb": 50}
+    health = node_health("Standard_ND96isr_H100_v5")
+    kwargs = {"shared_mount": "/shared", "expected_gpus": 8, "health": health, "min_free_gb": 50}
     with pytest.raises(ValueError, match="free_disk_path"):
         render_health_check(**kwargs, free_disk_path="var/lib/docker")
     with pytest.raises(ValueError, match="expected_gpus"):
         render_health_check(**{**kwargs, "expected_gpus": -1}, free_disk_path="/var/lib/docker")
+    with pytest.raises(ValueError, match="infiniband_ports"):
+        render_health_check(**{**kwargs, "health": replace(health, infiniband_ports=-1)}, free_disk_path="/d")
+    with pytest.raises(ValueError, match="azure_checks_conf"):
+        render_health_check(**{**kwargs, "health": replace(health, azure_checks_conf="../x")}, free_disk_path="/d")
 
 
 # --- the epilog ----------------------------------------------------------------------------------

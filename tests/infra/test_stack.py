@@ -513,7 +513,8 @@ def test_slurm_conf_has_the_partition_gres_power_saving_and_health_check(deploym
     assert " DefaultTime=24:00:00 MaxTime=INFINITE " in settings["PartitionName"]
     assert settings["SlurmctldHost"] == f"hvd-head({HEAD_IP})"
     assert settings["SuspendTime"] == "1800"  # autostopMinutes' default, 30
-    assert settings["ResumeTimeout"] == "1800"
+    # a resume's boot, then Azure's node checks before slurmd registers (infra/head.py)
+    assert settings["ResumeTimeout"] == "2700"
     assert "SuspendExcParts" not in settings
     assert settings["HealthCheckProgram"] == "/usr/local/sbin/slurm-health-check"
     assert settings["HealthCheckNodeState"] == "ANY"

@@ -102,3 +102,18 @@ def test_a_booting_node_shows_the_step_it_is_in_in_status_and_in_launch_follow(t
     # `launch --follow` while the job is CONFIGURING: the node still booting, not the one that is up
     news = nodes_booting(desc, JobSlurm(), "7")  # type: ignore[arg-type]
     assert news == f"; hvd-gpu-000001 step 3 of 4, slurmd ({since}); 2 done"
+
+
+def test_status_shows_the_check_that_drained_a_node_and_what_it_measured() -> None:
+    """Azure's checks failed at the node's boot: its reason and its health column name the check and its figure."""
+    failure = "check_ib_bw_gdr: IB=mlx5_ib3, IB BW (expected > 380 Gbps, but measured 191 Gbps). FaultCode: NHC2003"
+    reason = f"health-check: azurehpc-health-checks: {failure}"
+    report = {"ok": "0", "gpus": "ok", "infiniband": "ok", "azure_checks": f"azurehpc-health-checks: {failure}",
+              "shared": "ok", "disk": "ok", "reason": reason}  # fmt: skip
+    console = Console(width=800, record=True)
+    console.print(
+        nodes_table([NodeInfo("hvd-gpu-000001", "drained", reason, "96", "gpu:8")], {"hvd-gpu-000001": report}, {})
+    )
+    (row,) = [line for line in console.export_text().splitlines() if "hvd-gpu-000001" in line]
+    assert reason in row
+    assert f"failed gpus ok; infiniband ok; azure_checks azurehpc-health-checks: {failure}; shared ok; disk ok" in row

@@ -15,9 +15,10 @@ REPORT_DIR=@REPORT_DIR@
 ADMIN_USER=@ADMIN_USER@
 DOCKER_GROUP=@DOCKER_GROUP@
 PACKAGES=@PACKAGES@
+AZURE_CHECKS_RESULT=@AZURE_CHECKS_RESULT@ # the verdict of Azure's checks at this boot (azure-health-checks.sh)
 readonly STEPS_DIR=/run/node-setup
 readonly DONE_FILE=/var/lib/node-setup/done
-readonly STEPS=(packages "$MOUNT_STEP" users nccl-conf nvme-raid docker-group registry-login slurmd spot-agent gpu-metrics)
+readonly STEPS=(packages "$MOUNT_STEP" users nccl-conf nvme-raid docker-group registry-login azure-checks slurmd spot-agent gpu-metrics)
 # Slurm's name for this machine: Azure may write the scale set's base-36 digits in upper case.
 NODE_NAME=$(hostname -s | tr '[:upper:]' '[:lower:]')
 
@@ -38,6 +39,19 @@ registry_login() {
     systemctl start acr-login.service
 }
 
+# Azure's checks for the size, enabled for every later boot too (the unit runs before slurmd, and a node
+# Azure starts again may be on other hardware). When they fail, the boot report says what failed: the
+# unit's verdict, not systemctl's "Job ... failed".
+# shellcheck disable=SC2317  # run through step, which shellcheck cannot follow
+azure_checks() {
+  systemctl enable azure-health-checks.service || return 1
+  systemctl start azure-health-checks.service && return 0
+  local verdict
+  verdict=$(head -n 1 "$AZURE_CHECKS_RESULT" 2>/dev/null) || verdict="no verdict recorded"
+  echo "azure-health-checks: ${verdict#failed: }" >&2
+  return 1
+}
+
 mkdir -p "$STEPS_DIR" "$(dirname "$DONE_FILE")"
 systemctl daemon-reload
 # First: the shared mount, the NVMe volume and slurmd need the packages (each fails without them, and
@@ -56,6 +70,9 @@ step docker-group usermod -aG "$DOCKER_GROUP" "$ADMIN_USER"
 # In the background: slurmd does not wait for the registry (host-runtime jobs never need it).
 step registry-login registry_login &
 registry=$!
+# Before slurmd: its first health check, before the node registers, drains it if Azure's checks failed,
+# with the failed check and its figure as the reason. slurmd starts all the same, so that Slurm says why.
+step azure-checks azure_checks
 step slurmd slurmd-setup
 # Turns a Spot eviction notice (Scheduled Events) into a checkpoint and a requeue; idle on on-demand nodes.
 step spot-agent systemctl enable --now spot-agent.service

@@ -75,7 +75,9 @@ readonly TEXTFILE_DIR=${NODE_TEXTFILE_DIR:-/var/lib/prometheus/node-exporter}
 readonly NUMBER='^[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?$'
 gate_value() { grep -m1 "^$1=" <<<"$2" | cut -d= -f2-; }
 drain_after_gate() {
-  local node=${SLURMD_NODENAME:-$(hostname -s)} workdir dir file text key figure unit reason="" metrics tmp
+  local node=${SLURMD_NODENAME:-} workdir dir file text key figure unit reason="" metrics tmp
+  # slurmd names the node; without its name or Slurm's commands there is no gate to read
+  [ -n "$node" ] && command -v scontrol >/dev/null 2>&1 || return 0
   workdir=$(timeout -k 2 10 scontrol show job "$job" 2>/dev/null | grep -o 'WorkDir=[^ ]*' | cut -d= -f2-)
   dir=$workdir/$GATE_SUBDIR
   file=$dir/$node

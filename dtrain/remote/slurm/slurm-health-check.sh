@@ -1,20 +1,29 @@
 #!/bin/bash
-# Slurm's HealthCheckProgram: the node checks (GPUs, an ACTIVE InfiniBand port, the shared file
-# system, free disk). A node that fails is drained with the failed
-# checks as the reason; a node that this script drained is resumed once every check passes again.
-# A node drained for any other reason is left alone. Each run also leaves its result in
+# Slurm's HealthCheckProgram: the node checks (GPUs, InfiniBand ports ACTIVE at their rate, the verdict
+# of Azure's checks at this boot, the shared file system, free disk). A node that fails is drained
+# with the failed checks, and what they found, as the reason; a node that this script drained is
+# resumed once every check passes again. A node drained for any other reason is left alone. Each run also leaves its result in
 # $HEALTH_REPORT_DIR/<node> (key=value lines: node, checked_at, ok, one per check, reason), which
 # the operator's `status` command shows.
 #
 # slurmd runs it as root every HealthCheckInterval, and once before it registers, with only
-# SLURMD_NODENAME in the environment, and kills it after 60 s. Every setting below may be given in
-# the environment instead, so that another cluster (the local one) runs this same script.
+# SLURMD_NODENAME in the environment, and kills it after 60 s. So only quick checks, which read sysfs,
+# nvidia-smi's device list and a file in well under a second beside running jobs: Azure's bandwidth
+# tests take minutes and the GPUs and links to themselves. They run at boot, before slurmd
+# (azure-health-checks.sh); this reports their verdict until the next boot. Thresholds: the size's,
+# from infra/health_thresholds.py. Every setting below may be given in the environment instead, so
+# that another cluster (the local one) runs this same script.
 set -uo pipefail # not -e: every check runs, and all failures are reported together
 
 SHARED_MOUNT=${SHARED_MOUNT:-@SHARED_MOUNT@}
 SHARED_IS_MOUNT=${SHARED_IS_MOUNT:-1} # 0: a shared directory, not a mount (the local cluster)
 EXPECTED_GPUS=${EXPECTED_GPUS:-@EXPECTED_GPUS@} # 0: no GPU check (CPU nodes)
-CHECK_INFINIBAND=${CHECK_INFINIBAND:-@CHECK_INFINIBAND@} # 0: no InfiniBand check
+# InfiniBand ports that must be ACTIVE (0: no check), each at this rate at least (0: any), as Azure's check_hw_ib
+INFINIBAND_PORTS=${INFINIBAND_PORTS:-@INFINIBAND_PORTS@}
+INFINIBAND_RATE_GBPS=${INFINIBAND_RATE_GBPS:-@INFINIBAND_RATE_GBPS@}
+# The size's conf in Azure's checks (empty, here or in the environment: none), and their verdict at this boot
+AZURE_CHECKS_CONF=${AZURE_CHECKS_CONF-@AZURE_CHECKS_CONF@}
+AZURE_CHECKS_RESULT=${AZURE_CHECKS_RESULT:-@AZURE_CHECKS_RESULT@}
 MIN_FREE_GB=${MIN_FREE_GB:-@MIN_FREE_GB@}
 FREE_DISK_PATH=${FREE_DISK_PATH:-@FREE_DISK_PATH@} # falls back to / where it does not exist
 IB_SYSFS=${IB_SYSFS:-/sys/class/infiniband}
@@ -36,16 +45,45 @@ check_gpus() {
 }
 
 check_infiniband() {
-  ((CHECK_INFINIBAND)) || { echo "not checked" && return 0; }
-  local port seen=absent
+  ((INFINIBAND_PORTS > 0)) || { echo "not checked" && return 0; }
+  local port name state rate up=0 short=() at=""
+  ((INFINIBAND_RATE_GBPS > 0)) && at=" at $INFINIBAND_RATE_GBPS Gb/s"
   shopt -s nullglob
   for port in "$IB_SYSFS"/*/ports/*; do
     # The accelerated-networking NIC is listed here too, ACTIVE on an Ethernet link layer.
     [ "$(cat "$port/link_layer" 2>/dev/null)" = InfiniBand ] || continue
-    seen=DOWN
-    grep -q ACTIVE "$port/state" && echo ok && return 0
+    name=${port#"$IB_SYSFS"/}
+    name=${name/\/ports\//:} # mlx5_ib3:1, as Azure's checks name a port
+    state=$(cat "$port/state" 2>/dev/null) # "4: ACTIVE"
+    state=${state#*: }
+    rate=$(cat "$port/rate" 2>/dev/null) # "400 Gb/sec (4X NDR)"
+    rate=${rate%%[!0-9]*}
+    if [[ $state != ACTIVE ]]; then
+      short+=("$name ${state:-without a state}")
+    elif ((${rate:-0} < INFINIBAND_RATE_GBPS)); then
+      short+=("$name at ${rate:-an unknown rate}${rate:+ Gb/s}")
+    else
+      up=$((up + 1))
+    fi
   done
-  echo "no ACTIVE InfiniBand port (InfiniBand $seen)" && return 1
+  ((up >= INFINIBAND_PORTS)) && echo ok && return 0
+  local found="none found"
+  ((${#short[@]})) && found=$(printf '%s, ' "${short[@]}") && found=${found%, }
+  echo "$up of $INFINIBAND_PORTS InfiniBand ports ACTIVE$at ($found)" && return 1
+}
+
+# Azure's checks at this boot passed (ok), or have none for the size (skipped); not run or running: not yet.
+check_azure_checks() {
+  [ -n "$AZURE_CHECKS_CONF" ] || { echo "not checked" && return 0; }
+  local result
+  result=$(head -n 1 "$AZURE_CHECKS_RESULT" 2>/dev/null) || result=""
+  case $result in
+    ok | skipped:*) echo "$result" && return 0 ;;
+    failed:*) echo "azurehpc-health-checks: ${result#failed: }" ;;
+    "") echo "azurehpc-health-checks not run at this boot" ;;
+    *) echo "azurehpc-health-checks $result" ;;
+  esac
+  return 1
 }
 
 # The failed mount step's result at this boot (nfs-mount, lustre-mount: "failed: <its last words>"), if any.
@@ -89,6 +127,7 @@ run_check() {
 shared_ok=0
 run_check gpus
 run_check infiniband
+run_check azure_checks
 run_check shared && shared_ok=1
 run_check disk
 reason=""
@@ -126,7 +165,9 @@ node=$(scontrol show node "$NODE" --oneliner) || {
 }
 state=$(grep -o ' State=[^ ]*' <<<"$node")
 drained_by_us=0
-[[ $state == *DRAIN* && $node == *" Reason=$REASON_PREFIX"* ]] && drained_by_us=1
+# A drain without a reason is ours too: a node that registers while Slurm holds it powered down (a
+# first boot, started by Azure) keeps the drain of this script's run before registration, not its reason.
+[[ $state == *DRAIN* && ($node == *" Reason=$REASON_PREFIX"* || $node != *" Reason="*) ]] && drained_by_us=1
 
 if [ -n "$reason" ]; then
   echo "slurm-health-check: $reason" >&2
