@@ -16,6 +16,7 @@ from dtrain.cli import (
     cost,
     demo,
     doctor,
+    drain,
     images,
     interactive,
     jobs,
@@ -31,7 +32,22 @@ from dtrain.cli_common import CLIParser, add_cluster_option, end_on_termination,
 # In the order a user meets them: a cluster and its people, data and images on it, jobs and what they leave, then the
 # local cluster.
 CONSOLE_SCRIPT = "dtrain"  # pyproject.toml's [project.scripts]
-COMMAND_MODULES = (cluster, users, stage, images, launch, jobs, watch, interactive, results, cost, doctor, local, demo)
+COMMAND_MODULES = (
+    cluster,
+    users,
+    stage,
+    images,
+    launch,
+    jobs,
+    drain,
+    watch,
+    interactive,
+    results,
+    cost,
+    doctor,
+    local,
+    demo,
+)
 
 DESCRIPTION = """\
 Distributed training on a Slurm GPU cluster: the Azure stack (`pulumi up`), or the embedded local
@@ -46,7 +62,8 @@ typical session:
   python -m dtrain top                                # live: each job's step, loss, speed; each GPU's use
   python -m dtrain logs JOB -f                        # JOB: a Slurm job id or a run id
   python -m dtrain cancel JOB
-  python -m dtrain status                             # nodes, drain reasons, health, queue
+  python -m dtrain status                             # nodes, drain reasons, health, slow ranks, queue
+  python -m dtrain drain NODE --requeue               # a slow node out, its jobs restarted elsewhere
   python -m dtrain results RUN                        # the run's model, curves, cost and logs, to runs/RUN
 """
 

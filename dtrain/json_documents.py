@@ -33,6 +33,21 @@ class ErrorDocument(Document):
 
 
 # --- jobs (and the queue of status) -----------------------------------------------------------
+class SlowRankRow(Document):
+    """A rank of a running job whose compute per step is persistently above its peers' (the job's
+    slow_ranks.json; docs/operator.md, "Slow ranks")."""
+
+    job: str | None  # the Slurm job id
+    run: str | None  # the run id
+    rank: int
+    host: str  # the node it runs on: `dtrain drain HOST --requeue` moves the job off it
+    compute_s: float | None  # its mean seconds per step of data, forward and loss, in the window that named it
+    median_s: float | None  # the median of the other ranks' in that window
+    ratio: float | None  # compute_s / median_s
+    since: str | None  # ISO 8601 (UTC): the first of the log windows that made it slow
+    since_step: int | None  # that window's step
+
+
 class JobRow(Document):
     """A job Slurm holds (pending, running) or a run that has ended; the same keys for both."""
 
@@ -53,6 +68,7 @@ class JobRow(Document):
     # running and holding GPUs: whether all of them stayed idle through the idle window (Prometheus's
     # DCGM_FI_DEV_GPU_UTIL at most 5 %); null when unknown, not running that long, or not a GPU job
     gpus_idle: bool | None = None
+    slow_ranks: list[SlowRankRow] = Field(default_factory=list)  # running: its slow ranks now, if any
 
 
 class JobsDocument(Document):
@@ -73,6 +89,7 @@ class NodeRow(Document):
     health: dict[str, str] | None  # its last health check report (key=value lines), if any
     boot: dict[str, str] | None  # its last boot report (node-setup's steps), if any
     gpu_alerts: list[str] = Field(default_factory=list)  # XID errors and throttling of its GPUs (Prometheus)
+    slow_ranks: list[SlowRankRow] = Field(default_factory=list)  # the running jobs' slow ranks on this node
 
 
 class StatusDocument(Document):

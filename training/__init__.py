@@ -9,9 +9,11 @@ one exit-status table and ``errors`` the job's errors. The parts are grouped:
 - ``config/``: the flags and the typed settings built from them.
 - ``data/``: ImageNet folders, decode (CPU and GPU), transcode, text tokens.
 - ``checkpoint/``: the checkpoint formats side by side (atomic files, the background writer, sharded DCP).
-- ``run/``: the run's bookkeeping: start and end, loop, schedule, metrics, curves, export, outputs.
+- ``run/``: the run's bookkeeping: start and end, loop, schedule, metrics, curves, slow ranks, export,
+  outputs.
 - ``world/``: the distributed world: backends, liveness, preemption, launchers, helper lifetimes.
-- ``torch/``: PyTorch's models, transformer, replica sync, profiling and ``parallel/`` layouts.
+- ``torch/``: PyTorch's models, transformer, replica sync, profiling, the compute clock and ``parallel/``
+  layouts.
 - ``tf/``: what the TensorFlow and Keras jobs share, and their models.
 
 May import: the training environment's packages (PyTorch, TensorFlow, Horovod), each job only its own

@@ -37,7 +37,7 @@ import argparse
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -68,6 +68,8 @@ from training.run import curves, tracking
 from training.run.job import run_job
 from training.run.metrics import RateWindow, StepTimer, throughput, write_metrics
 from training.run.outputs import output_error
+from training.run.slow_ranks import SlowRankWatch, hostname
+from training.torch.compute_clock import ComputeClock
 from training.torch.models import build_model
 from training.torch.parallel import memory
 from training.torch.parallel.export import gather_full_state_dict, write_whole_model
@@ -281,8 +283,12 @@ class Parts:
     def last(self) -> bool:
         return self.num_stages - 1 in self.stage_ids
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """One optimizer step; the loss on ranks that compute it (a pipeline's last stage), else None."""
+    def step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, forward_done: Callable[[], None] | None = None
+    ) -> torch.Tensor | None:
+        """One optimizer step; the loss on ranks that compute it (a pipeline's last stage), else None.
+        ``forward_done``: called once the loss is computed (without a pipeline, whose forward and backward
+        passes interleave)."""
         for optimizer in self.optimizers:
             optimizer.zero_grad()
         if self.pipeline is not None:
@@ -291,6 +297,8 @@ class Parts:
             device_type = self.autocast_device or "cpu"
             with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.autocast_device is not None):
                 loss = self.loss(self.chunks[0](inputs), targets)
+            if forward_done is not None:
+                forward_done()
             loss.backward()
         for optimizer in self.optimizers:
             optimizer.step()
@@ -470,6 +478,12 @@ class Run:
         self.memory_curves = (
             settings.tensorboard_dir is not None or settings.summary_png is not None or tracking.enabled()
         )
+        # each rank's batch + forward + loss per step, judged by rank 0 at log steps (training/run/slow_ranks.py)
+        self.compute = ComputeClock(device)
+        self.host = hostname()
+        self.slow = (
+            SlowRankWatch(settings.slow_ranks_json, why_not=unchecked_layout(layout)) if backend.rank == 0 else None
+        )
 
     def train(self) -> dict[str, Any]:
         settings = self.settings
@@ -482,7 +496,8 @@ class Run:
         loss = None
         profiler = StepProfiler(settings.profile_dir, self.backend.rank, self.timer.excluded)
         for step in range(self.start_step, settings.steps):
-            loss = self.parts.step(*self.batches(step, self.layout.dp))
+            self.compute.begin()
+            loss = self.parts.step(*self.batches(step, self.layout.dp), forward_done=self.compute.end)
             if self.reads_numbers(step + 1):
                 sync(self.device)  # the clock, the loss and the checkpoint must see finished work
             self.timer.step_done()
@@ -508,6 +523,8 @@ class Run:
         pipeline = self.parts.pipeline
         if pipeline is not None and pipeline.last_bubble_fraction is not None and self.timer.measured_steps:
             self.bubbles.append(pipeline.last_bubble_fraction)  # after the timing warmup, as tokens/s
+        if done - self.start_step == self.timer.excluded:
+            self.compute.take_window()  # the warmup's steps (compilation, autotuning) are no one's slowness
         if done % self.log_every == 0:
             self.log(done, mean_loss(loss, self.device))  # collective: every rank logs at the same steps
         every = self.settings.checkpoint_every
@@ -525,13 +542,22 @@ class Run:
         self.losses.append([done, loss if math.isfinite(loss) else None])
         rate = self.window.rate(self.timer)
         values = {curves.LOSS: loss, curves.LR: self.settings.lr, self.curves.rate_tag: rate}
+        # each rank's compute and host for the slow-rank check, and its peak memory for the curves: one gather
+        span = self.compute.take_window() if self.timer.measured_steps else None  # None: a warmup step's
+        mine = (
+            span,
+            self.host,
+            memory.peak_memory_bytes(self.device) if self.memory_curves else 0,
+        )
+        spans, hosts, peaks = zip(*self.backend.allgather_object(mine), strict=True)
         if self.memory_curves:
-            peaks = self.backend.allgather_object(memory.peak_memory_bytes(self.device))
             values.update({curves.MEMORY_GIB.format(rank=rank): peak / 2**30 for rank, peak in enumerate(peaks)})
         if self.backend.rank == 0:
             shown = "" if rate is None else f" {self.curves.unit}/s {rate:.1f}"
             log.info("step %d/%d loss %.4f%s", done, self.settings.steps, loss, shown)
             self.curves.record(done, values)
+            assert self.slow is not None
+            self.slow.observe(done, spans, hosts)
 
     def save(self, step: int) -> None:
         assert self.checkpoints is not None
@@ -631,6 +657,18 @@ class Run:
             "device": device,
         }
         return {key: metrics[key] for key in METRIC_KEYS}
+
+
+def unchecked_layout(layout: Layout) -> str | None:
+    """Why the slow-rank check cannot compare this layout's ranks; None where it can. It compares the ranks'
+    forward passes, which are their own only where no rank waits for another in them: pure replication."""
+    if layout.world_size == 1 or (layout.tp, layout.pp, layout.dp_shard) == (1, 1, 1):
+        return None
+    return (
+        f"on {layout} each rank's forward pass waits for others (FSDP's all-gathers, tensor parallel's reductions, "
+        "the pipeline's activations), so a slow rank slows its group alike; ranks are compared under pure "
+        "replication (--dp-shard 1, no --tp or --pp)"
+    )
 
 
 def sync(device: torch.device) -> None:

@@ -51,6 +51,7 @@ from training.errors import BadInput, JobError, NotReady
 from training.run.export import Exporter, ExportSpec, ModelFiles
 from training.run.job import run_job
 from training.run.loop import TrainingRun, configure_logging, restore, resume
+from training.torch.compute_clock import ComputeClock
 from training.torch.models import build_model
 from training.torch.profiling import StepProfiler
 from training.torch.sync import HIERARCHICAL, PeriodicSync, check_layout, refuse_replicas
@@ -507,6 +508,7 @@ class Job:
     skipped: SkipCounter | None  # images the loaders skipped; None with synthetic data (nothing to skip)
     exporter: Exporter
     profile_dir: Path | None
+    compute: ComputeClock  # this rank's data + forward + loss per step, for the slow-rank check
 
 
 def train(settings: TrainingSettings, backend: Backend) -> dict[str, Any]:
@@ -576,6 +578,7 @@ def build_job(settings: TrainingSettings, backend: Backend) -> Job:
     model, start_step, fingerprint = build_trained_model(settings, backend, plan, device)
     decode = settle_auto(settings, plan, backend, device, decode, partial(model_steps, settings, plan, backend, model))
     skipped = SkipCounter()
+    compute = ComputeClock(device)
     exporter = Exporter(
         settings,
         backend,
@@ -596,10 +599,11 @@ def build_job(settings: TrainingSettings, backend: Backend) -> Job:
         collective_save=model.periodic is not None,
         evaluate=make_evaluate(settings, plan, backend, model.module, device, decode, model.autocast, skipped),
         on_epoch_end=exporter.epoch_hook,
+        compute=compute,
     )
     batches = train_batches(settings, plan, backend, device, decode, start_step, run.total_steps)
     reported = skipped if plan.train is not None else None
-    return Job(backend, model, run, batches, reported, exporter, settings.profile_dir)
+    return Job(backend, model, run, batches, reported, exporter, settings.profile_dir, compute)
 
 
 def run_steps(job: Job) -> dict[str, Any]:
@@ -607,12 +611,14 @@ def run_steps(job: Job) -> dict[str, Any]:
     model, run = job.model, job.run
     profiler = StepProfiler(job.profile_dir, job.backend.rank, run.excluded)
     model.module.train()
-    for step, (images, labels, batch_skipped) in zip(run.steps(), job.batches, strict=False):
+    # the clock spans the wait for each batch, then the forward pass and the loss: what no collective waits in
+    for step, (images, labels, batch_skipped) in zip(run.steps(), job.compute.fetching(job.batches), strict=False):
         for group in model.optimizer.param_groups:
             group["lr"] = run.lr(step)
         model.optimizer.zero_grad()  # sets grads to None (the default); Horovod takes no argument
         with model.autocast():
             loss = F.cross_entropy(model.wrapped(images), labels)
+        job.compute.end()
         model.scaler.scale(loss).backward()
         job.backend.step(model.optimizer, model.scaler)
         model.scaler.update()

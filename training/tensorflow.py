@@ -6,6 +6,7 @@ initial (or resumed) variables are broadcast from rank 0 before the first step.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from itertools import repeat
 from typing import Any, NoReturn
@@ -35,26 +36,30 @@ def train(settings: TrainingSettings, dist: tf_common.HorovodTF) -> dict[str, An
     compression = tf_common.compression(s.settings)
 
     @tf.function
-    def train_step(images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+    def train_step(images: tf.Tensor, labels: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         with tf.GradientTape() as tape:
             loss = loss_fn(labels, model(images, training=True))
             objective = optimizer.get_scaled_loss(loss) if scaled else loss
+        forward_end = tf_common.forward_done(loss)
         tape = hvd.DistributedGradientTape(tape, compression=compression)
         grads = tape.gradient(objective, model.trainable_variables)
         if scaled:
             grads = optimizer.get_unscaled_gradients(grads)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        return loss
+        return loss, forward_end
 
     run = s.training_run()
     batches: Iterator[tuple[tf.Tensor, tf.Tensor]] = (
         repeat(s.synthetic_tensors()) if s.plan.train is None else iter(s.train_dataset(run.total_steps))
     )
     with s.pipeline_errors.unwrapped():
+        asked = time.time()  # as the step asks for its batch: the wait for data is the rank's own
         for step, (images, labels) in zip(run.steps(), batches, strict=False):
             optimizer.learning_rate = run.lr(step)
-            loss = train_step(images, labels)
+            loss, forward_end = train_step(images, labels)
+            s.compute.add(asked, forward_end)
             run.step_done(step, lambda loss=loss: float(loss))
+            asked = time.time()
         return s.finish(run)
 
 

@@ -20,7 +20,7 @@ from rich.table import Table
 from dtrain.cli_common import add_cluster_option, arg_type, debugging, int_between
 from dtrain.cluster.description import ClusterDescription, load
 from dtrain.cluster.limits import explain_queue
-from dtrain.cluster.node_reports import boot_verdict, read_reports
+from dtrain.cluster.node_reports import HEALTH_CHECKS, boot_verdict, read_reports
 from dtrain.cluster.slurm import EndedJob, NodeInfo, QueuedJob, Slurm, SlurmRefused, patiently
 from dtrain.cluster.ssh import SSH, q
 from dtrain.cluster.telemetry import TelemetryUnavailable, alert_queries, gpu_alerts, idle_jobs, run_sections
@@ -28,7 +28,8 @@ from dtrain.errors import ExitCode, OperatorError
 from dtrain.idle_cost import for_cluster
 from dtrain.jobs.follow import cancel_and_wait, follow
 from dtrain.jobs.runs import Run, check_job_reference, list_runs, resolve, without_status
-from dtrain.json_documents import JobRow, JobsDocument, NodeRow, StatusDocument
+from dtrain.jobs.slow_ranks import by_node, describe, running_run_ids, running_slow_ranks
+from dtrain.json_documents import JobRow, JobsDocument, NodeRow, SlowRankRow, StatusDocument
 from dtrain.ui import make_console
 
 ELAPSED = re.compile(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)")  # squeue's %M
@@ -81,7 +82,7 @@ def configure(commands: argparse._SubParsersAction) -> None:
         help="nodes (state, drain reason, power saving, boot, health checks) and the queue",
         description="The cluster at a glance: each node's Slurm state and drain reason, whether it is "
         "powered down (power saving), the setup steps that failed at its last boot (with why), its last "
-        "health check, and the queue.",
+        "health check, the slow ranks of running jobs on it, and the queue.",
         epilog="example: python -m dtrain status. Exit status 0, or 3 when no node can take a job.",
     )
     for parser, handler in ((jobs, run_jobs), (logs, run_logs), (cancel, run_cancel), (status, run_status)):
@@ -106,12 +107,17 @@ def run_jobs(args: argparse.Namespace) -> int:
     desc, ssh, slurm = _connect(args)
     with ssh:
         queue = slurm.queue()
-        runs = list_runs(desc, slurm, limit=args.limit)
+        # the running jobs' runs too, however old: their slow ranks (slow_ranks.json) are read with them
+        runs = list_runs(desc, slurm, limit=args.limit, also=running_run_ids(queue))
         ended = slurm.ended_jobs(_without_status(queue, runs))
         window_s = args.idle_window or (desc.telemetry.idle_gpu_window_s if desc.telemetry else 0)
         idle = idle_gpu_jobs(desc, slurm, queue, window_s)
         held = explain_queue(slurm, queue)
-    rows = [row.model_copy(update={"gpus_idle": idle.get(row.job or "")}) for row in job_rows(queue, runs, ended, held)]
+    slow = running_slow_ranks(queue, runs)
+    rows = [
+        row.model_copy(update={"gpus_idle": idle.get(row.job or ""), "slow_ranks": slow.get(row.job or "", [])})
+        for row in job_rows(queue, runs, ended, held)
+    ]
     if not args.all:
         rows = [row for row in rows if row.user == desc.ssh_user]
     if args.json:
@@ -239,9 +245,14 @@ def jobs_table(rows: Sequence[JobRow]) -> Table:
             "" if row.exit_code is None else str(row.exit_code),
             "" if hours is None else f"{hours:.3f}",
             "" if cost is None else f"${cost:.2f}",
-            "; ".join(part for part in (IDLE_NOTE if row.gpus_idle else "", row.note) if part),
+            "; ".join(part for part in (IDLE_NOTE if row.gpus_idle else "", *slow_notes(row), row.note) if part),
         )
     return table
+
+
+def slow_notes(row: JobRow) -> list[str]:
+    """A running job's slow ranks, for its note (red)."""
+    return [f"[red]{describe(slow)}[/red]" for slow in row.slow_ranks]
 
 
 def _clock(seconds: int) -> str:
@@ -349,18 +360,23 @@ def run_status(args: argparse.Namespace) -> int:
         queue = slurm.queue()
         reports = read_reports(desc, slurm)
         alerts = node_gpu_alerts(desc, slurm)
+        running = running_run_ids(queue)
+        slow = by_node(running_slow_ranks(queue, list_runs(desc, slurm, limit=0, also=running) if running else []))
     health, boot = reports["health"], reports["boot"]
     idle = for_cluster(desc, sum(not n.powered_down and not n.unregistered for n in nodes))
     if args.json:
         StatusDocument(
-            nodes=[node_row(n, health.get(n.name), boot.get(n.name), alerts.get(n.name, [])) for n in nodes],
+            nodes=[
+                node_row(n, health.get(n.name), boot.get(n.name), alerts.get(n.name, []), slow.get(n.name, []))
+                for n in nodes
+            ],
             queue=[queued_row(job) for job in queue],
             summary=summary(nodes, queue),
             idle_usd_per_hour=None if idle.per_hour is None else str(idle.per_hour),
             idle_cost=idle.describe(),
         ).print()
     else:
-        out.print(nodes_table(nodes, health, boot, alerts))
+        out.print(nodes_table(nodes, health, boot, alerts, slow))
         out.print(summary(nodes, queue))
         out.print(idle.describe(), highlight=False)
     usable = [n for n in nodes if not any(word in n.state for word in ("drain", "down", "fail"))]
@@ -368,7 +384,11 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def node_row(
-    node: NodeInfo, health: dict[str, str] | None, boot: dict[str, str] | None, gpu_alerts: list[str]
+    node: NodeInfo,
+    health: dict[str, str] | None,
+    boot: dict[str, str] | None,
+    gpu_alerts: list[str],
+    slow_ranks: list[SlowRankRow] | None = None,
 ) -> NodeRow:
     return NodeRow(
         name=node.name,
@@ -383,6 +403,7 @@ def node_row(
         health=health,
         boot=boot,
         gpu_alerts=gpu_alerts,
+        slow_ranks=slow_ranks or [],
     )
 
 
@@ -391,17 +412,20 @@ def nodes_table(
     health: dict[str, dict[str, str]],
     boot: dict[str, dict[str, str]],
     alerts: dict[str, list[str]] | None = None,
+    slow: dict[str, list[SlowRankRow]] | None = None,
 ) -> Table:
-    alerts = alerts or {}
+    alerts, slow = alerts or {}, slow or {}
     table = Table(title="nodes")
     # no boot column where no node wrote a boot report (the local cluster's nodes run no node-setup)
     boot_column = ["boot"] if boot else []
     alert_column = ["GPU alerts"] if alerts else []  # none where no GPU has an XID error or throttles
-    for column in ("node", "state", "power", "reason", *boot_column, "health check", "checked", *alert_column):
+    slow_column = ["slow ranks"] if slow else []  # none where no running job has a slow rank
+    columns = ("node", "state", "power", "reason", *boot_column, "health check", "checked", *alert_column, *slow_column)
+    for column in columns:
         table.add_column(column)
     for node in nodes:
         report = health.get(node.name, {})
-        checks = "; ".join(f"{k} {report[k]}" for k in ("gpus", "infiniband", "shared", "disk") if report.get(k))
+        checks = "; ".join(f"{k} {report[k]}" for k in HEALTH_CHECKS if report.get(k))
         verdict = "" if not report else ("[green]ok[/green]" if report.get("ok") == "1" else "[red]failed[/red]")
         table.add_row(
             node.name,
@@ -412,8 +436,15 @@ def nodes_table(
             f"{verdict} {checks}".strip(),
             _age(report.get("checked_at")),
             *(["[red]" + "; ".join(alerts.get(node.name, [])) + "[/red]"] if alerts else []),
+            *([_slow_here(slow.get(node.name, []))] if slow else []),
         )
     return table
+
+
+def _slow_here(rows: Sequence[SlowRankRow]) -> str:
+    """`job 42 rank 1: 1.7x the median compute`, for each slow rank on a node; `drain NODE --requeue` moves them."""
+    shown = [f"job {row.job} rank {row.rank}" + ("" if row.ratio is None else f": {row.ratio:.1f}x") for row in rows]
+    return "[red]" + "; ".join(shown) + " (the median compute)[/red]" if shown else ""
 
 
 def power_column(node: NodeInfo) -> str:

@@ -1,4 +1,5 @@
-"""Slurm's commands on the cluster's login node, over SSH: sbatch, squeue, scancel, sinfo.
+"""Slurm's commands on the cluster's login node, over SSH: sbatch, squeue, scancel, sinfo, and the admin's
+scontrol (drain, resume, requeue).
 
 Slurm is the scheduler; this module only speaks its command-line protocol (`--parsable`, fixed
 `--format` strings) and turns its failures into operator errors. It keeps no state of its own.
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from dtrain.cluster.description import ClusterDescription, SlurmAccess
-from dtrain.cluster.ssh import SSH, SSHFailure, q
+from dtrain.cluster.ssh import SSH, SSHFailure, as_root, q
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.ui import make_console
 
@@ -240,6 +241,46 @@ class Slurm:
 
     def nodes(self) -> list[NodeInfo]:
         return parse_nodes(self._ask(f"sinfo {NODE_FIELDS} --partition={q(self.partitions)}").stdout)
+
+    # --- the admin's: scontrol as root (the admin user's sudo on Azure) --------------------------
+    def _admin(self, command: str, what: str) -> Result:
+        """A Slurm command that needs the cluster admin's rights; ``what`` says what it does, for a refusal."""
+        try:
+            result = self.run_unchecked(as_root(command))
+        except SSHFailure as exc:
+            raise SlurmUnreachable(str(exc)) from None
+        text = result.stderr.strip()
+        if result.returncode != 0 and ("sudo" in text or _REFUSED in text):
+            raise SlurmRefused(f"only the cluster's admin may {what}: {text.splitlines()[-1]}")
+        if result.returncode != 0:
+            word = command.split()[0]
+            raise SlurmUnreachable(f"{word} on the login node failed: {text[-600:] or 'no message'}")
+        return result
+
+    def drain(self, node: str, reason: str) -> None:
+        """No new job starts on node; those running there go on (requeue() moves them)."""
+        self._admin(f"scontrol update NodeName={q(node)} State=DRAIN Reason={q(reason)}", f"drain {node}")
+
+    def resume_node(self, node: str) -> None:
+        """Undo drain(): node takes jobs again."""
+        self._admin(f"scontrol update NodeName={q(node)} State=RESUME", f"resume {node}")
+
+    def running_on(self, node: str) -> list[str]:
+        """The ids of the jobs running (or starting) on node."""
+        text = self._ask(f"squeue --noheader --nodelist={q(node)} --states=RUNNING,CONFIGURING --format=%i").stdout
+        return text.split()
+
+    def requeue(self, job_id: str) -> str | None:
+        """Requeue a running job: Slurm ends it and queues it again (with its id), to start once its nodes'
+        epilog is done. None, or Slurm's reason for refusing it (a job submitted with --no-requeue)."""
+        result = self.run_unchecked(as_root(f"scontrol requeue {q(job_id)}"))
+        if result.returncode == 0:
+            return None
+        return (result.stderr.strip() or result.stdout.strip() or "no message").splitlines()[-1]
+
+    def start_now(self, job_id: str) -> None:
+        """Lift the two minutes Slurm holds a requeued job back (BeginTime): its epilog has run."""
+        self._admin(f"scontrol update JobId={q(job_id)} StartTime=now", f"start job {job_id}")
 
 
 def patiently(ask: Callable[[], T], what: str, patience_s: float = OUTAGE_PATIENCE_S) -> T:

@@ -286,6 +286,12 @@ def q(value: object) -> str:
     return shlex.quote(str(value))
 
 
+def as_root(command: str) -> str:
+    """command as root on the remote host: itself where the SSH user is root (the local cluster), else
+    through sudo, which never prompts (-n): the admin user has it on Azure, a person of the list does not."""
+    return f'if [ "$(id -u)" = 0 ]; then {command}; else sudo -n {command}; fi'
+
+
 def storage_role(desc: ClusterDescription) -> str:
     """What the description's storage host is, in words: the NFS server, or the head node (Lustre)."""
     return "head node (Lustre)" if desc.shared_storage == "lustre" else "NFS server"

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from dtrain.cli_common import describe_validation_error
 from dtrain.cluster.description import ClusterDescription
 from dtrain.cluster.slurm import Slurm
-from dtrain.cluster.ssh import SSH, q
+from dtrain.cluster.ssh import SSH, as_root, q
 from dtrain.errors import ExitCode, OperatorError
 from infra.users import JUMPBOX_LIST, USERS_DIR, AccountLimits, ClusterUser, UserLimits, UsersList
 
@@ -55,12 +55,6 @@ class UsersState:
     def errors(self) -> list[str]:
         """What the hosts that applied this list could not do, `host: reason`."""
         return [f"{r.host}: {e}" for r in self.reports if r.digest == self.digest for e in r.errors]
-
-
-def as_root(command: str) -> str:
-    """command as root on the remote host: itself where the SSH user is root (the local cluster), else
-    through sudo, which never prompts (-n): the admin user has it on Azure, a person of the list does not."""
-    return f'if [ "$(id -u)" = 0 ]; then {command}; else sudo -n {command}; fi'
 
 
 def users_dir(desc: ClusterDescription) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,6 +29,7 @@ class Run:
     record: dict[str, Any] | None = None  # run.json: attempts, node-hours, billed node-hours, estimated cost
     owner: str | None = None  # the user whose run it is (its directory's owner; Slurm's user of a job without one)
     readable: bool = True  # False: another user's run, whose directory (0700) the file system keeps from us
+    slow_ranks: dict[str, Any] | None = None  # slow_ranks.json of the attempt now running (dtrain/jobs/slow_ranks.py)
 
     @property
     def cost_summary(self) -> str | None:
@@ -93,12 +95,21 @@ def _signal_name(number: int) -> str:
 
 
 def list_runs(
-    desc: ClusterDescription, slurm: Slurm, *, job: str | None = None, run: str | None = None, limit: int = 20
+    desc: ClusterDescription,
+    slurm: Slurm,
+    *,
+    job: str | None = None,
+    run: str | None = None,
+    limit: int = 20,
+    also: Sequence[str] = (),
 ) -> list[Run]:
-    """The newest runs first (at most limit), or just the run of a job id or a run id."""
+    """The newest runs first (at most limit), or just the run of a job id or a run id; also: these runs too
+    (the running jobs': their directories may be older than the newest runs). One call to the login node."""
     args = [runs_dir(desc), "--limit", str(limit)]
     args += ["--job", job] if job else []
     args += ["--run", run] if run else []
+    for name in also:
+        args += ["--also", name]
     command = f"{q(desc.remote_python)} - {' '.join(q(a) for a in args)}"
     result = slurm.run_unchecked(command, input=LIST_RUNS.read_bytes())
     try:
@@ -110,7 +121,13 @@ def list_runs(
         ) from None
     fields = ("run_id", "job_id", "run_dir", "job", "status", "verdict")
     return [
-        Run(*(e[f] for f in fields), e.get("record"), owner=e.get("owner"), readable=e.get("readable", True))
+        Run(
+            *(e[f] for f in fields),
+            e.get("record"),
+            owner=e.get("owner"),
+            readable=e.get("readable", True),
+            slow_ranks=e.get("slow_ranks"),
+        )
         for e in entries
     ]
 

@@ -41,6 +41,7 @@ from dtrain.jobs.kept_checkpoints import require_kept_checkpoint
 from dtrain.jobs.node_gate import GATE_FRAMEWORK, gate_thresholds
 from dtrain.jobs.preflight import ProcessRequest, dataset_under_data_path, plan_preflight
 from dtrain.jobs.preflight import flag_value as _flag_value
+from dtrain.jobs.slow_ranks import SLOW_RANKS_FILE
 from dtrain.jobs.task_file import check_environment_size, check_task_request, read_secrets
 from dtrain.jobs.task_steps import SECRETS_SUBDIR, SETUP_FILE, setup_cache_dir
 from dtrain.jobs.time_warning import warning_lead
@@ -58,7 +59,12 @@ REMOTE_DIR = REPO_ROOT / "dtrain" / "remote"
 SAS_FILE = "results.sas"
 MODEL_PARALLEL_JOB = "training.model_parallel"
 # The training jobs' output flags that `launch` points into the run directory (flag name -> path in it).
-RUN_OUTPUTS = {"export-dir": "model", "tensorboard-dir": "tensorboard", "summary-png": "summary.png"}
+RUN_OUTPUTS = {
+    "export-dir": "model",
+    "tensorboard-dir": "tensorboard",
+    "summary-png": "summary.png",
+    "slow-ranks-json": SLOW_RANKS_FILE,  # `jobs` and `status` read it while the job runs (dtrain/jobs/slow_ranks.py)
+}
 _RUN_EXISTS = 17  # the remote step's own exit status (dtrain/jobs/preflight.py has those of its checks)
 
 

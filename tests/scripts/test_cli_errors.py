@@ -444,6 +444,21 @@ JOBS = [
     case("results --cluster {desc} -- -x", message="argument RUN: invalid run id '-x'"),
 ]
 
+# a NODE that is not a host name, and flags that contradict each other: refused before any connection (an
+# unknown node needs the cluster: tests/scripts/test_slow_ranks.py)
+DRAIN = [
+    case("drain --cluster {desc} 'node 1'", message="argument NODE: 'node 1' is not a node name (`dtrain status`"),
+    case("drain --cluster {desc} -- -node-1", message="argument NODE: '-node-1' is not a node name"),
+    case(
+        "drain --cluster {desc} node-1 --requeue --undo", message="argument --undo: not allowed with argument --requeue"
+    ),
+    case(
+        "drain --cluster {desc} node-1 --undo --reason x", message="--reason is for draining: --undo resumes the node"
+    ),
+    case("drain --cluster {desc} node-1 --reason ''", message="argument --reason"),
+    case("drain --cluster {missing} node-1", message="no cluster description at {missing}"),
+]
+
 ADD = "add alice --cluster {desc} --account vision --ssh-key"
 USERS = [
     case("add Alice --ssh-key {pub} --account vision", message="argument name: 'Alice' is not a user name"),
@@ -572,6 +587,11 @@ def test_jobs(bad: Case, paths: dict[str, str]) -> None:
     check("dtrain", bad, paths)
 
 
+@pytest.mark.parametrize("bad", DRAIN, ids=str)
+def test_drain(bad: Case, paths: dict[str, str]) -> None:
+    check("dtrain", bad, paths)
+
+
 @pytest.mark.parametrize("bad", USERS, ids=str)
 def test_users(bad: Case, paths: dict[str, str]) -> None:
     check("dtrain users", bad, paths)
@@ -607,6 +627,7 @@ COMMANDS = (
     "logs",
     "cancel",
     "status",
+    "drain",
     "ui",
     "top",
     "ssh",

@@ -120,6 +120,8 @@ class RankZeroOfTwo(OneProcess):
     def allgather_object(self, obj: Any) -> list[Any]:
         if isinstance(obj, float):
             return [obj, obj + 1]
+        if isinstance(obj, tuple) and len(obj) == 3 and isinstance(obj[2], str):  # a log step: (loss, compute, host)
+            return [obj, (obj[0] + 1, obj[1], "peer")]
         if isinstance(obj, tuple) and len(obj) == 3 and isinstance(obj[1], float):  # finish(): the last loss
             return [obj, (obj[0], obj[1] + 1, obj[2])]
         return [obj, obj]

@@ -294,6 +294,12 @@ def add_reporting(parser: argparse.ArgumentParser, scalars: str, rate: str) -> N
     report.add_argument(
         "--summary-png", type=Path, help=f"rank 0 plots loss and {rate} over the steps into this PNG at the end"
     )
+    report.add_argument(
+        "--slow-ranks-json",
+        type=Path,
+        help="rank 0 keeps here, while the job runs, the ranks whose compute per step is persistently slower than "
+        "the others' (training/run/slow_ranks.py); `dtrain launch` puts it in the run directory",
+    )
     report.add_argument("--seed", type=non_negative_int_arg, default=42)
     report.add_argument(
         "--log-every",

@@ -30,6 +30,7 @@ class ReportingSettings:
     metrics_json: Path | None
     tensorboard_dir: Path | None
     summary_png: Path | None
+    slow_ranks_json: Path | None
     seed: int
     log_every: int | None  # None: args.log_interval's default, once the run's steps are known
     timing_warmup_steps: int

@@ -22,6 +22,7 @@ from training.run import curves
 from training.run.metrics import METRIC_KEYS, RateWindow, StepTimer, throughput, write_metrics
 from training.run.outputs import output_error
 from training.run.schedule import learning_rate
+from training.run.slow_ranks import ComputeTimes, SlowRankWatch, hostname
 from training.world.distributed import PEER_TIMEOUT_SECONDS, Dist, peer_timeout_seconds
 from training.world.preemption import PreemptionWatch, stop
 
@@ -114,6 +115,7 @@ class TrainingRun:
         collective_save: bool = False,
         evaluate: Callable[[], tuple[int, int]] | None = None,
         on_epoch_end: Callable[[int, dict[str, Any]], None] | None = None,
+        compute: ComputeTimes | None = None,
     ) -> None:
         self.settings = settings
         self.dist = dist
@@ -145,6 +147,10 @@ class TrainingRun:
         self._val_top1: float | None = None
         self._window = RateWindow(self.global_batch_size)
         self._preemption = PreemptionWatch(dist)
+        # each rank's compute per step, judged by rank 0 at log steps (training/run/slow_ranks.py)
+        self._compute = compute
+        self._host = hostname()
+        self._slow = SlowRankWatch(settings.slow_ranks_json) if dist.rank == 0 else None
         if dist.rank == 0:
             log.info(
                 "%s/%s: %d workers x batch %d, %d steps (%d per epoch), starting at step %d",
@@ -193,11 +199,21 @@ class TrainingRun:
         if timing_edge or save_due or eval_due or hook is not None or log_due:
             loss()  # wait for the device, so the clock and the pauses see finished work
         self._timer.step_done()
+        # the warmup's steps (compilation, autotuning) are no one's slowness: their spans are dropped where
+        # the device has been waited for (the warmup's end, log steps)
+        warming_up = done - self.start_step <= self.excluded
+        if self._compute is not None and done - self.start_step == self.excluded:
+            self._compute.take_window()
         if log_due:
-            # the mean over ranks, as metrics.json and model.json report it (a small collective)
-            mean = sum(self.dist.allgather_object(loss())) / self.dist.size
+            # the mean loss over ranks, as metrics.json and model.json report it, and each rank's compute
+            # and host for the slow-rank check: one small collective
+            span = self._compute.take_window() if self._compute is not None else None
+            span = None if warming_up else span
+            losses, spans, hosts = zip(*self.dist.allgather_object((loss(), span, self._host)), strict=True)
             if self.dist.rank == 0:
-                self._log(done, mean)
+                self._log(done, sum(losses) / self.dist.size)
+                assert self._slow is not None
+                self._slow.observe(done, spans, hosts)
         if save_due:
             self._timer.pause()
             self._save(done)

@@ -38,6 +38,8 @@ class OutputFlags(Protocol):
     def tensorboard_dir(self) -> Path | None: ...
     @property
     def summary_png(self) -> Path | None: ...
+    @property
+    def slow_ranks_json(self) -> Path | None: ...
 
 
 def check_output_paths(settings: OutputFlags, env: Mapping[str, str] = os.environ) -> None:
@@ -51,10 +53,11 @@ def check_output_paths(settings: OutputFlags, env: Mapping[str, str] = os.enviro
             raise OutputPathError(f"--export-dir {settings.export_dir}: {problem}")
         # The export is written beside the directory, then renamed over it: the parent must take files.
         check_directory(settings.export_dir.parent, "--export-dir", settings.export_dir, need)
-    if settings.metrics_json is not None:
-        if settings.metrics_json.is_dir():
-            raise OutputPathError(f"--metrics-json {settings.metrics_json} is a directory: pass the path of a file")
-        check_directory(settings.metrics_json.parent, "--metrics-json", settings.metrics_json, need)
+    for flag, path in (("--metrics-json", settings.metrics_json), ("--slow-ranks-json", settings.slow_ranks_json)):
+        if path is not None:
+            if path.is_dir():
+                raise OutputPathError(f"{flag} {path} is a directory: pass the path of a file")
+            check_directory(path.parent, flag, path, need)
     if settings.tensorboard_dir is not None:
         require_package("tensorboard", "--tensorboard-dir")
         check_directory(settings.tensorboard_dir, "--tensorboard-dir", settings.tensorboard_dir, need)

@@ -36,6 +36,7 @@ from training.data.imagenet import (
 from training.errors import JobError
 from training.run.export import Exporter, ExportSpec, ModelFiles
 from training.run.loop import TrainingRun, restore, resume
+from training.run.slow_ranks import HostComputeTimes
 from training.tf.models import build_model
 from training.world.distributed import agree, set_failure_timeouts
 
@@ -176,6 +177,8 @@ class Setup:
     fingerprint: Fingerprint
     skipped: SkipCounter = field(default_factory=SkipCounter)
     pipeline_errors: PipelineErrors = field(default_factory=PipelineErrors)
+    # each step's (time.time() as it asked for its batch, forward_done()): data + forward + loss, the slow-rank check's
+    compute: HostComputeTimes = field(default_factory=HostComputeTimes)
     exporter: Exporter | None = None  # made with the TrainingRun, which calls it at epoch ends
     serving: Serving | None = None  # the float32 copy exports are taken from, made at the first export
 
@@ -260,6 +263,7 @@ class Setup:
             save_state=self.save_state,
             evaluate=self.evaluate(),
             on_epoch_end=self.exporter.epoch_hook,
+            compute=self.compute,
         )
 
     def finish(self, run: TrainingRun) -> dict[str, Any]:
@@ -355,6 +359,17 @@ def setup(
         restore(settings, start_step, lambda: _assign("optimizer", optimizer.variables, state))
     hvd.broadcast_variables(model.variables + list(optimizer.variables), root_rank=0)
     return Setup(settings, dist, plan, model, optimizer, start_step, precision, fingerprint)
+
+
+def forward_done(loss: tf.Tensor) -> tf.Tensor:
+    """In a step's graph: the time (``tf.timestamp``, Unix seconds, as ``time.time()``) at which ``loss`` is
+    computed, taken on the host once the loss has reached it, so that on a GPU it is when the forward pass
+    ran, not when its kernels were queued. The backward pass does not wait for it, and the gradients'
+    allreduce comes after it: the span to it is the rank's own (training/run/slow_ranks.py)."""
+    with tf.device("/CPU:0"):
+        on_host = tf.identity(loss)
+        with tf.control_dependencies([on_host]):
+            return tf.timestamp()
 
 
 def compression(settings: TrainingSettings) -> Any:
