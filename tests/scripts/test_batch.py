@@ -163,7 +163,7 @@ def test_a_multi_node_job_measures_its_nodes_first_in_the_training_environment()
     tensorflow = replace(gated, image="acr.azurecr.io/hvd-tensorflow:1", gate_image="acr.azurecr.io/hvd-pytorch:1")
     (gate_line,) = [line for line in render_job_script(tensorflow).splitlines() if "node_gate.py" in line]
     assert "acr.azurecr.io/hvd-pytorch:1" in gate_line and "hvd-tensorflow" not in gate_line
-    assert "--node-figure allreduce --node-min 230 --link-min 23.4375 --job-min 150" in lines[gate]
+    assert "--node-figure allreduce --node-min 230 --link-min 23.75 --job-min 150" in lines[gate]
     script = "\n".join(lines)
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script and "REQUEUED=1" in script
     host = render_job_script(VARIANTS["gated-host-per-node"])
