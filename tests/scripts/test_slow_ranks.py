@@ -168,12 +168,13 @@ def test_jobs_and_status_show_a_running_jobs_slow_ranks_beside_the_job_and_its_n
     assert list(slow) == ["42"] and slow["42"][0].run == "r1" and slow["42"][0].host == "node-1"
     rows = [row.model_copy(update={"slow_ranks": slow.get(row.job or "", [])}) for row in job_rows(queue, [], {})]
     console = make_console(stderr=False)
+    console.width = 250  # print(width=) cannot widen past the console's own (150 off a terminal)
     with console.capture() as captured:
-        console.print(jobs_table(rows), width=250)
+        console.print(jobs_table(rows))
     assert re.search(r"42 .*RUNNING.*slow: rank 1 on node-1 \(1\.7x the median compute\); node-\[0-1\]", captured.get())
     nodes = [NodeInfo("node-0", "mixed", "none", "2", "(null)"), NodeInfo("node-1", "mixed", "none", "2", "(null)")]
     with console.capture() as captured:
-        console.print(nodes_table(nodes, {}, {}, {}, by_node(slow)), width=250)
+        console.print(nodes_table(nodes, {}, {}, {}, by_node(slow)))
     shown = captured.get()
     assert "slow ranks" in shown and re.search(r"node-1 .*job 42 rank 1: 1\.7x", shown)
     assert not re.search(r"node-0 .*job 42", shown)
