@@ -63,7 +63,11 @@ def trap(lead_s: int, every_node: str, container: str | None = None, python: str
     that this step's srun, which catches USR1 and passes it on to its tasks, harms nothing when a Spot
     agent signals it); on this node it skips this shell and that srun. With the docker runtime the ranks
     run as root in the job's container on each node, whose processes the job's user cannot read: the
-    tool runs in there (docker exec, the image's python; the run directory is mounted)."""
+    tool runs in there (docker exec, the image's python; the run directory is mounted).
+    Slurm's signal may have come before this trap, while USR1 was still ignored (during the setup, a
+    local copy or the gate: for a short limit Slurm sends it as the job starts), and is lost then: the
+    trap's function runs once as it is installed, and passes the warning on if it is due by now (the
+    window Slurm itself may send it in); Slurm's own signal after that finds it passed on already."""
     if not lead_s:
         return []
     if container:
@@ -82,11 +86,13 @@ def trap(lead_s: int, every_node: str, container: str | None = None, python: str
         "# shellcheck disable=SC2317  # run by the USR1 trap",
         "time_warning() {",
         f"  {near}",
+        '  [ -z "${TIME_WARNED:-}" ] || return 0',
         "  TIME_WARNED=1",
         f"  echo {q(say)}",
         f"  {{ exec {every_node} {forward}; }} | {summarize} &",
         "}",
         "trap time_warning USR1",
+        "time_warning",
     ]
 
 

@@ -215,6 +215,8 @@ def test_the_time_warning_reaches_the_ranks_on_the_host_or_inside_the_job_contai
     assert f"  {every_node}{forward}" in docker and summary in docker
     # set once the launch has started (its processes keep ignoring USR1), before the job is waited for
     assert docker.index("STEP_PID=$!") < docker.index("trap time_warning USR1") < docker.index('until wait "$STEP_PID"')
+    # and a warning Slurm sent before the trap (USR1 ignored until then) is passed on as it is set
+    assert "trap time_warning USR1\ntime_warning\n" in docker
     assert "--signal" not in render_job_script(BASE)
 
 

@@ -106,3 +106,28 @@ def test_a_setup_that_runs_into_the_time_limit_is_reported_as_the_limits_and_kee
     assert "(run limit-setup): its time limit (1) ended it" in out, out[-3000:]
     assert "setup failed" not in out and "cancelled before it started" not in out, out[-3000:]
     assert_the_record_is_kept(cluster, job_id_of(proc), "limit-setup", set())
+
+
+def test_a_warning_slurm_sent_during_the_setup_still_reaches_the_ranks(cluster, cluster_file, tmp_path):
+    """Slurm signals the batch script once; before the launch (a setup, a local copy, the gate) it ignores
+    USR1, so the launch passes on a warning that is due by then."""
+    server(cluster)
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "warned.py").write_text(
+        "import os, signal, sys, time\n"
+        "def warned(*_):\n"
+        "    open(os.path.join(os.environ['OUTPUT_DIR'], 'warned'), 'w').close()\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGUSR1, warned)\n"
+        "time.sleep(150)\n"
+    )
+    task = tmp_path / "task.yaml"
+    # with --time 2 and the warning 100 s before the limit, slurmctld's first periodic pass (every 30 s,
+    # sending up to 30 s early) signals at once: the setup outlasts it
+    task.write_text("workdir: code\nsetup: sleep 50\nrun: python warned.py\n")
+    launch = ["launch", str(task), "--cluster", str(cluster_file), "--run-id", "warned-in-setup"]
+    proc = cli(*launch, "--time", "2", "--warn-before", "100", "--follow", timeout=120 + END_BOUND_S)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert (run_dir(cluster, "warned-in-setup") / "output" / "warned").exists(), out[-3000:]
+    assert "[job] time warning: SIGUSR1 sent to 1 processes on 1 of 1 node(s)" in out, out[-3000:]
