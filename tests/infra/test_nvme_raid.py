@@ -25,6 +25,7 @@ from infra.skus import GPU_SKUS
 from tests.infra.documents import SKUS, files_of, node_doc, script_of, setup_packages
 from tests.infra.nvme_vm import REPO
 from tests.infra.sandbox import Sandbox, shell_value, tool, with_value
+from tests.polling import wait_for
 
 NVME_RAID = "/usr/local/sbin/nvme-raid"
 UNIT = "/etc/systemd/system/nvme-raid.service"
@@ -219,55 +220,81 @@ def real_script(mount: Path) -> Path:
     return path
 
 
-def run(script: Path, devices: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(script), *devices], capture_output=True, text=True, timeout=120, check=False)
+class MountNamespace:
+    """A mount namespace of the test's own, where the volume is mounted and unmounted. On the host, a mount
+    namespace made while the volume is mounted (the local cluster's nodes and sshd, started by another
+    worker of the suite) keeps a private copy of the mount after the host unmounts it: the filesystem
+    stays busy, and a wipe or a detach fails ('Device or resource busy')."""
+
+    def __init__(self) -> None:
+        self.holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "infinity"])
+        self.enter = ["nsenter", f"--target={self.holder.pid}", "--mount"]
+        # unshare has made the namespace once its child, sleep, runs in it
+        same = os.readlink("/proc/self/ns/mnt")
+        wait_for(lambda: os.readlink(f"/proc/{self.holder.pid}/ns/mnt") != same, 30, "unshare to make the namespace")
+
+    def run(self, *argv: str, check: bool = False) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*self.enter, *argv], capture_output=True, text=True, timeout=120, check=check)
+
+    def path(self, path: Path) -> Path:
+        """path as the namespace sees it (its root, through /proc)."""
+        return Path(f"/proc/{self.holder.pid}/root") / path.relative_to("/")
+
+    def close(self) -> None:
+        self.holder.kill()
+        self.holder.wait()
 
 
-def unmount(mount: Path) -> None:
-    subprocess.run(["umount", str(mount)], check=True)
-
-
-def mounted_fs_type(mount: Path) -> str:
-    return subprocess.run(
-        ["findmnt", "--noheadings", "--output", "FSTYPE", "--mountpoint", str(mount)],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout.strip()
-
-
-def check_volume_lifecycle(script: Path, mount: Path, devices: list[str], wipe: list[str]) -> None:
-    """Build, run again, reboot (not mounted), deallocate (wipe): what a node's volume goes through."""
+@pytest.fixture
+def namespace() -> Iterator[MountNamespace]:
+    made = MountNamespace()
     try:
-        result = run(script, devices)
-        assert result.returncode == 0, result.stderr
-        assert mounted_fs_type(mount) == "xfs"
-        (mount / "kept").write_text("survives a re-run and a reboot")
+        yield made
+    finally:
+        made.close()
 
-        result = run(script, devices)  # run again: nothing changes
+
+def mounted_fs_type(namespace: MountNamespace, mount: Path) -> str:
+    return namespace.run("findmnt", "--noheadings", "--output", "FSTYPE", "--mountpoint", str(mount)).stdout.strip()
+
+
+def check_volume_lifecycle(
+    namespace: MountNamespace, script: Path, mount: Path, devices: list[str], wipe: list[str]
+) -> None:
+    """Build, run again, reboot (not mounted), deallocate (wipe): what a node's volume goes through."""
+    kept = namespace.path(mount / "kept")
+    try:
+        result = namespace.run("bash", str(script), *devices)
+        assert result.returncode == 0, result.stderr
+        assert mounted_fs_type(namespace, mount) == "xfs"
+        kept.write_text("survives a re-run and a reboot")
+
+        result = namespace.run("bash", str(script), *devices)  # run again: nothing changes
         assert result.returncode == 0 and "already mounted" in result.stderr, result.stderr
-        unmount(mount)  # a reboot: the volume is there, not mounted
-        result = run(script, devices)
+        namespace.run("umount", str(mount), check=True)  # a reboot: the volume is there, not mounted
+        result = namespace.run("bash", str(script), *devices)
         assert result.returncode == 0, result.stderr
         assert "formatting" not in result.stderr
-        assert (mount / "kept").read_text() == "survives a re-run and a reboot"
+        assert kept.read_text() == "survives a re-run and a reboot"
 
-        unmount(mount)  # deallocate: Azure hands back empty disks
-        subprocess.run(["mdadm", "--stop", "/dev/md/nvme"], capture_output=True, check=False)
+        namespace.run("umount", str(mount), check=True)  # deallocate: Azure hands back empty disks
+        namespace.run("mdadm", "--stop", "/dev/md/nvme")
         for device in wipe:
-            subprocess.run(["wipefs", "--all", "--quiet", device], check=True)
-        result = run(script, devices)
+            namespace.run("wipefs", "--all", "--quiet", device, check=True)
+        result = namespace.run("bash", str(script), *devices)
         assert result.returncode == 0, result.stderr
         assert "formatting" in result.stderr
-        assert mounted_fs_type(mount) == "xfs"
-        assert not (mount / "kept").exists()
+        assert mounted_fs_type(namespace, mount) == "xfs"
+        assert not kept.exists()
     finally:
-        subprocess.run(["umount", str(mount)], capture_output=True, check=False)
+        namespace.run("umount", str(mount))
 
 
-def test_single_disk_is_formatted_mounted_kept_and_rebuilt_after_a_wipe(tmp_path: Path, loops: list[str]) -> None:
+def test_single_disk_is_formatted_mounted_kept_and_rebuilt_after_a_wipe(
+    tmp_path: Path, loops: list[str], namespace: MountNamespace
+) -> None:
     mount = tmp_path / "nvme"
-    check_volume_lifecycle(real_script(mount), mount, loops[:1], wipe=loops[:1])
+    check_volume_lifecycle(namespace, real_script(mount), mount, loops[:1], wipe=loops[:1])
 
 
 # --- the scripts of the VM test (tests/boot/test_nvme_raid_vm.py, opt-in) -----------------------
