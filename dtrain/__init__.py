@@ -11,8 +11,9 @@ Grouped by where the code runs:
 - ``remote/``: what is installed on the cluster's hosts (standard library only; imports nothing of
   ``dtrain`` outside it).
 
-The modules here (errors, cli_common, fileio, processes, ui) are what every part of the operator side
-shares. May import: ``infra.contract``-style stdlib modules of ``infra/``, the framework-free modules of
-``training/`` (exit status, backend names, transcode) and the operator environment's packages
-(pydantic, azure-storage-blob, rich); never PyTorch or TensorFlow.
+The modules here (errors, checks, fileio, processes, ui) are what every part of the operator side
+shares; cli_entry is the verbs' own (their parser and error path: nothing but ``cli/``, ``__main__.py``
+and the local cluster's programs imports it). May import: ``infra.contract``-style stdlib modules of
+``infra/``, the framework-free modules of ``training/`` (exit status, backend names, transcode) and the
+operator environment's packages (pydantic, azure-storage-blob, rich); never PyTorch or TensorFlow.
 """

@@ -1,7 +1,7 @@
 # PYTHON_ARGCOMPLETE_OK  (argcomplete: this script answers completions itself)
 """The operator's one command: `dtrain <command>` once installed, or `python -m dtrain <command>`
 (`--help` lists them, `<command> --help` teaches each). Every command module adds its parser in
-`configure(commands)` and sets `handler`; errors take one path to the terminal (dtrain.cli_common.run_cli)."""
+`configure(commands)` and sets `handler`; errors take one path to the terminal (dtrain.cli_entry.run_cli)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from dtrain.cli import (
     users,
     watch,
 )
-from dtrain.cli_common import CLIParser, add_cluster_option, end_on_termination, run_cli
+from dtrain.cli_entry import CLIParser, add_cluster_option, end_on_termination, run_cli
 
 # In the order a user meets them: a cluster and its people, data and images on it, jobs and what they leave, then the
 # local cluster.

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from dtrain.arm import Arm, ArmError, NoCredential, Principal
-from dtrain.cli_common import read_text_file
+from dtrain.checks import read_text_file
 from dtrain.errors import OperatorError
 from infra.azure_limits import VM_SIZES
 from infra.config import StackConfig

@@ -42,12 +42,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_serializer, model_validator
 
-from dtrain.cli_common import (
-    describe_validation_error,
-    ensure_directory,
-    read_json_file,
-    read_text_file,
-)
+from dtrain.checks import describe_validation_error, ensure_directory, read_json_file, read_text_file
 from dtrain.cluster.description import load
 from dtrain.cluster.slurm import NodeInfo, Slurm
 from dtrain.cluster.ssh import SSH

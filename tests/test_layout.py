@@ -2,7 +2,9 @@
 
 * The import graph: nothing under dtrain/remote/ imports the operator side (it is installed on hosts,
   standard library only), and the Azure path (dtrain/cluster/, dtrain/jobs/) reaches nothing of the
-  embedded local cluster (dtrain/local/), directly or through the modules it imports.
+  embedded local cluster (dtrain/local/), directly or through the modules it imports; the modules of
+  dtrain/jobs/ import no circle and, with dtrain/cluster/, no argparse; the CLI's entry helpers
+  (dtrain/cli_entry.py) are the verbs' alone.
 * One exit-status table (training/exit_status.py): the host tools that stand alone repeat its values,
   and match it; no other module writes 75 or 4 as an exit status.
 * Every command and path that README.md and docs/ name exists: `python -m MODULE` resolves to a module,
@@ -92,6 +94,58 @@ def test_nothing_installed_on_hosts_imports_the_project(module: str) -> None:
 def test_the_azure_path_reaches_nothing_of_the_local_cluster(module: str) -> None:
     local = sorted(name for name in reached(module) if name.startswith("dtrain.local"))
     assert local == [], f"{module} reaches {local}"
+
+
+# Commands of their own that the local cluster starts (slurmctld's power saving, `local up`'s daemons): their
+# main() is an entry point like a verb's, with the same parser and error path.
+LOCAL_PROGRAMS = ("dtrain.local.metadata", "dtrain.local.power", "dtrain.local.reconcile")
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if "dtrain.cli_entry" in GRAPH[m]))
+def test_only_the_verbs_use_the_cli_entry_helpers(module: str) -> None:
+    """The rest raises OperatorError and takes plain checks from dtrain/checks.py: it can be called without a
+    command line, and a command's flags are read in one place."""
+    assert module.startswith("dtrain.cli.") or module in ("dtrain.__main__", *LOCAL_PROGRAMS)
+
+
+def imports_argparse(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import) and any(alias.name == "argparse" for alias in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module == "argparse":
+            return True
+    return False
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith(("dtrain.cluster", "dtrain.jobs"))))
+def test_the_azure_path_knows_nothing_of_command_lines(module: str) -> None:
+    """cluster/ and jobs/ take typed requests (dtrain/jobs/launch_request.py): a verb in dtrain/cli/ reads the
+    flags, once, and anything else (a test, the demo) calls them without building a command line."""
+    path = REPO.joinpath(*module.split(".")).with_suffix(".py")
+    path = path if path.is_file() else path.with_suffix("") / "__init__.py"
+    assert not imports_argparse(path), f"{module} imports argparse: its flags belong to a verb in dtrain/cli/"
+
+
+def circles(package: str) -> list[list[str]]:
+    """Each import circle among the modules of package (TYPE_CHECKING imports too), once, from its least module."""
+    members = {m for m in GRAPH if m.startswith(package + ".")}
+    found = []
+    for start in sorted(members):
+        todo = [[start]]
+        while todo:
+            path = todo.pop()
+            for name in sorted(GRAPH[path[-1]] & members):
+                if name == start:
+                    found.append([*path, start])
+                elif name > start and name not in path:
+                    todo.append([*path, name])
+    return found
+
+
+def test_the_jobs_modules_import_no_circle() -> None:
+    """A feature of job.sh returns its lines (dtrain/jobs/job_spec.py's ScriptLines) rather than importing
+    the script that imports it: a circle would mean two modules that cannot be read, or changed, apart."""
+    assert [" -> ".join(circle) for circle in circles("dtrain.jobs")] == []
 
 
 # --- the exit-status table -----------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from dtrain.cli_common import add_cluster_option, arg_type, int_between, non_empty
+from dtrain.cli_entry import add_cluster_option, arg_type, int_between, non_empty
 from dtrain.cluster.description import load
 from dtrain.cluster.slurm import Slurm
 from dtrain.cluster.ssh import SSH

@@ -26,15 +26,16 @@ from rich.text import Text
 
 from dtrain import idle_cost, pricing
 from dtrain.cli import stage
-from dtrain.cli_common import arg_type, int_between, non_empty
+from dtrain.cli_entry import arg_type, int_between, non_empty
 from dtrain.cluster.description import DEFAULT_LOCAL_STATE, ClusterDescription
 from dtrain.cluster.slurm import Slurm
 from dtrain.cluster.ssh import SSH
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.jobs.follow import follow
+from dtrain.jobs.launch_request import JobFlags, LaunchRequest
 from dtrain.jobs.results import DEFAULT_DEST, Downloaded, download_run
 from dtrain.jobs.runs import Run
-from dtrain.jobs.submit import LaunchOptions, Submission, submit
+from dtrain.jobs.submit import Submission, submit
 from dtrain.local import cluster as local_cluster
 from dtrain.local import mlflow_server as local_mlflow
 from dtrain.ui import make_console
@@ -134,13 +135,15 @@ def _steps(settings: DemoSettings, result: DemoResult) -> None:
     _wait_for_tracking(desc)
     console.rule(f"4/6 launch: sbatch a Horovod PyTorch {settings.model} job on {settings.nodes} nodes, follow it")
     with SSH(desc) as ssh:
-        opts = LaunchOptions(
+        job_args = job_flags(desc, settings.steps, settings.batch_size, settings.image_size, settings.model)
+        request = LaunchRequest(
             framework="pytorch",
-            job_args=job_flags(desc, settings.steps, settings.batch_size, settings.image_size, settings.model),
+            job_args=tuple(job_args),
+            job_flags=JobFlags.read(job_args),
             nodes=settings.nodes,
             entrypoint=settings.entrypoint,
         )
-        result.submission = submitted = submit(desc, opts, ssh)
+        result.submission = submitted = submit(desc, request, ssh)
         console.print(f"submitted job {submitted.job_id} (run {submitted.run_id})")
         run = Run(submitted.run_id, submitted.job_id, submitted.run_dir)
         result.exit_code = follow(desc, ssh, Slurm(desc, ssh), run)

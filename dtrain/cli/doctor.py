@@ -8,7 +8,7 @@ from pathlib import Path
 
 from dtrain.arm import ARM_ENDPOINT_ENV, DEFAULT_ARM_ENDPOINT, arm_endpoint
 from dtrain.cli.cost import add_stack_file_option
-from dtrain.cli_common import arg_type, debugging
+from dtrain.cli_entry import arg_type, debugging
 from dtrain.errors import ExitCode
 from dtrain.json_documents import DoctorCheck, DoctorDocument
 from dtrain.prerequisites import PROVIDERS, Report, run_checks, subscription_id

@@ -14,7 +14,7 @@ import argparse
 import re
 import time
 
-from dtrain.cli_common import add_cluster_option, arg_type, non_empty
+from dtrain.cli_entry import add_cluster_option, arg_type, non_empty
 from dtrain.cluster.description import load
 from dtrain.cluster.slurm import Slurm, patiently
 from dtrain.cluster.ssh import SSH

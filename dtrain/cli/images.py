@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from dtrain.cli_common import add_cluster_option, arg_type, non_empty
+from dtrain.cli_entry import add_cluster_option, arg_type, non_empty
 from dtrain.cluster.description import REPO_ROOT, check_image_tag, load, pulumi_stack_outputs
 from dtrain.cluster.images import build, check_context, check_registry
 from dtrain.errors import OperatorError

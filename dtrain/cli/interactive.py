@@ -16,12 +16,13 @@ import subprocess
 import sys
 from collections.abc import Iterable
 
-from dtrain.cli_common import add_cluster_option, arg_type, non_empty
+from dtrain.cli.allocation_flags import add_allocation_arguments, plan_from_args
+from dtrain.cli_entry import add_cluster_option, arg_type, non_empty
 from dtrain.cluster.description import ClusterDescription, load
 from dtrain.cluster.slurm import Slurm
 from dtrain.cluster.ssh import SSH, SSHFailure, Target, explain_ssh_failure, q
 from dtrain.errors import ExitCode, OperatorError
-from dtrain.jobs.allocation import add_allocation_arguments, cost_line, plan_from_args, salloc_flags
+from dtrain.jobs.allocation import cost_line, salloc_flags
 from dtrain.jobs.runs import Run, check_job_reference, resolve
 from dtrain.jobs.submit import node_hour_price
 from dtrain.ui import make_console

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from rich.table import Table
 
-from dtrain.cli_common import add_cluster_option, arg_type, debugging, int_between
+from dtrain.cli_entry import add_cluster_option, arg_type, debugging, int_between
 from dtrain.cluster.description import ClusterDescription, load
 from dtrain.cluster.limits import explain_queue
 from dtrain.cluster.node_reports import HEALTH_CHECKS, boot_verdict, read_reports

@@ -13,21 +13,25 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
-from dtrain.cli_common import add_cluster_option, arg_type, debugging, non_empty, positive_number
+from dtrain.cli.allocation_flags import add_allocation_arguments
+from dtrain.cli_entry import add_cluster_option, arg_type, debugging, non_empty, positive_number
 from dtrain.cluster.description import ClusterDescription, load
 from dtrain.cluster.limits import budget_warning, held_at_submission, read_standings
 from dtrain.cluster.slurm import Slurm
 from dtrain.cluster.ssh import SSH
 from dtrain.errors import OperatorError
-from dtrain.jobs.allocation import add_allocation_arguments, cost_line
+from dtrain.jobs.allocation import cost_line
 from dtrain.jobs.batch_script import render_job_script
 from dtrain.jobs.follow import ask_cancel_or_detach, follow
+from dtrain.jobs.launch_request import JobFlags, LaunchRequest
+from dtrain.jobs.run_ids import check_run_id
 from dtrain.jobs.runs import Run
-from dtrain.jobs.submit import LaunchOptions, Plan, Submission, build_spec, check_run_id, node_hour_price, submit
-from dtrain.jobs.task_file import add_task_arguments, from_task_file, is_task_file
+from dtrain.jobs.submit import Plan, Submission, build_spec, node_hour_price, submit
+from dtrain.jobs.task_file import env_name, is_task_file, load_task, parse_env, with_task
 from dtrain.jobs.time_warning import parse_lead
-from dtrain.jobs.tracking import add_arguments as add_tracking_arguments
+from dtrain.jobs.tracking import OFF, check_experiment, check_tracking_uri
 from dtrain.jobs.workdir import MAX_WORKDIR_MB
 from dtrain.ui import make_console
 from infra.contract import FRAMEWORKS
@@ -99,9 +103,9 @@ def configure(commands: argparse._SubParsersAction) -> None:
     _add_launcher_arguments(parser)
     _add_run_arguments(parser)
     _add_job_source_arguments(parser)
-    add_tracking_arguments(parser)
+    _add_tracking_arguments(parser)
     _add_follow_arguments(parser)
-    add_task_arguments(parser)
+    _add_task_arguments(parser)
     parser.add_argument(
         "job_args", nargs=argparse.REMAINDER, help="TASK.yaml (then more flags), or -- then the job's own flags"
     )
@@ -211,6 +215,22 @@ def _add_job_source_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_tracking_arguments(parser: argparse.ArgumentParser) -> None:
+    """The run's MLflow server and experiment (dtrain/jobs/tracking.py)."""
+    parser.add_argument(
+        "--tracking-uri",
+        type=arg_type(check_tracking_uri),
+        metavar="URI",
+        help="MLflow server for this run's parameters, curves and model (default: the cluster's, on its head "
+        f"node; {OFF!r}: none); its token, if it needs one, is MLFLOW_TRACKING_TOKEN in the job's environment",
+    )
+    parser.add_argument(
+        "--experiment",
+        type=arg_type(check_experiment),
+        help="MLflow experiment of the run (default: the cluster's name)",
+    )
+
+
 def _add_follow_arguments(parser: argparse.ArgumentParser) -> None:
     """What this command does once the job is ready: print it (--dry-run), follow it, or detach."""
     parser.add_argument(
@@ -221,17 +241,49 @@ def _add_follow_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--detach", action="store_true", help="print the job id and return")
 
 
-def options_from_args(args: argparse.Namespace) -> LaunchOptions:
-    if args.job_args and is_task_file(args.job_args[0]):  # `launch task.yaml [flags] [-- command]`
-        from_task_file(args, args.launch_parser)
-    job_args = list(args.job_args)
-    if job_args and job_args[0] == "--":
-        job_args = job_args[1:]
-    if not args.framework and not args.workdir:
+def _add_task_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that mirror a task file's keys (envs, secrets, mode)."""
+    parser.add_argument(
+        "--env", dest="envs", action="append", type=arg_type(parse_env), metavar="KEY=VALUE",
+        help="an environment variable for your command and setup (repeatable; adds to a task file's envs)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--secret", dest="secrets", action="append", type=arg_type(env_name), metavar="NAME",
+        help="pass the variable NAME from this environment to your command and setup, never written to argv, "
+        "job.json or job.sh, masked (***) in the logs (repeatable; adds to a task file's secrets)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--mode", choices=("per-rank", "per-node"),
+        help="per-rank (default): your command runs on every rank under our launcher; per-node: once per node, "
+        "as your own launcher (torchrun, accelerate launch, deepspeed), with DTRAIN_NODE_RANK, MASTER_ADDR, ...",
+    )  # fmt: skip
+
+
+def read_request(args: argparse.Namespace) -> tuple[argparse.Namespace, LaunchRequest]:
+    """The command line (with `launch TASK.yaml [flags] [-- command]`, the flags after the file too) and the
+    frozen request made from it and the task file: the file's keys where no flag was given."""
+    path = args.job_args[0] if args.job_args and is_task_file(args.job_args[0]) else None
+    if path is not None:
+        # a new namespace: argparse keeps a value already in it (a flag before the file) unless given again
+        before = argparse.Namespace(**{**vars(args), "job_args": []})
+        args = args.launch_parser.parse_args(args.job_args[1:], namespace=before)
+    request = _request_from_flags(args)
+    if path is not None:
+        request = with_task(request, load_task(path), path)
+    if not args.framework and not request.workdir:
         raise OperatorError("launch needs --framework (our training jobs) or --workdir (your own code)")
-    return LaunchOptions(
+    if not request.workdir:  # our job's flags that decide something here, read once (the user's command has none)
+        request = replace(request, job_flags=JobFlags.read(request.job_args))
+    return args, request
+
+
+def _request_from_flags(args: argparse.Namespace) -> LaunchRequest:
+    job_args = list(args.job_args)
+    if job_args[:1] == ["--"]:
+        job_args = job_args[1:]
+    return LaunchRequest(
         framework=args.framework or DEFAULT_WORKDIR_FRAMEWORK,
-        job_args=job_args,
+        job_args=tuple(job_args),
         nodes=args.nodes,
         processes_per_node=args.gpus_per_node,
         gpus=args.gpus,
@@ -250,36 +302,33 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         spot=args.spot,
         spot_fallback=args.spot_fallback,
         resume_from=args.resume_from,
-        name=args.name,
         mode=args.mode,
-        setup=args.setup,
         envs=dict(args.envs or {}),
-        secrets=list(dict.fromkeys(args.secrets or [])),
+        secrets=tuple(dict.fromkeys(args.secrets or [])),
         tracking_uri=args.tracking_uri,
         experiment=args.experiment,
         warn_before=args.warn_before,
-        needs=args.task_needs,
     )
 
 
-def check_framework_is_used(args: argparse.Namespace, desc: ClusterDescription) -> None:
+def check_framework_is_used(request: LaunchRequest, desc: ClusterDescription) -> None:
     """With --workdir, --framework picks the image (docker runtime, without --image) and the default
     launcher (per rank, without --launcher). Where it picks neither, it is refused rather than ignored."""
     docker = desc.runtime.kind == "docker"
-    per_node = args.mode == "per-node"
-    if (docker and not args.image) or (not per_node and not args.launcher):
+    per_node = request.mode == "per-node"
+    if (docker and not request.image) or (not per_node and not request.launcher):
         return
-    image = f"the command runs in --image {args.image}" if docker else f"cluster {desc.name} runs jobs on its hosts"
-    launcher = "it is its own launcher (--mode per-node)" if per_node else f"--launcher {args.launcher} starts it"
-    raise OperatorError(f"--framework {args.framework} does nothing with --workdir here: {image}, and {launcher}")
+    image = f"the command runs in --image {request.image}" if docker else f"cluster {desc.name} runs jobs on its hosts"
+    launcher = "it is its own launcher (--mode per-node)" if per_node else f"--launcher {request.launcher} starts it"
+    raise OperatorError(f"--framework {request.framework} does nothing with --workdir here: {image}, and {launcher}")
 
 
 def run(args: argparse.Namespace) -> int:
-    opts = options_from_args(args)  # first: flags after a task file (--cluster too) are read there
+    args, request = read_request(args)  # first: flags after a task file (--cluster too) are read there
     desc = load(args.cluster)
-    if args.workdir and args.framework:
-        check_framework_is_used(args, desc)
-    plan = build_spec(desc, opts)
+    if request.workdir and args.framework:
+        check_framework_is_used(request, desc)
+    plan = build_spec(desc, request)
     show_request(desc, plan)
     if args.dry_run:
         print(render_job_script(plan.spec), end="", flush=True)  # alone on stdout: `launch --dry-run ... >job.sh`
@@ -291,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
         warning = budget_warning(read_standings(slurm).get(desc.ssh_user))
         if warning:
             console.print(warning, style="yellow", markup=False, soft_wrap=True)
-        submitted = submit(desc, opts, ssh, plan)
+        submitted = submit(desc, request, ssh, plan)
         announce(submitted)
         if not follow_output:  # following says it as the job waits
             held = held_at_submission(slurm, submitted.job_id)

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pydantic import SecretStr
 from rich.table import Table
 
-from dtrain.cli_common import add_cluster_option, arg_type, int_between, non_empty, positive_number
+from dtrain.cli_entry import add_cluster_option, arg_type, int_between, non_empty, positive_number
 from dtrain.cluster.description import BlobCredential, ClusterDescription, load
 from dtrain.datasets.staging import (
     DEFAULT_QUALITY,

@@ -14,7 +14,8 @@ from pathlib import Path
 from pydantic import ValidationError
 from rich.table import Table
 
-from dtrain.cli_common import add_cluster_option, arg_type, int_between, non_negative_number, read_text_file
+from dtrain.checks import read_text_file
+from dtrain.cli_entry import add_cluster_option, arg_type, int_between, non_negative_number
 from dtrain.cluster import users as cluster_users
 from dtrain.cluster.description import check_person_name, load
 from dtrain.cluster.slurm import Slurm

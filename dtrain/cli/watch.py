@@ -12,7 +12,7 @@ from rich.console import Group
 from rich.live import Live
 
 from dtrain.cli.jobs import slurm_seconds
-from dtrain.cli_common import add_cluster_option, int_between
+from dtrain.cli_entry import add_cluster_option, int_between
 from dtrain.cluster.description import ClusterDescription, load
 from dtrain.cluster.slurm import Slurm
 from dtrain.cluster.ssh import SSH

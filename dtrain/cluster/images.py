@@ -8,7 +8,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from dtrain.cli_common import require_tool
+from dtrain.checks import require_tool
 from dtrain.cluster.description import IMAGE_REPOSITORIES, REPO_ROOT, check_image_tag
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.ui import make_console

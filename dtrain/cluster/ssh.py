@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtrain.cli_common import require_tool
+from dtrain.checks import require_tool
 from dtrain.cluster.description import ClusterDescription, SSHEndpoint, check_private_key
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.fileio import atomic_write

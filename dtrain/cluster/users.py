@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from dtrain.cli_common import describe_validation_error
+from dtrain.checks import describe_validation_error
 from dtrain.cluster.description import ClusterDescription
 from dtrain.cluster.slurm import Slurm
 from dtrain.cluster.ssh import SSH, as_root, q

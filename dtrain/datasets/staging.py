@@ -46,7 +46,7 @@ from rich.progress import (
 )
 
 from dtrain import fileio
-from dtrain.cli_common import ensure_directory
+from dtrain.checks import ensure_directory
 from dtrain.cluster import blobs
 from dtrain.cluster.description import BlobCredential, BlobLocation, ClusterDescription
 from dtrain.cluster.ssh import SSH, SSHFailure, explain_ssh_failure, q, storage_role

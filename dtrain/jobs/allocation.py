@@ -9,10 +9,8 @@ whole nodes when it asks for every GPU of a node, or for --exclusive, and always
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
-from dtrain.cli_common import arg_type, int_between
 from dtrain.cluster.description import ClusterDescription
 from dtrain.cluster.slurm_time import check_time_limit, time_limit_seconds
 from dtrain.errors import OperatorError
@@ -22,33 +20,6 @@ from infra.slurm_time import exceeds, is_unlimited
 # --exclusive alone does not give where memory is consumable (a job without --mem would get the
 # partition's DefMemPerGPU for each GPU, or DefMemPerCPU on CPU nodes: infra/cloud_init/slurm.py).
 WHOLE_NODE_FLAGS = ("--exclusive", "--mem=0")
-
-
-def add_allocation_arguments(parser: argparse.ArgumentParser) -> None:
-    """--nodes, --gpus | --gpus-per-node, --exclusive, --time: what `launch` and `alloc` ask Slurm for."""
-    parser.add_argument("--nodes", type=int_between(1), help="nodes to use (default: 1)")  # None: unset
-    gpus = parser.add_mutually_exclusive_group()
-    gpus.add_argument(
-        "--gpus", type=int_between(1), metavar="N", help="GPUs in all, spread evenly over --nodes (one process each)"
-    )
-    gpus.add_argument(
-        "--gpus-per-node",
-        type=int_between(1),
-        metavar="N",
-        help="GPUs (processes) per node (default: every GPU of a node; 1 on CPU nodes)",
-    )
-    parser.add_argument(
-        "--exclusive", action="store_true", help="whole nodes, even when the job asks for fewer GPUs than a node has"
-    )
-    parser.add_argument(
-        "--time",
-        "--time-limit",
-        dest="time_limit",
-        type=arg_type(check_time_limit),
-        metavar="TIME",
-        help="Slurm ends the job after this, in sbatch's --time syntax: 90 (minutes), 4:00:00, 2-00:00:00 "
-        "(default: the cluster description's default_time_limit; at most its max_time_limit, the stack's maxJobTime)",
-    )
 
 
 @dataclass(frozen=True)
@@ -146,17 +117,6 @@ def cost_line(alloc: Allocation, desc: ClusterDescription, price_per_node_hour: 
     hourly = price_per_node_hour * alloc.node_share(desc)
     most = hourly * time_limit_seconds(alloc.time_limit) / 3600
     return f"estimated cost: ${hourly:,.2f}/hour, at most ${most:,.2f} within the time limit ({source})"
-
-
-def plan_from_args(desc: ClusterDescription, args: argparse.Namespace) -> Allocation:
-    return plan_allocation(
-        desc,
-        nodes=args.nodes,
-        gpus=args.gpus,
-        gpus_per_node=args.gpus_per_node,
-        exclusive=args.exclusive,
-        time_limit=args.time_limit,
-    )
 
 
 def salloc_flags(alloc: Allocation, partition: str) -> list[str]:

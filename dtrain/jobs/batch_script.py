@@ -1,4 +1,7 @@
 """The batch script of a run (`job.sh`, submitted with sbatch): pure functions from a JobSpec to bash.
+Runs on the operator's machine. Each feature of the script (tracking.py, node_gate.py, checkpoint_sync.py,
+task_steps.py) returns its lines for job.sh's named sections (job_spec.ScriptLines); this module orders
+them within each section, and writes the rest: the Slurm header, the prologue, finish() and the launch.
 
 What the script does, on the first node of the allocation, whoever is attached:
   1. writes the allocation's node list (rank -> host) and clears the verdict of an earlier attempt
@@ -21,17 +24,15 @@ What the script does, on the first node of the allocation, whoever is attached:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from typing import Literal
+from dataclasses import replace
 
 from dtrain.cluster.ssh import q
 from dtrain.jobs import checkpoint_sync, node_gate, task_steps, time_warning, tracking
 from dtrain.jobs.allocation import WHOLE_NODE_FLAGS
+from dtrain.jobs.job_spec import JobSpec, LocalCopy, ScriptLines
 from dtrain.remote.job.annotate_output import TORCHRUN_PREFIX_TEMPLATE
 from infra.contract import CONTAINER_SSH_PORT, LAUNCH_END_WAIT_S, PREEMPTED_EXIT_CODE
-from infra.health_thresholds import GateThresholds
 
-Launcher = Literal["horovodrun", "torchrun"]
 NODE_PROBE_S = 60  # how long a node may take to run an empty job step before it counts as failed
 RDZV_PORT_BASE = 29400  # torchrun's rendezvous on the first node: this plus the job id modulo 1000
 OUTPUT_SUBDIR = "output"  # $OUTPUT_DIR of a run: uploaded to the results container with the run's logs
@@ -58,78 +59,24 @@ IGNORE_USR1 = 'trap "" USR1;'
 IGNORING_USR1 = f"sh -c '{IGNORE_USR1} exec \"$@\"' ignore-usr1"
 
 
-@dataclass(frozen=True)
-class ResultsTarget:
-    """Where the job uploads its run directory, and with what (a SAS file in the run, or an identity)."""
-
-    account_url: str
-    container: str
-    sas_file: str | None = None  # a file in the run directory (0600), never on a command line
-    client_id: str | None = None  # the cluster's user-assigned identity (Azure)
-
-
-@dataclass(frozen=True)
-class LocalCopy:
-    """launch --local-copy: every node copies the dataset from the share to its own disk before training."""
-
-    source: str  # the job's --data-dir, on the shared file system
-    dest: str  # the same path on every node, under the cluster's local_data_path
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    run_id: str
-    run_dir: str  # on the shared file system, the same path on every node
-    launcher: Launcher
-    nodes: int
-    processes_per_node: int
-    gpus_per_node: int  # GRES to ask for per node (0: CPU nodes)
-    partition: str
-    command: Sequence[str]  # the training program and its flags
-    workdir: str  # where the `training` package is (on the node, or in the image)
-    python: str  # the training environment's python (its directory holds horovodrun/torchrun)
-    remote_python: str  # a stdlib python3 on the nodes, for the remote tools
-    results: ResultsTarget
-    image: str | None = None  # docker runtime; None: the host environment
-    shared_mount: str = "/shared"
-    network_interface: str | None = None
-    infiniband: bool = False
-    requeue: bool = False
-    time_limit: str | None = None  # Slurm's --time syntax (minutes, HH:MM:SS, D-HH:MM, ...)
-    exclusive: bool = False  # whole nodes; otherwise the job shares its nodes, holding only its GPUs (gres)
-    git_revision: str | None = None  # of the operator's checkout: recorded in the model export
-    env: dict[str, str] = field(default_factory=dict)  # NCCL settings and the like, for every rank
-    local_copy: LocalCopy | None = None
-    mode: Literal["per-rank", "per-node"] = "per-rank"  # per-node: the command is the user's own launcher
-    setup_cache_dir: str | None = None  # a task's setup runs once per node, its markers kept here (task_steps.py)
-    secrets: tuple[str, ...] = ()  # the names of the secrets in <run>/secrets/env (their values are never here)
-    tracking: tracking.Tracking | None = None  # the MLflow server of the run (dtrain/jobs/tracking.py)
-    resume_from: str | None = None  # a run whose kept checkpoint the job fetches first (dtrain/jobs/checkpoint_sync.py)
-    warn_before_s: int = 0  # SIGUSR1 this long before the time limit (dtrain/jobs/time_warning.py); 0: none
-    cluster_info: str = ""  # SKYPILOT_CLUSTER_INFO's JSON for setup and per-node mode (task_steps.py)
-    gate: GateThresholds | None = None  # the nodes measured before a multi-node job (node_gate.py); None: not
-    gate_image: str | None = None  # docker runtime: the image the gate runs in (PyTorch's); None: the job's
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.processes_per_node
-
-    @property
-    def gated(self) -> bool:
-        """Whether the job measures its nodes first, and may requeue itself without a slow one."""
-        return self.gate is not None and self.nodes > 1
-
-
 def render_job_script(spec: JobSpec) -> str:
     requeue = _requeue_on_node_failure(keeps_secrets=bool(spec.secrets)) if spec.requeue else []
-    gate = _gate(spec) if spec.gated else []
-    copy = _local_copy(spec.local_copy) if spec.local_copy else []
-    checkpoints = checkpoint_sync.before_launch(spec.run_id, spec.results, spec.resume_from)
-    setup = task_steps.setup_lines(spec, EVERY_NODE_STEP, _user_runner(spec))
-    steps = [RUN_STEP] if gate or copy or setup else []
-    # the variables of the user's setup (and per-node mode's run): before setup, gone after it in per-rank mode
-    user_setup = [*task_steps.node_env_lines(spec), *setup, *task_steps.forget_node_env(spec)]
-    body = [*_prologue(spec), *steps, *gate, *copy, *checkpoints, *user_setup, *_launch(spec), *_epilogue(requeue)]
+    tracked = tracking.script_lines(spec.tracking)
+    checkpoints = checkpoint_sync.script_lines(spec.run_id, spec.results, spec.resume_from)
+    task = task_steps.script_lines(spec, EVERY_NODE_STEP, _user_runner(spec))
+    # in the order they run: the nodes measured, the data copied, the checkpoint fetched, the user's setup
+    steps = (_gate(spec), _local_copy(spec.local_copy), checkpoints, task)
+    before_launch = [line for part in steps for line in part.before_launch]
+    # the MLflow run closed before the secrets go (it may need the token), the mirror stopped before the upload
+    on_finish = [line for part in (tracked, task, checkpoints) for line in part.on_finish]
+    run_step = [RUN_STEP] if any(part.runs_steps for part in steps) else []
+    body = [
+        *_prologue(spec, tracked.prologue, on_finish),
+        *run_step,
+        *before_launch,
+        *_launch(spec),
+        *_epilogue(requeue),
+    ]
     return "\n".join([*_header(spec), *body, ""])
 
 
@@ -157,7 +104,8 @@ def _header(spec: JobSpec) -> list[str]:
     return lines + time_warning.header(spec.warn_before_s)
 
 
-def _prologue(spec: JobSpec) -> list[str]:
+def _prologue(spec: JobSpec, opened: Sequence[str], on_finish: Sequence[str]) -> list[str]:
+    """opened: the features' prologue lines (the EXIT trap is set by then); on_finish: theirs in finish()."""
     env = " ".join(f"{key}={q(value)}" for key, value in {"PYTHONUNBUFFERED": "1", **spec.env}.items())
     return [
         # first: Slurm may send the time warning as the job starts (up to a minute early: at once for a
@@ -190,9 +138,9 @@ def _prologue(spec: JobSpec) -> list[str]:
         'NODE_CPUS=$(scontrol show node -o "${SLURMD_NODENAME:-}" 2>/dev/null | grep -o "CPUTot=[0-9]*" | cut -d= -f2)',
         "ENDED_BY=",
         'echo "[job] job $SLURM_JOB_ID, attempt $ATTEMPT, on $HOSTS (partition $SLURM_JOB_PARTITION)"',
-        *_finish_function(spec),
+        *_finish_function(spec, on_finish),
         "trap finish EXIT",
-        *(tracking.open_run_lines(spec.tracking) if spec.tracking else []),
+        *opened,
         *_closing_on_term(),
         "trap 'exit 130' INT",
     ]
@@ -229,7 +177,7 @@ def _closing_on_term() -> list[str]:
 RUN_STEP = 'run_step() { "$@" & STEP_PID=$!; wait "$STEP_PID"; }'
 
 
-def _finish_function(spec: JobSpec) -> list[str]:
+def _finish_function(spec: JobSpec, on_finish: Sequence[str]) -> list[str]:
     upload = [
         '"$PY" "$TOOLS/upload_results.py" --dir "$RUN_DIR"',
         f"--prefix {q(spec.run_id)} --status status.json --with-checkpoints",
@@ -261,33 +209,34 @@ def _finish_function(spec: JobSpec) -> list[str]:
         '--started-at "$ATTEMPT_STARTED_AT" --exit-code "$code" --partition "$SLURM_JOB_PARTITION" '
         '--alloc-tres "$ALLOC_TRES" --node-cpus "$NODE_CPUS" 2>&1 '
         "| sed 's/^/[job] /'",
-        *(tracking.CLOSE_RUN_LINES if spec.tracking else []),
-        *task_steps.forget_secrets(spec),  # after the run's close: it may need the MLflow token
-        checkpoint_sync.stop_mirror(),
+        *on_finish,
         f"  {' '.join(upload)} 2>&1 | sed 's/^/[job] /' || echo '[job] results upload incomplete: see status.json'",
         '  exit "$code"',
         "}",
     ]
 
 
-def _gate(spec: JobSpec) -> list[str]:
+def _gate(spec: JobSpec) -> ScriptLines:
     """The nodes measured before anything else (dtrain/jobs/node_gate.py), in the training environment."""
-    assert spec.gate is not None
-    requeue = node_gate.requeue_lines(keeps_secrets=bool(spec.secrets))
+    if spec.gate is None or not spec.gated:
+        return ScriptLines()
     runner = _user_runner(replace(spec, image=spec.gate_image or spec.image))
-    return node_gate.gate_lines(spec.gate, spec.nodes, runner, q(spec.python), requeue)
+    return node_gate.script_lines(spec.gate, spec.nodes, runner, q(spec.python), keeps_secrets=bool(spec.secrets))
 
 
-def _local_copy(copy: LocalCopy) -> list[str]:
+def _local_copy(copy: LocalCopy | None) -> ScriptLines:
     """One nvme-copy per node (resumable: a requeued attempt finishes what the last one began); any failure
     ends the job before training starts."""
+    if copy is None:
+        return ScriptLines()
     tool = f'"$PY" "$TOOLS/nvme_copy.py" --source {q(copy.source)} --dest {q(copy.dest)}'
     said = q(f"[job] the local copy of {copy.source} failed: training not started")
     failed = f"{time_warning.AT_THE_LIMIT}; echo {said}; exit 1"
-    return [
+    lines = [
         f"echo {q(f'[job] copying {copy.source} to {copy.dest} on every node (--local-copy)')}",
         f"run_step srun --label --overlap --kill-on-bad-exit=1 {ONE_TASK_PER_NODE} {tool} || {{ {failed}; }}",
     ]
+    return ScriptLines(before_launch=lines, runs_steps=True)
 
 
 def _launch(spec: JobSpec) -> list[str]:

@@ -1,7 +1,8 @@
 """The batch script's checkpoint steps: the job's $CHECKPOINT_DIR mirrored to the results container while
 it runs, and `launch --resume-from RUN` fetched from there, on the cluster, before the command starts.
 
-Pure functions from a JobSpec's parts to bash lines (dtrain/jobs/batch_script.py puts them in job.sh).
+Pure functions from a JobSpec's parts to bash lines for job.sh's sections (dtrain/jobs/job_spec.py's
+ScriptLines, which dtrain/jobs/batch_script.py puts in place).
 The tools they run are the run's copies of dtrain/remote/job/checkpoint_mirror.py and
 fetch_checkpoint.py, with the credential the results upload has (a SAS file in the run directory
 locally, the nodes' managed identity on Azure): no other secret travels, and no checkpoint byte passes
@@ -11,12 +12,9 @@ through the operator's machine.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 from dtrain.cluster.ssh import q
-
-if TYPE_CHECKING:
-    from dtrain.jobs.batch_script import ResultsTarget
+from dtrain.jobs.job_spec import ResultsTarget, ScriptLines
 
 CHECKPOINTS = "checkpoints"  # RUN/checkpoints/ in the results container, as $CHECKPOINT_DIR is RUN_DIR/checkpoints
 # Our jobs' checkpoints under it (training/checkpoint: ckpt-<step>.ckpt, a model-parallel step-<step>/), as
@@ -43,8 +41,15 @@ def _mirror(run_id: str, results: ResultsTarget) -> str:
     return f'"$PY" "$TOOLS/checkpoint_mirror.py" {where} {container_flags(results)}'
 
 
-def before_launch(run_id: str, results: ResultsTarget, resume_from: str | None) -> list[str]:
-    """Fetch --resume-from's checkpoint (once per run), then start the mirror beside the job."""
+def script_lines(run_id: str, results: ResultsTarget, resume_from: str | None) -> ScriptLines:
+    """Before the launch: fetch --resume-from's checkpoint (once per run), then start the mirror beside the
+    job. In finish(): stop the mirror, before the results upload makes its last pass (upload_results.py
+    --with-checkpoints; Slurm's TERM may have stopped it already)."""
+    stop_mirror = '  [ -n "${MIRROR_PID:-}" ] && { kill "$MIRROR_PID" 2>/dev/null; wait "$MIRROR_PID"; }'
+    return ScriptLines(before_launch=_before_launch(run_id, results, resume_from), on_finish=(stop_mirror,))
+
+
+def _before_launch(run_id: str, results: ResultsTarget, resume_from: str | None) -> list[str]:
     lines = ['mkdir -p "$CHECKPOINT_DIR"']
     if resume_from:
         tool = f'"$PY" "$TOOLS/fetch_checkpoint.py" --run {q(resume_from)} --dest "$CHECKPOINT_DIR"'
@@ -60,9 +65,3 @@ def before_launch(run_id: str, results: ResultsTarget, resume_from: str | None) 
         ]
     # in the background, with USR1 still ignored (a Spot agent or time warning signals only who catches it)
     return [*lines, f"{_mirror(run_id, results)} &", "MIRROR_PID=$!"]
-
-
-def stop_mirror() -> str:
-    """In finish(), before the results upload makes the mirror's last pass (upload_results.py
-    --with-checkpoints): the mirror stops first (Slurm's TERM may have stopped it already)."""
-    return '  [ -n "${MIRROR_PID:-}" ] && { kill "$MIRROR_PID" 2>/dev/null; wait "$MIRROR_PID"; }'

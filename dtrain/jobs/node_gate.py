@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dtrain.cluster.ssh import q
+from dtrain.jobs.job_spec import ScriptLines
 from infra.health_thresholds import LOCAL_HEALTH, NODE_HEALTH, GateThresholds
 
 if TYPE_CHECKING:
@@ -39,10 +40,15 @@ def gate_thresholds(desc: ClusterDescription) -> GateThresholds | None:
     return health.gate if health else None
 
 
-def gate_lines(gate: GateThresholds, nodes: int, runner: list[str], python: str, requeue: list[str]) -> list[str]:
-    """The batch script's gate: run once per node (runner: what starts the training python there), then
-    go on, requeue the job without the failed nodes (requeue: the lines that do it), or go on after
-    saying the gate could not measure."""
+def script_lines(gate: GateThresholds, nodes: int, runner: list[str], python: str, keeps_secrets: bool) -> ScriptLines:
+    """The batch script's gate, before the launch: run once per node (runner: what starts the training
+    python there), then go on, requeue the job without the failed nodes (keeps_secrets: for the next
+    attempt), or go on after saying the gate could not measure."""
+    requeue = requeue_lines(keeps_secrets)
+    return ScriptLines(before_launch=_gate_lines(gate, nodes, runner, python, requeue), runs_steps=True)
+
+
+def _gate_lines(gate: GateThresholds, nodes: int, runner: list[str], python: str, requeue: list[str]) -> list[str]:
     tool = [
         *runner,
         python,

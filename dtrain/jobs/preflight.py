@@ -18,21 +18,11 @@ from dataclasses import dataclass, field
 from dtrain.cluster.description import ClusterDescription
 from dtrain.cluster.ssh import q
 from dtrain.errors import OperatorError
+from dtrain.jobs.launch_request import JobFlags
 
 # The round trip's own exit statuses (sbatch and the shell use 0-2 and 126-127).
 NO_DATA, ONE_CLASS, NO_ENTRYPOINT, TOO_FEW_CPUS, NO_MOUNTED_DATA = 18, 19, 20, 21, 22
 STAGE_HINT = "dtrain stage all DIR --dataset NAME"
-
-
-def flag_value(args: Sequence[str], flag: str) -> str | None:
-    """The value of `--flag V` or `--flag=V` in args (the last one wins, as with argparse)."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 def dataset_under_data_path(desc: ClusterDescription, data_dir: str, what: str = "--data-dir") -> str:
@@ -75,14 +65,15 @@ class ProcessRequest:
 
 def plan_preflight(
     desc: ClusterDescription,
-    job_args: Sequence[str],
+    job: JobFlags,
     *,
     entrypoint: str | None,
     model_parallel: bool,
     processes: ProcessRequest | None = None,
     datasets: Sequence[str] = (),
 ) -> Preflight:
-    """Refuse what can be refused here; return the checks the login node makes."""
+    """Refuse what can be refused here; return the checks the login node makes. job: our job's flags (none
+    for the user's own command)."""
     checks = Preflight()
     if processes is not None:
         # One CPU per process at least: Slurm would refuse more tasks than a node's CPUs at sbatch, in
@@ -94,7 +85,7 @@ def plan_preflight(
             f"{processes.flag} runs {processes.per_node} processes on each node, and the nodes of cluster "
             f"{desc.name} have fewer CPUs than that (`dtrain status` lists them): ask for fewer processes per node",
         )
-    data_dir = flag_value(job_args, "--data-dir")
+    data_dir = job.data_dir
     if data_dir is not None:
         dataset_under_data_path(desc, data_dir)
         checks.add(
@@ -102,7 +93,7 @@ def plan_preflight(
             NO_DATA,
             f"--data-dir {data_dir} is not on the shared file system: stage the dataset first ({STAGE_HINT})",
         )
-        if flag_value(job_args, "--data") == "imagenet" and not model_parallel and entrypoint is None:
+        if job.data == "imagenet" and not model_parallel and entrypoint is None:
             train = posixpath.join(data_dir, "train")
             # a one-class "classifier" trains and exports, and is useless: the job refuses it too
             checks.add(

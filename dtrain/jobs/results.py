@@ -1,7 +1,6 @@
-"""`results RUN`: download what a run left in the results container (the trained model, TensorBoard events,
-summary.png, run.json with its cost, logs, metrics) to a local directory.
-
-  python -m dtrain results 20261124T101500Z-pytorch-1a2b --dest runs/
+"""Download what a run left in the results container (the trained model, TensorBoard events, summary.png,
+run.json with its cost, logs, metrics) to a local directory: `dtrain results` (dtrain/cli/results.py).
+Runs on the operator's machine.
 
 The job uploads its run directory itself when it ends (dtrain/remote/job/upload_results.py); this reads it
 back with the operator's results credential. A file already here with the blob's MD5 is not fetched
@@ -10,7 +9,6 @@ again, so an interrupted download resumes; each file lands under its final name 
 
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -19,12 +17,11 @@ from azure.core.exceptions import AzureError
 from azure.storage.blob import BlobProperties, ContainerClient
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from dtrain.cli_common import add_cluster_option, arg_type, non_empty
 from dtrain.cluster import blobs
-from dtrain.cluster.description import ClusterDescription, load
+from dtrain.cluster.description import ClusterDescription
 from dtrain.errors import OperatorError
 from dtrain.fileio import file_md5
-from dtrain.jobs.submit import check_run_id
+from dtrain.jobs.run_ids import check_run_id
 from dtrain.ui import make_console
 
 console = make_console()
@@ -97,35 +94,3 @@ def _fetch(client: ContainerClient, blob: BlobProperties, target: Path) -> bool:
     except OSError as exc:
         raise OperatorError(f"cannot write {target}: {exc.strerror or exc}") from None
     return True
-
-
-def configure(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "results",
-        help="download a run's model, curves, cost and logs from the results container",
-        description=__doc__.split("\n\n")[0],
-        epilog="examples: python -m dtrain results RUN_ID; python -m dtrain results RUN_ID --dest /tmp/runs\n"
-        "then: tensorboard --logdir runs/RUN_ID/tensorboard; "
-        "python -m training.predict --model runs/RUN_ID/model IMAGE.jpg",
-    )
-    add_cluster_option(parser)
-    parser.add_argument("run_id", type=arg_type(check_run_id), metavar="RUN", help="the run id (see `jobs`)")
-    parser.add_argument("--dest", type=non_empty, default=DEFAULT_DEST, help="download into DEST/RUN (default: runs)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.set_defaults(handler=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    got = download_run(load(args.cluster), args.run_id, args.dest, show_progress=not args.no_progress)
-    console.print(
-        f"{len(got.files)} files in {got.directory} ({len(got.fetched)} downloaded, {got.bytes_fetched} bytes; "
-        f"{len(got.unchanged)} already there)"
-    )
-    for name, hint in (
-        ("model/model.json", f"python -m training.predict --model {got.directory / 'model'} IMAGE"),
-        ("summary.png", str(got.directory / "summary.png")),
-        ("tensorboard", f"tensorboard --logdir {got.directory / 'tensorboard'}"),
-    ):
-        if any(f == name or f.startswith(f"{name}/") for f in got.files):
-            console.print(f"  {hint}")
-    return 0

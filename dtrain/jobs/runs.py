@@ -7,15 +7,16 @@ import json
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from dtrain.cluster.description import ClusterDescription
 from dtrain.cluster.slurm import JOB_ID, EndedJob, Slurm
 from dtrain.cluster.ssh import q
 from dtrain.errors import ExitCode, OperatorError
-from dtrain.jobs.submit import REMOTE_DIR, RUN_ID, check_run_id, runs_dir
+from dtrain.jobs.run_ids import RUN_ID, check_run_id, runs_dir
 
-LIST_RUNS = REMOTE_DIR / "login" / "list_runs.py"
+LIST_RUNS = Path(__file__).resolve().parents[1] / "remote" / "login" / "list_runs.py"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Submit a run to Slurm: check the request, write the run directory on the shared file system, sbatch.
+"""Submit a run to Slurm: check the request (dtrain/jobs/launch_request.py), turn it into the batch script's
+JobSpec, write the run directory on the shared file system, sbatch. Runs on the operator's machine.
 
 One SSH round trip to the login node does the cluster side: make `<shared>/runs/<run-id>/` (mode 0700,
 owned by the submitting user; an existing one is refused), unpack the run's files into it (job.sh,
@@ -11,13 +12,10 @@ import getpass
 import io
 import json
 import posixpath
-import re
-import secrets
 import subprocess
 import tarfile
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -27,34 +25,24 @@ from dtrain.cluster.slurm import Slurm, parse_job_id, require_slurm
 from dtrain.cluster.ssh import SSH, q
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.jobs.allocation import Allocation, plan_allocation
-from dtrain.jobs.batch_script import (
-    REMOTE_BOOT_TOOLS,
-    REMOTE_TOOLS,
-    JobSpec,
-    Launcher,
-    LocalCopy,
-    ResultsTarget,
-    render_job_script,
-)
-from dtrain.jobs.cluster_fit import ClusterNeeds, fit_to_cluster
+from dtrain.jobs.batch_script import REMOTE_BOOT_TOOLS, REMOTE_TOOLS, render_job_script
+from dtrain.jobs.cluster_fit import fit_to_cluster
+from dtrain.jobs.job_spec import JobSpec, Launcher, LocalCopy, ResultsTarget
 from dtrain.jobs.kept_checkpoints import require_kept_checkpoint
+from dtrain.jobs.launch_request import LaunchRequest, flag_value, with_flag_value
 from dtrain.jobs.node_gate import GATE_FRAMEWORK, gate_thresholds
 from dtrain.jobs.preflight import ProcessRequest, dataset_under_data_path, plan_preflight
-from dtrain.jobs.preflight import flag_value as _flag_value
+from dtrain.jobs.run_ids import check_run_id, new_run_id, runs_dir
 from dtrain.jobs.slow_ranks import SLOW_RANKS_FILE
 from dtrain.jobs.task_file import check_environment_size, check_task_request, read_secrets
 from dtrain.jobs.task_steps import SECRETS_SUBDIR, SETUP_FILE, setup_cache_dir
 from dtrain.jobs.time_warning import warning_lead
 from dtrain.jobs.tracking import plan_tracking
-from dtrain.jobs.workdir import CODE_SUBDIR, MAX_WORKDIR_MB, Workdir, check_workdir, send_workdir
+from dtrain.jobs.workdir import CODE_SUBDIR, Workdir, check_workdir, send_workdir
 from dtrain.remote.job.job_secrets import render_secrets
-from infra.contract import FRAMEWORKS, RUNS_DIR
+from infra.contract import FRAMEWORKS
 from training.world.backend_choice import AUTO, DDP, HOROVOD
 
-# A run id names a directory on the share, a Slurm job and a blob prefix: one plain path component.
-# Its first character is a letter or digit: `-x` would be read as a flag by the tools it is passed to
-# (upload, `logs`, `cancel`), and `.x` is hidden, like the share's own `.workdirs` and `.dtrain-setup`.
-RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 REMOTE_DIR = REPO_ROOT / "dtrain" / "remote"
 SAS_FILE = "results.sas"
 MODEL_PARALLEL_JOB = "training.model_parallel"
@@ -66,44 +54,6 @@ RUN_OUTPUTS = {
     "slow-ranks-json": SLOW_RANKS_FILE,  # `jobs` and `status` read it while the job runs (dtrain/jobs/slow_ranks.py)
 }
 _RUN_EXISTS = 17  # the remote step's own exit status (dtrain/jobs/preflight.py has those of its checks)
-
-
-@dataclass
-class LaunchOptions:
-    framework: str  # with workdir: whose image the command runs in (docker runtime)
-    job_args: list[str] = field(default_factory=list)  # with workdir: the whole command, run as written
-    nodes: int | None = None  # default: 1
-    processes_per_node: int | None = None  # default: GPUs per node (1 on CPU nodes)
-    gpus: int | None = None  # the job's GPUs in all (instead of processes_per_node)
-    exclusive: bool = False  # whole nodes even when the job asks for fewer GPUs than a node has
-    workdir: str | None = None  # the user's own code: sent to the run directory, the command runs there
-    workdir_max_mb: float = MAX_WORKDIR_MB
-    launcher: Launcher | None = None  # default: torchrun for `--backend ddp` and model parallelism, else horovodrun
-    model_parallel: bool = False  # PyTorch FSDP / pipeline / tensor parallel: training.model_parallel under torchrun
-    entrypoint: str | None = None  # default: python -m training.<framework>; a .py path or a module
-    image: str | None = None  # docker runtime: instead of the framework's image
-    run_id: str | None = None
-    requeue: bool = False
-    gate: bool = True  # measure a multi-node job's nodes before it trains (dtrain/jobs/node_gate.py)
-    time_limit: str | None = None  # Slurm's --time syntax; default: the cluster description's
-    local_copy: bool = False  # copy --data-dir to every node's local_data_path first, and train from there
-    spot: bool = False  # the Spot partition; evictions checkpoint and requeue the job
-    spot_fallback: bool = False  # the Spot partition where Slurm can start it there, else on demand
-    resume_from: str | None = None  # a run whose newest kept checkpoint (results container) this one starts from
-    name: str | None = None  # a task's name: the run id's prefix
-    mode: str | None = None  # per-rank (default: the command runs on every rank) or per-node (it is the launcher)
-    setup: str | None = None  # a task's setup script: once per node, cached (dtrain/jobs/task_steps.py)
-    envs: dict[str, str] = field(default_factory=dict)  # for the user's command (and setup), in job.sh
-    secrets: list[str] = field(default_factory=list)  # names, read from the operator's environment at launch
-    tracking_uri: str | None = None  # MLflow server instead of the cluster's ("none": untracked)
-    experiment: str | None = None  # MLflow experiment (default: the cluster's name)
-    warn_before: int | None = None  # seconds of SIGUSR1 before the time limit; default: time_warning.DEFAULT_S
-    needs: ClusterNeeds | None = None  # a task file's SkyPilot resources: what the nodes must have (cluster_fit.py)
-
-    @property
-    def requeued(self) -> bool:
-        """Whether Slurm may run the job again (a node failure, a Spot eviction): then it keeps checkpoints."""
-        return self.requeue or self.spot or self.spot_fallback
 
 
 @dataclass(frozen=True)
@@ -124,43 +74,27 @@ class Plan:
     datasets: tuple[str, ...] = ()  # a task file's file_mounts: staged datasets, checked for on the share
 
 
-def new_run_id(framework: str) -> str:
-    return f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{framework}-{secrets.token_hex(2)}"
-
-
-def check_run_id(run_id: str) -> str:
-    if not RUN_ID.fullmatch(run_id):
-        raise OperatorError(
-            f"invalid run id {run_id!r}: use up to 100 letters, digits, '-', '_' and '.', starting with a letter "
-            "or digit (no '/')"
-        )
-    return run_id
-
-
-def runs_dir(desc: ClusterDescription) -> str:
-    return posixpath.join(desc.shared_mount_path, RUNS_DIR)
-
-
-def choose_launcher(opts: LaunchOptions) -> Launcher:
-    if opts.launcher:
-        return opts.launcher
-    if opts.workdir:
+def choose_launcher(request: LaunchRequest) -> Launcher:
+    if request.launcher:
+        return request.launcher
+    if request.workdir:
         # the user's own script: torch.distributed's launcher, unless they ask for Horovod's or the image
         # they chose is TensorFlow's, which has Horovod and no torch
-        return "torchrun" if opts.framework == "pytorch" else "horovodrun"
-    backend = _flag_value(opts.job_args, "--backend")
-    return "torchrun" if opts.model_parallel or (opts.framework == "pytorch" and backend == DDP) else "horovodrun"
+        return "torchrun" if request.framework == "pytorch" else "horovodrun"
+    backend = request.job_flags.backend
+    return "torchrun" if request.model_parallel or (request.framework == "pytorch" and backend == DDP) else "horovodrun"
 
 
-def check_backend(opts: LaunchOptions, launcher: Launcher) -> None:
+def check_backend(request: LaunchRequest, launcher: Launcher) -> None:
     """Our data-parallel job's backend is its launcher's: under the other launcher each process would
     see a world of one and train alone (training/world/backend_choice.py)."""
-    if launcher == "torchrun" and opts.framework != "pytorch":
-        what = f"--framework {opts.framework}'s image has no torch" if opts.workdir else f"not {opts.framework}"
+    if launcher == "torchrun" and request.framework != "pytorch":
+        framework = request.framework
+        what = f"--framework {framework}'s image has no torch" if request.workdir else f"not {framework}"
         raise OperatorError(f"--launcher torchrun runs PyTorch jobs only, {what}")
-    if opts.framework != "pytorch" or opts.workdir or opts.entrypoint or opts.model_parallel:
+    if request.framework != "pytorch" or request.workdir or request.entrypoint or request.model_parallel:
         return
-    backend = _flag_value(opts.job_args, "--backend")
+    backend = request.job_flags.backend
     wanted = DDP if launcher == "torchrun" else HOROVOD
     if backend not in (None, AUTO, wanted):
         raise OperatorError(
@@ -169,71 +103,72 @@ def check_backend(opts: LaunchOptions, launcher: Launcher) -> None:
         )
 
 
-def check_model_parallel(opts: LaunchOptions) -> None:
+def check_model_parallel(request: LaunchRequest) -> None:
     """--model-parallel runs the PyTorch model-parallel job, which torch.distributed's launcher starts."""
-    if not opts.model_parallel:
+    if not request.model_parallel:
         return
-    if opts.framework != "pytorch":
-        raise OperatorError(f"--model-parallel is PyTorch's (FSDP, pipeline, tensor parallel), not {opts.framework}")
-    if opts.launcher == "horovodrun":
+    if request.framework != "pytorch":
+        raise OperatorError(f"--model-parallel is PyTorch's (FSDP, pipeline, tensor parallel), not {request.framework}")
+    if request.launcher == "horovodrun":
         raise OperatorError("--model-parallel runs under torchrun: leave out --launcher horovodrun")
-    if opts.entrypoint:
+    if request.entrypoint:
         raise OperatorError(f"--model-parallel runs {MODEL_PARALLEL_JOB}: leave out --entrypoint")
 
 
-def check_own_code(opts: LaunchOptions) -> None:
+def check_own_code(request: LaunchRequest) -> None:
     """--workdir runs the command after `--` as written: none of our job's options apply to it."""
-    if not opts.workdir:
+    if not request.workdir:
         return
-    if not opts.job_args:
+    if not request.job_args:
         raise OperatorError("--workdir runs the command after `--`: add it, e.g. -- python train.py --epochs 1")
-    for given, flag in ((opts.entrypoint, "--entrypoint"), (opts.model_parallel, "--model-parallel")):
+    for given, flag in ((request.entrypoint, "--entrypoint"), (request.model_parallel, "--model-parallel")):
         if given:
             raise OperatorError(f"--workdir runs the command after `--`: leave out {flag}")
-    if opts.local_copy:
+    if request.local_copy:
         raise OperatorError("--local-copy rewrites our jobs' --data-dir: with --workdir, copy the data in your script")
 
 
-def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
+def build_spec(desc: ClusterDescription, request: LaunchRequest) -> Plan:
     """Everything about the run that can be wrong is found here, before any connection."""
-    if opts.framework not in FRAMEWORKS:
+    if request.framework not in FRAMEWORKS:
         raise OperatorError(f"--framework must be one of {', '.join(FRAMEWORKS)}")
-    check_model_parallel(opts)
-    check_own_code(opts)
-    fit = fit_to_cluster(desc, opts.needs) if opts.needs else None
-    if fit and fit.gpus_per_node and opts.processes_per_node is None and opts.gpus is None:
-        opts = replace(opts, processes_per_node=fit.gpus_per_node)  # the accelerators' count, unless a flag says
+    check_model_parallel(request)
+    check_own_code(request)
+    fit = fit_to_cluster(desc, request.needs) if request.needs else None
+    if fit and fit.gpus_per_node and request.processes_per_node is None and request.gpus is None:
+        # the accelerators' count, unless a flag says
+        request = replace(request, processes_per_node=fit.gpus_per_node)
     check_task_request(
-        workdir=opts.workdir, command=opts.job_args, mode=opts.mode, launcher=opts.launcher, setup=opts.setup,
-        envs=opts.envs, secrets=opts.secrets, nodes=opts.nodes or 1,
+        workdir=request.workdir, command=request.job_args, mode=request.mode, launcher=request.launcher,
+        setup=request.setup, envs=request.envs, secrets=request.secrets, nodes=request.nodes or 1,
     )  # fmt: skip
     # a missing secret is named, and the variables measured, before anything is sent
-    check_environment_size(opts.envs | read_secrets(opts.secrets))
-    workdir = check_workdir(opts.workdir, opts.workdir_max_mb) if opts.workdir else None
-    if opts.image and desc.runtime.kind != "docker":
+    check_environment_size(request.envs | read_secrets(request.secrets))
+    workdir = check_workdir(request.workdir, request.workdir_max_mb) if request.workdir else None
+    if request.image and desc.runtime.kind != "docker":
         raise OperatorError(
             f"--image runs the job in a container, and cluster {desc.name} runs jobs on the hosts (runtime host)"
         )
     alloc = plan_allocation(
         desc,
-        nodes=opts.nodes,
-        gpus=opts.gpus,
-        gpus_per_node=opts.processes_per_node,
-        exclusive=opts.exclusive,
-        time_limit=opts.time_limit,
+        nodes=request.nodes,
+        gpus=request.gpus,
+        gpus_per_node=request.processes_per_node,
+        exclusive=request.exclusive,
+        time_limit=request.time_limit,
     )
     # per-node: the command is the launcher; its output comes through srun --label, read as torchrun's is
-    launcher = "torchrun" if opts.mode == "per-node" else choose_launcher(opts)
-    if opts.mode != "per-node":
-        check_backend(opts, launcher)
+    launcher = "torchrun" if request.mode == "per-node" else choose_launcher(request)
+    if request.mode != "per-node":
+        check_backend(request, launcher)
     image = None
     if desc.runtime.kind == "docker":
-        image = opts.image or desc.image_for(opts.framework)
+        image = request.image or desc.image_for(request.framework)
         if not image:
-            raise OperatorError(f"no image for {opts.framework} in the cluster description: pass --image")
-    local_copy = plan_local_copy(desc, opts)
-    prefix = opts.name or (workdir.name if workdir else opts.framework)
-    run_id = check_run_id(opts.run_id) if opts.run_id else new_run_id(prefix)
+            raise OperatorError(f"no image for {request.framework} in the cluster description: pass --image")
+    local_copy = plan_local_copy(desc, request)
+    prefix = request.name or (workdir.name if workdir else request.framework)
+    run_id = check_run_id(request.run_id) if request.run_id else new_run_id(prefix)
     run_dir = posixpath.join(runs_dir(desc), run_id)
     spec = JobSpec(
         run_id=run_id,
@@ -242,8 +177,8 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
         nodes=alloc.nodes,
         processes_per_node=alloc.processes_per_node,
         gpus_per_node=alloc.gpus_per_node,
-        partition=choose_partition(require_slurm(desc), opts),
-        command=training_command(desc, opts, run_dir, local_copy),
+        partition=choose_partition(require_slurm(desc), request),
+        command=training_command(desc, request, run_dir, local_copy),
         workdir=posixpath.join(run_dir, CODE_SUBDIR) if workdir else desc.runtime.workdir,
         python=desc.runtime.python,
         remote_python=desc.remote_python,
@@ -252,26 +187,26 @@ def build_spec(desc: ClusterDescription, opts: LaunchOptions) -> Plan:
         shared_mount=desc.shared_mount_path,
         network_interface=desc.runtime.network_interface,
         infiniband=desc.expect_infiniband,
-        requeue=opts.requeued,
+        requeue=request.requeued,
         time_limit=alloc.time_limit,
         exclusive=alloc.exclusive,
         git_revision=git_revision(),
-        env=dict(desc.nccl_env) | opts.envs,
+        env=dict(desc.nccl_env) | request.envs,
         local_copy=local_copy,
-        mode="per-node" if opts.mode == "per-node" else "per-rank",
-        setup_cache_dir=setup_cache_dir(desc.local_data_path, runs_dir(desc)) if opts.setup else None,
-        secrets=tuple(opts.secrets),
+        mode="per-node" if request.mode == "per-node" else "per-rank",
+        setup_cache_dir=setup_cache_dir(desc.local_data_path, runs_dir(desc)) if request.setup else None,
+        secrets=tuple(request.secrets),
         tracking=plan_tracking(
             desc.tracking_uri,
-            opts.tracking_uri,
-            opts.experiment,
+            request.tracking_uri,
+            request.experiment,
             cluster=desc.name,
-            framework=opts.framework,
+            framework=request.framework,
             prometheus_url=desc.telemetry.prometheus_url if desc.telemetry else None,
         ),
-        resume_from=opts.resume_from,
-        warn_before_s=warning_lead(opts.warn_before, alloc.time_limit),
-        gate=gate_thresholds(desc) if opts.gate else None,
+        resume_from=request.resume_from,
+        warn_before_s=warning_lead(request.warn_before, alloc.time_limit),
+        gate=gate_thresholds(desc) if request.gate else None,
         gate_image=desc.image_for(GATE_FRAMEWORK) if image else None,
         cluster_info=cluster_info(desc),
     )
@@ -285,29 +220,29 @@ def cluster_info(desc: ClusterDescription) -> str:
     return json.dumps({"cluster_name": desc.name, "cloud": cloud, "region": desc.region, "zone": None})
 
 
-def choose_partition(access: SlurmAccess, opts: LaunchOptions) -> str:
+def choose_partition(access: SlurmAccess, request: LaunchRequest) -> str:
     """--spot: the Spot partition; --spot-fallback: both, Spot first (its PriorityTier is higher), so that
     a job Slurm cannot start on Spot nodes (Azure refused the capacity, the nodes are busy) runs on demand."""
-    if not (opts.spot or opts.spot_fallback):
+    if not (request.spot or request.spot_fallback):
         return access.partition
-    if opts.spot and opts.spot_fallback:
+    if request.spot and request.spot_fallback:
         raise OperatorError("--spot and --spot-fallback exclude each other: pass one")
     if access.spot_partition is None:
-        flag = "--spot" if opts.spot else "--spot-fallback"
+        flag = "--spot" if request.spot else "--spot-fallback"
         raise OperatorError(
             f"{flag}: the cluster has no Spot partition (set spotNodeCount in the stack config, `pulumi up`, "
             "then `dtrain cluster from-stack` again)"
         )
-    return f"{access.spot_partition},{access.partition}" if opts.spot_fallback else access.spot_partition
+    return f"{access.spot_partition},{access.partition}" if request.spot_fallback else access.spot_partition
 
 
-def plan_local_copy(desc: ClusterDescription, opts: LaunchOptions) -> LocalCopy | None:
+def plan_local_copy(desc: ClusterDescription, request: LaunchRequest) -> LocalCopy | None:
     """--local-copy: the dataset on the share (--data-dir, under data_path) and where each node keeps its copy."""
-    if not opts.local_copy:
+    if not request.local_copy:
         return None
     if desc.local_data_path is None:
         raise OperatorError(f"--local-copy: cluster {desc.name} has no node-local data path (local_data_path)")
-    source = _flag_value(opts.job_args, "--data-dir")
+    source = request.job_flags.data_dir
     if not source:
         raise OperatorError("--local-copy copies the job's --data-dir: pass -- --data-dir DIR (under data_path)")
     relative = dataset_under_data_path(desc, source, "--local-copy: --data-dir")
@@ -359,17 +294,17 @@ def partition_prices(desc: ClusterDescription, access: SlurmAccess) -> dict[str,
 
 
 def training_command(
-    desc: ClusterDescription, opts: LaunchOptions, run_dir: str, local_copy: LocalCopy | None
+    desc: ClusterDescription, request: LaunchRequest, run_dir: str, local_copy: LocalCopy | None
 ) -> list[str]:
-    if opts.workdir:  # the user's command, exactly as they wrote it
-        return list(opts.job_args)
+    if request.workdir:  # the user's command, exactly as they wrote it
+        return list(request.job_args)
     python = desc.runtime.python
-    entry = opts.entrypoint or (MODEL_PARALLEL_JOB if opts.model_parallel else f"training.{opts.framework}")
+    entry = request.entrypoint or (MODEL_PARALLEL_JOB if request.model_parallel else f"training.{request.framework}")
     command = [python, entry] if entry.endswith(".py") else [python, "-m", entry]
-    args = list(opts.job_args)
+    args = list(request.job_args)
     if local_copy:  # the ranks read each node's own copy, not the share
-        args = _with_flag_value(args, "--data-dir", local_copy.dest)
-    if opts.entrypoint:  # someone else's program: its arguments are its own ($OUTPUT_DIR says where to write)
+        args = with_flag_value(args, "--data-dir", local_copy.dest)
+    if request.entrypoint:  # someone else's program: its arguments are its own ($OUTPUT_DIR says where to write)
         return command + args
     # what a run of our jobs leaves in its directory, and so in the results container: metrics, the
     # deployable model and curves
@@ -377,10 +312,10 @@ def training_command(
     defaults |= {f"--{name}": f"{run_dir}/{path}" for name, path in RUN_OUTPUTS.items()}
     # a requeued job starts again from the top: its checkpoints are what makes it resume; the time limit's
     # warning (on unless --warn-before 0) saves one
-    if opts.requeued or opts.resume_from or opts.warn_before != 0:
+    if request.requeued or request.resume_from or request.warn_before != 0:
         defaults["--checkpoint-dir"] = f"{run_dir}/checkpoints"
     for flag, value in defaults.items():
-        if _flag_value(args, flag) is None:
+        if flag_value(args, flag) is None:
             args += [flag, value]
     return command + args
 
@@ -394,30 +329,29 @@ def _results_target(desc: ClusterDescription) -> ResultsTarget:
     raise OperatorError(f"results_upload: jobs cannot upload with a {cred.kind} credential (use sas or an identity)")
 
 
-def _processes_flag(opts: LaunchOptions) -> str:
+def _processes_flag(request: LaunchRequest) -> str:
     """The flag that set the processes per node, as the user gave it."""
-    if opts.gpus is not None:
-        return f"--gpus {opts.gpus}" + (f" over {opts.nodes} nodes" if opts.nodes and opts.nodes > 1 else "")
-    if opts.processes_per_node is not None:
-        return f"--gpus-per-node {opts.processes_per_node}"
+    if request.gpus is not None:
+        spread = f" over {request.nodes} nodes" if request.nodes and request.nodes > 1 else ""
+        return f"--gpus {request.gpus}{spread}"
+    if request.processes_per_node is not None:
+        return f"--gpus-per-node {request.processes_per_node}"
     return "the default (a process per GPU, or 1)"
 
 
-def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH, plan: Plan | None = None) -> Submission:
+def submit(desc: ClusterDescription, request: LaunchRequest, ssh: SSH, plan: Plan | None = None) -> Submission:
     """Send the user's code (if any), write the run directory and sbatch (plan: build_spec's, if made already)."""
     slurm = Slurm(desc, ssh)
-    plan = plan or build_spec(desc, opts)
+    plan = plan or build_spec(desc, request)
     spec = plan.spec
-    # the user's own command (--workdir) has no flags of ours to check
-    job_args = [] if opts.workdir else opts.job_args
-    processes = ProcessRequest(spec.processes_per_node, spec.partition, _processes_flag(opts))
+    processes = ProcessRequest(spec.processes_per_node, spec.partition, _processes_flag(request))
     checks = plan_preflight(
-        desc, job_args, entrypoint=opts.entrypoint, model_parallel=opts.model_parallel, processes=processes,
-        datasets=plan.datasets,
+        desc, request.job_flags, entrypoint=request.entrypoint, model_parallel=request.model_parallel,
+        processes=processes, datasets=plan.datasets,
     )  # fmt: skip
     if spec.resume_from:  # the job fetches it (fetch_checkpoint.py): here only whether there is one
-        require_kept_checkpoint(desc, spec.resume_from, ours=not (opts.workdir or opts.entrypoint))
-    files = _run_files(desc, opts, spec, slurm.access)
+        require_kept_checkpoint(desc, spec.resume_from, ours=not (request.workdir or request.entrypoint))
+    files = _run_files(desc, request, spec, slurm.access)
     code = ""
     if plan.workdir:  # the last upload of this directory, copied: the job runs a snapshot, whatever changes next
         cache = send_workdir(plan.workdir, desc, ssh, runs_dir(desc))
@@ -441,12 +375,12 @@ def submit(desc: ClusterDescription, opts: LaunchOptions, ssh: SSH, plan: Plan |
 
 
 def _run_files(
-    desc: ClusterDescription, opts: LaunchOptions, spec: JobSpec, access: SlurmAccess
+    desc: ClusterDescription, request: LaunchRequest, spec: JobSpec, access: SlurmAccess
 ) -> dict[str, tuple[bytes, int]]:
     price, price_source = node_hour_price(desc)
     record = {
         "run_id": spec.run_id,
-        "framework": opts.framework,
+        "framework": request.framework,
         "cluster": desc.name,
         "gpu_sku": desc.gpu_sku,
         "region": desc.region,
@@ -456,10 +390,10 @@ def _run_files(
         "node_gpus": desc.gpus_per_node,  # record_run.py charges the job's GPUs as this share of a node
         "submitted_by": getpass.getuser(),
         "submitted_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "job_args": opts.job_args,
-        "envs": opts.envs,
-        "workdir": opts.workdir and str(Path(opts.workdir).expanduser().resolve()),
-        "workdir_git": workdir_revision(opts.workdir),  # the user's project's revision (git_revision: ours)
+        "job_args": request.job_args,
+        "envs": request.envs,
+        "workdir": request.workdir and str(Path(request.workdir).expanduser().resolve()),
+        "workdir_git": workdir_revision(request.workdir),  # the user's project's revision (git_revision: ours)
         "results_url": f"{desc.results.url}/{spec.run_id}/",
         **{k: v for k, v in asdict(spec).items() if k not in ("results", "env")},
     }
@@ -474,10 +408,10 @@ def _run_files(
     cred = desc.results_upload
     if cred.kind == "sas" and cred.secret is not None:
         files[SAS_FILE] = (cred.secret.get_secret_value().encode(), 0o600)
-    if opts.setup:
-        files[SETUP_FILE] = (opts.setup.encode(), 0o600)
-    if opts.secrets:  # over SSH's stdin with the rest, never in argv; removed when the job ends
-        files[f"{SECRETS_SUBDIR}/env"] = (render_secrets(read_secrets(opts.secrets)), 0o600)
+    if request.setup:
+        files[SETUP_FILE] = (request.setup.encode(), 0o600)
+    if request.secrets:  # over SSH's stdin with the rest, never in argv; removed when the job ends
+        files[f"{SECRETS_SUBDIR}/env"] = (render_secrets(read_secrets(request.secrets)), 0o600)
     return files
 
 
@@ -489,14 +423,3 @@ def _tar(files: dict[str, tuple[bytes, int]]) -> bytes:
             info.size, info.mode, info.mtime = len(data), mode, int(time.time())
             archive.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
-
-
-def _with_flag_value(args: Sequence[str], flag: str, value: str) -> list[str]:
-    """args with every value of flag (`--flag V` or `--flag=V`) replaced by value."""
-    out = list(args)
-    for i, arg in enumerate(out):
-        if arg == flag and i + 1 < len(out):
-            out[i + 1] = value
-        elif arg.startswith(flag + "="):
-            out[i] = f"{flag}={value}"
-    return out

@@ -1,5 +1,6 @@
-"""`dtrain launch task.yaml`: a task file (SkyPilot's keys, and a few of ours) read, checked against a schema,
-and merged with the command line. Runs on the operator's machine.
+"""`dtrain launch task.yaml`: a task file (SkyPilot's keys, and a few of ours) read into a typed Task, checked
+against its schema, and merged into the launch request (dtrain/jobs/launch_request.py) that the command line
+made. Runs on the operator's machine.
 
     name: my-model                 # the run id's prefix
     workdir: .                     # relative to the task file's directory
@@ -19,21 +20,22 @@ reads it with YAML 1.2's numbers, so `time: 1:00:00` stays a time, not 3600.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator, model_validator
 
-from dtrain.cli_common import describe_validation_error
+from dtrain.checks import describe_validation_error
 from dtrain.cluster.slurm_time import check_time_limit
 from dtrain.errors import OperatorError, explain_os_error
 from dtrain.jobs import skypilot_keys
 from dtrain.jobs.cluster_fit import ClusterNeeds
+from dtrain.jobs.launch_request import LaunchRequest
 from dtrain.jobs.launcher_guard import check_launcher_mode
 
 TASK_SUFFIXES = (".yaml", ".yml")
@@ -72,6 +74,7 @@ TOOL_BREAKING_NAMES = frozenset(
 # worker inside one ssh command string, which Slurm's and the job's own variables (a few KiB) share: the
 # envs and secrets of a job hold at most half of that string.
 ENVIRONMENT_BUDGET = 64 * 1024
+T = TypeVar("T")
 EnvName = Annotated[str, StringConstraints(pattern=f"^{ENV_NAME.pattern}$")]
 RunName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,60}$")]
 
@@ -274,47 +277,53 @@ def parse_env(text: str) -> tuple[str, str]:
     """--env KEY=VALUE."""
     key, sep, value = text.partition("=")
     if not sep or not ENV_NAME.fullmatch(key):
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE with KEY a variable name, got {text!r}")
+        raise OperatorError(f"expected KEY=VALUE with KEY a variable name, got {text!r}")
     return key, value
 
 
 def env_name(text: str) -> str:
     """--secret NAME."""
     if not ENV_NAME.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"expected a variable name (letters, digits, _), got {text!r}")
+        raise OperatorError(f"expected a variable name (letters, digits, _), got {text!r}")
     return text
 
 
-def fill_from_task(args: argparse.Namespace, task: Task, path: str) -> None:
-    """The task's keys where the command line left a flag unset: flags win, --env/--secret add. A file in
-    SkyPilot's dialect runs per node unless it says `mode:` (SkyPilot runs `run` once on each node)."""
+def with_task(request: LaunchRequest, task: Task, path: str) -> LaunchRequest:
+    """The request with the task's keys where the command line left a flag unset: flags win, --env/--secret
+    add. A file in SkyPilot's dialect runs per node unless it says `mode:` (SkyPilot runs `run` once on each
+    node)."""
     base = Path(path).expanduser().resolve().parent
     resources = task.resources
     if task.num_nodes is not None and resources.nodes is not None:
         raise OperatorError(f"{path}: num_nodes and resources.nodes say the same thing: keep one")
-    given = {
-        "workdir": task.workdir and str(base / task.workdir),
-        "nodes": task.num_nodes or resources.nodes,
-        "gpus_per_node": None if args.gpus is not None else resources.gpus,
-        "time_limit": resources.time,
-        "image": resources.image or resources.image_id,
-        "mode": task.mode or ("per-node" if task.in_skypilot_dialect else None),
-        "name": task.name,
-        "setup": task.setup,
-    }
-    for key, value in given.items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
-    args.spot = args.spot or ((resources.spot or resources.use_spot) and not args.spot_fallback)
-    args.task_needs = resources.needs(task.file_mounts, path)
-    args.envs, required = _envs(task.envs, dict(args.envs or []), path)
-    args.secrets = list(dict.fromkeys([*task.secrets, *required, *(args.secrets or [])]))
-    if not args.job_args and task.run:
-        args.job_args = ["bash", "-c", task.run]
-    if not args.workdir:
+    envs, required = _envs(task.envs, request.envs, path)
+    per_node_gpus = None if request.gpus is not None else resources.gpus  # --gpus (in all) leaves it out
+    merged = replace(
+        request,
+        workdir=_unless_given(request.workdir, task.workdir and str(base / task.workdir)),
+        nodes=_unless_given(request.nodes, task.num_nodes or resources.nodes),
+        processes_per_node=_unless_given(request.processes_per_node, per_node_gpus),
+        time_limit=_unless_given(request.time_limit, resources.time),
+        image=_unless_given(request.image, resources.image or resources.image_id),
+        mode=_unless_given(request.mode, task.mode or ("per-node" if task.in_skypilot_dialect else None)),
+        name=_unless_given(request.name, task.name),
+        setup=_unless_given(request.setup, task.setup),
+        spot=request.spot or ((resources.spot or resources.use_spot) and not request.spot_fallback),
+        needs=resources.needs(task.file_mounts, path),
+        envs=envs,
+        secrets=tuple(dict.fromkeys([*task.secrets, *required, *request.secrets])),
+        job_args=request.job_args or (("bash", "-c", task.run) if task.run else ()),
+    )
+    if not merged.workdir:
         raise OperatorError(f"{path}: workdir: needed (the directory your code is in, relative to the task file)")
-    if not args.job_args:
+    if not merged.job_args:
         raise OperatorError(f"{path}: run: needed (the command that starts your code), or a command after --")
+    return merged
+
+
+def _unless_given(flag: T | None, value: T | None) -> T | None:
+    """A flag's value where the command line gave it, else the task file's."""
+    return value if flag is None else flag
 
 
 def _envs(envs: dict[str, str | None], flags: dict[str, str], path: str) -> tuple[dict[str, str], list[str]]:
@@ -329,7 +338,7 @@ def _envs(envs: dict[str, str | None], flags: dict[str, str], path: str) -> tupl
     return {**{name: value for name, value in envs.items() if value is not None}, **flags}, secrets
 
 
-def read_secrets(names: list[str]) -> dict[str, str]:
+def read_secrets(names: Sequence[str]) -> dict[str, str]:
     """The secrets' values from the operator's environment; a missing one is an error naming it."""
     missing = [name for name in names if name not in os.environ]
     if missing:
@@ -355,12 +364,12 @@ def refuse_credentials_in_envs(envs: dict[str, str]) -> None:
 def check_task_request(
     *,
     workdir: str | None,
-    command: list[str],
+    command: Sequence[str],
     mode: str | None,
     launcher: str | None,
     setup: str | None,
     envs: dict[str, str],
-    secrets: list[str],
+    secrets: Sequence[str],
     nodes: int = 1,
 ) -> None:
     """What a task's keys (or their flags) need: your own code for per-node mode and setup, variables
@@ -380,7 +389,7 @@ def check_task_request(
     check_launcher_mode(command, mode or "per-rank", "--mode per-node (task file: mode: per-node)", nodes, envs)
 
 
-def check_variable_names(envs: dict[str, str], secrets: list[str]) -> None:
+def check_variable_names(envs: dict[str, str], secrets: Sequence[str]) -> None:
     """Names the job or its own tools depend on: the job sets them, or they would change our tools too."""
     for name in [*envs, *secrets]:
         if name in RESERVED_NAMES or name.startswith(RESERVED_PREFIXES):
@@ -410,33 +419,3 @@ def check_environment_size(values: dict[str, str]) -> None:
         raise OperatorError(f"{largest}: {sizes[largest] / 1024:,.1f} KiB; {limit}")
     if (total := sum(sizes.values())) > ENVIRONMENT_BUDGET:
         raise OperatorError(f"envs and secrets: {total / 1024:,.1f} KiB together; {limit}")
-
-
-def add_task_arguments(parser: argparse.ArgumentParser) -> None:
-    """`launch`'s flags that mirror a task file's keys (envs, secrets, mode)."""
-    parser.add_argument(
-        "--env", dest="envs", action="append", type=parse_env, metavar="KEY=VALUE",
-        help="an environment variable for your command and setup (repeatable; adds to a task file's envs)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--secret", dest="secrets", action="append", type=env_name, metavar="NAME",
-        help="pass the variable NAME from this environment to your command and setup, never written to argv, "
-        "job.json or job.sh, masked (***) in the logs (repeatable; adds to a task file's secrets)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--mode", choices=("per-rank", "per-node"),
-        help="per-rank (default): your command runs on every rank under our launcher; per-node: once per node, "
-        "as your own launcher (torchrun, accelerate launch, deepspeed), with DTRAIN_NODE_RANK, MASTER_ADDR, ...",
-    )  # fmt: skip
-    parser.set_defaults(name=None, setup=None, task_needs=None)  # a task file's only
-
-
-def from_task_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """`launch TASK.yaml [flags] [-- command]`: the flags after the file parsed too, then the file's keys
-    filled in where no flag was given."""
-    path, *rest = args.job_args
-    args.job_args = []
-    parser.parse_args(rest, namespace=args)
-    if args.job_args[:1] == ["--"]:
-        args.job_args = args.job_args[1:]
-    fill_from_task(args, load_task(path), path)

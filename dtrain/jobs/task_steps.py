@@ -1,6 +1,7 @@
 """The batch script's lines for a task's parts (dtrain/jobs/task_file.py): its secrets, its setup once per
 node, and per-node mode, where the user's command (their own torchrun, accelerate, deepspeed) runs once
-per node with the rendezvous in its environment. Pure functions of a JobSpec; run on the operator's machine.
+per node with the rendezvous in its environment. Pure functions of a JobSpec (dtrain/jobs/job_spec.py) to
+lines for job.sh's sections and its launch line; run on the operator's machine.
 
 Secrets: `launch` sends them in the same tar over SSH's stdin as job.sh (never in argv), to
 `<run>/secrets/env` (0600, in the 0700 run directory, owned by the submitting user). Only the user's own
@@ -16,14 +17,11 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from dtrain.cluster.ssh import q
 from dtrain.jobs import time_warning
+from dtrain.jobs.job_spec import JobSpec, ScriptLines
 from infra.contract import PREEMPTED_EXIT_CODE
-
-if TYPE_CHECKING:
-    from dtrain.jobs.batch_script import JobSpec
 
 SECRETS_SUBDIR = "secrets"  # in the run directory; never uploaded (upload_results.py SKIPPED_DIRS)
 SETUP_FILE = "setup.sh"  # in the run directory: the task's setup text
@@ -31,7 +29,7 @@ SETUP_CACHE = ".dtrain-setup"  # under a node's local disk (or the runs director
 # What setup and per-node mode's run get on every node (docs/operator.md): ours, and SkyPilot's names for the
 # same values as its docs define them ("SkyPilot environment variables"), so that a SkyPilot task runs as
 # written. The node's rank is set per node (from SLURM_NODEID, by user_command's wrapper), the rest once
-# for the job (node_env_lines), the rendezvous for per-node mode's run (per_node_lines).
+# for the job (_node_env_lines), the rendezvous for per-node mode's run (per_node_lines).
 NODE_RANK_ENV = ("DTRAIN_NODE_RANK", "SKYPILOT_NODE_RANK", "SKYPILOT_SETUP_NODE_RANK")
 JOB_ENV = (
     "DTRAIN_NUM_NODES", "DTRAIN_NODE_LIST", "DTRAIN_GPUS_PER_NODE", "DTRAIN_PROCESSES_PER_NODE",
@@ -78,7 +76,19 @@ def _masked(spec: JobSpec) -> str:
     return f' 2>&1 | "$PY" "$TOOLS/job_secrets.py" {q(secrets_file(spec.run_dir))}' if spec.secrets else ""
 
 
-def forget_secrets(spec: JobSpec) -> list[str]:
+def script_lines(spec: JobSpec, step: str, runner: Sequence[str]) -> ScriptLines:
+    """Before the launch: the variables every node's setup (and per-node run) shares, then setup; in
+    finish(): the secrets removed. step: what runs a command once per node (srun); runner: what starts a
+    command in the job's environment there (env PATH=..., or docker run)."""
+    setup = _setup_lines(spec, step, runner)
+    return ScriptLines(
+        before_launch=[*_node_env_lines(spec), *setup, *_forget_node_env(spec)],
+        on_finish=_forget_secrets(spec),
+        runs_steps=bool(setup),
+    )
+
+
+def _forget_secrets(spec: JobSpec) -> list[str]:
     """For finish(): remove the secrets unless Slurm runs the job again (a Spot eviction, our requeue, the
     gate's requeue without a slow node)."""
     if not spec.secrets:
@@ -101,7 +111,7 @@ def docker_env(spec: JobSpec) -> list[str]:
     return ["SLURM_NODEID", *JOB_ENV, *(RENDEZVOUS_ENV if spec.mode == "per-node" else ())]
 
 
-def node_env_lines(spec: JobSpec) -> list[str]:
+def _node_env_lines(spec: JobSpec) -> list[str]:
     """The exports of JOB_ENV in the batch shell, before setup: what every node's setup and run share."""
     if not runs_per_node(spec):
         return []
@@ -120,14 +130,14 @@ def node_env_lines(spec: JobSpec) -> list[str]:
     ]
 
 
-def forget_node_env(spec: JobSpec) -> list[str]:
+def _forget_node_env(spec: JobSpec) -> list[str]:
     """After setup, in per-rank mode: the ranks under our launcher get RANK and the like, not JOB_ENV."""
     return [f"unset {' '.join(JOB_ENV)}"] if spec.mode != "per-node" and runs_per_node(spec) else []
 
 
-def setup_lines(spec: JobSpec, step: str, runner: Sequence[str]) -> list[str]:
+def _setup_lines(spec: JobSpec, step: str, runner: Sequence[str]) -> list[str]:
     """Setup on every node through setup_once.py, before the run; a failure ends the job (the verdict
-    names setup). runner: what starts a command in the job's environment (env PATH=..., or docker run)."""
+    names setup)."""
     if spec.setup_cache_dir is None:
         return []
     setup = posixpath.join(spec.run_dir, SETUP_FILE)

@@ -16,7 +16,7 @@ from dtrain.cluster.slurm import QueuedJob, Slurm
 from dtrain.cluster.ssh import q
 from dtrain.cluster.telemetry import GpuReading, TelemetryUnavailable, gpu_queries, gpu_readings, run_sections
 from dtrain.jobs.progress import STEP_LINE_GREP, Progress, parse_progress, progress_from_mlflow
-from dtrain.jobs.submit import runs_dir
+from dtrain.jobs.run_ids import runs_dir
 
 LOG_TAIL_BYTES = 65536  # the newest step line is near the end; never read a whole long log
 MLFLOW_TIMEOUT_S = 5

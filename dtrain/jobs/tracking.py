@@ -11,17 +11,14 @@ token is ``MLFLOW_TRACKING_TOKEN`` in the job's environment, never in the script
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 
-from dtrain.cli_common import arg_type
 from dtrain.cluster.ssh import q
 from dtrain.errors import OperatorError
+from dtrain.jobs.job_spec import ScriptLines, Tracking
 
 OFF = "none"
 TOKEN = "MLFLOW_TRACKING_TOKEN"  # a server's bearer token: a task's secret, read by mlflow_run.py
@@ -37,14 +34,6 @@ PAGE_LOOKUP_TIMEOUT_S = 5
 # ours; MLflow's own tag for the user (its runs table's User column) is set by the job, to the Slurm user it
 # runs as (dtrain/remote/job/mlflow_run.py), not to the name of whoever launched it on their own machine
 FRAMEWORK_TAG = "dtrain.framework"
-
-
-@dataclass(frozen=True)
-class Tracking:
-    uri: str  # http(s)://host:port of an MLflow tracking server, as the nodes reach it
-    experiment: str  # the cluster's name unless --experiment says otherwise
-    tags: Mapping[str, str] = field(default_factory=dict)  # the run's, besides its run id and Slurm job id
-    prometheus_url: str | None = None  # the cluster's, as the nodes reach it: the run's system metrics
 
 
 def check_tracking_uri(text: str) -> str:
@@ -95,9 +84,16 @@ def plan_tracking(
     return Tracking(chosen, experiment or cluster, tags, prometheus_url)
 
 
-def open_run_lines(tracking: Tracking) -> list[str]:
+def script_lines(tracking: Tracking | None) -> ScriptLines:
+    """job.sh's lines for the run's MLflow run: opened in the prologue, closed in finish()."""
+    if tracking is None:
+        return ScriptLines()
+    return ScriptLines(prologue=_open_run_lines(tracking), on_finish=_CLOSE_RUN_LINES)
+
+
+def _open_run_lines(tracking: Tracking) -> list[str]:
     """Open the run before the launch; a server that does not answer leaves the job untracked, not failed.
-    Then the system metrics' sampler, in the background until finish() (close_run_lines) stops it."""
+    Then the system metrics' sampler, in the background until finish() (_CLOSE_RUN_LINES) stops it."""
     tags = "".join(f" --tag {q(f'{key}={value}')}" for key, value in tracking.tags.items())
     start = (
         f'"$PY" "$TOOLS/mlflow_run.py" start --run-dir "$RUN_DIR" --experiment {q(tracking.experiment)} '
@@ -118,11 +114,11 @@ def open_run_lines(tracking: Tracking) -> list[str]:
 
 
 # in finish(): the sampler's end, then the run's status from the job's (FINISHED, FAILED or KILLED)
-CLOSE_RUN_LINES = [
+_CLOSE_RUN_LINES = (
     '  [ -n "${SYSTEM_METRICS_PID:-}" ] && kill "$SYSTEM_METRICS_PID" 2>/dev/null',
     '  [ -n "${MLFLOW_RUN_ID:-}" ] && "$PY" "$TOOLS/mlflow_run.py" end --run-dir "$RUN_DIR" --exit-code "$code" '
     '--ended-by "$ENDED_BY"',
-]
+)
 
 
 def experiment_page(base_url: str, experiment: str) -> str:
@@ -137,18 +133,3 @@ def experiment_page(base_url: str, experiment: str) -> str:
     except (OSError, ValueError, KeyError):  # 404: no such experiment yet
         return f"{base}/#/experiments?{TRAINING_VIEW}"
     return f"{base}/#/experiments/{found}?{TRAINING_VIEW}"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--tracking-uri",
-        type=arg_type(check_tracking_uri),
-        metavar="URI",
-        help="MLflow server for this run's parameters, curves and model (default: the cluster's, on its head "
-        f"node; {OFF!r}: none); its token, if it needs one, is MLFLOW_TRACKING_TOKEN in the job's environment",
-    )
-    parser.add_argument(
-        "--experiment",
-        type=arg_type(check_experiment),
-        help="MLflow experiment of the run (default: the cluster's name)",
-    )

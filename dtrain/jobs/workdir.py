@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtrain.cli_common import require_tool
+from dtrain.checks import require_tool
 from dtrain.cluster.description import ClusterDescription
 from dtrain.cluster.ssh import SSH, q
 from dtrain.errors import ExitCode, OperatorError

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.fileio import atomic_write
-from dtrain.local import slurm as local_slurm
+from dtrain.local import slurm_conf
 from dtrain.local.daemons import log_tail, wait_port, wait_socket_file
 from dtrain.local.nodes import start_daemon
 from dtrain.local.state import LocalState
@@ -49,9 +49,9 @@ from infra.contract import SLURMDBD_PORT
 
 MARIADB_ROLE = "mariadb"
 SLURMDBD_ROLE = "slurmdbd"
-MARIADBD = f"{local_slurm.SBIN}/mariadbd"
+MARIADBD = f"{slurm_conf.SBIN}/mariadbd"
 INSTALL_DB = "/usr/bin/mariadb-install-db"
-SLURMDBD = f"{local_slurm.SBIN}/slurmdbd"
+SLURMDBD = f"{slurm_conf.SBIN}/slurmdbd"
 TOOLS = (MARIADBD, INSTALL_DB, SLURMDBD, "sacctmgr")
 INSTALL_HINT = "run tools/setup_system.sh (apt-get install mariadb-server slurmdbd)"
 BUFFER_POOL_MB = 64
@@ -70,14 +70,14 @@ def _mariadb_conf(state: LocalState) -> Path:
 
 
 def _socket(state: LocalState) -> Path:
-    return local_slurm.SlurmFiles(Path(state.state_dir)).runtime / "mariadb.socket"
+    return slurm_conf.SlurmFiles(Path(state.state_dir)).runtime / "mariadb.socket"
 
 
 def _grant_file(state: LocalState) -> Path:
     return Path(state.state_dir) / "slurm" / "mariadb-grant.sql"
 
 
-def slurmdbd_conf_path(files: local_slurm.SlurmFiles) -> Path:
+def slurmdbd_conf_path(files: slurm_conf.SlurmFiles) -> Path:
     """slurmdbd reads slurmdbd.conf beside slurm.conf (SLURM_CONF's directory)."""
     return files.conf.with_name("slurmdbd.conf")
 
@@ -141,17 +141,17 @@ def _local_mariadb_conf(state: LocalState) -> str:
     return render_mariadb_conf(datadir=str(database_dir(state)), buffer_pool_mb=BUFFER_POOL_MB) + "\n".join(lines)
 
 
-def write_config(state: LocalState, files: local_slurm.SlurmFiles, dbd_address: str) -> None:
+def write_config(state: LocalState, files: slurm_conf.SlurmFiles, dbd_address: str) -> None:
     """slurmdbd.conf (Azure's, on this machine's paths, with a password made for this cluster) and the SQL
     that gives slurmdbd's database user that password when MariaDB starts."""
     password = secrets.token_hex(24)
     azure = render_slurmdbd_conf(
-        dbd_host=local_slurm.CONTROLLER_HOST,
+        dbd_host=slurm_conf.CONTROLLER_HOST,
         dbd_address=dbd_address,
         database=AccountingDatabase(host=LOOPBACK),
         log_file="/dev/null",  # its stderr is its log, as every local daemon's (STATE/logs/slurmdbd.log)
     )
-    conf = local_slurm.override(
+    conf = slurm_conf.override(
         azure,
         {
             "SlurmUser": "root",  # as every local daemon
@@ -166,7 +166,7 @@ def write_config(state: LocalState, files: local_slurm.SlurmFiles, dbd_address: 
     atomic_write(_grant_file(state), render_database_grant(password), 0o600)
 
 
-def start(state: LocalState, files: local_slurm.SlurmFiles, users: list[str]) -> None:
+def start(state: LocalState, files: slurm_conf.SlurmFiles, users: list[str]) -> None:
     """MariaDB, then slurmdbd, in the head namespace; then the cluster's associations. Returns once
     slurmdbd holds them: slurmctld refuses its first start without slurmdbd, and runs no job without them."""
     head = state.head
@@ -180,16 +180,16 @@ def start(state: LocalState, files: local_slurm.SlurmFiles, users: list[str]) ->
     load_associations(state, files, users)
 
 
-def slurmdbd_link(files: local_slurm.SlurmFiles) -> Path:
+def slurmdbd_link(files: slurm_conf.SlurmFiles) -> Path:
     """slurmdbd under a name of this cluster's: its command line has no path to a file of the cluster (it
     reads slurmdbd.conf from SLURM_CONF's directory), and the record's marker needs one."""
     return files.root / "slurmdbd"
 
 
-def slurmdbd_argv(namespace: str, files: local_slurm.SlurmFiles) -> list[str]:
+def slurmdbd_argv(namespace: str, files: slurm_conf.SlurmFiles) -> list[str]:
     """slurmdbd in the head namespace with the hostname slurmdbd.conf's DbdHost names (it refuses any other),
     reading slurmdbd.conf beside slurm.conf."""
-    script = f'hostname {local_slurm.CONTROLLER_HOST} && export SLURM_CONF="$0" && exec "$1" -D -s'
+    script = f'hostname {slurm_conf.CONTROLLER_HOST} && export SLURM_CONF="$0" && exec "$1" -D -s'
     return [
         "ip",
         "netns",
@@ -205,13 +205,13 @@ def slurmdbd_argv(namespace: str, files: local_slurm.SlurmFiles) -> list[str]:
     ]
 
 
-def load_associations(state: LocalState, files: local_slurm.SlurmFiles, users: list[str]) -> None:
+def load_associations(state: LocalState, files: slurm_conf.SlurmFiles, users: list[str]) -> None:
     """`sacctmgr load` of the cluster, its default account and users (changes nothing when they are there)."""
     associations = files.root / "associations.cfg"
     atomic_write(associations, render_associations(cluster_name=state.slurm_cluster_name, users=users))
     proc = subprocess.run(
         ["sacctmgr", "--immediate", "load", str(associations)],
-        env={**os.environ, **local_slurm.client_env(files.conf)},
+        env={**os.environ, **slurm_conf.client_env(files.conf)},
         capture_output=True,
         text=True,
         timeout=LOAD_TIMEOUT_S,

@@ -1,4 +1,5 @@
-"""The embedded local cluster: the Azure topology emulated on one machine, for demos and tests.
+"""The embedded local cluster: the Azure topology emulated on one machine, for demos and tests. Runs on the
+operator's machine, as root; the `local` verb that starts and stops it is dtrain/cli/local.py.
 
   python -m dtrain local up [--nodes 2] [--autostop-seconds 0]   # writes STATE/cluster.json (~/.local/state/...)
   python -m dtrain local status
@@ -13,7 +14,7 @@ What `up` creates (all of it recorded in STATE_DIR/state.json, all of it removed
     namespaces cannot be made (no root, no CAP_NET_ADMIN), each node is an sshd on its own
     loopback address (127.0.1.x) and port, and there is no Slurm; `--link-rate` (or `local
     link-rate` later) slows each node's eth0 with tc (dtrain/local/link.py);
-  * Slurm (namespaces only, see dtrain/local/slurm.py): munged on the host, slurmctld in a head
+  * Slurm (namespaces only, started by dtrain/local/slurm.py): munged on the host, slurmctld in a head
     namespace (`<name>-head`) with slurmdbd and MariaDB beside it (dtrain/local/accounting.py: `sacct`),
     a slurmd on every node, with infra's slurm.conf; power saving
     (--autostop-seconds) stops and starts nodes (dtrain/local/power.py), and the health check
@@ -32,7 +33,6 @@ Processes are stopped by pid (with the descendants they forked), never by name.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import getpass
 import ipaddress
@@ -48,9 +48,8 @@ from typing import Literal
 from pydantic import SecretStr
 from rich.table import Table
 
-from dtrain.cli_common import arg_type, ensure_directory, int_between, non_empty, require_tool
+from dtrain.checks import ensure_directory, require_tool
 from dtrain.cluster.description import (
-    DEFAULT_DESCRIPTION,
     DEFAULT_LOCAL_STATE,
     REPO_ROOT,
     BlobCredential,
@@ -70,11 +69,10 @@ from dtrain.local import link as local_link
 from dtrain.local import metadata as local_metadata
 from dtrain.local import mlflow_server as local_mlflow
 from dtrain.local import network as net
-from dtrain.local import power as local_power
-from dtrain.local import reconcile as local_reconcile
 from dtrain.local import slurm as local_slurm
+from dtrain.local import slurm_conf
 from dtrain.local import telemetry as local_telemetry
-from dtrain.local.daemons import free_port, wait_port, wait_socket_file
+from dtrain.local.daemons import free_port, wait_port
 from dtrain.local.network import check_subnet_free
 from dtrain.local.nodes import (
     SSHD,
@@ -86,12 +84,10 @@ from dtrain.local.nodes import (
     sshd_config,
     sshd_config_path,
     start_daemon,
-    start_slurmd,
-    start_spot_agent,
     start_sshd,
     start_users_agent,
 )
-from dtrain.local.slurm import LocalSlurmSettings
+from dtrain.local.slurm_conf import LocalSlurmSettings
 from dtrain.local.state import AZURITE_ACCOUNT, HostState, LocalState, NodeState, load_state, state_lock
 from dtrain.processes import descendants, stop_pids
 from dtrain.ui import make_console
@@ -117,8 +113,7 @@ CLUSTER_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]{0,7}")  # it prefixes interface 
 MAX_NODES = 32
 MAX_HEALTH_CHECK_INTERVAL_S = 86400
 TRAIN_PYTHON = REPO_ROOT / ".venv-train" / "bin" / "python"
-SLURM_TOOLS = (f"{local_slurm.SBIN}/munged", f"{local_slurm.SBIN}/slurmctld", f"{local_slurm.SBIN}/slurmd", "sinfo")
-SLURM_READY_TIMEOUT_S = 60
+SLURM_TOOLS = (f"{slurm_conf.SBIN}/munged", f"{slurm_conf.SBIN}/slurmctld", f"{slurm_conf.SBIN}/slurmd", "sinfo")
 NO_SLURM_NOTE = "not run in localhost mode (each slurmd needs a network namespace of its own)"
 LINK_RATE_NEEDS_NETNS = "a link rate needs nodes in network namespaces (--mode netns, as root)"
 # The sshds on this machine's ports, and the host of the Azure cluster whose accounts each has: the jump
@@ -339,14 +334,14 @@ def _up(
     _start_azurite(state, azurite)
     if state.mode == "netns":
         # Slurm's configuration and accounting database come up while the sshds and Azurite start
-        _prepare_slurm(state, slurm)
+        local_slurm.prepare(state, slurm)
     _wait_for_sshds_and_azurite(state)
     if state.mode == "netns":
         _start_users_agents(state)
     storage = _azurite_storage(str(state.azurite_endpoint))
     if state.mode == "netns":
         local_mlflow.start(state, storage.connection_string)  # not waited for: it comes up beside Slurm
-        _start_slurm(state)
+        local_slurm.start(state)
         local_telemetry.start(state)
     desc = _describe(state, python, key, known_hosts, storage)
     desc.save(root / "cluster.json")
@@ -359,7 +354,7 @@ def _wire_namespaces(state: LocalState, count: int, subnet: ipaddress.IPv4Networ
     addresses = list(subnet.hosts())
     bridge = f"{state.name}-br"
     head = HostState(
-        hostname=local_slurm.CONTROLLER_HOST,
+        hostname=slurm_conf.CONTROLLER_HOST,
         address=str(addresses[1]),
         namespace=f"{state.name}-head",
         veth=f"{state.name}-vh",
@@ -500,43 +495,6 @@ def _wait_for_sshds_and_azurite(state: LocalState) -> None:
     wait_port(state.azurite_host, state.azurite_port or 0, 60, "Azurite", state.logs / "azurite.log")
 
 
-def _prepare_slurm(state: LocalState, settings: LocalSlurmSettings) -> None:
-    """Slurm's files, munged, then MariaDB and slurmdbd in the head namespace with the cluster's associations:
-    slurmctld refuses its first start without slurmdbd, and runs no job without them."""
-    files = local_slurm.SlurmFiles(Path(state.state_dir))
-    head, names = state.head, [node.hostname for node in state.nodes]
-    assert head is not None and head.namespace  # netns mode wires the head first
-    files.make_dirs(names)
-    shared = Path(state.state_dir) / "shared"
-    local_slurm.write_config(files, state.slurm_cluster_name, head.address, names, shared, settings)
-    if settings.gpus_per_node:
-        local_gpus.configure(files, settings.gpus_per_node)
-    local_power.install_programs(files, Path(state.state_dir))
-    state.slurm_conf = str(files.conf)
-    local_accounting.write_config(state, files, head.address)
-    start_daemon(state, "munged", local_slurm.munged_argv(files), str(files.munge_socket))
-    local_accounting.create_database(state)
-    wait_socket_file(files.munge_socket, 20, "munged", state.logs / "munged.log")
-    local_accounting.start(state, files, users=[getpass.getuser()])
-
-
-def _start_slurm(state: LocalState) -> None:
-    """slurmctld in the head namespace, a slurmd on every node (their sshds run); returns once all are idle."""
-    files = local_slurm.SlurmFiles(Path(state.state_dir))
-    head, names = state.head, [node.hostname for node in state.nodes]
-    assert head is not None and head.namespace
-    etc = local_accounts.etc_dir(state, local_accounts.LOGIN_HOST)
-    start_daemon(state, "slurmctld", local_slurm.slurmctld_argv(head.namespace, files.conf, etc), str(files.conf))
-    wait_port(head.address, SLURMCTLD_PORT, 30, "slurmctld", state.logs / "slurmctld.log")
-    for node in state.nodes:
-        start_slurmd(state, node)
-        start_spot_agent(state, node)
-    # the head node's periodic reconcile (on Azure: slurm-power-reap.timer) of nodes Slurm lost
-    module = [sys.executable, "-m", "dtrain.local.reconcile", "--state-dir", state.state_dir]
-    start_daemon(state, local_reconcile.ROLE, ["env", f"PYTHONPATH={REPO_ROOT}", *module], "dtrain.local.reconcile")
-    local_slurm.wait_until_idle(files.conf, names, SLURM_READY_TIMEOUT_S, state.logs)
-
-
 def _describe(state: LocalState, python: Path, key: Path, known_hosts: Path, storage: Storage) -> ClusterDescription:
     shared = Path(state.state_dir) / "shared"
     user = getpass.getuser()
@@ -551,7 +509,7 @@ def _describe(state: LocalState, python: Path, key: Path, known_hosts: Path, sto
         storage_host=SSHEndpoint(host="127.0.0.1", port=state.ports["nfs"], user=user),
         node_count=len(state.nodes),
         gpus_per_node=state.gpus_per_node,
-        node_cpus=local_slurm.NODE_CPUS,  # its slurm.conf's CPUs= for every node
+        node_cpus=slurm_conf.NODE_CPUS,  # its slurm.conf's CPUs= for every node
         node_ssh_port=22,
         shared_mount_path=str(shared),
         shared_is_mount=False,
@@ -583,8 +541,8 @@ def _describe(state: LocalState, python: Path, key: Path, known_hosts: Path, sto
         ),
         nccl_env={},
         min_free_disk_gb=1.0,
-        default_time_limit=local_slurm.JOB_TIME.default,  # as its slurm.conf says
-        max_time_limit=local_slurm.JOB_TIME.maximum,
+        default_time_limit=slurm_conf.JOB_TIME.default,  # as its slurm.conf says
+        max_time_limit=slurm_conf.JOB_TIME.maximum,
         telemetry=Telemetry(prometheus_url=local_telemetry.prometheus_url(state)) if state.head else None,
         tracking_uri=local_mlflow.tracking_uri(state),
     )
@@ -673,7 +631,7 @@ def down(state_dir: str | Path = DEFAULT_LOCAL_STATE, quiet: bool = False) -> bo
         hosts = state.hosts()
         links = [str(h.veth) for h in hosts if h.veth] + ([state.bridge] if state.bridge else [])
         net.remove([str(h.namespace) for h in hosts], links, state.etc_netns)
-        files = local_slurm.SlurmFiles(state_dir)
+        files = slurm_conf.SlurmFiles(state_dir)
         local_gpus.remove_cgroups(files, [node.hostname for node in state.nodes])
         runtime = files.runtime
         shutil.rmtree(state_dir, ignore_errors=True)
@@ -735,12 +693,12 @@ def _addresses(state: LocalState) -> dict[str, str]:
     if tracking_uri := local_mlflow.tracking_uri(state):
         addresses[local_mlflow.ROLE] = tracking_uri
     if state.slurm_conf and state.head:
-        addresses["munged"] = str(local_slurm.SlurmFiles(Path(state.state_dir)).munge_socket)
+        addresses["munged"] = str(slurm_conf.SlurmFiles(Path(state.state_dir)).munge_socket)
         addresses["slurmctld"] = f"{state.head.address}:{SLURMCTLD_PORT}"
         addresses[local_accounting.SLURMDBD_ROLE] = f"{state.head.address}:{SLURMDBD_PORT}"
         addresses[local_accounting.MARIADB_ROLE] = f"127.0.0.1:{MYSQL_PORT} in {state.head.namespace}"
         for n in state.nodes:
-            addresses[local_slurm.slurmd_role(n.hostname)] = f"{n.address}:{SLURMD_PORT}"
+            addresses[slurm_conf.slurmd_role(n.hostname)] = f"{n.address}:{SLURMD_PORT}"
     return addresses
 
 
@@ -776,223 +734,3 @@ def print_status(info: dict) -> None:
         out.print("stopped: nodes Slurm powered down (they start again when a job needs them)")
     if any(c["state"] == "starting" for c in info["components"]):
         out.print("starting: MLflow does not answer yet (10 to 50 s after `up`); a job started now runs untracked")
-
-
-# --- the `local` command -----------------------------------------------------------------------
-DESCRIPTION = """\
-The embedded local cluster: the Azure cluster's topology on this machine. Every node is a network
-namespace with its own hostname, sshd and slurmd; slurmctld runs in a head namespace; Azurite
-stands in for blob storage; STATE_DIR/shared is the shared file system. Needs root for the
-namespaces (without it: --mode localhost, sshds on loopback ports and no Slurm).
-
-`up` writes STATE_DIR/cluster.json, the description every other command reads by default; with
-another --state-dir, point them at it (export CLUSTER_DESCRIPTION=STATE_DIR/cluster.json, or --cluster),
-and give the other `local` commands the same --state-dir. The state directory ignores itself in git.
-"""
-EXAMPLES = """\
-examples:
-  python -m dtrain local up --nodes 2                       # then: launch, jobs, logs, ...
-  python -m dtrain local up --autostop-seconds 300          # idle nodes are suspended after 5 min
-  python -m dtrain local status                             # exit 0 when everything runs
-  python -m dtrain local preempt node-0                     # a Spot eviction of node-0 in 30 s
-  python -m dtrain local down                               # stops and removes all of it
-"""
-
-
-def configure(commands: argparse._SubParsersAction) -> None:
-    raw = argparse.RawDescriptionHelpFormatter  # the examples keep their lines
-    parser = commands.add_parser(
-        "local",
-        help="the embedded local cluster: up, status, down, preempt",
-        description=DESCRIPTION,
-        epilog=EXAMPLES,
-        formatter_class=raw,
-    )
-    _add_state_dir(parser, top_level=True)
-    actions = parser.add_subparsers(dest="command", metavar="command", required=True)
-    p_up = actions.add_parser(
-        "up",
-        help="create the cluster and write STATE_DIR/cluster.json",
-        description="Create the local cluster (namespaces, sshds, Slurm, Azurite) and write its description,\n"
-        "STATE_DIR/cluster.json. Anything that fails on the way is removed again.",
-        epilog="example:\n  python -m dtrain local up --nodes 2 --autostop-seconds 60\n",
-        formatter_class=raw,
-    )
-    _add_up_arguments(p_up)
-    p_up.set_defaults(handler=_run_up)
-    p_down = actions.add_parser(
-        "down",
-        help="stop and remove everything `up` created",
-        description="Stop every process of the local cluster, remove its namespaces and links, and STATE_DIR.",
-        epilog="example:\n  python -m dtrain local down --state-dir /tmp/lc\n",
-        formatter_class=raw,
-    )
-    p_status = actions.add_parser(
-        "status",
-        help="what is running (exit 0 when everything is up, 3 when not)",
-        description="Every process and namespace of the local cluster, where it listens, and whether it runs.\n"
-        "Nodes that Slurm powered down show as stopped, and are no failure.",
-        epilog="example:\n  python -m dtrain local status\n",
-        formatter_class=raw,
-    )
-    p_rate = actions.add_parser(
-        "link-rate",
-        help="slow the links between the nodes (tc tbf), or give them full speed again",
-        description="Limit what each node (or --node alone) sends over its eth0 to RATE (tc tbf on the veth),\n"
-        "on the running cluster; `full` removes the limit. Traffic inside a node keeps its speed. Needs\n"
-        "--mode netns.",
-        epilog="examples:\n  python -m dtrain local link-rate 100mbit\n  python -m dtrain local link-rate full\n"
-        "  python -m dtrain local link-rate 20mbit --node node-1   # one slow node\n",
-        formatter_class=raw,
-    )
-    p_rate.add_argument("rate", help="a tc rate such as 100mbit, 1gbit, 512kbit; or full")
-    p_rate.add_argument("--node", help="this node only (default: every node)")
-    p_preempt = actions.add_parser(
-        "preempt",
-        help="announce a Spot eviction of a node (Azure's Scheduled Events Preempt)",
-        description="Announce that Azure evicts NODE in --notice seconds: its metadata endpoint lists a Preempt,\n"
-        "its Spot agent checkpoints and requeues the node's jobs, and the node is switched off once the\n"
-        "agent acknowledges the event or the notice runs out. Prints the event's id.",
-        epilog="examples:\n  python -m dtrain local preempt node-0\n"
-        "  python -m dtrain local preempt node-1 --notice 1\n",
-        formatter_class=raw,
-    )
-    p_preempt.add_argument("node", help="the node to evict (a node of the cluster: node-0, node-1, ...)")
-    p_preempt.add_argument(
-        "--notice",
-        type=int_between(1, 3600),
-        default=local_metadata.PREEMPT_NOTICE_S,
-        help="seconds before the eviction (%(default)s, Azure's minimum)",
-    )
-    subs = ((p_down, _run_down), (p_status, _run_status), (p_rate, _run_link_rate), (p_preempt, _run_preempt))
-    for sub, handler in subs:
-        _add_state_dir(sub)
-        sub.set_defaults(handler=handler)
-
-
-def _add_state_dir(parser: argparse.ArgumentParser, top_level: bool = False) -> None:
-    """--state-dir before the action (`local --state-dir D up`) or after it (`local up --state-dir D`)."""
-    parser.add_argument(
-        "--state-dir",
-        type=non_empty,
-        default=str(DEFAULT_LOCAL_STATE) if top_level else argparse.SUPPRESS,
-        help=f"where the cluster's state lives (default {DEFAULT_LOCAL_STATE})",
-    )
-
-
-def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_state_dir(parser)
-    parser.add_argument("--nodes", type=int_between(1, MAX_NODES), default=2, help="how many nodes (%(default)s)")
-    parser.add_argument(
-        "--name",
-        type=arg_type(check_name),
-        default=os.environ.get(NAME_ENV) or DEFAULT_NAME,
-        help=f"prefix of namespaces and interfaces (%(default)s; ${NAME_ENV} sets the default)",
-    )
-    parser.add_argument(
-        "--subnet",
-        type=arg_type(parse_subnet),
-        default=os.environ.get(SUBNET_ENV) or DEFAULT_SUBNET,
-        help=f"private range for the nodes (%(default)s; ${SUBNET_ENV} sets the default)",
-    )
-    parser.add_argument(
-        "--mode",
-        choices=("auto", "netns", "localhost"),
-        default="auto",
-        help="netns: namespaces and Slurm (needs root); localhost: sshds on loopback, no Slurm; auto: netns "
-        "where allowed (%(default)s)",
-    )
-    parser.add_argument(
-        "--train-python", type=non_empty, help=f"python of the training environment (default {TRAIN_PYTHON})"
-    )
-    parser.add_argument(
-        "--autostop-seconds",
-        type=int_between(0),
-        default=0,
-        help="idle seconds before Slurm suspends a node (stops its slurmd and sshd); a job that needs it "
-        "starts it again. 0: never (%(default)s)",
-    )
-    parser.add_argument(
-        "--gpus-per-node",
-        type=int_between(0, 8),
-        default=0,
-        help="emulated GPUs per node: Slurm gres with device files, each job isolated to its own (task/cgroup "
-        "ConstrainDevices); needs the cgroup v1 devices controller (%(default)s)",
-    )
-    parser.add_argument(
-        "--storage-dir",
-        type=non_empty,
-        help="where Azurite keeps the blobs (datasets, results, kept checkpoints); outside the state directory "
-        "they outlive `down`, and a new cluster with the same --storage-dir finds them (default: in the state "
-        "directory)",
-    )
-    parser.add_argument(
-        "--health-check-interval",
-        type=int_between(1, MAX_HEALTH_CHECK_INTERVAL_S),
-        default=60,
-        help="seconds between two runs of the node health check, which drains a failing node (%(default)s)",
-    )
-    parser.add_argument(
-        "--link-rate",
-        type=arg_type(local_link.parse_link_rate),
-        help="slow each node's link to this rate with tc (e.g. 100mbit; default: full speed); "
-        "change it later with `local link-rate`",
-    )
-
-
-def _run_up(args: argparse.Namespace) -> int:
-    desc = up(
-        args.nodes,
-        args.state_dir,
-        args.name,
-        args.subnet,
-        args.mode,
-        args.train_python,
-        autostop_seconds=args.autostop_seconds,
-        health_check_interval_s=args.health_check_interval,
-        link_rate=args.link_rate,
-        gpus_per_node=args.gpus_per_node,
-        storage_dir=args.storage_dir,
-    )
-    where = Path(args.state_dir).resolve() / "cluster.json"
-    console.print(f"local cluster up: {desc.node_count} nodes; description {where}")
-    for line in next_steps(where, desc.data_path, args.state_dir):
-        console.print(line, highlight=False, soft_wrap=True)
-    return 0
-
-
-def next_steps(description: Path, data_path: str, state_dir: str) -> list[str]:
-    """What to know before the next command: where a staged dataset lands (a job's --data-dir), and, for a
-    cluster whose description the other commands would not read by default, how to point them at it."""
-    lines = [f"datasets: `stage all DIR --dataset NAME` puts NAME at {data_path}/NAME (a job's --data-dir)"]
-    default = Path(os.environ.get("CLUSTER_DESCRIPTION") or DEFAULT_DESCRIPTION).expanduser()
-    if default.resolve() != description:
-        lines += [
-            f"the other commands read {default}: use this cluster with",
-            f"  export CLUSTER_DESCRIPTION={description}   # or --cluster {description} on each command",
-            f"  (`local status`, `local down` and the other `local` commands take --state-dir {state_dir})",
-        ]
-    return lines
-
-
-def _run_down(args: argparse.Namespace) -> int:
-    down(args.state_dir)
-    return 0
-
-
-def _run_link_rate(args: argparse.Namespace) -> int:
-    rate = set_link_rate(args.state_dir, args.rate, args.node)
-    whose = f"of {args.node}" if args.node else "between nodes"
-    console.print(f"link rate {whose}: {rate or local_link.FULL_SPEED}")
-    return 0
-
-
-def _run_preempt(args: argparse.Namespace) -> int:
-    print(local_metadata.preempt(args.state_dir, args.node, args.notice))
-    return 0
-
-
-def _run_status(args: argparse.Namespace) -> int:
-    info = status(args.state_dir)
-    print_status(info)
-    return 0 if info["up"] else ExitCode.NOT_READY

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.fileio import atomic_write
-from dtrain.local.slurm import SlurmFiles
+from dtrain.local.slurm_conf import SlurmFiles
 from infra.cloud_init.slurm import render_gres_conf
 
 DEVICE_MAJOR = 240  # Linux's devices.txt: 240-254 are for local and experimental use

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from dtrain.cli_common import require_tool
+from dtrain.checks import require_tool
 from dtrain.errors import OperatorError
 from dtrain.local.network import sh
 

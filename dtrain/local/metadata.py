@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from dtrain.cli_common import CLIParser, non_empty, run_cli
+from dtrain.cli_entry import CLIParser, non_empty, run_cli
 from dtrain.errors import OperatorError
 from dtrain.local import power as local_power
 from dtrain.local.state import load_state

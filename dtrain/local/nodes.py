@@ -20,7 +20,7 @@ from pathlib import Path
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.local import accounts as local_accounts
 from dtrain.local import gpus as local_gpus
-from dtrain.local import slurm as local_slurm
+from dtrain.local import slurm_conf
 from dtrain.local.network import sh
 from dtrain.local.state import LocalState, NodeState, ProcessRecord
 from dtrain.processes import children
@@ -125,7 +125,7 @@ def start_sshd(state: LocalState, node: NodeState) -> None:
         nvme, local = node_nvme_dir(state, node.hostname), local_data_dir(state)
         nvme.mkdir(parents=True, exist_ok=True)
         local.mkdir(exist_ok=True)
-        files = local_slurm.SlurmFiles(Path(state.state_dir))
+        files = slurm_conf.SlurmFiles(Path(state.state_dir))
         cgroup = local_gpus.mount_script(files, node.hostname) if state.gpus_per_node else ""
         etc = local_accounts.bind_etc(state, node.hostname)
         script = f'hostname {node.hostname} && {etc} && mount --bind "$1" "$2" && {cgroup}exec {SSHD} -D -e -f "$0"'
@@ -140,8 +140,8 @@ def start_slurmd(state: LocalState, node: NodeState) -> None:
     """The node's slurmd, inside the namespaces of its sshd (which must be running)."""
     assert state.slurm_conf is not None  # netns mode configures Slurm before any slurmd starts
     conf = Path(state.slurm_conf)
-    argv = local_slurm.slurmd_argv(node_init_pid(state, node), node.hostname, conf)
-    start_daemon(state, local_slurm.slurmd_role(node.hostname), argv, str(conf))
+    argv = slurm_conf.slurmd_argv(node_init_pid(state, node), node.hostname, conf)
+    start_daemon(state, slurm_conf.slurmd_role(node.hostname), argv, str(conf))
 
 
 def start_spot_agent(state: LocalState, node: NodeState) -> None:
@@ -201,5 +201,5 @@ def running_init_pid(state: LocalState, node: NodeState) -> int | None:
 def node_roles(node: str) -> tuple[str, ...]:
     """The roles of a node's daemons in the state record: its sshd, its slurmd, its Spot agent, its exporters,
     its users' loop."""
-    roles = (node, local_slurm.slurmd_role(node), spot_agent_role(node), *exporter_roles(node))
+    roles = (node, slurm_conf.slurmd_role(node), spot_agent_role(node), *exporter_roles(node))
     return (*roles, local_accounts.agent_role(node))

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from dtrain.cli_common import CLIParser, non_empty, run_cli
+from dtrain.cli_entry import CLIParser, non_empty, run_cli
 from dtrain.cluster.description import REPO_ROOT
 from dtrain.errors import OperatorError
 from dtrain.fileio import atomic_write
@@ -51,7 +51,7 @@ from dtrain.local.nodes import (
     start_sshd,
     start_users_agent,
 )
-from dtrain.local.slurm import POWER_ACTIONS, SlurmFiles, client_env, slurmd_role
+from dtrain.local.slurm_conf import POWER_ACTIONS, SlurmFiles, client_env, slurmd_role
 from dtrain.local.state import LocalState, load_state, state_lock
 from dtrain.processes import descendants, stop_pids
 from dtrain.remote.slurm import slurm_power

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dtrain.cli_common import CLIParser, int_between, non_empty, run_cli
+from dtrain.cli_entry import CLIParser, int_between, non_empty, run_cli
 from dtrain.errors import OperatorError
 from dtrain.local.nodes import running_init_pid
 from dtrain.local.state import LocalState, load_state

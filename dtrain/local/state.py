@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
-from dtrain.cli_common import describe_validation_error, read_json_file
+from dtrain.checks import describe_validation_error, read_json_file
 from dtrain.errors import OperatorError
 from dtrain.fileio import atomic_write
 from dtrain.processes import matches

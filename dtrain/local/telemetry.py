@@ -15,13 +15,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dtrain.cli_common import require_tool
+from dtrain.checks import require_tool
 from dtrain.cluster.description import REPO_ROOT
 from dtrain.errors import ExitCode, OperatorError
 from dtrain.fileio import atomic_write
 from dtrain.local.daemons import http_answers, log_tail, wait_port
 from dtrain.local.nodes import enter_node, exporter_roles, start_daemon
-from dtrain.local.slurm import SlurmFiles
+from dtrain.local.slurm_conf import SlurmFiles
 from dtrain.local.state import LocalState, NodeState
 from infra.cloud_init.prometheus import render_prometheus_config, render_scrape_targets
 from infra.contract import NODE_EXPORTER_PORT, PROMETHEUS_PORT

@@ -3,7 +3,7 @@
 Written for the Slurm that Azure's hosts install (slurm_packages.py: 25.11 by default, 23.11 at the
 oldest), and checked against 25.11's tables of keys (tests/infra/data/slurm-25.11-keys.json). The
 local cluster runs Debian 12's Slurm 22.05 on the same files, with the few settings in which 22.05
-differs put back by dtrain/local/slurm.py. Nothing here is Azure's: the caller names the nodes,
+differs put back by dtrain/local/slurm_conf.py. Nothing here is Azure's: the caller names the nodes,
 their resources and the programs that power them down and up.
 """
 

@@ -38,7 +38,7 @@ from rich.console import Console
 
 from dtrain.cli.jobs import nodes_table, summary
 from dtrain.cluster.slurm import NODE_FIELDS, parse_nodes
-from dtrain.local.slurm import CLOUD_REG_ADDRS, PRIVATE_DATA, conf_value, override
+from dtrain.local.slurm_conf import CLOUD_REG_ADDRS, PRIVATE_DATA, conf_value, override
 from dtrain.pricing import count_nodes, estimate_cost, load_price_table
 from infra.cloud_init import render_cgroup_conf, render_gres_conf, render_health_check
 from infra.cloud_init._common import MUNGE_KEY_FETCH_PATH, MUNGE_KEY_PATH
@@ -1355,7 +1355,7 @@ def controller(tmp_path: Path) -> Iterator[Controller]:
     conf = override(
         azure_conf,
         {
-            # what 25.11 does by default and this machine's 22.05 only when asked (dtrain/local/slurm.py)
+            # what 25.11 does by default and this machine's 22.05 only when asked (dtrain/local/slurm_conf.py)
             "PrivateData": PRIVATE_DATA,
             "SlurmctldParameters": f"{conf_value(azure_conf, 'SlurmctldParameters')},{CLOUD_REG_ADDRS}",
             "SlurmUser": "root",

@@ -24,7 +24,7 @@ from dtrain.cluster.description import ClusterDescription, load
 from dtrain.errors import OperatorError
 from dtrain.local import cluster as local_cluster
 from dtrain.local import network as local_network
-from dtrain.local import slurm as local_slurm
+from dtrain.local import slurm_conf
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -157,7 +157,7 @@ def local_state_dir(desc: ClusterDescription) -> Path:
 def slurm_command(desc: ClusterDescription, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """A Slurm command on this machine (the local cluster's login host), as the description says."""
     assert desc.slurm is not None and desc.slurm.conf
-    env = {**os.environ, **local_slurm.client_env(desc.slurm.conf)}
+    env = {**os.environ, **slurm_conf.client_env(desc.slurm.conf)}
     return subprocess.run(list(argv), env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -175,7 +175,7 @@ def leftovers(state_dir: Path, name: str) -> list[str]:
     found = [f"namespace {ns}" for ns in namespaces() if ns.startswith(f"{name}-")]
     found += [f"link {line.split(':')[1].strip()}" for line in links().splitlines() if f" {name}-" in line]
     found += [f"pid {pid}" for pid in live_pids_mentioning(str(state_dir.resolve()))]
-    runtime = local_slurm.SlurmFiles(state_dir).runtime  # the sockets' short directory under /run
+    runtime = slurm_conf.SlurmFiles(state_dir).runtime  # the sockets' short directory under /run
     return found + [f"directory {d}" for d in (state_dir, runtime) if d.exists()]
 
 

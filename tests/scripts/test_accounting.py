@@ -11,7 +11,7 @@ import signal
 from pathlib import Path
 
 from dtrain.local import accounting as local_accounting
-from dtrain.local import slurm as local_slurm
+from dtrain.local import slurm_conf
 from dtrain.local.nodes import start_daemon
 from dtrain.local.state import load_state
 from infra.cloud_init.accounting import DEFAULT_ACCOUNT
@@ -37,7 +37,7 @@ def stop(cluster, role: str) -> None:
 def start_slurmdbd(cluster) -> None:
     state = load_state(local_state_dir(cluster))
     assert state.head is not None and state.head.namespace and state.slurm_conf
-    files = local_slurm.SlurmFiles(Path(state.state_dir))
+    files = slurm_conf.SlurmFiles(Path(state.state_dir))
     argv = local_accounting.slurmdbd_argv(state.head.namespace, files)
     start_daemon(state, local_accounting.SLURMDBD_ROLE, argv, str(local_accounting.slurmdbd_link(files)))
 
@@ -92,7 +92,7 @@ def test_a_jobs_record_survives_slurmdbd_down_and_slurmctld_restarted_while_it_r
 def test_the_associations_load_again_without_change(cluster):
     """What `up` loads (the cluster, its default account and this user) can be loaded again: setup reruns."""
     state = load_state(local_state_dir(cluster))
-    files = local_slurm.SlurmFiles(Path(state.state_dir))
+    files = slurm_conf.SlurmFiles(Path(state.state_dir))
 
     def associations() -> list[str]:
         shown = slurm_command(cluster, "sacctmgr", "-n", "-P", "show", "associations", "format=cluster,account,user")

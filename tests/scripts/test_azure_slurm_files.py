@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.local import network as local_network
-from dtrain.local import slurm as local_slurm
+from dtrain.local import slurm_conf as local_slurm_conf
 from infra.cloud_init import render_cgroup_conf, render_gres_conf
 from infra.cloud_init.accounting import (
     ASSOCIATIONS_PATH,
@@ -158,7 +158,7 @@ class Sandbox:
     def sandboxed_dbd(self, conf: str) -> str:
         """Azure's slurmdbd.conf with the lines that place the daemon here, and the password slurmdbd-setup adds."""
         return (
-            local_slurm.override(
+            local_slurm_conf.override(
                 conf,
                 {
                     "DbdAddr": self.head_address,
@@ -171,7 +171,7 @@ class Sandbox:
         )
 
     def sandboxed(self, conf: str) -> str:
-        return local_slurm.override(
+        return local_slurm_conf.override(
             conf,
             {
                 "SlurmctldHost": f"{CONTROLLER}({self.head_address})",
@@ -345,7 +345,7 @@ def start_accounting(sandbox: Sandbox, accounting: dict[str, str], start: Callab
     def loaded() -> bool:
         load = subprocess.run(
             ["sacctmgr", "--immediate", "load", str(sandbox.root / "associations.cfg")],
-            env={**env, **local_slurm.client_env(conf)}, capture_output=True, text=True, timeout=60,
+            env={**env, **local_slurm_conf.client_env(conf)}, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         return load.returncode == 0
 
@@ -355,7 +355,7 @@ def start_accounting(sandbox: Sandbox, accounting: dict[str, str], start: Callab
 def show_node(conf: Path) -> dict[str, str]:
     proc = subprocess.run(
         ["scontrol", "show", "node", NODE, "--oneliner"],
-        env={**os.environ, **local_slurm.client_env(conf)},
+        env={**os.environ, **local_slurm_conf.client_env(conf)},
         capture_output=True,
         text=True,
         timeout=30,
@@ -431,7 +431,7 @@ def test_azure_files_start_the_daemons_and_a_gpu_node_registers_configless(
         job = subprocess.run(
             ["sbatch", "--wait", "--gres=gpu:1", "--cpus-per-gpu=1", f"--output={sandbox.root / 'job.out'}",
              f"--wrap=python3 {sandbox.root / 'probe.py'}"],
-            env={**os.environ, **local_slurm.client_env(conf)}, capture_output=True, text=True, timeout=120,
+            env={**os.environ, **local_slurm_conf.client_env(conf)}, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert job.returncode == 0, job.stderr + logs_of(sandbox)
         assert (sandbox.root / "job.out").read_text().splitlines() == [
@@ -444,7 +444,7 @@ def test_azure_files_start_the_daemons_and_a_gpu_node_registers_configless(
         def recorded() -> str | None:
             sacct = subprocess.run(
                 ["sacct", "-X", "-n", "-P", "-j", job_id, "--format=State,AllocTRES"],
-                env={**os.environ, **local_slurm.client_env(conf)}, capture_output=True, text=True, timeout=30,
+                env={**os.environ, **local_slurm_conf.client_env(conf)}, capture_output=True, text=True, timeout=30,
             )  # fmt: skip
             return sacct.stdout.strip() if sacct.stdout.startswith("COMPLETED|") else None
 
@@ -453,7 +453,7 @@ def test_azure_files_start_the_daemons_and_a_gpu_node_registers_configless(
         # both partitions of 100, the other 199 nodes powered down (22.05's sinfo hides those: 23.11+ shows them)
         partitions = subprocess.run(
             ["scontrol", "show", "partition", "--oneliner"],
-            env={**os.environ, **local_slurm.client_env(conf)},
+            env={**os.environ, **local_slurm_conf.client_env(conf)},
             capture_output=True,
             text=True,
             timeout=30,

@@ -9,16 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from dtrain.jobs.batch_script import (
-    DOCKER_RUN_WITH_JOB_GPUS,
-    IGNORING_USR1,
-    ONE_TASK_PER_NODE,
-    JobSpec,
-    LocalCopy,
-    ResultsTarget,
-    render_job_script,
-)
-from dtrain.jobs.tracking import Tracking
+from dtrain.jobs.batch_script import DOCKER_RUN_WITH_JOB_GPUS, IGNORING_USR1, ONE_TASK_PER_NODE, render_job_script
+from dtrain.jobs.job_spec import JobSpec, LocalCopy, ResultsTarget, Tracking
 from infra.health_thresholds import LOCAL_HEALTH, node_health
 
 BASE = JobSpec(

@@ -696,7 +696,7 @@ def test_cluster_after_the_command_wins(paths):
 # --- the safety net and --debug ----------------------------------------------------------------
 UNEXPECTED = """
 import sys
-from dtrain.cli_common import CLIParser, run_cli
+from dtrain.cli_entry import CLIParser, run_cli
 
 def body(args):
     raise KeyError("boom")
@@ -761,7 +761,7 @@ def test_a_terminated_command_removes_its_private_ssh_directory(tmp_path: Path) 
 
     hold = (
         "import sys, tempfile, time\n"
-        "from dtrain.cli_common import end_on_termination\n"
+        "from dtrain.cli_entry import end_on_termination\n"
         "end_on_termination()\n"
         "with tempfile.TemporaryDirectory(prefix='hvd-ssh-', dir=sys.argv[1]) as held:\n"
         "    print(held, flush=True)\n"

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.jobs.batch_script import JobSpec, ResultsTarget, render_job_script
+from dtrain.jobs.batch_script import render_job_script
+from dtrain.jobs.job_spec import JobSpec, ResultsTarget
 from tests.infra.documents import ACR, node_doc, script_of, slurm_conf
 from tests.infra.sandbox import Sandbox, with_value
 from tests.infra.test_cloud_init import acr_login_in

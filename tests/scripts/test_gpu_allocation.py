@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from dtrain.local import gpus as local_gpus
-from dtrain.local import slurm as local_slurm
+from dtrain.local import slurm_conf
 from tests.polling import wait_for
 
 from .conftest import FIXTURES, local_state_dir, own_cluster, slurm_command
@@ -18,7 +18,7 @@ from .test_launcher import cli, run_dir, status_of
 def test_two_one_gpu_jobs_share_a_node_each_seeing_only_its_own_gpu(tmp_path):
     with own_cluster(tmp_path, "g", nodes=1, gpus_per_node=2) as desc:
         cluster_file = local_state_dir(desc) / "cluster.json"
-        devices = local_gpus.device_dir(local_slurm.SlurmFiles(local_state_dir(desc)))
+        devices = local_gpus.device_dir(slurm_conf.SlurmFiles(local_state_dir(desc)))
         rendezvous = tmp_path / "rendezvous"
         rendezvous.mkdir()
         launch = ["launch", "--cluster", str(cluster_file), "--workdir", str(FIXTURES / "gpu_probe"), "--gpus", "1"]

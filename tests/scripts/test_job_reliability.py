@@ -19,7 +19,7 @@ from dtrain.cluster import slurm as slurm_module
 from dtrain.cluster.slurm import OUTAGE_PATIENCE_S, Result, Slurm, SlurmUnreachable, patiently
 from dtrain.datasets import staging
 from dtrain.errors import ExitCode
-from dtrain.local import slurm as local_slurm
+from dtrain.local import slurm_conf
 from dtrain.local.nodes import start_daemon
 from dtrain.local.state import load_state
 from dtrain.processes import descendants
@@ -190,7 +190,7 @@ def stop_slurmctld(cluster) -> None:
 def start_slurmctld(cluster) -> None:
     state = load_state(local_state_dir(cluster))
     assert state.head is not None and state.head.namespace and state.slurm_conf
-    argv = local_slurm.slurmctld_argv(state.head.namespace, Path(state.slurm_conf))
+    argv = slurm_conf.slurmctld_argv(state.head.namespace, Path(state.slurm_conf))
     start_daemon(state, "slurmctld", argv, state.slurm_conf)
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from dtrain.__main__ import build_parser
 from dtrain.cli.jobs import job_rows
-from dtrain.cli_common import CLIParser, run_cli
+from dtrain.cli_entry import CLIParser, run_cli
 from dtrain.cluster.slurm import QueuedJob
 from dtrain.errors import ExitCode
 from dtrain.jobs.runs import Run

@@ -20,6 +20,7 @@ from dtrain.local import network as local_network
 from dtrain.local import nodes as local_nodes
 from dtrain.local import power as local_power
 from dtrain.local import slurm as local_slurm
+from dtrain.local import slurm_conf
 from dtrain.local.nodes import running_init_pid
 from dtrain.local.state import LocalState, NodeState
 from infra.contract import SLURM_PARTITION, SPOT_PARTITION
@@ -147,7 +148,7 @@ def test_waiting_for_idle_names_the_node_that_is_not(cluster, cluster_dir):
 
 
 def test_failed_up_stops_every_slurm_daemon(tmp_path, monkeypatch):
-    monkeypatch.setattr(local_cluster, "SLURM_READY_TIMEOUT_S", 0)  # Slurm never counts as ready
+    monkeypatch.setattr(local_slurm, "READY_TIMEOUT_S", 0)  # Slurm never counts as ready
     state, name = tmp_path / "never-ready", cluster_name("n")
     with pytest.raises(OperatorError, match=r"Slurm nodes not idle within 0s: node-0"):
         local_cluster.up(nodes=1, state_dir=state, name=name, subnet=free_subnet())
@@ -157,10 +158,10 @@ def test_failed_up_stops_every_slurm_daemon(tmp_path, monkeypatch):
 
 
 def test_local_conf_has_power_saving_in_seconds_and_the_health_check(tmp_path):
-    files = local_slurm.SlurmFiles(tmp_path)
+    files = slurm_conf.SlurmFiles(tmp_path)
     nodes = ["node-0", "node-1"]
-    settings = local_slurm.LocalSlurmSettings(autostop_s=3, health_check_interval_s=2)
-    conf = local_slurm.render_local_conf(files, "t", "10.213.9.2", nodes, settings).splitlines()
+    settings = slurm_conf.LocalSlurmSettings(autostop_s=3, health_check_interval_s=2)
+    conf = slurm_conf.render_local_conf(files, "t", "10.213.9.2", nodes, settings).splitlines()
     for action, key in (
         ("suspend", "SuspendProgram"),
         ("resume", "ResumeProgram"),
@@ -177,13 +178,13 @@ def test_local_conf_has_power_saving_in_seconds_and_the_health_check(tmp_path):
     # Slurm 22.05 here: what 23.11 does for cloud nodes by default, asked for; no cgroup process tracking
     assert {"PrivateData=cloud", "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none"} <= set(conf)
     # autostop 0: the partition is never suspended (and the power programs are still there to resume)
-    never = local_slurm.render_local_conf(files, "t", "10.213.9.2", nodes, local_slurm.LocalSlurmSettings())
+    never = slurm_conf.render_local_conf(files, "t", "10.213.9.2", nodes, slurm_conf.LocalSlurmSettings())
     assert f"SuspendExcParts={SLURM_PARTITION}" in never.splitlines() and "HealthCheckInterval=60" in never
 
 
 def test_override_replaces_in_place_and_appends_the_rest():
     conf = "# SlurmUser=comment\nSlurmUser=slurm\nTaskPlugin=task/affinity\n"
-    assert local_slurm.override(conf, {"SlurmUser": "root", "MailProg": "/bin/true"}) == (
+    assert slurm_conf.override(conf, {"SlurmUser": "root", "MailProg": "/bin/true"}) == (
         "# SlurmUser=comment\nSlurmUser=root\nTaskPlugin=task/affinity\n"
         "# the local cluster's own settings\nMailProg=/bin/true\n"
     )
@@ -230,7 +231,7 @@ def test_autostop_suspends_idle_nodes_and_a_job_resumes_them(tmp_path):
             assert handled >= {"node-0", "node-1"}, log
 
         # a node the program does not know: a clear error in the log, a failure for slurmctld
-        wrapper = local_slurm.SlurmFiles(state_dir).power_program("resume")
+        wrapper = slurm_conf.SlurmFiles(state_dir).power_program("resume")
         assert subprocess.run([str(wrapper), "node-9"]).returncode == ExitCode.BAD_INPUT
         assert (
             "ERROR resume node-9 failed: no node 'node-9' in the local cluster"

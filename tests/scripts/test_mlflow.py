@@ -28,7 +28,8 @@ import pytest
 from PIL import Image
 
 from dtrain.jobs.batch_script import REMOTE_TOOLS, render_job_script
-from dtrain.jobs.tracking import CONTAINER_ENV, OFF, Tracking, plan_tracking
+from dtrain.jobs.job_spec import Tracking
+from dtrain.jobs.tracking import CONTAINER_ENV, OFF, plan_tracking
 from dtrain.local import mlflow_server as local_mlflow
 from dtrain.local.state import load_state
 from dtrain.processes import descendants

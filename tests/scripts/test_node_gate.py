@@ -21,7 +21,7 @@ import pytest
 from dtrain.cluster.description import load
 from dtrain.local import cluster as local_cluster
 from dtrain.local.nodes import keygen
-from dtrain.local.slurm import TELEMETRY
+from dtrain.local.slurm_conf import TELEMETRY
 from dtrain.remote.job.node_gate import verdict
 from infra.health_thresholds import LOCAL_HEALTH
 from tests.polling import wait_for

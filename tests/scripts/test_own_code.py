@@ -111,12 +111,13 @@ def test_the_time_limit_warning_reaches_the_ranks_that_catch_it_on_every_node(cl
 
 
 def test_own_code_in_tensorflows_image_runs_under_horovodrun_unless_told_otherwise(tmp_path):
-    from dtrain.jobs.submit import LaunchOptions, choose_launcher
+    from dtrain.jobs.launch_request import LaunchRequest
+    from dtrain.jobs.submit import choose_launcher
 
-    own = {"workdir": str(tmp_path), "job_args": ["python", "train.py"]}
-    assert choose_launcher(LaunchOptions(framework="pytorch", **own)) == "torchrun"
-    assert choose_launcher(LaunchOptions(framework="tensorflow", **own)) == "horovodrun"  # no torch in that image
-    assert choose_launcher(LaunchOptions(framework="tensorflow", launcher="torchrun", **own)) == "torchrun"
+    own = {"workdir": str(tmp_path), "job_args": ("python", "train.py")}
+    assert choose_launcher(LaunchRequest(framework="pytorch", **own)) == "torchrun"
+    assert choose_launcher(LaunchRequest(framework="tensorflow", **own)) == "horovodrun"  # no torch in that image
+    assert choose_launcher(LaunchRequest(framework="tensorflow", launcher="torchrun", **own)) == "torchrun"
 
 
 def test_dry_run_prints_the_batch_script_and_submits_nothing(cluster, cluster_file):

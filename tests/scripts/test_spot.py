@@ -17,7 +17,7 @@ import pytest
 
 from dtrain.cluster.description import ClusterDescription
 from dtrain.local import metadata as local_metadata
-from dtrain.local import slurm as local_slurm
+from dtrain.local import slurm_conf
 from dtrain.local.nodes import spot_agent_role
 from dtrain.local.state import load_state
 from dtrain.processes import descendants, stop_pids
@@ -98,7 +98,7 @@ def attempt_recorded(desc: ClusterDescription, run_id: str, attempt: int) -> dic
 
 # An attempt's end: a frozen rank is killed only KillWait after the requeue's TERM, then the attempt closes
 # its run; the rest is a margin for a loaded machine (load 10 on 2 cores).
-ATTEMPT_END_S = local_slurm.KILL_WAIT_S + 150
+ATTEMPT_END_S = slurm_conf.KILL_WAIT_S + 150
 
 
 def run_ended(desc: ClusterDescription, run_id: str, attempt: int) -> dict:

@@ -20,7 +20,8 @@ import pytest
 
 from dtrain.cluster.description import SlurmAccess, SSHEndpoint
 from dtrain.errors import OperatorError
-from dtrain.jobs.submit import LaunchOptions, choose_partition
+from dtrain.jobs.launch_request import LaunchRequest
+from dtrain.jobs.submit import choose_partition
 from dtrain.local import metadata as local_metadata
 from dtrain.local.state import LocalState, NodeState
 from tests.polling import wait_for
@@ -145,13 +146,13 @@ ACCESS = SlurmAccess(
 
 
 def test_spot_flags_pick_the_partitions() -> None:
-    assert choose_partition(ACCESS, LaunchOptions("pytorch")) == "gpu"
-    assert choose_partition(ACCESS, LaunchOptions("pytorch", spot=True)) == "spot"
-    assert choose_partition(ACCESS, LaunchOptions("pytorch", spot_fallback=True)) == "spot,gpu"
-    assert LaunchOptions("pytorch", spot=True).requeued  # an eviction requeues it
+    assert choose_partition(ACCESS, LaunchRequest("pytorch")) == "gpu"
+    assert choose_partition(ACCESS, LaunchRequest("pytorch", spot=True)) == "spot"
+    assert choose_partition(ACCESS, LaunchRequest("pytorch", spot_fallback=True)) == "spot,gpu"
+    assert LaunchRequest("pytorch", spot=True).requeued  # an eviction requeues it
     no_spot = ACCESS.model_copy(update={"spot_partition": None})
     with pytest.raises(OperatorError, match=r"--spot: the cluster has no Spot partition \(set spotNodeCount"):
-        choose_partition(no_spot, LaunchOptions("pytorch", spot=True))
+        choose_partition(no_spot, LaunchRequest("pytorch", spot=True))
 
 
 SLURM_NODE = "hvd-gpu-00000a"  # Slurm's name for a scale set's 11th instance; Azure's host name is upper case

@@ -11,7 +11,7 @@ import json
 
 from dtrain.cluster.blobs import container_client
 from dtrain.jobs import time_warning
-from dtrain.local.slurm import KILL_WAIT_S
+from dtrain.local.slurm_conf import KILL_WAIT_S
 from tests.polling import wait_for
 
 from .test_launcher import cli, job_id_of, run_dir, squeue_state, status_of
