@@ -4,7 +4,8 @@
   standard library only), and the Azure path (dtrain/cluster/, dtrain/jobs/) reaches nothing of the
   embedded local cluster (dtrain/local/), directly or through the modules it imports; the modules of
   dtrain/jobs/ import no circle and, with dtrain/cluster/, no argparse; the CLI's entry helpers
-  (dtrain/cli_entry.py) are the verbs' alone.
+  (dtrain/cli_entry.py) are the verbs' alone. In training/, the vocabulary (config/), the run's
+  bookkeeping (run/) and the world (world/) load no framework, and config/ reaches no framework code.
 * One exit-status table (training/exit_status.py): the host tools that stand alone repeat its values,
   and match it; no other module writes 75 or 4 as an exit status.
 * Every command and path that README.md and docs/ name exists: `python -m MODULE` resolves to a module,
@@ -146,6 +147,41 @@ def test_the_jobs_modules_import_no_circle() -> None:
     """A feature of job.sh returns its lines (dtrain/jobs/job_spec.py's ScriptLines) rather than importing
     the script that imports it: a circle would mean two modules that cannot be read, or changed, apart."""
     assert [" -> ".join(circle) for circle in circles("dtrain.jobs")] == []
+
+
+FRAMEWORKS = ("torch", "tensorflow", "horovod", "keras")
+FRAMEWORK_FREE = ("training.config", "training.run", "training.world")
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The top-level packages a module imports as it loads: its own statements, not a function's, not
+    under `if TYPE_CHECKING:`."""
+    found: set[str] = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith(FRAMEWORK_FREE)))
+def test_the_trainers_vocabulary_runs_and_world_load_no_framework(module: str) -> None:
+    """Settings, the run's bookkeeping and the world's liveness are read by every framework's job (and by
+    the operator's checks): a framework they need is imported where it is used, inside a function."""
+    path = REPO.joinpath(*module.split(".")).with_suffix(".py")
+    path = path if path.is_file() else path.with_suffix("") / "__init__.py"
+    loaded = sorted(top_level_imports(path) & set(FRAMEWORKS))
+    assert loaded == [], f"{module} imports {loaded} as it loads"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith("training.config")))
+def test_the_config_reaches_no_framework_code(module: str) -> None:
+    """training/config/ is the vocabulary: the framework packages (training/torch/, training/tf/) build on
+    it, never the other way round, even inside a function."""
+    allowed = ("training.config", "training.world", "training.errors", "training.exit_status")
+    beyond = sorted(name for name in reached(module) if name.startswith("training.") and not name.startswith(allowed))
+    assert beyond == [], f"{module} reaches {beyond}"
 
 
 # --- the exit-status table -----------------------------------------------------------------------

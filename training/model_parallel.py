@@ -1,7 +1,7 @@
 """Model-parallel training: ``torchrun --nproc-per-node N -m training.model_parallel [flags]``.
 
 The world's ranks form one DeviceMesh ``(pp, dp_replicate, dp_shard, tp)`` (see
-:mod:`training.torch.parallel.layout`): ``--tp`` tensor-parallel ranks split each transformer block,
+:mod:`training.config.layout`): ``--tp`` tensor-parallel ranks split each transformer block,
 ``--pp`` pipeline stages split the layers, ``--dp-shard`` ranks shard parameters, gradients and
 optimizer state (FSDP2), and the ranks left over replicate. ``--batch-size`` is the batch of one
 data-parallel replica (a TP group, or a whole pipeline, is one replica).
@@ -14,13 +14,16 @@ batch (over microbatches in a pipeline, whose schedule scales the gradients to m
 averages gradients over the replicas. So one process and any layout see the same losses, up to
 the order of floating-point sums (tests/training/test_mp_equivalence.py).
 
-The optimizer is AdamW (betas 0.9/0.95, ``--weight-decay`` 0.1 on every parameter, GPT-3's and
-Llama's settings; no gradient clipping) at a constant ``--lr``, fused (one kernel for the whole
-step) where every parameter is on a GPU.
+The optimizer is ``--optimizer``: by default AdamW for the transformers (betas 0.9/0.95, ``--weight-decay``
+0.1 on every parameter, GPT-3's and Llama's settings; no gradient clipping) at a constant ``--lr``, fused
+(one kernel for the whole step) where every parameter is on a GPU, and SGD for the ResNets, with the
+data-parallel job's LR schedule (training/run/schedule.py).
 
-The flags become one frozen :class:`~training.torch.parallel.settings.ModelParallelSettings` right after
-parsing (:func:`parse_settings`); every function here takes it, and the run trains with its copy
-resolved for the device (:meth:`~training.torch.parallel.settings.ModelParallelSettings.for_device`).
+The flags are training.pytorch's (one parser, training/config/args.py) and become the one frozen
+:class:`~training.config.settings.TrainingSettings` right after parsing (:func:`parse_settings`); every
+function here takes it, and the run trains with its copy resolved for the device (:func:`for_device`).
+What only training.pytorch does (ImageNet, local SGD, Horovod, ``--precision amp`` ...) is refused here
+in one line before any process group starts (:func:`refusal`), until the two trainers are one.
 
 Speed on a GPU (docs/performance.md): each block is compiled (``--compile``, the default with
 CUDA), activation checkpointing is on only when the memory estimate says the model would not
@@ -33,14 +36,13 @@ group starts.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import logging
 import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
@@ -50,17 +52,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from training.checkpoint.sharded import ShardedCheckpoints
-from training.config.args import (
-    Parser,
-    add_profile_flag,
-    add_reporting,
-    batch_size_arg,
-    image_size_arg,
-    log_interval,
-    non_negative_float_arg,
-    positive_int,
-)
-from training.data.imagenet import synthetic_batch
+from training.config.activation_checkpointing import AUTO
+from training.config.args import ADAMW, log_interval
+from training.config.layout import Layout, check_model
+from training.config.models import GPT_CONFIGS, RESNETS, SYNTHETIC_CLASSES, GPTConfig, flops_per_token, parameter_count
+from training.config.pipeline_schedules import check_microbatches, theoretical_bubble
+from training.config.settings import TrainingSettings
+from training.config.settings import parse_settings as parse_job_settings
+from training.data.imagenet import sampled_epochs, synthetic_batch
 from training.data.text import TokenSource, replica_rows, token_source
 from training.errors import BadInput, CheckpointRefused, JobError
 from training.pytorch import DDPBackend
@@ -68,33 +67,24 @@ from training.run import curves, tracking
 from training.run.job import run_job
 from training.run.metrics import RateWindow, StepTimer, throughput, write_metrics
 from training.run.outputs import output_error
+from training.run.schedule import learning_rate
 from training.run.slow_ranks import SlowRankWatch, hostname
 from training.torch.compute_clock import ComputeClock
 from training.torch.models import build_model
 from training.torch.parallel import memory
 from training.torch.parallel.export import gather_full_state_dict, write_whole_model
-from training.torch.parallel.layout import RESNETS, Layout, build_mesh, check_model
-from training.torch.parallel.pipeline import (
-    SCHEDULES,
-    LossFn,
-    Pipeline,
-    build_pipeline,
-    check_microbatches,
-    split_for_pipeline,
-    stages_per_rank,
-    theoretical_bubble,
-)
-from training.torch.parallel.settings import ModelParallelSettings
-from training.torch.parallel.sharding import AC_MODES, autocasts, parallelize
+from training.torch.parallel.mesh import build_mesh
+from training.torch.parallel.pipeline import LossFn, Pipeline, build_pipeline, split_for_pipeline
+from training.torch.parallel.sharding import autocasts, parallelize
 from training.torch.profiling import StepProfiler
-from training.torch.transformer import GPT_CONFIGS, GPTConfig, build_gpt, flops_per_token, init_weights, parameter_count
+from training.torch.transformer import build_gpt, init_weights
 from training.world.distributed import set_failure_timeouts
 from training.world.preemption import PreemptionWatch, stop
 
 log = logging.getLogger(__name__)
 
-MODELS = (*GPT_CONFIGS, *RESNETS)
-MAX_DEFAULT_SEQ_LEN = 2048
+PROG = "torchrun --nproc-per-node N -m training.model_parallel"
+MODELS = (*GPT_CONFIGS, *RESNETS)  # what a mesh splits: transformer layers, residual blocks
 # Past this, the fp32 model is not built whole in every process (llama-8b would need 32 GB per
 # rank): it is created on the meta device, sharded, then initialized shard by shard.
 META_INIT_BYTES = 2 * 2**30
@@ -130,125 +120,69 @@ METRIC_KEYS = (
 )
 
 
-def _degree(text: str) -> int:
-    if text.strip() == "-1":
-        return -1
-    try:
-        return positive_int(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer or -1 (every rank left), got {text!r}") from None
+def parse_settings(argv: Sequence[str] | None = None) -> TrainingSettings:
+    """The job's settings, built once from the flags by the PyTorch jobs' one parser (exit 2 on a bad flag)."""
+    return parse_job_settings("pytorch", argv, prog=PROG)
 
 
-def build_parser() -> Parser:
-    parser = Parser(
-        prog="torchrun --nproc-per-node N -m training.model_parallel",
-        description="Model-parallel training (FSDP2, pipeline and tensor parallel on one DeviceMesh).",
-    )
-    model = parser.add_argument_group("model and layout")
-    model.add_argument("--model", choices=MODELS, default="gpt-125m")
-    model.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (transformers)")
-    model.add_argument("--pp", type=positive_int, default=1, help="pipeline stages")
-    model.add_argument(
-        "--dp-shard", type=_degree, default=-1, help="FSDP degree (-1: all ranks left; the rest replicate)"
-    )
-    model.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b")
-    model.add_argument(
-        "--microbatches", type=positive_int, help="per pipeline step (default: --pp, 2 x --pp for interleaved-1f1b)"
-    )
-    model.add_argument(
-        "--activation-checkpointing",
-        choices=("auto", *AC_MODES),
-        default="auto",
-        help="auto: none, unless the memory estimate says the model would not fit the GPU "
-        "(then selective, or full); selective recomputes element-wise work, full whole blocks",
-    )
-    model.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        help="torch.compile each block and the loss (default: on with CUDA, off on CPU; "
-        "compilation runs before the first step: docs/performance.md)",
-    )
-    add_profile_flag(model)
-    model.add_argument(
-        "--precision",
-        choices=("fp32", "bf16"),
-        default="fp32",
-        help="bf16: FSDP mixed precision, or autocast in one process (for GPUs)",
-    )
-    data = parser.add_argument_group("data")
-    data.add_argument("--data", choices=("synthetic", "text"), default="synthetic")
-    data.add_argument("--data-dir", type=Path, help="--data text: every file under it, as bytes (transformers)")
-    data.add_argument("--seq-len", type=positive_int, help=f"default: the model's, at most {MAX_DEFAULT_SEQ_LEN}")
-    data.add_argument("--image-size", type=image_size_arg, default=224, help="ResNets (synthetic images)")
-    data.add_argument("--num-classes", type=positive_int, default=1000, help="ResNets")
-    schedule = parser.add_argument_group("schedule")
-    schedule.add_argument("--batch-size", type=batch_size_arg, default=8, help="per data-parallel replica")
-    schedule.add_argument("--steps", type=positive_int, default=100)
-    schedule.add_argument("--optimizer", choices=("adamw",), default="adamw")
-    schedule.add_argument("--lr", type=non_negative_float_arg, default=3e-4)
-    schedule.add_argument("--weight-decay", type=non_negative_float_arg, default=0.1)
-    ckpt = parser.add_argument_group("checkpoints (torch.distributed.checkpoint; resume is automatic)")
-    ckpt.add_argument("--checkpoint-dir", type=Path)
-    ckpt.add_argument("--checkpoint-every", type=positive_int, help="steps between checkpoints (the last is saved)")
-    ckpt.add_argument("--keep-checkpoints", type=positive_int, default=3)
-    parser.add_argument_group("export").add_argument(
-        "--export-dir",
-        type=Path,
-        help="at the end, the whole model gathered from every shard and stage, with model.json (default: none)",
-    )
-    add_reporting(parser, "loss, LR, tokens/s (ResNets: images/s), memory per rank", "tokens/s")
-    return parser
+def refusal(settings: TrainingSettings) -> str | None:
+    """Why this job cannot train these settings, or None: what only training.pytorch does yet.
+    (Issue 45 makes the two trainers one; until then each refuses what the other one does.)"""
+    data_parallel = "python -m training.pytorch (horovodrun, or torchrun with --backend ddp)"
+    if settings.model not in MODELS:
+        return f"--model {settings.model}: a mesh splits the transformers and ResNets; it trains under {data_parallel}"
+    if settings.data == "imagenet":
+        return f"--data imagenet: this job trains on synthetic data and text; ImageNet runs under {data_parallel}"
+    if settings.precision == "amp":
+        return "--precision amp: a mesh layout computes in bf16 (--precision bf16)"
+    only_there = {
+        f"--sync {settings.sync.mode}": settings.sync.periodic,
+        "--fp16-allreduce": settings.fp16_allreduce,
+        "--ignore-bad-checkpoints": settings.ignore_bad_checkpoints,
+        "--export-every-epoch": settings.export_every_epoch,
+    }
+    given = [flag for flag, on in only_there.items() if on]
+    if given:
+        return f"{', '.join(given)}: data-parallel only, under {data_parallel}"
+    return None
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    cfg = GPT_CONFIGS.get(args.model)
-    if args.data == "text" and args.data_dir is None:
-        parser.error("--data text needs --data-dir")
-    if args.data_dir is not None and args.data != "text":
-        parser.error("--data-dir is only used with --data text")
-    if cfg is None and args.data == "text":
-        parser.error(f"{args.model} trains on synthetic images only: --data text is for the transformers")
-    if cfg is not None and args.seq_len is not None and args.seq_len > cfg.max_seq_len:
-        parser.error(f"--seq-len {args.seq_len} is longer than {args.model}'s context of {cfg.max_seq_len}")
-    if args.seq_len is None and cfg is not None:
-        args.seq_len = min(cfg.max_seq_len, MAX_DEFAULT_SEQ_LEN)
-    if args.microbatches is None:
-        args.microbatches = args.pp * stages_per_rank(args.pp_schedule)
-    return args
-
-
-def parse_settings(argv: Sequence[str] | None = None) -> ModelParallelSettings:
-    """The job's settings, built once from the flags (exit 2 on a bad flag)."""
-    return ModelParallelSettings.from_args(parse_args(argv))
-
-
-def model_shape(settings: ModelParallelSettings) -> tuple[int, int | None, int | None]:
+def model_shape(settings: TrainingSettings) -> tuple[int, int | None, int | None]:
     """(layers or residual blocks, attention heads, key/value heads) of ``--model``."""
     cfg = settings.gpt
     if cfg is not None:
         return cfg.n_layers, cfg.n_heads, cfg.kv_heads
     with torch.device("meta"):
-        resnet = build_model(settings.model, settings.num_classes)
+        resnet = build_model(settings.model, classes(settings))
     return len(resnet.layers) - 5, None, None  # [Normalize, stem, blocks..., pool, flatten, fc]
 
 
-def layout_of(settings: ModelParallelSettings, world_size: int) -> Layout:
-    """The layout the flags ask for; :class:`BadInput` if the world or the model cannot take it."""
-    layout = Layout.from_flags(world_size, settings.tp, settings.pp, settings.dp_shard)
+def classes(settings: TrainingSettings) -> int:
+    """The ResNets' classifier width: ``--num-classes``, or synthetic images' default."""
+    return settings.num_classes or SYNTHETIC_CLASSES
+
+
+def layout_of(settings: TrainingSettings, world_size: int) -> Layout:
+    """The layout the flags ask for; :class:`BadInput` if the world or the model cannot take it.
+    Without ``--dp-shard`` this job shards over every rank left (-1)."""
+    parallel = settings.parallel
+    dp_shard = -1 if parallel.dp_shard is None else parallel.dp_shard
+    layout = Layout.from_flags(world_size, parallel.tp, parallel.pp, dp_shard)
     units, heads, kv_heads = model_shape(settings)
-    check_model(layout, settings.model, units, heads, kv_heads, stages_per_rank(settings.pp_schedule))
+    check_model(layout, settings.model, units, heads, kv_heads, parallel.stages_per_rank)
     if layout.pp > 1:
-        check_microbatches(settings.microbatches, layout.pp, settings.pp_schedule, settings.batch_size)
+        assert parallel.microbatches is not None and parallel.pp_schedule is not None, "filled in by the parser"
+        check_microbatches(parallel.microbatches, layout.pp, parallel.pp_schedule, settings.batch_size)
     return layout
 
 
-def start(settings: ModelParallelSettings) -> DDPBackend:
+def start(settings: TrainingSettings) -> DDPBackend:
     if "RANK" not in os.environ:
         raise BadInput(
             "training.model_parallel runs under torchrun: torchrun --nproc-per-node N -m training.model_parallel ..."
         )
+    if problem := refusal(settings):
+        raise BadInput(problem, every_rank=True)
     try:  # a bad layout is refused before any process group starts
         layout_of(settings, int(os.environ["WORLD_SIZE"]))
     except BadInput as exc:  # every rank finds it: rank 0 alone says so
@@ -305,18 +239,19 @@ class Parts:
         return loss
 
 
-def build_full_model(settings: ModelParallelSettings) -> nn.Module:
+def build_full_model(settings: TrainingSettings) -> nn.Module:
     """The whole model, with the same weights in every process (on the meta device when too big)."""
     cfg = settings.gpt
     if cfg is None:
         torch.manual_seed(settings.seed)  # ResNet's init draws from the global generator
-        return build_model(settings.model, settings.num_classes)
+        return build_model(settings.model, classes(settings))
     return build_gpt(cfg, None if parameter_count(cfg) * 4 > META_INIT_BYTES else settings.seed)
 
 
-def split(model: nn.Module, layout: Layout, pp_rank: int, schedule: str) -> tuple[list[nn.Module], list[int]]:
+def split(model: nn.Module, layout: Layout, pp_rank: int, schedule: str | None) -> tuple[list[nn.Module], list[int]]:
     if layout.pp == 1:
         return [model], [0]
+    assert schedule is not None, "filled in by the parser with --pp"
     return split_for_pipeline(model, pp_rank, layout.pp, schedule)
 
 
@@ -331,31 +266,34 @@ def materialize(chunk: nn.Module, cfg: GPTConfig | None, seed: int, device: torc
     init_weights(chunk, cfg.n_layers)
 
 
-def adamw(chunk: nn.Module, settings: ModelParallelSettings) -> torch.optim.AdamW:
-    """AdamW over ``chunk``, fused where every parameter is on a GPU (foreach elsewhere)."""
+def build_optimizer(chunk: nn.Module, settings: TrainingSettings) -> torch.optim.Optimizer:
+    """``--optimizer`` over ``chunk``: AdamW fused where every parameter is on a GPU (foreach elsewhere),
+    SGD with momentum; its LR is set before every step (:meth:`Run.lr`)."""
     params = list(chunk.parameters())
     fused = bool(params) and all(param.device.type == "cuda" for param in params)
-    return torch.optim.AdamW(
-        params, lr=settings.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=settings.weight_decay, fused=fused or None
-    )
+    choice = settings.optimizer
+    if choice.name == ADAMW:
+        return torch.optim.AdamW(
+            params, lr=choice.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=choice.weight_decay, fused=fused or None
+        )
+    return torch.optim.SGD(params, lr=choice.lr, momentum=choice.momentum or 0.0, weight_decay=choice.weight_decay)
 
 
-def build_parts(
-    settings: ModelParallelSettings, layout: Layout, mesh: DeviceMesh, rank: int, device: torch.device
-) -> Parts:
+def build_parts(settings: TrainingSettings, layout: Layout, mesh: DeviceMesh, rank: int, device: torch.device) -> Parts:
     """Build, split, shard (TP, activation checkpointing, compile, FSDP) and wrap in a pipeline: this rank's parts."""
     model = build_full_model(settings)
     total = sum(param.numel() for param in model.parameters())
-    chunks, stage_ids = split(model, layout, layout.coordinates(rank)["pp"], settings.pp_schedule)
+    parallel = settings.parallel
+    chunks, stage_ids = split(model, layout, layout.coordinates(rank)["pp"], parallel.pp_schedule)
     del model  # the layers of other stages go with it
     cfg = settings.gpt
     for chunk in chunks:
         if not any(param.is_meta for param in chunk.parameters()):
             chunk.to(device)
-        parallelize(chunk, layout, mesh, settings.precision, settings.activation_checkpointing, settings.compile)
+        parallelize(chunk, layout, mesh, settings.precision, parallel.activation_checkpointing, settings.compile)
         materialize(chunk, cfg, settings.seed, device)
-    optimizers = [adamw(chunk, settings) for chunk in chunks]
-    num_stages = layout.pp * stages_per_rank(settings.pp_schedule)
+    optimizers = [build_optimizer(chunk, settings) for chunk in chunks]
+    num_stages = layout.pp * parallel.stages_per_rank
     # Compiled, the cross-entropy never materializes the fp32 copy of the logits (as torchtitan does).
     loss = torch.compile(loss_fn, fullgraph=True, dynamic=False) if settings.compile else loss_fn
     amp = device.type if autocasts(layout, settings.precision) else None
@@ -363,7 +301,7 @@ def build_parts(
     if layout.pp > 1:
         group = mesh["pp"].get_group()
         parts.pipeline = build_pipeline(
-            chunks, stage_ids, num_stages, group, device, settings.pp_schedule, settings.microbatches, loss
+            chunks, stage_ids, num_stages, group, device, parallel.pp_schedule, parallel.microbatches, loss
         )
     return parts
 
@@ -371,7 +309,7 @@ def build_parts(
 class Batches:
     """This replica's inputs and targets for a step, on the device."""
 
-    def __init__(self, settings: ModelParallelSettings, replica: int, device: torch.device) -> None:
+    def __init__(self, settings: TrainingSettings, replica: int, device: torch.device) -> None:
         self.settings, self.replica, self.device = settings, replica, device
         self.tokens: TokenSource | None = None
         self.images: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -383,7 +321,7 @@ class Batches:
         else:
             # One fixed batch of synthetic images, already on the device (as the data-parallel job).
             images, labels = synthetic_batch(
-                settings.seed, replica, settings.batch_size, settings.image_size, settings.num_classes
+                settings.seed, replica, settings.batch_size, settings.image_size, classes(settings)
             )
             self.images = torch.from_numpy(images).to(device), torch.from_numpy(labels).to(device)
 
@@ -418,14 +356,18 @@ def mean_loss(loss: torch.Tensor | None, device: torch.device) -> float:
     return float(total[0] / total[1])
 
 
-def open_checkpoints(settings: ModelParallelSettings) -> ShardedCheckpoints | None:
+def open_checkpoints(settings: TrainingSettings) -> ShardedCheckpoints | None:
     return (
         ShardedCheckpoints(settings.checkpoint_dir, keep=settings.keep_checkpoints) if settings.checkpoint_dir else None
     )
 
 
 def resume(
-    settings: ModelParallelSettings, backend: DDPBackend, checkpoints: ShardedCheckpoints | None, parts: Parts
+    settings: TrainingSettings,
+    backend: DDPBackend,
+    checkpoints: ShardedCheckpoints | None,
+    parts: Parts,
+    steps: int,
 ) -> int:
     """The step to start from: rank 0 picks the newest complete checkpoint, every rank loads its
     share of it (resharded to this layout); 0 without one."""
@@ -434,7 +376,6 @@ def resume(
         return 0
     extra = checkpoints.load(path, parts.chunks, parts.optimizers, expect={"model": settings.model})
     step = int(extra["step"])
-    steps = settings.steps
     if step > steps:
         raise CheckpointRefused(
             f"checkpoint {path} is at step {step}, past this run's --steps {steps}: raise --steps to continue it",
@@ -448,22 +389,21 @@ def resume(
 class Run:
     """The step loop and its bookkeeping: logs, checkpoints, timing, the metrics at the end."""
 
-    def __init__(
-        self, settings: ModelParallelSettings, backend: DDPBackend, layout: Layout, device: torch.device
-    ) -> None:
+    def __init__(self, settings: TrainingSettings, backend: DDPBackend, layout: Layout, device: torch.device) -> None:
         self.settings, self.backend, self.layout, self.device = settings, backend, layout, device
-        assert settings.resolved, "the run trains with settings.for_device(...)"
+        assert settings.resolved, "the run trains with for_device(settings, ...)"
         self.cfg = settings.gpt
-        self.log_every = log_interval(settings.log_every, settings.steps)
+        self.steps_per_epoch, self.total_steps = sampled_epochs(settings.steps, settings.epochs)
+        self.log_every = log_interval(settings.log_every, self.total_steps)
         torch.manual_seed(settings.seed)
         timeout = timedelta(seconds=int(set_failure_timeouts()["DDP_TIMEOUT_SECONDS"]))
         self.parts = build_parts(settings, layout, build_mesh(layout, device.type, timeout), backend.rank, device)
         self.checkpoints = open_checkpoints(settings)
-        self.start_step = resume(settings, backend, self.checkpoints, self.parts)
+        self.start_step = resume(settings, backend, self.checkpoints, self.parts, self.total_steps)
         self.preemption = PreemptionWatch(backend)
         self.batches = Batches(settings, layout.dp_rank(backend.rank), device)
         # At least one measured step whenever a step runs, so short runs still report a rate.
-        self.timer = StepTimer(min(settings.timing_warmup_steps, max(settings.steps - self.start_step - 1, 0)))
+        self.timer = StepTimer(min(settings.timing_warmup_steps, max(self.total_steps - self.start_step - 1, 0)))
         self.losses: list[list[float | int | None]] = []
         self.bubbles: list[float] = []
         self.window = RateWindow(settings.batch_size * layout.dp * (settings.seq_len if self.cfg is not None else 1))
@@ -491,11 +431,12 @@ class Run:
             log.info(
                 "%s on %s (world %d): batch %d per replica x %d, %d parameters, steps %d to %d",
                 settings.model, self.layout, self.backend.size, settings.batch_size, self.layout.dp,
-                self.parts.parameters_total, self.start_step + 1, settings.steps,
+                self.parts.parameters_total, self.start_step + 1, self.total_steps,
             )  # fmt: skip
         loss = None
         profiler = StepProfiler(settings.profile_dir, self.backend.rank, self.timer.excluded)
-        for step in range(self.start_step, settings.steps):
+        for step in range(self.start_step, self.total_steps):
+            self.set_lr(step)
             self.compute.begin()
             loss = self.parts.step(*self.batches(step, self.layout.dp), forward_done=self.compute.end)
             if self.reads_numbers(step + 1):
@@ -504,9 +445,22 @@ class Run:
             self.step_done(step + 1, loss)
             profiler.step()
         profiler.stop()
-        final = mean_loss(loss, self.device) if settings.steps > self.start_step else None
+        final = mean_loss(loss, self.device) if self.total_steps > self.start_step else None
         self.preemption.close()
         return self.finish(final)
+
+    def lr(self, step: int) -> float:
+        """The LR of the step with 0-based index ``step``: constant with AdamW's defaults, Goyal et al.'s
+        schedule with SGD's (its replicas: the layout's data-parallel ones)."""
+        choice = self.settings.optimizer
+        scale = choice.lr_scale(self.layout.dp)
+        return learning_rate(step, self.steps_per_epoch, choice.lr, scale, choice.warmup_epochs, choice.lr_decay_epochs)
+
+    def set_lr(self, step: int) -> None:
+        lr = self.lr(step)
+        for optimizer in self.parts.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
 
     def reads_numbers(self, done: int) -> bool:
         """Whether step ``done`` ends where the host reads the device: the end of the timing warmup,
@@ -514,7 +468,7 @@ class Run:
         every = self.settings.checkpoint_every
         return (
             done - self.start_step == self.timer.excluded
-            or done == self.settings.steps
+            or done == self.total_steps
             or done % self.log_every == 0
             or (self.checkpoints is not None and bool(every) and done % every == 0)
         )
@@ -528,7 +482,7 @@ class Run:
         if done % self.log_every == 0:
             self.log(done, mean_loss(loss, self.device))  # collective: every rank logs at the same steps
         every = self.settings.checkpoint_every
-        save_due = self.checkpoints is not None and (done == self.settings.steps or bool(every and done % every == 0))
+        save_due = self.checkpoints is not None and (done == self.total_steps or bool(every and done % every == 0))
         if save_due:
             self.timer.pause()
             self.save(done)
@@ -541,7 +495,7 @@ class Run:
     def log(self, done: int, loss: float) -> None:
         self.losses.append([done, loss if math.isfinite(loss) else None])
         rate = self.window.rate(self.timer)
-        values = {curves.LOSS: loss, curves.LR: self.settings.lr, self.curves.rate_tag: rate}
+        values = {curves.LOSS: loss, curves.LR: self.lr(done - 1), self.curves.rate_tag: rate}
         # each rank's compute and host for the slow-rank check, and its peak memory for the curves: one gather
         span = self.compute.take_window() if self.timer.measured_steps else None  # None: a warmup step's
         mine = (
@@ -554,7 +508,7 @@ class Run:
             values.update({curves.MEMORY_GIB.format(rank=rank): peak / 2**30 for rank, peak in enumerate(peaks)})
         if self.backend.rank == 0:
             shown = "" if rate is None else f" {self.curves.unit}/s {rate:.1f}"
-            log.info("step %d/%d loss %.4f%s", done, self.settings.steps, loss, shown)
+            log.info("step %d/%d loss %.4f%s", done, self.total_steps, loss, shown)
             self.curves.record(done, values)
             assert self.slow is not None
             self.slow.observe(done, spans, hosts)
@@ -610,14 +564,15 @@ class Run:
 
     def finish_curves(self, final_loss: float | None, metrics: dict[str, Any]) -> None:
         final = {self.curves.final_rate_tag: metrics["tokens_per_sec"] or metrics["images_per_sec"]}
-        if self.settings.steps % self.log_every:  # the last step was not logged: end the loss curve there
+        if self.total_steps % self.log_every:  # the last step was not logged: end the loss curve there
             final[curves.LOSS] = final_loss
         model, batch = self.settings.model, self.settings.batch_size
         title = f"{model} on {self.layout} (world size {self.backend.size}), batch {batch} per replica"
-        self.curves.finish(self.settings.steps, final, title)
+        self.curves.finish(self.total_steps, final, title)
 
     def metrics(self, final_loss: float | None, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         settings, layout, cfg = self.settings, self.layout, self.cfg
+        parallel = settings.parallel
         global_batch = settings.batch_size * layout.dp
         per_step = global_batch * (settings.seq_len if cfg is not None else 1)
         rate, _ = throughput(per_step, self.timer.measured_steps, [rank["elapsed"] for rank in ranks])
@@ -630,14 +585,14 @@ class Run:
             "model": settings.model,
             "world_size": self.backend.size,
             "layout": layout.as_dict(),
-            "pp_schedule": settings.pp_schedule if pipelined else None,
-            "microbatches": settings.microbatches if pipelined else None,
-            "activation_checkpointing": settings.activation_checkpointing,
+            "pp_schedule": parallel.pp_schedule if pipelined else None,
+            "microbatches": parallel.microbatches if pipelined else None,
+            "activation_checkpointing": parallel.activation_checkpointing,
             "compiled": settings.compile,
             "batch_size_per_replica": settings.batch_size,
             "global_batch_size": global_batch,
             "seq_len": settings.seq_len if cfg is not None else None,
-            "steps": settings.steps,
+            "steps": self.total_steps,
             "warmup_steps_excluded": self.timer.excluded if self.timer.measured_steps else 0,
             "resumed_from_step": self.start_step or None,
             "step_losses": self.losses,
@@ -651,7 +606,9 @@ class Run:
             "mfu": memory.mfu(rate, flops_per_token(cfg, settings.seq_len), device, len(ranks)) if cfg else None,
             "bubble_fraction": sum(bubbles) / len(bubbles) if bubbles else None,
             "bubble_fraction_theory": (
-                theoretical_bubble(layout.pp, settings.microbatches, settings.pp_schedule) if pipelined else None
+                theoretical_bubble(layout.pp, parallel.microbatches, parallel.pp_schedule)
+                if pipelined and parallel.microbatches and parallel.pp_schedule
+                else None
             ),
             "precision": settings.precision,
             "device": device,
@@ -676,12 +633,34 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train(settings: ModelParallelSettings, backend: DDPBackend) -> dict[str, Any]:
+def for_device(settings: TrainingSettings, layout: Layout, device: torch.device) -> TrainingSettings:
+    """A copy of ``settings`` with ``--compile`` (default: on with CUDA) and ``--activation-checkpointing auto``
+    (from the memory estimate) resolved for ``device``: the run trains, and its metrics report, with that one."""
+    parallel = settings.parallel
+    checkpointing = memory.choose_activation_checkpointing(
+        parallel.activation_checkpointing,
+        settings.gpt,
+        layout,
+        settings.batch_size,
+        settings.seq_len,
+        settings.precision,
+        memory.device_memory_bytes(device),
+    )
+    compile_blocks = device.type == "cuda" if settings.compile is None else settings.compile
+    return dataclasses.replace(
+        settings,
+        compile=compile_blocks,
+        parallel=dataclasses.replace(parallel, activation_checkpointing=checkpointing),
+    )
+
+
+def train(settings: TrainingSettings, backend: DDPBackend) -> dict[str, Any]:
     device = torch.device("cuda", backend.local_rank) if torch.cuda.is_available() else torch.device("cpu")
     layout = layout_of(settings, backend.size)
-    resolved = settings.for_device(layout, device)
-    if settings.activation_checkpointing == "auto" and backend.rank == 0:
-        log.info("activation checkpointing: %s (auto, from the memory estimate)", resolved.activation_checkpointing)
+    resolved = for_device(settings, layout, device)
+    if settings.parallel.activation_checkpointing == AUTO and backend.rank == 0:
+        chosen = resolved.parallel.activation_checkpointing
+        log.info("activation checkpointing: %s (auto, from the memory estimate)", chosen)
     return Run(resolved, backend, layout, device).train()
 
 

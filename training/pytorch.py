@@ -26,7 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.checkpoint.files import Fingerprint
+from training.config.activation_checkpointing import AUTO
+from training.config.args import SGD
 from training.config.settings import TrainingSettings
+from training.config.sync import HIERARCHICAL
 from training.data.decode import decoder_name
 from training.data.decode_choice import measure_rates, probe_batches, warm_batches
 from training.data.gpu_decode import (
@@ -54,7 +57,7 @@ from training.run.loop import TrainingRun, configure_logging, restore, resume
 from training.torch.compute_clock import ComputeClock
 from training.torch.models import build_model
 from training.torch.profiling import StepProfiler
-from training.torch.sync import HIERARCHICAL, PeriodicSync, check_layout, refuse_replicas
+from training.torch.sync import PeriodicSync, check_layout, refuse_replicas
 from training.world import preemption
 from training.world.distributed import agree, set_failure_timeouts
 from training.world.lifetime import die_with
@@ -218,10 +221,12 @@ def _byte_tensor(data: bytes | None, size: int, device: torch.device) -> torch.T
 
 
 def amp_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """bfloat16 where the hardware has it (CPU, Ampere, Hopper): same range as fp32, no loss
-    scaling. float16 with a GradScaler on older GPUs (V100)."""
+    """``amp``: bfloat16 where the hardware has it (CPU, Ampere, Hopper): same range as fp32, no loss
+    scaling; float16 with a GradScaler on older GPUs (V100). ``bf16``: bfloat16 everywhere."""
     if precision == "fp32":
         return None
+    if precision == "bf16":  # asked for by name: bf16 compute over fp32 weights, as on a mesh
+        return torch.bfloat16
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return torch.float16
     return torch.bfloat16
@@ -524,9 +529,8 @@ def build_trained_model(
     # The input is channels-last, which is enough for cuDNN/oneDNN to pick NHWC kernels; the
     # weights stay contiguous for Horovod, which allreduces only contiguous tensors.
     model = build_model(settings.model, plan.num_classes).to(device)
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=settings.base_lr, momentum=settings.momentum, weight_decay=settings.weight_decay
-    )
+    sgd = settings.optimizer
+    optimizer = torch.optim.SGD(model.parameters(), lr=sgd.lr, momentum=sgd.momentum, weight_decay=sgd.weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     shapes = ((name, tuple(tensor.shape)) for name, tensor in model.state_dict().items())
     fingerprint = Fingerprint.of("pytorch", settings.model, plan.num_classes, shapes)
@@ -671,7 +675,24 @@ def decode_state(payload: bytes) -> dict[str, Any]:
 
 
 def start_backend(settings: TrainingSettings) -> Backend:
+    if problem := refusal(settings):  # before any process group: one line, exit 2
+        raise BadInput(problem, every_rank=True)
     return HorovodBackend() if settings.backend == "horovod" else DDPBackend()
+
+
+def refusal(settings: TrainingSettings) -> str | None:
+    """Why this job cannot train these settings, or None: what only training.model_parallel does yet.
+    (Issue 45 makes the two trainers one; until then each refuses what the other one does.)"""
+    mesh_job = "torchrun --nproc-per-node N -m training.model_parallel, with the same flags"
+    if settings.parallel.mesh:
+        return f"{settings.parallel.flags()}: a mesh layout (--tp, --pp, --dp-shard) runs under {mesh_job}"
+    if settings.parallel.activation_checkpointing != AUTO:
+        return f"--activation-checkpointing is for mesh layouts: {mesh_job}"
+    if settings.gpt is not None:
+        return f"--model {settings.model}: the transformers train under {mesh_job}"
+    if settings.optimizer.name != SGD:
+        return f"--optimizer {settings.optimizer.name}: this job trains with SGD; AdamW runs under {mesh_job}"
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -33,16 +33,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from bench.harness.proc import exit_worker
-from training.torch.sync import (
-    AVERAGE,
-    EVERY_STEP,
-    HIERARCHICAL,
-    LOCAL_SGD,
-    NESTEROV,
-    PeriodicSync,
-    SyncSettings,
-    check_layout,
-)
+from training.config.sync import AVERAGE, EVERY_STEP, HIERARCHICAL, LOCAL_SGD, NESTEROV, SyncSettings
+from training.torch.sync import PeriodicSync, check_layout
 
 FEATURES, HIDDEN, CLASSES = 256, 768, 32
 VARIANTS = tuple(f"{mode}{outer}" for mode in (LOCAL_SGD, HIERARCHICAL) for outer in ("", f"+{NESTEROV}"))

@@ -23,9 +23,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from bench.harness.proc import exit_worker
+from training.config.models import GPT_CONFIGS, GPTConfig
 from training.torch.parallel import memory
 from training.torch.parallel.sharding import apply_fsdp, mixed_precision
-from training.torch.transformer import GPT_CONFIGS, GPTConfig, build_gpt, init_weights
+from training.torch.transformer import build_gpt, init_weights
 
 # A GPT-2-like shape small enough for a CPU step in about a second, large enough that the
 # collectives move megabytes (13.8M parameters, 55 MB of fp32 gradients per step).

@@ -30,9 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.config.args import positive_int
+from training.config.models import GPT_CONFIGS, flops_per_token
 from training.model_parallel import loss_fn
 from training.torch.parallel.memory import mfu, peak_memory_bytes
-from training.torch.transformer import GPT_CONFIGS, build_gpt, flops_per_token
+from training.torch.transformer import build_gpt
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -125,10 +125,10 @@ def test_resnet_commands_are_what_the_programs_accept_on_the_same_terms(compiled
 
 @pytest.mark.parametrize("case", gpu_sections.GPTS, ids=lambda case: case.model)
 def test_transformer_commands_are_the_defaults_at_the_issue_sizes(case: gpu_sections.GPTCase) -> None:
-    ours = model_parallel.parse_args(job_args(gpu_sections.our_gpt(case, gpu_sections.LOG_EVERY)))
+    ours = model_parallel.parse_settings(job_args(gpu_sections.our_gpt(case, gpu_sections.LOG_EVERY)))
     shape = (case.model, case.seq_len, case.batch_size)
     assert (ours.model, ours.seq_len, ours.batch_size, ours.precision) == (*shape, "bf16")
-    assert ours.activation_checkpointing == "auto" and ours.compile is None  # the defaults a user gets
+    assert ours.parallel.activation_checkpointing == "auto" and ours.compile is None  # the defaults a user gets
     # the jobs' default interval in a long run, passed explicitly: a 50-step run left to its default logs every 2
     assert ours.log_every == log_interval(None, 200) == 10
     base = gpu_baselines.parse([*gpu_sections.baseline_gpt(case, gpu_sections.LOG_EVERY)[3:], "--metrics-json", "x"])
@@ -144,7 +144,7 @@ def test_smoke_commands_run_on_the_cpu_uncompiled_on_both_sides() -> None:
         [*gpu_sections.baseline_resnet(shape, False, every, cuda=False)[3:], "--metrics-json", "x"]
     )
     assert (base.device, base.compile, base.model, base.log_every) == ("cpu", False, ours.model, ours.log_every)
-    ours_gpt = model_parallel.parse_args(job_args(gpu_sections.our_gpt(case, every)))
+    ours_gpt = model_parallel.parse_settings(job_args(gpu_sections.our_gpt(case, every)))
     base_gpt = gpu_baselines.parse([*gpu_sections.baseline_gpt(case, every, cuda=False)[3:], "--metrics-json", "x"])
     assert (base_gpt.device, base_gpt.compile, base_gpt.log_every) == ("cpu", False, ours_gpt.log_every)
     assert ours_gpt.compile is None  # the job's default: off without CUDA, as the baseline here

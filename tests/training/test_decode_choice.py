@@ -18,6 +18,7 @@ from bench.harness.jpegs import write_imagenet_tree
 from tests.training.test_gpu_decode import pillow_jpeg_decoder
 from training import pytorch
 from training.config.settings import parse_settings
+from training.config.sync import HIERARCHICAL, LOCAL_SGD, SyncSettings
 from training.data import decode_choice
 from training.data import imagenet as data
 from training.data.decode_choice import (
@@ -31,7 +32,7 @@ from training.data.decode_choice import (
 )
 from training.data.gpu_decode import GpuDecode
 from training.torch.models import build_model
-from training.torch.sync import HIERARCHICAL, LOCAL_SGD, PeriodicSync, SyncSettings
+from training.torch.sync import PeriodicSync
 
 
 class Clock:

@@ -40,7 +40,7 @@ COLOURS = {"blue": (40, 60, 200), "green": (40, 170, 60), "red": (210, 40, 40)} 
 CHANCE = 1 / len(COLOURS)
 GOOD = 0.8  # top-1 that a model which learned the colours reaches; chance is a third
 TRAIN = ["--model", "resnet_tiny", "--image-size", "32", "--batch-size", "6", "--data-workers", "1"]
-SCHEDULE = ["--epochs", "3", "--warmup-epochs", "0", "--base-lr", "0.05", "--log-every", "6"]
+SCHEDULE = ["--epochs", "3", "--warmup-epochs", "0", "--lr", "0.05", "--log-every", "6"]
 RUN_ID = "run-20260101-000000-abcd"
 
 
@@ -78,10 +78,14 @@ def train(framework: str, data: Path, tmp_path: Path, *extra: Any) -> tuple[dict
     return metrics, model_dir, output
 
 
+PREDICT_HANG_S = 600
+
+
 def run_predict(cwd: Path, *args: Any) -> subprocess.CompletedProcess[str]:
     """``python -m training.predict`` in a fresh process, with Python's import log on stderr."""
     cmd = [sys.executable, "-X", "importtime", "-m", "training.predict", *map(str, args)]
-    return subprocess.run(cmd, cwd=cwd, env=job_env(), capture_output=True, text=True, timeout=120)
+    # a guard against a hang, not a speed bound: importing TensorFlow alone took over 120 s at load 20
+    return subprocess.run(cmd, cwd=cwd, env=job_env(), capture_output=True, text=True, timeout=PREDICT_HANG_S)
 
 
 def imported(stderr: str, package: str) -> bool:

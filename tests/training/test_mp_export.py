@@ -19,10 +19,11 @@ from PIL import Image
 from tests.training.jobs import run, torchrun
 from tests.training.test_curves import check_summary_png, event_files, read_scalars
 from tests.training.test_export_predict import run_predict
+from training.config.models import GPT_CONFIGS
 from training.model_parallel import METRIC_KEYS
 from training.run.curves import FINAL_TOKENS_PER_SEC, LOSS, LR, MEMORY_GIB, TOKENS_PER_SEC
 from training.run.metrics import validate_metrics
-from training.torch.transformer import GPT_CONFIGS, build_gpt
+from training.torch.transformer import build_gpt
 
 STEPS = 4
 SEQ_LEN = 32

@@ -18,14 +18,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.training.jobs import REPO, error_lines, job_env, run, torchrun
+from training.config.activation_checkpointing import AC_MODES
+from training.config.layout import MESH_DIMS, Layout, check_model
+from training.config.models import GPT_CONFIGS, flops_per_token, parameter_count
 from training.data.text import SyntheticTokens, TextCorpus, replica_rows
 from training.errors import BadInput
-from training.model_parallel import METRIC_KEYS, parse_args
+from training.model_parallel import METRIC_KEYS, layout_of, parse_settings
 from training.run.metrics import validate_metrics
 from training.torch.parallel import memory
-from training.torch.parallel.layout import MESH_DIMS, Layout, check_model
-from training.torch.parallel.sharding import AC_MODES, apply_activation_checkpointing
-from training.torch.transformer import GPT, GPT_CONFIGS, build_gpt, flops_per_token, parameter_count
+from training.torch.parallel.sharding import apply_activation_checkpointing
+from training.torch.transformer import GPT, build_gpt
 
 # A refusal needs Python and torch started, seconds here, more than a minute on a loaded machine; only a
 # job that hangs comes near this.
@@ -113,6 +115,9 @@ def test_check_model_refusals() -> None:
         (4, ["--tp", "4"], "--tp 4 does not divide gpt-tiny's 2 key/value heads"),
         (6, ["--pp", "3", "--pp-schedule", "interleaved-1f1b"], "--pp 3 needs 6 pipeline stages (2 per rank)"),
         (2, ["--pp", "2", "--batch-size", "4", "--microbatches", "3"], "--batch-size 4 must be a multiple of"),
+        # the PyTorch jobs' one parser: what only training.pytorch trains is refused here, as early
+        (2, ["--model", "simple_cnn"], "--model simple_cnn: a mesh splits the transformers and ResNets"),
+        (2, ["--precision", "amp"], "--precision amp: a mesh layout computes in bf16"),
     ],
 )
 def test_job_refuses_a_bad_layout_before_any_process_group(
@@ -147,7 +152,7 @@ def test_job_refuses_to_run_without_torchrun() -> None:
     ("flags", "message"),
     [
         (["--data", "text"], "--data text needs --data-dir"),
-        (["--data-dir", "/tmp"], "--data-dir is only used with --data text"),
+        (["--model", "gpt-tiny", "--data-dir", "/tmp"], "--data-dir is only used with --data text"),
         (["--model", "resnet_tiny", "--data", "text", "--data-dir", "/tmp"], "resnet_tiny trains on synthetic images"),
         (["--model", "gpt-tiny", "--seq-len", "257"], "--seq-len 257 is longer than gpt-tiny's context of 256"),
         (["--dp-shard", "-2"], "--dp-shard: must be a positive integer or -1 (every rank left), got '-2'"),
@@ -156,16 +161,17 @@ def test_job_refuses_to_run_without_torchrun() -> None:
 )
 def test_flag_refusals(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        parse_args(flags)
+        parse_settings(flags)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_flag_defaults() -> None:
-    args = parse_args(["--model", "llama-8b", "--pp", "2", "--pp-schedule", "interleaved-1f1b"])
-    assert (args.seq_len, args.microbatches, args.dp_shard) == (2048, 4, -1)
-    args = parse_args(["--model", "gpt-tiny", "--pp", "4"])
-    assert (args.seq_len, args.microbatches, args.pp_schedule) == (256, 4, "1f1b")
+    settings = parse_settings(["--model", "llama-8b", "--pp", "2", "--pp-schedule", "interleaved-1f1b"])
+    assert (settings.seq_len, settings.parallel.microbatches, settings.parallel.dp_shard) == (2048, 4, None)
+    assert layout_of(settings, 8).dp_shard == 4  # no --dp-shard: this job shards over every rank left (-1)
+    settings = parse_settings(["--model", "gpt-tiny", "--pp", "4"])
+    assert (settings.seq_len, settings.parallel.microbatches, settings.parallel.pp_schedule) == (256, 4, "1f1b")
 
 
 def test_resnet_trains_in_a_pipeline_of_fsdp_stages(tmp_path: Path) -> None:
@@ -383,12 +389,15 @@ def test_auto_activation_checkpointing_follows_the_memory_estimate(
 
 
 def test_every_flag_and_metric_is_documented() -> None:
-    from training.model_parallel import METRIC_KEYS, build_parser
+    from training.config.args import build_parser
+    from training.model_parallel import METRIC_KEYS, PROG
 
     doc = (REPO / "docs" / "parallelism.md").read_text()
-    flags_section = doc.split("## Flags", 1)[1].split("\n## ", 1)[0]
+    # the PyTorch jobs' one parser has one flag table, in training.md
+    flags_section = (REPO / "docs" / "training.md").read_text().split("## Flags", 1)[1].split("\n## ", 1)[0]
     metrics_section = doc.split("## Metrics", 1)[1].split("\n## ", 1)[0]
-    flags = [o for action in build_parser()._actions for o in action.option_strings if o.startswith("--")]
+    actions = build_parser("pytorch", PROG)._actions
+    flags = [o for action in actions for o in action.option_strings if o.startswith("--")]
     assert [flag for flag in flags if flag != "--help" and f"`{flag}" not in flags_section] == []
     assert [key for key in METRIC_KEYS if f"`{key}`" not in metrics_section] == []
 

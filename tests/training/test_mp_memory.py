@@ -32,9 +32,9 @@ from typing import Any
 import pytest
 
 from tests.training.jobs import REPO, TORCHRUN, run, torchrun
+from training.config.models import GPT_CONFIGS, parameter_count
 from training.model_parallel import METRIC_KEYS
 from training.run.metrics import validate_metrics
-from training.torch.transformer import GPT_CONFIGS, parameter_count
 
 GiB = 2**30
 BUDGET = 2 * GiB  # per process

@@ -14,18 +14,13 @@ import torch
 from torch import nn
 
 from tests.training.jobs import TORCHRUN, run
+from training.config.models import GPT_CONFIGS
+from training.config.pipeline_schedules import check_microbatches, theoretical_bubble
 from training.errors import BadInput
 from training.torch.models import resnet50, resnet_tiny
-from training.torch.parallel.pipeline import (
-    balance,
-    check_microbatches,
-    split_for_pipeline,
-    split_units,
-    stage_parameter_counts,
-    theoretical_bubble,
-)
+from training.torch.parallel.pipeline import balance, split_for_pipeline, split_units, stage_parameter_counts
 from training.torch.parallel.pipeline_check import measure_bubbles
-from training.torch.transformer import GPT_CONFIGS, build_gpt
+from training.torch.transformer import build_gpt
 
 
 def all_stages(model: nn.Module, pp: int, schedule: str) -> list[nn.Module]:

@@ -13,9 +13,9 @@ import torch
 
 from tests.training.jobs import run_in_this_process
 from training import model_parallel
+from training.config.layout import Layout
+from training.config.settings import TrainingSettings
 from training.errors import ExitCode
-from training.torch.parallel.layout import Layout
-from training.torch.parallel.settings import ModelParallelSettings
 
 CPU = torch.device("cpu")
 ONE = Layout(1, 1, 1, 1)
@@ -26,8 +26,8 @@ def test_settings_are_typed_frozen_and_filled_in(tmp_path: Path) -> None:
         ["--model", "gpt-tiny", "--pp", "2", "--pp-schedule", "interleaved-1f1b", "--checkpoint-dir", str(tmp_path)]
     )
     assert settings.checkpoint_dir == tmp_path and isinstance(settings.checkpoint_dir, Path)
-    assert (settings.microbatches, settings.seq_len) == (4, 256)  # 2 x --pp interleaved; gpt-tiny's context
-    assert (settings.compile, settings.activation_checkpointing, settings.resolved) == (None, "auto", False)
+    assert (settings.parallel.microbatches, settings.seq_len) == (4, 256)  # 2 x --pp interleaved; gpt-tiny's context
+    assert (settings.compile, settings.parallel.activation_checkpointing, settings.resolved) == (None, "auto", False)
     assert settings.gpt is not None and settings.gpt.n_layers > 0
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.compile = True  # type: ignore[misc]
@@ -43,9 +43,9 @@ def test_settings_are_typed_frozen_and_filled_in(tmp_path: Path) -> None:
 )
 def test_for_device_resolves_a_copy(flags: list[str], expected: tuple[bool, str]) -> None:
     settings = model_parallel.parse_settings(["--model", "gpt-tiny", *flags])
-    resolved = settings.for_device(ONE, CPU)
-    assert (resolved.compile, resolved.activation_checkpointing) == expected and resolved.resolved
-    unresolved = {"compile": settings.compile, "activation_checkpointing": settings.activation_checkpointing}
+    resolved = model_parallel.for_device(settings, ONE, CPU)
+    assert (resolved.compile, resolved.parallel.activation_checkpointing) == expected and resolved.resolved
+    unresolved = {"compile": settings.compile, "parallel": settings.parallel}
     assert dataclasses.replace(resolved, **unresolved) == settings  # nothing else changed
 
 
@@ -57,26 +57,30 @@ def test_the_job_builds_its_settings_once_and_reports_the_resolved_ones(
     metrics_json = tmp_path / "metrics.json"
     argv = ["--model", "gpt-tiny", "--seq-len", "16", "--batch-size", "2", "--steps", "2", "--log-every", "1"]
     settings = model_parallel.parse_settings([*argv, "--timing-warmup-steps", "0", "--metrics-json", str(metrics_json)])
-    built: list[ModelParallelSettings] = []
-    from_args = ModelParallelSettings.from_args
+    built: list[TrainingSettings] = []
+    from_args = TrainingSettings.from_args
 
-    def counted(args: argparse.Namespace) -> ModelParallelSettings:
-        built.append(from_args(args))
+    def counted(framework: str, args: argparse.Namespace) -> TrainingSettings:
+        built.append(from_args(framework, args))
         return built[-1]
 
-    monkeypatch.setattr(ModelParallelSettings, "from_args", counted)
-    runs: list[ModelParallelSettings] = []
+    monkeypatch.setattr(TrainingSettings, "from_args", counted)
+    runs: list[TrainingSettings] = []
     run_init = model_parallel.Run.__init__
 
-    def spy(run: model_parallel.Run, resolved: ModelParallelSettings, *rest: object) -> None:
+    def spy(run: model_parallel.Run, resolved: TrainingSettings, *rest: object) -> None:
         runs.append(resolved)
         run_init(run, resolved, *rest)  # type: ignore[arg-type]
 
     monkeypatch.setattr(model_parallel.Run, "__init__", spy)
     assert run_in_this_process(monkeypatch, settings, model_parallel.start, model_parallel.train) == ExitCode.OK
     assert built == []  # nothing after the parser builds settings from flags again
-    assert runs == [dataclasses.replace(settings, compile=False, activation_checkpointing="none")]
-    assert (settings.compile, settings.activation_checkpointing) == (None, "auto")  # the parsed ones, untouched
+    no_checkpointing = dataclasses.replace(settings.parallel, activation_checkpointing="none")
+    assert runs == [dataclasses.replace(settings, compile=False, parallel=no_checkpointing)]
+    assert (settings.compile, settings.parallel.activation_checkpointing) == (
+        None,
+        "auto",
+    )  # the parsed ones, untouched
     metrics = json.loads(metrics_json.read_text())
     assert (metrics["compiled"], metrics["activation_checkpointing"]) == (False, "none")
     assert metrics["steps"] == 2 and metrics["seq_len"] == 16 and len(metrics["step_losses"]) == 2

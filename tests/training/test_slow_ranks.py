@@ -229,8 +229,8 @@ def test_the_cuda_clock_times_the_device_without_waiting_for_it_at_each_step():
 
 
 def test_the_model_parallel_job_compares_ranks_only_under_pure_replication():
+    from training.config.layout import Layout
     from training.model_parallel import unchecked_layout
-    from training.torch.parallel.layout import Layout
 
     assert unchecked_layout(Layout(dp_replicate=4)) is None and unchecked_layout(Layout()) is None
     for layout in (Layout(dp_shard=2), Layout(tp=2), Layout(pp=2), Layout(dp_replicate=2, dp_shard=2)):

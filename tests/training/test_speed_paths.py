@@ -9,12 +9,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from training.config.activation_checkpointing import AC_MODES
+from training.config.models import GPT_CONFIGS
 from training.data.imagenet import MEAN, STD
 from training.pytorch import DDPBackend
 from training.torch.models import Normalize, build_model
-from training.torch.parallel.sharding import AC_MODES, apply_activation_checkpointing, blocks
+from training.torch.parallel.sharding import apply_activation_checkpointing, blocks
 from training.torch.profiling import PROFILED_STEPS, StepProfiler
-from training.torch.transformer import GPT_CONFIGS, build_gpt
+from training.torch.transformer import build_gpt
 
 
 def test_ddp_backend_does_not_wrap_a_single_process() -> None:

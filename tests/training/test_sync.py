@@ -21,12 +21,13 @@ from tests.training.jobs import TORCHRUN, error_lines, run, start, torchrun
 from tests.training.test_training_equivalence import max_difference
 from training.checkpoint.files import checkpoint_path, read_checkpoint
 from training.config.settings import parse_settings
+from training.config.sync import HIERARCHICAL, SyncSettings
 from training.errors import BadInput
-from training.torch.sync import HIERARCHICAL, SyncSettings, check_layout
+from training.torch.sync import check_layout
 
 TOLERANCE = 1e-5  # as in test_training_equivalence
 SMALL = ["--model", "simple_cnn", "--image-size", "16", "--num-classes", "10", "--batch-size", "4"]
-SMALL += ["--warmup-epochs", "0", "--base-lr", "0.05", "--backend", "ddp", "--log-every", "1"]
+SMALL += ["--warmup-epochs", "0", "--lr", "0.05", "--backend", "ddp", "--log-every", "1"]
 
 
 def state(directory: Path, step: int) -> dict[str, Any]:

@@ -90,8 +90,8 @@ def checkpoint_of_another_model(tmp_path: Path) -> Case:
 
 
 def abbreviated_flag(tmp_path: Path) -> Case:
-    # argparse would otherwise take --lr for --lr-decay-epochs, and -1 for an epoch list
-    return ["--lr", "-1"], "unrecognized arguments: --lr -1", {}
+    # argparse would otherwise take --lr-decay for --lr-decay-epochs, and -1 for an epoch list
+    return ["--lr-decay", "-1"], "unrecognized arguments: --lr-decay -1", {}
 
 
 def huge_batch_size(tmp_path: Path) -> Case:
@@ -118,6 +118,11 @@ def ddp_outside_torchrun(tmp_path: Path) -> Case:
     return ["--backend", "ddp"], "--backend ddp runs under torchrun: torchrun --nproc-per-node N", {}
 
 
+def mesh_layout(tmp_path: Path) -> Case:
+    # one parser for both PyTorch trainers: the data-parallel one refuses a layout only the other trains
+    return ["--tp", "2"], "--tp 2: a mesh layout (--tp, --pp, --dp-shard) runs under torchrun", {}
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -131,6 +136,7 @@ def ddp_outside_torchrun(tmp_path: Path) -> Case:
         corrupt_only_checkpoint,
         checkpoint_of_another_model,
         ddp_outside_torchrun,
+        mesh_layout,
         abbreviated_flag,
         huge_batch_size,
         data_dir_is_a_file,

@@ -45,9 +45,9 @@ def max_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
 @pytest.mark.parametrize("framework", ["pytorch", "tensorflow", "keras"])
 def test_two_workers_match_one_worker_with_double_batch(tmp_path: Path, framework: str) -> None:
     two, one, metrics_path = tmp_path / "two", tmp_path / "one", tmp_path / "metrics.json"
-    cmd = horovodrun(2, framework, *COMMON, "--batch-size", 4, "--base-lr", 0.05, "--checkpoint-dir", two)
+    cmd = horovodrun(2, framework, *COMMON, "--batch-size", 4, "--lr", 0.05, "--checkpoint-dir", two)
     run([*cmd, "--metrics-json", metrics_path], tmp_path / "2.log")
-    run(single(framework, *COMMON, "--batch-size", 8, "--base-lr", 0.1, "--checkpoint-dir", one), tmp_path / "1.log")
+    run(single(framework, *COMMON, "--batch-size", 8, "--lr", 0.1, "--checkpoint-dir", one), tmp_path / "1.log")
     # The 2-worker run is also this framework's 2-process synthetic-data run: its report must hold.
     metrics = read_metrics(metrics_path)
     check_common(metrics, framework)

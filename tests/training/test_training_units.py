@@ -24,7 +24,7 @@ from training.checkpoint.files import (
     write_checkpoint,
 )
 from training.checkpoint.writer import finish_writes
-from training.config.args import MODELS
+from training.config.models import IMAGE_MODELS
 from training.config.settings import parse_settings
 from training.data import imagenet as data
 from training.errors import BadInput, CheckpointRefused, OutputPathError, Preempted
@@ -300,14 +300,14 @@ def test_flags_are_validated() -> None:
     with pytest.raises(SystemExit):
         parse_settings("tensorflow", ["--lr-decay-epochs", "60,30"])
     settings = parse_settings("pytorch", ["--lr-decay-epochs", "2,4"])
-    chosen = (settings.model, settings.image_size, settings.backend, settings.lr_decay_epochs)
+    chosen = (settings.model, settings.image_size, settings.backend, settings.optimizer.lr_decay_epochs)
     assert chosen == ("resnet50", 224, "horovod", (2.0, 4.0))
 
 
 def test_model_names_match_the_builders() -> None:
     from training.torch.models import MODELS as TORCH_MODELS
 
-    assert tuple(TORCH_MODELS) == MODELS
+    assert tuple(TORCH_MODELS) == IMAGE_MODELS
 
 
 def test_failure_timeouts_fill_in_defaults_but_keep_user_values() -> None:

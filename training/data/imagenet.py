@@ -20,6 +20,7 @@ import numpy as np
 from PIL import Image
 
 from training.config.args import DEFAULT_SYNTHETIC_STEPS
+from training.config.models import SYNTHETIC_CLASSES
 from training.config.settings import TrainingSettings
 from training.data.decode import Box, decode_region, decoder_name, jpeg_dims
 from training.data.transcode import IMAGE_SUFFIXES
@@ -299,11 +300,8 @@ class DataPlan:
 def plan_data(settings: TrainingSettings, world_size: int) -> DataPlan:
     """Index ImageNet (or not, for synthetic data) and fix classes, the epoch and the run's length."""
     if settings.data == "synthetic":
-        # no data to pass over: an "epoch" (LR schedule, checkpoints) is --steps, or a fixed count
-        per_epoch = settings.steps or DEFAULT_SYNTHETIC_STEPS
-        return DataPlan(
-            None, None, settings.num_classes or 1000, per_epoch, settings.steps or settings.epochs * per_epoch
-        )
+        per_epoch, total = sampled_epochs(settings.steps, settings.epochs)
+        return DataPlan(None, None, settings.num_classes or SYNTHETIC_CLASSES, per_epoch, total)
     train, val = load_imagenet(settings.data_dir, settings.image_size, settings.seed)
     num_classes = len(train.classes)
     if num_classes < 2:
@@ -318,6 +316,14 @@ def plan_data(settings: TrainingSettings, world_size: int) -> DataPlan:
         num_classes = settings.num_classes
     per_epoch = steps_per_epoch(len(train), world_size, settings.batch_size)
     return DataPlan(train, val, num_classes, per_epoch, settings.steps or settings.epochs * per_epoch)
+
+
+def sampled_epochs(steps: int | None, epochs: int) -> tuple[int, int]:
+    """(steps per epoch, the run's steps) of data made or sampled per step (synthetic images or tokens, text
+    windows): there is no data to pass over, so an "epoch" (LR schedule, checkpoints) is --steps, or a
+    fixed count."""
+    per_epoch = steps or DEFAULT_SYNTHETIC_STEPS
+    return per_epoch, steps or epochs * per_epoch
 
 
 def default_workers(local_size: int) -> int:

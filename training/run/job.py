@@ -31,7 +31,7 @@ from typing import NoReturn, TypeVar
 import psutil
 
 from training.checkpoint.writer import finish_writes
-from training.config.settings import parse_settings
+from training.config.settings import TrainingSettings, parse_settings
 from training.errors import BadInput, ExitCode, JobError, first_line
 from training.run import tracking
 from training.run.loop import configure_logging
@@ -41,22 +41,19 @@ from training.world.distributed import QUIET_RANK_DELAY_SECONDS, Backend, launch
 from training.world.liveness import Liveness
 
 B = TypeVar("B", bound=Backend)
-# A job's settings, built once from its flags: the data-parallel jobs' TrainingSettings or
-# training.model_parallel's; either has the output flags and ``debug``.
-Flags = TypeVar("Flags")
 
 
 def run_job(
     framework: str,
     argv: Sequence[str] | None,
-    start: Callable[[Flags], B],
-    train: Callable[[Flags, B], object],
-    parse: Callable[[Sequence[str] | None], Flags] | None = None,
+    start: Callable[[TrainingSettings], B],
+    train: Callable[[TrainingSettings, B], object],
+    parse: Callable[[Sequence[str] | None], TrainingSettings] | None = None,
 ) -> NoReturn:
     """Parse the flags, check the outputs, start the backend, train, and exit with the table's status.
 
-    ``parse``: a job with flags of its own (training.model_parallel's settings); default: the
-    data-parallel jobs' :class:`training.config.settings.TrainingSettings`.
+    ``parse``: the framework's parser under another command's name (training.model_parallel's, whose
+    errors name its torchrun line); default: :func:`training.config.settings.parse_settings`.
     """
     settings = parse(argv) if parse is not None else parse_settings(framework, argv)  # a bad flag exits 2 here
     configure_logging(launcher_rank())
@@ -64,7 +61,9 @@ def run_job(
     _exit(_run(settings, start, train))
 
 
-def _run(settings: Flags, start: Callable[[Flags], B], train: Callable[[Flags, B], object]) -> int:
+def _run(
+    settings: TrainingSettings, start: Callable[[TrainingSettings], B], train: Callable[[TrainingSettings, B], object]
+) -> int:
     backend: B | None = None
     liveness: Liveness | None = None
     try:

@@ -165,13 +165,14 @@ class TrainingRun:
 
     def lr(self, step: int) -> float:
         """LR for the step with 0-based global index ``step``."""
+        optimizer = self.settings.optimizer
         return learning_rate(
             step,
             self.steps_per_epoch,
-            self.settings.base_lr,
-            self.dist.size,
-            self.settings.warmup_epochs,
-            self.settings.lr_decay_epochs,
+            optimizer.lr,
+            optimizer.lr_scale(self.dist.size),  # data parallelism: a replica per process
+            optimizer.warmup_epochs,
+            optimizer.lr_decay_epochs,
         )
 
     def steps(self) -> range:

@@ -344,7 +344,9 @@ def setup(
     model = build_model(settings.model, plan.num_classes, settings.image_size)
     optimizer = wrap_optimizer(
         tf.keras.optimizers.SGD(
-            learning_rate=settings.base_lr, momentum=settings.momentum, weight_decay=settings.weight_decay or None
+            learning_rate=settings.optimizer.lr,
+            momentum=settings.optimizer.momentum,
+            weight_decay=settings.optimizer.weight_decay or None,
         ),
         settings,
     )

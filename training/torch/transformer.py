@@ -1,4 +1,5 @@
-"""A decoder-only transformer (Llama-style block) at four sizes, for the model-parallel job.
+"""A decoder-only transformer (Llama-style block), for the model-parallel job, at the four sizes of
+training/config/models.py (``GPT_CONFIGS``).
 
 Shapes only: no weights are downloaded. Every block is pre-norm (RMSNorm), with rotary position
 embeddings, no biases, causal ``F.scaled_dot_product_attention``, and either a GELU MLP
@@ -23,50 +24,13 @@ process are materialized after sharding instead (``training.model_parallel``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from training.config.models import GPTConfig
+
 INIT_STD = 0.02  # GPT-2's init; the residual projections are scaled down further with depth
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    name: str
-    vocab_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    ffn_dim: int
-    max_seq_len: int
-    n_kv_heads: int | None = None  # grouped-query attention (Llama 3); None: one K/V head per query head
-    swiglu: bool = False
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-
-GPT_CONFIGS = {
-    # Small enough for multi-process CPU tests in seconds; byte-level text fits its 256 tokens. It
-    # has the Llama block (grouped-query attention, SwiGLU) so the tests cover every TP sharding.
-    "gpt-tiny": GPTConfig("gpt-tiny", 256, 64, 4, 4, 128, 256, n_kv_heads=2, swiglu=True),
-    # GPT-2 small and GPT-3 XL shapes (Radford et al. 2019; Brown et al. 2020, table 2.1).
-    "gpt-125m": GPTConfig("gpt-125m", 50257, 768, 12, 12, 3072, 1024),
-    "gpt-1.3b": GPTConfig("gpt-1.3b", 50257, 2048, 24, 16, 8192, 2048),
-    # Llama 3 8B (Meta's params.json: 8.03B parameters).
-    "llama-8b": GPTConfig(
-        "llama-8b", 128256, 4096, 32, 32, 14336, 8192, n_kv_heads=8, swiglu=True, rope_theta=500000.0
-    ),
-}
 
 
 class Attention(nn.Module):
@@ -183,20 +147,3 @@ def build_gpt(cfg: GPTConfig, seed: int | None, device: torch.device | str = "cp
     generator = torch.Generator(device=device).manual_seed(seed)
     model.init_weights(generator)
     return model
-
-
-def parameter_count(cfg: GPTConfig) -> int:
-    """Parameters of :class:`GPT` with ``cfg``, from the shapes alone."""
-    kv_dim = cfg.kv_heads * cfg.head_dim
-    attention = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv_dim
-    mlp = (3 if cfg.swiglu else 2) * cfg.dim * cfg.ffn_dim
-    block = attention + mlp + 2 * cfg.dim  # two RMSNorm weights
-    return cfg.n_layers * block + 2 * cfg.vocab_size * cfg.dim + cfg.dim
-
-
-def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward): 6 x the parameters that multiply (all but the
-    embedding lookup) plus attention's scores and weighted sum, 12 x layers x dim x seq_len
-    (Chowdhery et al. 2022, appendix B; causal masking not subtracted, as is usual for MFU)."""
-    matmul_params = parameter_count(cfg) - cfg.vocab_size * cfg.dim
-    return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.dim * seq_len

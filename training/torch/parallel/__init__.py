@@ -1,8 +1,11 @@
-"""Model parallelism for ``training.model_parallel``: the layout and its mesh, TP/FSDP/activation
-checkpointing, pipelines, sharded checkpoints, and per-rank memory accounting.
+"""Model parallelism for ``training.model_parallel``: the mesh, TP/FSDP/activation checkpointing,
+pipelines, sharded checkpoints, and per-rank memory accounting.
 
-Modules: :mod:`.layout` (flags -> :class:`~.layout.Layout` -> DeviceMesh), :mod:`.sharding`
+Modules: :mod:`.mesh` (a :class:`training.config.layout.Layout` -> the DeviceMesh), :mod:`.sharding`
 (tensor parallel, FSDP2, activation checkpointing), :mod:`.pipeline` (stage split and schedules),
 :mod:`training.checkpoint.sharded` (DCP checkpoints that reshard), :mod:`.memory` (parameters, bytes, peak
-memory per rank, MFU).
+memory per rank, MFU). The vocabulary they share with the parser (the layout, pipeline schedules,
+activation-checkpointing modes, model shapes) is framework-free, in training/config/.
+
+Runs on the nodes. Imports PyTorch.
 """

@@ -25,12 +25,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from training.config.layout import Layout
+from training.config.models import SYNTHETIC_CLASSES, GPTConfig
+from training.config.settings import TrainingSettings
 from training.pytorch import export_model
 from training.run.export import ExportSpec, ModelFiles, model_card, model_json, write_export
 from training.torch.models import build_model
-from training.torch.parallel.layout import Layout
-from training.torch.parallel.settings import ModelParallelSettings
-from training.torch.transformer import GPTConfig, build_gpt
+from training.torch.transformer import build_gpt
 
 StateDict = dict[str, torch.Tensor]
 
@@ -77,13 +78,14 @@ def language_model_card(cfg: GPTConfig, seq_len: int, tokenizer: str) -> dict[st
     }
 
 
-def write_whole_model(settings: ModelParallelSettings, state: StateDict, metrics: Mapping[str, Any]) -> None:
+def write_whole_model(settings: TrainingSettings, state: StateDict, metrics: Mapping[str, Any]) -> None:
     """Rank 0: the export of ``--model`` with the gathered ``state`` into ``--export-dir``."""
     cfg = settings.gpt
     if cfg is None:
-        model = build_model(settings.model, settings.num_classes)
+        width = settings.num_classes or SYNTHETIC_CLASSES
+        model = build_model(settings.model, width)
         model.load_state_dict(state)
-        classes = [f"class_{i}" for i in range(settings.num_classes)]  # synthetic images have no class names
+        classes = [f"class_{i}" for i in range(width)]  # synthetic images have no class names
         spec = ExportSpec("pytorch", settings.model, classes, settings.image_size)
         write_export(
             settings.export_dir,

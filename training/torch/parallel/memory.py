@@ -6,7 +6,7 @@ maximum allocated bytes (tensors, not the cache it reserved); on CPU the process
 set (``ru_maxrss``), which includes the Python runtime and torch's libraries (a few hundred MB).
 
 MFU (model FLOPs utilization, Chowdhery et al. 2022) is the model's training FLOPs per second
-(:func:`training.torch.transformer.flops_per_token` x tokens/s) over the GPUs' dense bf16 peak. The
+(:func:`training.config.models.flops_per_token` x tokens/s) over the GPUs' dense bf16 peak. The
 peaks are NVIDIA's datasheet numbers without sparsity; a GPU that is not in the table gets no MFU
 rather than a guessed one.
 
@@ -36,12 +36,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from training.torch.parallel.layout import Layout
-from training.torch.transformer import GPTConfig, parameter_count
+from training.config.activation_checkpointing import AC_MODES, AUTO
+from training.config.layout import Layout
+from training.config.models import GPTConfig, parameter_count
 
 log = logging.getLogger(__name__)
 
-AC_CHOICES = ("none", "selective", "full")  # in the order auto tries them: least recomputation first
 DEVICE_SHARE = 0.9  # of the device's memory the estimate may use (see the module docstring)
 
 # (substring of torch.cuda.get_device_name, dense bf16 FLOP/s). The first match wins, so the
@@ -132,12 +132,12 @@ def choose_activation_checkpointing(
     device_bytes: int | None,
 ) -> str:
     """``requested``, or for ``auto`` the least recomputation whose estimate fits ``device_bytes``."""
-    if requested != "auto":
+    if requested != AUTO:
         return requested
     if cfg is None or seq_len is None or device_bytes is None:
         return "none"
     budget = DEVICE_SHARE * device_bytes
-    for mode in AC_CHOICES:
+    for mode in AC_MODES:
         if estimate_bytes(cfg, layout, batch_size, seq_len, precision, mode) <= budget:
             return mode
     need = estimate_bytes(cfg, layout, batch_size, seq_len, precision, "full") / 2**30

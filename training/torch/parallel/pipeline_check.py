@@ -47,7 +47,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from training.torch.parallel.pipeline import build_pipeline, split_for_pipeline, theoretical_bubble
+from training.config.pipeline_schedules import theoretical_bubble
+from training.torch.parallel.pipeline import build_pipeline, split_for_pipeline
 
 REPO = Path(__file__).resolve().parents[3]
 # Per microbatch. sleep: 50 ms forward, 100 ms backward, small messages (8K floats), so the ~1 ms
@@ -109,7 +110,8 @@ def run_torchrun(nproc: int, args: list[str], timeout: float) -> None:
 
 def tiny_gpt(seed: int) -> nn.Module:
     """gpt-tiny (4 layers: 2 ranks x 2 virtual stages fit), the same weights on every rank."""
-    from training.torch.transformer import GPT_CONFIGS, build_gpt
+    from training.config.models import GPT_CONFIGS
+    from training.torch.transformer import build_gpt
 
     return build_gpt(GPT_CONFIGS["gpt-tiny"], seed)
 

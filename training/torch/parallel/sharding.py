@@ -55,12 +55,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from training.config.activation_checkpointing import AC_MODES
+from training.config.layout import Layout
 from training.torch.models import BasicBlock, Bottleneck
-from training.torch.parallel.layout import Layout
 from training.torch.transformer import Block
 
 UNIT_TYPES = (Block, Bottleneck, BasicBlock)  # FSDP and activation-checkpointing units
-AC_MODES = ("none", "selective", "full")
 
 _aten = torch.ops.aten
 _SAVED_OPS = {

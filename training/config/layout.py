@@ -5,20 +5,19 @@ The four degrees multiply to the world size and form one DeviceMesh with the dim
 ranks are neighbours (on one node, where the all-reduce of every layer is cheapest), then the
 FSDP group, then replicas, and pipeline stages are furthest apart (they exchange only
 activations, once per microbatch). A rank's coordinates are its index in that row-major order.
+
+The mesh itself is built from a layout by training/torch/parallel/mesh.py. Runs wherever a job runs; standard
+library only (the parser checks a layout before torch is imported).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.distributed_c10d import _set_pg_timeout
-
+from training.config.models import RESNETS
 from training.errors import BadInput
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
-RESNETS = ("resnet50", "resnet_tiny")
 
 
 @dataclass(frozen=True)
@@ -110,17 +109,3 @@ def check_model(
                 f"--tp {layout.tp} does not divide {model_name}'s {count} {what}: "
                 "each tensor-parallel rank runs whole heads; choose a divisor"
             )
-
-
-def build_mesh(layout: Layout, device_type: str, timeout: timedelta | None = None) -> DeviceMesh:
-    """The job's one DeviceMesh (after ``init_process_group``); every rank must call it.
-
-    ``timeout``: of every collective on the mesh's groups. DeviceMesh creates them with torch's
-    default (30 minutes on gloo, 10 on NCCL), not the default group's; a peer that stops answering
-    must fail the job as quickly whatever group it was meant to talk on (training.world.distributed).
-    """
-    mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
-    if timeout is not None:
-        for name in MESH_DIMS:
-            _set_pg_timeout(timeout, mesh.get_group(name))
-    return mesh
