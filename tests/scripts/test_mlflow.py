@@ -82,7 +82,8 @@ def chromium(*args: str, url: str) -> subprocess.CompletedProcess:
     argv = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--hide-scrollbars"]
     argv += ["--window-size=1280,1600", "--virtual-time-budget=20000", *args, url]
     # a hang guard: a page and its scripts in about 10 s idle, several times that on a loaded machine
-    return subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    # (over 300 s once at load 20)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600)
 
 
 def test_job_script_opens_the_run_exports_it_to_every_rank_and_closes_it():

@@ -96,9 +96,10 @@ def attempt_recorded(desc: ClusterDescription, run_id: str, attempt: int) -> dic
         raise AssertionError(f"{exc}\n{agents_said(desc)}") from None
 
 
-# An attempt's end: a frozen rank is killed only KillWait after the requeue's TERM, then the attempt closes
-# its run; the rest is a margin for a loaded machine (load 10 on 2 cores).
-ATTEMPT_END_S = slurm_conf.KILL_WAIT_S + 150
+# An attempt's end: a frozen rank is killed only KillWait after the requeue's TERM, then the next attempt
+# starts, resumes, trains the rest and closes its run; the rest is a margin for a loaded machine (150 s
+# was short once at load 20 on 2 cores).
+ATTEMPT_END_S = slurm_conf.KILL_WAIT_S + 300
 
 
 def run_ended(desc: ClusterDescription, run_id: str, attempt: int) -> dict:
